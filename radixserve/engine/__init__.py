@@ -1,0 +1,1 @@
+"""The engine: scheduling, batching, sampling and the request lifecycle."""

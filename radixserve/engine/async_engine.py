@@ -1,0 +1,160 @@
+"""The asyncio face of the engine: a step loop in its own thread, streams per request."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from radixserve.cache.radix import Retention
+from radixserve.engine.engine import Engine
+from radixserve.engine.params import SamplingParams, StreamDelta
+
+_FINISHED = object()
+
+
+class AsyncEngine:
+    """Runs Engine's step loop in a background thread; the asyncio loop never waits on a step.
+
+    Every engine call is a command handed to that thread, so the engine's state has one owner.
+    Deltas come back to each request's asyncio.Queue through `call_soon_threadsafe`.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats: dict[str, Any] = engine.stats()
+        self._stats_lock = threading.Lock()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Aborts what is left and stops the thread."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if self.engine.has_work():
+                self._deliver(self.engine.step())
+            else:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+            self._publish_stats()
+        self._drain_commands()
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+        self._deliver(self.engine.step() if self.engine.has_work() else {})
+        self._publish_stats()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _deliver(self, deltas: dict[str, list[StreamDelta]]) -> None:
+        assert self._loop is not None
+        for request_id, items in deltas.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._loop.call_soon_threadsafe(stream.put_nowait, items)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        with self._stats_lock:
+            self._stats = stats
+
+    def _call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Runs `fn` on the engine thread; the future resolves with its result or error."""
+        assert self._loop is not None, "AsyncEngine.start() first"
+        future: asyncio.Future[Any] = self._loop.create_future()
+        loop = self._loop
+
+        def command() -> None:
+            try:
+                result = fn()
+            except BaseException as error:  # handed back to the caller, not lost in the thread
+                loop.call_soon_threadsafe(_set_exception, future, error)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.put(command)
+        self._wakeup.set()
+        return future
+
+    # ------------------------------------------------------------------ the asyncio side
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
+                       priority: int = 0, cache_salt: str | None = None,
+                       retention: Retention | None = None,
+                       prefix_retention: tuple[int, Retention] | None = None,
+                       session_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Streams a request's deltas; raises QueueFull / PromptTooLong / ValueError up front.
+
+        Closing the iterator early (a client that went away) aborts the request, which frees
+        its pages.
+        """
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = stream
+        try:
+            await self._call(lambda: self.engine.add_request(
+                prompt_ids, params, request_id=request_id, priority=priority, cache_salt=cache_salt,
+                retention=retention, prefix_retention=prefix_retention, session_id=session_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        open_samples = params.n
+        try:
+            while open_samples:
+                for delta in await stream.get():
+                    if delta.finish_reason is not None:
+                        open_samples -= 1
+                    yield delta
+        finally:
+            self._streams.pop(request_id, None)
+            if open_samples:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (a no-op if it already finished)."""
+        self._commands.put(lambda: self.engine.abort(request_id))
+        self._wakeup.set()
+
+    async def close_session(self, session_id: str) -> bool:
+        return await self._call(lambda: self.engine.close_session(session_id))
+
+    async def flush_cache(self) -> int:
+        return await self._call(self.engine.flush_cache)
+
+    def stats(self) -> dict[str, Any]:
+        """The snapshot published after the latest step: never waits for a step."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,387 @@
+"""The serving engine: requests in, tokens out, over a paged KV pool with a prefix cache."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.attention.base import create_backend
+from radixserve.cache.invariants import SequenceView, check_invariants
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
+from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
+                                      StreamDelta)
+from radixserve.engine.policy import make_policy
+from radixserve.engine.request import Request, Sequence
+from radixserve.engine.runner import ModelRunner
+from radixserve.engine.sampler import compute_logprobs, make_generator, sample
+from radixserve.engine.scheduler import ScheduledChunk, Scheduler, _range_retention
+from radixserve.models.loader import load_model
+
+SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
+DEFAULT_CPU_KV_GB = 0.5
+DEFAULT_GPU_KV_FRACTION = 0.8
+
+
+@dataclass
+class _Session:
+    tokens: list[int]
+    namespace: Any
+    last_active: float
+
+
+class Engine:
+    """Continuous-batching LLM engine over a radix prefix cache.
+
+    Args:
+        model: "demo" (the built-in random model) or a local Hugging Face checkpoint directory.
+        page_size: tokens per KV page (a power of two).
+        num_pages / kv_memory_gb: size of the KV pool, by pages or by bytes; default: 0.5 GB on
+            CPU, 80% of free memory on CUDA.
+        schedule_policy: "lpm" (longest cached prefix first), "dfs-weight" or "fcfs".
+        eviction_policy: "priority" (retention priority, then LRU) or "lru".
+        max_running: sequences decoding at once. max_queue: waiting requests before QueueFull.
+        max_batch_tokens: tokens per forward step; longer prompts are prefilled in chunks.
+        max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
+        session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
+        enable_prefix_cache: False computes every prompt in full (a baseline).
+        debug_checks: run the structural invariant checker after every step.
+    """
+
+    def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
+                 kv_memory_gb: float | None = None, device: str | None = None,
+                 schedule_policy: str = "lpm", eviction_policy: str = "priority", *,
+                 dtype: str | torch.dtype | None = None, max_running: int = 256,
+                 max_queue: int | None = None, max_batch_tokens: int = 2048,
+                 max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
+                 enable_prefix_cache: bool = True, debug_checks: bool = False,
+                 backend: str | None = None, seed: int = 0) -> None:
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
+        self.loaded = load_model(model, dtype=dtype, device=device)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self.max_context_len = self.loaded.max_context_len
+        self.device = self.loaded.device
+        self.page_size = page_size
+        self.pool = self._make_pool(num_pages, kv_memory_gb)
+        self.tree = RadixTree(self.pool, eviction_policy=eviction_policy)
+        self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
+                                   max_running=max_running, max_batch_tokens=max_batch_tokens,
+                                   clock=time.monotonic)
+        self.runner = ModelRunner(self.loaded, self.pool, create_backend(backend, self.device))
+        self.max_queue = max_queue
+        self.session_ttl_s = session_ttl_s
+        self.enable_prefix_cache = enable_prefix_cache
+        self.debug_checks = debug_checks
+        self.eos_token_ids = self._eos_token_ids()
+        self._rng = torch.Generator().manual_seed(seed)
+        self._requests: dict[str, Request] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._pending: dict[str, list[StreamDelta]] = {}
+        self._counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                          "requests_finished": 0, "requests_aborted": 0, "steps": 0}
+        self._step_time_s = 0.0
+        self._last_step_s = 0.0
+        self._released: list[int] = []  # pages let go in this step, for the debug checker
+
+    # ------------------------------------------------------------------ set-up
+    def _make_pool(self, num_pages: int | None, kv_memory_gb: float | None) -> PagePool:
+        cfg = self.loaded.model
+        shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                     dtype=self.loaded.dtype, device=self.device)
+        if num_pages is not None and kv_memory_gb is not None:
+            raise ValueError("give num_pages or kv_memory_gb, not both")
+        if num_pages is not None:
+            if num_pages < 1:
+                raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
+            return PagePool(num_pages, self.page_size, **shape)
+        if kv_memory_gb is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * DEFAULT_GPU_KV_FRACTION)
+            else:
+                budget = int(DEFAULT_CPU_KV_GB * 2**30)
+        else:
+            budget = int(kv_memory_gb * 2**30)
+        return PagePool.from_memory_budget(budget, self.page_size, **shape)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.loaded.config, getattr(self.loaded.model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    retention: Retention | None = None,
+                    prefix_retention: tuple[int, Retention] | None = None,
+                    session_id: str | None = None) -> str:
+        """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, params)
+        if self.max_queue is not None and len(self.scheduler.waiting) >= self.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        namespace = (self.model_name, cache_salt) if self.enable_prefix_cache else object()
+        req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
+                      retention, prefix_retention, session_id)
+        self._requests[request_id] = req
+        self._pending[request_id] = []
+        self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
+        return request_id
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.loaded.model.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_context_len:
+            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                f"exceeds the model's context of {self.max_context_len} tokens")
+        # Every sample must fit the pool on its own, or preemption could never make room.
+        if math.ceil(total / self.page_size) + 1 > self.pool.num_pages:
+            raise PromptTooLong(f"prompt + max_tokens ({total} tokens) needs more KV pages than the pool "
+                                f"holds ({self.pool.num_pages} pages of {self.page_size} tokens)")
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer),
+                       StopStringMatcher(list(req.params.stop)),
+                       make_generator(req.params, index, self.device, self._rng))
+        req.sequences.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request wherever it is and frees its pages (computed full pages stay cached)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        req.aborted = True
+        for seq in req.sequences:
+            if not seq.finished:
+                self._finish(seq, "abort")
+        self._retire(req)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> dict[str, list[StreamDelta]]:
+        """Runs one forward pass; returns what is new, per request id."""
+        start = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if chunks:
+            logits = self.runner.run(chunks)
+            self._process(chunks, logits)
+        self._counters["steps"] += 1
+        self._last_step_s = time.perf_counter() - start
+        self._step_time_s += self._last_step_s
+        if self.debug_checks:
+            self.check_invariants()
+        self._released = []
+        out, self._pending = self._pending, {rid: [] for rid in self._pending if rid in self._requests}
+        return {rid: deltas for rid, deltas in out.items() if deltas}
+
+    def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        ready: list[tuple[Sequence, int]] = []  # (sequence, logits row)
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            needs_logits = chunk.needs_logits
+            seq.num_computed += chunk.num_new
+            req = seq.request
+            if chunk.num_new > 1:  # a prefill chunk: share its pages now (decodes cache at the end)
+                self.scheduler.cache_computed(seq, req.retention, _range_retention(req))
+            if not needs_logits:
+                continue
+            ready.append((seq, row))
+            if len(req.sequences) < req.params.n and seq.index == 0:
+                ready.extend((child, row) for child in self._fork(seq))
+            row += 1
+        seqs = [s for s, _ in ready]
+        rows = logits[[r for _, r in ready]]
+        tokens = sample(rows, [s.request.params for s in seqs], [s.generator for s in seqs])
+        logprobs = compute_logprobs(rows, tokens, [s.request.params.logprobs for s in seqs])
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            self._append_token(seq, token, logprob)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of a request start from sample 0's computed prompt pages."""
+        req = parent.request
+        children = []
+        for index in range(len(req.sequences), req.params.n):
+            child = self._new_sequence(req, index, list(parent.token_ids))
+            if self.scheduler.fork(parent, child):
+                children.append(child)
+            else:
+                self.scheduler.waiting.append(child)
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        seq.output_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._counters["generated_tokens"] += 1
+        text, hit_stop = seq.stop_matcher.feed(seq.detokenizer.push(token))
+        seq.text += text
+        if hit_stop or token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_context_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None and not hit_stop:
+            seq.text += seq.stop_matcher.flush()
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self._emit(seq)
+        if seq.request.finished:
+            self._retire(seq.request)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sample: its computed full pages stay cached with the request's retention."""
+        req = seq.request
+        seq.finish_reason = reason
+        retention = req.retention
+        in_session = req.session_id is not None and reason != "abort" and seq.index == 0
+        if in_session:
+            # The latest turn is kept ahead of ordinary cache; the turn before it no longer is
+            # (demoted first: what the two share is promoted again by the insert below).
+            self._expire_sessions()
+            previous = self._sessions.get(req.session_id)
+            if previous is not None:
+                self._demote(previous)
+            base = retention.priority if retention is not None else DEFAULT_PRIORITY
+            retention = Retention(max(SESSION_PRIORITY, base), self.session_ttl_s)
+        computed = seq.token_ids[: seq.num_computed]
+        self._released.extend(self.scheduler.finish(seq, retention, _range_retention(req)))
+        if in_session:
+            self._sessions[req.session_id] = _Session(computed, req.namespace, time.monotonic())
+        self._emit(seq)
+
+    def _demote(self, session: _Session) -> None:
+        self.tree.set_retention(session.tokens, session.namespace, Retention(DEFAULT_PRIORITY))
+
+    def _expire_sessions(self) -> None:
+        """Forgets sessions idle past the TTL; their retention has decayed in the tree already."""
+        now = time.monotonic()
+        for sid in [k for k, v in self._sessions.items() if now - v.last_active > self.session_ttl_s]:
+            del self._sessions[sid]
+
+    def close_session(self, session_id: str) -> bool:
+        """Ends a session: its pages become ordinary cache. False if it was not open."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._demote(session)
+        return True
+
+    def _emit(self, seq: Sequence) -> None:
+        req = seq.request
+        if req.request_id not in self._pending:
+            return
+        new_logprobs = seq.logprobs[seq.emitted_logprobs:] if req.params.logprobs is not None else None
+        delta = StreamDelta(seq.index, seq.output_ids[seq.emitted_tokens:], seq.text[seq.emitted_text:],
+                            new_logprobs, seq.finish_reason, len(req.prompt_ids), req.cached_tokens or 0)
+        seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), len(seq.text)
+        seq.emitted_logprobs = len(seq.logprobs)
+        self._pending[req.request_id].append(delta)
+
+    def _retire(self, req: Request) -> None:
+        if req.request_id not in self._requests:
+            return
+        del self._requests[req.request_id]
+        self._counters["requests_aborted" if req.aborted else "requests_finished"] += 1
+        self._counters["prompt_tokens"] += len(req.prompt_ids)
+        self._counters["cached_tokens"] += req.cached_tokens or 0
+
+    # ------------------------------------------------------------------ offline API
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs prompts to completion; returns one output per sample, in prompt order."""
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError("params: give one SamplingParams, or one per prompt")
+            per_prompt = params
+        else:
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        requests = []
+        for prompt, p in zip(prompts, per_prompt):
+            rid = self.add_request(prompt, p)
+            requests.append(self._requests[rid])
+        while self.has_work():
+            self.step()
+        return [RequestOutput(req.request_id, seq.index, len(req.prompt_ids), req.cached_tokens or 0,
+                              list(seq.output_ids), seq.text, seq.finish_reason,
+                              list(seq.logprobs) if req.params.logprobs is not None else None)
+                for req in requests for seq in sorted(req.sequences, key=lambda s: s.index)]
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges: the keys below are stable (the server's /metrics maps them).
+
+        prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
+        requests_finished, requests_aborted, waiting, running, preemptions, steps,
+        step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
+        pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
+        and the tree's counters prefixed "cache_" (evictions, ages at hit and at eviction, ...).
+        """
+        c = self._counters
+        out: dict[str, Any] = dict(c)
+        out["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        out.update(
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            preemptions=self.scheduler.counters.preemptions,
+            deferred_for_sharing=self.scheduler.counters.deferred_for_sharing,
+            step_time_s_total=self._step_time_s, last_step_s=self._last_step_s,
+            pages_total=self.pool.num_pages, pages_free=self.pool.num_free, pages_used=self.pool.num_used,
+            pages_cached=self.tree.cached_pages, pages_evictable=self.tree.evictable_pages,
+            pages_locked=self.tree.locked_pages, page_size=self.page_size,
+            kv_tokens_capacity=self.pool.num_pages * self.page_size,
+            kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self._sessions),
+        )
+        out.update({f"cache_{k}": v for k, v in self.tree.stats().items()})
+        return out
+
+    def _bytes_per_page(self) -> int:
+        m = self.loaded.model
+        return PagePool.bytes_per_page(self.page_size, m.num_layers, m.num_kv_heads, m.head_dim,
+                                       self.loaded.dtype)
+
+    def live_sequences(self) -> list[Sequence]:
+        return list(self.scheduler.running)
+
+    def check_invariants(self) -> None:
+        """The structural checker over the pool, the tree and every live block table.
+
+        Pages that finished sequences let go in the last step must be free unless the tree
+        or another live sequence still holds them.
+        """
+        views = [SequenceView(s.block_table, s.num_computed) for s in self.scheduler.running]
+        held = {p for s in self.scheduler.running for p in s.block_table} | self.tree.cached_page_set()
+        released = [p for p in self._released if p not in held]
+        check_invariants(self.pool, self.tree, views, released_pages=released)
+
+    def flush_cache(self) -> int:
+        """Drops every unlocked cached page; returns how many pages were freed."""
+        return self.tree.reset()

@@ -1,0 +1,137 @@
+"""Scheduling policies: the order in which waiting requests are admitted.
+
+Shared by the engine's scheduler and the benchmark's simulator, so that the hit rates the
+simulator reports are those of the policies the engine runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Hashable, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from radixserve.cache.radix import RadixTree
+
+
+class Schedulable(Protocol):
+    """What a policy needs to know about a waiting request."""
+
+    prompt_ids: np.ndarray  # int32 tokens still to be prefilled (prompt + output so far)
+    namespace: Hashable
+    arrival_time: float
+    priority: int  # scheduling priority: higher is admitted first
+
+
+S = TypeVar("S", bound=Schedulable)
+
+
+class SchedulePolicy(ABC):
+    """Orders the waiting queue once per scheduling round.
+
+    Requests that have waited longer than `max_wait_s` come first, oldest first (aging: a
+    cache-aware order must not starve anyone); then higher scheduling priority first; within
+    a priority, the policy's own order (`_order`).
+    """
+
+    def __init__(self, max_wait_s: float = 30.0) -> None:
+        self.max_wait_s = max_wait_s
+
+    def order(self, waiting: Sequence[S], tree: RadixTree, now: float) -> list[S]:
+        aged = [r for r in waiting if now - r.arrival_time > self.max_wait_s]
+        fresh = [r for r in waiting if now - r.arrival_time <= self.max_wait_s]
+        aged.sort(key=lambda r: r.arrival_time)
+        ordered = self._order(fresh, tree)
+        ordered.sort(key=lambda r: -r.priority)  # stable: keeps the policy order within a priority
+        return aged + ordered
+
+    @abstractmethod
+    def _order(self, waiting: list[S], tree: RadixTree) -> list[S]:
+        """The policy's order of requests that are neither aged nor of different priority."""
+
+
+class FCFS(SchedulePolicy):
+    """First come, first served."""
+
+    def _order(self, waiting: list[S], tree: RadixTree) -> list[S]:
+        return sorted(waiting, key=lambda r: r.arrival_time)
+
+
+def _cached_len(request: Schedulable, tree: RadixTree) -> int:
+    prompt = request.prompt_ids
+    return tree.match(prompt[: len(prompt) - 1], request.namespace, update=False).num_tokens
+
+
+class LongestPrefixMatch(SchedulePolicy):
+    """Longest cached prefix first (SGLang's `lpm`); arrival order among equals."""
+
+    def _order(self, waiting: list[S], tree: RadixTree) -> list[S]:
+        cached = {id(r): _cached_len(r, tree) for r in waiting}
+        return sorted(waiting, key=lambda r: (-cached[id(r)], r.arrival_time))
+
+
+class DFSWeight(SchedulePolicy):
+    """Depth-first over the trie of waiting prompts, heaviest subtree first.
+
+    Requests that share a prefix end up adjacent, so the first of them computes the shared
+    part and the rest hit it; larger groups go first because they amortise more. Among
+    equally heavy subtrees the one with the longer cached prefix goes first. Lexicographic
+    order of the prompts is a DFS order of their trie, and the longest common prefix of
+    neighbours in that order gives the trie's branching points without building it.
+    """
+
+    def _order(self, waiting: list[S], tree: RadixTree) -> list[S]:
+        if len(waiting) < 2:
+            return list(waiting)
+        items = sorted(waiting, key=lambda r: (repr(r.namespace), r.prompt_ids.tolist()))
+        cached = [_cached_len(r, tree) for r in items]
+        # lcp[i] = shared prefix length of items[i-1] and items[i]; -1 across namespaces.
+        lcp = [-1] + [_common_prefix(a, b) for a, b in zip(items, items[1:])]
+        out: list[S] = []
+        self._visit(items, cached, lcp, 0, len(items), out)
+        return out
+
+    def _visit(self, items: list[S], cached: list[int], lcp: list[int], lo: int, hi: int,
+               out: list[S]) -> None:
+        if hi - lo == 1:
+            out.append(items[lo])
+            return
+        split = min(lcp[lo + 1:hi])
+        children: list[tuple[int, int]] = []
+        start = lo
+        for i in range(lo + 1, hi):
+            if lcp[i] == split:
+                children.append((start, i))
+                start = i
+        children.append((start, hi))
+        children.sort(key=lambda c: (-(c[1] - c[0]), -max(cached[c[0]:c[1]]), c[0]))
+        for c_lo, c_hi in children:
+            self._visit(items, cached, lcp, c_lo, c_hi, out)
+
+
+def _common_prefix(a: Schedulable, b: Schedulable) -> int:
+    if a.namespace != b.namespace:
+        return -1
+    return common_prefix_len(a.prompt_ids, b.prompt_ids)
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays, compared at C speed."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+POLICIES: dict[str, type[SchedulePolicy]] = {
+    "fcfs": FCFS,
+    "lpm": LongestPrefixMatch,
+    "dfs-weight": DFSWeight,
+}
+
+
+def make_policy(name: str, *, max_wait_s: float = 30.0) -> SchedulePolicy:
+    """Builds a scheduling policy by name: one of `POLICIES`."""
+    try:
+        return POLICIES[name](max_wait_s)
+    except KeyError:
+        raise ValueError(f"unknown schedule policy {name!r}; choose from {sorted(POLICIES)}") from None

@@ -1,0 +1,94 @@
+"""A request and its sequences: the state the scheduler moves between queues."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import numpy as np
+import torch
+
+from radixserve.cache.radix import RadixNode, Retention
+from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixserve.engine.params import SamplingParams, TokenLogprob
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One submitted prompt; it owns `params.n` sequences once its prompt is computed."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    namespace: Hashable = None
+    retention: Retention | None = None
+    prefix_retention: tuple[int, Retention] | None = None
+    session_id: str | None = None
+    sequences: list[Sequence] = field(default_factory=list)
+    cached_tokens: int | None = None  # set when its first sequence is first admitted
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens, the pages that hold their K/V, and its output state.
+
+    `num_computed` tokens have their K/V in the pages of `block_table`; the rest of
+    `token_ids` are still to be run. Prefill and decode are the same thing here: a step runs
+    the next chunk of not-yet-computed tokens, and a sequence needs a new token once all of
+    its tokens are computed.
+    """
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    generator: torch.Generator | None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    lock_node: RadixNode | None = None
+    locked_tokens: int = 0  # tokens covered by lock_node's path (whole pages in the tree)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    # What has already been handed to the stream: the engine emits only what is new.
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+    emitted_logprobs: int = 0
+
+    # The scheduling policy's view (see engine/policy.py: Schedulable).
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return np.asarray(self.token_ids, dtype=np.int32)
+
+    @property
+    def namespace(self) -> Hashable:
+        return self.request.namespace
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,261 @@
+"""Which sequences run in the next step, and the pages they run in.
+
+The scheduler owns the waiting and running queues and every page a sequence holds. Each step
+it (1) gives every running sequence its next chunk (one token when decoding), preempting the
+lowest-priority, latest-arrived sequences when pages run out, then (2) admits waiting
+sequences in the policy's order within the token budget, reusing their cached prefixes.
+It knows nothing of the model: the runner turns its Batch into a forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree, Retention
+from radixserve.engine.policy import SchedulePolicy, common_prefix_len
+from radixserve.engine.request import Sequence
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new` tokens of `seq`, from `seq.num_computed` on, to run in this step."""
+
+    seq: Sequence
+    num_new: int
+
+    @property
+    def needs_logits(self) -> bool:
+        """Only a chunk that reaches the sequence's last token yields a next token."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative scheduler events, for stats."""
+
+    preemptions: int = 0
+    deferred_for_sharing: int = 0
+    admitted: int = 0
+
+
+class Scheduler:
+    """Continuous batching over a paged KV pool with a radix prefix cache."""
+
+    def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
+                 max_running: int, max_batch_tokens: int, clock: Callable[[], float]) -> None:
+        self.pool = pool
+        self.tree = tree
+        self.policy = policy
+        self.page_size = pool.page_size
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> list[ScheduledChunk]:
+        """Picks the next step's chunks and makes sure their pages exist."""
+        budget = self.max_batch_tokens
+        chunks: list[ScheduledChunk] = []
+        ordered = sorted(self.running, key=lambda s: (-s.priority, s.arrival_time, s.seq_id))
+        while ordered and budget > 0:
+            seq = ordered.pop(0)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._reserve(seq, seq.num_computed + num_new):
+                # Out of pages even after eviction: preempt the least important sequence,
+                # which is the last one in `ordered`, or this one if it is the last.
+                victim = ordered.pop() if ordered else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(ScheduledChunk(seq, num_new))
+                budget -= num_new
+        if budget > 0:
+            chunks.extend(self._admit(budget))
+        return chunks
+
+    def _admit(self, budget: int) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        if not self.waiting:
+            return chunks
+        now = self.clock()
+        for seq in self.policy.order(self.waiting, self.tree, now):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            aged = now - seq.arrival_time > self.policy.max_wait_s
+            if not aged and self._shares_prefill_in_flight(seq):
+                self.counters.deferred_for_sharing += 1
+                continue
+            self._take_cached_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            # Keep a page per decoding sequence in hand, so admitting does not force a preemption
+            # in the very next step; an empty engine admits whatever fits.
+            reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
+            if not self._reserve(seq, seq.num_computed + num_new, extra_free=reserve):
+                self._release_pages(seq, cache=False)
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            self.counters.admitted += 1
+            chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+        return chunks
+
+    def _shares_prefill_in_flight(self, seq: Sequence) -> bool:
+        """In-batch sharing: wait while another sequence computes a prefix this one needs.
+
+        Once that sequence's chunk has run, its pages are in the tree and this one hits them,
+        instead of both computing the same tokens in the same step.
+        """
+        cached = self.tree.match(seq.prompt_ids[:-1], seq.namespace, update=False).num_tokens
+        mine = seq.prompt_ids
+        for other in self.running:
+            if other.namespace != seq.namespace:
+                continue
+            prompt_end = len(other.request.prompt_ids)
+            if other.num_computed >= prompt_end:
+                continue
+            shared = common_prefix_len(mine[: len(mine) - 1], other.prompt_ids[:prompt_end])
+            if shared >= cached + self.page_size:
+                return True
+        return False
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Locks the sequence's longest cached prefix and takes its pages.
+
+        Full pages are shared; a match that ends inside a cached page is copied into a private
+        page (copy-on-partial-reuse), so the hit does not depend on the page size.
+        """
+        tokens = seq.prompt_ids
+        match = self.tree.match(tokens[: len(tokens) - 1], seq.namespace)
+        self.tree.lock(match.node)
+        self.pool.incref(match.pages)
+        seq.lock_node = match.node
+        seq.block_table = list(match.pages)
+        seq.num_computed = seq.locked_tokens = len(match.pages) * self.page_size
+        if match.partial_page is not None and self._ensure_free(1):
+            # Eviction may just have freed the partial page itself; then it is no hit.
+            if self.pool.refcount(match.partial_page) > 0:
+                (page,) = self.pool.allocate(1)
+                self.pool.copy_page(match.partial_page, page, match.partial_tokens)
+                seq.block_table.append(page)
+                seq.num_computed += match.partial_tokens
+        if seq.request.cached_tokens is None:  # first admission: what the caller is told
+            seq.request.cached_tokens = seq.num_computed
+
+    # ------------------------------------------------------------------ pages
+    def _ensure_free(self, num_pages: int) -> bool:
+        short = num_pages - self.pool.num_free
+        if short > 0:
+            self.tree.evict(short)
+        return self.pool.num_free >= num_pages
+
+    def _reserve(self, seq: Sequence, num_tokens: int, extra_free: int = 0) -> bool:
+        """Gives `seq` pages for its first `num_tokens` tokens, evicting cache if needed."""
+        needed = math.ceil(num_tokens / self.page_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if not self._ensure_free(needed + extra_free):
+            return False
+        seq.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed(self, seq: Sequence, retention: Retention | None,
+                       range_retention: list[tuple[int, int, Retention]]) -> None:
+        """Puts the sequence's computed full pages into the tree and moves its lock there.
+
+        Where the tree already held the same tokens in other pages, the sequence switches to
+        the tree's pages and frees its own, so equal prefixes are stored once.
+        """
+        full = seq.num_computed // self.page_size
+        if full == 0:
+            return
+        tokens = seq.token_ids[: full * self.page_size]
+        if full * self.page_size > seq.locked_tokens:
+            self.tree.insert(tokens, seq.block_table[:full], seq.namespace, retention, range_retention)
+            match = self.tree.match(tokens, seq.namespace)
+            node = match.node
+            for i, page in enumerate(match.pages):
+                if seq.block_table[i] != page:
+                    self.pool.incref([page])
+                    self.pool.decref([seq.block_table[i]])
+                    seq.block_table[i] = page
+            self.tree.lock(node)
+            if seq.lock_node is not None:
+                self.tree.unlock(seq.lock_node)
+            seq.lock_node = node
+            seq.locked_tokens = full * self.page_size
+        elif retention is not None or range_retention:
+            self.tree.insert(tokens, seq.block_table[:full], seq.namespace, retention, range_retention)
+
+    def _release_pages(self, seq: Sequence, cache: bool,
+                       retention: Retention | None = None,
+                       range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
+        """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree."""
+        if cache:
+            self.tree.insert(seq.token_ids[: (seq.num_computed // self.page_size) * self.page_size],
+                             seq.block_table[: seq.num_computed // self.page_size],
+                             seq.namespace, retention, list(range_retention))
+        released = list(seq.block_table)
+        self.pool.decref(released)
+        if seq.lock_node is not None:
+            self.tree.unlock(seq.lock_node)
+        seq.block_table = []
+        seq.lock_node = None
+        seq.num_computed = seq.locked_tokens = 0
+        return released
+
+    # ------------------------------------------------------------------ lifecycle
+    def preempt(self, seq: Sequence) -> None:
+        """Stops a running sequence; its computed pages go to the tree, it recomputes later."""
+        req = seq.request
+        self._release_pages(seq, cache=True, retention=req.retention,
+                            range_retention=_range_retention(req))
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.counters.preemptions += 1
+
+    def finish(self, seq: Sequence, retention: Retention | None = None,
+               range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
+        """Releases a finished or aborted sequence wherever it is; returns the pages it let go."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        return self._release_pages(seq, cache=True, retention=retention, range_retention=range_retention)
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Starts `child` on the parent's computed prompt: full pages shared, last page copied.
+
+        Returns False when no page is free for the copy; the child then waits and is
+        admitted like any request (its prompt is a cache hit by then).
+        """
+        full = parent.num_computed // self.page_size
+        partial = parent.num_computed - full * self.page_size
+        if partial and not self._ensure_free(1):
+            return False
+        child.block_table = list(parent.block_table[:full])
+        self.pool.incref(child.block_table)
+        if partial:
+            (page,) = self.pool.allocate(1)
+            self.pool.copy_page(parent.block_table[full], page, partial)
+            child.block_table.append(page)
+        child.num_computed = parent.num_computed
+        child.lock_node, child.locked_tokens = parent.lock_node, parent.locked_tokens
+        if child.lock_node is not None:
+            self.tree.lock(child.lock_node)
+        self.running.append(child)
+        return True
+
+
+def _range_retention(req) -> list[tuple[int, int, Retention]]:
+    if req.prefix_retention is None:
+        return []
+    num_tokens, retention = req.prefix_retention
+    return [(0, num_tokens, retention)]

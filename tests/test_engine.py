@@ -1,0 +1,265 @@
+"""Engine: outputs equal transformers', cached or not, evicted or not, preempted or not.
+
+Every engine here runs with debug_checks on: the structural checker runs after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine, PromptTooLong, QueueFull, Retention, SamplingParams
+from radixserve.models.kv_check import verify_cached_kv
+from tests.engine_util import hf_greedy, write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def make_engine(ckpt: Path, **kwargs) -> Engine:
+    kwargs.setdefault("page_size", 4)
+    kwargs.setdefault("num_pages", 256)
+    return Engine(model=str(ckpt), debug_checks=True, **kwargs)
+
+
+def random_prompts(n: int, seed: int, groups: int = 5, prefix_len: int = 24, vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(groups)]
+    return [prefixes[rng.randrange(groups)][: rng.randrange(4, prefix_len + 1)]
+            + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
+
+
+def test_greedy_equals_transformers(ckpt: Path) -> None:
+    prompts = random_prompts(6, seed=1)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for page_size in (1, 4, 16):
+        engine = make_engine(ckpt, page_size=page_size)
+        outs = engine.generate(prompts, params)
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(ckpt, prompt, 32), f"page_size {page_size}"
+            assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
+
+
+def test_cache_hit_path_equals_transformers_and_stored_kv_is_factual(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    system = list(range(10, 50))
+    first = engine.generate([system + [7, 8, 9]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    second_prompt = system + [60, 61]
+    second = engine.generate([second_prompt], GREEDY)[0]
+    assert second.cached_tokens == len(system)  # token-deep: the partial page is copied too
+    assert second.token_ids == hf_greedy(ckpt, second_prompt, 12)
+    match = engine.tree.match(system, (engine.model_name, None), update=False)
+    assert len(match.pages) == len(system) // 4
+    model = engine.loaded.model
+    assert verify_cached_kv(model, engine.pool.k_cache, engine.pool.v_cache, system, match.pages, 4) is None
+
+
+def test_multi_turn_reports_previous_conversation_cached(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4)
+    conversation = list(range(100, 131))
+    for turn in range(4):
+        out = engine.generate([conversation], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+        if turn > 0:
+            # Everything computed last turn (all but its final token) in whole pages is a hit.
+            assert out.cached_tokens == (previous_computed // 4) * 4
+        previous_computed = len(conversation) + len(out.token_ids) - 1
+        conversation = conversation + out.token_ids + [200 + turn, 201 + turn, 202 + turn]
+
+
+def test_heavy_eviction_and_preemption_are_token_identical(ckpt: Path) -> None:
+    prompts = random_prompts(200, seed=7)
+    params = [SamplingParams(max_tokens=random.Random(i).randrange(2, 10), temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
+    ample = make_engine(ckpt, num_pages=1024).generate(prompts, params)
+    tight = make_engine(ckpt, num_pages=24, max_batch_tokens=64)
+    squeezed = tight.generate(prompts, params)
+    stats = tight.stats()
+    assert stats["preemptions"] > 0 and stats["cache_evictions"] > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in ample]
+    for i in (0, 57, 199):
+        assert ample[i].token_ids == hf_greedy(ckpt, prompts[i], len(ample[i].token_ids))
+    assert tight.flush_cache() >= 0 and tight.pool.num_free == tight.pool.num_pages
+
+
+def test_chunked_prefill_gives_the_same_tokens(ckpt: Path) -> None:
+    prompt = list(range(3, 203))
+    whole = make_engine(ckpt).generate([prompt], GREEDY)[0]
+    chunked = make_engine(ckpt, max_batch_tokens=16).generate([prompt], GREEDY)[0]
+    assert chunked.token_ids == whole.token_ids == hf_greedy(ckpt, prompt, 12)
+
+
+def test_in_batch_sharing_computes_a_shared_prefix_once(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4)
+    shared = list(range(300, 340))
+    outs = engine.generate([shared + [1, 2], shared + [3, 4], shared + [5, 6]], GREEDY)
+    assert sorted(o.cached_tokens for o in outs) == [0, 40, 40]
+    assert engine.stats()["deferred_for_sharing"] > 0
+
+
+def test_abort_in_prefill_and_decode_frees_every_page(ckpt: Path) -> None:
+    engine = make_engine(ckpt, max_batch_tokens=8)
+    long_prompt = list(range(3, 80))
+    a = engine.add_request(long_prompt, SamplingParams(max_tokens=50, temperature=0.0))
+    b = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()  # a is mid-prefill (8 of 77 tokens), b waits or starts
+    engine.abort(a)
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.running and engine.scheduler.running[0].output_ids  # b decodes
+    engine.abort(b)
+    engine.check_invariants()
+    assert not engine.has_work() and engine.tree.locked_pages == 0
+    engine.flush_cache()
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_n_samples_share_prompt_pages_and_seeds_reproduce(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4)
+    prompt = list(range(20, 38))  # 18 tokens: 4 full pages + a partial page of 2
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1234, n=4, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    engine.step()  # prefill + first token of every sample
+    seqs = engine.scheduler.running
+    assert len(seqs) == 4
+    full_pages = set(seqs[0].block_table[:4])
+    assert all(set(s.block_table[:4]) == full_pages for s in seqs)  # shared, not copied
+    assert all(engine.pool.refcount(p) == 4 + 1 for p in full_pages)  # 4 samples + the tree
+    assert len({s.block_table[4] for s in seqs}) == 4  # the partial page is copied per sample
+    while engine.has_work():
+        engine.step()
+    again = make_engine(ckpt, page_size=4).generate([prompt], params)
+    first = make_engine(ckpt, page_size=4).generate([prompt], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert len({tuple(o.token_ids) for o in first}) > 1  # different samples differ
+    del rid
+
+
+def test_top_k_one_is_greedy_and_logprobs_are_consistent(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    prompt = list(range(40, 60))
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                      logprobs=3))[0]
+    topk1 = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=3,
+                                                     ignore_eos=True))[0]
+    assert topk1.token_ids == greedy.token_ids
+    for lp, token in zip(greedy.logprobs, greedy.token_ids):
+        assert lp.token_id == token and lp.top[0][0] == token and lp.logprob == pytest.approx(lp.top[0][1])
+        assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_stop_strings_and_stop_tokens(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    prompt = list(range(40, 60))
+    free = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    stop_token = free.token_ids[5]
+    by_token = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                        stop_token_ids=[stop_token]))[0]
+    assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == stop_token
+    assert stop_token not in by_token.token_ids[:-1]
+    text = free.text
+    if len(text.strip()) >= 4:
+        stop = text.strip()[1:3]
+        by_string = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                             stop=[stop]))[0]
+        assert by_string.finish_reason == "stop"
+        assert by_string.text == text[: text.index(stop)]
+
+
+def test_cache_salt_isolates_namespaces(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    prompt = list(range(3, 43))
+    engine.add_request(prompt, GREEDY, cache_salt="tenant-a")
+    while engine.has_work():
+        engine.step()
+    rid = engine.add_request(prompt, GREEDY, cache_salt="tenant-b")
+    request = engine._requests[rid]
+    while engine.has_work():
+        engine.step()
+    assert request.cached_tokens == 0
+    rid = engine.add_request(prompt, GREEDY, cache_salt="tenant-a")
+    request = engine._requests[rid]
+    while engine.has_work():
+        engine.step()
+    assert request.cached_tokens == len(prompt) - 1
+
+
+def test_retention_keeps_the_system_prompt_under_pressure(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4, num_pages=40)
+    system = list(range(500, 532))  # 8 pages
+    engine.add_request(system + [1], GREEDY, prefix_retention=(len(system), Retention(90)))
+    while engine.has_work():
+        engine.step()
+    rng = random.Random(0)
+    filler = [[rng.randrange(3, 400) for _ in range(60)] for _ in range(6)]
+    engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    hit = engine.generate([system + [2, 3]], GREEDY)[0]
+    assert hit.cached_tokens == len(system)
+
+
+def test_session_keeps_latest_turn_until_closed(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4, num_pages=40)
+    turn = list(range(600, 632))
+    rid = engine.add_request(turn, GREEDY, session_id="s1")
+    while engine.has_work():
+        engine.step()
+    rng = random.Random(1)
+    filler = [[rng.randrange(3, 400) for _ in range(60)] for _ in range(6)]
+    engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert engine.generate([turn + [1]], GREEDY)[0].cached_tokens == len(turn)
+    assert engine.close_session("s1") and not engine.close_session("s1")
+    engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert engine.generate([turn + [1]], GREEDY)[0].cached_tokens < len(turn)
+    del rid
+
+
+def test_bad_requests_are_refused_and_lose_nothing(ckpt: Path) -> None:
+    engine = make_engine(ckpt, num_pages=16, max_queue=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(PromptTooLong):
+        engine.add_request(list(range(3, 100)), GREEDY)  # needs more than 16 pages of 4
+    with pytest.raises(PromptTooLong):
+        engine.add_request([5] * 1020, SamplingParams(max_tokens=10))
+    engine.add_request([5, 6], GREEDY)
+    engine.add_request([5, 7], GREEDY)
+    with pytest.raises(QueueFull):
+        engine.add_request([5, 8], GREEDY)
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["requests_finished"] == 2
+
+
+def test_cache_aware_policies_beat_fcfs_on_shuffled_groups(ckpt: Path) -> None:
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(6)]
+    prompts = [p + [rng.randrange(3, 500) for _ in range(4)] for p in prefixes for _ in range(6)]
+    rng.shuffle(prompts)
+    rates = {}
+    for policy in ("fcfs", "lpm", "dfs-weight"):
+        engine = make_engine(ckpt, page_size=4, num_pages=40, max_running=2, schedule_policy=policy)
+        engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        rates[policy] = engine.stats()["hit_rate"]
+    assert rates["lpm"] > rates["fcfs"] and rates["dfs-weight"] > rates["fcfs"], rates
+
+
+def test_incremental_detokenizer_never_splits_characters(ckpt: Path) -> None:
+    from radixserve.engine.detokenizer import IncrementalDetokenizer
+
+    engine = make_engine(ckpt)
+    text = "héllo wörld 🙂🚀 ça va? 日本語"
+    ids = engine.tokenizer.encode(text)
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    pieces = [detok.push(t) for t in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
