@@ -53,10 +53,11 @@ class AsyncEngine:
             self._drain_commands()
             if self.engine.has_work():
                 self._deliver(self.engine.step())
+                self._publish_stats()
             else:
+                self._publish_stats()
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
-            self._publish_stats()
         self._drain_commands()
         for request_id in list(self._streams):
             self.engine.abort(request_id)
@@ -92,6 +93,7 @@ class AsyncEngine:
         def command() -> None:
             try:
                 result = fn()
+                self._publish_stats()  # so the caller's next stats() already shows the effect
             except BaseException as error:  # handed back to the caller, not lost in the thread
                 loop.call_soon_threadsafe(_set_exception, future, error)
             else:

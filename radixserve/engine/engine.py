@@ -378,7 +378,8 @@ class Engine:
         or another live sequence still holds them.
         """
         views = [SequenceView(s.block_table, s.num_computed) for s in self.scheduler.running]
-        held = {p for s in self.scheduler.running for p in s.block_table} | self.tree.cached_page_set()
+        held = {p for s in self.scheduler.running for p in s.block_table}
+        held.update(p for _, pages in self.tree.nodes() for p in pages)
         released = [p for p in self._released if p not in held]
         check_invariants(self.pool, self.tree, views, released_pages=released)
 

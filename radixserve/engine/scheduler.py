@@ -179,7 +179,9 @@ class Scheduler:
         tokens = seq.token_ids[: full * self.page_size]
         if full * self.page_size > seq.locked_tokens:
             self.tree.insert(tokens, seq.block_table[:full], seq.namespace, retention, range_retention)
-            match = self.tree.match(tokens, seq.namespace)
+            # insert leaves a node boundary exactly at the end of `tokens`, so a peek (which
+            # neither counts as a lookup nor refreshes recency) returns the covering node.
+            match = self.tree.match(tokens, seq.namespace, update=False)
             node = match.node
             for i, page in enumerate(match.pages):
                 if seq.block_table[i] != page:

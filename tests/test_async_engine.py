@@ -1,0 +1,53 @@
+"""AsyncEngine: streamed deltas add up to the offline result; a closed stream frees its pages."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from radixserve import AsyncEngine, Engine, SamplingParams
+from tests.engine_util import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-async"))
+
+
+def test_stream_matches_generate_and_early_close_aborts(ckpt: Path) -> None:
+    prompt = list(range(30, 70))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected = Engine(model=str(ckpt), page_size=4, num_pages=128).generate([prompt], params)[0]
+
+    async def scenario() -> None:
+        engine = AsyncEngine(Engine(model=str(ckpt), page_size=4, num_pages=128, debug_checks=True))
+        await engine.start()
+        try:
+            tokens: list[int] = []
+            text = ""
+            async for delta in engine.generate(prompt, params, request_id="a"):
+                tokens += delta.token_ids
+                text += delta.text
+                last = delta
+            assert tokens == expected.token_ids and text == expected.text
+            assert last.finish_reason == "length" and last.prompt_tokens == len(prompt)
+
+            stream = engine.generate(prompt + [5], SamplingParams(max_tokens=400, temperature=0.0,
+                                                                  ignore_eos=True), request_id="b")
+            first = await stream.__anext__()
+            assert first.cached_tokens == len(prompt)
+            await stream.aclose()  # the client went away
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                stats = engine.stats()
+                if stats["running"] == 0 and stats["pages_locked"] == 0:
+                    break
+            assert stats["running"] == 0 and stats["pages_locked"] == 0 and stats["requests_aborted"] == 1
+            assert await engine.flush_cache() > 0
+            assert engine.stats()["pages_free"] == 128
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
