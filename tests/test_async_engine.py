@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 
 from radixserve import AsyncEngine, Engine, SamplingParams
-from tests.engine_util import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-async"))
+def ckpt(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir
 
 
 def test_stream_matches_generate_and_early_close_aborts(ckpt: Path) -> None:

@@ -13,14 +13,14 @@ import torch
 
 from radixserve import Engine, PromptTooLong, QueueFull, Retention, SamplingParams
 from radixserve.models.kv_check import verify_cached_kv
-from tests.engine_util import hf_greedy, write_tiny_checkpoint
+from tests.engine_util import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+def ckpt(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir
 
 
 def make_engine(ckpt: Path, **kwargs) -> Engine:
@@ -29,7 +29,7 @@ def make_engine(ckpt: Path, **kwargs) -> Engine:
     return Engine(model=str(ckpt), debug_checks=True, **kwargs)
 
 
-def random_prompts(n: int, seed: int, groups: int = 5, prefix_len: int = 24, vocab: int = 500) -> list[list[int]]:
+def random_prompts(n: int, seed: int, groups: int = 5, prefix_len: int = 24, vocab: int = 300) -> list[list[int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(groups)]
     return [prefixes[rng.randrange(groups)][: rng.randrange(4, prefix_len + 1)]
@@ -71,7 +71,7 @@ def test_multi_turn_reports_previous_conversation_cached(ckpt: Path) -> None:
             # Everything computed last turn (all but its final token) in whole pages is a hit.
             assert out.cached_tokens == (previous_computed // 4) * 4
         previous_computed = len(conversation) + len(out.token_ids) - 1
-        conversation = conversation + out.token_ids + [200 + turn, 201 + turn, 202 + turn]
+        conversation = conversation + out.token_ids + [290 + turn, 291 + turn, 292 + turn]
 
 
 def test_heavy_eviction_and_preemption_are_token_identical(ckpt: Path) -> None:
@@ -98,7 +98,7 @@ def test_chunked_prefill_gives_the_same_tokens(ckpt: Path) -> None:
 
 def test_in_batch_sharing_computes_a_shared_prefix_once(ckpt: Path) -> None:
     engine = make_engine(ckpt, page_size=4)
-    shared = list(range(300, 340))
+    shared = list(range(260, 300))
     outs = engine.generate([shared + [1, 2], shared + [3, 4], shared + [5, 6]], GREEDY)
     assert sorted(o.cached_tokens for o in outs) == [0, 40, 40]
     assert engine.stats()["deferred_for_sharing"] > 0
@@ -195,12 +195,12 @@ def test_retention_keeps_the_system_prompt_under_pressure(ckpt: Path) -> None:
     # One request at a time: the filler then needs only part of the pool, and the rest is
     # decided by retention alone.
     engine = make_engine(ckpt, page_size=4, num_pages=40, max_running=1)
-    system = list(range(500, 532))  # 8 pages
+    system = list(range(200, 232))  # 8 pages
     engine.add_request(system + [1], GREEDY, prefix_retention=(len(system), Retention(90)))
     while engine.has_work():
         engine.step()
     rng = random.Random(0)
-    filler = [[rng.randrange(3, 400) for _ in range(60)] for _ in range(6)]
+    filler = [[rng.randrange(3, 190) for _ in range(60)] for _ in range(6)]
     engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     hit = engine.generate([system + [2, 3]], GREEDY)[0]
     assert hit.cached_tokens == len(system)
@@ -208,12 +208,12 @@ def test_retention_keeps_the_system_prompt_under_pressure(ckpt: Path) -> None:
 
 def test_session_keeps_latest_turn_until_closed(ckpt: Path) -> None:
     engine = make_engine(ckpt, page_size=4, num_pages=40, max_running=1)
-    turn = list(range(600, 632))
+    turn = list(range(250, 282))
     rid = engine.add_request(turn, GREEDY, session_id="s1")
     while engine.has_work():
         engine.step()
     rng = random.Random(1)
-    filler = [[rng.randrange(3, 400) for _ in range(60)] for _ in range(6)]
+    filler = [[rng.randrange(3, 190) for _ in range(60)] for _ in range(6)]
     engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert engine.generate([turn + [1]], GREEDY)[0].cached_tokens == len(turn)
     assert engine.close_session("s1") and not engine.close_session("s1")
@@ -243,8 +243,8 @@ def test_bad_requests_are_refused_and_lose_nothing(ckpt: Path) -> None:
 
 def test_cache_aware_policies_beat_fcfs_on_shuffled_groups(ckpt: Path) -> None:
     rng = random.Random(3)
-    prefixes = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(6)]
-    prompts = [p + [rng.randrange(3, 500) for _ in range(4)] for p in prefixes for _ in range(6)]
+    prefixes = [[rng.randrange(3, 300) for _ in range(48)] for _ in range(6)]
+    prompts = [p + [rng.randrange(3, 300) for _ in range(4)] for p in prefixes for _ in range(6)]
     rng.shuffle(prompts)
     rates = {}
     for policy in ("fcfs", "lpm", "dfs-weight"):

@@ -344,7 +344,10 @@ class Engine:
         requests_finished, requests_aborted, waiting, running, preemptions, steps,
         step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
         pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
-        and the tree's counters prefixed "cache_" (evictions, ages at hit and at eviction, ...).
+        the tree's counters prefixed "cache_" (cache_evicted_pages, cache_lookups, ...), and
+        "histograms": {"hit_age_seconds" | "evict_age_seconds" | "evict_reuse":
+        {"buckets": [(le, cumulative count), ...], "sum", "count"}} — the age of cached KV
+        when it is hit and when it is evicted, and how often each evicted page had been hit.
         """
         c = self._counters
         out: dict[str, Any] = dict(c)
@@ -361,6 +364,9 @@ class Engine:
             kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self._sessions),
         )
         out.update({f"cache_{k}": v for k, v in self.tree.stats().items()})
+        # Prometheus-style cumulative buckets: [(upper bound, count <= bound), ...] ending at +inf.
+        out["histograms"] = {name: {"buckets": h.cumulative(), "sum": h.sum, "count": h.count}
+                             for name, h in self.tree.histograms().items()}
         return out
 
     def _bytes_per_page(self) -> int:

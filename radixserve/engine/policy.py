@@ -83,7 +83,8 @@ class DFSWeight(SchedulePolicy):
     def _order(self, waiting: list[S], tree: RadixTree) -> list[S]:
         if len(waiting) < 2:
             return list(waiting)
-        items = sorted(waiting, key=lambda r: (repr(r.namespace), r.prompt_ids.tolist()))
+        # Big-endian bytes of non-negative ids sort like the id sequences themselves.
+        items = sorted(waiting, key=lambda r: (repr(r.namespace), r.prompt_ids.astype(">i4").tobytes()))
         cached = [_cached_len(r, tree) for r in items]
         # lcp[i] = shared prefix length of items[i-1] and items[i]; -1 across namespaces.
         lcp = [-1] + [_common_prefix(a, b) for a, b in zip(items, items[1:])]

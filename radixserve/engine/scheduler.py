@@ -100,6 +100,8 @@ class Scheduler:
             if not self._reserve(seq, seq.num_computed + num_new, extra_free=reserve):
                 self._release_pages(seq, cache=False)
                 break
+            if seq.request.cached_tokens is None:  # first admission: what the caller is told
+                seq.request.cached_tokens = seq.num_computed
             self.waiting.remove(seq)
             self.running.append(seq)
             self.counters.admitted += 1
@@ -146,8 +148,6 @@ class Scheduler:
                 self.pool.copy_page(match.partial_page, page, match.partial_tokens)
                 seq.block_table.append(page)
                 seq.num_computed += match.partial_tokens
-        if seq.request.cached_tokens is None:  # first admission: what the caller is told
-            seq.request.cached_tokens = seq.num_computed
 
     # ------------------------------------------------------------------ pages
     def _ensure_free(self, num_pages: int) -> bool:

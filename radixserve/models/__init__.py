@@ -1,0 +1,15 @@
+"""Models over paged KV: the Llama family, checkpoint loading, the demo model, the KV check."""
+
+from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.models.kv_check import verify_cached_kv
+from radixserve.models.llama import CausalLM
+from radixserve.models.loader import SUPPORTED_ARCHITECTURES, LoadedModel, load_model
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CausalLM",
+    "LoadedModel",
+    "demo_checkpoint_dir",
+    "load_model",
+    "verify_cached_kv",
+]

@@ -1,0 +1,198 @@
+"""One decoder-only model for the Llama family (Llama, Mistral, Qwen2, Qwen3) over paged KV.
+
+The variants differ only in small switches read from the transformers config: biases on the
+attention projections (Qwen2: q/k/v; Llama/Qwen3: `attention_bias`), per-head RMSNorm of q and
+k before RoPE (Qwen3), MLP biases (Llama `mlp_bias`), tied embeddings, an explicit
+`head_dim`. Module and parameter names equal HF's, so loading a checkpoint is a straight copy.
+
+The batch is flat: the new tokens of all sequences are concatenated (`input_ids` [T]); the
+attention metadata says which sequence, position and KV slot each token has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from radixserve.models.layers import GatedMLP, RMSNorm
+from radixserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The switches that tell the family members apart."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> Variant:
+        """Read the switches for `config.model_type` (one of SUPPORTED_MODEL_TYPES)."""
+        model_type = config.model_type
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        if model_type == "qwen2":
+            return cls(qkv_bias=True, o_bias=False, qk_norm=False, mlp_bias=False)
+        if model_type == "qwen3":
+            return cls(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True, mlp_bias=False)
+        if model_type == "llama":
+            mlp_bias = bool(getattr(config, "mlp_bias", False))
+            return cls(
+                qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=False, mlp_bias=mlp_bias
+            )
+        if model_type == "mistral":
+            return cls(qkv_bias=False, o_bias=False, qk_norm=False, mlp_bias=False)
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention that writes its new K/V into the paged cache."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_qo_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.sm_scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, self.num_qo_heads * head_dim, bias=variant.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=variant.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=variant.qkv_bias)
+        self.o_proj = nn.Linear(self.num_qo_heads * head_dim, hidden, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_qo_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = backend.forward(q, k_cache, v_cache, sm_scale=self.sm_scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_qo_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual connection."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, head_dim, variant)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, variant.mlp_bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, decoder layers and final norm: HF's `model.` submodule."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, head_dim, variant) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden_act = getattr(config, "hidden_act", "silu")
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} (supported: silu)")
+        variant = Variant.from_config(config)
+        self.config = config
+        self.head_dim: int = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.num_layers: int = config.num_hidden_layers
+        self.num_qo_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.vocab_size: int = config.vocab_size
+        self.model = DecoderStack(config, self.head_dim, variant)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(inverse_frequencies(config, self.head_dim))
+
+    def plan_attention(self, backend: AttentionBackend, meta: AttentionMetadata) -> None:
+        """Plan `backend` for a step of this model; call once per step, before `forward`."""
+        backend.plan(
+            meta,
+            num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.model.embed_tokens.weight.dtype,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        k_caches: list[Tensor],
+        v_caches: list[Tensor],
+        logits_indices: Tensor,
+    ) -> Tensor:
+        """Run one step and return float32 logits [len(logits_indices), vocab].
+
+        input_ids: int64 [T], the new tokens of all sequences in `meta.qo_indptr` order.
+        `backend` must already be planned for `meta` (see `plan_attention`). Writes every
+        layer's new K/V into `k_caches[l]` / `v_caches[l]`
+        ([num_pages, page_size, num_kv_heads, head_dim], the model's dtype) at
+        `meta.slot_mapping`, and computes logits only for the rows `logits_indices` of [T].
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
+            x = layer(x, cos, sin, meta, backend, k_cache, v_cache)
+        x = self.model.norm(x[logits_indices])
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
