@@ -36,6 +36,20 @@ def random_prompts(n: int, seed: int, groups: int = 5, prefix_len: int = 24, voc
             + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
 
 
+def assert_cached_kv_is_factual(engine: Engine) -> None:
+    """Every cached leaf path's K/V equal a fresh computation of its tokens (DESIGN.md §5)."""
+    leaves = [node for node, _ in engine.tree.nodes() if not node.children and not node.is_root]
+    assert leaves
+    for leaf in leaves:
+        tokens, pages, node = [], [], leaf
+        while not node.is_root:
+            tokens[:0], pages[:0] = node.tokens.tolist(), node.pages.tolist()
+            node = node.parent
+        bad = verify_cached_kv(engine.loaded.model, engine.pool.k_cache, engine.pool.v_cache, tokens, pages,
+                               engine.page_size)
+        assert bad is None, f"cached page {pages[bad]} holds K/V of other tokens"
+
+
 def test_greedy_equals_transformers(ckpt: Path) -> None:
     prompts = random_prompts(6, seed=1)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -86,6 +100,7 @@ def test_heavy_eviction_and_preemption_are_token_identical(ckpt: Path) -> None:
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in ample]
     for i in (0, 57, 199):
         assert ample[i].token_ids == hf_greedy(ckpt, prompts[i], len(ample[i].token_ids))
+    assert_cached_kv_is_factual(tight)
     assert tight.flush_cache() >= 0 and tight.pool.num_free == tight.pool.num_pages
 
 
