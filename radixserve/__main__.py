@@ -1,0 +1,5 @@
+"""`python -m radixserve ...` runs the `radixserve` command."""
+
+from radixserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""The `radixserve` command: `serve` runs the OpenAI-compatible server, `bench` the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `radixserve` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="radixserve",
+        description="LLM serving runtime with a radix-tree prefix cache over paged KV memory.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(subparsers)
+    _add_bench_parser_if_present(subparsers)
+    return parser
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Load a model, size the KV page pool and serve /v1/chat/completions, "
+                    "/v1/completions, /v1/models, /health and /metrics until Ctrl-C.")
+    serve.add_argument("--model", default="demo",
+                       help='"demo" (the built-in small model, the default) or a local Hugging Face '
+                            "checkpoint directory")
+    serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help="TCP port to listen on (default: %(default)s)")
+    serve.add_argument("--page-size", type=int, default=16,
+                       help="tokens per KV page, a power of two (default: %(default)s)")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None,
+                      help="size of the KV pool in pages (default: sized by --kv-memory-gb)")
+    pool.add_argument("--kv-memory-gb", type=float, default=None,
+                      help="size of the KV pool in GiB (default: 0.5 on CPU, 80%% of free memory on CUDA)")
+    serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
+                       help="order of waiting requests: longest cached prefix first, DFS over "
+                            "shared prefixes, or arrival order (default: %(default)s)")
+    serve.add_argument("--eviction-policy", default="priority", choices=["priority", "lru"],
+                       help="which cached pages go first: lowest retention priority then LRU, or LRU "
+                            "(default: %(default)s)")
+    serve.add_argument("--max-running", type=int, default=256,
+                       help="sequences decoding at once (default: %(default)s)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="waiting requests beyond which new ones get 503 + Retry-After (default: unbounded)")
+    serve.add_argument("--max-batch-tokens", type=int, default=2048,
+                       help="tokens per forward step; longer prompts are prefilled in chunks "
+                            "(default: %(default)s)")
+    serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes "
+                            "(default: $RADIXSERVE_API_KEY, else no key)")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weight and KV dtype; auto: the checkpoint's on CUDA, float32 on CPU "
+                            "(default: %(default)s)")
+    serve.add_argument("--device", default=None,
+                       help="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name listed by /v1/models (default: the model's own name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default: %(default)s)")
+    serve.set_defaults(handler=serve_command)
+
+
+def _add_bench_parser_if_present(subparsers: argparse._SubParsersAction) -> None:
+    # Imported here: the benchmark package is optional for serving and pulls in plotting.
+    try:
+        from radixserve.benchmark.cli import add_bench_parser
+    except ModuleNotFoundError as exc:
+        if exc.name in ("radixserve.benchmark", "radixserve.benchmark.cli"):
+            return
+        raise
+    add_bench_parser(subparsers)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`radixserve serve`: load, report the KV pool, serve until Ctrl-C."""
+    import uvicorn
+
+    from radixserve import AsyncEngine, Engine
+    from radixserve.server import create_app
+
+    _say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
+    started = time.perf_counter()
+    try:
+        engine = Engine(model=args.model, page_size=args.page_size, num_pages=args.num_pages,
+                        kv_memory_gb=args.kv_memory_gb, device=args.device,
+                        schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
+                        dtype=args.dtype, max_running=args.max_running, max_queue=args.max_queue,
+                        max_batch_tokens=args.max_batch_tokens)
+    except (OSError, ValueError) as exc:
+        _say(f"error: cannot load {args.model!r}: {exc}")
+        return 2
+    stats = engine.stats()
+    _say(f"loaded {engine.model_name} in {time.perf_counter() - started:.1f} s, "
+         f"context {engine.max_context_len} tokens")
+    _say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
+         f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
+    app = create_app(AsyncEngine(engine), served_model_name=args.served_model_name, api_key=args.api_key)
+    _say(f"serving {args.served_model_name or engine.model_name} at http://{args.host}:{args.port}/v1 "
+         f"(metrics at /metrics; Ctrl-C to stop)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    _say("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `radixserve` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.handler(args)
+
+
+def _say(message: str) -> None:
+    print(f"radixserve: {message}", file=sys.stderr, flush=True)
+
+
+def _format_bytes(num_bytes: float) -> str:
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

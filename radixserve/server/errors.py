@@ -1,0 +1,128 @@
+"""OpenAI-shaped errors: one exception type, one JSON body, one mapping from decode failures."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve import PromptTooLong, QueueFull
+from radixserve.server.protocol import ErrorBody, ErrorResponse
+
+_ENCODER = msgspec.json.Encoder()
+
+# msgspec ends a validation message with " - at `$.messages[0].role`"; the path names the field.
+_PATH_SUFFIX = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_overloaded",
+}
+
+
+class APIError(Exception):
+    """An error the client is told about: status, message and the request field at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.headers = headers or {}
+
+
+def error_response(error: APIError) -> Response:
+    """The JSON response {"error": {"message", "type", "param", "code"}} for `error`."""
+    body = ErrorResponse(error=ErrorBody(message=error.message, type=error.error_type,
+                                         param=error.param, code=error.code))
+    return Response(_ENCODER.encode(body), status_code=error.status, headers=error.headers,
+                    media_type="application/json")
+
+
+def error_from_decode(exc: msgspec.DecodeError) -> APIError:
+    """Maps a msgspec decode failure to a 400 naming the offending field.
+
+    A missing field is named by its full path (`messages[0].role`), a wrong type or value by
+    the path msgspec reports; malformed JSON names no field.
+    """
+    if not isinstance(exc, msgspec.ValidationError):
+        return APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json")
+    message = str(exc)
+    path_match = _PATH_SUFFIX.search(message)
+    path = path_match.group("path") if path_match else ""
+    missing = _MISSING_FIELD.match(message)
+    if missing:
+        field = missing.group("field")
+        param = f"{path}.{field}" if path else field
+        return APIError(400, message, param=param, code="missing_field")
+    return APIError(400, message, param=path or None, code="invalid_value")
+
+
+def error_from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
+    """Maps the engine's ValueError("<field>: why") to a 400 naming that field."""
+    message = str(exc)
+    field, sep, _ = message.partition(":")
+    param = field.strip() if sep and field.strip().isidentifier() else default_param
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+@contextmanager
+def engine_errors(prompt_param: str, retry_after_s: int = 1) -> Iterator[None]:
+    """Maps what AsyncEngine.generate raises up front to HTTP errors.
+
+    QueueFull → 503 with Retry-After; PromptTooLong → 400 on `prompt_param` ("messages" or
+    "prompt"); the engine's ValueError("<field>: why") → 400 on that field.
+    """
+    try:
+        yield
+    except QueueFull as exc:
+        raise APIError(503, f"The server is busy: {exc}", code="queue_full",
+                       headers={"Retry-After": str(retry_after_s)}) from exc
+    except PromptTooLong as exc:
+        raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
+    except ValueError as exc:
+        error = error_from_value_error(exc)
+        if error.param == "prompt":
+            error.param = prompt_param
+        raise error from exc
+
+
+async def handle_api_error(request: Request, exc: Exception) -> Response:
+    """Starlette exception handler for APIError."""
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (unknown route, wrong method) in the same JSON shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"No route for {request.method} {request.url.path}"
+    else:
+        message = exc.detail
+    return error_response(APIError(exc.status_code, message, code=_code_for_status(exc.status_code),
+                                   headers=dict(exc.headers or {})))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """Any other exception: a 500 in the same shape; the server carries on."""
+    return error_response(APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
+                                   code="internal_error"))
+
+
+def _code_for_status(status: int) -> str:
+    return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")

@@ -1,0 +1,206 @@
+"""Engine StreamDeltas → OpenAI response objects, in the chat and the completions flavour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from msgspec import UNSET, Struct
+from transformers import PreTrainedTokenizerBase
+
+from radixserve import StreamDelta
+from radixserve.engine.params import TokenLogprob
+from radixserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, gathered from its deltas (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class UsageCounter:
+    """Token counts over a request's deltas.
+
+    The prompt is counted once whatever n is; cached_tokens is that of choice 0 (later
+    choices of the same request usually hit the pages choice 0 just computed).
+    """
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, delta: StreamDelta) -> None:
+        """Counts one delta."""
+        self.prompt_tokens = delta.prompt_tokens
+        if delta.index == 0:
+            self.cached_tokens = delta.cached_tokens
+        self.completion_tokens += len(delta.token_ids)
+
+    def usage(self) -> Usage:
+        """The `usage` object of the response."""
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
+
+class TokenNamer:
+    """Token id → the string logprobs show: its text, or "token_id:<id>" when asked for ids."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
+    def text(self, token_id: int) -> str:
+        """The token decoded on its own."""
+        return self.tokenizer.decode([token_id])
+
+
+@dataclass
+class ResponseIdentity:
+    """What every object of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool  # stream_options.include_usage: other chunks then carry "usage": null
+
+
+class ResponseFormatter(Protocol):
+    """Builds the objects of one response; one implementation per endpoint."""
+
+    identity: ResponseIdentity
+
+    def opening_chunks(self, n: int) -> list[Struct]:
+        """Chunks sent before any content (the chat role announcement)."""
+
+    def chunk(self, delta: StreamDelta) -> Struct | None:
+        """The chunk for one delta, or None when it carries nothing to send."""
+
+    def usage_chunk(self, usage: Usage) -> Struct:
+        """The last chunk with stream_options.include_usage: usage and no choices."""
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> Struct:
+        """The whole non-streaming response."""
+
+
+class ChatFormatter:
+    """`chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, identity: ResponseIdentity, namer: TokenNamer) -> None:
+        self.identity = identity
+        self.namer = namer
+
+    def opening_chunks(self, n: int) -> list[Struct]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(n)]
+
+    def chunk(self, delta: StreamDelta) -> Struct | None:
+        logprobs = self._logprobs(delta.logprobs)
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None
+        content = delta.text if delta.text or logprobs is not None else UNSET
+        choice = ChatChunkChoice(index=delta.index, delta=DeltaMessage(content=content),
+                                 finish_reason=delta.finish_reason, logprobs=logprobs)
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> Struct:
+        return ChatCompletionChunk(id=self.identity.id, created=self.identity.created,
+                                   model=self.identity.model, choices=[], usage=usage)
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> Struct:
+        return ChatCompletion(
+            id=self.identity.id, created=self.identity.created, model=self.identity.model,
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                finish_reason=c.finish_reason,
+                                logprobs=self._logprobs(c.logprobs))
+                     for i, c in enumerate(choices)],
+            usage=usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.identity.id, created=self.identity.created,
+                                   model=self.identity.model, choices=choices,
+                                   usage=None if self.identity.include_usage else UNSET)
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if not entries:
+            return None
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(token=(token := self.namer(e.token_id)), logprob=e.logprob,
+                             bytes=list(token.encode()),
+                             top_logprobs=[TopLogprob(token=(alt := self.namer(t)), logprob=lp,
+                                                      bytes=list(alt.encode()))
+                                           for t, lp in e.top])
+            for e in entries])
+
+
+class CompletionFormatter:
+    """`text_completion` objects, whole or as chunks, with the legacy logprobs format."""
+
+    def __init__(self, identity: ResponseIdentity, namer: TokenNamer) -> None:
+        self.identity = identity
+        self.namer = namer
+        self.text_offsets: dict[int, int] = {}  # choice index → characters of its tokens so far
+
+    def opening_chunks(self, n: int) -> list[Struct]:
+        return []
+
+    def chunk(self, delta: StreamDelta) -> Struct | None:
+        logprobs = self._logprobs(delta.index, delta.logprobs)
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None
+        choice = CompletionChoice(index=delta.index, text=delta.text,
+                                  finish_reason=delta.finish_reason, logprobs=logprobs)
+        return Completion(id=self.identity.id, created=self.identity.created,
+                          model=self.identity.model, choices=[choice],
+                          usage=None if self.identity.include_usage else UNSET)
+
+    def usage_chunk(self, usage: Usage) -> Struct:
+        return Completion(id=self.identity.id, created=self.identity.created,
+                          model=self.identity.model, choices=[], usage=usage)
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> Struct:
+        return Completion(
+            id=self.identity.id, created=self.identity.created, model=self.identity.model,
+            choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                      logprobs=self._logprobs(i, c.logprobs))
+                     for i, c in enumerate(choices)],
+            usage=usage)
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        if not entries:
+            return None
+        offsets = []
+        offset = self.text_offsets.get(index, 0)
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(self.namer.text(entry.token_id))
+        self.text_offsets[index] = offset
+        return CompletionLogprobs(
+            tokens=[self.namer(e.token_id) for e in entries],
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{self.namer(t): lp for t, lp in e.top} for e in entries],
+            text_offset=offsets)

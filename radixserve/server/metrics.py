@@ -1,0 +1,173 @@
+"""Prometheus metrics: the engine's stats() as a custom Collector, plus latencies the server sees.
+
+Every app gets its own CollectorRegistry, so several apps (tests) never collide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from radixserve import StreamDelta
+
+PREFIX = "radixserve"
+
+# engine.stats() key → (metric name without prefix, kind, help); kind "skip" drops a key that
+# repeats another. Counters get "_total" appended by the exposition format. A number under a key
+# not listed here is still exported, as a gauge radixserve_engine_<key>, so nothing is lost.
+ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
+    "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens of finished requests."),
+    "cached_tokens": ("cached_tokens", "counter",
+                      "Prompt tokens of finished requests served from the prefix cache."),
+    "hit_rate": ("cache_hit_rate", "gauge", "cached_tokens / prompt_tokens over finished requests."),
+    "generated_tokens": ("generated_tokens", "counter", "Tokens generated."),
+    "requests_finished": ("requests_finished", "counter", "Requests retired (finished or aborted)."),
+    "requests_aborted": ("requests_aborted", "counter", "Requests aborted (client gone, shutdown)."),
+    "waiting": ("sequences_waiting", "gauge", "Sequences waiting to be scheduled."),
+    "running": ("sequences_running", "gauge", "Sequences running."),
+    "preemptions": ("preemptions", "counter", "Sequences preempted for memory."),
+    "deferred_for_sharing": ("deferred_for_sharing", "counter",
+                             "Admissions deferred so that a request reuses another's prefix."),
+    "steps": ("engine_steps", "counter", "Engine steps run."),
+    "step_time_s_total": ("engine_step_seconds", "counter", "Time spent in engine steps."),
+    "last_step_s": ("engine_last_step_seconds", "gauge", "Duration of the latest engine step."),
+    "pages_total": ("kv_pages_total", "gauge", "KV pages in the pool."),
+    "pages_free": ("kv_pages_free", "gauge", "KV pages free."),
+    "pages_used": ("kv_pages_used", "gauge", "KV pages allocated (running sequences and cache)."),
+    "pages_cached": ("kv_pages_cached", "gauge", "KV pages held by the prefix cache."),
+    "pages_evictable": ("kv_pages_evictable", "gauge", "Cached KV pages no running request locks."),
+    "pages_locked": ("kv_pages_locked", "gauge", "Cached KV pages locked by running requests."),
+    "page_size": ("kv_page_size_tokens", "gauge", "Tokens per KV page."),
+    "kv_tokens_capacity": ("kv_capacity_tokens", "gauge", "Tokens the KV pool can hold."),
+    "kv_bytes": ("kv_pool_bytes", "gauge", "Bytes of the KV pool."),
+    "sessions_open": ("sessions_open", "gauge", "Open sessions."),
+    "cache_lookups": ("cache_lookups", "counter", "Prefix-cache lookups."),
+    "cache_lookup_tokens": ("cache_lookup_tokens", "counter", "Tokens looked up in the prefix cache."),
+    "cache_hit_tokens": ("cache_hit_tokens", "counter", "Tokens found in the prefix cache."),
+    "cache_hit_rate": ("cache_lookup_hit_rate", "gauge",
+                       "cache_hit_tokens / cache_lookup_tokens over all lookups (incl. preempted)."),
+    "cache_evicted_pages": ("cache_evicted_pages", "counter", "Cached pages evicted."),
+    "cache_nodes": ("cache_nodes", "gauge", "Nodes of the radix tree."),
+    "cache_cached_pages": ("", "skip", ""),
+    "cache_evictable_pages": ("", "skip", ""),
+    "cache_locked_pages": ("", "skip", ""),
+    "cache_free_pages": ("", "skip", ""),
+}
+
+# engine.stats()["histograms"] name → (metric name without prefix, help). Their flattened
+# "cache_<name>_sum" / "_count" twins in the same snapshot are not exported a second time.
+ENGINE_HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "hit_age_seconds": ("kv_age_at_hit_seconds", "Age of cached KV pages when a request hits them."),
+    "evict_age_seconds": ("kv_age_at_eviction_seconds", "Age of cached KV pages when they are evicted."),
+    "evict_reuse": ("evicted_page_reuse", "How many times each evicted page had been hit."),
+}
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineStatsCollector(Collector):
+    """Turns one engine.stats() snapshot into metric families at every scrape.
+
+    Numbers become counters or gauges. `stats["histograms"]` entries ({"buckets":
+    [(upper bound, cumulative count), ...], "sum", "count"}) become Prometheus histograms.
+    Any other `<key>_sum` / `<key>_count` pair becomes a summary (exactly a sum and a count).
+    """
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self.stats())
+        histograms: Mapping[str, Mapping[str, Any]] = stats.pop("histograms", {})
+        for name, histogram in sorted(histograms.items()):
+            yield _histogram(name, histogram)
+        exported_as_histogram = {f"cache_{name}" for name in histograms}
+        pairs = {key.removesuffix("_sum") for key in stats
+                 if key.endswith("_sum") and f"{key.removesuffix('_sum')}_count" in stats}
+        for key, value in sorted(stats.items()):
+            base = key.removesuffix("_sum").removesuffix("_count")
+            if key != base and base in pairs:
+                if key.endswith("_sum") and base not in exported_as_histogram:
+                    yield SummaryMetricFamily(f"{PREFIX}_engine_{base}", f"engine.stats()[{base!r}_*]",
+                                              count_value=stats[f"{base}_count"], sum_value=value)
+                continue
+            name, kind, help_text = ENGINE_METRICS.get(
+                key, (f"engine_{key}", "gauge", f"engine.stats()[{key!r}]"))
+            if kind != "skip" and isinstance(value, int | float) and not isinstance(value, bool):
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _histogram(name: str, histogram: Mapping[str, Any]) -> Metric:
+    metric_name, help_text = ENGINE_HISTOGRAMS.get(name, (f"engine_{name}", f"engine histogram {name!r}"))
+    buckets = [("+Inf" if bound == float("inf") else repr(float(bound)), count)
+               for bound, count in histogram["buckets"]]
+    return HistogramMetricFamily(f"{PREFIX}_{metric_name}", help_text, buckets=buckets,
+                                 sum_value=histogram["sum"])
+
+
+class ServerMetrics:
+    """The app's registry: engine stats plus the latencies and outcomes the server observes."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineStatsCollector(stats))
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                             "Gap between consecutive deltas of one choice.",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.latency = Histogram(f"{PREFIX}_request_latency_seconds",
+                                 "Time from request arrival to its last token.",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(f"{PREFIX}_http_requests", "Generation requests by endpoint and status.",
+                                ["endpoint", "status"], registry=self.registry)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def timer(self) -> "RequestTimer":
+        """A timer for one request, started now."""
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Observes TTFT, inter-token gaps and latency of one request from its deltas."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first_token_seen = False
+        self.last_token_at: dict[int, float] = {}  # choice index → time of its latest delta
+
+    def observe(self, delta: StreamDelta) -> None:
+        """Records one delta's arrival."""
+        if not delta.token_ids:
+            return
+        now = time.perf_counter()
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.metrics.ttft.observe(now - self.start)
+        previous = self.last_token_at.get(delta.index)
+        if previous is not None:
+            self.metrics.itl.observe(now - previous)
+        self.last_token_at[delta.index] = now
+
+    def finish(self) -> None:
+        """Records the request's end-to-end latency."""
+        self.metrics.latency.observe(time.perf_counter() - self.start)

@@ -1,0 +1,267 @@
+"""msgspec schemas of the OpenAI-compatible API: requests (validated on decode) and responses.
+
+Ranges are declared on the fields, so a bad value fails decoding with a message that names
+its path (`$.messages[0].role`); errors.error_from_decode turns that into the error's `param`.
+Unknown request fields are ignored, as OpenAI-compatible servers commonly do; the known
+OpenAI fields radixserve cannot honour are declared and refused when set (see app checks).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]  # -1 and 0 both switch top-k off (vLLM and HF conventions)
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+NumChoices = Annotated[int, Meta(ge=1, le=16)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
+RetentionPriority = Annotated[int, Meta(ge=0, le=100)]
+Duration = Annotated[float, Meta(gt=0.0)]
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+SessionId = Annotated[str, Meta(min_length=1, max_length=256)]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(Struct, kw_only=True):
+    """`stream_options`: include_usage adds a last chunk carrying `usage`."""
+
+    include_usage: bool = False
+
+
+class TextPart(Struct, tag_field="type", tag="text"):
+    """A text content part: {"type": "text", "text": ...}."""
+
+    text: str
+
+
+class ChatMessage(Struct, kw_only=True):
+    """One message of a conversation; content is text or a list of text parts."""
+
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class GenerationRequest(Struct, kw_only=True):
+    """Fields shared by chat and completions requests, OpenAI's and radixserve's own."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: NumChoices | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # OpenAI fields with no implementation here: accepted at their neutral value only.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-compatible extensions.
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+    # radixserve extensions: scheduling, cache isolation and retention.
+    priority: int = 0
+    cache_salt: NonEmptyStr | None = None
+    retention_priority: RetentionPriority | None = None
+    retention_duration_s: Duration | None = None
+    session_id: SessionId | None = None
+
+
+class ChatCompletionRequest(GenerationRequest, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    system_retention_priority: RetentionPriority | None = None
+    system_retention_duration_s: Duration | None = None
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(GenerationRequest, kw_only=True):
+    """POST /v1/completions; the prompt is text or a list of token ids."""
+
+    prompt: str | Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
+    logprobs: NumLogprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(Struct, kw_only=True):
+    """How many prompt tokens came from the prefix cache."""
+
+    cached_tokens: int
+
+
+class Usage(Struct, kw_only=True):
+    """Token counts of a request; completion_tokens sums over all choices."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(Struct, kw_only=True):
+    """One alternative token of a chat logprob entry."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct, kw_only=True):
+    """A generated token's logprob and its top alternatives (chat format)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    """`choices[i].logprobs` of a chat response or chunk."""
+
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    """`choices[i].logprobs` of a completions response or chunk (legacy format)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(Struct, kw_only=True):
+    """The message of a non-streaming chat choice."""
+
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(Struct, kw_only=True):
+    """One choice of a `chat.completion`."""
+
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(Struct, kw_only=True):
+    """A non-streaming chat response."""
+
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(Struct, kw_only=True):
+    """What a chat chunk adds to its choice; unset fields are left out of the JSON."""
+
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct, kw_only=True):
+    """One choice of a `chat.completion.chunk`."""
+
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    """One Server-Sent Event of a streaming chat response."""
+
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class CompletionChoice(Struct, kw_only=True):
+    """One choice of a `text_completion` (whole or chunk)."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Struct, kw_only=True):
+    """A completions response, or one chunk of a streaming one."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ModelCard(Struct, kw_only=True):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "radixserve"
+    max_model_len: int
+
+
+class ModelList(Struct, kw_only=True):
+    """GET /v1/models."""
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(Struct, kw_only=True):
+    """The inside of an error response; `param` names the request field at fault."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct, kw_only=True):
+    """{"error": {...}}, the body of every 4xx/5xx answer."""
+
+    error: ErrorBody
+

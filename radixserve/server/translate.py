@@ -1,0 +1,136 @@
+"""A validated API request → the arguments of AsyncEngine.generate.
+
+Everything msgspec cannot check on decode is checked here, and every failure is an APIError
+that names the request field at fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve import Retention, SamplingParams
+from radixserve.server.errors import APIError, error_from_value_error
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+# Completions default to OpenAI's 16 new tokens; chat defaults to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class EngineCall:
+    """Everything AsyncEngine.generate needs for one request."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    retention: Retention | None
+    prefix_retention: tuple[int, Retention] | None
+    session_id: str | None
+
+
+def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
+              max_context_len: int) -> EngineCall:
+    """The engine call for a chat request whose messages rendered to `prompt_ids`."""
+    _refuse_unsupported(request)
+    if request.tools:
+        raise _unsupported("tools")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
+                       code="invalid_value")
+    requested = request.max_completion_tokens or request.max_tokens
+    param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+    max_tokens = _fit_context(len(prompt_ids), requested, max_context_len, "messages", param)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    prefix_retention = None
+    system_retention = _retention(request.system_retention_priority,
+                                  request.system_retention_duration_s, "system_retention")
+    if system_retention is not None and system_tokens > 0:
+        prefix_retention = (system_tokens, system_retention)
+    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention)
+
+
+def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int) -> EngineCall:
+    """The engine call for a completions request whose prompt is `prompt_ids`."""
+    _refuse_unsupported(request)
+    if request.echo:
+        raise _unsupported("echo")
+    if request.suffix:
+        raise _unsupported("suffix")
+    if not prompt_ids:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    max_tokens = _fit_context(len(prompt_ids), request.max_tokens, max_context_len, "prompt",
+                              "max_tokens", default=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return _call(request, prompt_ids, max_tokens, request.logprobs, None)
+
+
+def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
+          logprobs: int | None, prefix_retention: tuple[int, Retention] | None) -> EngineCall:
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=max(request.top_k or 0, 0),
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        stop=stop,
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        n=request.n or 1,
+        logprobs=logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise error_from_value_error(exc) from exc
+    return EngineCall(
+        prompt_ids=prompt_ids,
+        params=params,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        retention=_retention(request.retention_priority, request.retention_duration_s, "retention"),
+        prefix_retention=prefix_retention,
+        session_id=request.session_id,
+    )
+
+
+def _fit_context(prompt_len: int, requested: int | None, max_context_len: int,
+                 prompt_param: str, max_tokens_param: str, default: int | None = None) -> int:
+    """max_tokens for the request: as asked, else `default` or what the context leaves (the
+    smaller); a 400 when the prompt leaves no room or the request does not fit."""
+    room = max_context_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"The prompt has {prompt_len} tokens; this model's context is "
+                            f"{max_context_len} tokens and must leave room for at least one more.",
+                       param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"This model's context is {max_context_len} tokens; you asked for "
+                            f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} to "
+                            f"generate).", param=max_tokens_param, code="context_length_exceeded")
+    return requested
+
+
+def _retention(priority: int | None, duration_s: float | None, name: str) -> Retention | None:
+    if priority is None:
+        if duration_s is not None:
+            raise APIError(400, f"{name}_duration_s needs {name}_priority",
+                           param=f"{name}_duration_s", code="invalid_value")
+        return None
+    return Retention(priority=priority, duration_s=duration_s)
+
+
+def _refuse_unsupported(request: GenerationRequest) -> None:
+    if request.presence_penalty:
+        raise _unsupported("presence_penalty")
+    if request.frequency_penalty:
+        raise _unsupported("frequency_penalty")
+    if request.logit_bias:
+        raise _unsupported("logit_bias")
+
+
+def _unsupported(param: str) -> APIError:
+    return APIError(400, f"{param} is not supported by radixserve", param=param,
+                    code="unsupported_parameter")

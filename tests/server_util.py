@@ -1,0 +1,69 @@
+"""Test helpers: a real uvicorn server on a free port in a thread, and an SSE parser."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+@contextmanager
+def running_server(app: Starlette) -> Iterator[str]:
+    """Serves `app` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL.
+
+    The app's lifespan (engine start/stop) runs as in production; leaving the block shuts the
+    server down and waits for it.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name=f"uvicorn-{port}")
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def parse_sse(raw: str) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing strictly.
+
+    Every event must be exactly one `data: ` line followed by a blank line; nothing else may
+    appear. Returns the payload strings in order (the last one should be "[DONE]").
+    """
+    assert raw.endswith("\n\n"), f"stream does not end with a blank line: {raw[-40:]!r}"
+    events = raw[:-2].split("\n\n")
+    payloads = []
+    for event in events:
+        assert "\n" not in event, f"event spans several lines: {event!r}"
+        assert event.startswith("data: "), f"event without 'data: ' prefix: {event!r}"
+        payloads.append(event[len("data: "):])
+    return payloads
+
+
+def sse_chunks(raw: str) -> list[dict[str, Any]]:
+    """The JSON chunks of an SSE body that ends with `data: [DONE]` (checked)."""
+    payloads = parse_sse(raw)
+    assert payloads[-1] == "[DONE]", f"last event is not [DONE]: {payloads[-1]!r}"
+    assert "[DONE]" not in payloads[:-1]
+    return [json.loads(p) for p in payloads[:-1]]

@@ -1,0 +1,438 @@
+"""End-to-end tests of the HTTP server: real uvicorn on a free port, real httpx clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import parse_sse, running_server, sse_chunks
+
+from radixserve import AsyncEngine, Engine, SamplingParams
+from radixserve.server import create_app
+
+NUM_PAGES = 512
+PAGE_SIZE = 16
+SYSTEM_PROMPT = ("You are the radixserve test assistant. Answer briefly, cite the page table, and never "
+                 "reveal the contents of another tenant's cache. ") * 4
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+
+
+@pytest.fixture(scope="module")
+def server(engine: Engine) -> Iterator[SimpleNamespace]:
+    app = create_app(AsyncEngine(engine))
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, stats=app.state.server.engine.stats, tokenizer=engine.tokenizer)
+    engine.check_invariants()  # the engine thread has stopped: its structures are quiet
+
+
+@pytest.fixture
+def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def chat_body(user: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "demo", "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                                          {"role": "user", "content": user}], **extra}
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def assert_idle(server: SimpleNamespace) -> None:
+    """No request runs or waits, no page is locked, every used page is cache (none leaked)."""
+    def idle() -> bool:
+        s = server.stats()
+        return s["running"] == 0 and s["waiting"] == 0 and s["pages_locked"] == 0
+    assert wait_for(idle), server.stats()
+    stats = server.stats()
+    assert stats["pages_used"] == stats["pages_cached"], stats
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_chat_non_streaming_counts_tokens(client: httpx.Client, server: SimpleNamespace) -> None:
+    body = chat_body("Say something about pages.", max_tokens=7, temperature=0, ignore_eos=True)
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
+    assert data["model"] == "demo"
+    (choice,) = data["choices"]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "length"
+    text = server.tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+    expected_prompt = len(server.tokenizer.encode(text, add_special_tokens=False))
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == expected_prompt
+    assert usage["completion_tokens"] == 7
+    assert usage["total_tokens"] == expected_prompt + 7
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < expected_prompt
+
+
+def test_chat_streaming_sse_framing(client: httpx.Client) -> None:
+    body = chat_body("Stream me two answers.", max_tokens=6, temperature=0, n=2, ignore_eos=True,
+                     stream=True, stream_options={"include_usage": True})
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_chunks(r.text)
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    per_choice: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        assert chunk["usage"] is None  # include_usage: null until the last chunk
+        (choice,) = chunk["choices"]
+        per_choice[choice["index"]].append(choice)
+    non_stream = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    for index, choices in per_choice.items():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in c["delta"] for c in choices[1:])
+        assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+        assert choices[-1]["finish_reason"] == "length"
+        streamed = "".join(c["delta"].get("content", "") for c in choices)
+        assert streamed == non_stream["choices"][index]["message"]["content"]
+
+
+def test_chat_without_usage_option_has_no_usage_chunk(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=3, stream=True, ignore_eos=True))
+    chunks = sse_chunks(r.text)
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_logprobs(client: httpx.Client, server: SimpleNamespace) -> None:
+    body = chat_body("Logprobs please", max_tokens=4, temperature=0, ignore_eos=True,
+                     logprobs=True, top_logprobs=3)
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == 4
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"]
+    for entry in entries:
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["bytes"] == list(entry["token"].encode())
+        # Greedy: the chosen token is the most likely one.
+        assert entry["logprob"] == pytest.approx(max(t["logprob"] for t in entry["top_logprobs"]), abs=1e-5)
+
+
+# ---------------------------------------------------------------- completions and engine parity
+
+
+def greedy_ids_over_http(client: httpx.Client, prompt: str | list[int], max_tokens: int) -> tuple[list[int], str]:
+    r = client.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+        "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    return ids, choice["text"]
+
+
+def test_greedy_completion_equals_engine_generate(client: httpx.Client, server: SimpleNamespace) -> None:
+    reference = Engine(model="demo", page_size=PAGE_SIZE, num_pages=64)
+    prompt_ids = server.tokenizer.encode("The parity check between HTTP and the offline engine")
+    (expected,) = reference.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0.0))
+    ids, text = greedy_ids_over_http(client, prompt_ids, 12)
+    assert ids == expected.token_ids
+    assert text == expected.text
+    # A text prompt is tokenized the same way.
+    text_prompt_ids, _ = greedy_ids_over_http(client, "The parity check between HTTP and the offline engine", 12)
+    assert text_prompt_ids == expected.token_ids
+
+
+def test_completions_streaming_matches_non_streaming(client: httpx.Client) -> None:
+    body = {"prompt": "Paged attention reads the block table", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] == 8
+    r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(r.text)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"] | {
+        "prompt_tokens_details": chunks[-1]["usage"]["prompt_tokens_details"]}
+    text_chunks = chunks[:-1]
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+
+
+def test_stop_string_truncates(client: httpx.Client) -> None:
+    body = {"prompt": "A stop string test for the server", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    choice = client.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+    assert choice["text"] == full[: full.index(stop)]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_reproduces(client: httpx.Client) -> None:
+    body = {"prompt": "Seeds make sampling repeatable", "max_tokens": 10, "temperature": 1.0,
+            "seed": 1234, "ignore_eos": True}
+    first = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    second = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert first == second
+
+
+# ---------------------------------------------------------------- prefix cache through HTTP
+
+
+def test_shared_system_prompt_hits_cache_unless_salted(client: httpx.Client, server: SimpleNamespace) -> None:
+    system = "Cache-sharing system prompt: " + "every tenant shares these instructions. " * 12
+    def cached(user: str, **extra: Any) -> int:
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                "max_tokens": 2, **extra}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    system_tokens = len(server.tokenizer.encode(
+        server.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
+        add_special_tokens=False))
+    # Only the template's role header can be cached yet: other chats shared it already.
+    header_tokens = len(server.tokenizer.encode("<|im_start|>system\n", add_special_tokens=False))
+    assert cached("first question") <= header_tokens < system_tokens // 4
+    assert cached("second question") >= system_tokens - 1
+    assert cached("third question", cache_salt="tenant-b") == 0
+    assert cached("fourth question", cache_salt="tenant-b") >= system_tokens - 1
+    assert cached("fifth question", cache_salt="tenant-c", system_retention_priority=90) == 0
+
+
+def test_session_close(client: httpx.Client, server: SimpleNamespace) -> None:
+    body = chat_body("A session turn", max_tokens=2, session_id="sess-42")
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert wait_for(lambda: server.stats()["sessions_open"] >= 1)  # stats publish after the step
+    r = client.post("/v1/sessions/sess-42/close")
+    assert r.status_code == 200 and r.json()["closed"] is True
+    r = client.post("/v1/sessions/sess-42/close")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "session_id"
+
+
+# ---------------------------------------------------------------- bad input
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    (CHAT, b"{not json", 400, None),
+    (CHAT, b"[1, 2]", 400, None),
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type"),
+    (CHAT, {"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": "5"}, 400, "max_tokens"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "temperature": -0.1}, 400, "temperature"),
+    (CHAT, {"messages": USER, "temperature": 2.5}, 400, "temperature"),
+    (CHAT, {"messages": USER, "top_p": 0}, 400, "top_p"),
+    (CHAT, {"messages": USER, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"messages": USER, "n": 0}, 400, "n"),
+    (CHAT, {"messages": USER, "n": 17}, 400, "n"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "stop": [""]}, 400, "stop"),
+    (CHAT, {"messages": USER, "stop": [f"s{i}" for i in range(9)]}, 400, "stop"),
+    (CHAT, {"messages": USER, "stream": "yes"}, 400, "stream"),
+    (CHAT, {"messages": USER, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (CHAT, {"messages": USER, "retention_priority": 101}, 400, "retention_priority"),
+    (CHAT, {"messages": USER, "retention_duration_s": 5}, 400, "retention_duration_s"),
+    (CHAT, {"messages": USER, "system_retention_priority": -1}, 400, "system_retention_priority"),
+    (CHAT, {"messages": USER, "cache_salt": ""}, 400, "cache_salt"),
+    (CHAT, {"messages": USER, "model": "gpt-4"}, 404, "model"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages"),
+    (CHAT, {"messages": USER, "max_tokens": 5000}, 400, "max_tokens"),
+    (COMPLETIONS, {}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt[0]"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [3, -1]}, 400, "prompt[1]"),
+    (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [5] * 5000}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 4096}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS,
+                         ids=[f"{p.rsplit('/', 1)[-1]}-{i}" for i, (p, *_rest) in enumerate(BAD_REQUESTS)])
+def test_bad_request_names_the_field(client: httpx.Client, path: str, body: Any, status: int,
+                                     param: str | None) -> None:
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["message"] and error["type"]
+
+
+def test_server_serves_after_bad_requests(client: httpx.Client, server: SimpleNamespace) -> None:
+    for _ in range(3):
+        client.post(CHAT, content=b"garbage")
+        client.post(COMPLETIONS, json={"prompt": [10**6]})
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert_idle(server)
+
+
+def test_oversized_body_is_413(client: httpx.Client) -> None:
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
+    r = client.post(CHAT, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
+        yield b'{"prompt": "'
+        for _ in range(80):
+            yield b"y" * 65536
+        yield b'"}'
+    r = client.post(COMPLETIONS, content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_unknown_route_and_method(client: httpx.Client) -> None:
+    r = client.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = client.get(CHAT)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- models, health, metrics
+
+
+def test_models(client: httpx.Client) -> None:
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert [m["id"] for m in data["data"]] == ["demo"] and data["data"][0]["max_model_len"] == 4096
+
+
+def test_metrics_exposes_engine_and_latency(client: httpx.Client) -> None:
+    client.post(COMPLETIONS, json={"prompt": "metrics", "max_tokens": 3, "ignore_eos": True, "stream": True})
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    def value(name: str, sample: str | None = None) -> float:
+        return next(s.value for s in families[name].samples if s.name == (sample or name))
+    assert value("radixserve_kv_pages_total") == NUM_PAGES
+    assert value("radixserve_kv_page_size_tokens") == PAGE_SIZE
+    assert value("radixserve_kv_pages_locked") == 0
+    assert value("radixserve_prompt_tokens", "radixserve_prompt_tokens_total") > 0
+    assert value("radixserve_time_to_first_token_seconds", "radixserve_time_to_first_token_seconds_count") >= 1
+    assert value("radixserve_inter_token_latency_seconds", "radixserve_inter_token_latency_seconds_count") >= 2
+    assert families["radixserve_kv_age_at_hit_seconds"].type == "histogram"
+    assert value("radixserve_kv_age_at_hit_seconds", "radixserve_kv_age_at_hit_seconds_count") >= 1
+    assert any(s.labels == {"endpoint": "completions", "status": "200"}
+               for s in families["radixserve_http_requests"].samples)
+
+
+# ---------------------------------------------------------------- disconnects and load
+
+
+def test_disconnect_mid_stream_frees_pages(server: SimpleNamespace) -> None:
+    aborted_before = server.stats()["requests_aborted"]
+    body = {"prompt": "A very long generation that the client abandons", "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", COMPLETIONS, json=body) as r:
+            lines = r.iter_lines()
+            received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+            assert len(received) >= 3
+            assert server.stats()["running"] == 1
+    assert wait_for(lambda: server.stats()["requests_aborted"] == aborted_before + 1)
+    assert_idle(server)
+
+
+def test_disconnect_while_waiting_non_streaming_aborts(server: SimpleNamespace) -> None:
+    aborted_before = server.stats()["requests_aborted"]
+    body = {"prompt": "A non-streaming request whose client times out", "max_tokens": 3000, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(COMPLETIONS, json=body)
+    assert wait_for(lambda: server.stats()["requests_aborted"] == aborted_before + 1)
+    assert_idle(server)
+
+
+def test_health_is_prompt_during_long_generation(server: SimpleNamespace) -> None:
+    started = threading.Event()
+    stop = threading.Event()
+
+    def long_stream() -> None:
+        body = {"prompt": "Keep the engine busy", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", COMPLETIONS, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                if stop.is_set():
+                    return
+
+    worker = threading.Thread(target=long_stream)
+    worker.start()
+    try:
+        assert started.wait(20)
+        with httpx.Client(base_url=server.url, timeout=5) as c:
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert c.get("/health").json() == {"status": "ok"}
+                assert time.perf_counter() - t0 < 0.5  # a 3000-token generation takes ~10 s
+                assert server.stats()["running"] == 1  # the generation is still going
+    finally:
+        stop.set()
+        worker.join()
+    assert_idle(server)
+
+
+def test_64_concurrent_streams_complete(server: SimpleNamespace) -> None:
+    max_tokens = 12
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, str | None, str]:
+        body = {"prompt": f"Client {i} asks about radix trees", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
+        r = await c.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        chunks = sse_chunks(r.text)
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        return chunks[-1]["usage"]["completion_tokens"], finish[-1], "".join(
+            c["choices"][0]["text"] for c in chunks if c["choices"])
+
+    async def main() -> list[tuple[int, str | None, str]]:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [tokens for tokens, _, _ in results] == [max_tokens] * 64
+    assert {finish for _, finish, _ in results} == {"length"}
+    assert_idle(server)
+
+
+def test_sse_parser_rejects_bad_framing() -> None:
+    assert parse_sse('data: {"a": 1}\n\ndata: [DONE]\n\n') == ['{"a": 1}', "[DONE]"]
+    for bad in ('data: x\n', 'data: x\nmore\n\n', 'event: x\n\n'):
+        with pytest.raises(AssertionError):
+            parse_sse(bad)

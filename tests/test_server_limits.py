@@ -1,0 +1,99 @@
+"""The server under limits: API key, a full queue, a small KV pool, a custom served name."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine
+from radixserve.server import create_app
+
+API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+NUM_PAGES = 64
+PAGE_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimpleNamespace]:
+    engine = Engine(model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_running=1, max_queue=1)
+    app = create_app(AsyncEngine(engine), served_model_name="tiny-demo", api_key=API_KEY)
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, stats=app.state.server.engine.stats)
+    engine.check_invariants()
+
+
+@pytest.fixture
+def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                                     {"Authorization": f"Basic {API_KEY}"}])
+def test_missing_or_wrong_key_is_401(client: httpx.Client, headers: dict[str, str]) -> None:
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]:
+        r = client.request(method, path, headers=headers, json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_right_key_serves_and_open_routes_need_none(client: httpx.Client) -> None:
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2, "model": "tiny-demo"})
+    assert r.status_code == 200 and r.json()["model"] == "tiny-demo"
+    # The checkpoint's own name is accepted too.
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2, "model": "demo"})
+    assert r.status_code == 200
+    assert [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]] == ["tiny-demo"]
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_request_larger_than_the_pool_is_400(client: httpx.Client) -> None:
+    # Fits the 4096-token context but not 64 pages x 16 tokens: the engine refuses it up front.
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 1500})
+    assert r.status_code == 400
+    assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                    "param": "prompt", "code": "context_length_exceeded"}
+
+
+def test_full_queue_is_503_with_retry_after(client: httpx.Client, server: SimpleNamespace) -> None:
+    long_body = {"prompt": "Occupy the only running slot", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    queued: dict[str, int] = {}
+
+    def queued_request() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/completions", headers=AUTH, json={"prompt": "I wait my turn", "max_tokens": 3})
+            queued["status"] = r.status_code
+
+    with client.stream("POST", "/v1/completions", headers=AUTH, json=long_body) as running:
+        assert running.status_code == 200  # headers arrive with the first token: it is running
+        waiter = threading.Thread(target=queued_request)
+        waiter.start()
+        assert wait_for(lambda: server.stats()["waiting"] == 1)
+        r = client.post("/v1/completions", headers=AUTH, json={"prompt": "No room", "max_tokens": 3})
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_overloaded"
+        assert server.stats()["running"] == 1
+    # Leaving the stream aborted the long request: the queued one now runs to completion.
+    waiter.join(timeout=30)
+    assert queued["status"] == 200
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "And the server carries on", "max_tokens": 2})
+    assert r.status_code == 200

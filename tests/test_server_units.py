@@ -1,0 +1,188 @@
+"""Unit tests of the server's pieces that need no running server."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from radixserve import Retention, StreamDelta, TokenLogprob
+from radixserve.cache.radix import Histogram
+from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.server.errors import APIError, error_from_decode
+from radixserve.server.formatting import ChatFormatter, CompletionFormatter, ResponseIdentity, TokenNamer
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.prompts import render_chat
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from radixserve.server.translate import chat_call, completion_call
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(demo_checkpoint_dir())
+
+
+def chat_request(**fields: object) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    return msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def test_system_prefix_is_the_rendered_system_messages(tokenizer: PreTrainedTokenizerBase) -> None:
+    system = [{"role": "system", "content": "Be terse. " * 10}]
+    conversation = system + [{"role": "user", "content": "What is a page?"}]
+    ids, system_tokens = render_chat(tokenizer, [ChatMessage(**m) for m in conversation])
+    expected = tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                              add_generation_prompt=True),
+                                add_special_tokens=False)
+    system_ids = tokenizer.encode(tokenizer.apply_chat_template(system, tokenize=False),
+                                  add_special_tokens=False)
+    assert ids == expected
+    assert system_tokens == len(system_ids) and ids[:system_tokens] == system_ids
+    assert 0 < system_tokens < len(ids)
+
+
+def test_no_system_message_means_no_prefix_and_developer_is_system(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert render_chat(tokenizer, [ChatMessage(role="user", content="hi")])[1] == 0
+    as_system = render_chat(tokenizer, [ChatMessage(role="system", content="rules"),
+                                        ChatMessage(role="user", content="hi")])
+    as_developer = render_chat(tokenizer, [ChatMessage(role="developer", content="rules"),
+                                           ChatMessage(role="user", content="hi")])
+    assert as_developer == as_system and as_system[1] > 0
+
+
+def test_text_parts_are_joined(tokenizer: PreTrainedTokenizerBase) -> None:
+    parts = msgspec.json.decode(b'{"role": "user", "content": [{"type": "text", "text": "Hel"},'
+                                b' {"type": "text", "text": "lo"}]}', type=ChatMessage)
+    assert render_chat(tokenizer, [parts]) == render_chat(tokenizer, [ChatMessage(role="user", content="Hello")])
+
+
+# ---------------------------------------------------------------- request → engine call
+
+
+def test_chat_call_maps_every_extension() -> None:
+    request = chat_request(max_tokens=9, max_completion_tokens=5, temperature=0.0, top_k=-1, stop="END",
+                           n=3, logprobs=True, top_logprobs=4, seed=7, ignore_eos=True, priority=2,
+                           cache_salt="tenant", retention_priority=80, retention_duration_s=30.0,
+                           system_retention_priority=95, session_id="s1")
+    call = chat_call(request, list(range(40)), 12, max_context_len=100)
+    p = call.params
+    assert (p.max_tokens, p.temperature, p.top_k, p.stop, p.n, p.logprobs, p.seed, p.ignore_eos) == \
+        (5, 0.0, 0, ["END"], 3, 4, 7, True)
+    assert (call.priority, call.cache_salt, call.session_id) == (2, "tenant", "s1")
+    assert call.retention == Retention(80, 30.0)
+    assert call.prefix_retention == (12, Retention(95, None))
+
+
+def test_chat_defaults_fill_the_context() -> None:
+    call = chat_call(chat_request(), list(range(40)), 0, max_context_len=100)
+    assert call.params.max_tokens == 60 and call.params.logprobs is None
+    assert call.retention is None and call.prefix_retention is None
+
+
+def test_completion_default_max_tokens_is_16_or_what_fits() -> None:
+    request = msgspec.json.decode(b'{"prompt": [1, 2, 3]}', type=CompletionRequest)
+    assert completion_call(request, [1, 2, 3], max_context_len=100).params.max_tokens == 16
+    assert completion_call(request, [1, 2, 3], max_context_len=10).params.max_tokens == 7
+
+
+@pytest.mark.parametrize(("fields", "prompt_len", "param"), [
+    ({}, 100, "messages"),
+    ({"max_tokens": 61}, 40, "max_tokens"),
+    ({"max_completion_tokens": 61}, 40, "max_completion_tokens"),
+    ({"frequency_penalty": 1.0}, 4, "frequency_penalty"),
+    ({"logit_bias": {"5": 1.0}}, 4, "logit_bias"),
+    ({"tools": [{"type": "function"}]}, 4, "tools"),
+    ({"system_retention_duration_s": 3.0}, 4, "system_retention_duration_s"),
+])
+def test_chat_call_refusals_name_the_field(fields: dict[str, object], prompt_len: int, param: str) -> None:
+    with pytest.raises(APIError) as caught:
+        chat_call(chat_request(**fields), list(range(prompt_len)), 0, max_context_len=100)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+# ---------------------------------------------------------------- decode errors
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    (b"{", None, "invalid_json"),
+    (b"{}", "messages", "missing_field"),
+    (b'{"messages": [{}]}', "messages[0].role", "missing_field"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 99}', "n", "invalid_value"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 1}}',
+     "stream_options.include_usage", "invalid_value"),
+])
+def test_decode_errors_name_the_path(body: bytes, param: str | None, code: str) -> None:
+    with pytest.raises(msgspec.DecodeError) as caught:
+        msgspec.json.decode(body, type=ChatCompletionRequest)
+    error = error_from_decode(caught.value)
+    assert (error.status, error.param, error.code) == (400, param, code)
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def delta(index: int, ids: list[int], text: str, finish: str | None = None,
+          logprobs: list[TokenLogprob] | None = None) -> StreamDelta:
+    return StreamDelta(index=index, token_ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
+                       prompt_tokens=10, cached_tokens=4)
+
+
+def test_chat_chunks(tokenizer: PreTrainedTokenizerBase) -> None:
+    formatter = ChatFormatter(ResponseIdentity("chatcmpl-x", 1, "demo", include_usage=False),
+                              TokenNamer(tokenizer, as_ids=False))
+    (opening,) = formatter.opening_chunks(1)
+    assert msgspec.to_builtins(opening)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert formatter.chunk(delta(0, [5], "")) is None  # held-back text, nothing to say yet
+    last = msgspec.to_builtins(formatter.chunk(delta(0, [2], "", finish="stop")))
+    assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None}
+    assert "usage" not in last
+
+
+def test_completion_logprobs_offsets_follow_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode("hello world again")
+    entries = [TokenLogprob(i, -0.5, [(i, -0.5)]) for i in ids]
+    formatter = CompletionFormatter(ResponseIdentity("cmpl-x", 1, "demo", include_usage=True),
+                                    TokenNamer(tokenizer, as_ids=True))
+    first, second = (msgspec.to_builtins(formatter.chunk(delta(0, ids[part], tokenizer.decode(ids[part]),
+                                                                logprobs=entries[part])))
+                     for part in (slice(0, 2), slice(2, None)))
+    offsets = first["choices"][0]["logprobs"]["text_offset"] + second["choices"][0]["logprobs"]["text_offset"]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert offsets == [sum(len(p) for p in pieces[:k]) for k in range(len(ids))]
+    assert first["choices"][0]["logprobs"]["tokens"] == [f"token_id:{i}" for i in ids[:2]]
+    assert first["usage"] is None
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_engine_stats_collector_exports_histograms_summaries_and_unknown_keys() -> None:
+    ages = Histogram((1.0, 5.0))
+    for value in (0.5, 3.0, 9.0):
+        ages.observe(value)
+    stats = {"pages_total": 64, "hit_rate": 0.25, "preemptions": 3, "brand_new_key": 7, "a_string": "x",
+             "cache_cached_pages": 5, "new_timer_sum": 2.0, "new_timer_count": 4,
+             "cache_evict_age_seconds_sum": ages.sum, "cache_evict_age_seconds_count": ages.count,
+             "histograms": {"evict_age_seconds": {"buckets": ages.cumulative(), "sum": ages.sum,
+                                                  "count": ages.count}}}
+    text = ServerMetrics(lambda: stats).render()[0].decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("radixserve_kv_pages_total", ())] == 64
+    assert samples[("radixserve_cache_hit_rate", ())] == 0.25
+    assert samples[("radixserve_preemptions_total", ())] == 3
+    assert samples[("radixserve_engine_brand_new_key", ())] == 7
+    assert samples[("radixserve_engine_new_timer_count", ())] == 4
+    assert samples[("radixserve_engine_new_timer_sum", ())] == 2.0
+    buckets = {dict(labels)["le"]: v for (name, labels), v in samples.items()
+               if name == "radixserve_kv_age_at_eviction_seconds_bucket"}
+    assert buckets == {"1.0": 1, "5.0": 2, "+Inf": 3}
+    assert samples[("radixserve_kv_age_at_eviction_seconds_sum", ())] == 12.5
+    assert samples[("radixserve_kv_age_at_eviction_seconds_count", ())] == 3
+    # Neither the histogram's flattened twins, the skipped duplicates nor strings reappear.
+    assert not any(word in name for name, _ in samples
+                   for word in ("cache_evict_age", "cache_cached_pages", "a_string"))
