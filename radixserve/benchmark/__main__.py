@@ -1,0 +1,19 @@
+"""`python -m radixserve.benchmark MODE ...`: the `radixserve bench` subcommands on their own."""
+
+from __future__ import annotations
+
+import argparse
+
+from radixserve.benchmark.cli import add_bench_parser
+
+
+def main() -> int:
+    """Parses `MODE ...` as `radixserve bench MODE ...` would and runs it."""
+    parser = argparse.ArgumentParser(prog="python -m radixserve.benchmark")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *__import__("sys").argv[1:]])
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,261 @@
+"""`radixserve bench {simulate,serve,compare}`: argument parsing and output files."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from radixserve.benchmark.report import (
+    format_tokens,
+    parse_tokens,
+    percent,
+    plot_hit_rate_vs_capacity,
+    plot_ttft_cdf,
+    serve_table,
+    sweep_table,
+)
+from radixserve.benchmark.workloads import WORKLOADS, Workload, make_workload, mooncake_trace, with_poisson_arrivals
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Adds `bench` and its subcommands to the top-level `radixserve` parser."""
+    bench = subparsers.add_parser("bench", help="prefix-hit-rate benchmarks (simulated or against a server)",
+                                  description="Prefix-cache benchmarks: simulate the cache offline, drive a "
+                                              "running server, or compare cache on/off/transformers.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="MODE", required=True)
+    _add_simulate(sub)
+    _add_serve(sub)
+    _add_compare(sub)
+
+
+def _add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) -> None:
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--workload", choices=sorted(WORKLOADS), help="synthetic workload")
+    if trace:
+        group.add_argument("--trace", type=Path, help="Mooncake trace (JSONL) to replay")
+    parser.add_argument("--workload-args", default="", metavar="K=V,...",
+                        help="generator overrides, e.g. num_groups=8,prompts_per_group=4")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="Poisson arrivals at this many requests/s (synthetic workloads arrive at t=0 otherwise)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="replay a workload through the real cache and policies, no model")
+    _add_workload_args(p)
+    p.add_argument("--capacity-tokens", required=True, metavar="N[,N...]",
+                   help="cache capacity in tokens, e.g. 1M or a sweep 0.5M,1M,2M,4M")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: %(default)s)")
+    p.add_argument("--policy", default="lpm", choices=["fcfs", "lpm", "dfs-weight"],
+                   help="schedule policy of the main configuration (default: %(default)s)")
+    p.add_argument("--eviction", default="priority", choices=["priority", "lru"],
+                   help="tree eviction policy of the main configuration (default: %(default)s)")
+    p.add_argument("--retention", default="default",
+                   choices=["default", "system-prompt", "tail-demotion", "hit-boost", "reuse-boost"],
+                   help="retention rule of the main configuration (default: %(default)s)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one request at a time in arrival order (the Mooncake README's setting)")
+    p.add_argument("--no-baselines", action="store_true", help="run the main configuration only")
+    p.add_argument("--study", action="store_true", help="also run every retention rule (eviction study)")
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0, help="simulated prefill speed")
+    p.add_argument("--decode-step-ms", type=float, default=20.0, help="simulated time of one forward step")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--markdown", type=Path, help="write the hit-rate table here")
+    p.add_argument("--plot", type=Path, help="write the hit rate vs capacity plot (PNG) here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=simulate_command)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="drive a running server over HTTP (/v1/completions, token ids)")
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    _add_workload_args(p)
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="requests in flight (closed loop; default: %(default)s)")
+    p.add_argument("--open-loop", action="store_true",
+                   help="send each request at its arrival time (trace timestamps or --request-rate)")
+    p.add_argument("--model", default=None, help="model name to put in requests")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="keep token ids below the model's vocabulary size (synthetic default: 32000; "
+                        "trace ids are rehashed into it)")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=serve_command)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="cache on vs off vs transformers generate, on a random bench Llama")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp")
+    p.add_argument("--workload-args", default="num_groups=4,prompts_per_group=8,system_len=512,"
+                                              "question_len=64,output_len=16",
+                   help="generator overrides (default: a CPU-sized gsp)")
+    p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
+                   help="bench model directory, built if missing (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="transformers static batch size")
+    p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=compare_command)
+
+
+def parse_workload_args(text: str) -> dict[str, Any]:
+    """'a=1,b=0.5,c=true,d=x' -> {'a': 1, 'b': 0.5, 'c': True, 'd': 'x'}."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--workload-args: expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = _parse_value(value.strip())
+    return out
+
+
+def _parse_value(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def load_workload(args: argparse.Namespace, **extra: Any) -> Workload:
+    """The workload the command line describes."""
+    if getattr(args, "trace", None) is not None:
+        workload = mooncake_trace(args.trace, limit=args.limit, vocab_size=getattr(args, "vocab_size", None))
+    else:
+        params = {"seed": args.seed, **extra, **parse_workload_args(args.workload_args)}
+        workload = make_workload(args.workload, **params)
+        if args.limit is not None:
+            workload = Workload(workload.name, workload.requests[: args.limit], workload.params)
+    if args.request_rate is not None:
+        workload = with_poisson_arrivals(workload, args.request_rate, seed=args.seed)
+    return workload
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    """`radixserve bench simulate`."""
+    from radixserve.benchmark.optimum import WorkloadBounds, dfs_order, trace_block_bounds
+    from radixserve.benchmark.simulate import SimConfig
+    from radixserve.benchmark.suite import run_suite, suite_configs
+
+    capacities = [parse_tokens(c) for c in args.capacity_tokens.split(",")]
+    workload = load_workload(args)
+    main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.policy,
+                     eviction_policy=args.eviction, sequential=args.sequential,
+                     max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
+                     prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_ms / 1000)
+    bounds = WorkloadBounds(workload)
+    batch_in_dfs_order = None if args.sequential else dfs_order(workload)
+    dfs_bounds = WorkloadBounds(batch_in_dfs_order) if batch_in_dfs_order else None
+    total = len(capacities) * len(suite_configs(main, args.retention, baselines=not args.no_baselines,
+                                                study=args.study))
+    bar = None if args.no_progress else _tqdm(total, "simulations")
+    sweep = []
+    for capacity in capacities:
+        obj = run_suite(workload, capacity, main, args.retention, bounds, dfs_bounds=dfs_bounds,
+                        baselines=not args.no_baselines,
+                        study=args.study, on_result=(lambda _: bar.update(1)) if bar else None)
+        sweep.append(obj)
+        _say(f"{format_tokens(capacity)}: " + ", ".join(
+            f"{e['label']} {percent(e['hit_rate'])}" for e in obj["runs"])
+            + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}")
+    if bar:
+        bar.close()
+    if len(sweep) == 1:
+        result: dict[str, Any] = sweep[0]
+    else:
+        result = {key: sweep[0][key] for key in ("workload", "workload_params", "requests", "prompt_tokens",
+                                                 "page_size", "infinite_hit_rate")}
+        for key in ("capacity_tokens", "hit_rate", "optimal_hit_rate", "optimal_dfs_hit_rate", "fraction_of_optimum"):
+            result[key] = [run[key] for run in sweep]
+        result["sweep"] = sweep
+    if args.trace is not None:
+        result["block512_optimal_hit_rate"] = trace_block_bounds(args.trace, capacities) \
+            if args.limit is None else None
+    table = sweep_table(sweep)
+    print(table)
+    if args.json:
+        _write_json(args.json, result)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table)
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_hit_rate_vs_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs capacity "
+                                                          f"(page size {args.page_size})")
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`radixserve bench serve`."""
+    from radixserve.benchmark.serve import run_serve_benchmark
+
+    extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None and args.workload else {}
+    workload = load_workload(args, **extra)
+    result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
+                                             open_loop=args.open_loop, model=args.model,
+                                             timeout_s=args.timeout_s, progress=not args.no_progress))
+    summary = result.summary()
+    print(serve_table({workload.name: summary}))
+    if args.json:
+        _write_json(args.json, summary)
+    return 0 if summary["errors"] == 0 else 1
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """`radixserve bench compare`."""
+    from radixserve.benchmark.compare import build_bench_model, model_vocab_size, run_comparison
+
+    model_dir = build_bench_model(args.model_dir)
+    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
+              **parse_workload_args(args.workload_args)}
+    workload = make_workload(args.workload, **params)
+    result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
+                            server_args=args.server_args.split(), log_dir=args.json.parent if args.json else None,
+                            progress=not args.no_progress)
+    rows = {f"radixserve, {label}": summary for label, summary in result["servers"].items()}
+    rows["transformers generate, static batches"] = result["hf_static_batches"]
+    print(serve_table(rows))
+    print("\n".join(f"{name}: {value:.2f}x" for name, value in result["ratios"].items()))
+    for label, reason in result["server_failures"].items():
+        _say(f"server run '{label}' failed: {reason}")
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: prefix cache on vs off")
+    if args.json:
+        _write_json(args.json, result)
+    return 1 if result["server_failures"] else 0
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _tqdm(total: int, desc: str):  # -> tqdm
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
+
+
+def _say(message: str) -> None:
+    print(f"radixserve bench: {message}", file=sys.stderr, flush=True)

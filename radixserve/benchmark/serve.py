@@ -1,0 +1,188 @@
+"""Serve mode: drive a running OpenAI-compatible server with a workload over HTTP.
+
+Each request goes to /v1/completions with its token ids as the prompt (so the server sees
+exactly the workload's tokens), `max_tokens` = the request's output length, `ignore_eos`,
+greedy sampling, streaming with `stream_options.include_usage`. Measured per request: TTFT
+(time to the first streamed chunk carrying a choice), ITL (gaps between later such chunks),
+end-to-end latency, and from the final usage chunk prompt, completion and cached tokens.
+
+Arrivals: a closed loop of `concurrency` workers taking requests in order, or an open loop
+at each request's `arrival_time` (trace timestamps, or `with_poisson_arrivals`). Either way
+a request whose workload `parent` has not finished waits for it (a chat's next turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from radixserve.benchmark.workloads import BenchRequest, Workload
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured. Times in seconds; `error` set when it failed."""
+
+    index: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = float("nan")
+    latency_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class ServeResult:
+    """All records of one serve-mode run plus its wall-clock duration."""
+
+    url: str
+    workload: str
+    records: list[RequestRecord]
+    duration_s: float
+
+    def summary(self) -> dict[str, object]:
+        """Latency, throughput and hit-rate figures (JSON-ready)."""
+        ok = [r for r in self.records if r.error is None]
+        prompt = sum(r.prompt_tokens for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
+        output = sum(r.completion_tokens for r in ok)
+        ttft = np.array([r.ttft_s for r in ok]) if ok else np.zeros(0)
+        latency = np.array([r.latency_s for r in ok]) if ok else np.zeros(0)
+        itl = np.array([g for r in ok for g in r.itl_s])
+        duration = self.duration_s or float("nan")
+        return {
+            "url": self.url, "workload": self.workload,
+            "requests": len(self.records), "completed": len(ok), "errors": len(self.records) - len(ok),
+            "duration_s": self.duration_s,
+            "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": output,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "request_throughput": len(ok) / duration,
+            "output_token_throughput": output / duration,
+            "total_token_throughput": (prompt + output) / duration,
+            **_stats("ttft", ttft), **_stats("itl", itl), **_stats("latency", latency),
+        }
+
+
+def _stats(name: str, values: np.ndarray) -> dict[str, float | None]:
+    if not len(values):
+        return {f"{name}_mean_s": None, f"{name}_p50_s": None, f"{name}_p90_s": None, f"{name}_p99_s": None}
+    return {f"{name}_mean_s": float(values.mean()), f"{name}_p50_s": float(np.percentile(values, 50)),
+            f"{name}_p90_s": float(np.percentile(values, 90)), f"{name}_p99_s": float(np.percentile(values, 99))}
+
+
+def completion_payload(request: BenchRequest, model: str | None, *, isolate: bool = False
+                       ) -> dict[str, object]:
+    """The /v1/completions body for one workload request; `isolate` gives it a cache_salt of
+    its own, so it can reuse nothing (prefix caching at 0% hits)."""
+    payload: dict[str, object] = {
+        "prompt": request.prompt_ids.tolist(), "max_tokens": max(request.output_len, 1),
+        "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        payload["model"] = model
+    if isolate:
+        payload["cache_salt"] = f"isolated-{request.index}"
+    return payload
+
+
+async def send_request(client: httpx.AsyncClient, url: str, request: BenchRequest,
+                       model: str | None, *, isolate: bool = False) -> RequestRecord:
+    """Streams one completion and measures it; failures are recorded, not raised."""
+    record = RequestRecord(request.index)
+    start = time.perf_counter()
+    last_chunk: float | None = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions",
+                                 json=completion_payload(request, model, isolate=isolate)) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {body[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if last_chunk is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last_chunk)
+                    last_chunk = now
+                usage = chunk.get("usage")
+                if usage:
+                    record.prompt_tokens = usage["prompt_tokens"]
+                    record.completion_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens", 0) or 0
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    record.latency_s = time.perf_counter() - start
+    if last_chunk is None:
+        record.error = "no content chunk received"
+    return record
+
+
+async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int | None = 16,
+                              open_loop: bool = False, model: str | None = None, isolate: bool = False,
+                              timeout_s: float = 600.0, progress: bool = False) -> ServeResult:
+    """Replays `workload` against the server at `url` (e.g. http://127.0.0.1:8000).
+
+    `open_loop` sends each request at its `arrival_time`; otherwise `concurrency` workers
+    keep that many requests in flight. `isolate` gives every request its own cache_salt.
+    """
+    url = url.rstrip("/")
+    requests = workload.requests
+    finished = {r.index: asyncio.Event() for r in requests}
+    records: dict[int, RequestRecord] = {}
+    bar = _progress_bar(len(requests), progress)
+    limits = httpx.Limits(max_connections=None if open_loop else max(concurrency or 1, 1))
+
+    async def one(client: httpx.AsyncClient, request: BenchRequest) -> None:
+        if request.parent is not None:
+            await finished[request.parent].wait()
+        records[request.index] = await send_request(client, url, request, model, isolate=isolate)
+        finished[request.index].set()
+        if bar is not None:
+            bar.update(1)
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        if open_loop:
+            async def at_arrival(request: BenchRequest) -> None:
+                await asyncio.sleep(max(0.0, request.arrival_time - (time.perf_counter() - start)))
+                await one(client, request)
+            await asyncio.gather(*(at_arrival(r) for r in requests))
+        else:
+            queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
+            for r in requests:
+                queue.put_nowait(r)
+
+            async def worker() -> None:
+                while not queue.empty():
+                    await one(client, queue.get_nowait())
+            await asyncio.gather(*(worker() for _ in range(max(concurrency or 1, 1))))
+    duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return ServeResult(url, workload.name, [records[r.index] for r in requests], duration)
+
+
+def _progress_bar(total: int, enabled: bool):  # -> tqdm | None
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,78 @@
+"""`radixserve bench simulate`: the JSON contract, sweeps, tables and plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from radixserve.benchmark.__main__ import main as bench_main
+from radixserve.benchmark.cli import parse_workload_args
+from radixserve.benchmark.report import format_tokens, parse_tokens
+from radixserve.cli import main
+
+SMALL_GSP = ["--workload", "gsp", "--workload-args",
+             "num_groups=6,prompts_per_group=4,system_len=128,question_len=16,output_len=4"]
+
+
+def test_simulate_writes_the_documented_json(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["bench", "simulate", *SMALL_GSP, "--capacity-tokens", "1k", "--no-progress",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("hit_rate", "optimal_hit_rate", "infinite_hit_rate", "requests", "prompt_tokens",
+                "capacity_tokens", "page_size", "fraction_of_optimum", "runs"):
+        assert key in result
+    assert result["requests"] == 24 and result["prompt_tokens"] == 24 * 144
+    assert result["capacity_tokens"] == 1000 and result["page_size"] == 16
+    assert result["infinite_hit_rate"] == pytest.approx(3 * 128 / (4 * 144))
+    labels = [run["label"] for run in result["runs"]]
+    assert labels == ["no-cache", "fcfs/lru", "lpm/lru", "dfs-weight/lru", "lpm/priority+system-prompt",
+                      "lpm/priority"]
+    main_run = result["runs"][-1]
+    assert result["hit_rate"] == main_run["hit_rate"]
+    assert result["runs"][0]["hit_rate"] == 0.0
+    assert 0 < result["hit_rate"] <= result["infinite_hit_rate"]
+
+
+def test_sweep_writes_lists_table_and_plot(tmp_path: Path, monkeypatch, capsys) -> None:
+    out, table, plot = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "s.png"
+    monkeypatch.setattr(sys, "argv", ["x", "simulate", *SMALL_GSP, "--capacity-tokens", "0.5k,2k",
+                                      "--sequential", "--study", "--no-progress", "--json", str(out),
+                                      "--markdown", str(table), "--plot", str(plot)])
+    assert bench_main() == 0
+    result = json.loads(out.read_text())
+    assert result["capacity_tokens"] == [500, 2000] and len(result["sweep"]) == 2
+    assert all(0 <= h <= o + 1e-12 for h, o in zip(result["hit_rate"], result["optimal_hit_rate"]))
+    labels = [run["label"] for run in result["sweep"][0]["runs"]]
+    assert labels == ["no-cache", "sequential/lru", "sequential/priority+system-prompt", "sequential/priority",
+                      "sequential/priority+tail-demotion", "sequential/priority+hit-boost",
+                      "sequential/priority+reuse-boost"]
+    text = table.read_text()
+    assert "| configuration | 500 | 2k |" in text and "offline optimum" in text
+    assert text in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_token_counts_and_workload_args_parse() -> None:
+    assert parse_tokens("0.5M") == 500_000 and parse_tokens("64k") == 64_000 and parse_tokens("12") == 12
+    assert format_tokens(500_000) == "0.5M" and format_tokens(4_000_000) == "4M"
+    assert parse_workload_args("a=1, b=0.5,c=true,d=x") == {"a": 1, "b": 0.5, "c": True, "d": "x"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_workload_args("oops")
+
+
+def test_cli_offers_every_retention_rule() -> None:
+    import argparse
+
+    from radixserve.benchmark.cli import add_bench_parser
+    from radixserve.benchmark.suite import RETENTION_RULES
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    for rule in RETENTION_RULES:
+        args = parser.parse_args(["bench", "simulate", "--workload", "gsp", "--capacity-tokens", "1k",
+                                  "--retention", rule])
+        assert args.retention == rule

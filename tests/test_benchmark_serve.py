@@ -1,0 +1,138 @@
+"""Serve mode's HTTP client against a scripted OpenAI-style streaming server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from radixserve.benchmark.optimum import WorkloadBounds
+from radixserve.benchmark.serve import run_serve_benchmark
+from radixserve.benchmark.workloads import generated_shared_prefix, multi_turn, with_poisson_arrivals
+
+CHUNK_GAP_S = 0.002
+
+
+class ScriptedServer:
+    """Streams `max_tokens` one-character chunks, then a usage chunk whose cached_tokens is
+    the longest prefix (at most len-1) shared with any earlier prompt."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+        self.spans: dict[tuple[int, ...], tuple[float, float]] = {}
+        self.bodies: list[dict] = []
+
+    async def completions(self, request: Request):
+        body = await request.json()
+        self.bodies.append(body)
+        prompt: list[int] = body["prompt"]
+        if prompt[0] == 0:
+            return JSONResponse({"error": {"message": "bad prompt"}}, status_code=400)
+        started = time.perf_counter()
+        cached = max((_lcp(prompt[:-1], p) for p in self.prompts), default=0)
+        self.prompts.append(prompt)
+
+        async def events():
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(CHUNK_GAP_S)
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\n\n"
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"],
+                     "total_tokens": len(prompt) + body["max_tokens"],
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            self.spans[tuple(prompt)] = (started, time.perf_counter())  # before the client can see the end
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, ScriptedServer]]:
+    scripted = ScriptedServer()
+    app = Starlette(routes=[Route("/v1/completions", scripted.completions, methods=["POST"])])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uv.started:
+        assert time.monotonic() < deadline, "scripted server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", scripted
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_one_at_a_time_measures_hits_tokens_and_latencies(server) -> None:
+    url, scripted = server
+    w = generated_shared_prefix(num_groups=3, prompts_per_group=3, system_len=40, question_len=8,
+                                output_len=4)
+    result = asyncio.run(run_serve_benchmark(url, w, concurrency=1))
+    summary = result.summary()
+    assert summary["errors"] == 0 and summary["completed"] == 9
+    assert summary["prompt_tokens"] == w.prompt_tokens
+    assert summary["completion_tokens"] == 9 * 4
+    assert summary["hit_rate"] == pytest.approx(WorkloadBounds(w).infinite().hit_rate)
+    for record in result.records:
+        assert len(record.itl_s) == 3 and all(g > 0 for g in record.itl_s)
+        assert 0 < record.ttft_s < record.latency_s
+    assert summary["request_throughput"] == pytest.approx(9 / result.duration_s)
+    body = scripted.bodies[0]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] and body["temperature"] == 0.0 and body["max_tokens"] == 4
+    assert [b["prompt"] for b in scripted.bodies] == [r.prompt_ids.tolist() for r in w.requests]
+
+
+def test_a_turn_is_sent_only_after_its_parent_finished(server) -> None:
+    url, scripted = server
+    w = multi_turn(num_clients=3, num_turns=3, system_len=16, message_len=4, output_len=3)
+    summary = asyncio.run(run_serve_benchmark(url, w, concurrency=4)).summary()
+    assert summary["errors"] == 0
+    for r in w.requests:
+        if r.parent is not None:
+            parent_end = scripted.spans[tuple(w.requests[r.parent].prompt_ids.tolist())][1]
+            assert scripted.spans[tuple(r.prompt_ids.tolist())][0] >= parent_end
+
+
+def test_open_loop_sends_at_arrival_times(server) -> None:
+    url, scripted = server
+    w = with_poisson_arrivals(generated_shared_prefix(num_groups=2, prompts_per_group=3, system_len=8,
+                                                      question_len=4, output_len=2), rate=40.0, seed=2)
+    start = time.perf_counter()
+    result = asyncio.run(run_serve_benchmark(url, w, open_loop=True))
+    assert result.summary()["errors"] == 0
+    for r in w.requests:
+        sent = scripted.spans[tuple(r.prompt_ids.tolist())][0] - start
+        assert sent >= r.arrival_time - 0.005
+
+
+def test_http_errors_are_recorded_not_raised(server) -> None:
+    url, _ = server
+    w = generated_shared_prefix(num_groups=1, prompts_per_group=2, system_len=4, question_len=2, output_len=2)
+    w.requests[0].prompt_ids = np.zeros(6, dtype=np.int32)  # the scripted server rejects it
+    result = asyncio.run(run_serve_benchmark(url, w, concurrency=2))
+    summary = result.summary()
+    assert summary["errors"] == 1 and summary["completed"] == 1
+    assert "HTTP 400" in result.records[0].error
