@@ -68,3 +68,9 @@ def test_priority_then_aging(tree: RadixTree) -> None:
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown schedule policy 'best'"):
         make_policy("best")
+
+
+def test_dfs_weight_prefers_a_cached_subtree_to_a_heavier_uncached_one(tree: RadixTree) -> None:
+    waiting = [req("y1", [60, 1, 1], 1.0), req("y2", [60, 2, 2], 2.0), req("y3", [60, 3, 3], 3.0),
+               req("cached", [1, 2, 3, 4, 5, 9], 4.0)]
+    assert names(make_policy("dfs-weight").order(waiting, tree, now=5.0)) == ["cached", "y1", "y2", "y3"]
