@@ -44,9 +44,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                        help="order of waiting requests: longest cached prefix first, DFS over "
                             "shared prefixes, or arrival order (default: %(default)s)")
-    serve.add_argument("--eviction-policy", default="priority", choices=["priority", "lru"],
-                       help="which cached pages go first: lowest retention priority then LRU, or LRU "
-                            "(default: %(default)s)")
+    serve.add_argument("--eviction-policy", default="reuse-boost", choices=["reuse-boost", "priority", "lru"],
+                       help="which cached pages go first: reuse-boost (retention priority, with pages "
+                            "seen recently kept longer, then LRU), priority (retention priority then "
+                            "LRU), or plain LRU (default: %(default)s)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="compute every prompt in full, sharing nothing (a baseline for benchmarks)")
     serve.add_argument("--max-running", type=int, default=256,
                        help="sequences decoding at once (default: %(default)s)")
     serve.add_argument("--max-queue", type=int, default=None,
@@ -94,7 +97,8 @@ def serve_command(args: argparse.Namespace) -> int:
                         kv_memory_gb=args.kv_memory_gb, device=args.device,
                         schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
                         dtype=args.dtype, max_running=args.max_running, max_queue=args.max_queue,
-                        max_batch_tokens=args.max_batch_tokens)
+                        max_batch_tokens=args.max_batch_tokens,
+                        enable_prefix_cache=not args.no_prefix_cache)
     except (OSError, ValueError) as exc:
         _say(f"error: cannot load {args.model!r}: {exc}")
         return 2

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from radixserve.benchmark.optimum import WorkloadBounds
-from radixserve.benchmark.retention import ReuseBoost, SharedPrefixRetention, prefix_page_hashes
+from radixserve.benchmark.retention import ReuseBoost, SharedPrefixRetention
+from radixserve.cache.reuse import prefix_page_hashes
 from radixserve.benchmark.simulate import SimConfig, Simulator, simulate
 from radixserve.benchmark.workloads import (
     BenchRequest,

@@ -43,7 +43,7 @@ def assert_cached_kv_is_factual(engine: Engine) -> None:
     for leaf in leaves:
         tokens, pages, node = [], [], leaf
         while not node.is_root:
-            tokens[:0], pages[:0] = node.tokens.tolist(), node.pages.tolist()
+            tokens[:0], pages[:0] = list(node.tokens), list(node.pages)
             node = node.parent
         bad = verify_cached_kv(engine.loaded.model, engine.pool.k_cache, engine.pool.v_cache, tokens, pages,
                                engine.page_size)
@@ -280,3 +280,28 @@ def test_incremental_detokenizer_never_splits_characters(ckpt: Path) -> None:
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
 
+
+
+def test_prefix_cache_off_shares_nothing_and_gives_the_same_tokens(ckpt: Path) -> None:
+    prompts = [list(range(10, 50)) + [i] for i in range(3)]
+    cached = make_engine(ckpt).generate(prompts, GREEDY)
+    engine = make_engine(ckpt, enable_prefix_cache=False)
+    plain = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in cached]
+    assert [o.cached_tokens for o in plain] == [0, 0, 0] and max(o.cached_tokens for o in cached) > 0
+    assert engine.tree.cached_pages == 0 and engine.pool.num_free == engine.pool.num_pages
+
+
+def test_reuse_boost_retains_a_prefix_seen_before(ckpt: Path) -> None:
+    """A document seen twice outranks one-off prompts; under plain LRU it would go first."""
+    rng = random.Random(5)
+    document = [rng.randrange(3, 300) for _ in range(32)]
+    one_offs = [[rng.randrange(3, 300) for _ in range(60)] for _ in range(6)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    hits = {}
+    for policy in ("reuse-boost", "lru"):
+        engine = make_engine(ckpt, page_size=4, num_pages=40, max_running=1, eviction_policy=policy)
+        engine.generate([document + [1], document + [2]], params)  # seen twice: reused
+        engine.generate(one_offs, params)
+        hits[policy] = engine.generate([document + [3]], params)[0].cached_tokens
+    assert hits["reuse-boost"] == len(document) and hits["lru"] < len(document), hits

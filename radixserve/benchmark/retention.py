@@ -12,10 +12,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-import numpy as np
-
 from radixserve.benchmark.workloads import BenchRequest
 from radixserve.cache.eviction import Retention
+from radixserve.cache.reuse import ReuseHistory
 
 RetentionRanges = list[tuple[int, int, Retention]]
 
@@ -106,60 +105,17 @@ class ReuseBoost(RetentionRule):
         self.window_pages = window_pages
         self.retention = Retention(priority)
         self.boost_sessions = boost_sessions
-        self._last_seen: dict[int, int] = {}
-        self._clock = 0
+        self._history = ReuseHistory(page_size, window_pages)
         self._seen_pages: dict[int, int] = {}
 
     def ranges(self, request: BenchRequest, hit_tokens: int) -> RetentionRanges:
         seen = self._seen_pages.get(request.index)
         if seen is None:  # first insert of this request (later chunks ask again)
-            seen = self._seen_pages[request.index] = self._observe(request.prompt_ids)
+            seen = self._seen_pages[request.index] = self._history.observe(request.prompt_ids)
         if self.boost_sessions and request.client_id >= 0:
             reply = 0 if request.output_ids is None else len(request.output_ids)
             return [(0, request.prompt_len + reply, self.retention)]
         return [(0, seen * self.page_size, self.retention)] if seen else []
-
-    def _observe(self, tokens: np.ndarray) -> int:
-        """Records the prompt's pages in the history; returns how many leading pages had
-        been seen within the window. A request's pages share one time stamp, so the seen
-        pages always form a prefix."""
-        hashes = prefix_page_hashes(tokens, self.page_size).tolist()
-        seen = 0
-        for h in hashes:
-            last = self._last_seen.get(h)
-            if last is None or self._clock - last >= self.window_pages:
-                break
-            seen += 1
-        self._clock += len(hashes)
-        for h in hashes:
-            self._last_seen[h] = self._clock
-        if len(self._last_seen) > 4 * self.window_pages + 1024:
-            self._last_seen = {h: t for h, t in self._last_seen.items() if self._clock - t < self.window_pages}
-        return seen
-
-
-_MIX_A = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_B = np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise (wrapping uint64 arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _MIX_A
-    x = x ^ (x >> np.uint64(27))
-    x = x * _MIX_B
-    return x ^ (x >> np.uint64(31))
-
-
-def prefix_page_hashes(tokens: np.ndarray, page_size: int) -> np.ndarray:
-    """One 64-bit hash per full page of `tokens`, each a function of the page's whole prefix."""
-    full = len(tokens) // page_size
-    pages = np.asarray(tokens[: full * page_size], dtype=np.uint64).reshape(full, page_size)
-    columns = _mix64(np.arange(1, page_size + 1, dtype=np.uint64))
-    positions = _mix64(np.arange(1, full + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    with np.errstate(over="ignore"):
-        page_hash = _mix64((_mix64(pages + np.uint64(1)) * columns).sum(axis=1, dtype=np.uint64))
-        return _mix64(np.cumsum(page_hash * positions, dtype=np.uint64))
 
 
 class Combined(RetentionRule):

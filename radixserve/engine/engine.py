@@ -9,12 +9,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixserve.attention.base import create_backend
 from radixserve.cache.invariants import SequenceView, check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
+from radixserve.cache.reuse import ReuseHistory
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
                                       StreamDelta)
@@ -22,9 +24,10 @@ from radixserve.engine.policy import make_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import compute_logprobs, make_generator, sample
-from radixserve.engine.scheduler import ScheduledChunk, Scheduler, _range_retention
+from radixserve.engine.scheduler import ScheduledChunk, Scheduler
 from radixserve.models.loader import load_model
 
+REUSE_WINDOW = 16  # reuse history length, in multiples of the pool's pages (measured best)
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
 DEFAULT_CPU_KV_GB = 0.5
 DEFAULT_GPU_KV_FRACTION = 0.8
@@ -46,7 +49,10 @@ class Engine:
         num_pages / kv_memory_gb: size of the KV pool, by pages or by bytes; default: 0.5 GB on
             CPU, 80% of free memory on CUDA.
         schedule_policy: "lpm" (longest cached prefix first), "dfs-weight" or "fcfs".
-        eviction_policy: "priority" (retention priority, then LRU) or "lru".
+        eviction_policy: "reuse-boost" (the default: "priority", plus pages whose prefix was
+            seen recently — remembered beyond eviction — are retained at priority 60; the best
+            policy measured, see docs/benchmark.md), "priority" (retention priority, then
+            LRU) or "lru".
         max_running: sequences decoding at once. max_queue: waiting requests before QueueFull.
         max_batch_tokens: tokens per forward step; longer prompts are prefilled in chunks.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
@@ -57,7 +63,7 @@ class Engine:
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
                  kv_memory_gb: float | None = None, device: str | None = None,
-                 schedule_policy: str = "lpm", eviction_policy: str = "priority", *,
+                 schedule_policy: str = "lpm", eviction_policy: str = "reuse-boost", *,
                  dtype: str | torch.dtype | None = None, max_running: int = 256,
                  max_queue: int | None = None, max_batch_tokens: int = 2048,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
@@ -72,14 +78,16 @@ class Engine:
         self.device = self.loaded.device
         self.page_size = page_size
         self.pool = self._make_pool(num_pages, kv_memory_gb)
-        self.tree = RadixTree(self.pool, eviction_policy=eviction_policy)
+        reuse_boost = eviction_policy == "reuse-boost"
+        self.tree = RadixTree(self.pool, eviction_policy="priority" if reuse_boost else eviction_policy)
+        self.reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * self.pool.num_pages)
+                              if reuse_boost and enable_prefix_cache else None)
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
-                                   clock=time.monotonic)
+                                   clock=time.monotonic, prefix_cache=enable_prefix_cache)
         self.runner = ModelRunner(self.loaded, self.pool, create_backend(backend, self.device))
         self.max_queue = max_queue
         self.session_ttl_s = session_ttl_s
-        self.enable_prefix_cache = enable_prefix_cache
         self.debug_checks = debug_checks
         self.eos_token_ids = self._eos_token_ids()
         self._rng = torch.Generator().manual_seed(seed)
@@ -138,9 +146,12 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        namespace = (self.model_name, cache_salt) if self.enable_prefix_cache else object()
+        namespace = (self.model_name, cache_salt)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
                       retention, prefix_retention, session_id)
+        if self.reuse_history is not None:
+            seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
+            req.reused_tokens = seen_pages * self.page_size
         self._requests[request_id] = req
         self._pending[request_id] = []
         self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
@@ -208,7 +219,7 @@ class Engine:
             seq.num_computed += chunk.num_new
             req = seq.request
             if chunk.num_new > 1:  # a prefill chunk: share its pages now (decodes cache at the end)
-                self.scheduler.cache_computed(seq, req.retention, _range_retention(req))
+                self.scheduler.cache_computed(seq, req.retention, req.range_retention())
             if not needs_logits:
                 continue
             ready.append((seq, row))
@@ -274,7 +285,7 @@ class Engine:
             base = retention.priority if retention is not None else DEFAULT_PRIORITY
             retention = Retention(max(SESSION_PRIORITY, base), self.session_ttl_s)
         computed = seq.token_ids[: seq.num_computed]
-        self._released.extend(self.scheduler.finish(seq, retention, _range_retention(req)))
+        self._released.extend(self.scheduler.finish(seq, retention, req.range_retention()))
         if in_session:
             self._sessions[req.session_id] = _Session(computed, req.namespace, time.monotonic())
         self._emit(seq)

@@ -14,6 +14,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatc
 from radixserve.engine.params import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
+REUSED_RETENTION = Retention(60)  # pages seen before outrank first-seen ones (default 35)
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class Request:
     retention: Retention | None = None
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
+    reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
     sequences: list[Sequence] = field(default_factory=list)
     cached_tokens: int | None = None  # set when its first sequence is first admitted
     aborted: bool = False
@@ -36,6 +38,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences)
+
+    def range_retention(self) -> list[tuple[int, int, Retention]]:
+        """Token ranges retained above the request's own retention, for RadixTree.insert."""
+        ranges = []
+        if self.prefix_retention is not None:
+            num_tokens, retention = self.prefix_retention
+            ranges.append((0, num_tokens, retention))
+        if self.reused_tokens:
+            ranges.append((0, self.reused_tokens, REUSED_RETENTION))
+        return ranges
 
 
 @dataclass(eq=False)

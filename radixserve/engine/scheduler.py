@@ -45,7 +45,8 @@ class Scheduler:
     """Continuous batching over a paged KV pool with a radix prefix cache."""
 
     def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
-                 max_running: int, max_batch_tokens: int, clock: Callable[[], float]) -> None:
+                 max_running: int, max_batch_tokens: int, clock: Callable[[], float],
+                 prefix_cache: bool = True) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -53,6 +54,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
+        self.prefix_cache = prefix_cache  # False: nothing is matched or cached (a baseline)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -89,7 +91,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             aged = now - seq.arrival_time > self.policy.max_wait_s
-            if not aged and self._shares_prefill_in_flight(seq):
+            if self.prefix_cache and not aged and self._shares_prefill_in_flight(seq):
                 self.counters.deferred_for_sharing += 1
                 continue
             self._take_cached_prefix(seq)
@@ -134,6 +136,8 @@ class Scheduler:
         Full pages are shared; a match that ends inside a cached page is copied into a private
         page (copy-on-partial-reuse), so the hit does not depend on the page size.
         """
+        if not self.prefix_cache:
+            return
         tokens = seq.prompt_ids
         match = self.tree.match(tokens[: len(tokens) - 1], seq.namespace)
         self.tree.lock(match.node)
@@ -174,7 +178,7 @@ class Scheduler:
         the tree's pages and frees its own, so equal prefixes are stored once.
         """
         full = seq.num_computed // self.page_size
-        if full == 0:
+        if full == 0 or not self.prefix_cache:
             return
         tokens = seq.token_ids[: full * self.page_size]
         if full * self.page_size > seq.locked_tokens:
@@ -200,7 +204,7 @@ class Scheduler:
                        retention: Retention | None = None,
                        range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
         """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree."""
-        if cache:
+        if cache and self.prefix_cache:
             self.tree.insert(seq.token_ids[: (seq.num_computed // self.page_size) * self.page_size],
                              seq.block_table[: seq.num_computed // self.page_size],
                              seq.namespace, retention, list(range_retention))
@@ -218,7 +222,7 @@ class Scheduler:
         """Stops a running sequence; its computed pages go to the tree, it recomputes later."""
         req = seq.request
         self._release_pages(seq, cache=True, retention=req.retention,
-                            range_retention=_range_retention(req))
+                            range_retention=req.range_retention())
         self.running.remove(seq)
         self.waiting.append(seq)
         self.counters.preemptions += 1
@@ -255,9 +259,3 @@ class Scheduler:
         self.running.append(child)
         return True
 
-
-def _range_retention(req) -> list[tuple[int, int, Retention]]:
-    if req.prefix_retention is None:
-        return []
-    num_tokens, retention = req.prefix_retention
-    return [(0, num_tokens, retention)]
