@@ -6,6 +6,7 @@ Every engine here runs with debug_checks on: the structural checker runs after e
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,17 @@ def test_reuse_boost_retains_a_prefix_seen_before(ckpt: Path) -> None:
         engine.generate(one_offs, params)
         hits[policy] = engine.generate([document + [3]], params)[0].cached_tokens
     assert hits["reuse-boost"] == len(document) and hits["lru"] < len(document), hits
+
+
+def test_an_idle_session_expires_into_ordinary_cache(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4, num_pages=40, max_running=1, session_ttl_s=0.2,
+                         eviction_policy="priority")
+    turn = list(range(250, 282))
+    engine.add_request(turn, GREEDY, session_id="s1")
+    while engine.has_work():
+        engine.step()
+    time.sleep(0.3)  # idle past the TTL: the session's retention has decayed
+    rng = random.Random(1)
+    filler = [[rng.randrange(3, 190) for _ in range(60)] for _ in range(6)]
+    engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert engine.generate([turn + [1]], GREEDY)[0].cached_tokens < len(turn)
