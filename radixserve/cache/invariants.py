@@ -1,0 +1,146 @@
+"""Structural checks of the pool, the radix tree and the live block tables.
+
+Structural correctness only (who holds which page, whether the tree is well formed); whether a
+page holds the right K/V is checked elsewhere by recomputation. Each failure raises
+`InvariantError` whose message starts with the rule's name in brackets and names the page
+or node at fault.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixNode, RadixTree
+
+
+class InvariantError(AssertionError):
+    """A broken cache invariant; the message names the rule and the page."""
+
+
+@dataclass
+class SequenceView:
+    """What the checker needs of a live sequence."""
+
+    block_table: Sequence[int]
+    num_tokens: int   # tokens whose K/V are in the pages
+
+
+def _fail(rule: str, message: str) -> None:
+    raise InvariantError(f"[{rule}] {message}")
+
+
+def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable[SequenceView],
+                     released_pages: Iterable[int] = ()) -> None:
+    """Raises InvariantError unless all of these hold:
+
+    - tree shape: every child links back to its parent under the key of its first page; an
+      edge is a whole number (>= 1) of pages; per-page retention arrays match the page count;
+      a node's namespace is its parent's; sorted child keys match the children;
+    - locks: `lock_ref(node) = locks taken on node + sum of lock_ref(children)`, so
+      `lock_ref(node) >= sum(lock_ref(child)) >= 0`;
+    - counters: cached / locked / evictable pages and the node count equal a recount, and
+      every unlocked leaf is queued for eviction;
+    - no page is cached twice (namespaces never share pages);
+    - block tables: `len(block_table) == ceil(num_tokens / page_size)`, no page listed twice;
+    - refcounts: every page's refcount equals its holders (the tree once per cached page,
+      plus each block table listing it), so every referenced page is allocated;
+    - free list: exactly the pages with refcount 0, no page listed twice;
+    - `released_pages` are free.
+    """
+    size = pool.page_size
+    held: list[np.ndarray] = []
+    if tree is not None:
+        held.append(_check_tree(tree, size))
+    for i, seq in enumerate(sequences):
+        table = np.asarray(list(seq.block_table), dtype=np.int64)
+        expected = math.ceil(seq.num_tokens / size)
+        if len(table) != expected:
+            _fail("block-table-coverage", f"sequence {i}: {len(table)} pages for {seq.num_tokens} "
+                  f"tokens, expected {expected} (page size {size})")
+        if len(np.unique(table)) != len(table):
+            _fail("block-table-duplicate", f"sequence {i}: block table {table.tolist()} lists a page twice")
+        held.append(table)
+
+    pages = np.concatenate(held) if held else np.empty(0, dtype=np.int64)
+    if len(pages) and (pages.min() < 0 or pages.max() >= pool.num_pages):
+        bad = int(pages[(pages < 0) | (pages >= pool.num_pages)][0])
+        _fail("page-range", f"page {bad} is not in 0..{pool.num_pages - 1}")
+    holders = np.bincount(pages, minlength=pool.num_pages)
+    refcounts = pool.refcounts()
+    wrong = np.flatnonzero(holders != refcounts)
+    if len(wrong):
+        page = int(wrong[0])
+        rule = "referenced-page-free" if refcounts[page] == 0 else "refcount-holders"
+        _fail(rule, f"page {page}: refcount {refcounts[page]} but {holders[page]} holder(s)")
+
+    free = pool.free_pages()
+    if len(free) != pool.num_free:
+        _fail("free-list-duplicate", f"free list has {pool.num_free} entries but {len(free)} distinct pages")
+    zero = set(np.flatnonzero(refcounts == 0).tolist())
+    if free != zero:
+        page = min(free ^ zero)
+        _fail("free-list-used", f"page {page}: in free list {page in free}, refcount {refcounts[page]}")
+    if len(free) + pool.num_used != pool.num_pages:
+        _fail("free-plus-used", f"{len(free)} free + {pool.num_used} used != {pool.num_pages} pages")
+    for page in released_pages:
+        if refcounts[page] != 0:
+            _fail("released-not-free", f"page {page}: released but refcount {refcounts[page]}")
+
+
+def _check_tree(tree: RadixTree, size: int) -> np.ndarray:
+    """Checks the tree's shape and counters; returns its pages."""
+    cached: list[int] = []
+    num_cached = num_locked = num_nodes = 0
+    queued = {id(node) for node in tree.queued_nodes()}
+    for node, pages in tree.nodes():
+        where = f"node with pages {pages[:8]}{'...' if len(pages) > 8 else ''}"
+        _check_links(node, size, where)
+        child_locks = sum(child.lock_ref for child in node.children.values())
+        if node.lock_ref < child_locks or node.lock_ref < 0:
+            _fail("lock-ref", f"{where}: lock_ref {node.lock_ref} < children's {child_locks}")
+        if node.is_root:
+            if pages or node.parent is not None:
+                _fail("root", f"namespace {node.namespace!r}: root has pages or a parent")
+            continue
+        num_nodes += 1
+        num_cached += len(pages)
+        num_locked += len(pages) if node.lock_ref else 0
+        cached += pages
+        if not node.children and not node.lock_ref and id(node) not in queued:
+            _fail("eviction-queue", f"{where}: unlocked leaf is not queued for eviction")
+    all_pages = np.asarray(cached, dtype=np.int64)
+    unique, counts = np.unique(all_pages, return_counts=True)
+    if (counts > 1).any():
+        _fail("page-cached-twice", f"page {int(unique[counts > 1][0])} is cached in two places")
+    recount = {"cached_pages": num_cached, "locked_pages": num_locked,
+               "evictable_pages": num_cached - num_locked}
+    for name, value in recount.items():
+        if getattr(tree, name) != value:
+            _fail("counter", f"tree.{name} = {getattr(tree, name)}, recount {value}")
+    if tree.stats()["nodes"] != num_nodes:
+        _fail("counter", f"tree node count {tree.stats()['nodes']}, recount {num_nodes}")
+    return all_pages
+
+
+def _check_links(node: RadixNode, size: int, where: str) -> None:
+    for key, child in node.children.items():
+        if child.parent is not node or child.key != key:
+            _fail("dangling-node", f"{where}: child under key {key[:16]!r} does not link back")
+        if child.namespace != node.namespace:
+            _fail("namespace", f"{where}: child in namespace {child.namespace!r}, parent {node.namespace!r}")
+    if node.sorted_keys is not None and node.sorted_keys != sorted(node.children):
+        _fail("sorted-keys", f"{where}: sorted child keys differ from the children")
+    if node.is_root:
+        return
+    num_pages = len(node.pages)
+    if num_pages == 0 or len(node.tokens) != num_pages * size:
+        _fail("edge-length", f"{where}: {len(node.tokens)} tokens for {num_pages} pages of {size}")
+    if node.key != node.tokens[:size].tobytes():
+        _fail("child-key", f"{where}: key is not its first page's tokens")
+    if node.priority is not None and not (len(node.priority) == len(node.expiry) == num_pages):
+        _fail("retention-arrays", f"{where}: retention arrays do not match {num_pages} pages")

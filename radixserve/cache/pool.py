@@ -1,0 +1,168 @@
+"""The page pool: a free list and reference counts over fixed-size KV pages.
+
+Each page holds `page_size` token slots of K and V for every layer. Tensors are laid out as
+FlashInfer's "NHD": per layer `[num_pages, page_size, num_kv_heads, head_dim]`. Ownership rule:
+a page's refcount equals the number of its holders (the radix tree once per cached page, and
+each live sequence whose block table lists it); a page is free exactly when its refcount is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+
+def as_int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Integers as a 1-D int64 array; no copy for an int64 array. Lists go through
+    `np.fromiter`, about twice as fast as `np.asarray` on long Python lists."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.int64, copy=False)
+    if isinstance(values, (list, tuple, range)):
+        return np.fromiter(values, dtype=np.int64, count=len(values))
+    return np.asarray(values, dtype=np.int64)
+
+
+class OutOfPages(RuntimeError):
+    """Raised by `PagePool.allocate` when fewer pages are free than were asked for."""
+
+
+class PagePool:
+    """Free list + reference counts over `num_pages` pages of `page_size` slots,
+    optionally backed by per-layer K/V tensors in FlashInfer's NHD layout.
+
+    With `num_layers == 0` the pool holds no tensors (simulation and tree tests).
+    Page arguments may be any iterable of ints or an integer numpy array; the counting is
+    vectorised, so releasing a long block table costs C time, not a Python loop.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, num_layers: int = 0,
+                 num_kv_heads: int = 0, head_dim: int = 0,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
+        if num_layers and (num_kv_heads < 1 or head_dim < 1):
+            raise ValueError("num_kv_heads and head_dim: must be >= 1 when num_layers > 0")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
+                                            for _ in range(num_layers)]
+        self.v_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
+                                            for _ in range(num_layers)]
+        # The free list is a stack in an array (`_free[:_num_free]`), so whole block tables
+        # move in and out at C speed. Popped from the end: a fresh pool hands out 0, 1, 2, ...
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = num_pages
+        self._refcounts = np.zeros(num_pages, dtype=np.int32)
+        self._scratch = np.zeros(num_pages, dtype=np.int64)  # for duplicate detection
+
+    @staticmethod
+    def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+        """Bytes of K plus V that one page occupies across all layers."""
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def from_memory_budget(cls, budget_bytes: int, page_size: int, *, num_layers: int,
+                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                           device: str | torch.device) -> PagePool:
+        """A pool with as many pages as fit in `budget_bytes` of K/V memory."""
+        per_page = cls.bytes_per_page(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        num_pages = budget_bytes // per_page
+        if num_pages < 1:
+            raise ValueError(f"budget_bytes: {budget_bytes} bytes hold no page of {per_page} bytes")
+        return cls(num_pages, page_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, dtype=dtype, device=device)
+
+    @property
+    def num_free(self) -> int:
+        """Pages with refcount 0."""
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        """Pages with at least one holder."""
+        return self.num_pages - self._num_free
+
+    def free_pages(self) -> frozenset[int]:
+        """The free list as a set (for checkers)."""
+        return frozenset(self._free[: self._num_free].tolist())
+
+    def refcount(self, page: int) -> int:
+        """Number of holders of `page`."""
+        return int(self._refcounts[page])
+
+    def refcounts(self) -> np.ndarray:
+        """A copy of every page's refcount (for checkers)."""
+        return self._refcounts.copy()
+
+    def allocate(self, n: int) -> list[int]:
+        """Takes `n` free pages, each with refcount 1; all or nothing."""
+        if n < 0:
+            raise ValueError(f"allocate: n must be >= 0, got {n}")
+        if n > self._num_free:
+            raise OutOfPages(f"asked for {n} pages, {self._num_free} free of {self.num_pages}")
+        if n == 0:
+            return []
+        self._num_free -= n
+        pages = self._free[self._num_free:self._num_free + n][::-1]
+        self._refcounts[pages] = 1
+        return pages.tolist()
+
+    def incref(self, pages: Iterable[int] | np.ndarray) -> None:
+        """Adds a holder to each page (a page listed twice gains two); pages must be in use."""
+        idx, counts = self._index(pages)
+        if idx.size == 0:
+            return
+        before = self._refcounts[idx]
+        if (before <= 0).any():
+            page = int(idx[np.flatnonzero(before <= 0)[0]])
+            raise ValueError(f"incref: page {page} is free (allocate it first)")
+        self._refcounts[idx] = before + counts
+
+    def decref(self, pages: Iterable[int] | np.ndarray) -> list[int]:
+        """Removes a holder from each page; returns the pages that became free."""
+        idx, counts = self._index(pages)
+        if idx.size == 0:
+            return []
+        before = self._refcounts[idx]
+        if (before < counts).any():
+            page = int(idx[np.flatnonzero(before < counts)[0]])
+            raise ValueError(f"decref: page {page} would drop below refcount 0 (freed twice?)")
+        after = before - counts
+        self._refcounts[idx] = after
+        freed = idx[after == 0]
+        self._free[self._num_free:self._num_free + len(freed)] = freed
+        self._num_free += len(freed)
+        return freed.tolist()
+
+    def copy_page(self, src: int, dst: int, num_slots: int | None = None) -> None:
+        """Copies the first `num_slots` slots (default all) of page `src` into `dst`, K and V,
+        every layer: for copy-on-write and copy-on-partial-reuse."""
+        n = self.page_size if num_slots is None else num_slots
+        if not 0 <= n <= self.page_size:
+            raise ValueError(f"num_slots: must be in 0..{self.page_size}, got {n}")
+        if src == dst:
+            raise ValueError(f"copy_page: source and destination are both page {src}")
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst, :n].copy_(cache[src, :n])
+
+    def _index(self, pages: Iterable[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+        """Pages as a checked int array, plus how often each occurs (1 unless repeated)."""
+        idx = as_int64(pages)
+        if idx.size == 0:
+            return idx, 1
+        if idx.min() < 0 or idx.max() >= self.num_pages:
+            bad = int(idx[(idx < 0) | (idx >= self.num_pages)][0])
+            raise ValueError(f"page {bad} is not in 0..{self.num_pages - 1}")
+        # A repeated page would be counted once by fancy indexing; the last write of each
+        # page's position reveals repeats in O(n).
+        order = np.arange(idx.size)
+        self._scratch[idx] = order
+        if not np.array_equal(self._scratch[idx], order):
+            return np.unique(idx, return_counts=True)
+        return idx, 1

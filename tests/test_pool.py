@@ -1,0 +1,144 @@
+"""PagePool: allocation, reference counts, K/V tensors and sizing."""
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.cache.pool import OutOfPages, PagePool
+
+
+def test_fresh_pool_hands_out_distinct_pages_in_order():
+    pool = PagePool(8, 4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) == [3, 4]
+    assert pool.num_used == 5 and pool.num_free == 3
+    assert pool.free_pages() == frozenset({5, 6, 7})
+    assert [pool.refcount(p) for p in range(8)] == [1, 1, 1, 1, 1, 0, 0, 0]
+
+
+def test_allocate_is_all_or_nothing():
+    pool = PagePool(4, 1)
+    pool.allocate(3)
+    with pytest.raises(OutOfPages, match="asked for 2 pages, 1 free"):
+        pool.allocate(2)
+    assert pool.num_free == 1
+    assert pool.allocate(0) == []
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+
+
+def test_refcounts_free_a_page_only_when_the_last_holder_lets_go():
+    pool = PagePool(4, 2)
+    a, b = pool.allocate(2)
+    pool.incref([a])
+    assert pool.decref([a, b]) == [b]
+    assert pool.refcount(a) == 1 and pool.refcount(b) == 0
+    assert pool.decref([a]) == [a]
+    assert pool.num_free == 4
+    # A freed page is reused: the stack hands back the most recently freed first.
+    assert pool.allocate(1) == [a]
+
+
+def test_double_free_and_incref_of_free_page_raise():
+    pool = PagePool(4, 4)
+    (p,) = pool.allocate(1)
+    pool.decref([p])
+    with pytest.raises(ValueError, match=f"page {p} would drop below"):
+        pool.decref([p])
+    with pytest.raises(ValueError, match=f"page {p} is free"):
+        pool.incref([p])
+    with pytest.raises(ValueError, match="not in 0..3"):
+        pool.decref([4])
+    with pytest.raises(ValueError, match="not in 0..3"):
+        pool.incref([-1])
+
+
+def test_repeated_page_in_one_call_counts_each_time():
+    pool = PagePool(4, 1)
+    (p,) = pool.allocate(1)
+    pool.incref([p, p])
+    assert pool.refcount(p) == 3
+    assert pool.decref(np.array([p, p, p])) == [p]
+    assert pool.num_free == 4
+    (q,) = pool.allocate(1)
+    with pytest.raises(ValueError, match="below refcount 0"):
+        pool.decref([q, q])
+    assert pool.refcount(q) == 1  # a failed decref changes nothing
+
+
+def test_bulk_refcounts_match_a_python_reference():
+    rng = np.random.default_rng(0)
+    pool = PagePool(64, 1)
+    held: dict[int, int] = {}
+    for _ in range(200):
+        op = rng.integers(3)
+        if op == 0 and pool.num_free:
+            for p in pool.allocate(int(rng.integers(1, pool.num_free + 1))):
+                held[p] = 1
+        elif op == 1 and held:
+            pages = rng.choice(sorted(held), size=int(rng.integers(1, 6)))
+            pool.incref(pages)
+            for p in pages.tolist():
+                held[p] += 1
+        elif held:
+            pages = rng.choice(sorted(held), size=min(len(held), 5), replace=False).tolist()
+            freed = pool.decref(pages)
+            expect = [p for p in pages if held[p] == 1]
+            for p in pages:
+                held[p] -= 1
+                if not held[p]:
+                    del held[p]
+            assert sorted(freed) == sorted(expect)
+        assert pool.refcounts().tolist() == [held.get(p, 0) for p in range(64)]
+        assert pool.free_pages() == frozenset(set(range(64)) - set(held))
+
+
+def test_without_layers_there_are_no_tensors():
+    pool = PagePool(16, 8)
+    assert pool.k_cache == [] and pool.v_cache == []
+    pool.copy_page(0, 1)  # nothing to copy, still valid
+
+
+def test_kv_tensors_are_nhd_per_layer():
+    pool = PagePool(5, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+    assert len(pool.k_cache) == len(pool.v_cache) == 3
+    for t in (*pool.k_cache, *pool.v_cache):
+        assert t.shape == (5, 4, 2, 8) and t.dtype == torch.float16
+
+
+@pytest.mark.parametrize("num_slots", [None, 0, 1, 3])
+def test_copy_page_copies_leading_slots_in_every_layer(num_slots):
+    pool = PagePool(4, 4, num_layers=2, num_kv_heads=1, head_dim=2)
+    for layer in range(2):
+        pool.k_cache[layer].copy_(torch.arange(32.0).reshape(4, 4, 1, 2) + 100 * layer)
+        pool.v_cache[layer].copy_(-pool.k_cache[layer])
+    before = [t.clone() for t in (*pool.k_cache, *pool.v_cache)]
+    pool.copy_page(1, 3, num_slots)
+    n = 4 if num_slots is None else num_slots
+    for old, new in zip(before, (*pool.k_cache, *pool.v_cache)):
+        assert torch.equal(new[3, :n], old[1, :n])
+        assert torch.equal(new[3, n:], old[3, n:])
+        assert torch.equal(new[:3], old[:3])
+    with pytest.raises(ValueError):
+        pool.copy_page(1, 3, 5)
+    with pytest.raises(ValueError):
+        pool.copy_page(2, 2)
+
+
+def test_sizing_from_a_memory_budget():
+    per_page = PagePool.bytes_per_page(16, 4, 2, 64, torch.bfloat16)
+    assert per_page == 2 * 4 * 16 * 2 * 64 * 2
+    pool = PagePool.from_memory_budget(10 * per_page + per_page // 2, 16, num_layers=4,
+                                       num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    assert pool.num_pages == 10
+    total = sum(t.numel() * t.element_size() for t in (*pool.k_cache, *pool.v_cache))
+    assert total == 10 * per_page
+    with pytest.raises(ValueError, match="hold no page"):
+        PagePool.from_memory_budget(per_page - 1, 16, num_layers=4, num_kv_heads=2, head_dim=64,
+                                    dtype=torch.bfloat16, device="cpu")
+
+
+@pytest.mark.parametrize("page_size", [0, 3, 12])
+def test_page_size_must_be_a_power_of_two(page_size):
+    with pytest.raises(ValueError, match="power of two"):
+        PagePool(4, page_size)

@@ -1,0 +1,302 @@
+"""Stateful property test: the radix tree against a brute-force reference cache.
+
+The reference keeps every cached page under the full token prefix it ends (namespace
+included), with its recency tick and retention, and evicts by scanning every unlocked
+leaf page. After every step the tree must hold exactly the reference's pages and pass
+`check_invariants`.
+"""
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radixserve.cache.invariants import SequenceView, check_invariants
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
+
+Key = tuple  # (namespace, token, token, ...)
+
+
+@dataclass
+class RefPage:
+    page: int
+    tick: int
+    priority: int = DEFAULT_PRIORITY
+    expiry: float = math.inf
+
+
+class ReferenceCache:
+    """Brute force model: a dict from cached prefixes to pages, evicted by full scans."""
+
+    def __init__(self, page_size: int, policy: str) -> None:
+        self.size = page_size
+        self.policy = policy
+        self.pages: dict[Key, RefPage] = {}
+        self.tick = 0
+
+    def _keys(self, namespace, tokens, num_pages: int) -> list[Key]:
+        return [(namespace, *tokens[: (i + 1) * self.size]) for i in range(num_pages)]
+
+    def match(self, namespace, tokens, touch: bool) -> tuple[list[int], set[int], int]:
+        """Full pages; the pages that could serve as the partial page; partial tokens."""
+        if touch:
+            self.tick += 1
+        matched: list[Key] = []
+        for key in self._keys(namespace, tokens, len(tokens) // self.size):
+            if key not in self.pages:
+                break
+            matched.append(key)
+        for key in matched if touch else ():
+            self.pages[key].tick = self.tick
+        start = len(matched) * self.size
+        rest = tuple(tokens[start:start + self.size])
+        best, candidates = 0, set()
+        for key, info in self.pages.items():
+            if len(key) - 1 == start + self.size and key[: start + 1] == (namespace, *tokens[:start]):
+                tail = key[start + 1:]
+                common = next((i for i, (a, b) in enumerate(zip(tail, rest)) if a != b), min(len(tail), len(rest)))
+                if common > best:
+                    best, candidates = common, {info.page}
+                elif common == best and common:
+                    candidates.add(info.page)
+        return [self.pages[k].page for k in matched], candidates, best
+
+    def _raise(self, info: RefPage, r: Retention, now: float) -> None:
+        current = (info.priority, info.expiry) if info.expiry > now else (DEFAULT_PRIORITY, math.inf)
+        new = (r.priority, now + r.duration_s if r.duration_s else math.inf)
+        info.priority, info.expiry = max(current, new)
+
+    def insert(self, namespace, tokens, pages, retention, ranges, now) -> list[int]:
+        self.tick += 1
+        duplicates = []
+        retention = retention or Retention()
+        for i, key in enumerate(self._keys(namespace, tokens, len(tokens) // self.size)):
+            if key in self.pages:
+                info = self.pages[key]
+                if info.page != pages[i]:
+                    duplicates.append(pages[i])
+                info.tick = self.tick
+                self._raise(info, retention, now)
+            else:
+                info = self.pages[key] = RefPage(pages[i], self.tick, retention.priority,
+                                                 now + retention.duration_s if retention.duration_s else math.inf)
+            for start, end, r in ranges:
+                if start < (i + 1) * self.size and end > i * self.size:
+                    self._raise(info, r, now)
+        return duplicates
+
+    def set_retention(self, namespace, tokens, r: Retention, now: float) -> None:
+        for key in self._keys(namespace, tokens, len(tokens) // self.size):
+            if key not in self.pages:
+                break
+            info = self.pages[key]
+            info.priority, info.expiry = r.priority, now + r.duration_s if r.duration_s else math.inf
+
+    def _locked(self, key: Key, locks: list[Key]) -> bool:
+        return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
+
+    def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> int:
+        freed = 0
+        while freed < n:
+            parents = {key[:-self.size] for key in self.pages}
+            leaves = [k for k in self.pages if k not in parents and not self._locked(k, locks)]
+            if not leaves:
+                break
+
+            def order(key: Key) -> tuple:
+                info = self.pages[key]
+                priority = info.priority if info.expiry > now else DEFAULT_PRIORITY
+                return (priority, info.tick) if self.policy == "priority" else (info.tick,)
+
+            leaves.sort(key=order)
+            assert len(leaves) < 2 or order(leaves[0]) != order(leaves[1]), "reference order is ambiguous"
+            page = self.pages.pop(leaves[0]).page
+            freed += page not in held
+        return freed
+
+    def reset(self, locks: list[Key]) -> None:
+        self.pages = {k: v for k, v in self.pages.items() if self._locked(k, locks)}
+
+
+@dataclass
+class Live:
+    namespace: object
+    tokens: list[int]
+    table: list[int]
+    node: object
+    lock_key: Key
+
+
+RETENTIONS = [None, Retention(0), Retention(80), Retention(80, 5.0), Retention(10, 2.0), Retention(35, 4.0)]
+
+
+class TreeMachine(RuleBasedStateMachine):
+    page_size = 1
+    num_pages = 24
+    max_len = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.live: list[Live] = []
+        self.seen: list[list[int]] = []  # prompts so far: drawn again to hit whole leaves
+
+    @initialize(policy=st.sampled_from(["priority", "lru"]), data=st.data())
+    def setup(self, policy: str, data) -> None:
+        self.pool = PagePool(self.num_pages, self.page_size)
+        self.tree = RadixTree(self.pool, eviction_policy=policy, clock=lambda: self.now)
+        self.ref = ReferenceCache(self.page_size, policy)
+        # Start warm: a few served requests, so most steps meet a populated tree.
+        for _ in range(data.draw(st.integers(2, 6))):
+            self.serve(data, data.draw(st.sampled_from([None, "b"])), data.draw(st.sampled_from(RETENTIONS)))
+
+    def tokens(self):
+        """A prefix of one of a few overlapping prompts, plus a short random tail: shared
+        prefixes that diverge at any token, inside or at the edge of a page."""
+        size, n = self.page_size, self.max_len
+        trunk = list(range(10, 10 + n))
+        prompts = [trunk, trunk[: size + 1] + list(range(40, 40 + n)),
+                   trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
+        fresh = st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
+                          st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
+        return st.one_of(fresh, st.sampled_from(self.seen)) if self.seen else fresh
+
+    def draw_tokens(self, data) -> list[int]:
+        tokens = data.draw(self.tokens())
+        self.seen.append(tokens)
+        return tokens
+
+    # ------------------------------------------------------------ helpers
+    def _locks(self) -> list[Key]:
+        return [s.lock_key for s in self.live]
+
+    def _held(self) -> set[int]:
+        return {p for s in self.live for p in s.table}
+
+    def _evict(self, n: int) -> None:
+        expect = self.ref.evict(n, self.now, self._locks(), self._held())
+        assert self.tree.evict(n) == expect
+
+    def _match(self, namespace, tokens, update: bool):
+        m = self.tree.match(tokens, namespace, update=update)
+        pages, candidates, partial = self.ref.match(namespace, tokens, touch=update)
+        assert m.pages == pages
+        assert m.partial_tokens == partial
+        assert (m.partial_page is None) if not partial else (m.partial_page in candidates)
+        assert m.num_tokens == len(pages) * self.page_size + partial
+        return m
+
+    # ------------------------------------------------------------ rules
+    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]))
+    def admit(self, data, namespace) -> None:
+        """A request arrives: match, lock, take the pages, allocate the rest (evicting)."""
+        self._admit(data, namespace)
+
+    def _admit(self, data, namespace) -> bool:
+        tokens = self.draw_tokens(data)
+        m = self._match(namespace, tokens, update=True)
+        self.tree.lock(m.node)
+        self.pool.incref(m.pages)
+        lock_key = (namespace, *tokens[: len(m.pages) * self.page_size])
+        need = math.ceil(len(tokens) / self.page_size) - len(m.pages)
+        self.live.append(Live(namespace, tokens, list(m.pages), m.node, lock_key))
+        if self.pool.num_free < need:
+            self._evict(need - self.pool.num_free)
+        if self.pool.num_free < need:
+            self._release(self.live.pop())
+            return False
+        self.live[-1].table += self.pool.allocate(need)
+        return True
+
+    def _release(self, seq: Live) -> None:
+        self.tree.unlock(seq.node)
+        self.pool.decref(seq.table)
+        cached = {info.page for info in self.ref.pages.values()}
+        released = set(seq.table) - cached - self._held()
+        self.check(released)
+
+    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]), retention=st.sampled_from(RETENTIONS))
+    def serve(self, data, namespace, retention) -> None:
+        """A request arrives and finishes before anything else happens."""
+        if self._admit(data, namespace):
+            self._finish(self.live.pop(), retention, data.draw(st.booleans()))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), retention=st.sampled_from(RETENTIONS), ranged=st.booleans())
+    def finish(self, data, retention, ranged) -> None:
+        """A request finishes: its full pages go to the tree, then it lets go."""
+        self._finish(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))), retention, ranged)
+
+    def _finish(self, seq: Live, retention: Retention | None, ranged: bool) -> None:
+        ranges = [(0, self.page_size + 1, Retention(90, 3.0))] if ranged else []
+        dups = self.tree.insert(seq.tokens, seq.table, seq.namespace, retention, ranges)
+        assert dups == self.ref.insert(seq.namespace, seq.tokens, seq.table, retention, ranges, self.now)
+        self._release(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        self._release(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))))
+
+    @rule(n=st.integers(1, 6))
+    def evict(self, n) -> None:
+        self._evict(n)
+
+    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]), update=st.booleans())
+    def lookup(self, data, namespace, update) -> None:
+        self._match(namespace, self.draw_tokens(data), update)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def advance_clock(self, dt) -> None:
+        self.now += dt
+
+    @rule(data=st.data(), priority=st.sampled_from([0, 50, 100]), duration=st.sampled_from([None, 3.0]))
+    def set_retention(self, data, priority, duration) -> None:
+        tokens = self.draw_tokens(data)
+        self.tree.set_retention(tokens, None, Retention(priority, duration))
+        self.ref.set_retention(None, tokens, Retention(priority, duration), self.now)
+
+    @rule()
+    def flush(self) -> None:
+        before = {info.page for info in self.ref.pages.values()}
+        self.ref.reset(self._locks())
+        dropped = before - {info.page for info in self.ref.pages.values()}
+        assert self.tree.reset() == len(dropped - self._held())
+
+    # ------------------------------------------------------------ checks
+    def tree_contents(self) -> dict[Key, int]:
+        out = {}
+        for node, pages in self.tree.nodes():
+            path, up = [], node
+            while up is not None and not up.is_root:
+                path[:0] = up.tokens.tolist()
+                up = up.parent
+            start = len(path) - len(node.tokens)
+            for i, page in enumerate(pages):
+                out[(node.namespace, *path[: start + (i + 1) * self.page_size])] = page
+        return out
+
+    @invariant()
+    def check(self, released=()) -> None:
+        if not hasattr(self, "tree"):
+            return
+        check_invariants(self.pool, self.tree,
+                         [SequenceView(s.table, len(s.tokens)) for s in self.live], released)
+        assert self.tree_contents() == {k: v.page for k, v in self.ref.pages.items()}
+
+
+class TreeMachinePage4(TreeMachine):
+    page_size = 4
+    num_pages = 9
+    max_len = 18
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=40, derandomize=True, database=None,
+                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestTreePage1 = TreeMachine.TestCase
+TestTreePage1.settings = SETTINGS
+TestTreePage4 = TreeMachinePage4.TestCase
+TestTreePage4.settings = SETTINGS
