@@ -50,3 +50,39 @@ def test_stream_matches_generate_and_early_close_aborts(ckpt: Path) -> None:
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_cancel_before_first_delta_duplicate_ids_and_shutdown_end_every_stream(ckpt: Path) -> None:
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        engine = AsyncEngine(Engine(model=str(ckpt), page_size=4, num_pages=128, debug_checks=True))
+        await engine.start()
+        # A client that leaves while its request is still being queued: the request is aborted.
+        waiter = asyncio.ensure_future(engine.generate(list(range(10, 30)), long, request_id="gone").__anext__())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        # A duplicate id is refused and does not disturb the first stream.
+        first = engine.generate(list(range(40, 60)), long, request_id="dup")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="request_id"):
+            await engine.generate([5, 6], long, request_id="dup").__anext__()
+        # n > 1 before its fork, and a plain stream: shutdown ends both with "abort".
+        many = engine.generate(list(range(70, 90)), SamplingParams(max_tokens=300, n=3, ignore_eos=True),
+                               request_id="many")
+        many_task = asyncio.ensure_future(_collect(many))
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        rest = await asyncio.wait_for(_collect(first), timeout=5)
+        assert rest[-1].finish_reason == "abort"
+        finals = [d for d in await asyncio.wait_for(many_task, timeout=5) if d.finish_reason]
+        assert sorted(d.index for d in finals) == [0, 1, 2]
+        stats = engine.engine.stats()
+        assert stats["running"] == 0 and stats["pages_locked"] == 0
+        assert stats["requests_aborted"] == 3  # gone, dup, many
+
+    asyncio.run(scenario())
+
+
+async def _collect(stream) -> list:
+    return [delta async for delta in stream]

@@ -320,3 +320,31 @@ def test_an_idle_session_expires_into_ordinary_cache(ckpt: Path) -> None:
     filler = [[rng.randrange(3, 190) for _ in range(60)] for _ in range(6)]
     engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert engine.generate([turn + [1]], GREEDY)[0].cached_tokens < len(turn)
+
+
+def test_edge_values_are_handled(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    prompt = list(range(40, 60))
+    greedy = engine.generate([prompt], GREEDY)[0]
+    tiny_temperature = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1e-40,
+                                                                ignore_eos=True))[0]
+    assert tiny_temperature.token_ids == greedy.token_ids
+    huge_seed = SamplingParams(max_tokens=4, seed=2**70, ignore_eos=True)
+    assert engine.generate([prompt], huge_seed)[0].token_ids == engine.generate([prompt], huge_seed)[0].token_ids
+    for bad in ({"max_running": 0}, {"max_batch_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            make_engine(ckpt, **bad)
+
+
+def test_closing_a_session_keeps_another_requests_higher_retention(ckpt: Path) -> None:
+    engine = make_engine(ckpt, page_size=4, num_pages=40, max_running=1, eviction_policy="priority")
+    system = list(range(200, 232))
+    engine.add_request(system + [1], GREEDY, prefix_retention=(len(system), Retention(100)))
+    engine.add_request(system + [2, 3], GREEDY, session_id="s")
+    while engine.has_work():
+        engine.step()
+    assert engine.close_session("s")
+    rng = random.Random(0)
+    filler = [[rng.randrange(3, 190) for _ in range(60)] for _ in range(6)]
+    engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert engine.generate([system + [4, 5]], GREEDY)[0].cached_tokens == len(system)

@@ -352,9 +352,13 @@ class RadixTree:
         return node.priority, node.expiry
 
     def set_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
-                      retention: Retention) -> None:
+                      retention: Retention, *, only_priority: int | None = None) -> None:
         """Overwrites the retention of the cached full pages along `tokens` (for example to
-        demote a closed session's pages). Changes neither recency nor the tree's shape."""
+        demote a closed session's pages). Changes neither recency nor the tree's shape.
+
+        With `only_priority`, only pages whose effective priority is exactly that are
+        changed: a session demotes the pages it raised, not a system prompt that another
+        request retained higher."""
         size = self.page_size
         toks = _as_tokens(tokens)
         toks = toks[: len(toks) // size * size]
@@ -369,8 +373,12 @@ class RadixTree:
             matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             priority, expiry = self._retention_arrays(child)
-            priority[:full] = retention.priority
-            expiry[:full] = retention.expiry(now)
+            chosen = np.zeros(len(priority), dtype=bool)
+            chosen[:full] = True
+            if only_priority is not None:
+                chosen &= effective_priorities(priority, expiry, now) == only_priority
+            priority[chosen] = retention.priority
+            expiry[chosen] = retention.expiry(now)
             self._schedule_expiries(child, now)
             last = child
             if full < len(child.pages):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -12,7 +13,7 @@ from radixserve.cache.radix import Retention
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import SamplingParams, StreamDelta
 
-_FINISHED = object()
+logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -52,7 +53,12 @@ class AsyncEngine:
         while not self._stopping:
             self._drain_commands()
             if self.engine.has_work():
-                self._deliver(self.engine.step())
+                try:
+                    deltas = self.engine.step()
+                except Exception:  # the engine ended that step's requests; the loop carries on
+                    logger.exception("engine step failed; its requests were ended with finish_reason 'error'")
+                    deltas = self.engine.take_deltas()
+                self._deliver(deltas)
                 self._publish_stats()
             else:
                 self._publish_stats()
@@ -61,7 +67,7 @@ class AsyncEngine:
         self._drain_commands()
         for request_id in list(self._streams):
             self.engine.abort(request_id)
-        self._deliver(self.engine.step() if self.engine.has_work() else {})
+        self._deliver(self.engine.step())  # the abort deltas: every open stream ends
         self._publish_stats()
 
     def _drain_commands(self) -> None:
@@ -114,12 +120,19 @@ class AsyncEngine:
         Closing the iterator early (a client that went away) aborts the request, which frees
         its pages.
         """
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
         stream: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[request_id] = stream  # before the add: the first deltas may follow at once
         try:
             await self._call(lambda: self.engine.add_request(
                 prompt_ids, params, request_id=request_id, priority=priority, cache_salt=cache_salt,
                 retention=retention, prefix_retention=prefix_retention, session_id=session_id))
+        except asyncio.CancelledError:
+            # The caller left while the add was queued: it still runs, so abort it after.
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -31,6 +31,18 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         return full[len(prefix):]
 
+    def flush(self) -> str:
+        """The text still held back, released as it is when the sequence ends.
+
+        A sample can end inside a multi-byte character; its text then ends in U+FFFD rather
+        than losing what the last tokens decode to.
+        """
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
 
 class StopStringMatcher:
     """Finds stop strings in streamed text and holds back text that may begin one.

@@ -71,6 +71,9 @@ class Engine:
                  backend: str | None = None, seed: int = 0) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
+        for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
         self.loaded = load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -141,7 +144,8 @@ class Engine:
         params.validate()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, params)
-        if self.max_queue is not None and len(self.scheduler.waiting) >= self.max_queue:
+        queued = sum(1 for s in self.scheduler.waiting if s.request.cached_tokens is None)
+        if self.max_queue is not None and queued >= self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -188,6 +192,9 @@ class Engine:
         for seq in req.sequences:
             if not seq.finished:
                 self._finish(seq, "abort")
+        for index in range(len(req.sequences), req.params.n):  # samples not forked yet
+            self._pending[request_id].append(StreamDelta(index, [], "", None, "abort", len(req.prompt_ids),
+                                                         req.cached_tokens or 0))
         self._retire(req)
 
     def has_work(self) -> bool:
@@ -199,14 +206,22 @@ class Engine:
         start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if chunks:
-            logits = self.runner.run(chunks)
-            self._process(chunks, logits)
+            try:
+                logits = self.runner.run(chunks)
+                self._process(chunks, logits)
+            except Exception:
+                self._fail({c.seq.request for c in chunks})
+                raise
         self._counters["steps"] += 1
         self._last_step_s = time.perf_counter() - start
         self._step_time_s += self._last_step_s
         if self.debug_checks:
             self.check_invariants()
         self._released = []
+        return self.take_deltas()
+
+    def take_deltas(self) -> dict[str, list[StreamDelta]]:
+        """What is new per request id since the last call (step() returns it too)."""
         out, self._pending = self._pending, {rid: [] for rid in self._pending if rid in self._requests}
         return {rid: deltas for rid, deltas in out.items() if deltas}
 
@@ -232,6 +247,21 @@ class Engine:
         logprobs = compute_logprobs(rows, tokens, [s.request.params.logprobs for s in seqs])
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             self._append_token(seq, token, logprob)
+
+    def _fail(self, requests: set[Request]) -> None:
+        """Ends the requests of a step that raised; their pages may hold half-written K/V,
+        so they are freed, never cached. The engine and every other request carry on."""
+        for req in requests:
+            for seq in req.sequences:
+                if not seq.finished:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq, cache=False)
+                    self._emit(seq)
+            for index in range(len(req.sequences), req.params.n):
+                self._pending[req.request_id].append(StreamDelta(index, [], "", None, "error",
+                                                                 len(req.prompt_ids), req.cached_tokens or 0))
+            req.aborted = True
+            self._retire(req)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of a request start from sample 0's computed prompt pages."""
@@ -261,7 +291,8 @@ class Engine:
         else:
             reason = None
         if reason is not None and not hit_stop:
-            seq.text += seq.stop_matcher.flush()
+            tail, hit_stop = seq.stop_matcher.feed(seq.detokenizer.flush())
+            seq.text += tail if hit_stop else tail + seq.stop_matcher.flush()
         if reason is not None:
             self._finish(seq, reason)
         else:
@@ -291,7 +322,8 @@ class Engine:
         self._emit(seq)
 
     def _demote(self, session: _Session) -> None:
-        self.tree.set_retention(session.tokens, session.namespace, Retention(DEFAULT_PRIORITY))
+        self.tree.set_retention(session.tokens, session.namespace, Retention(DEFAULT_PRIORITY),
+                                only_priority=SESSION_PRIORITY)
 
     def _expire_sessions(self) -> None:
         """Forgets sessions idle past the TTL; their retention has decayed in the tree already."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -45,7 +47,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32: the limit is greedy anyway.
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass

@@ -13,7 +13,7 @@ def make_generator(params: SamplingParams, index: int, device: torch.device,
     if params.greedy:
         return None
     if params.seed is not None:
-        seed = params.seed * 1_000_003 + index
+        seed = (params.seed * 1_000_003 + index) % 2**63  # any int seeds; torch takes 63 bits
     else:
         seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng))
     generator = torch.Generator(device=device)

@@ -228,13 +228,15 @@ class Scheduler:
         self.counters.preemptions += 1
 
     def finish(self, seq: Sequence, retention: Retention | None = None,
-               range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
-        """Releases a finished or aborted sequence wherever it is; returns the pages it let go."""
+               range_retention: list[tuple[int, int, Retention]] = (), *, cache: bool = True) -> list[int]:
+        """Releases a finished or aborted sequence wherever it is; returns the pages it let go.
+
+        With `cache`, its computed full pages stay in the tree."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        return self._release_pages(seq, cache=True, retention=retention, range_retention=range_retention)
+        return self._release_pages(seq, cache=cache, retention=retention, range_retention=range_retention)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Starts `child` on the parent's computed prompt: full pages shared, last page copied.
