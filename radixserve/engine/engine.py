@@ -384,7 +384,8 @@ class Engine:
         """Counters and gauges: the keys below are stable (the server's /metrics maps them).
 
         prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
-        requests_finished, requests_aborted, waiting, running, preemptions, steps,
+        requests_finished, requests_aborted, waiting, running, preemptions, admissions,
+        deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
         step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
         pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
         the tree's counters prefixed "cache_" (cache_evicted_pages, cache_lookups, ...), and
@@ -397,7 +398,7 @@ class Engine:
         out["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
         out.update(
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-            preemptions=self.scheduler.counters.preemptions,
+            preemptions=self.scheduler.counters.preemptions, admissions=self.scheduler.counters.admitted,
             deferred_for_sharing=self.scheduler.counters.deferred_for_sharing,
             step_time_s_total=self._step_time_s, last_step_s=self._last_step_s,
             pages_total=self.pool.num_pages, pages_free=self.pool.num_free, pages_used=self.pool.num_used,
@@ -416,9 +417,6 @@ class Engine:
         m = self.loaded.model
         return PagePool.bytes_per_page(self.page_size, m.num_layers, m.num_kv_heads, m.head_dim,
                                        self.loaded.dtype)
-
-    def live_sequences(self) -> list[Sequence]:
-        return list(self.scheduler.running)
 
     def check_invariants(self) -> None:
         """The structural checker over the pool, the tree and every live block table.

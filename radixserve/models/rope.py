@@ -33,9 +33,9 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> Tensor:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         supported = ", ".join(SUPPORTED_ROPE_TYPES)
-        raise NotImplementedError(f"rope_type {rope_type!r} unsupported (supported: {supported})")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {supported})")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
+        raise ValueError("partial_rotary_factor != 1 is not supported")
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (base**exponents)
