@@ -30,7 +30,7 @@ def test_simulate_writes_the_documented_json(tmp_path: Path) -> None:
     assert result["infinite_hit_rate"] == pytest.approx(3 * 128 / (4 * 144))
     labels = [run["label"] for run in result["runs"]]
     assert labels == ["no-cache", "fcfs/lru", "lpm/lru", "dfs-weight/lru", "lpm/priority+system-prompt",
-                      "lpm/priority"]
+                      "lpm/priority+reuse-boost"]
     main_run = result["runs"][-1]
     assert result["hit_rate"] == main_run["hit_rate"]
     assert result["runs"][0]["hit_rate"] == 0.0
@@ -47,9 +47,9 @@ def test_sweep_writes_lists_table_and_plot(tmp_path: Path, monkeypatch, capsys) 
     assert result["capacity_tokens"] == [500, 2000] and len(result["sweep"]) == 2
     assert all(0 <= h <= o + 1e-12 for h, o in zip(result["hit_rate"], result["optimal_hit_rate"]))
     labels = [run["label"] for run in result["sweep"][0]["runs"]]
-    assert labels == ["no-cache", "sequential/lru", "sequential/priority+system-prompt", "sequential/priority",
-                      "sequential/priority+tail-demotion", "sequential/priority+hit-boost",
-                      "sequential/priority+reuse-boost"]
+    assert labels == ["no-cache", "sequential/lru", "sequential/priority+system-prompt",
+                      "sequential/priority+reuse-boost", "sequential/priority+tail-demotion",
+                      "sequential/priority+hit-boost"]
     text = table.read_text()
     assert "| configuration | 500 | 2k |" in text and "offline optimum" in text
     assert text in capsys.readouterr().out

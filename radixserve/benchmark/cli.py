@@ -55,9 +55,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="schedule policy of the main configuration (default: %(default)s)")
     p.add_argument("--eviction", default="priority", choices=["priority", "lru"],
                    help="tree eviction policy of the main configuration (default: %(default)s)")
-    p.add_argument("--retention", default="default",
+    p.add_argument("--retention", default="reuse-boost",
                    choices=["default", "system-prompt", "tail-demotion", "hit-boost", "reuse-boost"],
-                   help="retention rule of the main configuration (default: %(default)s)")
+                   help="retention rule of the main configuration (default: %(default)s, as the "
+                        "engine's default eviction policy)")
     p.add_argument("--sequential", action="store_true",
                    help="one request at a time in arrival order (the Mooncake README's setting)")
     p.add_argument("--no-baselines", action="store_true", help="run the main configuration only")
