@@ -436,3 +436,14 @@ def test_sse_parser_rejects_bad_framing() -> None:
     for bad in ('data: x\n', 'data: x\nmore\n\n', 'event: x\n\n'):
         with pytest.raises(AssertionError):
             parse_sse(bad)
+
+
+def test_invalid_utf8_body_and_neutral_logit_bias(client: httpx.Client, server: SimpleNamespace) -> None:
+    r = client.post(COMPLETIONS, content=b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "logit_bias": {"5": 0}})
+    assert r.status_code == 200
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "logit_bias": {"5": 3}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert_idle(server)

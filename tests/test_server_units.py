@@ -186,3 +186,11 @@ def test_engine_stats_collector_exports_histograms_summaries_and_unknown_keys() 
     # Neither the histogram's flattened twins, the skipped duplicates nor strings reappear.
     assert not any(word in name for name, _ in samples
                    for word in ("cache_evict_age", "cache_cached_pages", "a_string"))
+
+
+def test_unset_max_tokens_stays_within_what_the_pool_holds() -> None:
+    call = chat_call(chat_request(), list(range(40)), 0, max_context_len=4096, max_sequence_len=1000)
+    assert call.params.max_tokens == 960
+    explicit = chat_call(chat_request(max_tokens=2000), list(range(40)), 0, max_context_len=4096,
+                         max_sequence_len=1000)
+    assert explicit.params.max_tokens == 2000  # asked for: the engine decides whether it fits

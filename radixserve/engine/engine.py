@@ -161,6 +161,11 @@ class Engine:
         self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
 
+    @property
+    def max_sequence_len(self) -> int:
+        """The longest prompt + output one sample can have: the context, or the pool if smaller."""
+        return min(self.max_context_len, (self.pool.num_pages - 1) * self.page_size)
+
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from radixserve.engine.params import SamplingParams, TokenLogprob
@@ -13,7 +15,9 @@ def make_generator(params: SamplingParams, index: int, device: torch.device,
     if params.greedy:
         return None
     if params.seed is not None:
-        seed = (params.seed * 1_000_003 + index) % 2**63  # any int seeds; torch takes 63 bits
+        # Any int seeds; torch takes 63 bits, so hash (seed, sample) down to them.
+        digest = hashlib.blake2b(f"{params.seed}:{index}".encode(), digest_size=8).digest()
+        seed = int.from_bytes(digest, "little") >> 1
     else:
         seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng))
     generator = torch.Generator(device=device)

@@ -71,6 +71,7 @@ class OpenAIServer:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.max_context_len = engine.engine.max_context_len
+        self.max_sequence_len = engine.engine.max_sequence_len
         self.model_name = served_model_name or engine.engine.model_name
         self.accepted_model_names = {self.model_name, engine.engine.model_name}
         self.api_key = api_key
@@ -120,7 +121,7 @@ class OpenAIServer:
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
         prompt_ids, system_tokens = await anyio.to_thread.run_sync(render_chat, self.tokenizer, body.messages)
-        call = chat_call(body, prompt_ids, system_tokens, self.max_context_len)
+        call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, call, formatter, body.stream, "messages", timer)
@@ -134,7 +135,7 @@ class OpenAIServer:
             prompt_ids = await anyio.to_thread.run_sync(self.tokenizer.encode, body.prompt)
         else:
             prompt_ids = body.prompt
-        call = completion_call(body, prompt_ids, self.max_context_len)
+        call = completion_call(body, prompt_ids, self.max_context_len, self.max_sequence_len)
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, call, formatter, body.stream, "prompt", timer)
@@ -247,6 +248,9 @@ class OpenAIServer:
         except APIError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             raise
+        except Exception:
+            self.metrics.requests.labels(endpoint, "500").inc()
+            raise
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -291,6 +295,9 @@ def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
         return decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise error_from_decode(exc) from exc
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"The body is not valid UTF-8: {exc.reason} at byte {exc.start}.",
+                       code="invalid_json") from exc
 
 
 def _json(value: Any) -> Response:

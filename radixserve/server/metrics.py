@@ -32,7 +32,7 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                       "Prompt tokens of finished requests served from the prefix cache."),
     "hit_rate": ("cache_hit_rate", "gauge", "cached_tokens / prompt_tokens over finished requests."),
     "generated_tokens": ("generated_tokens", "counter", "Tokens generated."),
-    "requests_finished": ("requests_finished", "counter", "Requests retired (finished or aborted)."),
+    "requests_finished": ("requests_finished", "counter", "Requests that finished (aborted ones are counted apart)."),
     "requests_aborted": ("requests_aborted", "counter", "Requests aborted (client gone, shutdown)."),
     "waiting": ("sequences_waiting", "gauge", "Sequences waiting to be scheduled."),
     "running": ("sequences_running", "gauge", "Sequences running."),

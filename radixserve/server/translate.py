@@ -30,7 +30,7 @@ class EngineCall:
 
 
 def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
-              max_context_len: int) -> EngineCall:
+              max_context_len: int, max_sequence_len: int | None = None) -> EngineCall:
     """The engine call for a chat request whose messages rendered to `prompt_ids`."""
     _refuse_unsupported(request)
     if request.tools:
@@ -40,7 +40,8 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
                        code="invalid_value")
     requested = request.max_completion_tokens or request.max_tokens
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-    max_tokens = _fit_context(len(prompt_ids), requested, max_context_len, "messages", param)
+    max_tokens = _fit_context(len(prompt_ids), requested, max_context_len, "messages", param,
+                              max_sequence_len=max_sequence_len)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     prefix_retention = None
     system_retention = _retention(request.system_retention_priority,
@@ -50,7 +51,8 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
     return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention)
 
 
-def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int) -> EngineCall:
+def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int,
+                    max_sequence_len: int | None = None) -> EngineCall:
     """The engine call for a completions request whose prompt is `prompt_ids`."""
     _refuse_unsupported(request)
     if request.echo:
@@ -60,7 +62,8 @@ def completion_call(request: CompletionRequest, prompt_ids: list[int], max_conte
     if not prompt_ids:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     max_tokens = _fit_context(len(prompt_ids), request.max_tokens, max_context_len, "prompt",
-                              "max_tokens", default=COMPLETIONS_DEFAULT_MAX_TOKENS)
+                              "max_tokens", default=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                              max_sequence_len=max_sequence_len)
     return _call(request, prompt_ids, max_tokens, request.logprobs, None)
 
 
@@ -96,15 +99,21 @@ def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
 
 
 def _fit_context(prompt_len: int, requested: int | None, max_context_len: int,
-                 prompt_param: str, max_tokens_param: str, default: int | None = None) -> int:
+                 prompt_param: str, max_tokens_param: str, default: int | None = None,
+                 max_sequence_len: int | None = None) -> int:
     """max_tokens for the request: as asked, else `default` or what the context leaves (the
-    smaller); a 400 when the prompt leaves no room or the request does not fit."""
+    smaller); a 400 when the prompt leaves no room or the request does not fit.
+
+    An unset max_tokens also stays within `max_sequence_len` (the longest sequence the KV pool
+    can hold), so a plain chat request on a small pool is not refused for asking too much."""
     room = max_context_len - prompt_len
     if room < 1:
         raise APIError(400, f"The prompt has {prompt_len} tokens; this model's context is "
                             f"{max_context_len} tokens and must leave room for at least one more.",
                        param=prompt_param, code="context_length_exceeded")
     if requested is None:
+        if max_sequence_len is not None:
+            room = max(1, min(room, max_sequence_len - prompt_len))
         return room if default is None else min(default, room)
     if requested > room:
         raise APIError(400, f"This model's context is {max_context_len} tokens; you asked for "
@@ -127,7 +136,7 @@ def _refuse_unsupported(request: GenerationRequest) -> None:
         raise _unsupported("presence_penalty")
     if request.frequency_penalty:
         raise _unsupported("frequency_penalty")
-    if request.logit_bias:
+    if request.logit_bias and any(bias != 0 for bias in request.logit_bias.values()):
         raise _unsupported("logit_bias")
 
 
