@@ -491,3 +491,34 @@ def test_duplicates_are_exactly_the_pages_that_differ_within_one_edge():
     (mine,) = pool.allocate(1)
     assert tree.insert(seq(0, 12), [cached[0], mine, cached[2]]) == [mine]
     assert pool.refcount(mine) == 1 and tree.stats()["nodes"] == 1
+
+
+def test_a_temporary_boost_decays_to_the_permanent_retention_not_the_default() -> None:
+    clock = FakeClock()
+    pool = PagePool(16, 1)
+    tree = RadixTree(pool, clock=clock)
+    a, b = pool.allocate(2), pool.allocate(2)
+    tree.insert([1, 2], a, retention=Retention(50))
+    tree.insert([3, 4], b, retention=Retention(40))
+    tree.insert([1, 2], a, retention=Retention(90, duration_s=10))
+    pool.decref(a + b)
+    clock.now = 20.0  # the boost has expired: [1, 2] is back at 50, above [3, 4] at 40
+    assert tree.evict(2) == 2
+    assert tree.match([1, 2, 9], update=False).num_tokens == 2
+    assert tree.match([3, 4, 9], update=False).num_tokens == 0
+
+
+def test_end_retention_drops_only_the_temporary_level() -> None:
+    clock = FakeClock()
+    pool = PagePool(16, 1)
+    tree = RadixTree(pool, clock=clock)
+    a, b = pool.allocate(2), pool.allocate(2)
+    tree.insert([1, 2], a, retention=Retention(50))
+    tree.insert([1, 2], a, retention=Retention(90, duration_s=100))  # a session-like boost
+    tree.insert([3, 4], b, retention=Retention(95))  # someone else's higher, permanent retention
+    tree.insert([3, 4], b, retention=Retention(90, duration_s=100))
+    pool.decref(a + b)
+    tree.end_retention([1, 2], None, 90)
+    tree.end_retention([3, 4], None, 90)
+    assert tree.evict(2) == 2  # [1, 2] fell back to 50, below [3, 4] still at 95
+    assert tree.match([3, 4, 9], update=False).num_tokens == 2

@@ -26,6 +26,7 @@ class RefPage:
     tick: int
     priority: int = DEFAULT_PRIORITY
     expiry: float = math.inf
+    floor: int = DEFAULT_PRIORITY  # what an expired priority falls back to
 
 
 class ReferenceCache:
@@ -65,7 +66,9 @@ class ReferenceCache:
         return [self.pages[k].page for k in matched], candidates, best
 
     def _raise(self, info: RefPage, r: Retention, now: float) -> None:
-        current = (info.priority, info.expiry) if info.expiry > now else (DEFAULT_PRIORITY, math.inf)
+        current = (info.priority, info.expiry) if info.expiry > now else (info.floor, math.inf)
+        if not r.duration_s:
+            info.floor = max(info.floor, r.priority)
         new = (r.priority, now + r.duration_s if r.duration_s else math.inf)
         info.priority, info.expiry = max(current, new)
 
@@ -82,7 +85,8 @@ class ReferenceCache:
                 self._raise(info, retention, now)
             else:
                 info = self.pages[key] = RefPage(pages[i], self.tick, retention.priority,
-                                                 now + retention.duration_s if retention.duration_s else math.inf)
+                                                 now + retention.duration_s if retention.duration_s else math.inf,
+                                                 DEFAULT_PRIORITY if retention.duration_s else retention.priority)
             for start, end, r in ranges:
                 if start < (i + 1) * self.size and end > i * self.size:
                     self._raise(info, r, now)
@@ -94,6 +98,8 @@ class ReferenceCache:
                 break
             info = self.pages[key]
             info.priority, info.expiry = r.priority, now + r.duration_s if r.duration_s else math.inf
+            if not r.duration_s:
+                info.floor = r.priority
 
     def _locked(self, key: Key, locks: list[Key]) -> bool:
         return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
@@ -108,7 +114,7 @@ class ReferenceCache:
 
             def order(key: Key) -> tuple:
                 info = self.pages[key]
-                priority = info.priority if info.expiry > now else DEFAULT_PRIORITY
+                priority = info.priority if info.expiry > now else info.floor
                 return (priority, info.tick) if self.policy == "priority" else (info.tick,)
 
             leaves.sort(key=order)

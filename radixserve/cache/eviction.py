@@ -48,27 +48,36 @@ class Retention:
         return NEVER if self.duration_s is None else now + self.duration_s
 
 
-def effective_priorities(priority: np.ndarray, expiry: np.ndarray, now: float) -> np.ndarray:
-    """Per-page priority in force at `now` (expired ones read as the default)."""
-    return np.where(expiry > now, priority, DEFAULT_PRIORITY)
+def effective_priorities(priority: np.ndarray, expiry: np.ndarray, floor: np.ndarray,
+                         now: float) -> np.ndarray:
+    """Per-page priority in force at `now`: an expired one reads as the page's floor."""
+    return np.where(expiry > now, priority, floor)
 
 
-def raise_retention(priority: np.ndarray, expiry: np.ndarray, new: Retention, now: float) -> bool:
+def raise_retention(priority: np.ndarray, expiry: np.ndarray, floor: np.ndarray, new: Retention,
+                    now: float) -> bool:
     """Gives each page `max(effective retention, new)`, in place; returns whether any changed.
 
-    Retentions compare by effective priority, then by later expiry. An expired retention is
-    first rewritten as the default it decayed to.
+    A page keeps two levels: the retention in force (`priority` until `expiry`) and its
+    `floor`, the highest retention without a duration it was given, which it falls back to
+    when a temporary one expires. So a temporary boost over a permanent 50 decays to 50, not
+    to the default. Retentions compare by priority, then by later expiry.
     """
     expired = expiry <= now
-    priority[expired] = DEFAULT_PRIORITY
+    priority[expired] = floor[expired]
     expiry[expired] = NEVER
     new_expiry = new.expiry(now)
+    changed = False
+    if new.duration_s is None:
+        raised = floor < new.priority
+        floor[raised] = new.priority
+        changed = bool(raised.any())
     wins = (new.priority > priority) | ((new.priority == priority) & (new_expiry > expiry))
-    if not wins.any():
-        return False
-    priority[wins] = new.priority
-    expiry[wins] = new_expiry
-    return True
+    if wins.any():
+        priority[wins] = new.priority
+        expiry[wins] = new_expiry
+        changed = True
+    return changed
 
 
 class EvictionPolicy(ABC):

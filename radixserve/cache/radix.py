@@ -82,7 +82,7 @@ class RadixNode:
     A root has `key is None` and no pages; a node removed from the tree has `parent is None`.
     """
 
-    __slots__ = ("parent", "children", "key", "tokens", "pages", "priority", "expiry",
+    __slots__ = ("parent", "children", "key", "tokens", "pages", "priority", "expiry", "floor",
                  "lock_ref", "tick", "inserted_at", "hits", "heap_seq", "sorted_keys", "namespace")
 
     def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
@@ -94,6 +94,7 @@ class RadixNode:
         self.pages = pages                  # one page per page_size tokens
         self.priority: np.ndarray | None = None  # int16 per page; None: all default
         self.expiry: np.ndarray | None = None    # float64 per page, clock time; NEVER: no decay
+        self.floor: np.ndarray | None = None     # int16 per page: the priority left after expiry
         self.lock_ref = 0                   # locks held on this node or any descendant
         self.tick = 0                       # recency counter value of the last touch
         self.inserted_at = 0.0              # clock time the pages were cached
@@ -323,6 +324,8 @@ class RadixTree:
         if not retention.is_default:
             leaf.priority = np.full(len(pages), retention.priority, dtype=np.int16)
             leaf.expiry = np.full(len(pages), retention.expiry(now))
+            permanent = retention.priority if retention.duration_s is None else DEFAULT_PRIORITY
+            leaf.floor = np.full(len(pages), permanent, dtype=np.int16)
         self._attach(parent, leaf)
         self._num_nodes += 1
         self._cached += len(pages)
@@ -340,25 +343,49 @@ class RadixTree:
         for start, end, r in ranges:
             lo, hi = max(start - first_page, 0), min(end - first_page, len(node.pages))
             if lo < hi:
-                priority, expiry = self._retention_arrays(node)
-                changed |= raise_retention(priority[lo:hi], expiry[lo:hi], r, now)
+                priority, expiry, floor = self._retention_arrays(node)
+                changed |= raise_retention(priority[lo:hi], expiry[lo:hi], floor[lo:hi], r, now)
         return changed
 
     @staticmethod
-    def _retention_arrays(node: RadixNode) -> tuple[np.ndarray, np.ndarray]:
+    def _retention_arrays(node: RadixNode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if node.priority is None:
             node.priority = np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
             node.expiry = np.full(len(node.pages), NEVER)
-        return node.priority, node.expiry
+            node.floor = np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
+        return node.priority, node.expiry, node.floor
 
     def set_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
-                      retention: Retention, *, only_priority: int | None = None) -> None:
-        """Overwrites the retention of the cached full pages along `tokens` (for example to
-        demote a closed session's pages). Changes neither recency nor the tree's shape.
+                      retention: Retention) -> None:
+        """Overwrites the retention of the cached full pages along `tokens` (a retention
+        without a duration overwrites their floor too). Changes neither recency nor the
+        tree's shape."""
+        permanent = retention.duration_s is None
 
-        With `only_priority`, only pages whose effective priority is exactly that are
-        changed: a session demotes the pages it raised, not a system prompt that another
-        request retained higher."""
+        def overwrite(priority: np.ndarray, expiry: np.ndarray, floor: np.ndarray, now: float) -> None:
+            priority[:] = retention.priority
+            expiry[:] = retention.expiry(now)
+            if permanent:
+                floor[:] = retention.priority
+
+        self._along(tokens, namespace, overwrite)
+
+    def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
+                      priority: int) -> None:
+        """Ends early the temporary retention at `priority` of the pages along `tokens`: they
+        fall back to their floor (for example a closed session's pages). Pages retained
+        otherwise — a system prompt another request kept higher — are left as they are."""
+
+        def end(current: np.ndarray, expiry: np.ndarray, floor: np.ndarray, now: float) -> None:
+            ending = (expiry > now) & (expiry < NEVER) & (current == priority)
+            current[ending] = floor[ending]
+            expiry[ending] = NEVER
+
+        self._along(tokens, namespace, end)
+
+    def _along(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
+               change: Callable[[np.ndarray, np.ndarray, np.ndarray, float], None]) -> None:
+        """Applies `change` to the retention arrays of the cached full pages along `tokens`."""
         size = self.page_size
         toks = _as_tokens(tokens)
         toks = toks[: len(toks) // size * size]
@@ -372,13 +399,8 @@ class RadixTree:
                 break
             matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
-            priority, expiry = self._retention_arrays(child)
-            chosen = np.zeros(len(priority), dtype=bool)
-            chosen[:full] = True
-            if only_priority is not None:
-                chosen &= effective_priorities(priority, expiry, now) == only_priority
-            priority[chosen] = retention.priority
-            expiry[chosen] = retention.expiry(now)
+            priority, expiry, floor = self._retention_arrays(child)
+            change(priority[:full], expiry[:full], floor[:full], now)
             self._schedule_expiries(child, now)
             last = child
             if full < len(child.pages):
@@ -447,7 +469,7 @@ class RadixTree:
         del node.pages[keep:]
         node.tokens = node.tokens[: keep * self.page_size]
         if node.priority is not None:
-            node.priority, node.expiry = node.priority[:keep], node.expiry[:keep]
+            node.priority, node.expiry, node.floor = node.priority[:keep], node.expiry[:keep], node.floor[:keep]
         self._cached -= count
         self._evicted += count
         self._evict_age.observe(now - node.inserted_at, count)
@@ -498,12 +520,12 @@ class RadixTree:
     def _effective(self, node: RadixNode, now: float) -> np.ndarray:
         if node.priority is None:
             return np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
-        return effective_priorities(node.priority, node.expiry, now)
+        return effective_priorities(node.priority, node.expiry, node.floor, now)
 
     def _key(self, node: RadixNode, now: float) -> EvictionKey:
         priority = DEFAULT_PRIORITY
-        if node.priority is not None and node.expiry[-1] > now:
-            priority = int(node.priority[-1])
+        if node.priority is not None:
+            priority = int(node.priority[-1] if node.expiry[-1] > now else node.floor[-1])
         return self.policy.key(priority, node.tick)
 
     def _push(self, node: RadixNode, now: float, key: EvictionKey | None = None) -> None:
@@ -564,6 +586,7 @@ class RadixTree:
         if node.priority is not None:
             top.priority, node.priority = node.priority[:num_pages].copy(), node.priority[num_pages:].copy()
             top.expiry, node.expiry = node.expiry[:num_pages].copy(), node.expiry[num_pages:].copy()
+            top.floor, node.floor = node.floor[:num_pages].copy(), node.floor[num_pages:].copy()
         top.lock_ref, top.tick, top.inserted_at, top.hits = node.lock_ref, node.tick, node.inserted_at, node.hits
         parent = node.parent
         top.parent = parent

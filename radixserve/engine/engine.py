@@ -15,7 +15,7 @@ import torch
 from radixserve.attention.base import create_backend
 from radixserve.cache.invariants import SequenceView, check_invariants
 from radixserve.cache.pool import PagePool
-from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
+from radixserve.cache.radix import RadixTree, Retention
 from radixserve.cache.reuse import ReuseHistory
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
@@ -309,26 +309,25 @@ class Engine:
         """Ends a sample: its computed full pages stay cached with the request's retention."""
         req = seq.request
         seq.finish_reason = reason
-        retention = req.retention
+        ranges = req.range_retention()
         in_session = req.session_id is not None and reason != "abort" and seq.index == 0
         if in_session:
-            # The latest turn is kept ahead of ordinary cache; the turn before it no longer is
-            # (demoted first: what the two share is promoted again by the insert below).
+            # The latest turn is kept ahead of ordinary cache for the TTL, on top of whatever
+            # retention its pages have for good; the turn before it no longer is (ended first:
+            # what the two share is raised again by the insert below).
             self._expire_sessions()
             previous = self._sessions.get(req.session_id)
             if previous is not None:
                 self._demote(previous)
-            base = retention.priority if retention is not None else DEFAULT_PRIORITY
-            retention = Retention(max(SESSION_PRIORITY, base), self.session_ttl_s)
+            ranges.append((0, seq.num_computed, Retention(SESSION_PRIORITY, self.session_ttl_s)))
         computed = seq.token_ids[: seq.num_computed]
-        self._released.extend(self.scheduler.finish(seq, retention, req.range_retention()))
+        self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         if in_session:
             self._sessions[req.session_id] = _Session(computed, req.namespace, time.monotonic())
         self._emit(seq)
 
     def _demote(self, session: _Session) -> None:
-        self.tree.set_retention(session.tokens, session.namespace, Retention(DEFAULT_PRIORITY),
-                                only_priority=SESSION_PRIORITY)
+        self.tree.end_retention(session.tokens, session.namespace, SESSION_PRIORITY)
 
     def _expire_sessions(self) -> None:
         """Forgets sessions idle past the TTL; their retention has decayed in the tree already."""
