@@ -94,11 +94,13 @@ class Scheduler:
             if self.prefix_cache and not aged and self._shares_prefill_in_flight(seq):
                 self.counters.deferred_for_sharing += 1
                 continue
-            self._take_cached_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
             # Keep a page per decoding sequence in hand, so admitting does not force a preemption
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
+            if not self._may_fit(seq, budget, reserve):
+                break  # before touching the tree: a hopeless attempt neither evicts nor counts
+            self._take_cached_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, seq.num_computed + num_new, extra_free=reserve):
                 self._release_pages(seq, cache=False)
                 break
@@ -129,6 +131,17 @@ class Scheduler:
             if shared >= cached + self.page_size:
                 return True
         return False
+
+    def _may_fit(self, seq: Sequence, budget: int, reserve: int) -> bool:
+        """Whether the pages this admission needs could be had at all (free + evictable)."""
+        tokens = seq.prompt_ids
+        cached = (self.tree.match(tokens[: len(tokens) - 1], seq.namespace, update=False)
+                  if self.prefix_cache else None)
+        hit = cached.num_tokens if cached else 0
+        full_pages = len(cached.pages) if cached else 0
+        num_new = min(len(tokens) - hit, budget)
+        needed = math.ceil((hit + num_new) / self.page_size) - full_pages
+        return needed + reserve <= self.pool.num_free + self.tree.evictable_pages
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Locks the sequence's longest cached prefix and takes its pages.
