@@ -224,3 +224,9 @@ def test_create_backend_picks_torch_without_cuda() -> None:
 def test_create_backend_explains_missing_flashinfer() -> None:
     with pytest.raises(RuntimeError, match=r"needs CUDA and `pip install radixserve\[gpu\]`"):
         create_backend("flashinfer", "cpu")
+
+
+def test_flashinfer_is_not_chosen_or_allowed_for_float32() -> None:
+    assert isinstance(create_backend(None, "cpu", torch.float32), TorchBackend)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        create_backend("flashinfer", "cuda", torch.float32)

@@ -178,15 +178,25 @@ def flashinfer_available() -> bool:
     return True
 
 
-def create_backend(name: str | None, device: str | torch.device) -> AttentionBackend:
-    """The attention backend `name` ("torch" or "flashinfer") for `device`.
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # its prefill kernels load 16-bit tiles only
 
-    None picks "flashinfer" when the device is CUDA and FlashInfer imports, else "torch".
-    Asking for "flashinfer" without both raises RuntimeError; an unknown name, ValueError.
+
+def create_backend(name: str | None, device: str | torch.device,
+                   dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The attention backend `name` ("torch" or "flashinfer") for `device` and model `dtype`.
+
+    None picks "flashinfer" when the device is CUDA, FlashInfer imports and the dtype is
+    float16 or bfloat16 (its kernels take no float32), else "torch". Asking for "flashinfer"
+    without CUDA and FlashInfer raises RuntimeError, with float32 ValueError; an unknown
+    name, ValueError.
     """
     device = torch.device(device)
     if name is None:
-        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "torch"
+        usable = dtype is None or dtype in FLASHINFER_DTYPES
+        name = "flashinfer" if device.type == "cuda" and usable and flashinfer_available() else "torch"
+    if name == "flashinfer" and dtype is not None and dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"the flashinfer backend runs float16 or bfloat16 models, not {dtype}; "
+                         "use --dtype bfloat16 or the torch backend")
     if name == "torch":
         from radixserve.attention.torch_backend import TorchBackend
 

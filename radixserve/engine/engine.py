@@ -88,7 +88,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache)
-        self.runner = ModelRunner(self.loaded, self.pool, create_backend(backend, self.device))
+        attention = create_backend(backend, self.device, self.loaded.dtype)
+        self.runner = ModelRunner(self.loaded, self.pool, attention)
         self.max_queue = max_queue
         self.session_ttl_s = session_ttl_s
         self.debug_checks = debug_checks
