@@ -12,5 +12,5 @@ mkdir -p "$OUT"
 python -c "import torch, flashinfer; assert torch.cuda.is_available(); print(torch.cuda.get_device_name(), flashinfer.__version__)"
 python -m pytest -q -p no:cacheprovider tests/test_flashinfer.py tests/test_attention.py 2>&1 \
   | tee "$OUT/gpu-tests.log"
-python -m radixserve bench compare --no-progress --json "$OUT/compare-gpu.json" --plot "$OUT/compare-gpu-ttft.png" \
+python -m radixserve bench compare --no-progress --server-args "--dtype bfloat16" --json "$OUT/compare-gpu.json" --plot "$OUT/compare-gpu-ttft.png" \
   2>&1 | tee "$OUT/compare-gpu.log"
