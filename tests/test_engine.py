@@ -98,6 +98,8 @@ def test_heavy_eviction_and_preemption_are_token_identical(ckpt: Path) -> None:
     squeezed = tight.generate(prompts, params)
     stats = tight.stats()
     assert stats["preemptions"] > 0 and stats["cache_evicted_pages"] > 0
+    assert stats["pages_used"] == stats["pages_total"] - stats["pages_free"]
+    assert not {"cache_cached_pages", "cache_free_pages"} & set(stats)  # reported once, as pages_*
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in ample]
     for i in (0, 57, 199):
         assert ample[i].token_ids == hf_greedy(ckpt, prompts[i], len(ample[i].token_ids))

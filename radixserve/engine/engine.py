@@ -412,7 +412,9 @@ class Engine:
             kv_tokens_capacity=self.pool.num_pages * self.page_size,
             kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self._sessions),
         )
-        out.update({f"cache_{k}": v for k, v in self.tree.stats().items()})
+        # The tree's page counts are reported above as pages_*; the rest come prefixed.
+        out.update({f"cache_{k}": v for k, v in self.tree.stats().items() if not k.endswith("_pages")
+                    or k == "evicted_pages"})
         # Prometheus-style cumulative buckets: [(upper bound, count <= bound), ...] ending at +inf.
         out["histograms"] = {name: {"buckets": h.cumulative(), "sum": h.sum, "count": h.count}
                              for name, h in self.tree.histograms().items()}

@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from radixserve.cache.pool import PagePool
-from radixserve.cache.radix import RadixTree, Retention
+from radixserve.cache.radix import MatchResult, RadixTree, Retention
 from radixserve.engine.policy import SchedulePolicy, common_prefix_len
 from radixserve.engine.request import Sequence
 
@@ -91,13 +93,17 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             aged = now - seq.arrival_time > self.policy.max_wait_s
-            if self.prefix_cache and not aged and self._shares_prefill_in_flight(seq):
-                self.counters.deferred_for_sharing += 1
-                continue
+            tokens = seq.prompt_ids
+            peek = None  # one look at the cache serves both checks below
+            if self.prefix_cache:
+                peek = self.tree.match(tokens[: len(tokens) - 1], seq.namespace, update=False)
+                if not aged and self._shares_prefill_in_flight(tokens, seq, peek.num_tokens):
+                    self.counters.deferred_for_sharing += 1
+                    continue
             # Keep a page per decoding sequence in hand, so admitting does not force a preemption
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
-            if not self._may_fit(seq, budget, reserve):
+            if not self._may_fit(len(tokens), peek, budget, reserve):
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
             self._take_cached_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
@@ -113,14 +119,13 @@ class Scheduler:
             budget -= num_new
         return chunks
 
-    def _shares_prefill_in_flight(self, seq: Sequence) -> bool:
+    def _shares_prefill_in_flight(self, mine: np.ndarray, seq: Sequence, cached: int) -> bool:
         """In-batch sharing: wait while another sequence computes a prefix this one needs.
 
         Once that sequence's chunk has run, its pages are in the tree and this one hits them,
-        instead of both computing the same tokens in the same step.
+        instead of both computing the same tokens in the same step. `mine` are the sequence's
+        tokens, `cached` how many of them the tree holds.
         """
-        cached = self.tree.match(seq.prompt_ids[:-1], seq.namespace, update=False).num_tokens
-        mine = seq.prompt_ids
         for other in self.running:
             if other.namespace != seq.namespace:
                 continue
@@ -132,14 +137,11 @@ class Scheduler:
                 return True
         return False
 
-    def _may_fit(self, seq: Sequence, budget: int, reserve: int) -> bool:
+    def _may_fit(self, num_tokens: int, cached: MatchResult | None, budget: int, reserve: int) -> bool:
         """Whether the pages this admission needs could be had at all (free + evictable)."""
-        tokens = seq.prompt_ids
-        cached = (self.tree.match(tokens[: len(tokens) - 1], seq.namespace, update=False)
-                  if self.prefix_cache else None)
         hit = cached.num_tokens if cached else 0
         full_pages = len(cached.pages) if cached else 0
-        num_new = min(len(tokens) - hit, budget)
+        num_new = min(num_tokens - hit, budget)
         needed = math.ceil((hit + num_new) / self.page_size) - full_pages
         return needed + reserve <= self.pool.num_free + self.tree.evictable_pages
 

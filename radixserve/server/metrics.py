@@ -23,8 +23,7 @@ from radixserve import StreamDelta
 
 PREFIX = "radixserve"
 
-# engine.stats() key → (metric name without prefix, kind, help); kind "skip" drops a key that
-# repeats another. Counters get "_total" appended by the exposition format. A number under a key
+# engine.stats() key → (metric name without prefix, kind, help). Counters get "_total" appended by the exposition format. A number under a key
 # not listed here is still exported, as a gauge radixserve_engine_<key>, so nothing is lost.
 ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens of finished requests."),
@@ -59,10 +58,6 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                        "cache_hit_tokens / cache_lookup_tokens over all lookups (incl. preempted)."),
     "cache_evicted_pages": ("cache_evicted_pages", "counter", "Cached pages evicted."),
     "cache_nodes": ("cache_nodes", "gauge", "Nodes of the radix tree."),
-    "cache_cached_pages": ("", "skip", ""),
-    "cache_evictable_pages": ("", "skip", ""),
-    "cache_locked_pages": ("", "skip", ""),
-    "cache_free_pages": ("", "skip", ""),
 }
 
 # engine.stats()["histograms"] name → (metric name without prefix, help). Their flattened
@@ -106,7 +101,7 @@ class EngineStatsCollector(Collector):
                 continue
             name, kind, help_text = ENGINE_METRICS.get(
                 key, (f"engine_{key}", "gauge", f"engine.stats()[{key!r}]"))
-            if kind != "skip" and isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(f"{PREFIX}_{name}", help_text, value=value)
 
