@@ -10,7 +10,6 @@ import pytest
 
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.retention import ReuseBoost, SharedPrefixRetention
-from radixserve.cache.reuse import prefix_page_hashes
 from radixserve.benchmark.simulate import SimConfig, Simulator, simulate
 from radixserve.benchmark.workloads import (
     BenchRequest,
@@ -112,15 +111,6 @@ def test_system_prompt_retention_protects_shared_prefixes() -> None:
     kept = simulate(w, SimConfig(1500, page_size=16, schedule_policy="fcfs", eviction_policy="priority",
                                  retention=SharedPrefixRetention(), max_running=8, max_batch_tokens=1024))
     assert kept.hit_rate > plain.hit_rate
-
-
-def test_prefix_page_hashes_identify_whole_prefixes() -> None:
-    a = np.arange(10, 74, dtype=np.int32)
-    b = a.copy()
-    b[20] += 1  # differs inside page 1 (tokens 16..31)
-    ha, hb = prefix_page_hashes(a, 16), prefix_page_hashes(b, 16)
-    assert len(ha) == 4 and ha[0] == hb[0] and not np.any(ha[1:] == hb[1:])
-    assert np.array_equal(prefix_page_hashes(a[:40], 16), ha[:2])
 
 
 def test_reuse_boost_raises_pages_seen_within_the_window() -> None:

@@ -3,7 +3,9 @@
 The reference keeps every cached page under the full token prefix it ends (namespace
 included), with its recency tick and retention, and evicts by scanning every unlocked
 leaf page. After every step the tree must hold exactly the reference's pages and pass
-`check_invariants`.
+`check_invariants`; every eviction must take the reference's pages in the reference's order
+(read from the tree's cache events); and an indexer fed only by those events must hold
+exactly the tree's page hashes.
 """
 
 import math
@@ -13,7 +15,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import numpy as np
+
+from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored, CacheEvent, CacheEventHub
 from radixserve.cache.invariants import SequenceView, check_invariants
+from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
 
@@ -92,20 +98,13 @@ class ReferenceCache:
                     self._raise(info, r, now)
         return duplicates
 
-    def set_retention(self, namespace, tokens, r: Retention, now: float) -> None:
-        for key in self._keys(namespace, tokens, len(tokens) // self.size):
-            if key not in self.pages:
-                break
-            info = self.pages[key]
-            info.priority, info.expiry = r.priority, now + r.duration_s if r.duration_s else math.inf
-            if not r.duration_s:
-                info.floor = r.priority
-
     def _locked(self, key: Key, locks: list[Key]) -> bool:
         return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
 
-    def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> int:
+    def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> tuple[int, list[Key]]:
+        """Pages freed in the pool, and the evicted keys in eviction order."""
         freed = 0
+        evicted: list[Key] = []
         while freed < n:
             parents = {key[:-self.size] for key in self.pages}
             leaves = [k for k in self.pages if k not in parents and not self._locked(k, locks)]
@@ -120,8 +119,15 @@ class ReferenceCache:
             leaves.sort(key=order)
             assert len(leaves) < 2 or order(leaves[0]) != order(leaves[1]), "reference order is ambiguous"
             page = self.pages.pop(leaves[0]).page
+            evicted.append(leaves[0])
             freed += page not in held
-        return freed
+        return freed, evicted
+
+    def hash_of(self, key: Key) -> tuple[str, int]:
+        """The cache-event name of the page cached under `key`."""
+        ns_id = namespace_id(key[0])
+        tokens = np.asarray(key[1:], dtype=np.int64)
+        return ns_id, int(page_hashes(tokens, self.size, namespace_seed(ns_id))[0][-1])
 
     def reset(self, locks: list[Key]) -> None:
         self.pages = {k: v for k, v in self.pages.items() if self._locked(k, locks)}
@@ -153,7 +159,11 @@ class TreeMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["priority", "lru"]), data=st.data())
     def setup(self, policy: str, data) -> None:
         self.pool = PagePool(self.num_pages, self.page_size)
-        self.tree = RadixTree(self.pool, eviction_policy=policy, clock=lambda: self.now)
+        self.events: list[CacheEvent] = []
+        self.indexed: set[tuple[str, int]] = set()  # what an indexer fed by the events holds
+        hub = CacheEventHub(self.page_size)
+        hub.subscribe(self.on_event)
+        self.tree = RadixTree(self.pool, eviction_policy=policy, clock=lambda: self.now, events=hub)
         self.ref = ReferenceCache(self.page_size, policy)
         # Start warm: a few served requests, so most steps meet a populated tree.
         for _ in range(data.draw(st.integers(2, 6))):
@@ -182,9 +192,22 @@ class TreeMachine(RuleBasedStateMachine):
     def _held(self) -> set[int]:
         return {p for s in self.live for p in s.table}
 
+    def on_event(self, event: CacheEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, BlockStored):
+            self.indexed.update((event.namespace, h) for h in event.hashes)
+        elif isinstance(event, BlockRemoved):
+            self.indexed.difference_update((event.namespace, h) for h in event.hashes)
+        elif isinstance(event, AllCleared):
+            self.indexed.clear()
+
     def _evict(self, n: int) -> None:
-        expect = self.ref.evict(n, self.now, self._locks(), self._held())
+        expect, keys = self.ref.evict(n, self.now, self._locks(), self._held())
+        self.events.clear()
         assert self.tree.evict(n) == expect
+        # Each removal event lists a leaf's tail in path order; eviction took it from the end.
+        order = [(e.namespace, h) for e in self.events if isinstance(e, BlockRemoved) for h in reversed(e.hashes)]
+        assert order == [self.ref.hash_of(key) for key in keys], "pages evicted out of order"
 
     def _match(self, namespace, tokens, update: bool):
         m = self.tree.match(tokens, namespace, update=update)
@@ -259,12 +282,6 @@ class TreeMachine(RuleBasedStateMachine):
     def advance_clock(self, dt) -> None:
         self.now += dt
 
-    @rule(data=st.data(), priority=st.sampled_from([0, 50, 100]), duration=st.sampled_from([None, 3.0]))
-    def set_retention(self, data, priority, duration) -> None:
-        tokens = self.draw_tokens(data)
-        self.tree.set_retention(tokens, None, Retention(priority, duration))
-        self.ref.set_retention(None, tokens, Retention(priority, duration), self.now)
-
     @rule()
     def flush(self) -> None:
         before = {info.page for info in self.ref.pages.values()}
@@ -292,6 +309,9 @@ class TreeMachine(RuleBasedStateMachine):
         check_invariants(self.pool, self.tree,
                          [SequenceView(s.table, len(s.tokens)) for s in self.live], released)
         assert self.tree_contents() == {k: v.page for k, v in self.ref.pages.items()}
+        expected = {self.ref.hash_of(key) for key in self.ref.pages}
+        assert self.tree.cached_page_hashes() == expected
+        assert self.indexed == expected, "the event indexer disagrees with the tree"
 
 
 class TreeMachinePage4(TreeMachine):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.cache.reuse import ReuseHistory, prefix_page_hashes
+from radixserve.cache.reuse import ReuseHistory
 
 
 def test_a_repeated_prefix_is_seen_page_by_page() -> None:
@@ -23,10 +23,3 @@ def test_the_window_forgets_and_namespaces_are_apart() -> None:
     history.observe(np.arange(500, 532))  # 8 other pages push doc out of the window
     assert history.observe(doc) == 0
 
-
-def test_prefix_hashes_depend_on_the_whole_prefix() -> None:
-    a = np.arange(32)
-    b = a.copy()
-    b[0] = 99
-    ha, hb = prefix_page_hashes(a, 8), prefix_page_hashes(b, 8)
-    assert len(ha) == 4 and not np.any(ha == hb)

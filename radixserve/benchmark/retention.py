@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from radixserve.benchmark.workloads import BenchRequest
-from radixserve.cache.eviction import Retention
+from radixserve.cache.retention import Retention
 from radixserve.cache.reuse import ReuseHistory
 
 RetentionRanges = list[tuple[int, int, Retention]]

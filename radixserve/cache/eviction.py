@@ -1,83 +1,20 @@
-"""Retention priorities and the order in which cached pages are evicted.
+"""The order in which cached pages are evicted.
 
-A cached page carries a retention priority (0..100, TensorRT-LLM's scale, default 35) that may
-expire: after `duration_s` it decays back to the default. Eviction takes pages from the tail of
-unlocked leaves; an `EvictionPolicy` turns a leaf's tail-page priority and its recency into a
-sort key, smallest evicted first.
+Eviction takes pages from the tail of unlocked leaves. An `EvictionPolicy` turns a leaf's
+tail-page retention priority (see retention.py) and its recency into a sort key, smallest
+evicted first; an `EvictionQueue` keeps the leaves in that order.
 """
 
 from __future__ import annotations
 
-import math
+import heapq
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
-DEFAULT_PRIORITY = 35
-NEVER = math.inf  # expiry time of a priority that does not decay
-
 EvictionKey = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Retention:
-    """How long cached KV should be kept: higher priority is evicted later.
-
-    After `duration_s` seconds (from when it was set) the priority decays to DEFAULT_PRIORITY;
-    None keeps it for good.
-    """
-
-    priority: int = DEFAULT_PRIORITY
-    duration_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.priority <= 100:
-            raise ValueError(f"priority: must be in 0..100, got {self.priority}")
-        if self.duration_s is not None and not self.duration_s > 0:
-            raise ValueError(f"duration_s: must be > 0 or None, got {self.duration_s}")
-
-    @property
-    def is_default(self) -> bool:
-        """True when this retention changes nothing on a default page."""
-        return self.priority == DEFAULT_PRIORITY and self.duration_s is None
-
-    def expiry(self, now: float) -> float:
-        """The clock time at which this retention, set at `now`, decays."""
-        return NEVER if self.duration_s is None else now + self.duration_s
-
-
-def effective_priorities(priority: np.ndarray, expiry: np.ndarray, floor: np.ndarray,
-                         now: float) -> np.ndarray:
-    """Per-page priority in force at `now`: an expired one reads as the page's floor."""
-    return np.where(expiry > now, priority, floor)
-
-
-def raise_retention(priority: np.ndarray, expiry: np.ndarray, floor: np.ndarray, new: Retention,
-                    now: float) -> bool:
-    """Gives each page `max(effective retention, new)`, in place; returns whether any changed.
-
-    A page keeps two levels: the retention in force (`priority` until `expiry`) and its
-    `floor`, the highest retention without a duration it was given, which it falls back to
-    when a temporary one expires. So a temporary boost over a permanent 50 decays to 50, not
-    to the default. Retentions compare by priority, then by later expiry.
-    """
-    expired = expiry <= now
-    priority[expired] = floor[expired]
-    expiry[expired] = NEVER
-    new_expiry = new.expiry(now)
-    changed = False
-    if new.duration_s is None:
-        raised = floor < new.priority
-        floor[raised] = new.priority
-        changed = bool(raised.any())
-    wins = (new.priority > priority) | ((new.priority == priority) & (new_expiry > expiry))
-    if wins.any():
-        priority[wins] = new.priority
-        expiry[wins] = new_expiry
-        changed = True
-    return changed
 
 
 class EvictionPolicy(ABC):
@@ -140,3 +77,91 @@ def make_policy(name: str) -> EvictionPolicy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"eviction_policy: unknown {name!r}, expected one of {sorted(POLICIES)}") from None
+
+
+class Queueable(Protocol):
+    """What the queue needs of a node: a slot for the sequence number of its live entry."""
+
+    heap_seq: int
+
+
+N = TypeVar("N", bound=Queueable)
+
+
+class EvictionQueue(Generic[N]):
+    """Evictable leaves in policy order: a heap validated lazily, plus retention expiries.
+
+    Keys only grow while a node is queued (a touch raises its tick, a retention raise its
+    priority), so a stale entry is detected when popped and pushed again with its current
+    key. Keys that shrink (a temporary priority decaying) are pushed eagerly: each pending
+    expiry time is kept in a second heap and `requeue_expired` re-queues its node.
+
+    `key_of(node, now)` gives a node's current key; `is_candidate(node)` whether it may be
+    evicted now (an unlocked leaf still in the tree); `num_nodes()` how many nodes exist, to
+    bound the heap (superseded entries are dropped once they outnumber the nodes).
+    """
+
+    def __init__(self, key_of: Callable[[N, float], EvictionKey], is_candidate: Callable[[N], bool],
+                 num_nodes: Callable[[], int]) -> None:
+        self._key_of = key_of
+        self._is_candidate = is_candidate
+        self._num_nodes = num_nodes
+        self._heap: list[tuple[EvictionKey, int, N]] = []
+        self._expiries: list[tuple[float, int, N]] = []
+        self._seq = 0
+
+    def push(self, node: N, now: float, key: EvictionKey | None = None) -> None:
+        """Queues `node` with its current key (or `key`), superseding its older entry."""
+        self._seq += 1
+        node.heap_seq = self._seq
+        heapq.heappush(self._heap, (self._key_of(node, now) if key is None else key, self._seq, node))
+        if len(self._heap) > 2 * self._num_nodes() + 64:
+            # Drop superseded entries so repeated touches cannot grow the heap without bound.
+            self._heap[:] = [e for e in self._heap if e[1] == e[2].heap_seq]
+            heapq.heapify(self._heap)
+
+    def schedule_expiries(self, node: N, times: list[float]) -> None:
+        """Remembers that `node`'s key may drop at each of `times`."""
+        for when in times:
+            self._seq += 1
+            heapq.heappush(self._expiries, (when, self._seq, node))
+
+    def requeue_expired(self, now: float) -> None:
+        """Re-queues the candidates whose retention decayed by `now`."""
+        while self._expiries and self._expiries[0][0] <= now:
+            _, _, node = heapq.heappop(self._expiries)
+            if self._is_candidate(node):
+                self.push(node, now)
+
+    def pop(self, now: float) -> tuple[N, EvictionKey, EvictionKey | None] | None:
+        """The next leaf to evict, its key, and the key of the leaf after it (None: none
+        queued); None when nothing is evictable. The leaf leaves the queue."""
+        heap = self._heap
+        while heap:
+            key, seq, node = heapq.heappop(heap)
+            if seq != node.heap_seq:
+                continue
+            node.heap_seq = -1
+            if not self._is_candidate(node):
+                continue
+            current = self._key_of(node, now)
+            if current != key:  # touched or raised since it was queued
+                self.push(node, now, current)
+                continue
+            return node, key, heap[0][0] if heap else None
+        return None
+
+    def forget(self, keep: Callable[[N], bool]) -> None:
+        """Drops every entry (nodes left must be re-pushed when they become candidates) and
+        the expiries of nodes for which `keep` is false."""
+        self._heap.clear()
+        self._expiries = [e for e in self._expiries if keep(e[2])]
+        heapq.heapify(self._expiries)
+
+    def queued(self) -> Iterator[N]:
+        """Nodes with a live entry (for checkers)."""
+        return (node for _, seq, node in self._heap if seq == node.heap_seq)
+
+    def __len__(self) -> int:
+        """Heap entries, superseded ones included."""
+        return len(self._heap)

@@ -142,5 +142,6 @@ def _check_links(node: RadixNode, size: int, where: str) -> None:
         _fail("edge-length", f"{where}: {len(node.tokens)} tokens for {num_pages} pages of {size}")
     if node.key != node.tokens[:size].tobytes():
         _fail("child-key", f"{where}: key is not its first page's tokens")
-    if node.priority is not None and not (len(node.priority) == len(node.expiry) == len(node.floor) == num_pages):
+    kept = node.retention
+    if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == num_pages):
         _fail("retention-arrays", f"{where}: retention arrays do not match {num_pages} pages")

@@ -12,67 +12,33 @@ the query's insertion point.
 Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
 touches, so LRU order is exact even when the clock does not move. A match or insert that ends
 inside an edge splits it at the page boundary, so every page of a node shares one tick and one
-hit count. Retention priorities are kept per page (arrays, None while all are default).
+hit count.
 
-Eviction keeps a heap of unlocked leaves keyed by the policy (tail-page priority, tick) and
-validates entries lazily: an entry whose key is now larger is pushed again; keys that shrink
-(a priority decaying, `set_retention`) are pushed eagerly, decays via a heap of expiry times.
+The jobs around the shape live in their own modules: per-page retention priorities
+(retention.py), the eviction order and its queue (eviction.py), counters and histograms
+(stats.py), and the events that tell subscribers what the cache holds (events.py, named by
+page_hash.py).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.cache.eviction import (
-    DEFAULT_PRIORITY,
-    NEVER,
-    EvictionKey,
-    Retention,
-    effective_priorities,
-    make_policy,
-    raise_retention,
-)
+from radixserve.cache.events import DEVICE, CacheEventHub
+from radixserve.cache.eviction import EvictionKey, EvictionQueue, make_policy
+from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes, state_hash
 from radixserve.cache.pool import PagePool, as_int64
+from radixserve.cache.retention import DEFAULT_PRIORITY, PageRetention, Retention
+from radixserve.cache.stats import CacheStats, Histogram
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
-AGE_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
-REUSE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
-
-
-@dataclass
-class Histogram:
-    """Fixed-bucket histogram: `counts[i]` observations in (bounds[i-1], bounds[i]], the last
-    one above bounds[-1] (Prometheus `le` semantics, not cumulative)."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float, weight: int = 1) -> None:
-        """Records `value` `weight` times."""
-        self.counts[bisect_left(self.bounds, value)] += weight
-        self.sum += value * weight
-        self.count += weight
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, observations <= bound) pairs ending with +inf, as Prometheus wants."""
-        out, total = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts):
-            total += n
-            out.append((bound, total))
-        return out
+RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
 
 
 class RadixNode:
@@ -82,8 +48,8 @@ class RadixNode:
     A root has `key is None` and no pages; a node removed from the tree has `parent is None`.
     """
 
-    __slots__ = ("parent", "children", "key", "tokens", "pages", "priority", "expiry", "floor",
-                 "lock_ref", "tick", "inserted_at", "hits", "heap_seq", "sorted_keys", "namespace")
+    __slots__ = ("parent", "children", "key", "tokens", "pages", "retention", "lock_ref", "tick",
+                 "inserted_at", "hits", "heap_seq", "sorted_keys", "namespace", "chain")
 
     def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
                  pages: list[int], sorted_children: bool) -> None:
@@ -92,16 +58,17 @@ class RadixNode:
         self.key = key                      # bytes of the first page; None for a root
         self.tokens = tokens                # int64 [len(pages) * page_size]
         self.pages = pages                  # one page per page_size tokens
-        self.priority: np.ndarray | None = None  # int16 per page; None: all default
-        self.expiry: np.ndarray | None = None    # float64 per page, clock time; NEVER: no decay
-        self.floor: np.ndarray | None = None     # int16 per page: the priority left after expiry
+        self.retention: PageRetention | None = None  # None: every page at the default
         self.lock_ref = 0                   # locks held on this node or any descendant
         self.tick = 0                       # recency counter value of the last touch
         self.inserted_at = 0.0              # clock time the pages were cached
         self.hits = 0                       # matches that used these pages
-        self.heap_seq = -1                  # sequence number of its live eviction-heap entry
+        self.heap_seq = -1                  # sequence number of its live eviction-queue entry
         self.sorted_keys: list[bytes] | None = [] if sorted_children else None
         self.namespace = namespace
+        # Page-hash chain state at the end of the edge and pages from the root through it,
+        # computed only when events are on (None: not computed yet, or stale).
+        self.chain: tuple[int, int] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -145,30 +112,27 @@ class RadixTree:
 
     The tree holds one reference on every page it caches. `match` changes no refcount: the
     caller increfs the pages it keeps and locks `node` while it uses them. Token arguments
-    may be lists or int64 numpy arrays (arrays skip a conversion on every call).
+    may be lists or int64 numpy arrays (arrays skip a conversion on every call). With
+    `events`, every change of the cached pages is reported to that hub.
     """
 
     def __init__(self, pool: PagePool, *, eviction_policy: str = "priority",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 events: CacheEventHub | None = None) -> None:
         self.pool = pool
         self.page_size: int = pool.page_size
         self.policy = make_policy(eviction_policy)
+        self.events = events
         self._clock = clock
         self._roots: dict[Hashable, RadixNode] = {}
-        self._heap: list[tuple[EvictionKey, int, RadixNode]] = []
-        self._expiries: list[tuple[float, int, RadixNode]] = []
-        self._seq = 0
+        self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_evictable_leaf,
+                                                                  lambda: self._num_nodes)
         self._tick = 0
         self._num_nodes = 0
         self._cached = 0
         self._locked = 0
-        self._lookups = 0
-        self._lookup_tokens = 0
-        self._hit_tokens = 0
-        self._evicted = 0
-        self._hit_age = Histogram(AGE_BUCKETS_S)
-        self._evict_age = Histogram(AGE_BUCKETS_S)
-        self._evict_reuse = Histogram(REUSE_BUCKETS)
+        self._stats = CacheStats()
+        self._namespace_ids: dict[Hashable, tuple[str, int]] = {}
 
     # ------------------------------------------------------------------ counters
     @property
@@ -202,8 +166,7 @@ class RadixTree:
         root = self._roots.get(namespace)
         if update:
             self._tick += 1
-            self._lookups += 1
-            self._lookup_tokens += n
+            self._stats.lookup(n)
         if root is None:
             return MatchResult(0, [], self._new_root(namespace), None, 0)
         tick, now = self._tick, self._clock()
@@ -228,7 +191,7 @@ class RadixTree:
                 continue
             partial_tokens = matched - full * size
             if update:
-                child = self._split(child, full, now)
+                child = self._split(child, full)
                 self._touch(child, tick, now)
                 pages += child.pages
                 node = child
@@ -241,7 +204,7 @@ class RadixTree:
             break
         num_tokens = len(pages) * size + partial_tokens
         if update:
-            self._hit_tokens += num_tokens
+            self._stats.hit(num_tokens)
         return MatchResult(num_tokens, pages, node, partial_page, partial_tokens)
 
     def _best_partial(self, node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
@@ -263,12 +226,12 @@ class RadixTree:
     def _touch(self, node: RadixNode, tick: int, now: float) -> None:
         node.tick = tick
         node.hits += 1
-        self._hit_age.observe(now - node.inserted_at, len(node.pages))
+        self._stats.used(now - node.inserted_at, len(node.pages))
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int] | np.ndarray,
                namespace: Hashable = None, retention: Retention | None = None,
-               range_retention: Sequence[tuple[int, int, Retention]] = ()) -> list[int]:
+               range_retention: RangeRetention = ()) -> list[int]:
         """Caches the `len(tokens) // page_size` full pages of `tokens` (`pages[i]` holds
         tokens `[i*P, (i+1)*P)`; extra pages are ignored) and returns the given pages that
         were not adopted because the tree already held those tokens in other pages.
@@ -305,12 +268,12 @@ class RadixTree:
             matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             if full < len(child.pages):
-                child = self._split(child, full, now)
+                child = self._split(child, full)
             given = page_list[first:first + full]
             if given != child.pages:  # C-speed compare; the loop runs only on duplicates
                 duplicates += [g for g, c in zip(given, child.pages) if g != c]
             if self._retain(child, first, retention, ranges, now):
-                self._schedule_expiries(child, now)
+                self._queue.schedule_expiries(child, child.retention.pending_expiries(now))
             child.tick = self._tick
             node, pos = child, pos + full * size
         return duplicates
@@ -322,70 +285,41 @@ class RadixTree:
         leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1)
         leaf.tick, leaf.inserted_at = self._tick, now
         if not retention.is_default:
-            leaf.priority = np.full(len(pages), retention.priority, dtype=np.int16)
-            leaf.expiry = np.full(len(pages), retention.expiry(now))
-            permanent = retention.priority if retention.duration_s is None else DEFAULT_PRIORITY
-            leaf.floor = np.full(len(pages), permanent, dtype=np.int16)
+            leaf.retention = PageRetention.of(len(pages), retention, now)
         self._attach(parent, leaf)
         self._num_nodes += 1
         self._cached += len(pages)
         self._retain(leaf, first_page, None, ranges, now)
-        self._schedule_expiries(leaf, now)
-        self._push(leaf, now)
+        if leaf.retention is not None:
+            self._queue.schedule_expiries(leaf, leaf.retention.pending_expiries(now))
+        self._queue.push(leaf, now)
+        if self.events is not None and self.events.active:
+            self._report_stored(leaf, 0)
 
     def _retain(self, node: RadixNode, first_page: int, retention: Retention | None,
                 ranges: list[tuple[int, int, Retention]], now: float) -> bool:
         """Raises the node's page retentions (`first_page`: index of its first page in the
         inserted sequence); returns whether any changed."""
         changed = False
-        if retention is not None and (node.priority is not None or not retention.is_default):
-            changed = raise_retention(*self._retention_arrays(node), retention, now)
+        if retention is not None and (node.retention is not None or not retention.is_default):
+            changed = self._retention_of(node).raise_to(retention, now)
         for start, end, r in ranges:
             lo, hi = max(start - first_page, 0), min(end - first_page, len(node.pages))
             if lo < hi:
-                priority, expiry, floor = self._retention_arrays(node)
-                changed |= raise_retention(priority[lo:hi], expiry[lo:hi], floor[lo:hi], r, now)
+                changed |= self._retention_of(node).raise_to(r, now, lo, hi)
         return changed
 
     @staticmethod
-    def _retention_arrays(node: RadixNode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if node.priority is None:
-            node.priority = np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
-            node.expiry = np.full(len(node.pages), NEVER)
-            node.floor = np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
-        return node.priority, node.expiry, node.floor
-
-    def set_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
-                      retention: Retention) -> None:
-        """Overwrites the retention of the cached full pages along `tokens` (a retention
-        without a duration overwrites their floor too). Changes neither recency nor the
-        tree's shape."""
-        permanent = retention.duration_s is None
-
-        def overwrite(priority: np.ndarray, expiry: np.ndarray, floor: np.ndarray, now: float) -> None:
-            priority[:] = retention.priority
-            expiry[:] = retention.expiry(now)
-            if permanent:
-                floor[:] = retention.priority
-
-        self._along(tokens, namespace, overwrite)
+    def _retention_of(node: RadixNode) -> PageRetention:
+        if node.retention is None:
+            node.retention = PageRetention.default(len(node.pages))
+        return node.retention
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
                       priority: int) -> None:
         """Ends early the temporary retention at `priority` of the pages along `tokens`: they
         fall back to their floor (for example a closed session's pages). Pages retained
         otherwise — a system prompt another request kept higher — are left as they are."""
-
-        def end(current: np.ndarray, expiry: np.ndarray, floor: np.ndarray, now: float) -> None:
-            ending = (expiry > now) & (expiry < NEVER) & (current == priority)
-            current[ending] = floor[ending]
-            expiry[ending] = NEVER
-
-        self._along(tokens, namespace, end)
-
-    def _along(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
-               change: Callable[[np.ndarray, np.ndarray, np.ndarray, float], None]) -> None:
-        """Applies `change` to the retention arrays of the cached full pages along `tokens`."""
         size = self.page_size
         toks = _as_tokens(tokens)
         toks = toks[: len(toks) // size * size]
@@ -399,16 +333,14 @@ class RadixTree:
                 break
             matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
-            priority, expiry, floor = self._retention_arrays(child)
-            change(priority[:full], expiry[:full], floor[:full], now)
-            self._schedule_expiries(child, now)
+            self._retention_of(child).end_temporary(priority, now, full)
             last = child
             if full < len(child.pages):
                 break
             node, pos = child, pos + full * size
-        # Only the last node can be a leaf; its key may have dropped, so re-queue it now.
+        # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None and self._is_evictable_leaf(last):
-            self._push(last, now)
+            self._queue.push(last, now)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode) -> None:
@@ -432,7 +364,7 @@ class RadixTree:
                 self._locked -= len(node.pages)
                 if self._is_evictable_leaf(node):
                     now = self._clock() if now is None else now
-                    self._push(node, now)
+                    self._queue.push(node, now)
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
@@ -442,47 +374,41 @@ class RadixTree:
         if num_pages <= 0:
             return 0
         now = self._clock()
-        while self._expiries and self._expiries[0][0] <= now:
-            _, _, node = heapq.heappop(self._expiries)
-            if self._is_evictable_leaf(node):
-                self._push(node, now)
-        heap = self._heap
+        self._queue.requeue_expired(now)
         freed = 0
-        while freed < num_pages and heap:
-            key, seq, node = heapq.heappop(heap)
-            if seq != node.heap_seq:
-                continue
-            node.heap_seq = -1
-            if not self._is_evictable_leaf(node):
-                continue
-            current = self._key(node, now)
-            if current != key:  # touched or raised since it was queued
-                self._push(node, now, current)
-                continue
-            run = self.policy.tail_run(self._effective(node, now), node.tick, heap[0][0] if heap else None)
+        while freed < num_pages:
+            popped = self._queue.pop(now)
+            if popped is None:
+                break
+            node, _, bound = popped
+            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
             freed += self._evict_tail(node, min(run, num_pages - freed), now)
         return freed
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
         keep = len(node.pages) - count
+        if self.events is not None and self.events.active:
+            self._report_removed(node, keep)
         evicted = node.pages[keep:]
         del node.pages[keep:]
         node.tokens = node.tokens[: keep * self.page_size]
-        if node.priority is not None:
-            node.priority, node.expiry, node.floor = node.priority[:keep], node.expiry[:keep], node.floor[:keep]
+        node.chain = None  # its edge ends elsewhere now
+        if node.retention is not None:
+            node.retention.truncate(keep)
         self._cached -= count
-        self._evicted += count
-        self._evict_age.observe(now - node.inserted_at, count)
-        self._evict_reuse.observe(node.hits, count)
+        self._stats.evicted(count, now - node.inserted_at, node.hits)
         freed = len(self.pool.decref(evicted))
         if keep:
-            self._push(node, now)
+            self._queue.push(node, now)
         else:
             self._detach(node, now)
         return freed
 
     def reset(self) -> int:
-        """Drops every unlocked cached page (flush); returns the pages freed in the pool."""
+        """Drops every unlocked cached page (flush); returns the pages freed in the pool.
+
+        Events: one "cleared", then "stored" for the pages that stayed because they are in use.
+        """
         free_before = self.pool.num_free
         for namespace, root in list(self._roots.items()):
             stack = [root]
@@ -496,9 +422,13 @@ class RadixTree:
                         self._drop_subtree(child)
             if not root.children and not root.lock_ref:
                 del self._roots[namespace]
-        self._heap.clear()  # every node left is locked; unlock re-queues it
-        self._expiries = [e for e in self._expiries if e[2].parent is not None]
-        heapq.heapify(self._expiries)
+        # Every node left is locked; unlock re-queues it.
+        self._queue.forget(lambda node: node.parent is not None)
+        if self.events is not None and self.events.active:
+            self.events.cleared()
+            for node, _ in self.nodes():
+                if not node.is_root:
+                    self._report_stored(node, 0)
         return self.pool.num_free - free_before
 
     def _drop_subtree(self, top: RadixNode) -> None:
@@ -518,32 +448,69 @@ class RadixTree:
                 and len(node.pages) > 0)
 
     def _effective(self, node: RadixNode, now: float) -> np.ndarray:
-        if node.priority is None:
+        if node.retention is None:
             return np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
-        return effective_priorities(node.priority, node.expiry, node.floor, now)
+        return node.retention.effective(now)
 
     def _key(self, node: RadixNode, now: float) -> EvictionKey:
-        priority = DEFAULT_PRIORITY
-        if node.priority is not None:
-            priority = int(node.priority[-1] if node.expiry[-1] > now else node.floor[-1])
+        priority = DEFAULT_PRIORITY if node.retention is None else node.retention.tail_priority(now)
         return self.policy.key(priority, node.tick)
 
-    def _push(self, node: RadixNode, now: float, key: EvictionKey | None = None) -> None:
-        self._seq += 1
-        node.heap_seq = self._seq
-        heapq.heappush(self._heap, (self._key(node, now) if key is None else key, self._seq, node))
-        if len(self._heap) > 2 * self._num_nodes + 64:
-            # Drop superseded entries so touches cannot grow the heap without bound.
-            self._heap[:] = [e for e in self._heap if e[1] == e[2].heap_seq]
-            heapq.heapify(self._heap)
+    # ------------------------------------------------------------------ events
+    def _chain_end(self, node: RadixNode) -> tuple[int, int]:
+        """(hash-chain state, pages from the root) at the end of `node`'s edge; computes and
+        caches it for `node` and any ancestors that lack it."""
+        path = []
+        while not node.is_root and node.chain is None:
+            path.append(node)
+            node = node.parent
+        state, depth = (0, 0) if node.is_root else node.chain
+        if path:
+            seed = self._namespace(path[0].namespace)[1]
+            for step in reversed(path):
+                _, state = page_hashes(step.tokens, self.page_size, seed, state, depth)
+                depth += len(step.pages)
+                step.chain = (state, depth)
+        return state, depth
 
-    def _schedule_expiries(self, node: RadixNode, now: float) -> None:
-        if node.expiry is None:
-            return
-        pending = node.expiry[(node.expiry > now) & (node.expiry < NEVER)]
-        for when in np.unique(pending).tolist():
-            self._seq += 1
-            heapq.heappush(self._expiries, (when, self._seq, node))
+    def _hashes(self, node: RadixNode) -> tuple[int | None, list[int]]:
+        """The hash of the page before `node`'s edge (None at the root) and of its pages."""
+        ns_id, seed = self._namespace(node.namespace)
+        parent = node.parent
+        state, depth = self._chain_end(parent)
+        hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
+        node.chain = (end, depth + len(node.pages))
+        return (None if parent.is_root else state_hash(state, seed)), hashes.tolist()
+
+    def _report_stored(self, node: RadixNode, first: int) -> None:
+        """Reports `node`'s pages from index `first` on as stored on the device."""
+        parent_hash, hashes = self._hashes(node)
+        if first:
+            parent_hash = hashes[first - 1]
+        tokens = node.tokens[first * self.page_size:].tolist() if self.events.wants_tokens else None
+        self.events.stored(self._namespace(node.namespace)[0], DEVICE, parent_hash, hashes[first:], tokens)
+
+    def _report_removed(self, node: RadixNode, first: int) -> None:
+        """Reports `node`'s pages from index `first` on as removed from the device."""
+        _, hashes = self._hashes(node)
+        self.events.removed(self._namespace(node.namespace)[0], DEVICE, hashes[first:])
+
+    def _namespace(self, namespace: Hashable) -> tuple[str, int]:
+        """The namespace's opaque id and hash seed (cached)."""
+        known = self._namespace_ids.get(namespace)
+        if known is None:
+            ns_id = namespace_id(namespace)
+            known = self._namespace_ids[namespace] = (ns_id, namespace_seed(ns_id))
+        return known
+
+    def cached_page_hashes(self) -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page: what an event indexer should hold."""
+        out: set[tuple[str, int]] = set()
+        for node, _ in self.nodes():
+            if not node.is_root:
+                ns_id = self._namespace(node.namespace)[0]
+                out.update((ns_id, h) for h in self._hashes(node)[1])
+        return out
 
     # ------------------------------------------------------------------ shape
     def _new_root(self, namespace: Hashable) -> RadixNode:
@@ -572,21 +539,20 @@ class RadixTree:
             if self._roots.get(parent.namespace) is parent:
                 del self._roots[parent.namespace]
         else:
-            self._push(parent, now)
+            self._queue.push(parent, now)
 
-    def _split(self, node: RadixNode, num_pages: int, now: float) -> RadixNode:
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cuts `node` after `num_pages` pages; returns the new upper node.
 
-        `node` keeps the lower part, so a lock handle held on it still covers the same path.
+        `node` keeps the lower part, so a lock handle held on it still covers the same path
+        (and its hash-chain state, which describes the end of the same path).
         """
         cut = num_pages * self.page_size
         top = RadixNode(node.namespace, node.key, node.tokens[:cut].copy(),
                         node.pages[:num_pages], self.page_size > 1)
         node.tokens, node.pages = node.tokens[cut:].copy(), node.pages[num_pages:]
-        if node.priority is not None:
-            top.priority, node.priority = node.priority[:num_pages].copy(), node.priority[num_pages:].copy()
-            top.expiry, node.expiry = node.expiry[:num_pages].copy(), node.expiry[num_pages:].copy()
-            top.floor, node.floor = node.floor[:num_pages].copy(), node.floor[num_pages:].copy()
+        if node.retention is not None:
+            top.retention, node.retention = node.retention.split(num_pages)
         top.lock_ref, top.tick, top.inserted_at, top.hits = node.lock_ref, node.tick, node.inserted_at, node.hits
         parent = node.parent
         top.parent = parent
@@ -594,7 +560,8 @@ class RadixTree:
         node.key = node.tokens[: self.page_size].tobytes()
         self._attach(top, node)
         self._num_nodes += 1
-        self._schedule_expiries(top, now)
+        if top.retention is not None:
+            self._queue.schedule_expiries(top, top.retention.pending_expiries(self._clock()))
         return top
 
     # ------------------------------------------------------------------ inspection
@@ -607,31 +574,18 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def queued_nodes(self) -> list[RadixNode]:
-        """Nodes with a live entry in the eviction heap (for checkers)."""
-        return [node for _, seq, node in self._heap if seq == node.heap_seq]
+        """Nodes with a live entry in the eviction queue (for checkers)."""
+        return list(self._queue.queued())
 
     def histograms(self) -> dict[str, Histogram]:
         """Age of cached KV when hit and when evicted (seconds since insertion, one
         observation per page) and how often each evicted page had been hit."""
-        return {"hit_age_seconds": self._hit_age, "evict_age_seconds": self._evict_age,
-                "evict_reuse": self._evict_reuse}
+        return self._stats.histograms()
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: lookups, tokens looked up and hit, page counts, evictions,
         and the sums/counts of the histograms."""
-        out = {
-            "lookups": self._lookups,
-            "lookup_tokens": self._lookup_tokens,
-            "hit_tokens": self._hit_tokens,
-            "hit_rate": self._hit_tokens / self._lookup_tokens if self._lookup_tokens else 0.0,
-            "cached_pages": self._cached,
-            "evictable_pages": self.evictable_pages,
-            "locked_pages": self._locked,
-            "free_pages": self.pool.num_free,
-            "evicted_pages": self._evicted,
-            "nodes": self._num_nodes,
-        }
-        for name, hist in self.histograms().items():
-            out[f"{name}_sum"] = hist.sum
-            out[f"{name}_count"] = hist.count
+        out = self._stats.as_dict()
+        out.update(cached_pages=self._cached, evictable_pages=self.evictable_pages,
+                   locked_pages=self._locked, free_pages=self.pool.num_free, nodes=self._num_nodes)
         return out

@@ -14,28 +14,7 @@ from typing import Hashable
 
 import numpy as np
 
-_MIX_A = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_B = np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise (wrapping uint64 arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _MIX_A
-    x = x ^ (x >> np.uint64(27))
-    x = x * _MIX_B
-    return x ^ (x >> np.uint64(31))
-
-
-def prefix_page_hashes(tokens: np.ndarray, page_size: int, seed: int = 0) -> np.ndarray:
-    """One 64-bit hash per full page of `tokens`, each a function of the page's whole prefix."""
-    full = len(tokens) // page_size
-    pages = np.asarray(tokens[: full * page_size], dtype=np.uint64).reshape(full, page_size)
-    columns = _mix64(np.arange(1, page_size + 1, dtype=np.uint64))
-    positions = _mix64(np.arange(1, full + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    with np.errstate(over="ignore"):
-        page_hash = _mix64((_mix64(pages + np.uint64(1)) * columns).sum(axis=1, dtype=np.uint64))
-        return _mix64(np.cumsum(page_hash * positions, dtype=np.uint64) + np.uint64(seed))
+from radixserve.cache.page_hash import MASK64, page_hashes
 
 
 class ReuseHistory:
@@ -57,8 +36,8 @@ class ReuseHistory:
 
         A prompt's pages share one time stamp, so the seen pages always form a prefix.
         """
-        seed = hash(namespace) & 0xFFFFFFFFFFFFFFFF if namespace is not None else 0
-        hashes = prefix_page_hashes(tokens, self.page_size, seed).tolist()
+        seed = hash(namespace) & MASK64 if namespace is not None else 0
+        hashes = page_hashes(tokens, self.page_size, seed)[0].tolist()
         seen = 0
         for h in hashes:
             last = self._last_seen.get(h)

@@ -7,12 +7,14 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.attention.base import create_backend
+from radixserve.cache.events import CacheEvent, CacheEventHub
 from radixserve.cache.invariants import SequenceView, check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
@@ -82,7 +84,9 @@ class Engine:
         self.page_size = page_size
         self.pool = self._make_pool(num_pages, kv_memory_gb)
         reuse_boost = eviction_policy == "reuse-boost"
-        self.tree = RadixTree(self.pool, eviction_policy="priority" if reuse_boost else eviction_policy)
+        self.cache_events = CacheEventHub(page_size)
+        self.tree = RadixTree(self.pool, eviction_policy="priority" if reuse_boost else eviction_policy,
+                              events=self.cache_events)
         self.reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * self.pool.num_pages)
                               if reuse_boost and enable_prefix_cache else None)
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
@@ -151,7 +155,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        namespace = (self.model_name, cache_salt)
+        namespace = (self.model_name, cache_salt or None)  # "" is no salt: one namespace, one id
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
                       retention, prefix_retention, session_id)
         if self.reuse_history is not None:
@@ -440,3 +444,17 @@ class Engine:
     def flush_cache(self) -> int:
         """Drops every unlocked cached page; returns how many pages were freed."""
         return self.tree.reset()
+
+    def subscribe_events(self, callback: Callable[[CacheEvent], None], *,
+                         include_token_ids: bool = False) -> Callable[[], None]:
+        """Calls `callback` with every later cache event (radixserve.cache.events), in order,
+        on the thread that runs the engine's steps; returns a function that unsubscribes.
+
+        Token ids ride along only with `include_token_ids`. With no subscriber the cache
+        computes no page hashes, so events cost nothing unless someone listens.
+        """
+        return self.cache_events.subscribe(callback, include_token_ids=include_token_ids)
+
+    def cache_page_hashes(self) -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page: what an indexer of the events holds."""
+        return self.tree.cached_page_hashes()

@@ -1,0 +1,81 @@
+"""Page hashes: a 64-bit name for every cached page, computable from token ids alone.
+
+A page's hash is a function of its namespace and of every token from the start of its
+sequence to the end of the page, chained per page, so equal hashes mean equal prefixes (up to
+64-bit collisions: this is an index key, not a cryptographic digest). The reuse history keys
+its ghost list by it, and cache events name pages by it, so that an outside indexer or a
+router can compute the hashes of a request's pages and look them up.
+
+Spec, all arithmetic wrapping uint64, `mix` = splitmix64's finaliser, page size P, pages
+k = 1, 2, ... counted from the start of the sequence, tokens t[k, 1..P] of page k:
+
+    d_k = mix( sum_{j=1..P} mix(t[k, j] + 1) * mix(j) )         # the page's own digest
+    S_k = S_{k-1} + d_k * mix(k * 0x9E3779B97F4A7C15),  S_0 = 0  # chained over the prefix
+    h_k = mix(S_k + seed)
+
+`seed` is 0 for the reuse history's unsalted use, and for cache events the namespace's seed:
+the little-endian integer of blake2b(namespace_id, digest_size=8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+
+import numpy as np
+
+_MIX_A = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_B = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise (wrapping uint64 arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX_A
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX_B
+    return x ^ (x >> np.uint64(31))
+
+
+def page_hashes(tokens: np.ndarray, page_size: int, seed: int = 0, state: int = 0,
+                first_page: int = 0) -> tuple[np.ndarray, int]:
+    """The hash of every full page of `tokens` and the chain state after the last one.
+
+    To continue a chain, pass the `state` returned for the tokens before `tokens` and
+    `first_page`, the number of pages those tokens held.
+    """
+    full = len(tokens) // page_size
+    if full == 0:
+        return np.empty(0, dtype=np.uint64), state
+    pages = np.asarray(tokens[: full * page_size], dtype=np.uint64).reshape(full, page_size)
+    columns = mix64(np.arange(1, page_size + 1, dtype=np.uint64))
+    positions = mix64(np.arange(first_page + 1, first_page + full + 1, dtype=np.uint64) * _GOLDEN)
+    with np.errstate(over="ignore"):
+        digest = mix64((mix64(pages + np.uint64(1)) * columns).sum(axis=1, dtype=np.uint64))
+        sums = np.cumsum(digest * positions, dtype=np.uint64) + np.uint64(state)
+        return mix64(sums + np.uint64(seed)), int(sums[-1])
+
+
+def state_hash(state: int, seed: int) -> int:
+    """The hash of the page that leaves the chain at `state` (h = mix(S + seed))."""
+    with np.errstate(over="ignore"):
+        return int(mix64(np.array([state], dtype=np.uint64) + np.uint64(seed))[0])
+
+
+def namespace_id(namespace: Hashable) -> str:
+    """Opaque 16-hex-digit id of a cache namespace; it does not reveal a tenant's salt.
+
+    The engine's namespaces are (model name, cache_salt): their id is
+    blake2b(f"{model}\\x00{cache_salt or ''}", digest_size=8).hexdigest(). Other namespaces
+    (tests, the simulator) use the same rule on their parts, None as "".
+    """
+    parts = namespace if isinstance(namespace, tuple) else (namespace,)
+    text = "\x00".join("" if part is None else str(part) for part in parts)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def namespace_seed(ns_id: str) -> int:
+    """The hash seed of the namespace whose id is `ns_id`."""
+    return int.from_bytes(hashlib.blake2b(ns_id.encode(), digest_size=8).digest(), "little")
