@@ -104,7 +104,9 @@ def test_heavy_eviction_and_preemption_are_token_identical(ckpt: Path) -> None:
     for i in (0, 57, 199):
         assert ample[i].token_ids == hf_greedy(ckpt, prompts[i], len(ample[i].token_ids))
     assert_cached_kv_is_factual(tight)
-    assert tight.flush_cache() >= 0 and tight.pool.num_free == tight.pool.num_pages
+    cached = tight.tree.cached_pages
+    assert cached > 0 and tight.pool.num_free == tight.pool.num_pages - cached  # nothing else held
+    assert tight.flush_cache() == cached and tight.pool.num_free == tight.pool.num_pages
 
 
 def test_chunked_prefill_gives_the_same_tokens(ckpt: Path) -> None:

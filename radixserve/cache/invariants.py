@@ -47,12 +47,16 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
       every unlocked leaf is queued for eviction;
     - no page is cached twice (namespaces never share pages);
     - block tables: `len(block_table) == ceil(num_tokens / page_size)`, no page listed twice;
+    - copy-on-write: a sequence's next write slot, when it lies in a page it already has (the
+      last page is partly filled), is in a page it alone holds (refcount 1, not cached), so no
+      write of one sequence is visible to another;
     - refcounts: every page's refcount equals its holders (the tree once per cached page,
       plus each block table listing it), so every referenced page is allocated;
     - free list: exactly the pages with refcount 0, no page listed twice;
     - `released_pages` are free.
     """
     size = pool.page_size
+    sequences = list(sequences)
     held: list[np.ndarray] = []
     if tree is not None:
         held.append(_check_tree(tree, size))
@@ -87,6 +91,13 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
         _fail("free-list-used", f"page {page}: in free list {page in free}, refcount {refcounts[page]}")
     if len(free) + pool.num_used != pool.num_pages:
         _fail("free-plus-used", f"{len(free)} free + {pool.num_used} used != {pool.num_pages} pages")
+    cached = set(held[0].tolist()) if tree is not None else set()
+    for i, seq in enumerate(sequences):
+        if seq.num_tokens % size:
+            page = int(list(seq.block_table)[seq.num_tokens // size])
+            if refcounts[page] != 1 or page in cached:
+                _fail("copy-on-write", f"sequence {i}: writes next into page {page}, which has "
+                      f"refcount {refcounts[page]}{' and is cached' if page in cached else ''}")
     for page in released_pages:
         if refcounts[page] != 0:
             _fail("released-not-free", f"page {page}: released but refcount {refcounts[page]}")

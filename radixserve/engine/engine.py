@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -21,7 +22,7 @@ from radixserve.cache.radix import RadixTree, Retention
 from radixserve.cache.reuse import ReuseHistory
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
-                                      StreamDelta)
+                                      StreamDelta, TokenLogprob)
 from radixserve.engine.policy import make_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
@@ -29,8 +30,11 @@ from radixserve.engine.sampler import compute_logprobs, make_generator, sample
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
 from radixserve.models.loader import load_model
 
+logger = logging.getLogger(__name__)
+
 REUSE_WINDOW = 16  # reuse history length, in multiples of the pool's pages (measured best)
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
+SESSION_SWEEP_S = 1.0  # how often idle sessions are looked for
 DEFAULT_CPU_KV_GB = 0.5
 DEFAULT_GPU_KV_FRACTION = 0.8
 
@@ -107,6 +111,7 @@ class Engine:
         self._step_time_s = 0.0
         self._last_step_s = 0.0
         self._released: list[int] = []  # pages let go in this step, for the debug checker
+        self._last_session_sweep = time.monotonic()
 
     # ------------------------------------------------------------------ set-up
     def _make_pool(self, num_pages: int | None, kv_memory_gb: float | None) -> PagePool:
@@ -212,16 +217,16 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, list[StreamDelta]]:
-        """Runs one forward pass; returns what is new, per request id."""
+        """Runs one forward pass; returns what is new, per request id.
+
+        A failure that one request causes (its forward chunk, sampling, detokenizing, stop
+        checks) ends that request alone with finish_reason "error"; the others carry on.
+        """
         start = time.perf_counter()
+        self._sweep_sessions()
         chunks = self.scheduler.schedule()
         if chunks:
-            try:
-                logits = self.runner.run(chunks)
-                self._process(chunks, logits)
-            except Exception:
-                self._fail({c.seq.request for c in chunks})
-                raise
+            self._run(chunks)
         self._counters["steps"] += 1
         self._last_step_s = time.perf_counter() - start
         self._step_time_s += self._last_step_s
@@ -229,6 +234,31 @@ class Engine:
             self.check_invariants()
         self._released = []
         return self.take_deltas()
+
+    def _run(self, chunks: list[ScheduledChunk]) -> None:
+        """Runs `chunks` in one forward pass; if it fails, runs each half on its own, so a
+        chunk that cannot run fails only its own request and the rest are retried.
+
+        Retrying is safe: a failed pass advanced no sequence and cached nothing, and the
+        slots it may have half-written are rewritten by the retry (they lie in pages the
+        sequence holds alone: the copy-on-write rule).
+        """
+        chunks = [c for c in chunks if not c.seq.finished]  # a sibling half may have failed it
+        if not chunks:
+            return
+        try:
+            logits = self.runner.run(chunks)
+        except Exception:
+            if len(chunks) == 1:
+                logger.exception("forward pass failed for request %s; it ends with finish_reason "
+                                 "'error'", chunks[0].seq.request.request_id)
+                self._fail({chunks[0].seq.request})
+                return
+            middle = len(chunks) // 2
+            self._run(chunks[:middle])
+            self._run(chunks[middle:])
+            return
+        self._process(chunks, logits)
 
     def take_deltas(self) -> dict[str, list[StreamDelta]]:
         """What is new per request id since the last call (step() returns it too)."""
@@ -251,12 +281,38 @@ class Engine:
             if len(req.sequences) < req.params.n and seq.index == 0:
                 ready.extend((child, row) for child in self._fork(seq))
             row += 1
+        if not ready:
+            return
         seqs = [s for s, _ in ready]
-        rows = logits[[r for _, r in ready]]
-        tokens = sample(rows, [s.request.params for s in seqs], [s.generator for s in seqs])
-        logprobs = compute_logprobs(rows, tokens, [s.request.params.logprobs for s in seqs])
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            self._append_token(seq, token, logprob)
+        for seq, token, logprob in zip(seqs, *self._sample(logits[[r for _, r in ready]], seqs)):
+            if seq.finished:  # its request failed while sampling
+                continue
+            try:
+                self._append_token(seq, token, logprob)
+            except Exception:
+                logger.exception("post-processing a token of request %s failed; it ends with "
+                                 "finish_reason 'error'", seq.request.request_id)
+                self._fail({seq.request})
+
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token (and logprobs if asked) per row; the batch at once, or row by row if the
+        batch fails, so a request whose sampling fails ends alone (with a dummy token here)."""
+        params = [s.request.params for s in seqs]
+        try:
+            tokens = sample(rows, params, [s.generator for s in seqs])
+            return tokens, compute_logprobs(rows, tokens, [p.logprobs for p in params])
+        except Exception:
+            logger.exception("batched sampling failed; sampling row by row")
+        tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
+        for i, seq in enumerate(seqs):
+            try:
+                (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], [seq.generator])
+                (logprobs[i],) = compute_logprobs(rows[i:i + 1], tokens[i:i + 1], [params[i].logprobs])
+            except Exception:
+                logger.exception("sampling failed for request %s; it ends with finish_reason 'error'",
+                                 seq.request.request_id)
+                self._fail({seq.request})
+        return tokens, logprobs
 
     def _fail(self, requests: set[Request]) -> None:
         """Ends the requests of a step that raised; their pages may hold half-written K/V,
@@ -279,7 +335,8 @@ class Engine:
         children = []
         for index in range(len(req.sequences), req.params.n):
             child = self._new_sequence(req, index, list(parent.token_ids))
-            if self.scheduler.fork(parent, child):
+            # A child past max_running waits and is admitted like any request (a cache hit).
+            if len(self.scheduler.running) < self.scheduler.max_running and self.scheduler.fork(parent, child):
                 children.append(child)
             else:
                 self.scheduler.waiting.append(child)
@@ -337,11 +394,20 @@ class Engine:
     def _expire_sessions(self) -> None:
         """Forgets sessions idle past the TTL; their retention has decayed in the tree already."""
         now = time.monotonic()
+        self._last_session_sweep = now
         for sid in [k for k, v in self._sessions.items() if now - v.last_active > self.session_ttl_s]:
             del self._sessions[sid]
 
+    def _sweep_sessions(self) -> None:
+        """Expires idle sessions at most every SESSION_SWEEP_S (every step would be wasted work)."""
+        interval = min(SESSION_SWEEP_S, self.session_ttl_s)
+        if self._sessions and time.monotonic() - self._last_session_sweep > interval:
+            self._expire_sessions()
+
     def close_session(self, session_id: str) -> bool:
-        """Ends a session: its pages become ordinary cache. False if it was not open."""
+        """Ends a session: its pages become ordinary cache. False if it was not open (or
+        expired: idle past the TTL)."""
+        self._expire_sessions()
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
@@ -394,6 +460,7 @@ class Engine:
 
         prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
         requests_finished, requests_aborted, waiting, running, preemptions, admissions,
+        shrunk_chunks (prefill chunks cut to the pages available rather than preempting),
         deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
         step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
         pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
@@ -408,6 +475,7 @@ class Engine:
         out.update(
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
             preemptions=self.scheduler.counters.preemptions, admissions=self.scheduler.counters.admitted,
+            shrunk_chunks=self.scheduler.counters.shrunk_chunks,
             deferred_for_sharing=self.scheduler.counters.deferred_for_sharing,
             step_time_s_total=self._step_time_s, last_step_s=self._last_step_s,
             pages_total=self.pool.num_pages, pages_free=self.pool.num_free, pages_used=self.pool.num_used,

@@ -39,6 +39,7 @@ class SchedulerCounters:
     """Cumulative scheduler events, for stats."""
 
     preemptions: int = 0
+    shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
     deferred_for_sharing: int = 0
     admitted: int = 0
 
@@ -71,6 +72,13 @@ class Scheduler:
             seq = ordered.pop(0)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             while not self._reserve(seq, seq.num_computed + num_new):
+                # A prefill chunk shrinks to the pages it can have before anyone is preempted,
+                # leaving each sequence still to run this step the page its next token needs.
+                fits = self._tokens_that_fit(seq, ordered)
+                if 0 < fits < num_new:
+                    num_new = fits
+                    self.counters.shrunk_chunks += 1
+                    continue
                 # Out of pages even after eviction: preempt the least important sequence,
                 # which is the last one in `ordered`, or this one if it is the last.
                 victim = ordered.pop() if ordered else seq
@@ -174,6 +182,13 @@ class Scheduler:
         if short > 0:
             self.tree.evict(short)
         return self.pool.num_free >= num_pages
+
+    def _tokens_that_fit(self, seq: Sequence, others: list[Sequence]) -> int:
+        """How many tokens past `seq.num_computed` its pages plus the free and evictable pages
+        could hold, keeping a page for each of `others` whose next token needs a new page."""
+        needed_by_others = sum(1 for s in others if s.num_computed % self.page_size == 0)
+        available = len(seq.block_table) + self.pool.num_free + self.tree.evictable_pages - needed_by_others
+        return available * self.page_size - seq.num_computed
 
     def _reserve(self, seq: Sequence, num_tokens: int, extra_free: int = 0) -> bool:
         """Gives `seq` pages for its first `num_tokens` tokens, evicting cache if needed."""
