@@ -60,6 +60,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes "
                             "(default: $RADIXSERVE_API_KEY, else no key)")
+    serve.add_argument("--expose-cache-tokens", action="store_true",
+                       help="let /v1/cache/tree and /v1/cache/events include the cached prompts' token "
+                            "ids and text (off: only page hashes and opaque namespace ids leave the server)")
+    serve.add_argument("--cache-event-buffer", type=int, default=4096,
+                       help="events a /v1/cache/events reader may fall behind before it gets a reset "
+                            "and a fresh snapshot (default: %(default)s)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and KV dtype; auto: the checkpoint's on CUDA, float32 on CPU "
                             "(default: %(default)s)")
@@ -107,9 +113,10 @@ def serve_command(args: argparse.Namespace) -> int:
          f"context {engine.max_context_len} tokens")
     _say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
          f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
-    app = create_app(AsyncEngine(engine), served_model_name=args.served_model_name, api_key=args.api_key)
+    app = create_app(AsyncEngine(engine), served_model_name=args.served_model_name, api_key=args.api_key,
+                     expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer)
     _say(f"serving {args.served_model_name or engine.model_name} at http://{args.host}:{args.port}/v1 "
-         f"(metrics at /metrics; Ctrl-C to stop)")
+         f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     _say("stopped")
     return 0

@@ -7,13 +7,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from radixserve.cache.radix import Retention
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import SamplingParams, StreamDelta
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 class AsyncEngine:
@@ -158,6 +159,11 @@ class AsyncEngine:
 
     async def flush_cache(self) -> int:
         return await self._call(self.engine.flush_cache)
+
+    def call(self, fn: Callable[[], _R]) -> asyncio.Future[_R]:
+        """Runs `fn` on the engine thread between two steps (so it never sees one half done,
+        e.g. to read the tree); the future resolves with its result or error."""
+        return self._call(fn)
 
     def stats(self) -> dict[str, Any]:
         """The snapshot published after the latest step: never waits for a step."""

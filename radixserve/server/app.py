@@ -23,6 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from radixserve import AsyncEngine, StreamDelta
+from radixserve.engine.event_stream import DEFAULT_CAPACITY
+from radixserve.server.cache_routes import CacheRoutes
+from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
     APIError,
     engine_errors,
@@ -256,14 +259,20 @@ class OpenAIServer:
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES, expose_cache_tokens: bool = False,
+               cache_event_buffer: int = DEFAULT_CAPACITY) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
     are accepted in requests). With `api_key`, every /v1 route needs `Authorization: Bearer`.
+    The /v1/cache routes and /dashboard come from cache_routes.py and dashboard.py;
+    `expose_cache_tokens` lets their snapshots and events carry token ids and text, and
+    `cache_event_buffer` bounds how far (in events) a /v1/cache/events reader may fall behind.
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes)
+    cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
+                        event_buffer=cache_event_buffer)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -271,6 +280,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         try:
             yield
         finally:
+            cache.close()
             await engine.shutdown()
 
     routes = [
@@ -280,6 +290,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         Route("/v1/sessions/{session_id}/close", server.close_session, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
+        *cache.routes(),
+        *Dashboard().routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: handle_api_error,

@@ -1,0 +1,322 @@
+"""A bounded view of the radix tree: what `GET /v1/cache/tree` returns and the dashboard draws.
+
+A tree with 100k nodes cannot go over the wire or onto a page node by node, so the view keeps
+the `max_nodes` nodes with the largest subtrees (by cached pages), never deeper than
+`max_depth` below their namespace, plus the `top_k` most-hit nodes (the hottest shared
+prefixes) with their ancestors. Every node left out is folded into one "aggregate" child of its
+shown parent that carries the pages and node counts of what it stands for, so page totals stay
+exact at every level and an icicle drawn from the view has the true proportions.
+
+It reads the tree through its inspection API (`RadixTree.nodes()` and the read-only node
+fields) and must run on the thread that owns the engine (`AsyncEngine.call`), so it never sees
+a step half done. One pass over every node plus a little work per shown node: see
+docs/server.md for its cost on a 100k-node tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import msgspec
+
+from radixserve.cache.eviction import DEFAULT_PRIORITY, effective_priorities
+from radixserve.cache.radix import RadixNode, RadixTree
+
+DEFAULT_MAX_NODES = 2000
+DEFAULT_MAX_DEPTH = 64
+DEFAULT_TOP_K = 10
+DEVICE_TIER = "device"
+
+
+class TreeNodeView(msgspec.Struct, omit_defaults=True):
+    """One drawn node. `kind`: "cache" (the top, one per snapshot), "namespace" (a tenant's
+    root, `namespace` its opaque id), "node" (one edge of the tree) or "aggregate" (the
+    children of its parent that were left out, `subtree_nodes` of them)."""
+
+    id: int
+    kind: str
+    pages: int                      # pages on this edge (aggregate: in everything it stands for)
+    tokens: int                     # pages * page_size
+    prefix_tokens: int              # tokens from the namespace root to the end of this edge
+    subtree_pages: int              # this edge and everything below it
+    subtree_nodes: int              # nodes in the subtree, this one included (not for "cache")
+    lock_count: int                 # locks held on this node or below (in use by requests)
+    hits: int                       # lookups that used these pages (aggregate: summed)
+    tier: str = DEVICE_TIER
+    priority: int | None = None     # retention priority in force for the tail page (evicted first)
+    priority_max: int | None = None  # highest retention priority of its pages
+    age_s: float | None = None      # seconds since its pages were cached
+    tick: int | None = None         # recency counter of the last use (larger = more recent)
+    namespace: str | None = None
+    hash: int | None = None         # the cache-event hash of its last page (see docs/server.md)
+    token_ids: list[int] | None = None  # the edge's tokens, only with --expose-cache-tokens
+    text: str | None = None             # the edge decoded, only with --expose-cache-tokens
+    children: list[TreeNodeView] = []
+
+
+class TopPrefix(msgspec.Struct, omit_defaults=True):
+    """A most-hit node: the shared prefix ending at it."""
+
+    id: int                  # its id in the snapshot's tree
+    hits: int
+    prefix_tokens: int
+    pages: int
+    namespace: str
+    hash: int | None = None
+    text: str | None = None  # the whole prefix decoded, only with --expose-cache-tokens
+
+
+class TreeSnapshot(msgspec.Struct):
+    """The response of `GET /v1/cache/tree`."""
+
+    object: str
+    page_size: int
+    tiers: list[str]
+    nodes_total: int          # tree nodes (namespace roots excluded)
+    pages_total: int          # cached pages
+    locked_pages: int
+    nodes_shown: int          # "node"-kind entries in `root` (the rest are inside aggregates)
+    truncated: bool           # some node was folded into an aggregate
+    max_nodes: int
+    max_depth: int
+    recency_tick: int         # the largest tick in the tree: "now" for `tick`
+    root: TreeNodeView
+    top_prefixes: list[TopPrefix]
+    took_ms: float            # time spent on the engine thread building it
+
+
+class SnapshotOptions(msgspec.Struct, frozen=True):
+    """What to include: limits, and whether token ids and text may leave the server."""
+
+    max_nodes: int = DEFAULT_MAX_NODES
+    max_depth: int = DEFAULT_MAX_DEPTH
+    top_k: int = DEFAULT_TOP_K
+    include_tokens: bool = False
+
+
+def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
+                  namespace_id: Callable[[Hashable], str],
+                  page_hashes: Callable[[RadixNode, Any], tuple[list[int], Any]] | None = None,
+                  decode: Callable[[list[int]], str] | None = None,
+                  now: float | None = None) -> TreeSnapshot:
+    """The bounded view of `tree` described in the module docstring.
+
+    `namespace_id` turns a namespace into its opaque id. `page_hashes(node, parent_state)`,
+    if given, returns the hashes of the node's pages and the chain state to hand to its
+    children (the state of a namespace root is None). `decode` turns token ids into text; it
+    is used only with `options.include_tokens`. `now` is the tree's clock (time.monotonic by
+    default).
+    """
+    started = time.perf_counter()
+    now = time.monotonic() if now is None else now
+    facts = _Facts(tree)
+    _choose_shown(facts, options)
+    builder = _Builder(tree.page_size, options, facts, namespace_id, page_hashes, decode, now)
+    top = builder.build()
+    snapshot = TreeSnapshot(
+        object="cache.tree", page_size=tree.page_size, tiers=[DEVICE_TIER],
+        nodes_total=len(facts.nodes) - len(facts.roots), pages_total=sum(facts.pages),
+        locked_pages=tree.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
+        max_nodes=options.max_nodes, max_depth=options.max_depth,
+        recency_tick=max((node.tick for node in facts.nodes), default=0), root=top,
+        top_prefixes=builder.top_prefixes(_hottest(facts, options.top_k)), took_ms=0.0)
+    snapshot.took_ms = round((time.perf_counter() - started) * 1e3, 3)
+    return snapshot
+
+
+class _Facts:
+    """Per-node facts from one pass, in lists indexed by the node's pre-order position (lists
+    of ints, not an object per node: this pass touches every node of a 100k-node tree)."""
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.nodes: list[RadixNode] = [node for node, _ in tree.nodes()]  # parents first
+        self.index: dict[RadixNode | None, int] = {node: i for i, node in enumerate(self.nodes)}
+        self.index[None] = -1
+        n = len(self.nodes)
+        self.parent = [self.index[node.parent] for node in self.nodes]
+        self.pages = [len(node.pages) for node in self.nodes]
+        self.depth = [0] * n
+        self.prefix_pages = [0] * n
+        for i, p in enumerate(self.parent):
+            if p >= 0:
+                self.depth[i] = self.depth[p] + 1
+                self.prefix_pages[i] = self.prefix_pages[p] + self.pages[i]
+        self.subtree_pages = list(self.pages)
+        self.subtree_nodes = [1] * n
+        for i in range(n - 1, -1, -1):  # descendants come before their ancestors
+            p = self.parent[i]
+            if p >= 0:
+                self.subtree_pages[p] += self.subtree_pages[i]
+                self.subtree_nodes[p] += self.subtree_nodes[i]
+        self.roots = [i for i, p in enumerate(self.parent) if p < 0]
+        self.shown = [False] * n
+
+    def children(self, i: int) -> list[int]:
+        """Indices of the children of node `i`, largest subtree first."""
+        index = self.index
+        kids = [index[c] for c in self.nodes[i].children.values()]
+        kids.sort(key=self.subtree_pages.__getitem__, reverse=True)
+        return kids
+
+
+def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
+    """Marks the nodes to show: largest subtrees first within the limits, then the hottest.
+
+    A best-first search over (node, next sibling) cursors: each node's children are sorted
+    once, and only the next-largest unshown sibling of each shown child waits in the heap, so
+    the heap work is proportional to the nodes shown, not to all their children.
+    """
+    budget = options.max_nodes
+    heap: list[tuple[int, int, int, list[int]]] = []  # (-subtree pages, position, sibling list)
+
+    def offer(siblings: list[int], position: int) -> None:
+        if position < len(siblings):
+            heapq.heappush(heap, (-facts.subtree_pages[siblings[position]], siblings[position],
+                                  position, siblings))
+
+    for root in facts.roots:
+        facts.shown[root] = True
+        offer(facts.children(root), 0)
+    while heap and budget > 0:
+        _, i, position, siblings = heapq.heappop(heap)
+        facts.shown[i] = True
+        budget -= 1
+        offer(siblings, position + 1)
+        if facts.depth[i] < options.max_depth:
+            offer(facts.children(i), 0)
+    # The hottest prefixes are drawn whatever their size: the dashboard lists and marks them.
+    for i in _hottest(facts, options.top_k):
+        if facts.depth[i] <= options.max_depth:
+            while i >= 0 and not facts.shown[i]:
+                facts.shown[i] = True
+                i = facts.parent[i]
+
+
+def _hottest(facts: _Facts, k: int) -> list[int]:
+    """The `k` most-hit nodes with at least one hit, deeper first among equals."""
+    hits = [node.hits for node in facts.nodes]
+    candidates = [i for i, h in enumerate(hits) if h > 0 and facts.parent[i] >= 0]
+    return heapq.nlargest(k, candidates, key=lambda i: (hits[i], facts.prefix_pages[i]))
+
+
+class _Builder:
+    """Turns the marked nodes into TreeNodeViews, folding unmarked children into aggregates."""
+
+    def __init__(self, page_size: int, options: SnapshotOptions, facts: _Facts,
+                 namespace_id: Callable[[Hashable], str],
+                 page_hashes: Callable[[RadixNode, Any], tuple[list[int], Any]] | None,
+                 decode: Callable[[list[int]], str] | None, now: float) -> None:
+        self.page_size = page_size
+        self.options = options
+        self.facts = facts
+        self.namespace_id = namespace_id
+        self.page_hashes = page_hashes
+        self.decode = decode if options.include_tokens else None
+        self.now = now
+        self.next_id = 0
+        self.nodes_shown = 0
+        self.truncated = False
+        self.views: dict[int, TreeNodeView] = {}
+        self._namespace_ids: dict[Hashable, str] = {}
+
+    def build(self) -> TreeNodeView:
+        f = self.facts
+        roots = sorted(f.roots, key=f.subtree_pages.__getitem__, reverse=True)
+        top = TreeNodeView(id=self._id(), kind="cache", pages=0, tokens=0, prefix_tokens=0,
+                           subtree_pages=sum(f.subtree_pages[r] for r in roots),
+                           subtree_nodes=sum(f.subtree_nodes[r] - 1 for r in roots),
+                           lock_count=sum(f.nodes[r].lock_ref for r in roots), hits=0)
+        for root in roots:
+            view = TreeNodeView(id=self._id(), kind="namespace", pages=0, tokens=0, prefix_tokens=0,
+                                subtree_pages=f.subtree_pages[root], subtree_nodes=f.subtree_nodes[root] - 1,
+                                lock_count=f.nodes[root].lock_ref, hits=0,
+                                namespace=self._namespace(f.nodes[root].namespace))
+            top.children.append(view)
+            self._fill(root, view)
+        return top
+
+    def _fill(self, root: int, root_view: TreeNodeView) -> None:
+        """Fills the views below a namespace root, depth first and iteratively (a tree can be
+        deeper than Python's stack), so ids follow pre-order."""
+        stack: list[tuple[int, TreeNodeView, Any]] = [(root, root_view, None)]
+        while stack:
+            i, view, state = stack.pop()
+            kids = self.facts.children(i)
+            hidden = [k for k in kids if not self.facts.shown[k]]
+            pending = []
+            for kid in kids:
+                if self.facts.shown[kid]:
+                    kid_view, kid_state = self._node(kid, state)
+                    view.children.append(kid_view)
+                    pending.append((kid, kid_view, kid_state))
+            if hidden:
+                self.truncated = True
+                view.children.append(self._aggregate(hidden, i))
+            stack.extend(reversed(pending))
+
+    def _node(self, i: int, parent_state: Any) -> tuple[TreeNodeView, Any]:
+        f = self.facts
+        node = f.nodes[i]
+        size = self.page_size
+        priorities = (effective_priorities(node.priority, node.expiry, node.floor, self.now)
+                      if node.priority is not None and len(node.pages) else None)
+        hashes, state = (self.page_hashes(node, parent_state) if self.page_hashes is not None
+                         else ([], None))
+        token_ids = node.tokens.tolist() if self.options.include_tokens else None
+        view = TreeNodeView(
+            id=self._id(), kind="node", pages=f.pages[i], tokens=f.pages[i] * size,
+            prefix_tokens=f.prefix_pages[i] * size, subtree_pages=f.subtree_pages[i],
+            subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits,
+            priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
+            priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
+            age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
+            namespace=self._namespace(node.namespace), hash=hashes[-1] if hashes else None,
+            token_ids=token_ids,
+            text=self.decode(token_ids) if self.decode is not None and token_ids is not None else None)
+        self.views[i] = view
+        self.nodes_shown += 1
+        return view, state
+
+    def _aggregate(self, hidden: list[int], parent: int) -> TreeNodeView:
+        f = self.facts
+        pages = sum(f.subtree_pages[h] for h in hidden)
+        return TreeNodeView(
+            id=self._id(), kind="aggregate", pages=pages, tokens=pages * self.page_size,
+            prefix_tokens=f.prefix_pages[parent] * self.page_size, subtree_pages=pages,
+            subtree_nodes=sum(f.subtree_nodes[h] for h in hidden),
+            lock_count=sum(f.nodes[h].lock_ref for h in hidden),
+            hits=sum(f.nodes[h].hits for h in hidden),
+            namespace=self._namespace(f.nodes[parent].namespace))
+
+    def top_prefixes(self, hottest: list[int]) -> list[TopPrefix]:
+        out = []
+        for i in hottest:
+            view = self.views.get(i)
+            if view is None:  # deeper than max_depth
+                continue
+            out.append(TopPrefix(id=view.id, hits=view.hits, prefix_tokens=view.prefix_tokens,
+                                 pages=view.pages, namespace=view.namespace or "", hash=view.hash,
+                                 text=self._prefix_text(self.facts.nodes[i])))
+        return out
+
+    def _prefix_text(self, node: RadixNode | None) -> str | None:
+        if self.decode is None:
+            return None
+        parts = []
+        while node is not None and not node.is_root:
+            parts.append(node.tokens.tolist())
+            node = node.parent
+        return self.decode([t for part in reversed(parts) for t in part])
+
+    def _namespace(self, namespace: Hashable) -> str:
+        found = self._namespace_ids.get(namespace)
+        if found is None:
+            found = self._namespace_ids[namespace] = self.namespace_id(namespace)
+        return found
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
