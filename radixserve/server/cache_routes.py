@@ -38,7 +38,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 
 MAX_TREE_NODES = 100_000
-MAX_TREE_DEPTH = 100_000
+MAX_TREE_DEPTH = 256  # nesting deeper than this trips JSON libraries' recursion limits
 MAX_TOP_K = 100
 MAX_EVENT_READERS = 64
 KEEPALIVE_S = 15.0

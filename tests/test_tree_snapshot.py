@@ -1,0 +1,142 @@
+"""The bounded tree view: exact node facts, aggregation within limits, hottest prefixes kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree, Retention
+from radixserve.engine.tree_snapshot import SnapshotOptions, TreeNodeView, snapshot_tree
+
+P = 4
+
+
+def make_tree(num_pages: int = 256) -> tuple[PagePool, RadixTree]:
+    pool = PagePool(num_pages, P)
+    return pool, RadixTree(pool, clock=lambda: 100.0)
+
+
+def cache(pool: PagePool, tree: RadixTree, tokens: list[int], namespace: Any = None,
+          retention: Retention | None = None) -> None:
+    pages = pool.allocate(len(tokens) // P)
+    tree.insert(tokens, pages, namespace, retention)
+    pool.decref(pages)
+
+
+def snap(tree: RadixTree, **options: Any) -> Any:
+    return snapshot_tree(tree, SnapshotOptions(**options), namespace_id=lambda ns: f"ns-{ns}",
+                         decode=lambda ids: ",".join(map(str, ids)), now=110.0)
+
+
+def flat(view: TreeNodeView) -> list[TreeNodeView]:
+    out, stack = [], [view]
+    while stack:
+        v = stack.pop()
+        out.append(v)
+        stack.extend(reversed(v.children))
+    return out
+
+
+def test_exact_facts_of_a_small_tree() -> None:
+    pool, tree = make_tree()
+    shared = list(range(1, 5))
+    cache(pool, tree, shared + list(range(5, 13)), "a")            # 3 pages
+    cache(pool, tree, shared + list(range(20, 24)), "a", Retention(80))  # splits after page 1
+    cache(pool, tree, list(range(50, 58)), "b")                   # another namespace, 2 pages
+    match = tree.match(shared + [20, 21, 22, 23, 99], "a")
+    tree.lock(match.node)
+
+    s = snap(tree)
+    assert (s.nodes_total, s.pages_total, s.locked_pages, s.nodes_shown, s.truncated) == (4, 6, 2, 4, False)
+    top = s.root
+    assert top.kind == "cache" and top.subtree_pages == 6 and top.subtree_nodes == 4 and top.lock_count == 1
+    ns_a, ns_b = top.children
+    assert (ns_a.kind, ns_a.namespace, ns_a.subtree_pages, ns_a.subtree_nodes) == ("namespace", "ns-a", 4, 3)
+    assert (ns_b.namespace, ns_b.subtree_pages, ns_b.subtree_nodes) == ("ns-b", 2, 1)
+    (shared_node,) = ns_a.children
+    assert (shared_node.pages, shared_node.tokens, shared_node.prefix_tokens) == (1, 4, 4)
+    assert (shared_node.subtree_pages, shared_node.subtree_nodes, shared_node.hits) == (4, 3, 1)
+    assert shared_node.lock_count == 1 and shared_node.priority == 80 and shared_node.age_s == 10.0
+    long_tail, locked_tail = shared_node.children  # larger subtree first
+    assert (long_tail.pages, long_tail.prefix_tokens, long_tail.lock_count, long_tail.priority) == (2, 12, 0, 35)
+    assert (locked_tail.pages, locked_tail.prefix_tokens, locked_tail.lock_count, locked_tail.hits) == (1, 8, 1, 1)
+    assert (locked_tail.priority, locked_tail.priority_max) == (80, 80)
+    assert [v.id for v in flat(top)] == list(range(7))  # ids in pre-order
+    assert locked_tail.tick == s.recency_tick  # the most recent use
+    # The hottest prefix: the locked tail and the shared node both have one hit; deeper first.
+    assert [(p.id, p.hits, p.prefix_tokens) for p in s.top_prefixes] == [(locked_tail.id, 1, 8), (shared_node.id, 1, 4)]
+    encoded = msgspec.json.decode(msgspec.json.encode(s))
+    assert "token_ids" not in str(encoded) and "text" not in str(encoded)  # nothing exposed by default
+
+
+def test_tokens_only_when_asked() -> None:
+    pool, tree = make_tree()
+    cache(pool, tree, list(range(1, 9)))
+    tree.match(list(range(1, 9)) + [0])
+    s = snap(tree, include_tokens=True)
+    (node,) = s.root.children[0].children
+    assert node.token_ids == list(range(1, 9)) and node.text == "1,2,3,4,5,6,7,8"
+    assert s.top_prefixes[0].text == "1,2,3,4,5,6,7,8"
+
+
+def fan(pool: PagePool, tree: RadixTree, stem: list[int], sizes: range) -> None:
+    """`stem` (one page) with one child per size, child i holding i pages."""
+    for i in sizes:
+        cache(pool, tree, stem + [1000 + i] * (4 * i))
+
+
+def test_largest_subtrees_are_kept_and_the_rest_aggregated_exactly() -> None:
+    pool, tree = make_tree()
+    fan(pool, tree, [1, 2, 3, 4], range(1, 11))  # 1 + 55 pages, 11 nodes
+    s = snap(tree, max_nodes=4)
+    (ns,) = s.root.children
+    (stem,) = ns.children
+    kinds = [(c.kind, c.subtree_pages, c.subtree_nodes) for c in stem.children]
+    assert kinds == [("node", 10, 1), ("node", 9, 1), ("node", 8, 1), ("aggregate", 28, 7)]
+    assert s.nodes_shown == 4 and s.truncated and s.nodes_total == 11
+    assert stem.children[-1].tokens == 28 * P and stem.children[-1].prefix_tokens == 4
+    # Page totals stay exact at every level.
+    for view in flat(s.root):
+        if view.children:
+            assert sum(c.subtree_pages for c in view.children) + view.pages == view.subtree_pages
+
+
+def test_depth_limit_folds_deeper_nodes() -> None:
+    pool, tree = make_tree()
+    fan(pool, tree, [1, 2, 3, 4], range(1, 4))
+    s = snap(tree, max_depth=1)
+    (stem,) = s.root.children[0].children
+    assert [(c.kind, c.subtree_pages, c.subtree_nodes) for c in stem.children] == [("aggregate", 6, 3)]
+
+
+def test_the_hottest_prefix_is_drawn_even_when_small() -> None:
+    pool, tree = make_tree()
+    fan(pool, tree, [1, 2, 3, 4], range(1, 11))
+    small = [1, 2, 3, 4] + [1001] * 4  # the 1-page child
+    for _ in range(3):
+        tree.match(small + [7])
+    s = snap(tree, max_nodes=2, top_k=1)
+    (stem,) = s.root.children[0].children
+    shown = [(c.kind, c.subtree_pages) for c in stem.children]
+    assert shown == [("node", 10), ("node", 1), ("aggregate", 44)]
+    assert s.top_prefixes[0].id == stem.children[1].id and s.top_prefixes[0].hits == 3
+
+
+def test_a_deep_chain_does_not_recurse() -> None:
+    pool, tree = make_tree(num_pages=8192)
+    tokens = np.arange(1, 3001 * P + 1)
+    for n in range(1, 3001):
+        cache(pool, tree, tokens[: n * P].tolist())
+    s = snap(tree, max_depth=100, max_nodes=5000)
+    assert s.nodes_total == 3000 and s.nodes_shown == 100
+    deepest = flat(s.root)[-1]
+    assert deepest.kind == "aggregate" and deepest.subtree_nodes == 2900 and deepest.prefix_tokens == 100 * P
+
+
+def test_an_empty_tree() -> None:
+    _, tree = make_tree()
+    s = snap(tree)
+    assert (s.nodes_total, s.pages_total, s.root.children, s.top_prefixes) == (0, 0, [], [])
