@@ -19,7 +19,7 @@ from radixserve.server import create_app
 
 API_KEY = "dashboard-test-key"
 PAGE_SIZE = 4
-TREE_QUERY = "max_nodes=2000&max_depth=32"  # the dashboard's defaults
+TREE_QUERY = "max_nodes=2000&max_depth=32&hashes=true"  # what the dashboard asks for
 POLL = "tree_ms=200&stats_ms=200"
 HOT = list(range(10, 34))       # 24 tokens = 6 pages, shared by the hot requests
 WARM = list(range(100, 116))    # 4 pages, shared by two requests
@@ -63,7 +63,7 @@ def views(node: dict[str, Any]) -> list[dict[str, Any]]:
 def shape(tree: dict[str, Any]) -> list[tuple[Any, ...]]:
     """What the drawing depends on (ages and timings move on; the structure must not)."""
     return [(v["id"], v["kind"], v["subtree_pages"], v["subtree_nodes"], v["hits"], v["lock_count"],
-             v.get("priority")) for v in views(tree["root"])]
+             v.get("priority"), v.get("hash")) for v in views(tree["root"])]
 
 
 def drawn(page: Any) -> list[tuple[int, str]]:
@@ -129,6 +129,9 @@ def test_dashboard_draws_the_tree_and_follows_requests(tiny_llama_dir: Path, bro
         wait_until(page, lambda: drawn(page) == sorted((v["id"], v["kind"]) for v in views(new_tree["root"])),
                    "the new tree to be drawn")
         assert float(page.get_attribute("#hit-now", "data-value")) == pytest.approx(new_stats["hit_rate"])
+        # The node clicked before is still selected: found again by its page hash.
+        moved = next(v for v in views(new_tree["root"]) if v.get("hash") == hottest["hash"])
+        assert page.get_attribute("#tree rect.selected", "data-id") == str(moved["id"])
         assert page.evaluate("radixDashboard.history.some(p => p.hit !== null && p.ttft !== null)")
 
         shot = tmp_path / "dashboard.png"

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
 from radixserve.engine.tree_snapshot import SnapshotOptions, TreeNodeView, snapshot_tree
@@ -126,17 +127,41 @@ def test_the_hottest_prefix_is_drawn_even_when_small() -> None:
 
 
 def test_a_deep_chain_does_not_recurse() -> None:
-    pool, tree = make_tree(num_pages=8192)
-    tokens = np.arange(1, 3001 * P + 1)
-    for n in range(1, 3001):
-        cache(pool, tree, tokens[: n * P].tolist())
+    pool, tree = make_tree(num_pages=2048)
+    tokens = np.arange(1, 1500 * P + 1)
+    cache(pool, tree, tokens.tolist())
+    for n in range(1499, 0, -1):  # each lookup splits the top edge: 1500 nodes in a chain
+        tree.match(tokens[: n * P].tolist() + [0])
     s = snap(tree, max_depth=100, max_nodes=5000)
-    assert s.nodes_total == 3000 and s.nodes_shown == 100
+    assert s.nodes_total == 1500 and s.nodes_shown == 100
     deepest = flat(s.root)[-1]
-    assert deepest.kind == "aggregate" and deepest.subtree_nodes == 2900 and deepest.prefix_tokens == 100 * P
+    assert deepest.kind == "aggregate" and deepest.subtree_nodes == 1400 and deepest.prefix_tokens == 100 * P
 
 
 def test_an_empty_tree() -> None:
     _, tree = make_tree()
     s = snap(tree)
     assert (s.nodes_total, s.pages_total, s.root.children, s.top_prefixes) == (0, 0, [], [])
+
+
+def test_hashes_name_each_node_like_cache_events() -> None:
+    pool, tree = make_tree()
+    cache(pool, tree, list(range(1, 13)), ("m", None))
+    cache(pool, tree, list(range(1, 5)) + [7, 7, 7, 7], ("m", None))
+    cache(pool, tree, list(range(1, 9)), ("m", "salt"))
+    s = snapshot_tree(tree, SnapshotOptions(include_hashes=True), namespace_id=namespace_id)
+    nodes = [v for v in flat(s.root) if v.kind == "node"]
+    assert len(nodes) == 4 and all(v.hash is not None for v in nodes)
+    # Each node's hash is its last page's, computed from the whole prefix's token ids alone.
+    expected = {
+        (1, 4): (("m", None), list(range(1, 5))),
+        (2, 12): (("m", None), list(range(1, 13))),
+        (1, 8): (("m", None), list(range(1, 5)) + [7, 7, 7, 7]),
+        (2, 8): (("m", "salt"), list(range(1, 9))),
+    }
+    for v in nodes:
+        (namespace, tokens) = expected[(v.pages, v.prefix_tokens)]
+        hashes, _ = page_hashes(np.array(tokens), P, namespace_seed(namespace_id(namespace)))
+        assert v.hash == str(int(hashes[-1])) and v.namespace == namespace_id(namespace)
+    assert {(v.namespace, int(v.hash)) for v in nodes} <= tree.cached_page_hashes()
+    assert snap(tree).root.children[0].children[0].hash is None  # only when asked

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
@@ -62,18 +62,15 @@ class StreamReset(msgspec.Struct, tag="reset", tag_field="type"):
 class CacheEventHub:
     """Fans an engine's cache events out to any number of asyncio readers; see the module
     docstring. `include_token_ids` asks the engine for the pages' token ids (the operator's
-    --expose-cache-tokens); `namespace_id` turns `cache_page_hashes()` namespaces into ids when
-    they are not ids already."""
+    --expose-cache-tokens)."""
 
     def __init__(self, engine: AsyncEngine, *, capacity: int = DEFAULT_CAPACITY,
-                 include_token_ids: bool = False,
-                 namespace_id: Callable[[Hashable], str] | None = None) -> None:
+                 include_token_ids: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.engine = engine
         self.capacity = capacity
         self.include_token_ids = include_token_ids
-        self.namespace_id = namespace_id
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)  # (seq, encoded event)
         self._end = 0          # ring position of the next event (events ever appended)
         self._last_seq = 0     # seq of the newest event appended
@@ -96,12 +93,12 @@ class CacheEventHub:
             self._wake_pending = True
             self._loop.call_soon_threadsafe(self._wake)
 
-    def _attach(self, reader: EventReader) -> tuple[int, int, set[tuple[Any, int]]]:
+    def _attach(self, reader: EventReader) -> tuple[int, int, set[tuple[str, int]]]:
         """On the engine thread: subscribe if needed, place `reader` at the ring's end."""
         if self._unsubscribe is None:
             self._unsubscribe = self.engine.engine.subscribe_events(
                 self._on_event, include_token_ids=self.include_token_ids)
-            self._last_seq = _current_seq(self.engine.engine, self._last_seq)
+            self._last_seq = self.engine.engine.cache_events.seq
         self._readers.add(reader)
         reader.cursor = self._end
         return self._last_seq, self.engine.engine.page_size, self.engine.engine.cache_page_hashes()
@@ -142,12 +139,11 @@ class CacheEventHub:
                 return None, cursor
             return list(islice(self._ring, cursor - start, None)), self._end
 
-    def snapshot_message(self, seq: int, page_size: int, hashes: set[tuple[Any, int]]) -> StreamSnapshot:
+    def snapshot_message(self, seq: int, page_size: int, hashes: set[tuple[str, int]]) -> StreamSnapshot:
         """Groups `cache_page_hashes()` by namespace (sorted, so equal states encode equally)."""
         grouped: dict[str, list[int]] = {}
         for namespace, page_hash in hashes:
-            key = namespace if isinstance(namespace, str) or self.namespace_id is None else self.namespace_id(namespace)
-            grouped.setdefault(key, []).append(page_hash)
+            grouped.setdefault(namespace, []).append(page_hash)
         blocks = [SnapshotBlock(namespace=ns, tier=DEVICE_TIER, hashes=sorted(h)) for ns, h in sorted(grouped.items())]
         return StreamSnapshot(seq=seq, page_size=page_size, blocks=blocks)
 
@@ -199,8 +195,3 @@ class EventReader:
         """Leaves the hub (on the engine thread, so the last reader out unsubscribes cleanly)."""
         if not self.hub.closed:
             await self.hub.engine.call(lambda: self.hub._detach(self))
-
-
-def _current_seq(engine: Any, fallback: int) -> int:
-    """The seq of the engine's newest event (the seam exposes it as `events_seq`)."""
-    return int(getattr(engine, "events_seq", fallback))

@@ -22,8 +22,9 @@ from typing import Any
 
 import msgspec
 
-from radixserve.cache.eviction import DEFAULT_PRIORITY, effective_priorities
+from radixserve.cache.page_hash import namespace_seed, page_hashes
 from radixserve.cache.radix import RadixNode, RadixTree
+from radixserve.cache.retention import DEFAULT_PRIORITY
 
 DEFAULT_MAX_NODES = 2000
 DEFAULT_MAX_DEPTH = 64
@@ -51,7 +52,9 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     age_s: float | None = None      # seconds since its pages were cached
     tick: int | None = None         # recency counter of the last use (larger = more recent)
     namespace: str | None = None
-    hash: int | None = None         # the cache-event hash of its last page (see docs/server.md)
+    # The cache-event hash of its last page, in decimal: a string, because JavaScript numbers
+    # cannot hold 64-bit integers exactly (events carry the same digits as a JSON integer).
+    hash: str | None = None
     token_ids: list[int] | None = None  # the edge's tokens, only with --expose-cache-tokens
     text: str | None = None             # the edge decoded, only with --expose-cache-tokens
     children: list[TreeNodeView] = []
@@ -65,7 +68,7 @@ class TopPrefix(msgspec.Struct, omit_defaults=True):
     prefix_tokens: int
     pages: int
     namespace: str
-    hash: int | None = None
+    hash: str | None = None  # as in TreeNodeView
     text: str | None = None  # the whole prefix decoded, only with --expose-cache-tokens
 
 
@@ -94,27 +97,25 @@ class SnapshotOptions(msgspec.Struct, frozen=True):
     max_nodes: int = DEFAULT_MAX_NODES
     max_depth: int = DEFAULT_MAX_DEPTH
     top_k: int = DEFAULT_TOP_K
+    include_hashes: bool = False
     include_tokens: bool = False
 
 
 def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
                   namespace_id: Callable[[Hashable], str],
-                  page_hashes: Callable[[RadixNode, Any], tuple[list[int], Any]] | None = None,
                   decode: Callable[[list[int]], str] | None = None,
                   now: float | None = None) -> TreeSnapshot:
     """The bounded view of `tree` described in the module docstring.
 
-    `namespace_id` turns a namespace into its opaque id. `page_hashes(node, parent_state)`,
-    if given, returns the hashes of the node's pages and the chain state to hand to its
-    children (the state of a namespace root is None). `decode` turns token ids into text; it
-    is used only with `options.include_tokens`. `now` is the tree's clock (time.monotonic by
-    default).
+    `namespace_id` turns a namespace into its opaque id (the one its page hashes are seeded
+    with, page_hash.py). `decode` turns token ids into text; it is used only with
+    `options.include_tokens`. `now` is the tree's clock (time.monotonic by default).
     """
     started = time.perf_counter()
     now = time.monotonic() if now is None else now
     facts = _Facts(tree)
     _choose_shown(facts, options)
-    builder = _Builder(tree.page_size, options, facts, namespace_id, page_hashes, decode, now)
+    builder = _Builder(tree.page_size, options, facts, namespace_id, decode, now)
     top = builder.build()
     snapshot = TreeSnapshot(
         object="cache.tree", page_size=tree.page_size, tiers=[DEVICE_TIER],
@@ -207,13 +208,11 @@ class _Builder:
 
     def __init__(self, page_size: int, options: SnapshotOptions, facts: _Facts,
                  namespace_id: Callable[[Hashable], str],
-                 page_hashes: Callable[[RadixNode, Any], tuple[list[int], Any]] | None,
                  decode: Callable[[list[int]], str] | None, now: float) -> None:
         self.page_size = page_size
         self.options = options
         self.facts = facts
         self.namespace_id = namespace_id
-        self.page_hashes = page_hashes
         self.decode = decode if options.include_tokens else None
         self.now = now
         self.next_id = 0
@@ -221,6 +220,7 @@ class _Builder:
         self.truncated = False
         self.views: dict[int, TreeNodeView] = {}
         self._namespace_ids: dict[Hashable, str] = {}
+        self._seeds: dict[str, int] = {}
 
     def build(self) -> TreeNodeView:
         f = self.facts
@@ -240,8 +240,9 @@ class _Builder:
 
     def _fill(self, root: int, root_view: TreeNodeView) -> None:
         """Fills the views below a namespace root, depth first and iteratively (a tree can be
-        deeper than Python's stack), so ids follow pre-order."""
-        stack: list[tuple[int, TreeNodeView, Any]] = [(root, root_view, None)]
+        deeper than Python's stack), so ids follow pre-order. The state handed down is the
+        page-hash chain's (state, pages so far) at the end of the parent's edge."""
+        stack: list[tuple[int, TreeNodeView, Any]] = [(root, root_view, (0, 0))]
         while stack:
             i, view, state = stack.pop()
             kids = self.facts.children(i)
@@ -257,14 +258,13 @@ class _Builder:
                 view.children.append(self._aggregate(hidden, i))
             stack.extend(reversed(pending))
 
-    def _node(self, i: int, parent_state: Any) -> tuple[TreeNodeView, Any]:
+    def _node(self, i: int, parent_state: tuple[int, int]) -> tuple[TreeNodeView, Any]:
         f = self.facts
         node = f.nodes[i]
         size = self.page_size
-        priorities = (effective_priorities(node.priority, node.expiry, node.floor, self.now)
-                      if node.priority is not None and len(node.pages) else None)
-        hashes, state = (self.page_hashes(node, parent_state) if self.page_hashes is not None
-                         else ([], None))
+        priorities = (node.retention.effective(self.now)
+                      if node.retention is not None and len(node.pages) else None)
+        last_hash, state = self._last_hash(node, parent_state)
         token_ids = node.tokens.tolist() if self.options.include_tokens else None
         view = TreeNodeView(
             id=self._id(), kind="node", pages=f.pages[i], tokens=f.pages[i] * size,
@@ -273,12 +273,25 @@ class _Builder:
             priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
             priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
-            namespace=self._namespace(node.namespace), hash=hashes[-1] if hashes else None,
+            namespace=self._namespace(node.namespace), hash=last_hash,
             token_ids=token_ids,
             text=self.decode(token_ids) if self.decode is not None and token_ids is not None else None)
         self.views[i] = view
         self.nodes_shown += 1
         return view, state
+
+    def _last_hash(self, node: RadixNode, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
+        """The page hash of the edge's last page (what cache events call it) and the chain
+        state for the children; computed here, not read from the tree's own cache of it."""
+        if not self.options.include_hashes or not node.pages:
+            return None, parent_state
+        state, depth = parent_state
+        ns_id = self._namespace(node.namespace)
+        seed = self._seeds.get(ns_id)
+        if seed is None:
+            seed = self._seeds[ns_id] = namespace_seed(ns_id)
+        hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
+        return str(int(hashes[-1])), (end, depth + len(node.pages))
 
     def _aggregate(self, hidden: list[int], parent: int) -> TreeNodeView:
         f = self.facts

@@ -13,9 +13,8 @@ the tree runs on the engine thread between steps (`AsyncEngine.call`), so it nev
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -25,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from radixserve import AsyncEngine
+from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.event_stream import DEFAULT_CAPACITY, CacheEventHub, EventReader
 from radixserve.engine.tree_snapshot import (
     DEFAULT_MAX_DEPTH,
@@ -46,19 +46,6 @@ _ENCODER = msgspec.json.Encoder()
 _TTFT = "radixserve_time_to_first_token_seconds"
 
 
-def namespace_id(namespace: Hashable) -> str:
-    """Opaque 16-hex-digit id of an engine namespace `(model_name, cache_salt)`.
-
-    Computable by a router from a request's model and salt; does not reveal the salt.
-    """
-    if isinstance(namespace, tuple) and len(namespace) == 2:
-        model, salt = namespace
-        text = f"{model}\x00{salt or ''}"
-    else:
-        text = repr(namespace)
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
 class CacheRoutes:
     """Handlers of the /v1/cache routes; `authorize` is the server's API-key check."""
 
@@ -68,8 +55,7 @@ class CacheRoutes:
         self.metrics = metrics
         self.authorize = authorize
         self.expose_tokens = expose_tokens
-        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
-                                 namespace_id=namespace_id)
+        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens)
         self._readers = 0
         self._inflight: dict[SnapshotOptions, asyncio.Future[TreeSnapshot]] = {}
 
@@ -88,12 +74,13 @@ class CacheRoutes:
 
     # ------------------------------------------------------------------ routes
     async def tree(self, request: Request) -> Response:
-        """GET /v1/cache/tree?max_nodes=&max_depth=&top_k=&tokens=: the bounded tree view."""
+        """GET /v1/cache/tree?max_nodes=&max_depth=&top_k=&hashes=&tokens=: the bounded tree view."""
         self.authorize(request)
         options = SnapshotOptions(
             max_nodes=_int_param(request, "max_nodes", DEFAULT_MAX_NODES, 1, MAX_TREE_NODES),
             max_depth=_int_param(request, "max_depth", DEFAULT_MAX_DEPTH, 1, MAX_TREE_DEPTH),
             top_k=_int_param(request, "top_k", DEFAULT_TOP_K, 0, MAX_TOP_K),
+            include_hashes=_bool_param(request, "hashes"),
             include_tokens=self._tokens_param(request))
         return _json(await self._snapshot(options))
 
@@ -178,15 +165,19 @@ class CacheRoutes:
         return await asyncio.shield(pending)
 
     def _tokens_param(self, request: Request) -> bool:
-        value = request.query_params.get("tokens", "false").lower()
-        if value not in ("true", "false", "1", "0"):
-            raise APIError(400, "tokens: must be true or false", param="tokens", code="invalid_value")
-        wanted = value in ("true", "1")
+        wanted = _bool_param(request, "tokens")
         if wanted and not self.expose_tokens:
             raise APIError(403, "Token ids and text are not exposed: start the server with "
                                 "--expose-cache-tokens to allow it", param="tokens",
                            code="tokens_not_exposed", error_type="permission_error")
         return wanted
+
+
+def _bool_param(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0"):
+        raise APIError(400, f"{name}: must be true or false", param=name, code="invalid_value")
+    return value in ("true", "1")
 
 
 def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:

@@ -17,7 +17,7 @@
   // Everything the page knows, exposed for the browser tests and for curious operators.
   const state = {
     key: null, tree: null, stats: null, previous: null, history: [], selected: null,
-    colour: "priority", drawnNodes: 0, renderMs: null, treeFetchMs: null,
+    colour: "priority", drawnNodes: 0, renderMs: null, frameMs: null, treeFetchMs: null,
     treeUpdates: 0, statsUpdates: 0, errors: 0, lastError: null,
     refreshTree: () => pollTree(true), refreshStats: () => pollStats(true),
     select: (id) => select(findNode(id)),
@@ -65,7 +65,7 @@
       treeBusy = true;
       try {
         const started = performance.now();
-        const tree = await api(`/v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}`);
+        const tree = await api(`/v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true`);
         state.treeFetchMs = performance.now() - started;
         state.tree = tree;
         renderTree();
@@ -169,7 +169,7 @@
     const rowHeight = height / levels;
     const fragment = document.createDocumentFragment();
     const total = tree.root.subtree_pages;
-    const byId = new Map();
+    const byId = new Map(), byKey = new Map();
     let drawn = 0;
     if (total === 0) {
       svg("text", { x: 12, y: 24 }, fragment).textContent = "the cache is empty";
@@ -189,6 +189,7 @@
       const title = svg("title", {}, rect);
       title.textContent = describe(node);
       byId.set(node.id, node);
+      byKey.set(keyOf(node), node);
       drawn += 1;
       if (w > 56 && rowHeight > 12) {
         const label = svg("text", { x: (x + 3).toFixed(1), y: (y + Math.min(rowHeight - 4, 13)).toFixed(1) }, fragment);
@@ -206,12 +207,18 @@
     box.dataset.nodes = String(drawn);
     state.byId = byId;
     state.drawnNodes = drawn;
-    if (state.selected !== null) select(findNode(state.selected), true);
+    // Ids are positions in one snapshot; the page hash names the same prefix in the next one.
+    if (state.selected !== null) select(byKey.get(state.selected) || null, true);
     const truncated = tree.truncated ? ` (small subtrees aggregated: grey)` : "";
     $("#tree-summary").textContent = `${tree.pages_total.toLocaleString()} pages cached, ` +
       `${tree.locked_pages.toLocaleString()} locked, ${tree.nodes_total.toLocaleString()} nodes${truncated}`;
     renderLegend();
     state.renderMs = performance.now() - started;
+    requestAnimationFrame(() => { state.frameMs = performance.now() - started; });
+  }
+
+  function keyOf(node) {
+    return node.hash != null ? `h${node.hash}` : `${node.kind}${node.id}`;
   }
 
   function offset(siblings, index, total, width) {
@@ -261,7 +268,7 @@
       add(details, "click a node", "");
       return;
     }
-    state.selected = node.id;
+    state.selected = keyOf(node);
     const rect = document.querySelector(`#tree rect[data-id="${node.id}"]`);
     if (rect) rect.classList.add("selected");
     const rows = [["kind", node.kind], ["pages", node.pages], ["tokens", node.tokens],
