@@ -94,6 +94,7 @@ def test_dashboard_draws_the_tree_and_follows_requests(tiny_llama_dir: Path, bro
         wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1 && radixDashboard.statsUpdates >= 2"),
                    "the first tree and two stats polls")
         assert "key=" not in page.url  # the key left the address bar at once
+        assert not page.is_visible("#keyform")  # the key from the fragment was enough
 
         # The drawing is exactly the snapshot: one rect per view, the hottest prefix marked.
         assert shape(page.evaluate("radixDashboard.tree")) == shape(tree)
@@ -114,6 +115,7 @@ def test_dashboard_draws_the_tree_and_follows_requests(tiny_llama_dir: Path, bro
 
         hot.dispatch_event("click")
         details = page.inner_text("#details")
+        assert "tier\ndevice" in details
         assert f"hits\n{hottest['hits']}" in details and f"prefix tokens\n{len(HOT)}" in details
 
         # New requests: the tree grows, the hit rate moves, and the page follows.

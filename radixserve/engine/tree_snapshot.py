@@ -46,7 +46,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     subtree_nodes: int              # nodes in the subtree, this one included (not for "cache")
     lock_count: int                 # locks held on this node or below (in use by requests)
     hits: int                       # lookups that used these pages (aggregate: summed)
-    tier: str = DEVICE_TIER
+    tier: str                       # "device" (a host tier will add "host")
     priority: int | None = None     # retention priority in force for the tail page (evicted first)
     priority_max: int | None = None  # highest retention priority of its pages
     age_s: float | None = None      # seconds since its pages were cached
@@ -228,11 +228,11 @@ class _Builder:
         top = TreeNodeView(id=self._id(), kind="cache", pages=0, tokens=0, prefix_tokens=0,
                            subtree_pages=sum(f.subtree_pages[r] for r in roots),
                            subtree_nodes=sum(f.subtree_nodes[r] - 1 for r in roots),
-                           lock_count=sum(f.nodes[r].lock_ref for r in roots), hits=0)
+                           lock_count=sum(f.nodes[r].lock_ref for r in roots), hits=0, tier=DEVICE_TIER)
         for root in roots:
             view = TreeNodeView(id=self._id(), kind="namespace", pages=0, tokens=0, prefix_tokens=0,
                                 subtree_pages=f.subtree_pages[root], subtree_nodes=f.subtree_nodes[root] - 1,
-                                lock_count=f.nodes[root].lock_ref, hits=0,
+                                lock_count=f.nodes[root].lock_ref, hits=0, tier=DEVICE_TIER,
                                 namespace=self._namespace(f.nodes[root].namespace))
             top.children.append(view)
             self._fill(root, view)
@@ -269,7 +269,7 @@ class _Builder:
         view = TreeNodeView(
             id=self._id(), kind="node", pages=f.pages[i], tokens=f.pages[i] * size,
             prefix_tokens=f.prefix_pages[i] * size, subtree_pages=f.subtree_pages[i],
-            subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits,
+            subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits, tier=DEVICE_TIER,
             priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
             priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
@@ -301,7 +301,7 @@ class _Builder:
             prefix_tokens=f.prefix_pages[parent] * self.page_size, subtree_pages=pages,
             subtree_nodes=sum(f.subtree_nodes[h] for h in hidden),
             lock_count=sum(f.nodes[h].lock_ref for h in hidden),
-            hits=sum(f.nodes[h].hits for h in hidden),
+            hits=sum(f.nodes[h].hits for h in hidden), tier=DEVICE_TIER,
             namespace=self._namespace(f.nodes[parent].namespace))
 
     def top_prefixes(self, hottest: list[int]) -> list[TopPrefix]:

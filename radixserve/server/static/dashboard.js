@@ -65,7 +65,9 @@
       treeBusy = true;
       try {
         const started = performance.now();
-        const tree = await api(`/v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true`);
+        // Token text is asked for only where the operator exposed it (the stats say so).
+        const tokens = state.stats && state.stats.expose_tokens ? "&tokens=true" : "";
+        const tree = await api(`/v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true${tokens}`);
         state.treeFetchMs = performance.now() - started;
         state.tree = tree;
         renderTree();
