@@ -1,0 +1,133 @@
+"""The Ray Serve application: N EngineReplica replicas behind one OpenAI-API ingress.
+
+    ingress (Starlette app of radixserve.server over a ClusterEngine)
+        └── DeploymentHandle ── request router (cache-aware | power-of-two | prefix-affinity)
+                                   └── EngineReplica × N (Engine + AsyncEngine each)
+
+Ray Serve places the replicas on the cluster's nodes, restarts one that dies, and runs the
+HTTP proxy on `host:port`. `start_ray` joins an existing cluster (`address`) or starts a
+local one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import radixserve
+from radixserve.cluster.engine import ClusterEngine
+from radixserve.cluster.replica import EngineReplica
+from radixserve.cluster.router import ROUTER_CLASSES
+from radixserve.server import create_app
+
+APP_NAME = "radixserve"
+ENGINE_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+MAX_ONGOING_REQUESTS = 1024   # the engine queues and schedules; Serve should not hold requests back
+SHUTDOWN_TIMEOUT_S = 3.0      # event streams never end on their own: do not wait long for them
+
+
+@dataclass
+class ClusterOptions:
+    """How to deploy: replica count, router, per-replica Engine options and resources."""
+
+    replicas: int = 2
+    router: str = "cache-aware"
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    torch_threads: int | None = 1
+    router_kwargs: dict[str, Any] = field(default_factory=dict)
+    served_model_name: str | None = None
+    api_key: str | None = None
+
+
+class OpenAIIngress:
+    """The ingress deployment: the single server's Starlette app over a ClusterEngine, plus
+    GET /cluster/replicas (requests routed per replica, and each replica's stats)."""
+
+    async def __init__(self, engines: DeploymentHandle, served_model_name: str | None,
+                 api_key: str | None) -> None:
+        info = await engines.info.remote()
+        self.engine = ClusterEngine(engines, info, app_name=serve.get_replica_context().app_name,
+                                    deployment=ENGINE_DEPLOYMENT)
+        self._app = create_app(self.engine, served_model_name=served_model_name, api_key=api_key)
+        self._app.router.routes.append(Route("/cluster/replicas", self._replicas, methods=["GET"]))
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+    async def _replicas(self, request: Request) -> JSONResponse:
+        stats = self.engine.view.replica_stats()
+        routed = self.engine.view.routed_counts()
+        return JSONResponse({"replicas": [
+            {"id": r, "routed": routed.get(r, 0), "requests_finished": s.get("requests_finished", 0),
+             "prompt_tokens": s.get("prompt_tokens", 0), "cached_tokens": s.get("cached_tokens", 0),
+             "pages_total": s.get("pages_total", 0), "pages_free": s.get("pages_free", 0),
+             "pages_cached": s.get("pages_cached", 0), "waiting": s.get("waiting", 0),
+             "running": s.get("running", 0)}
+            for r, s in sorted(stats.items())], "routed": routed})
+
+
+def build_app(options: ClusterOptions) -> serve.Application:
+    """The Serve application for `options` (not started)."""
+    if options.router not in ROUTER_CLASSES:
+        raise ValueError(f"router: unknown {options.router!r}, expected one of {sorted(ROUTER_CLASSES)}")
+    if options.replicas < 1:
+        raise ValueError(f"replicas: must be >= 1, got {options.replicas}")
+    router_config = RequestRouterConfig(request_router_class=ROUTER_CLASSES[options.router],
+                                        request_router_kwargs=dict(options.router_kwargs))
+    engines = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
+        graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
+        request_router_config=router_config,
+    ).bind(options.engine_options, options.torch_threads)
+    ingress = serve.deployment(
+        serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
+    ).bind(engines, options.served_model_name, options.api_key)
+    return ingress
+
+
+def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
+    """Joins the Ray cluster at `address`, or starts a local one (workers import this same
+    radixserve: its parent directory goes on their PYTHONPATH)."""
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return
+    source = str(Path(radixserve.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+
+
+def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000) -> DeploymentHandle:
+    """Starts Serve's HTTP proxy on host:port and deploys the app; returns the ingress handle
+    once every replica is up."""
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+
+
+def engine_replica_actors() -> list[Any]:
+    """Handles of the live EngineReplica actors (for fault tests: ray.kill one)."""
+    from ray.util.state import list_actors
+
+    prefix = f"ServeReplica:{APP_NAME}:{ENGINE_DEPLOYMENT}"
+    return [ray.get_actor(a.name, namespace="serve") for a in
+            list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name == prefix and a.name]

@@ -1,0 +1,215 @@
+"""ClusterEngine: AsyncEngine's interface over N engine replicas on Ray Serve.
+
+The single server's Starlette app (radixserve.server.create_app) serves it unchanged: the
+same endpoints, streaming, errors and extensions. Each request goes to one replica, chosen
+by the deployment's request router; ClusterEngine follows every live replica's event
+stream into the ClusterView the router reads (cache pages, stats), and
+
+- retries a request on another replica when its replica dies before anything was streamed
+  (nothing of it reached the client); after that the stream fails and the server reports
+  it (an error event, or a 500);
+- answers `stats()` with the sum over the replicas' latest stats (hit rate recomputed), so
+  /metrics covers the whole cluster;
+- closes a session and flushes the cache on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from ray.exceptions import RayActorError, WorkerCrashedError
+from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from radixserve.cache.events import namespace_id, page_hashes
+from radixserve.cache.radix import Retention
+from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
+from radixserve.cluster.view import ClusterView, cluster_view
+from radixserve.engine.params import PromptTooLong, QueueFull, SamplingParams, StreamDelta
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3            # a request is tried on at most this many replicas
+RESUBSCRIBE_DELAY_S = 0.5   # before following a replica's events again after its stream broke
+REPLICA_GONE = (RayActorError, WorkerCrashedError, ReplicaUnavailableError, WrongReplica)
+
+
+class ReplicaFailed(RuntimeError):
+    """The replica serving a request died after part of the answer was streamed."""
+
+
+class ClusterEngine:
+    """AsyncEngine's interface (generate, abort, close_session, flush_cache, stats, start,
+    shutdown) forwarding to the engine deployment behind `handle`.
+
+    `engine` carries what the HTTP layer reads from a local engine: model_name, tokenizer,
+    max_context_len, max_sequence_len (a ReplicaInfo from one replica; all are alike).
+    """
+
+    def __init__(self, handle: DeploymentHandle, info: ReplicaInfo, *, app_name: str, deployment: str) -> None:
+        self.handle = handle
+        self.engine = info
+        self.view: ClusterView = cluster_view(app_name, deployment)
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._streams: dict[str, Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Follows the event stream of every replica the router reports, now and later."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        loop = self._loop
+        self.view.listen(lambda: loop.call_soon_threadsafe(self._sync_followers))
+        self._sync_followers()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self.view.listen(None)
+        for task in self._followers.values():
+            task.cancel()
+        await asyncio.gather(*self._followers.values(), return_exceptions=True)
+        self._followers.clear()
+
+    def _sync_followers(self) -> None:
+        if self._stopping:
+            return
+        live = self.view.replicas
+        for replica in set(self._followers) - live:
+            self._followers.pop(replica).cancel()
+        for replica in live - set(self._followers):
+            self._followers[replica] = asyncio.create_task(self._follow(replica))
+
+    async def _follow(self, replica: str) -> None:
+        """Applies a replica's event batches to the view until its stream ends."""
+        while not self._stopping:
+            stream = self.handle.options(stream=True).events.remote(replica=replica)
+            try:
+                async for batch in stream:
+                    self.view.apply(batch)
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+            except REPLICA_GONE:
+                logger.warning("replica %s is gone; no longer routing to it", replica)
+                self.view.replica_gone(replica)
+                return
+            except Exception:
+                logger.exception("the event stream of replica %s broke; following it again", replica)
+            stream.cancel()
+            await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
+                       priority: int = 0, cache_salt: str | None = None,
+                       retention: Retention | None = None,
+                       prefix_retention: tuple[int, Retention] | None = None,
+                       session_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
+        item; closing the iterator early cancels the replica's stream, which aborts there."""
+        namespace = namespace_id((self.engine.model_name, cache_salt))
+        hashes, _ = page_hashes(np.asarray(prompt_ids, dtype=np.int64), self.engine.page_size, namespace)
+        request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
+                                 prefix_retention, session_id, namespace, [int(h) for h in hashes])
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            stream = self.handle.options(stream=True).generate.remote(request)
+            self._streams[request_id] = stream
+            streamed = False
+            try:
+                async for item in stream:
+                    if isinstance(item, Accepted):
+                        continue
+                    if isinstance(item, Refused):
+                        raise _refusal(item)
+                    streamed = True
+                    yield item
+                return
+            except REPLICA_GONE as exc:
+                if streamed:
+                    raise ReplicaFailed(f"the replica serving {request_id} died mid-answer") from exc
+                if attempt == MAX_ATTEMPTS:
+                    raise
+                logger.warning("request %s: replica gone before it answered (%s); retrying", request_id,
+                               type(exc).__name__)
+            finally:
+                stream.cancel()  # a no-op once the stream ended; aborts the request otherwise
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request's replica stream (a no-op if it already finished)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
+
+    async def close_session(self, session_id: str) -> bool:
+        """Ends the session on whichever replica holds it; False if none did."""
+        results = await self._on_every_replica("close_session", session_id)
+        return any(r is True for r in results)
+
+    async def flush_cache(self) -> int:
+        """Flushes every replica; returns the pages freed in all."""
+        return sum(r for r in await self._on_every_replica("flush") if isinstance(r, int))
+
+    async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
+        calls = [getattr(self.handle, method).remote(*args, replica=r) for r in sorted(self.view.replicas)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    def stats(self) -> dict[str, Any]:
+        """The sum of the replicas' latest stats; "replicas" (how many reported) and
+        "routed_per_replica" (requests routed to each replica by this ingress) added."""
+        per_replica = self.view.replica_stats()
+        out = merge_stats(list(per_replica.values()))
+        out["replicas"] = len(per_replica)
+        out["routed_per_replica"] = self.view.routed_counts()
+        return out
+
+
+def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sums engine.stats() snapshots: counters and gauges add up, rates are recomputed,
+    page_size is shared, last_step_s is the slowest, histogram buckets add up."""
+    out: dict[str, Any] = {}
+    for snapshot in snapshots:
+        for key, value in snapshot.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if key in ("page_size",):
+                out[key] = value
+            elif key == "last_step_s":
+                out[key] = max(out.get(key, 0.0), value)
+            else:
+                out[key] = out.get(key, 0) + value
+    out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0
+    lookups = out.get("cache_lookup_tokens", 0)
+    out["cache_hit_rate"] = out.get("cache_hit_tokens", 0) / lookups if lookups else 0.0
+    out["histograms"] = _merge_histograms([s.get("histograms", {}) for s in snapshots])
+    return out
+
+
+def _merge_histograms(all_histograms: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for histograms in all_histograms:
+        for name, h in histograms.items():
+            if name not in merged:
+                merged[name] = {"buckets": [list(b) for b in h["buckets"]], "sum": h["sum"], "count": h["count"]}
+                continue
+            into = merged[name]
+            for bucket, (_, count) in zip(into["buckets"], h["buckets"]):
+                bucket[1] += count
+            into["sum"] += h["sum"]
+            into["count"] += h["count"]
+    for h in merged.values():
+        h["buckets"] = [tuple(b) for b in h["buckets"]]
+    return merged
+
+
+def _refusal(refused: Refused) -> Exception:
+    if refused.kind == "queue_full":
+        return QueueFull(refused.message)
+    if refused.kind == "prompt_too_long":
+        return PromptTooLong(refused.message)
+    return ValueError(refused.message)

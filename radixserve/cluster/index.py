@@ -1,0 +1,114 @@
+"""Which pages each replica's prefix cache holds: rebuilt exactly from its cache events.
+
+A replica's events (radixserve.cache.events: BlockStored / BlockRemoved / AllCleared) applied
+in order to a set of (namespace id, page hash) end with exactly its tree's pages. A page hash
+is chained over every token from the start of the prompt, so "the first k page hashes of a
+prompt are all in the set" means "the replica holds the prompt's first k pages": a lookup is
+exact, not a guess from where earlier requests were sent.
+
+Requests routed to a replica whose prompt pages are not cached yet (still queued or
+prefilling there) are tracked apart as in flight: a burst of requests sharing a new prefix
+then lands together instead of each computing the prefix on another replica.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+
+DEVICE_TIER = "device"
+
+
+@dataclass
+class _InFlight:
+    replica: str
+    namespace: str
+    hashes: list[int]
+
+
+class CacheIndex:
+    """Per replica: the set of cached page hashes per namespace, and the in-flight prompts.
+
+    Not thread-safe: the caller serialises access (the Ray router holds a lock).
+    """
+
+    def __init__(self) -> None:
+        self._cached: dict[str, dict[str, set[int]]] = {}
+        self._in_flight: dict[str, dict[str, Counter[int]]] = {}
+        self._requests: dict[str, _InFlight] = {}
+
+    # ------------------------------------------------------------------ events
+    def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
+        """Applies one replica's events, in the order the replica emitted them."""
+        spaces = self._cached.setdefault(replica, {})
+        for event in events:
+            if isinstance(event, BlockStored):
+                if event.tier == DEVICE_TIER:
+                    spaces.setdefault(event.namespace, set()).update(event.hashes)
+            elif isinstance(event, BlockRemoved):
+                if event.tier == DEVICE_TIER:
+                    held = spaces.get(event.namespace)
+                    if held is not None:
+                        held.difference_update(event.hashes)
+            elif isinstance(event, AllCleared):
+                if event.tier in (None, DEVICE_TIER):
+                    spaces.clear()
+            else:
+                raise TypeError(f"not a cache event: {event!r}")
+
+    def forget(self, replica: str) -> None:
+        """Drops everything known about a replica (it died or left)."""
+        self._cached.pop(replica, None)
+        self._in_flight.pop(replica, None)
+        for request_id in [r for r, f in self._requests.items() if f.replica == replica]:
+            del self._requests[request_id]
+
+    # ------------------------------------------------------------------ in flight
+    def add_in_flight(self, request_id: str, replica: str, namespace: str, hashes: Sequence[int]) -> None:
+        """Records a request routed to `replica` whose prompt pages it will cache."""
+        self.end_in_flight(request_id)
+        hashes = list(hashes)
+        self._requests[request_id] = _InFlight(replica, namespace, hashes)
+        self._in_flight.setdefault(replica, {}).setdefault(namespace, Counter()).update(hashes)
+
+    def end_in_flight(self, request_id: str) -> None:
+        """The request finished (or failed): from now on only the events count."""
+        flight = self._requests.pop(request_id, None)
+        if flight is None:
+            return
+        counts = self._in_flight[flight.replica][flight.namespace]
+        counts.subtract(flight.hashes)
+        for h in flight.hashes:
+            if counts[h] <= 0:
+                del counts[h]
+
+    # ------------------------------------------------------------------ lookups
+    def matched_pages(self, replica: str, namespace: str, hashes: Sequence[int]) -> int:
+        """Leading pages of a prompt (its page hashes) the replica holds or is computing."""
+        cached = self._cached.get(replica, {}).get(namespace, _EMPTY)
+        flying = self._in_flight.get(replica, {}).get(namespace, _EMPTY)
+        matched = 0
+        for h in hashes:
+            if h not in cached and h not in flying:
+                break
+            matched += 1
+        return matched
+
+    def cached_pages(self, replica: str) -> int:
+        """Pages the replica's cache holds (all namespaces)."""
+        return sum(len(s) for s in self._cached.get(replica, {}).values())
+
+    def page_set(self, replica: str) -> set[tuple[str, int]]:
+        """(namespace id, hash) of every cached page of a replica (for tests and checks)."""
+        return {(ns, h) for ns, hashes in self._cached.get(replica, {}).items() for h in hashes}
+
+    @property
+    def replicas(self) -> list[str]:
+        """Replicas whose events were applied and not forgotten."""
+        return list(self._cached)
+
+
+_EMPTY: frozenset[int] = frozenset()

@@ -1,0 +1,69 @@
+"""What the ingress and the engine replicas send each other through Ray Serve handles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.cache.radix import Retention
+from radixserve.engine.params import SamplingParams
+
+
+@dataclass
+class ReplicaRequest:
+    """One generation request for a replica: AsyncEngine.generate's arguments, plus what the
+    router needs to place it (the namespace's id, the prompt's page hashes)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    retention: Retention | None = None
+    prefix_retention: tuple[int, Retention] | None = None
+    session_id: str | None = None
+    namespace: str = ""                                  # cache.events.namespace_id of the request
+    page_hashes: list[int] = field(default_factory=list)  # cache.events.page_hashes of the prompt
+
+
+@dataclass
+class Accepted:
+    """The first item of every generate stream: the replica took the request."""
+
+    replica: str
+
+
+@dataclass
+class Refused:
+    """The first (and only) item of a generate stream the engine refused up front."""
+
+    kind: str      # "queue_full" | "prompt_too_long" | "invalid"
+    message: str
+
+
+@dataclass
+class EventBatch:
+    """One item of a replica's event stream: cache events in order, and its latest stats.
+
+    The first batch of a subscription starts with AllCleared and lists every cached page, so
+    a subscriber that applies the batches in order holds exactly the replica's cached pages.
+    """
+
+    replica: str
+    events: list[Any]
+    stats: dict[str, Any]
+
+
+@dataclass
+class ReplicaInfo:
+    """What the ingress needs to parse and check requests like a single server does."""
+
+    model_name: str
+    max_context_len: int
+    max_sequence_len: int
+    page_size: int
+    tokenizer: Any
+
+
+class WrongReplica(RuntimeError):
+    """A call pinned to one replica reached another: the pinned replica is gone."""

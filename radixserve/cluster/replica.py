@@ -1,0 +1,98 @@
+"""One engine replica: an Engine and its AsyncEngine inside a Ray Serve replica actor.
+
+Its methods are what the ingress calls through a DeploymentHandle: `generate` (a stream:
+Accepted or Refused first, then StreamDelta items), `events` (its cache-event stream),
+`close_session`, `flush`, `info`. A call made with `replica=<id>` must run on that replica
+(the request router pins it there); if it reaches another one, the pinned replica is gone
+and the call raises WrongReplica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import torch
+from ray import serve
+
+from radixserve.cluster.feed import EventFeed
+from radixserve.cluster.protocol import Accepted, EventBatch, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.engine import Engine
+from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
+
+if not hasattr(Engine, "subscribe_events"):  # TEMP-SEAM-STUB: remove when the seam lands
+    from radixserve.cache import events as _stub
+    _stub.install(Engine)
+
+
+class EngineReplica:
+    """A Ray Serve deployment class: `engine_options` are Engine's keyword arguments;
+    `torch_threads` caps the intra-op threads so replicas sharing a node do not fight."""
+
+    async def __init__(self, engine_options: dict[str, Any], torch_threads: int | None = None) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.engine = Engine(**engine_options)
+        self.feed = EventFeed(self.engine.page_size)
+        # Subscribed before the engine thread starts: the feed sees every event.
+        self._unsubscribe = self.engine.subscribe_events(self.feed.publish)
+        self.async_engine = AsyncEngine(self.engine)
+        await self.async_engine.start()
+
+    def info(self) -> ReplicaInfo:
+        """The model's name, limits, page size and tokenizer."""
+        return ReplicaInfo(self.engine.model_name, self.engine.max_context_len,
+                           self.engine.max_sequence_len, self.engine.page_size, self.engine.tokenizer)
+
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[Accepted | Refused | StreamDelta]:
+        """Accepted (or Refused, then nothing), then the request's deltas. Cancelling the
+        stream (the client left) aborts the request and frees its pages."""
+        deltas = self.async_engine.generate(
+            request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
+            cache_salt=request.cache_salt, retention=request.retention,
+            prefix_retention=request.prefix_retention, session_id=request.session_id)
+        async with aclosing(deltas):
+            try:
+                first = await anext(deltas)
+            except QueueFull as exc:
+                yield Refused("queue_full", str(exc))
+                return
+            except PromptTooLong as exc:
+                yield Refused("prompt_too_long", str(exc))
+                return
+            except ValueError as exc:
+                yield Refused("invalid", str(exc))
+                return
+            yield Accepted(self.replica)
+            yield first
+            async for delta in deltas:
+                yield delta
+
+    async def events(self, replica: str) -> AsyncIterator[EventBatch]:
+        """This replica's cache events, from a snapshot on, each batch with fresh stats."""
+        self._check_pin(replica)
+        async for events in self.feed.subscribe():
+            yield EventBatch(self.replica, events, self.async_engine.stats())
+
+    async def close_session(self, session_id: str, replica: str) -> bool:
+        self._check_pin(replica)
+        return await self.async_engine.close_session(session_id)
+
+    async def flush(self, replica: str) -> int:
+        self._check_pin(replica)
+        return await self.async_engine.flush_cache()
+
+    def stats(self, replica: str) -> dict[str, Any]:
+        self._check_pin(replica)
+        return self.async_engine.stats()
+
+    def _check_pin(self, replica: str) -> None:
+        if replica != self.replica:
+            raise WrongReplica(f"replica {replica} is gone (this is {self.replica})")
+
+    async def __del__(self) -> None:
+        self._unsubscribe()
+        await self.async_engine.shutdown()

@@ -1,0 +1,266 @@
+"""The routing rules: which replica serves a request. Plain Python, shared by the Ray Serve
+request router (radixserve.cluster.router) and `bench simulate --replicas` — the rule
+measured is the rule served.
+
+`ClusterState` is what a router knows: each replica's cached pages (a `CacheIndex` fed by
+its cache events), the requests it has in flight, its latest reported free pages, and which
+replica each session is on. A `RoutingPolicy` ranks the live replicas for one request.
+
+The cache-aware rule (`CacheAwarePolicy`), in order:
+1. A request of a session goes to the session's replica while that replica is alive.
+2. Balance guard: a replica is *eligible* only if its in-flight requests are at most
+   `min + max(balance_abs, balance_rel * min)`, where `min` is the least loaded replica's
+   count. One hot prefix therefore cannot pile onto one replica: past the slack, the next
+   request goes to another replica, which computes the prefix once and then shares it too.
+3. Among eligible replicas, the one holding the longest prefix of the prompt (cached pages
+   from its events, or pages of a request in flight there), if that is at least
+   `min_match_pages` pages; ties go to the less loaded, then to the one with more free pages.
+4. Otherwise (nothing useful cached anywhere): the least loaded eligible replica, ties to
+   the one with the most free pages (least cache to evict), then the fewest cached pages.
+
+Baselines (for benchmarks): `power-of-two` (two random replicas, the less loaded: Ray
+Serve's default), `round-robin`, and `prefix-affinity` — a re-implementation of Ray Serve
+LLM's PrefixCacheAffinityRouter rule at page granularity (see `PrefixAffinityPolicy`).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from radixserve.cluster.index import CacheIndex
+
+ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What routing looks at: the prompt's page hashes in its cache namespace."""
+
+    request_id: str
+    namespace: str              # cache.events.namespace_id(model, cache_salt)
+    page_hashes: Sequence[int]  # cache.events.page_hashes of the prompt's full pages
+    prompt_tokens: int
+    session_id: str | None = None
+
+
+@dataclass
+class ReplicaReport:
+    """A replica's latest self-report (its stats): memory and queue."""
+
+    pages_free: int = 0
+    pages_total: int = 0
+    waiting: int = 0
+    running: int = 0
+
+
+@dataclass
+class ClusterState:
+    """What the router knows about the replicas. One per router; not thread-safe."""
+
+    index: CacheIndex = field(default_factory=CacheIndex)
+    in_flight: dict[str, int] = field(default_factory=dict)      # replica → requests routed, not finished
+    routed_total: dict[str, int] = field(default_factory=dict)   # replica → requests routed ever
+    reports: dict[str, ReplicaReport] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
+    _placed: dict[str, str] = field(default_factory=dict)         # request id → replica
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        """The request went to `replica`: count it and note its prompt as in flight there."""
+        self._placed[request.request_id] = replica
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
+        self.index.add_in_flight(request.request_id, replica, request.namespace, request.page_hashes)
+        if request.session_id is not None:
+            self.sessions[request.session_id] = replica
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (done, failed or cancelled)."""
+        replica = self._placed.pop(request_id, None)
+        if replica is not None and replica in self.in_flight:
+            self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+        self.index.end_in_flight(request_id)
+
+    def remove(self, replica: str) -> None:
+        """A replica died or left: forget its cache, its load and its sessions."""
+        self.index.forget(replica)
+        self.in_flight.pop(replica, None)
+        self.reports.pop(replica, None)
+        for session in [s for s, r in self.sessions.items() if r == replica]:
+            del self.sessions[session]
+        for request_id in [q for q, r in self._placed.items() if r == replica]:
+            del self._placed[request_id]
+
+    def load(self, replica: str) -> int:
+        return self.in_flight.get(replica, 0)
+
+    def free_pages(self, replica: str) -> int:
+        report = self.reports.get(replica)
+        return report.pages_free if report is not None else 0
+
+
+class RoutingPolicy(ABC):
+    """Ranks live replicas for a request, best first; the caller records where it went
+    (`ClusterState.routed`)."""
+
+    name: str
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+
+    @abstractmethod
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        """`replicas` (non-empty, live) ordered from most to least preferred."""
+
+    def choose(self, request: RouteRequest, replicas: Sequence[str]) -> str:
+        """The preferred replica, recorded as routed (the simulator's one-call form)."""
+        replica = self.rank(request, replicas)[0]
+        self.state.routed(request, replica)
+        return replica
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """Thresholds of the cache-aware rule (measured in docs/benchmark.md)."""
+
+    balance_abs: int = 2           # in-flight requests over the least loaded replica's, always allowed
+    balance_rel: float = 0.25      # ... or this fraction of the least loaded replica's count
+    min_match_pages: int = 1       # a shorter cached prefix does not attract a request
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    """Sessions, then the balance guard, then the longest real cached prefix, then load."""
+
+    name = "cache-aware"
+
+    def __init__(self, state: ClusterState, config: CacheAwareConfig | None = None) -> None:
+        super().__init__(state)
+        self.config = config or CacheAwareConfig()
+
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        state, cfg = self.state, self.config
+        sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
+        least = min(state.load(r) for r in replicas)
+        slack = max(cfg.balance_abs, int(cfg.balance_rel * least))
+
+        def key(replica: str) -> tuple:
+            load = state.load(replica)
+            eligible = load <= least + slack
+            matched = state.index.matched_pages(replica, request.namespace, request.page_hashes)
+            useful = matched if matched >= cfg.min_match_pages else 0
+            return (replica != sticky, not eligible, -useful, load, -state.free_pages(replica),
+                    state.index.cached_pages(replica))
+
+        return sorted(replicas, key=key)
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    """Two replicas at random, the one with fewer requests in flight first (Ray Serve's
+    default PowerOfTwoChoicesRequestRouter, on the router's own in-flight counts)."""
+
+    name = "power-of-two"
+
+    def __init__(self, state: ClusterState, seed: int = 0) -> None:
+        super().__init__(state)
+        self.rng = random.Random(seed)
+
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        picked = self.rng.sample(list(replicas), min(2, len(replicas)))
+        picked.sort(key=self.state.load)
+        return picked + [r for r in replicas if r not in picked]
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each replica in turn, ignoring cache and load."""
+
+    name = "round-robin"
+
+    def __init__(self, state: ClusterState) -> None:
+        super().__init__(state)
+        self._next = 0
+
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        ordered = sorted(replicas)
+        start = self._next % len(ordered)
+        self._next += 1
+        return ordered[start:] + ordered[:start]
+
+
+class PrefixAffinityPolicy(RoutingPolicy):
+    """A re-implementation of Ray Serve LLM's PrefixCacheAffinityRouter rule (Ray 2.x,
+    defaults), for the simulator; `bench serve` runs Ray's own class.
+
+    Ray keeps a character prefix tree of every prompt it routed, per replica (a guess from
+    routing history, not the replicas' caches; no eviction by default). A request goes to
+    the replicas owning the longest matched prefix, or — when the match is under
+    `match_rate_threshold` of the prompt — to the replicas with the fewest characters in the
+    tree; Serve then takes the one with the shortest queue among them. With the default
+    `imbalanced_threshold` of infinity, queue lengths never override the match.
+
+    Differences, all of granularity: prompts are token ids here, so the tree is over tokens,
+    kept as chained page hashes (a match is counted in whole pages; the "smallest tenant" by
+    routed pages instead of characters).
+    """
+
+    name = "prefix-affinity"
+
+    def __init__(self, state: ClusterState, match_rate_threshold: float = 0.1,
+                 imbalanced_threshold: float = float("inf"), page_size: int = 16) -> None:
+        super().__init__(state)
+        self.match_rate_threshold = match_rate_threshold
+        self.imbalanced_threshold = imbalanced_threshold
+        self.page_size = page_size
+        self.history: dict[str, set[tuple[str, int]]] = {}
+        self._fallback = PowerOfTwoPolicy(state)
+
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        loads = [self.state.load(r) for r in replicas]
+        if max(loads) - min(loads) > self.imbalanced_threshold:
+            return self._fallback.rank(request, replicas)
+        matched = {r: self._matched(r, request) for r in replicas}
+        best = max(matched.values())
+        if best * self.page_size / max(request.prompt_tokens, 1) < self.match_rate_threshold:
+            sizes = {r: len(self.history.get(r, ())) for r in replicas}
+            chosen = [r for r in replicas if sizes[r] == min(sizes.values())]
+        else:
+            chosen = [r for r in replicas if matched[r] == best]
+        chosen.sort(key=self.state.load)
+        ranked = chosen + [r for r in replicas if r not in chosen]
+        return ranked
+
+    def choose(self, request: RouteRequest, replicas: Sequence[str]) -> str:
+        replica = super().choose(request, replicas)
+        self.history.setdefault(replica, set()).update((request.namespace, h) for h in request.page_hashes)
+        return replica
+
+    def _matched(self, replica: str, request: RouteRequest) -> int:
+        seen = self.history.get(replica, set())
+        matched = 0
+        for h in request.page_hashes:
+            if (request.namespace, h) not in seen:
+                break
+            matched += 1
+        return matched
+
+
+def make_policy(name: str, state: ClusterState, *, page_size: int = 16, seed: int = 0,
+                config: CacheAwareConfig | None = None) -> RoutingPolicy:
+    """A routing policy by name (`ROUTERS`)."""
+    if name == "cache-aware":
+        return CacheAwarePolicy(state, config)
+    if name == "power-of-two":
+        return PowerOfTwoPolicy(state, seed)
+    if name == "round-robin":
+        return RoundRobinPolicy(state)
+    if name == "prefix-affinity":
+        return PrefixAffinityPolicy(state, page_size=page_size)
+    raise ValueError(f"router: unknown {name!r}, expected one of {list(ROUTERS)}")
+
+
+def replica_imbalance(counts: Sequence[int]) -> float:
+    """max / min requests per replica (inf when a replica got none)."""
+    if not counts:
+        return float("nan")
+    return max(counts) / min(counts) if min(counts) else float("inf")
