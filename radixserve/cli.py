@@ -73,6 +73,20 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name listed by /v1/models (default: the model's own name)")
+    cluster = serve.add_argument_group("scale-out (Ray Serve; pip install -e '.[cluster]')")
+    cluster.add_argument("--replicas", type=int, default=None, metavar="N",
+                         help="serve N engine replicas on Ray Serve behind one API, each request routed "
+                              "to the replica that caches most of its prompt (default: one process, no Ray)")
+    cluster.add_argument("--ray-address", default=None,
+                         help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting a "
+                              "local one; implies --replicas 1 unless given")
+    cluster.add_argument("--router", default="cache-aware",
+                         choices=["cache-aware", "power-of-two", "prefix-affinity"],
+                         help="replica choice: radixserve's cache-aware router, or Ray Serve's "
+                              "power-of-two / Ray Serve LLM's prefix-affinity router as baselines "
+                              "(default: %(default)s)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0,
+                         help="Ray CPUs reserved per replica (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
     serve.set_defaults(handler=serve_command)
@@ -96,15 +110,14 @@ def serve_command(args: argparse.Namespace) -> int:
     from radixserve import AsyncEngine, Engine
     from radixserve.server import create_app
 
+    if args.replicas is not None or args.ray_address is not None:
+        from radixserve.cluster.cli import serve_cluster
+
+        return serve_cluster(args, engine_options(args))
     _say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
     started = time.perf_counter()
     try:
-        engine = Engine(model=args.model, page_size=args.page_size, num_pages=args.num_pages,
-                        kv_memory_gb=args.kv_memory_gb, device=args.device,
-                        schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
-                        dtype=args.dtype, max_running=args.max_running, max_queue=args.max_queue,
-                        max_batch_tokens=args.max_batch_tokens,
-                        enable_prefix_cache=not args.no_prefix_cache)
+        engine = Engine(**engine_options(args))
     except (OSError, ValueError) as exc:
         _say(f"error: cannot load {args.model!r}: {exc}")
         return 2
@@ -120,6 +133,15 @@ def serve_command(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     _say("stopped")
     return 0
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """Engine's keyword arguments from `radixserve serve`'s flags."""
+    return dict(model=args.model, page_size=args.page_size, num_pages=args.num_pages,
+                kv_memory_gb=args.kv_memory_gb, device=args.device,
+                schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
+                dtype=args.dtype, max_running=args.max_running, max_queue=args.max_queue,
+                max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

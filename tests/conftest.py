@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tests.model_helpers import TINY_MODEL_NAMES, write_tiny_checkpoint
@@ -21,3 +23,11 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 def tiny_llama_dir(tiny_checkpoints: dict[str, Path]) -> Path:
     """Directory of the plain tiny Llama checkpoint (the usual engine-test model)."""
     return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[SimpleNamespace]:
+    """A local Ray cluster serving 2 demo-model replicas behind the OpenAI API (cluster_util)."""
+    from cluster_util import start_cluster
+
+    yield from start_cluster()

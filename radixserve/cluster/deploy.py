@@ -35,6 +35,8 @@ ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 MAX_ONGOING_REQUESTS = 1024   # the engine queues and schedules; Serve should not hold requests back
 SHUTDOWN_TIMEOUT_S = 3.0      # event streams never end on their own: do not wait long for them
+HEALTH_CHECK_PERIOD_S = 2.0   # how soon Serve notices a dead replica and starts another
+HEALTH_CHECK_TIMEOUT_S = 30.0  # a replica busy with long CPU steps still answers within this
 
 
 @dataclass
@@ -76,7 +78,14 @@ class OpenAIIngress:
              "pages_total": s.get("pages_total", 0), "pages_free": s.get("pages_free", 0),
              "pages_cached": s.get("pages_cached", 0), "waiting": s.get("waiting", 0),
              "running": s.get("running", 0)}
-            for r, s in sorted(stats.items())], "routed": routed})
+            for r, s in sorted(stats.items())], "routed": routed,
+            "total": {k: v for k, v in self.engine.stats().items() if k != "histograms"}})
+
+    def cache_index(self) -> dict[str, list[tuple[str, int]]]:
+        """What the router believes each replica caches (for tests: it must be exact)."""
+        index = self.engine.view.state.index
+        with self.engine.view.lock:
+            return {r: sorted(index.page_set(r)) for r in self.engine.view.replicas}
 
 
 def build_app(options: ClusterOptions) -> serve.Application:
@@ -92,6 +101,7 @@ def build_app(options: ClusterOptions) -> serve.Application:
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
         graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=router_config,
     ).bind(options.engine_options, options.torch_threads)
     ingress = serve.deployment(

@@ -16,9 +16,10 @@ stream into the ClusterView the router reads (cache pages, stats), and
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from ray.exceptions import RayActorError, WorkerCrashedError
@@ -27,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 
 from radixserve.cache.events import namespace_id, page_hashes
 from radixserve.cache.radix import Retention
+from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.cluster.view import ClusterView, cluster_view
 from radixserve.engine.params import PromptTooLong, QueueFull, SamplingParams, StreamDelta
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3            # a request is tried on at most this many replicas
 RESUBSCRIBE_DELAY_S = 0.5   # before following a replica's events again after its stream broke
+_T = TypeVar("_T")
 REPLICA_GONE = (RayActorError, WorkerCrashedError, ReplicaUnavailableError, WrongReplica)
 
 
@@ -68,13 +71,21 @@ class ClusterEngine:
         self.view.listen(lambda: loop.call_soon_threadsafe(self._sync_followers))
         self._sync_followers()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Stops following the replicas (the replicas themselves belong to Ray Serve)."""
         self._stopping = True
         self.view.listen(None)
         for task in self._followers.values():
             task.cancel()
         await asyncio.gather(*self._followers.values(), return_exceptions=True)
         self._followers.clear()
+        return True
+
+    def health(self) -> str | None:
+        """None while some replica is live and reporting; else why not (GET /health's 503)."""
+        if not self.view.replica_stats():
+            return "no engine replica is live"
+        return None
 
     def _sync_followers(self) -> None:
         if self._stopping:
@@ -88,7 +99,7 @@ class ClusterEngine:
     async def _follow(self, replica: str) -> None:
         """Applies a replica's event batches to the view until its stream ends."""
         while not self._stopping:
-            stream = self.handle.options(stream=True).events.remote(replica=replica)
+            stream = _fresh_call(lambda: self.handle.options(stream=True).events.remote(replica=replica))
             try:
                 async for batch in stream:
                     self.view.apply(batch)
@@ -117,7 +128,7 @@ class ClusterEngine:
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, [int(h) for h in hashes])
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            stream = self.handle.options(stream=True).generate.remote(request)
+            stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream
             streamed = False
             try:
@@ -156,7 +167,8 @@ class ClusterEngine:
         return sum(r for r in await self._on_every_replica("flush") if isinstance(r, int))
 
     async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
-        calls = [getattr(self.handle, method).remote(*args, replica=r) for r in sorted(self.view.replicas)]
+        calls = [_fresh_call(lambda r=r: getattr(self.handle, method).remote(*args, replica=r))
+                 for r in sorted(self.view.replicas)]
         return await asyncio.gather(*calls, return_exceptions=True)
 
     def stats(self) -> dict[str, Any]:
@@ -169,47 +181,19 @@ class ClusterEngine:
         return out
 
 
-def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sums engine.stats() snapshots: counters and gauges add up, rates are recomputed,
-    page_size is shared, last_step_s is the slowest, histogram buckets add up."""
-    out: dict[str, Any] = {}
-    for snapshot in snapshots:
-        for key, value in snapshot.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if key in ("page_size",):
-                out[key] = value
-            elif key == "last_step_s":
-                out[key] = max(out.get(key, 0.0), value)
-            else:
-                out[key] = out.get(key, 0) + value
-    out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0
-    lookups = out.get("cache_lookup_tokens", 0)
-    out["cache_hit_rate"] = out.get("cache_hit_tokens", 0) / lookups if lookups else 0.0
-    out["histograms"] = _merge_histograms([s.get("histograms", {}) for s in snapshots])
-    return out
-
-
-def _merge_histograms(all_histograms: list[dict[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for histograms in all_histograms:
-        for name, h in histograms.items():
-            if name not in merged:
-                merged[name] = {"buckets": [list(b) for b in h["buckets"]], "sum": h["sum"], "count": h["count"]}
-                continue
-            into = merged[name]
-            for bucket, (_, count) in zip(into["buckets"], h["buckets"]):
-                bucket[1] += count
-            into["sum"] += h["sum"]
-            into["count"] += h["count"]
-    for h in merged.values():
-        h["buckets"] = [tuple(b) for b in h["buckets"]]
-    return merged
+def _fresh_call(call: Callable[[], _T]) -> _T:
+    """Makes a handle call outside the HTTP request's Serve context. Inside it, every call
+    inherits the request's internal id, and Serve's router keys pending requests by that id:
+    two concurrent calls of one request (closing a session on every replica, n samples)
+    would collapse into one and the other would never be routed."""
+    return contextvars.Context().run(call)
 
 
 def _refusal(refused: Refused) -> Exception:
     if refused.kind == "queue_full":
         return QueueFull(refused.message)
     if refused.kind == "prompt_too_long":
-        return PromptTooLong(refused.message)
+        error = PromptTooLong(refused.message)
+        error.param = refused.param  # type: ignore[attr-defined]
+        return error
     return ValueError(refused.message)

@@ -39,6 +39,7 @@ class Refused:
 
     kind: str      # "queue_full" | "prompt_too_long" | "invalid"
     message: str
+    param: str | None = None   # PromptTooLong's param, where the engine names one
 
 
 @dataclass

@@ -61,7 +61,7 @@ class EngineReplica:
                 yield Refused("queue_full", str(exc))
                 return
             except PromptTooLong as exc:
-                yield Refused("prompt_too_long", str(exc))
+                yield Refused("prompt_too_long", str(exc), getattr(exc, "param", None))
                 return
             except ValueError as exc:
                 yield Refused("invalid", str(exc))
@@ -88,6 +88,11 @@ class EngineReplica:
     def stats(self, replica: str) -> dict[str, Any]:
         self._check_pin(replica)
         return self.async_engine.stats()
+
+    def cache_page_hashes(self, replica: str) -> list[tuple[str, int]]:
+        """(namespace id, hash) of every page the engine's tree holds (for tests)."""
+        self._check_pin(replica)
+        return sorted(self.engine.cache_page_hashes())
 
     def _check_pin(self, replica: str) -> None:
         if replica != self.replica:

@@ -104,7 +104,11 @@ class CacheAwareRouter(_ClusterHooks, RequestRouter):
         if request is None:
             return [candidate_replicas]
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
-        return [[by_key[key]] for key in self.view.rank(request, list(by_key))]
+        ranked = self.view.rank(request, list(by_key))
+        # Reserved now, so that the next request of a burst sees this one's load and prefix
+        # (Serve confirms or moves it in on_request_routed once the replica accepted).
+        self.view.routed(request, ranked[0])
+        return [[by_key[key]] for key in ranked]
 
 
 class PowerOfTwoRouter(_ClusterHooks, PowerOfTwoChoicesRequestRouter):

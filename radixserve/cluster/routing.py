@@ -68,7 +68,12 @@ class ClusterState:
     _placed: dict[str, str] = field(default_factory=dict)         # request id → replica
 
     def routed(self, request: RouteRequest, replica: str) -> None:
-        """The request went to `replica`: count it and note its prompt as in flight there."""
+        """The request goes to `replica`: count it and note its prompt as in flight there.
+        Routing the same request again (a retry, or Serve choosing another replica than the
+        one reserved) moves it."""
+        if self._placed.get(request.request_id) == replica:
+            return
+        self._unplace(request.request_id, count_routed=True)
         self._placed[request.request_id] = replica
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
@@ -78,9 +83,14 @@ class ClusterState:
 
     def finished(self, request_id: str) -> None:
         """The request ended (done, failed or cancelled)."""
+        self._unplace(request_id, count_routed=False)
+
+    def _unplace(self, request_id: str, *, count_routed: bool) -> None:
         replica = self._placed.pop(request_id, None)
         if replica is not None and replica in self.in_flight:
             self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+            if count_routed:  # it was not served there after all
+                self.routed_total[replica] -= 1
         self.index.end_in_flight(request_id)
 
     def remove(self, replica: str) -> None:

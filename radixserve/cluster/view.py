@@ -28,7 +28,7 @@ class ClusterView:
     replicas' latest stats, and a listener told when the replica set changes."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.state = ClusterState()
         self._policy: RoutingPolicy = make_policy("cache-aware", self.state)
         self._replicas: frozenset[str] = frozenset()
@@ -61,6 +61,11 @@ class ClusterView:
             listener = self._listener
         if listener is not None:
             listener()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while reading `state` directly."""
+        return self._lock
 
     @property
     def replicas(self) -> frozenset[str]:

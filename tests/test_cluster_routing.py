@@ -1,0 +1,246 @@
+"""The routing rules, the per-replica cache index and the replica's event feed (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored, namespace_id, page_hashes
+from radixserve.cluster.feed import EventFeed
+from radixserve.cluster.index import CacheIndex
+from radixserve.cluster.routing import (
+    CacheAwareConfig,
+    ClusterState,
+    PrefixAffinityPolicy,
+    ReplicaReport,
+    RouteRequest,
+    make_policy,
+    replica_imbalance,
+)
+from radixserve.cluster.stats import merge_stats
+
+PAGE = 4
+NS = namespace_id(("demo", None))
+NS_B = namespace_id(("demo", "tenant-b"))
+
+
+def hashes(tokens: list[int], namespace: str = NS) -> list[int]:
+    out, _ = page_hashes(np.asarray(tokens, dtype=np.int64), PAGE, namespace)
+    return [int(h) for h in out]
+
+
+def stored(seq: int, hs: list[int], namespace: str = NS, tier: str = "device") -> BlockStored:
+    return BlockStored(seq=seq, namespace=namespace, tier=tier, page_size=PAGE, parent_hash=None,
+                       hashes=hs, token_ids=None)
+
+
+def request(tokens: list[int], request_id: str = "r", namespace: str = NS,
+            session_id: str | None = None) -> RouteRequest:
+    return RouteRequest(request_id, namespace, hashes(tokens, namespace), len(tokens), session_id)
+
+
+SYSTEM = list(range(100, 116))            # 4 pages
+PROMPT = SYSTEM + [7, 8, 9, 10, 11, 12]   # 5 full pages + 2 tokens
+
+
+# ---------------------------------------------------------------- the index
+
+
+def test_index_applies_events_in_order_and_matches_leading_pages() -> None:
+    index = CacheIndex()
+    h = hashes(PROMPT)
+    assert len(h) == 5
+    index.apply("a", [stored(1, h[:3])])
+    assert index.matched_pages("a", NS, h) == 3
+    assert index.matched_pages("a", NS_B, hashes(PROMPT, NS_B)) == 0  # another tenant's namespace
+    assert index.matched_pages("b", NS, h) == 0
+    index.apply("a", [stored(2, h[3:]), BlockRemoved(seq=3, namespace=NS, tier="device", hashes=[h[4], h[3]])])
+    assert index.matched_pages("a", NS, h) == 3
+    index.apply("a", [BlockRemoved(seq=4, namespace=NS, tier="device", hashes=[h[1]])])
+    assert index.matched_pages("a", NS, h) == 1  # a gap ends the match even if later pages are held
+    index.apply("a", [stored(5, h, tier="host")])
+    assert index.matched_pages("a", NS, h) == 1  # only the device tier counts
+    assert index.page_set("a") == {(NS, h[0]), (NS, h[2])}
+    index.apply("a", [AllCleared(seq=6, tier=None), stored(7, h[:2])])
+    assert index.page_set("a") == {(NS, h[0]), (NS, h[1])} and index.cached_pages("a") == 2
+
+
+def test_index_in_flight_counts_until_the_request_ends() -> None:
+    index = CacheIndex()
+    h = hashes(PROMPT)
+    index.add_in_flight("q1", "a", NS, h[:4])
+    index.add_in_flight("q2", "a", NS, h[:2])
+    assert index.matched_pages("a", NS, h) == 4
+    index.end_in_flight("q1")
+    assert index.matched_pages("a", NS, h) == 2  # q2 still holds the first two
+    index.end_in_flight("q2")
+    index.end_in_flight("q2")  # twice is harmless
+    assert index.matched_pages("a", NS, h) == 0
+    index.add_in_flight("q3", "a", NS, h)
+    index.forget("a")
+    assert index.matched_pages("a", NS, h) == 0 and index.replicas == []
+
+
+# ---------------------------------------------------------------- the cache-aware rule
+
+
+def cluster(*replicas: str) -> ClusterState:
+    state = ClusterState()
+    for r in replicas:
+        state.index.apply(r, [])
+        state.reports[r] = ReplicaReport(pages_free=100, pages_total=100)
+    return state
+
+
+def test_cache_aware_prefers_the_longest_real_prefix() -> None:
+    state = cluster("a", "b", "c")
+    h = hashes(PROMPT)
+    state.index.apply("b", [stored(1, h[:2])])
+    state.index.apply("c", [stored(1, h[:4])])
+    policy = make_policy("cache-aware", state)
+    assert policy.rank(request(PROMPT), ["a", "b", "c"]) == ["c", "b", "a"]
+    # Another tenant's salt: nothing is shared, the emptiest replica wins.
+    state.reports["b"].pages_free = 120
+    assert policy.rank(request(PROMPT, namespace=NS_B), ["a", "b", "c"])[0] == "b"
+
+
+def test_cache_aware_balance_guard_spreads_a_hot_prefix() -> None:
+    state = cluster("a", "b")
+    policy = make_policy("cache-aware", state, config=CacheAwareConfig(balance_abs=2, balance_rel=0.5))
+    placed = [policy.choose(request(PROMPT, f"r{i}"), ["a", "b"]) for i in range(8)]
+    # The first lands on either (tie), then sticks (in flight) until it is 2 ahead, and so on.
+    first = placed[0]
+    other = "b" if first == "a" else "a"
+    assert placed[:4] == [first, first, first, other]
+    assert state.in_flight == {first: 4, other: 4} or state.in_flight == {first: 5, other: 3}
+    assert abs(state.in_flight["a"] - state.in_flight["b"]) <= 2
+    # At 10 in flight the relative slack (0.5 * 10 = 5) allows more affinity.
+    state = cluster("a", "b")
+    state.in_flight = {"a": 14, "b": 10}
+    state.index.apply("a", [stored(1, hashes(PROMPT))])
+    assert policy.__class__(state, policy.config).rank(request(PROMPT), ["a", "b"])[0] == "a"
+    state.in_flight = {"a": 16, "b": 10}
+    assert policy.__class__(state, policy.config).rank(request(PROMPT), ["a", "b"])[0] == "b"
+
+
+def test_cache_aware_without_a_match_takes_least_loaded_then_most_free() -> None:
+    state = cluster("a", "b", "c")
+    state.in_flight = {"a": 1, "b": 0, "c": 0}
+    state.reports["c"].pages_free = 150
+    policy = make_policy("cache-aware", state)
+    assert policy.rank(request(PROMPT), ["a", "b", "c"]) == ["c", "b", "a"]
+    # One cached page is below min_match_pages=2: it does not count.
+    state.index.apply("a", [stored(1, hashes(PROMPT)[:1])])
+    strict = make_policy("cache-aware", state, config=CacheAwareConfig(min_match_pages=2))
+    assert strict.rank(request(PROMPT), ["a", "b", "c"])[0] == "c"
+
+
+def test_session_sticks_while_its_replica_lives() -> None:
+    state = cluster("a", "b")
+    state.index.apply("a", [stored(1, hashes(PROMPT))])
+    policy = make_policy("cache-aware", state)
+    turn = [1, 2, 3, 4, 5]
+    # No match anywhere, equal load and free pages: the replica caching less, "b".
+    assert policy.choose(request(turn, "t1", session_id="s"), ["a", "b"]) == "b"
+    # "a" now caches the whole next turn and "b" is far past the guard: the session sticks.
+    state.index.apply("a", [stored(2, hashes(turn + [6, 7, 8]))])
+    state.in_flight["b"] = 50
+    assert policy.choose(request(turn + [6, 7, 8], "t2", session_id="s"), ["a", "b"]) == "b"
+    state.remove("b")
+    assert "s" not in state.sessions
+    assert policy.choose(request(turn + [6, 7, 8], "t3", session_id="s"), ["a"]) == "a"
+    assert state.sessions["s"] == "a"
+
+
+def test_finished_requests_release_load_and_in_flight_pages() -> None:
+    state = cluster("a", "b")
+    policy = make_policy("cache-aware", state)
+    replica = policy.choose(request(PROMPT, "r1"), ["a", "b"])
+    assert state.in_flight[replica] == 1 and state.routed_total[replica] == 1
+    assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 5
+    state.finished("r1")
+    assert state.in_flight[replica] == 0 and state.routed_total[replica] == 1
+    assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 0
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def test_power_of_two_takes_the_less_loaded_of_two() -> None:
+    state = cluster("a", "b")
+    state.in_flight = {"a": 3, "b": 1}
+    policy = make_policy("power-of-two", state, seed=1)
+    assert all(policy.rank(request(PROMPT), ["a", "b"]) == ["b", "a"] for _ in range(10))
+
+
+def test_round_robin_cycles() -> None:
+    policy = make_policy("round-robin", cluster("a", "b", "c"))
+    assert [policy.rank(request(PROMPT), ["c", "a", "b"])[0] for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_prefix_affinity_follows_routing_history_not_the_cache() -> None:
+    state = cluster("a", "b")
+    policy = PrefixAffinityPolicy(state, page_size=PAGE)
+    state.reports["b"].pages_free = 0
+    assert policy.choose(request(PROMPT, "r1"), ["a", "b"]) == "a"  # tie on history size, load: a first
+    state.finished("r1")
+    # The cache of "b" holds the prompt, but history says "a".
+    state.index.apply("b", [stored(1, hashes(PROMPT))])
+    assert policy.choose(request(PROMPT + [1], "r2"), ["a", "b"]) == "a"
+    # A different prompt matches nothing (< 10%): the replica with the least history, "b".
+    assert policy.choose(request(list(range(500, 520)), "r3"), ["a", "b"]) == "b"
+
+
+def test_unknown_router_and_imbalance() -> None:
+    with pytest.raises(ValueError, match="router"):
+        make_policy("random", ClusterState())
+    assert replica_imbalance([10, 15, 12]) == 1.5
+    assert replica_imbalance([3, 0]) == float("inf")
+
+
+# ---------------------------------------------------------------- the replica's feed
+
+
+def test_feed_snapshot_plus_events_equals_the_engine_cache() -> None:
+    engine = Engine(model="demo", page_size=PAGE, num_pages=64, debug_checks=True)
+    feed = EventFeed(PAGE)
+    engine.subscribe_events(feed.publish)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([SYSTEM + [1, 2, 3, 4, 5]], params)
+
+    async def run() -> CacheIndex:
+        index = CacheIndex()
+        stream = feed.subscribe(batch_interval_s=0.0, heartbeat_s=0.05)
+        index.apply("r", await anext(stream))  # the snapshot
+        assert index.page_set("r") == engine.cache_page_hashes()
+        engine.generate([SYSTEM + [9, 9, 9, 9, 9, 9], list(range(300, 340))], params)
+        engine.flush_cache()
+        engine.generate([SYSTEM + [6, 6, 6, 6]], params)
+        while True:
+            batch = await asyncio.wait_for(anext(stream), 5)
+            if not batch:
+                break  # a heartbeat: everything published so far was delivered
+            index.apply("r", batch)
+        await stream.aclose()
+        return index
+
+    index = asyncio.run(run())
+    assert index.page_set("r") == engine.cache_page_hashes() != set()
+    assert feed._subscribers == []
+
+
+def test_merge_stats_sums_counters_and_recomputes_rates() -> None:
+    a = {"prompt_tokens": 100, "cached_tokens": 50, "hit_rate": 0.5, "pages_total": 10, "page_size": 16,
+         "last_step_s": 0.2, "cache_lookup_tokens": 10, "cache_hit_tokens": 1, "name": "x",
+         "histograms": {"h": {"buckets": [(1.0, 2), (float("inf"), 3)], "sum": 4.0, "count": 3}}}
+    b = {"prompt_tokens": 300, "cached_tokens": 250, "hit_rate": 0.83, "pages_total": 30, "page_size": 16,
+         "last_step_s": 0.5, "cache_lookup_tokens": 30, "cache_hit_tokens": 19,
+         "histograms": {"h": {"buckets": [(1.0, 1), (float("inf"), 1)], "sum": 0.5, "count": 1}}}
+    merged = merge_stats([a, b])
+    assert merged["prompt_tokens"] == 400 and merged["cached_tokens"] == 300 and merged["hit_rate"] == 0.75
+    assert merged["pages_total"] == 40 and merged["page_size"] == 16 and merged["last_step_s"] == 0.5
+    assert merged["cache_hit_rate"] == 0.5 and "name" not in merged
+    assert merged["histograms"] == {"h": {"buckets": [(1.0, 3), (float("inf"), 4)], "sum": 4.5, "count": 4}}
