@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import test_server as single
 from cluster_util import replicas_report, wait_for_replicas
@@ -65,8 +66,9 @@ def completion(client: httpx.Client, prompt: list[int] | str, max_tokens: int = 
     return r.json()
 
 
-def distinct_prompt(i: int, length: int = 200) -> list[int]:
-    return [(i * 7919 + j * 31) % 1500 + 300 for j in range(length)]
+def distinct_prompt(seed: int, length: int = 200) -> list[int]:
+    """Random ordinary token ids: prompts of different seeds share no page."""
+    return np.random.default_rng(seed).integers(300, 1800, length).tolist()
 
 
 def replica_handle() -> Any:

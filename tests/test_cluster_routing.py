@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored, namespace_id, page_hashes
+from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
+from radixserve.cache.page_hash import namespace_id
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.index import CacheIndex
 from radixserve.cluster.routing import (
@@ -18,6 +18,7 @@ from radixserve.cluster.routing import (
     ReplicaReport,
     RouteRequest,
     make_policy,
+    prompt_pages,
     replica_imbalance,
 )
 from radixserve.cluster.stats import merge_stats
@@ -28,8 +29,10 @@ NS_B = namespace_id(("demo", "tenant-b"))
 
 
 def hashes(tokens: list[int], namespace: str = NS) -> list[int]:
-    out, _ = page_hashes(np.asarray(tokens, dtype=np.int64), PAGE, namespace)
-    return [int(h) for h in out]
+    salt = {NS: None, NS_B: "tenant-b"}[namespace]
+    ns, out = prompt_pages(tokens, PAGE, "demo", salt)
+    assert ns == namespace
+    return out
 
 
 def stored(seq: int, hs: list[int], namespace: str = NS, tier: str = "device") -> BlockStored:

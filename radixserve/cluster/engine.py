@@ -21,15 +21,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-import numpy as np
 from ray.exceptions import RayActorError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from radixserve.cache.events import namespace_id, page_hashes
 from radixserve.cache.radix import Retention
 from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
+from radixserve.cluster.routing import prompt_pages
 from radixserve.cluster.view import ClusterView, cluster_view
 from radixserve.engine.params import PromptTooLong, QueueFull, SamplingParams, StreamDelta
 
@@ -123,10 +122,9 @@ class ClusterEngine:
                        session_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
         item; closing the iterator early cancels the replica's stream, which aborts there."""
-        namespace = namespace_id((self.engine.model_name, cache_salt))
-        hashes, _ = page_hashes(np.asarray(prompt_ids, dtype=np.int64), self.engine.page_size, namespace)
+        namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size, self.engine.model_name, cache_salt)
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
-                                 prefix_retention, session_id, namespace, [int(h) for h in hashes])
+                                 prefix_retention, session_id, namespace, hashes)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream

@@ -13,8 +13,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from radixserve.cache.events import AllCleared, BlockStored, CacheEvent
-from radixserve.cluster.index import DEVICE_TIER, CacheIndex
+from radixserve.cache.events import DEVICE, AllCleared, BlockStored, CacheEvent
+from radixserve.cluster.index import CacheIndex
 
 _SELF = "self"
 
@@ -75,7 +75,7 @@ class EventFeed:
             by_namespace.setdefault(namespace, []).append(page_hash)
         for namespace, hashes in sorted(by_namespace.items()):
             # Order inside a snapshot does not matter to a set; parent_hash is unknown here.
-            events.append(BlockStored(seq=self._last_seq, namespace=namespace, tier=DEVICE_TIER,
+            events.append(BlockStored(seq=self._last_seq, namespace=namespace, tier=DEVICE,
                                       page_size=self.page_size, parent_hash=None,
                                       hashes=sorted(hashes), token_ids=None))
         return events

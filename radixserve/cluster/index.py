@@ -17,9 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
-
-DEVICE_TIER = "device"
+from radixserve.cache.events import DEVICE, AllCleared, BlockRemoved, BlockStored, CacheEvent
 
 
 @dataclass
@@ -46,15 +44,15 @@ class CacheIndex:
         spaces = self._cached.setdefault(replica, {})
         for event in events:
             if isinstance(event, BlockStored):
-                if event.tier == DEVICE_TIER:
+                if event.tier == DEVICE:
                     spaces.setdefault(event.namespace, set()).update(event.hashes)
             elif isinstance(event, BlockRemoved):
-                if event.tier == DEVICE_TIER:
+                if event.tier == DEVICE:
                     held = spaces.get(event.namespace)
                     if held is not None:
                         held.difference_update(event.hashes)
             elif isinstance(event, AllCleared):
-                if event.tier in (None, DEVICE_TIER):
+                if event.tier in (None, DEVICE):
                     spaces.clear()
             else:
                 raise TypeError(f"not a cache event: {event!r}")

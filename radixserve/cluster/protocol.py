@@ -22,8 +22,8 @@ class ReplicaRequest:
     retention: Retention | None = None
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
-    namespace: str = ""                                  # cache.events.namespace_id of the request
-    page_hashes: list[int] = field(default_factory=list)  # cache.events.page_hashes of the prompt
+    namespace: str = ""                                  # routing.prompt_pages: the namespace id
+    page_hashes: list[int] = field(default_factory=list)  # ... and the prompt's page hashes
 
 
 @dataclass

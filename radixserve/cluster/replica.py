@@ -22,10 +22,6 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
 
-if not hasattr(Engine, "subscribe_events"):  # TEMP-SEAM-STUB: remove when the seam lands
-    from radixserve.cache import events as _stub
-    _stub.install(Engine)
-
 
 class EngineReplica:
     """A Ray Serve deployment class: `engine_options` are Engine's keyword arguments;

@@ -30,6 +30,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
 from radixserve.cluster.index import CacheIndex
 
 ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
@@ -40,10 +43,19 @@ class RouteRequest:
     """What routing looks at: the prompt's page hashes in its cache namespace."""
 
     request_id: str
-    namespace: str              # cache.events.namespace_id(model, cache_salt)
-    page_hashes: Sequence[int]  # cache.events.page_hashes of the prompt's full pages
+    namespace: str              # namespace id and page hashes of the prompt: `prompt_pages`
+    page_hashes: Sequence[int]
     prompt_tokens: int
     session_id: str | None = None
+
+
+def prompt_pages(prompt_ids: Sequence[int] | np.ndarray, page_size: int, model_name: str,
+                 cache_salt: str | None = None) -> tuple[str, list[int]]:
+    """The namespace id of a request and its prompt's page hashes, exactly as the engine's
+    cache names them in its events (radixserve.cache.page_hash)."""
+    namespace = namespace_id((model_name, cache_salt or None))
+    hashes, _ = page_hashes(np.asarray(prompt_ids, dtype=np.int64), page_size, namespace_seed(namespace))
+    return namespace, hashes.tolist()
 
 
 @dataclass
