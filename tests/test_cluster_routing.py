@@ -30,7 +30,7 @@ NS_B = namespace_id(("demo", "tenant-b"))
 
 def hashes(tokens: list[int], namespace: str = NS) -> list[int]:
     salt = {NS: None, NS_B: "tenant-b"}[namespace]
-    ns, out = prompt_pages(tokens, PAGE, "demo", salt)
+    ns, out = prompt_pages(tokens, PAGE, ("demo", salt))
     assert ns == namespace
     return out
 

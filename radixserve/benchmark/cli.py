@@ -67,6 +67,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0, help="simulated prefill speed")
     p.add_argument("--decode-step-ms", type=float, default=20.0, help="simulated time of one forward step")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="simulate N replicas of --capacity-tokens each behind a router, next to one "
+                        "replica with N times the memory (the ideal)")
+    p.add_argument("--router", default="cache-aware", metavar="NAME[,NAME...]",
+                   help="with --replicas: cache-aware, power-of-two, round-robin, prefix-affinity "
+                        "(the routing code the server uses; several: compared, the first reported "
+                        "at the top of the JSON; default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--markdown", type=Path, help="write the hit-rate table here")
     p.add_argument("--plot", type=Path, help="write the hit rate vs capacity plot (PNG) here")
@@ -154,6 +161,8 @@ def simulate_command(args: argparse.Namespace) -> int:
 
     capacities = [parse_tokens(c) for c in args.capacity_tokens.split(",")]
     workload = load_workload(args)
+    if args.replicas is not None:
+        return _simulate_cluster(args, workload, capacities)
     main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.policy,
                      eviction_policy=args.eviction, sequential=args.sequential,
                      max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
@@ -197,6 +206,38 @@ def simulate_command(args: argparse.Namespace) -> int:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_hit_rate_vs_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs capacity "
                                                           f"(page size {args.page_size})")
+    return 0
+
+
+def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: list[int]) -> int:
+    """`bench simulate --replicas N --router R`: N simulated replicas behind the router."""
+    from radixserve.benchmark.cluster_sim import cluster_table, run_cluster_suite
+    from radixserve.benchmark.simulate import SimConfig
+    from radixserve.cluster.routing import ROUTERS
+
+    routers = args.router.split(",")
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown or args.sequential or args.replicas < 1:
+        _say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1, without --sequential")
+        return 2
+    results = []
+    for capacity in capacities:
+        config = SimConfig(capacity, page_size=args.page_size, schedule_policy=args.policy,
+                           eviction_policy=args.eviction, max_running=args.max_running,
+                           max_batch_tokens=args.max_batch_tokens, prefill_tokens_per_s=args.prefill_tokens_per_s,
+                           decode_step_s=args.decode_step_ms / 1000)
+        result = run_cluster_suite(workload, config, args.replicas, routers, retention=args.retention, seed=args.seed)
+        results.append(result)
+        _say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
+            f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f})" for r in result["runs"])
+            + f"; one replica with {args.replicas}x memory {percent(result['ideal_hit_rate'])}")
+    table = cluster_table(results)
+    print(table)
+    if args.json:
+        _write_json(args.json, results[0] if len(results) == 1 else {"sweep": results})
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
     return 0
 
 

@@ -46,6 +46,7 @@ class ServeResult:
     workload: str
     records: list[RequestRecord]
     duration_s: float
+    replica_requests: dict[str, int] | None = None  # a cluster's requests per replica in this run
 
     def summary(self) -> dict[str, object]:
         """Latency, throughput and hit-rate figures (JSON-ready)."""
@@ -67,7 +68,31 @@ class ServeResult:
             "output_token_throughput": output / duration,
             "total_token_throughput": (prompt + output) / duration,
             **_stats("ttft", ttft), **_stats("itl", itl), **_stats("latency", latency),
+            **_replica_figures(self.replica_requests),
         }
+
+
+def _replica_figures(per_replica: dict[str, int] | None) -> dict[str, object]:
+    if per_replica is None:
+        return {}
+    from radixserve.cluster.routing import replica_imbalance
+
+    counts = list(per_replica.values())
+    return {"replicas": len(counts), "replica_requests": per_replica,
+            "replica_imbalance": replica_imbalance(counts)}
+
+
+async def cluster_routed(client: httpx.AsyncClient, url: str) -> dict[str, int] | None:
+    """Requests routed to each replica so far, if `url` serves a cluster (else None)."""
+    try:
+        response = await client.get(f"{url}/cluster/replicas")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    body = response.json()
+    live = {r["id"] for r in body["replicas"]}
+    return {r: n for r, n in body["routed"].items() if r in live}
 
 
 def _stats(name: str, values: np.ndarray) -> dict[str, float | None]:
@@ -158,8 +183,9 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
         if bar is not None:
             bar.update(1)
 
-    start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        routed_before = await cluster_routed(client, url)
+        start = time.perf_counter()
         if open_loop:
             async def at_arrival(request: BenchRequest) -> None:
                 await asyncio.sleep(max(0.0, request.arrival_time - (time.perf_counter() - start)))
@@ -174,10 +200,14 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
                 while not queue.empty():
                     await one(client, queue.get_nowait())
             await asyncio.gather(*(worker() for _ in range(max(concurrency or 1, 1))))
-    duration = time.perf_counter() - start
+        duration = time.perf_counter() - start
+        routed_after = await cluster_routed(client, url) if routed_before is not None else None
     if bar is not None:
         bar.close()
-    return ServeResult(url, workload.name, [records[r.index] for r in requests], duration)
+    per_replica = None
+    if routed_before is not None and routed_after is not None:
+        per_replica = {r: n - routed_before.get(r, 0) for r, n in routed_after.items()}
+    return ServeResult(url, workload.name, [records[r.index] for r in requests], duration, per_replica)
 
 
 def _progress_bar(total: int, enabled: bool):  # -> tqdm | None

@@ -31,6 +31,7 @@ import numpy as np
 
 from radixserve.benchmark.retention import DefaultRetention, RetentionRule
 from radixserve.benchmark.workloads import BenchRequest, Workload
+from radixserve.cache.events import CacheEventHub
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixNode, RadixTree
 from radixserve.engine.policy import common_prefix_len, make_policy
@@ -143,19 +144,22 @@ class _Running:
 class Simulator:
     """Runs one `SimConfig` over one workload; see the module docstring."""
 
-    def __init__(self, workload: Workload, config: SimConfig) -> None:
+    def __init__(self, workload: Workload, config: SimConfig, events: CacheEventHub | None = None) -> None:
         if config.num_pages < 1:
             raise ValueError(f"capacity_tokens: {config.capacity_tokens} holds no page of {config.page_size}")
         self.workload = workload
         self.config = config
         self.now = 0.0
         self.pool = PagePool(config.num_pages, config.page_size)
-        self.tree = RadixTree(self.pool, eviction_policy=config.eviction_policy, clock=lambda: self.now)
+        self.tree = RadixTree(self.pool, eviction_policy=config.eviction_policy, clock=lambda: self.now,
+                              events=events)
         self.policy = make_policy(config.schedule_policy, max_wait_s=config.max_wait_s)
         n = len(workload.requests)
         self.hits = np.zeros(n, dtype=np.int64)
         self.ttft = np.full(n, np.nan)
         self.skipped = 0
+        self.waiting: list[_Waiting] = []
+        self.running: list[_Running] = []
 
     def run(self) -> SimResult:
         """Simulates the whole workload and returns its result."""
@@ -200,59 +204,73 @@ class Simulator:
             else:
                 dependents.setdefault(r.parent, []).append(r)
         heapq.heapify(releases)
-        waiting: list[_Waiting] = []
-        running: list[_Running] = []
-        cfg = self.config
-        while releases or waiting or running:
+        while releases or self.waiting or self.running:
             while releases and releases[0][0] <= self.now:
                 released_at, index = heapq.heappop(releases)
-                waiting.append(_Waiting(requests[index], released_at))
-            if not waiting and not running:
+                self.waiting.append(_Waiting(requests[index], released_at))
+            if not self.waiting and not self.running:
                 self.now = releases[0][0]
                 continue
-            budget = cfg.max_batch_tokens
-            chunks: list[tuple[_Running, int]] = []
-            for seq in running:  # admission order = arrival order of the running set
-                if budget <= 0:
-                    break
-                n = min(seq.request.prompt_len - seq.computed, budget) if seq.prefilling else 1
-                chunks.append((seq, n))
-                budget -= n
-            blocked = False
-            if budget > 0 and waiting and len(running) < cfg.max_running:
-                admitted, blocked = self._admit(waiting, running, budget)
-                chunks.extend(admitted)
-            if not chunks:
-                # Nothing runs and the first waiting request does not fit an empty cache.
-                self.skipped += 1
-                first = self.policy.order(waiting, self.tree, self.now)[0]
-                waiting.remove(first)
-                self._finish_dependents(first.request, dependents, releases)
-                continue
-            steps = 1
-            if all(not seq.prefilling for seq, _ in chunks) and (
-                    not waiting or blocked or len(running) >= cfg.max_running):
-                # Pure decode and nothing can be admitted: run until the next event at once.
-                steps = min(seq.decode_left for seq in running)
-                if releases:
-                    steps = min(steps, max(1, math.ceil((releases[0][0] - self.now) / cfg.decode_step_s)))
-            prefill_tokens = sum(n for seq, n in chunks if seq.prefilling)
-            self.now += steps * cfg.decode_step_s + prefill_tokens / cfg.prefill_tokens_per_s
-            for seq, n in chunks:
-                if seq.prefilling:
-                    seq.computed += n
-                    if not seq.prefilling:
-                        self.ttft[seq.request.index] = self.now - seq.released_at
-                        seq.decode_left -= 1
-                    if cfg.use_cache:
-                        self._cache_computed(seq)
-                else:
-                    seq.decode_left -= steps
-            done = [seq for seq in running if seq.decode_left == 0]
-            for seq in done:
-                running.remove(seq)
-                self._finish(seq)
-                self._finish_dependents(seq.request, dependents, releases)
+            for ended in self.step(releases[0][0] if releases else None):
+                self._finish_dependents(ended, dependents, releases)
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests wait or run (the serving loop has a step to take)."""
+        return bool(self.waiting or self.running)
+
+    def release(self, request: BenchRequest, released_at: float) -> None:
+        """Hands a released request to the serving loop (a cluster's router calls this)."""
+        if not self.busy:
+            self.now = max(self.now, released_at)
+        self.waiting.append(_Waiting(request, released_at))
+
+    def step(self, next_release: float | None) -> list[BenchRequest]:
+        """One serving step at `now` (waiting or running must not be empty); returns the
+        requests that ended in it (finished, or skipped because they never fit)."""
+        waiting, running, cfg = self.waiting, self.running, self.config
+        budget = cfg.max_batch_tokens
+        chunks: list[tuple[_Running, int]] = []
+        for seq in running:  # admission order = arrival order of the running set
+            if budget <= 0:
+                break
+            n = min(seq.request.prompt_len - seq.computed, budget) if seq.prefilling else 1
+            chunks.append((seq, n))
+            budget -= n
+        blocked = False
+        if budget > 0 and waiting and len(running) < cfg.max_running:
+            admitted, blocked = self._admit(waiting, running, budget)
+            chunks.extend(admitted)
+        if not chunks:
+            # Nothing runs and the first waiting request does not fit an empty cache.
+            self.skipped += 1
+            first = self.policy.order(waiting, self.tree, self.now)[0]
+            waiting.remove(first)
+            return [first.request]
+        steps = 1
+        if all(not seq.prefilling for seq, _ in chunks) and (
+                not waiting or blocked or len(running) >= cfg.max_running):
+            # Pure decode and nothing can be admitted: run until the next event at once.
+            steps = min(seq.decode_left for seq in running)
+            if next_release is not None:
+                steps = min(steps, max(1, math.ceil((next_release - self.now) / cfg.decode_step_s)))
+        prefill_tokens = sum(n for seq, n in chunks if seq.prefilling)
+        self.now += steps * cfg.decode_step_s + prefill_tokens / cfg.prefill_tokens_per_s
+        for seq, n in chunks:
+            if seq.prefilling:
+                seq.computed += n
+                if not seq.prefilling:
+                    self.ttft[seq.request.index] = self.now - seq.released_at
+                    seq.decode_left -= 1
+                if cfg.use_cache:
+                    self._cache_computed(seq)
+            else:
+                seq.decode_left -= steps
+        done = [seq for seq in running if seq.decode_left == 0]
+        for seq in done:
+            running.remove(seq)
+            self._finish(seq)
+        return [seq.request for seq in done]
 
     def _admit(self, waiting: list[_Waiting], running: list[_Running], budget: int
                ) -> tuple[list[tuple[_Running, int]], bool]:

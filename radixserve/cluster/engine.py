@@ -122,7 +122,8 @@ class ClusterEngine:
                        session_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
         item; closing the iterator early cancels the replica's stream, which aborts there."""
-        namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size, self.engine.model_name, cache_salt)
+        namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
+                                         (self.engine.model_name, cache_salt or None))
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, hashes)
         for attempt in range(1, MAX_ATTEMPTS + 1):

@@ -25,6 +25,12 @@ class ReplicaRequest:
     namespace: str = ""                                  # routing.prompt_pages: the namespace id
     page_hashes: list[int] = field(default_factory=list)  # ... and the prompt's page hashes
 
+    @property
+    def prompt(self) -> str:
+        """The prompt's token ids as one character each: the text Ray Serve LLM's
+        PrefixCacheAffinityRouter matches (it reads a request's `prompt` attribute)."""
+        return "".join(map(chr, self.prompt_ids))
+
 
 @dataclass
 class Accepted:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,13 +49,14 @@ class RouteRequest:
     session_id: str | None = None
 
 
-def prompt_pages(prompt_ids: Sequence[int] | np.ndarray, page_size: int, model_name: str,
-                 cache_salt: str | None = None) -> tuple[str, list[int]]:
-    """The namespace id of a request and its prompt's page hashes, exactly as the engine's
-    cache names them in its events (radixserve.cache.page_hash)."""
-    namespace = namespace_id((model_name, cache_salt or None))
-    hashes, _ = page_hashes(np.asarray(prompt_ids, dtype=np.int64), page_size, namespace_seed(namespace))
-    return namespace, hashes.tolist()
+def prompt_pages(prompt_ids: Sequence[int] | np.ndarray, page_size: int,
+                 namespace: Hashable) -> tuple[str, list[int]]:
+    """The namespace's id and the prompt's page hashes, exactly as the cache names them in
+    its events (radixserve.cache.page_hash). The engine's namespace of a request is
+    (model name, cache_salt or None); the simulator's is None."""
+    ns_id = namespace_id(namespace)
+    hashes, _ = page_hashes(np.asarray(prompt_ids, dtype=np.int64), page_size, namespace_seed(ns_id))
+    return ns_id, hashes.tolist()
 
 
 @dataclass
@@ -147,7 +148,7 @@ class RoutingPolicy(ABC):
 class CacheAwareConfig:
     """Thresholds of the cache-aware rule (measured in docs/benchmark.md)."""
 
-    balance_abs: int = 2           # in-flight requests over the least loaded replica's, always allowed
+    balance_abs: int = 1           # in-flight requests over the least loaded replica's, always allowed
     balance_rel: float = 0.25      # ... or this fraction of the least loaded replica's count
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
 

@@ -1,0 +1,174 @@
+"""Simulate mode with N replicas: the same routing code as the Ray Serve router, no model.
+
+Each replica is a `Simulator` (its own pool and tree of `capacity_tokens`, its own clock and
+serving loop). Its tree reports its cache events to a `CacheIndex` exactly as a served
+replica's event stream does, so the router sees the same facts: cached pages per replica,
+requests in flight, free pages. A released request is routed at its release time by a
+`radixserve.cluster.routing` policy — the classes the served router uses — and handed to
+that replica's loop. Replicas advance in parallel: the loop always runs the earliest event,
+a release or the step of the replica whose clock is behind.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from radixserve.benchmark.simulate import SimConfig, SimResult, Simulator, simulate
+from radixserve.benchmark.suite import make_retention
+from radixserve.benchmark.workloads import BenchRequest, Workload
+from radixserve.cache.events import CacheEventHub
+from radixserve.cluster.routing import (
+    CacheAwareConfig,
+    ClusterState,
+    ReplicaReport,
+    RouteRequest,
+    make_policy,
+    prompt_pages,
+    replica_imbalance,
+)
+
+
+@dataclass
+class ClusterSimResult:
+    """The aggregate over replicas (hits, TTFT) plus how the router spread the requests."""
+
+    result: SimResult
+    router: str
+    replica_requests: list[int]
+
+    @property
+    def replica_imbalance(self) -> float:
+        return replica_imbalance(self.replica_requests)
+
+    def to_dict(self) -> dict[str, object]:
+        out = self.result.to_dict()
+        out.update(replicas=len(self.replica_requests), router=self.router,
+                   replica_requests=self.replica_requests, replica_imbalance=self.replica_imbalance)
+        return out
+
+
+class ClusterSimulator:
+    """`replicas` Simulators of `config` (capacity per replica) behind one router."""
+
+    def __init__(self, workload: Workload, config: SimConfig, replicas: int, router: str, *,
+                 retention: str = "default", seed: int = 0, routing: CacheAwareConfig | None = None) -> None:
+        if config.sequential:
+            raise ValueError("sequential: a cluster runs the serving loop")
+        if replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {replicas}")
+        self.workload = workload
+        self.config = config
+        self.router = router
+        self.state = ClusterState()
+        self.policy = make_policy(router, self.state, page_size=config.page_size, seed=seed, config=routing)
+        self.sims: dict[str, Simulator] = {}
+        for i in range(replicas):
+            key = f"replica-{i}"
+            hub = CacheEventHub(config.page_size)
+            hub.subscribe(lambda event, key=key: self.state.index.apply(key, [event]))
+            rule = make_retention(retention, page_size=config.page_size, capacity_tokens=config.capacity_tokens)
+            self.sims[key] = Simulator(workload, replace(config, retention=rule), events=hub)
+            self.state.index.apply(key, [])
+        self.served_by: dict[int, str] = {}
+
+    def run(self) -> ClusterSimResult:
+        start = time.perf_counter()
+        requests = self.workload.requests
+        dependents: dict[int, list[BenchRequest]] = {}
+        releases: list[tuple[float, int]] = []
+        for r in requests:
+            if r.parent is None:
+                releases.append((r.arrival_time, r.index))
+            else:
+                dependents.setdefault(r.parent, []).append(r)
+        heapq.heapify(releases)
+        while True:
+            busy = [(sim.now, key) for key, sim in self.sims.items() if sim.busy]
+            next_release = releases[0][0] if releases else math.inf
+            next_step = min(busy)[0] if busy else math.inf
+            if next_release == next_step == math.inf:
+                break
+            if next_release <= next_step:
+                released_at, index = heapq.heappop(releases)
+                self._route(requests[index], released_at)
+                continue
+            key = min(busy)[1]
+            sim = self.sims[key]
+            for ended in sim.step(next_release if releases else None):
+                self.state.finished(str(ended.index))
+                for child in dependents.pop(ended.index, []):
+                    heapq.heappush(releases, (max(child.arrival_time, sim.now), child.index))
+        return self._result(time.perf_counter() - start)
+
+    def _route(self, request: BenchRequest, released_at: float) -> None:
+        for key, sim in self.sims.items():
+            self.state.reports[key] = ReplicaReport(pages_free=sim.pool.num_free, pages_total=sim.pool.num_pages,
+                                                    waiting=len(sim.waiting), running=len(sim.running))
+        namespace, hashes = prompt_pages(request.prompt_ids, self.config.page_size, None)
+        route = RouteRequest(str(request.index), namespace, hashes, request.prompt_len)
+        key = self.policy.choose(route, list(self.sims))
+        self.served_by[request.index] = key
+        self.sims[key].release(request, released_at)
+
+    def _result(self, wall_s: float) -> ClusterSimResult:
+        sims = list(self.sims.values())
+        n = len(self.workload.requests)
+        hits = np.zeros(n, dtype=np.int64)
+        ttft = np.full(n, np.nan)
+        for key, sim in self.sims.items():
+            mine = [i for i, k in self.served_by.items() if k == key]
+            hits[mine] = sim.hits[mine]
+            ttft[mine] = sim.ttft[mine]
+        result = SimResult(f"{self.config.label()} x{len(sims)} {self.router}", self.config, n,
+                           self.workload.prompt_tokens, int(hits.sum()), sum(s.skipped for s in sims),
+                           sum(int(s.tree.stats()["evicted_pages"]) for s in sims), max(s.now for s in sims),
+                           ttft, hits, wall_s)
+        counts = [sum(1 for k in self.served_by.values() if k == key) for key in self.sims]
+        return ClusterSimResult(result, self.router, counts)
+
+
+def simulate_cluster(workload: Workload, config: SimConfig, replicas: int, router: str, *,
+                     retention: str = "default", seed: int = 0,
+                     routing: CacheAwareConfig | None = None) -> ClusterSimResult:
+    """Runs `workload` through `replicas` simulated replicas behind `router` (fresh caches;
+    each replica its own `retention` rule, by name as in suite.make_retention)."""
+    return ClusterSimulator(workload, config, replicas, router, retention=retention, seed=seed,
+                            routing=routing).run()
+
+
+def run_cluster_suite(workload: Workload, config: SimConfig, replicas: int, routers: list[str], *,
+                      retention: str = "default", seed: int = 0) -> dict[str, object]:
+    """What `bench simulate --replicas N --router R[,R...]` reports at one capacity per replica:
+    the first router's figures at the top (`hit_rate`, `replicas`, `router`,
+    `replica_imbalance`), every router in `runs`, and the ideal — one replica holding N
+    times the memory — as `ideal_hit_rate`."""
+    rule = make_retention(retention, page_size=config.page_size, capacity_tokens=config.capacity_tokens * replicas)
+    ideal = simulate(workload, replace(config, capacity_tokens=config.capacity_tokens * replicas, retention=rule))
+    runs = [simulate_cluster(workload, config, replicas, router, retention=retention, seed=seed).to_dict()
+            for router in routers]
+    main = runs[0]
+    return {"workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
+            "prompt_tokens": workload.prompt_tokens, "page_size": config.page_size,
+            "capacity_tokens": config.capacity_tokens, "replicas": replicas, "router": main["router"],
+            "hit_rate": main["hit_rate"], "replica_imbalance": main["replica_imbalance"],
+            "ideal_hit_rate": ideal.hit_rate, "ideal": ideal.to_dict(), "runs": runs}
+
+
+def cluster_table(results: list[dict[str, object]]) -> str:
+    """Markdown: hit rate and imbalance per router, per capacity, next to the ideal."""
+    lines = ["| capacity per replica | router | hit rate | of ideal | imbalance | TTFT mean (sim) |",
+             "|---|---|---|---|---|---|"]
+    for result in results:
+        ideal = result["ideal_hit_rate"]
+        lines.append(f"| {result['capacity_tokens']:,} | 1 replica, {result['replicas']}x memory (ideal) | "
+                     f"{ideal:.1%} | 100% | – | {result['ideal']['sim_ttft_mean_s']:.2f} s |")
+        for run in result["runs"]:
+            lines.append(f"| {result['capacity_tokens']:,} | {result['replicas']} x {run['router']} | "
+                         f"{run['hit_rate']:.1%} | {run['hit_rate'] / ideal:.0%} | "
+                         f"{run['replica_imbalance']:.2f} | {run['sim_ttft_mean_s']:.2f} s |")
+    return "\n".join(lines)
