@@ -28,9 +28,9 @@ from radixserve.models.demo import DEMO_VOCAB_SIZE
 # CPU-sized versions of the three workloads (the demo model prefills ~10-30k tokens/s here).
 WORKLOADS = {
     "gsp": dict(num_groups=16, prompts_per_group=16, system_len=512, question_len=64, output_len=8),
-    "multiturn": dict(num_clients=16, num_turns=4, num_system_prompts=4, system_len=256,
+    "multiturn": dict(num_clients=16, num_turns=3, num_system_prompts=4, system_len=256,
                       message_len=64, output_len=8),
-    "agent": dict(num_agents=8, num_steps=6, system_len=512, task_len=64, tool_len=96, output_len=8),
+    "agent": dict(num_agents=8, num_steps=4, system_len=512, task_len=64, tool_len=96, output_len=8),
 }
 ROUTERS = ["cache-aware", "power-of-two", "prefix-affinity"]
 FIGURES = ["hit_rate", "ttft_mean_s", "ttft_p99_s", "total_token_throughput", "replica_imbalance"]

@@ -156,6 +156,7 @@ def test_router_index_equals_every_replica_cache(client: httpx.Client, server: S
         completion(client, distinct_prompt(4000 + i, 100), cache_salt=f"tenant-{i % 2}")
     single.assert_idle(server)
     assert single.wait_for(lambda: index_matches_caches(server), timeout=20)
+    assert [r["in_flight"] for r in replicas_report(server.url)["replicas"]] == [0, 0]
 
 
 # ---------------------------------------------------------------- faults

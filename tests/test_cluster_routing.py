@@ -129,6 +129,23 @@ def test_cache_aware_balance_guard_spreads_a_hot_prefix() -> None:
     assert policy.__class__(state, policy.config).rank(request(PROMPT), ["a", "b"])[0] == "b"
 
 
+def test_a_prefix_only_in_flight_binds_less_than_a_cached_one() -> None:
+    """Default slack: 1 request over the least loaded for a prefix still being computed
+    there, 3 for a prefix already cached there."""
+    state = cluster("a", "b")
+    policy = make_policy("cache-aware", state)
+    state.index.add_in_flight("q0", "a", NS, hashes(PROMPT))
+    state.in_flight = {"a": 2, "b": 0}
+    assert policy.rank(request(PROMPT), ["a", "b"])[0] == "b"   # in flight only: 2 over is too far
+    state.in_flight = {"a": 1, "b": 0}
+    assert policy.rank(request(PROMPT), ["a", "b"])[0] == "a"
+    state.index.apply("a", [stored(1, hashes(PROMPT))])
+    state.in_flight = {"a": 3, "b": 0}
+    assert policy.rank(request(PROMPT), ["a", "b"])[0] == "a"   # cached: 3 over is still worth it
+    state.in_flight = {"a": 4, "b": 0}
+    assert policy.rank(request(PROMPT), ["a", "b"])[0] == "b"
+
+
 def test_cache_aware_without_a_match_takes_least_loaded_then_most_free() -> None:
     state = cluster("a", "b", "c")
     state.in_flight = {"a": 1, "b": 0, "c": 0}
@@ -167,6 +184,15 @@ def test_finished_requests_release_load_and_in_flight_pages() -> None:
     state.finished("r1")
     assert state.in_flight[replica] == 0 and state.routed_total[replica] == 1
     assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 0
+
+
+def test_a_late_routing_report_of_a_finished_request_is_ignored() -> None:
+    """Ray Serve may run a short request's completion callback before on_request_routed."""
+    state = cluster("a", "b")
+    state.finished("r1")
+    state.routed(request(PROMPT, "r1"), "a")
+    assert state.in_flight.get("a", 0) == 0 and state.routed_total.get("a", 0) == 0
+    assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
 
 
 # ---------------------------------------------------------------- baselines
@@ -208,7 +234,7 @@ def test_unknown_router_and_imbalance() -> None:
 
 
 def test_feed_snapshot_plus_events_equals_the_engine_cache() -> None:
-    engine = Engine(model="demo", page_size=PAGE, num_pages=64, debug_checks=True)
+    engine = Engine(model="demo", page_size=PAGE, num_pages=24, debug_checks=True)
     feed = EventFeed(PAGE)
     engine.subscribe_events(feed.publish)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -221,7 +247,10 @@ def test_feed_snapshot_plus_events_equals_the_engine_cache() -> None:
         assert index.page_set("r") == engine.cache_page_hashes()
         engine.generate([SYSTEM + [9, 9, 9, 9, 9, 9], list(range(300, 340))], params)
         engine.flush_cache()
-        engine.generate([SYSTEM + [6, 6, 6, 6]], params)
+        evicted = engine.stats()["cache_evicted_pages"]
+        for start in (300, 400, 500, 600):  # 10 pages each, one by one: the 24-page pool evicts
+            engine.generate([list(range(start, start + 40))], params)
+        assert engine.stats()["cache_evicted_pages"] > evicted
         while True:
             batch = await asyncio.wait_for(anext(stream), 5)
             if not batch:

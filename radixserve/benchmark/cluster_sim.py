@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from radixserve.benchmark.simulate import SimConfig, SimResult, Simulator, simulate
+from radixserve.benchmark.simulate import SimConfig, SimResult, Simulator, release_plan, simulate
 from radixserve.benchmark.suite import make_retention
 from radixserve.benchmark.workloads import BenchRequest, Workload
 from radixserve.cache.events import CacheEventHub
@@ -79,14 +79,7 @@ class ClusterSimulator:
     def run(self) -> ClusterSimResult:
         start = time.perf_counter()
         requests = self.workload.requests
-        dependents: dict[int, list[BenchRequest]] = {}
-        releases: list[tuple[float, int]] = []
-        for r in requests:
-            if r.parent is None:
-                releases.append((r.arrival_time, r.index))
-            else:
-                dependents.setdefault(r.parent, []).append(r)
-        heapq.heapify(releases)
+        releases, dependents = release_plan(self.workload)
         while True:
             busy = [(sim.now, key) for key, sim in self.sims.items() if sim.busy]
             next_release = releases[0][0] if releases else math.inf

@@ -196,14 +196,7 @@ class Simulator:
     # ------------------------------------------------------------------ serving
     def _run_serving(self) -> None:
         requests = self.workload.requests
-        dependents: dict[int, list[BenchRequest]] = {}
-        releases: list[tuple[float, int]] = []
-        for r in requests:
-            if r.parent is None:
-                releases.append((r.arrival_time, r.index))
-            else:
-                dependents.setdefault(r.parent, []).append(r)
-        heapq.heapify(releases)
+        releases, dependents = release_plan(self.workload)
         while releases or self.waiting or self.running:
             while releases and releases[0][0] <= self.now:
                 released_at, index = heapq.heappop(releases)
@@ -376,6 +369,20 @@ class Simulator:
         self.pool.decref(pages)
         if node is not None:
             self.tree.unlock(node)
+
+
+def release_plan(workload: Workload) -> tuple[list[tuple[float, int]], dict[int, list[BenchRequest]]]:
+    """A heap of (release time, index) of the requests without a parent, and each parent's
+    dependents (released when it finishes)."""
+    dependents: dict[int, list[BenchRequest]] = {}
+    releases: list[tuple[float, int]] = []
+    for r in workload.requests:
+        if r.parent is None:
+            releases.append((r.arrival_time, r.index))
+        else:
+            dependents.setdefault(r.parent, []).append(r)
+    heapq.heapify(releases)
+    return releases, dependents
 
 
 def _inserted_tokens(request: BenchRequest) -> np.ndarray:

@@ -72,8 +72,10 @@ class OpenAIIngress:
     async def _replicas(self, request: Request) -> JSONResponse:
         stats = self.engine.view.replica_stats()
         routed = self.engine.view.routed_counts()
+        in_flight = self.engine.view.in_flight_counts()
         return JSONResponse({"replicas": [
-            {"id": r, "routed": routed.get(r, 0), "requests_finished": s.get("requests_finished", 0),
+            {"id": r, "routed": routed.get(r, 0), "in_flight": in_flight.get(r, 0),
+             "requests_finished": s.get("requests_finished", 0),
              "prompt_tokens": s.get("prompt_tokens", 0), "cached_tokens": s.get("cached_tokens", 0),
              "pages_total": s.get("pages_total", 0), "pages_free": s.get("pages_free", 0),
              "pages_cached": s.get("pages_cached", 0), "waiting": s.get("waiting", 0),

@@ -84,10 +84,12 @@ class CacheIndex:
                 del counts[h]
 
     # ------------------------------------------------------------------ lookups
-    def matched_pages(self, replica: str, namespace: str, hashes: Sequence[int]) -> int:
-        """Leading pages of a prompt (its page hashes) the replica holds or is computing."""
+    def matched_pages(self, replica: str, namespace: str, hashes: Sequence[int], *,
+                      in_flight: bool = True) -> int:
+        """Leading pages of a prompt (its page hashes) the replica holds, or (`in_flight`)
+        is computing for a request routed there."""
         cached = self._cached.get(replica, {}).get(namespace, _EMPTY)
-        flying = self._in_flight.get(replica, {}).get(namespace, _EMPTY)
+        flying = self._in_flight.get(replica, {}).get(namespace, _EMPTY) if in_flight else _EMPTY
         matched = 0
         for h in hashes:
             if h not in cached and h not in flying:

@@ -92,8 +92,8 @@ class CacheAwareRouter(_ClusterHooks, RequestRouter):
     balance guard, longest prefix really cached, load and free pages. Its thresholds come
     from `request_router_kwargs` (CacheAwareConfig's fields)."""
 
-    def initialize_state(self, page_size: int = 16, **config: Any) -> None:
-        self.view.configure("cache-aware", page_size=page_size, config=CacheAwareConfig(**config))
+    def initialize_state(self, **config: Any) -> None:
+        self.view.configure(CacheAwareConfig(**config))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

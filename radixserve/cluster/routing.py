@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
 from radixserve.cluster.index import CacheIndex
 
 ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
+ENDED_MEMORY = 65536  # finished request ids remembered (see ClusterState.finished)
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,14 @@ class ClusterState:
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
     _placed: dict[str, str] = field(default_factory=dict)         # request id → replica
+    _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         """The request goes to `replica`: count it and note its prompt as in flight there.
         Routing the same request again (a retry, or Serve choosing another replica than the
         one reserved) moves it."""
-        if self._placed.get(request.request_id) == replica:
-            return
+        if self._placed.get(request.request_id) == replica or request.request_id in self._ended:
+            return  # already there, or a late report of a request that has finished
         self._unplace(request.request_id, count_routed=True)
         self._placed[request.request_id] = replica
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
@@ -95,8 +98,13 @@ class ClusterState:
             self.sessions[request.session_id] = replica
 
     def finished(self, request_id: str) -> None:
-        """The request ended (done, failed or cancelled)."""
+        """The request ended (done, failed or cancelled). Ray Serve may report a short
+        request's completion before its routing: the id is remembered for a while, and a
+        late `routed` for it is ignored (else it would count as in flight forever)."""
         self._unplace(request_id, count_routed=False)
+        self._ended[request_id] = None
+        if len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
 
     def _unplace(self, request_id: str, *, count_routed: bool) -> None:
         replica = self._placed.pop(request_id, None)
@@ -149,12 +157,13 @@ class CacheAwareConfig:
     """Thresholds of the cache-aware rule (measured in docs/benchmark.md)."""
 
     balance_abs: int = 1           # in-flight requests over the least loaded replica's, always allowed
+    cached_balance_abs: int = 3    # ... when the prefix is already cached there (not only in flight)
     balance_rel: float = 0.25      # ... or this fraction of the least loaded replica's count
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
 
 
 class CacheAwarePolicy(RoutingPolicy):
-    """Sessions, then the balance guard, then the longest real cached prefix, then load."""
+    """Sessions, then the longest prefix a replica holds within the balance guard, then load."""
 
     name = "cache-aware"
 
@@ -166,15 +175,26 @@ class CacheAwarePolicy(RoutingPolicy):
         state, cfg = self.state, self.config
         sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
         least = min(state.load(r) for r in replicas)
-        slack = max(cfg.balance_abs, int(cfg.balance_rel * least))
+        relative = int(cfg.balance_rel * least)
+        index, namespace, hashes = state.index, request.namespace, request.page_hashes
+
+        def useful(replica: str) -> int:
+            # What a replica holds counts only while it is not too far ahead of the least
+            # loaded one: a prefix merely in flight there within the tight slack, a prefix
+            # already cached within a looser one (a burst of new sessions sharing only a
+            # system prompt in flight spreads; a cached conversation is worth a short queue).
+            over = state.load(replica) - least
+            if over <= max(cfg.balance_abs, relative):
+                matched = index.matched_pages(replica, namespace, hashes)
+            elif over <= max(cfg.cached_balance_abs, relative):
+                matched = index.matched_pages(replica, namespace, hashes, in_flight=False)
+            else:
+                matched = 0
+            return matched if matched >= cfg.min_match_pages else 0
 
         def key(replica: str) -> tuple:
-            load = state.load(replica)
-            eligible = load <= least + slack
-            matched = state.index.matched_pages(replica, request.namespace, request.page_hashes)
-            useful = matched if matched >= cfg.min_match_pages else 0
-            return (replica != sticky, not eligible, -useful, load, -state.free_pages(replica),
-                    state.index.cached_pages(replica))
+            return (replica != sticky, -useful(replica), state.load(replica), -state.free_pages(replica),
+                    index.cached_pages(replica))
 
         return sorted(replicas, key=key)
 

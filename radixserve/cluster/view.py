@@ -35,10 +35,10 @@ class ClusterView:
         self._stats: dict[str, dict[str, Any]] = {}
         self._listener: Callable[[], None] | None = None
 
-    def configure(self, router: str, *, page_size: int, config: CacheAwareConfig | None = None) -> None:
-        """Which rule ranks replicas (the cache-aware one unless a benchmark says otherwise)."""
+    def configure(self, config: CacheAwareConfig) -> None:
+        """The cache-aware rule's thresholds (from the router's request_router_kwargs)."""
         with self._lock:
-            self._policy = make_policy(router, self.state, page_size=page_size, config=config)
+            self._policy = make_policy("cache-aware", self.state, config=config)
 
     # ------------------------------------------------------------------ the replica set
     def set_replicas(self, replicas: Sequence[str]) -> None:
@@ -99,6 +99,11 @@ class ClusterView:
         """Requests routed to each replica since this view started (live or not)."""
         with self._lock:
             return dict(self.state.routed_total)
+
+    def in_flight_counts(self) -> dict[str, int]:
+        """Requests routed to each live replica and not finished."""
+        with self._lock:
+            return {r: n for r, n in self.state.in_flight.items() if r in self._replicas}
 
     # ------------------------------------------------------------------ routing
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
