@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
 from radixserve import Engine, SamplingParams
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
 from radixserve.cache.page_hash import namespace_id
+from radixserve.cli import build_parser, main
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.index import CacheIndex
 from radixserve.cluster.routing import (
@@ -276,3 +278,12 @@ def test_merge_stats_sums_counters_and_recomputes_rates() -> None:
     assert merged["pages_total"] == 40 and merged["page_size"] == 16 and merged["last_step_s"] == 0.5
     assert merged["cache_hit_rate"] == 0.5 and "name" not in merged
     assert merged["histograms"] == {"h": {"buckets": [(1.0, 3), (float("inf"), 4)], "sum": 4.5, "count": 4}}
+
+
+def test_replicas_without_ray_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["serve", "--replicas", "2"]) == 2
+    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve"])
+    assert (args.replicas, args.ray_address, args.router, args.replica_cpus) == (None, None, "cache-aware", 1.0)

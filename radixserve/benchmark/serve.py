@@ -91,8 +91,7 @@ async def cluster_routed(client: httpx.AsyncClient, url: str) -> dict[str, int] 
     if response.status_code != 200:
         return None
     body = response.json()
-    live = {r["id"] for r in body["replicas"]}
-    return {r: n for r, n in body["routed"].items() if r in live}
+    return {r["id"]: body["routed"].get(r["id"], 0) for r in body["replicas"]}  # live ones, 0 included
 
 
 def _stats(name: str, values: np.ndarray) -> dict[str, float | None]:

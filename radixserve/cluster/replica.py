@@ -81,10 +81,6 @@ class EngineReplica:
         self._check_pin(replica)
         return await self.async_engine.flush_cache()
 
-    def stats(self, replica: str) -> dict[str, Any]:
-        self._check_pin(replica)
-        return self.async_engine.stats()
-
     def cache_page_hashes(self, replica: str) -> list[tuple[str, int]]:
         """(namespace id, hash) of every page the engine's tree holds (for tests)."""
         self._check_pin(replica)
