@@ -20,6 +20,8 @@ import msgspec
 logger = logging.getLogger(__name__)
 
 DEVICE = "device"
+HOST = "host"
+TIERS = (DEVICE, HOST)
 
 
 class BlockStored(msgspec.Struct, tag="stored", tag_field="type"):

@@ -80,7 +80,9 @@ def make_policy(name: str) -> EvictionPolicy:
 
 
 class Queueable(Protocol):
-    """What the queue needs of a node: a slot for the sequence number of its live entry."""
+    """What the queue needs of a node: a slot for the sequence number of its live entry
+    (`heap_seq`, or the attribute named by the queue's `slot`: a node in two queues, one
+    per tier, has one slot per queue)."""
 
     heap_seq: int
 
@@ -98,14 +100,16 @@ class EvictionQueue(Generic[N]):
 
     `key_of(node, now)` gives a node's current key; `is_candidate(node)` whether it may be
     evicted now (an unlocked leaf still in the tree); `num_nodes()` how many nodes exist, to
-    bound the heap (superseded entries are dropped once they outnumber the nodes).
+    bound the heap (superseded entries are dropped once they outnumber the nodes). `slot`
+    names the node attribute holding the sequence number of its live entry.
     """
 
     def __init__(self, key_of: Callable[[N, float], EvictionKey], is_candidate: Callable[[N], bool],
-                 num_nodes: Callable[[], int]) -> None:
+                 num_nodes: Callable[[], int], slot: str = "heap_seq") -> None:
         self._key_of = key_of
         self._is_candidate = is_candidate
         self._num_nodes = num_nodes
+        self._slot = slot
         self._heap: list[tuple[EvictionKey, int, N]] = []
         self._expiries: list[tuple[float, int, N]] = []
         self._seq = 0
@@ -113,11 +117,12 @@ class EvictionQueue(Generic[N]):
     def push(self, node: N, now: float, key: EvictionKey | None = None) -> None:
         """Queues `node` with its current key (or `key`), superseding its older entry."""
         self._seq += 1
-        node.heap_seq = self._seq
+        setattr(node, self._slot, self._seq)
         heapq.heappush(self._heap, (self._key_of(node, now) if key is None else key, self._seq, node))
         if len(self._heap) > 2 * self._num_nodes() + 64:
             # Drop superseded entries so repeated touches cannot grow the heap without bound.
-            self._heap[:] = [e for e in self._heap if e[1] == e[2].heap_seq]
+            slot = self._slot
+            self._heap[:] = [e for e in self._heap if e[1] == getattr(e[2], slot)]
             heapq.heapify(self._heap)
 
     def schedule_expiries(self, node: N, times: list[float]) -> None:
@@ -136,12 +141,12 @@ class EvictionQueue(Generic[N]):
     def pop(self, now: float) -> tuple[N, EvictionKey, EvictionKey | None] | None:
         """The next leaf to evict, its key, and the key of the leaf after it (None: none
         queued); None when nothing is evictable. The leaf leaves the queue."""
-        heap = self._heap
+        heap, slot = self._heap, self._slot
         while heap:
             key, seq, node = heapq.heappop(heap)
-            if seq != node.heap_seq:
+            if seq != getattr(node, slot):
                 continue
-            node.heap_seq = -1
+            setattr(node, slot, -1)
             if not self._is_candidate(node):
                 continue
             current = self._key_of(node, now)
@@ -160,7 +165,8 @@ class EvictionQueue(Generic[N]):
 
     def queued(self) -> Iterator[N]:
         """Nodes with a live entry (for checkers)."""
-        return (node for _, seq, node in self._heap if seq == node.heap_seq)
+        slot = self._slot
+        return (node for _, seq, node in self._heap if seq == getattr(node, slot))
 
     def __len__(self) -> int:
         """Heap entries, superseded ones included."""

@@ -53,7 +53,8 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
     - refcounts: every page's refcount equals its holders (the tree once per cached page,
       plus each block table listing it), so every referenced page is allocated;
     - free list: exactly the pages with refcount 0, no page listed twice;
-    - `released_pages` are free.
+    - `released_pages` are free;
+    - with a host tier (`tree.host`), see `_check_host_tier`.
     """
     size = pool.page_size
     sequences = list(sequences)
@@ -101,6 +102,8 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
     for page in released_pages:
         if refcounts[page] != 0:
             _fail("released-not-free", f"page {page}: released but refcount {refcounts[page]}")
+    if tree is not None and tree.host is not None:
+        _check_host_tier(tree)
 
 
 def _check_tree(tree: RadixTree, size: int) -> np.ndarray:
@@ -122,7 +125,7 @@ def _check_tree(tree: RadixTree, size: int) -> np.ndarray:
         num_cached += len(pages)
         num_locked += len(pages) if node.lock_ref else 0
         cached += pages
-        if not node.children and not node.lock_ref and id(node) not in queued:
+        if pages and not node.device_children and not node.lock_ref and id(node) not in queued:
             _fail("eviction-queue", f"{where}: unlocked leaf is not queued for eviction")
     all_pages = np.asarray(cached, dtype=np.int64)
     unique, counts = np.unique(all_pages, return_counts=True)
@@ -148,11 +151,65 @@ def _check_links(node: RadixNode, size: int, where: str) -> None:
         _fail("sorted-keys", f"{where}: sorted child keys differ from the children")
     if node.is_root:
         return
-    num_pages = len(node.pages)
-    if num_pages == 0 or len(node.tokens) != num_pages * size:
-        _fail("edge-length", f"{where}: {len(node.tokens)} tokens for {num_pages} pages of {size}")
+    num_pages = len(node.tokens) // size  # device pages: all of them, or none (on the host only)
+    if num_pages == 0 or len(node.tokens) % size or len(node.pages) not in (0, num_pages):
+        _fail("edge-length", f"{where}: {len(node.tokens)} tokens for {len(node.pages)} pages of {size}")
     if node.key != node.tokens[:size].tobytes():
         _fail("child-key", f"{where}: key is not its first page's tokens")
     kept = node.retention
     if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == num_pages):
         _fail("retention-arrays", f"{where}: retention arrays do not match {num_pages} pages")
+
+
+def _check_host_tier(tree: RadixTree) -> None:
+    """The host tier: every page lives on some tier, uniformly per node; device pages are
+    prefix-closed (a node on the device has its parent on the device); each node's count of
+    children on the device is right; the host pool's refcounts equal the tree's host pages
+    (one holder each), its free list is exactly the pages with refcount 0; the tree's host
+    counters equal a recount; every unlocked host-only leaf is queued for host eviction."""
+    host_pool = tree.host.pool
+    size = tree.page_size
+    held: list[int] = []
+    host_only = 0
+    queued = {id(node) for node in tree.host_queued_nodes()}
+    for node, pages in tree.nodes():
+        if node.is_root:
+            continue
+        where = f"node with pages {pages[:8]}, host {(node.host or [])[:8]}"
+        num_pages = len(node.tokens) // size
+        if node.host is not None and len(node.host) != num_pages:
+            _fail("host-edge-length", f"{where}: {len(node.host)} host pages for {num_pages} pages")
+        if not pages and node.host is None:
+            _fail("tier-missing", f"{where}: cached on no tier")
+        if pages and not node.parent.is_root and not node.parent.pages:
+            _fail("device-prefix-closed", f"{where}: on the device below a node on the host only")
+        on_device = sum(1 for child in node.children.values() if child.pages)
+        if node.device_children != on_device:
+            _fail("device-children", f"{where}: counts {node.device_children} children on the device, "
+                  f"recount {on_device}")
+        if node.host is not None:
+            held += node.host
+            if not pages:
+                host_only += num_pages
+        if not pages and node.loading is not None:
+            _fail("loading-host-only", f"{where}: a load in flight into a node with no device pages")
+        if not pages and not node.children and not node.lock_ref and id(node) not in queued:
+            _fail("host-eviction-queue", f"{where}: unlocked host-only leaf is not queued for host eviction")
+    pages = np.asarray(held, dtype=np.int64)
+    if len(pages) and (pages.min() < 0 or pages.max() >= host_pool.num_pages):
+        _fail("host-page-range", f"host page {int(pages[(pages < 0) | (pages >= host_pool.num_pages)][0])} "
+              f"is not in 0..{host_pool.num_pages - 1}")
+    holders = np.bincount(pages, minlength=host_pool.num_pages)
+    refcounts = host_pool.refcounts()
+    wrong = np.flatnonzero(holders != refcounts)
+    if len(wrong):
+        page = int(wrong[0])
+        rule = "host-page-cached-twice" if holders[page] > 1 else "host-refcount-holders"
+        _fail(rule, f"host page {page}: refcount {refcounts[page]} but {holders[page]} holder(s)")
+    free = host_pool.free_pages()
+    zero = set(np.flatnonzero(refcounts == 0).tolist())
+    if len(free) != host_pool.num_free or free != zero:
+        _fail("host-free-list", f"host free list ({host_pool.num_free} entries) is not the pages with refcount 0")
+    for name, value in (("host_cached_pages", len(held)), ("host_only_pages", host_only)):
+        if getattr(tree, name) != value:
+            _fail("counter", f"tree.{name} = {getattr(tree, name)}, recount {value}")

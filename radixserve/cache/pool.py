@@ -32,14 +32,16 @@ class PagePool:
     """Free list + reference counts over `num_pages` pages of `page_size` slots,
     optionally backed by per-layer K/V tensors in FlashInfer's NHD layout.
 
-    With `num_layers == 0` the pool holds no tensors (simulation and tree tests).
+    With `num_layers == 0` the pool holds no tensors (simulation and tree tests). `pin_memory`
+    page-locks a host pool's tensors, so copies to and from a CUDA device run asynchronously.
     Page arguments may be any iterable of ints or an integer numpy array; the counting is
     vectorised, so releasing a long block table costs C time, not a Python loop.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, num_layers: int = 0,
                  num_kv_heads: int = 0, head_dim: int = 0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 pin_memory: bool = False) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
         if page_size < 1 or page_size & (page_size - 1):
@@ -49,9 +51,9 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
                                             for _ in range(num_layers)]
-        self.v_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
                                             for _ in range(num_layers)]
         # The free list is a stack in an array (`_free[:_num_free]`), so whole block tables
         # move in and out at C speed. Popped from the end: a fresh pool hands out 0, 1, 2, ...
@@ -69,14 +71,14 @@ class PagePool:
     @classmethod
     def from_memory_budget(cls, budget_bytes: int, page_size: int, *, num_layers: int,
                            num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                           device: str | torch.device) -> PagePool:
+                           device: str | torch.device, pin_memory: bool = False) -> PagePool:
         """A pool with as many pages as fit in `budget_bytes` of K/V memory."""
         per_page = cls.bytes_per_page(page_size, num_layers, num_kv_heads, head_dim, dtype)
         num_pages = budget_bytes // per_page
         if num_pages < 1:
             raise ValueError(f"budget_bytes: {budget_bytes} bytes hold no page of {per_page} bytes")
         return cls(num_pages, page_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim, dtype=dtype, device=device)
+                   head_dim=head_dim, dtype=dtype, device=device, pin_memory=pin_memory)
 
     @property
     def num_free(self) -> int:

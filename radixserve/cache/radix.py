@@ -1,11 +1,11 @@
 """The prefix cache: a radix tree from token-id sequences to chains of KV pages.
 
 Layout. Each node's edge holds a whole number of pages: `tokens` (int64 array, page-aligned)
-and `pages` (a list, one page per `page_size` tokens: a match returns a list, and extending a
-list by a node's pages costs far less than turning array elements into ints). Children are
-found by a dict keyed by the raw bytes of their first page, so the walk does one dict lookup
-per node and compares the rest of the edge as one numpy slice compare; it drops to page
-arithmetic only where the slices differ. For token-deep partial matches each node also keeps
+and, per tier, the pages holding their K/V: `pages` on the device (a list, one page per
+`page_size` tokens, or empty when the edge lives on the host only) and `host` (the host tier's
+pages, or None). Children are found by a dict keyed by the raw bytes of their first page, so
+the walk does one dict lookup per node and compares the rest of the edge as one numpy slice
+compare; it drops to page arithmetic only where the slices differ. For token-deep partial matches each node also keeps
 its children's keys sorted: the child sharing the longest prefix with a query page is next to
 the query's insertion point.
 
@@ -14,10 +14,20 @@ touches, so LRU order is exact even when the clock does not move. A match or ins
 inside an edge splits it at the page boundary, so every page of a node shares one tick and one
 hit count.
 
+Tiers (only with a host tier, `host=`): every page is on the device (D), the host (H) or both
+(DH), uniformly per node (nodes split where that changes). The shape rule: **device pages are
+prefix-closed** — a node on the device has its parent on the device — so a match reads device
+pages first, then the continuation that lives on the host only. Device eviction takes the
+tail of an unlocked node with no child on the device; its pages that have no host copy go to
+host if their priority reaches the offload floor and host room can be made, otherwise they
+are dropped with everything below them (see `_leave_device`). Host eviction takes host-only
+leaves by the same (priority, recency) order. Without a host tier everything is on the device
+and the tree behaves exactly as a single-tier cache.
+
 The jobs around the shape live in their own modules: per-page retention priorities
 (retention.py), the eviction order and its queue (eviction.py), counters and histograms
-(stats.py), and the events that tell subscribers what the cache holds (events.py, named by
-page_hash.py).
+(stats.py), the host tier's pool and rules (tiers.py) and copies (transfer.py), and the events
+that tell subscribers what the cache holds (events.py, named by page_hash.py).
 """
 
 from __future__ import annotations
@@ -25,16 +35,18 @@ from __future__ import annotations
 import time
 from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.cache.events import DEVICE, CacheEventHub
+from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.eviction import EvictionKey, EvictionQueue, make_policy
 from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes, state_hash
 from radixserve.cache.pool import PagePool, as_int64
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRetention, Retention
 from radixserve.cache.stats import CacheStats, Histogram
+from radixserve.cache.tiers import HostTier
+from radixserve.cache.transfer import LoadHandle
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
@@ -46,29 +58,37 @@ class RadixNode:
 
     Doubles as the lock handle returned by `RadixTree.match`. Read-only outside the tree.
     A root has `key is None` and no pages; a node removed from the tree has `parent is None`.
+    `pages` are device pages (empty: the edge is on the host only), `host` host pages (None:
+    no host copy).
     """
 
-    __slots__ = ("parent", "children", "key", "tokens", "pages", "retention", "lock_ref", "tick",
-                 "inserted_at", "hits", "heap_seq", "sorted_keys", "namespace", "chain")
+    __slots__ = ("parent", "children", "key", "tokens", "pages", "host", "retention", "lock_ref", "tick",
+                 "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys", "namespace", "chain",
+                 "device_children", "loading", "left_device_in")
 
     def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
                  pages: list[int], sorted_children: bool) -> None:
         self.parent: RadixNode | None = None
         self.children: dict[bytes, RadixNode] = {}
         self.key = key                      # bytes of the first page; None for a root
-        self.tokens = tokens                # int64 [len(pages) * page_size]
-        self.pages = pages                  # one page per page_size tokens
+        self.tokens = tokens                # int64 [num_pages * page_size]
+        self.pages = pages                  # device pages, one per page_size tokens; [] if host only
+        self.host: list[int] | None = None  # host pages, one per page_size tokens; None: none
         self.retention: PageRetention | None = None  # None: every page at the default
         self.lock_ref = 0                   # locks held on this node or any descendant
         self.tick = 0                       # recency counter value of the last touch
         self.inserted_at = 0.0              # clock time the pages were cached
         self.hits = 0                       # matches that used these pages
-        self.heap_seq = -1                  # sequence number of its live eviction-queue entry
+        self.heap_seq = -1                  # sequence number of its live device eviction-queue entry
+        self.host_heap_seq = -1             # ... and of its live host eviction-queue entry
         self.sorted_keys: list[bytes] | None = [] if sorted_children else None
         self.namespace = namespace
         # Page-hash chain state at the end of the edge and pages from the root through it,
         # computed only when events are on (None: not computed yet, or stale).
         self.chain: tuple[int, int] | None = None
+        self.device_children = 0           # children with pages on the device
+        self.loading: LoadHandle | None = None  # an unfinished copy of host pages into `pages`
+        self.left_device_in = -1            # the eviction call that took its pages off the device
 
     @property
     def is_root(self) -> bool:
@@ -77,19 +97,28 @@ class RadixNode:
 
     def __repr__(self) -> str:
         pages = self.pages if len(self.pages) <= 8 else [*self.pages[:8], "..."]
-        return (f"RadixNode(pages={pages}, children={len(self.children)}, "
-                f"lock_ref={self.lock_ref}, tick={self.tick})")
+        return (f"RadixNode(pages={pages}, host={'-' if self.host is None else len(self.host)}, "
+                f"children={len(self.children)}, lock_ref={self.lock_ref}, tick={self.tick})")
 
 
 @dataclass
 class MatchResult:
-    """The cached prefix of a token sequence."""
+    """The cached prefix of a token sequence: device pages, then the host-only continuation."""
 
-    num_tokens: int            # tokens matched: len(pages) * page_size + partial_tokens
-    pages: list[int]           # fully matched cached pages, in order
+    num_tokens: int            # tokens matched on the device: len(pages) * page_size + partial_tokens
+    pages: list[int]           # fully matched device pages, in order
     node: RadixNode            # lock handle covering exactly `pages`
-    partial_page: int | None   # cached page whose first `partial_tokens` slots match too
+    partial_page: int | None   # device page whose first `partial_tokens` slots match too
     partial_tokens: int        # 0 <= partial_tokens < page_size
+    host_pages: list[int] = field(default_factory=list)  # host pages continuing `pages`
+    host_node: RadixNode | None = None  # lock handle covering `pages` + `host_pages` (None: none)
+    host_tokens: int = 0       # len(host_pages) * page_size
+    loads: list[LoadHandle] = field(default_factory=list)  # unfinished copies into `pages`
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens found on either tier."""
+        return self.num_tokens + self.host_tokens
 
 
 def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -108,57 +137,84 @@ def _common_length(edge: np.ndarray, query: np.ndarray) -> int:
 
 
 class RadixTree:
-    """Maps token prefixes to chains of pages in `pool`; see the module docstring.
+    """Maps token prefixes to chains of pages in `pool` (and `host.pool`); see the module
+    docstring.
 
-    The tree holds one reference on every page it caches. `match` changes no refcount: the
-    caller increfs the pages it keeps and locks `node` while it uses them. Token arguments
-    may be lists or int64 numpy arrays (arrays skip a conversion on every call). With
-    `events`, every change of the cached pages is reported to that hub.
+    The tree holds one reference on every page it caches, on either tier. `match` changes no
+    refcount: the caller increfs the device pages it keeps and locks `node` while it uses
+    them. Token arguments may be lists or int64 numpy arrays (arrays skip a conversion on
+    every call). With `events`, every change of the cached pages is reported to that hub.
     """
 
     def __init__(self, pool: PagePool, *, eviction_policy: str = "priority",
                  clock: Callable[[], float] = time.monotonic,
-                 events: CacheEventHub | None = None) -> None:
+                 events: CacheEventHub | None = None, host: HostTier | None = None) -> None:
         self.pool = pool
         self.page_size: int = pool.page_size
         self.policy = make_policy(eviction_policy)
         self.events = events
+        self.host = host
+        if host is not None and host.pool.page_size != pool.page_size:
+            raise ValueError(f"host pool: page size {host.pool.page_size} != device page size {pool.page_size}")
         self._clock = clock
         self._roots: dict[Hashable, RadixNode] = {}
         self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_evictable_leaf,
-                                                                  lambda: self._num_nodes)
+                                                              lambda: self._num_nodes)
+        self._host_queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_host_leaf,
+                                                                   lambda: self._num_nodes, slot="host_heap_seq")
         self._tick = 0
         self._num_nodes = 0
-        self._cached = 0
-        self._locked = 0
+        self._cached = 0       # device pages held
+        self._locked = 0       # device pages in locked nodes
+        self._host_cached = 0  # host pages held
+        self._host_only = 0    # pages held on the host only
         self._stats = CacheStats()
         self._namespace_ids: dict[Hashable, tuple[str, int]] = {}
+        self._eviction_call = 0     # numbers device-eviction calls (see _leave_device)
+        self._shielded: int | None = None  # the call whose pages host eviction may not take yet
 
     # ------------------------------------------------------------------ counters
     @property
     def cached_pages(self) -> int:
-        """Pages held by the tree."""
+        """Device pages held by the tree."""
         return self._cached
 
     @property
     def locked_pages(self) -> int:
-        """Cached pages in locked nodes (in use by some sequence)."""
+        """Cached device pages in locked nodes (in use by some sequence)."""
         return self._locked
 
     @property
     def evictable_pages(self) -> int:
-        """Cached pages that repeated leaf eviction can free."""
+        """Cached device pages that repeated device eviction can free."""
         return self._cached - self._locked
+
+    @property
+    def host_cached_pages(self) -> int:
+        """Host pages held by the tree (host-only pages and host copies of device pages)."""
+        return self._host_cached
+
+    @property
+    def host_only_pages(self) -> int:
+        """Cached pages that live on the host only."""
+        return self._host_only
+
+    def _npages(self, node: RadixNode) -> int:
+        return len(node.tokens) // self.page_size
+
 
     # ------------------------------------------------------------------ match
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *,
               update: bool = True) -> MatchResult:
-        """The longest cached prefix of `tokens`, whole pages plus a token-deep partial page.
+        """The longest cached prefix of `tokens`: device pages plus a token-deep partial page,
+        or device pages then the pages that continue them on the host only.
 
         With `update` (the default) the match counts as a use: it splits an edge it ends in
-        (so `node` covers exactly `pages`), refreshes recency along the path and records
-        statistics. `update=False` only peeks: nothing changes, and `node` is then the deepest
-        node whose edge matched in full, which may cover fewer pages than `pages`.
+        (so `node` and `host_node` cover exactly `pages` and `pages + host_pages`), refreshes
+        recency along the path, records statistics and, under write-through-selective,
+        copies pages hit often enough to the host. `update=False` only peeks: nothing
+        changes, and `node` / `host_node` are then the deepest nodes whose edges matched in
+        full, which may cover fewer pages. A partial page is only taken from the device.
         """
         toks = _as_tokens(tokens)
         size = self.page_size
@@ -170,63 +226,125 @@ class RadixTree:
         if root is None:
             return MatchResult(0, [], self._new_root(namespace), None, 0)
         tick, now = self._tick, self._clock()
-        node, pos = root, 0
+        node = at = root  # node: the deepest device node matched; at: where the walk is
+        pos = 0
         pages: list[int] = []
+        host_pages: list[int] = []
+        host_node: RadixNode | None = None
+        loads: list[LoadHandle] = []
         partial_page: int | None = None
         partial_tokens = 0
         while True:
             rest = n - pos
-            child = node.children.get(toks[pos:pos + size].tobytes()) if rest >= size else None
+            child = at.children.get(toks[pos:pos + size].tobytes()) if rest >= size else None
             if child is None:
-                partial_page, partial_tokens = self._best_partial(node, toks[pos:pos + size])
+                if host_node is None:
+                    partial_page, partial_tokens = self._best_partial(at, toks[pos:pos + size])
                 break
             edge_len = len(child.tokens)
             matched = _common_length(child.tokens, toks[pos:pos + min(edge_len, rest)])
-            full = matched // size
+            on_device = bool(child.pages)
             if matched == edge_len:
                 if update:
                     self._touch(child, tick, now)
-                pages += child.pages
-                node, pos = child, pos + edge_len
+                if on_device:
+                    pages += child.pages
+                    self._pending_load(child, loads)
+                    node = child
+                else:
+                    host_pages += child.host
+                    host_node = child
+                at, pos = child, pos + edge_len
                 continue
-            partial_tokens = matched - full * size
+            full = matched // size
             if update:
-                child = self._split(child, full)
+                child = self._split(child, full)  # now covers exactly the matched pages
                 self._touch(child, tick, now)
-                pages += child.pages
-                node = child
-                tail = next(iter(child.children.values()))
-                partial_page = tail.pages[0] if partial_tokens else None
+                source, index = next(iter(child.children.values())), 0  # holds the partial page
+                if on_device:
+                    pages += child.pages
+                    node = child
+                else:
+                    host_pages += child.host
+                    host_node = child
             else:
-                pages += child.pages[:full]
-                partial_page = child.pages[full] if partial_tokens else None
-            pos += full * size
+                source, index = child, full
+                if on_device:
+                    pages += child.pages[:full]
+                else:
+                    host_pages += child.host[:full]
+            if on_device:
+                self._pending_load(child, loads)
+                if matched > full * size:  # partial reuse, from the device only
+                    partial_page, partial_tokens = source.pages[index], matched - full * size
             break
         num_tokens = len(pages) * size + partial_tokens
+        host_tokens = len(host_pages) * size
+        if host_pages and host_node is None:  # a peek that ended inside the first host edge
+            host_node = node
+        result = MatchResult(num_tokens, pages, node, partial_page, partial_tokens, host_pages,
+                             host_node if host_pages else None, host_tokens, loads)
         if update:
-            self._stats.hit(num_tokens)
-        return MatchResult(num_tokens, pages, node, partial_page, partial_tokens)
+            self._stats.hit(num_tokens, host_tokens)
+            if self.host is not None and self.host.write_policy != "write-back":
+                self._write_through(result)
+        return result
+
+    @staticmethod
+    def _pending_load(node: RadixNode, loads: list[LoadHandle]) -> None:
+        """Adds `node`'s copy from the host to `loads` while it is unfinished."""
+        if node.loading is not None:
+            if node.loading.done():
+                node.loading = None
+            else:
+                loads.append(node.loading)
 
     def _best_partial(self, node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
-        """The child page sharing the longest (< page_size) prefix with `query`."""
+        """The device child page sharing the longest (< page_size) prefix with `query`."""
         keys = node.sorted_keys
         if not keys or not len(query):
             return None, 0
         i = bisect_left(keys, query.tobytes())
-        best_page, best = None, 0
+        best, best_common = None, 0
         # In sorted order the longest common prefix is with a neighbour of the insertion point.
         for j in (i - 1, i):
             if 0 <= j < len(keys):
                 child = node.children[keys[j]]
                 common = _common_length(child.tokens, query)
-                if common > best:
-                    best_page, best = child.pages[0], common
-        return best_page, best
+                if common > best_common:
+                    best, best_common = child, common
+        if best is None or not best.pages:  # none, or the best one is on the host only
+            return None, 0
+        return best.pages[0], best_common
 
     def _touch(self, node: RadixNode, tick: int, now: float) -> None:
         node.tick = tick
         node.hits += 1
-        self._stats.used(now - node.inserted_at, len(node.pages))
+        self._stats.used(now - node.inserted_at, self._npages(node))
+
+    def _write_through(self, match: MatchResult) -> None:
+        """Write-through-selective: copies the matched device pages hit often enough to the
+        host, top down, as far as host room can be made (the matched path is locked meanwhile,
+        so making room never takes its host pages)."""
+        handle = match.host_node or match.node
+        path: list[RadixNode] = []
+        up: RadixNode | None = match.node
+        while up is not None and not up.is_root:
+            path.append(up)
+            up = up.parent
+        self.lock(handle)
+        for node in reversed(path):
+            if node.host is not None or not self.host.writes_through(node.hits):
+                continue
+            got = self._host_alloc(self._npages(node))
+            if not got:
+                break
+            if len(got) < self._npages(node):
+                node = self._split(node, len(got))
+            self.host.copier.offload(node.pages, got)
+            self._gain_host(node, got)
+            self._stats.written_through(len(got))
+        self.unlock(handle)
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int] | np.ndarray,
@@ -234,10 +352,11 @@ class RadixTree:
                range_retention: RangeRetention = ()) -> list[int]:
         """Caches the `len(tokens) // page_size` full pages of `tokens` (`pages[i]` holds
         tokens `[i*P, (i+1)*P)`; extra pages are ignored) and returns the given pages that
-        were not adopted because the tree already held those tokens in other pages.
+        were not adopted because the tree already held those tokens in other device pages.
 
-        Adopted pages gain the tree's reference. Each page's retention becomes the max of its
-        current effective one and `retention`; pages overlapping `[start, end)` of a
+        Adopted pages gain the tree's reference; where the tree held tokens on the host
+        only, the given pages become their device copy. Each page's retention becomes the max
+        of its current effective one and `retention`; pages overlapping `[start, end)` of a
         `range_retention` entry get that entry's retention if higher.
         """
         size = self.page_size
@@ -267,13 +386,15 @@ class RadixTree:
                 break
             matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
-            if full < len(child.pages):
+            if full < self._npages(child):
                 child = self._split(child, full)
             given = page_list[first:first + full]
-            if given != child.pages:  # C-speed compare; the loop runs only on duplicates
+            if not child.pages:
+                self._adopt(child, given)
+            elif given != child.pages:  # C-speed compare; the loop runs only on duplicates
                 duplicates += [g for g, c in zip(given, child.pages) if g != c]
             if self._retain(child, first, retention, ranges, now):
-                self._queue.schedule_expiries(child, child.retention.pending_expiries(now))
+                self._schedule_expiries(child, now)
             child.tick = self._tick
             node, pos = child, pos + full * size
         return duplicates
@@ -291,10 +412,35 @@ class RadixTree:
         self._cached += len(pages)
         self._retain(leaf, first_page, None, ranges, now)
         if leaf.retention is not None:
-            self._queue.schedule_expiries(leaf, leaf.retention.pending_expiries(now))
+            self._schedule_expiries(leaf, now)
         self._queue.push(leaf, now)
         if self.events is not None and self.events.active:
-            self._report_stored(leaf, 0)
+            self._report_stored(leaf, 0, DEVICE)
+
+    def _adopt(self, node: RadixNode, pages: list[int]) -> None:
+        """The host-only `node` gets `pages` as its device copy (their holder adds the tree)."""
+        self.pool.incref(pages)
+        self._gain_device(node, list(pages))
+
+    def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
+        """Host-only `node` now also lives in the device `pages` (already held for the tree)."""
+        node.pages = pages
+        node.parent.device_children += 1
+        self._cached += len(pages)
+        self._host_only -= len(pages)
+        if node.lock_ref:
+            self._locked += len(pages)
+        if node.device_children == 0 and node.lock_ref == 0:
+            self._queue.push(node, self._clock())
+        if self.events is not None and self.events.active:
+            self._report_stored(node, 0, DEVICE)
+
+    def _gain_host(self, node: RadixNode, host_pages: list[int]) -> None:
+        """Device `node` now also lives in `host_pages` (copied, held for the tree)."""
+        node.host = host_pages
+        self._host_cached += len(host_pages)
+        if self.events is not None and self.events.active:
+            self._report_stored(node, 0, HOST)
 
     def _retain(self, node: RadixNode, first_page: int, retention: Retention | None,
                 ranges: list[tuple[int, int, Retention]], now: float) -> bool:
@@ -304,16 +450,21 @@ class RadixTree:
         if retention is not None and (node.retention is not None or not retention.is_default):
             changed = self._retention_of(node).raise_to(retention, now)
         for start, end, r in ranges:
-            lo, hi = max(start - first_page, 0), min(end - first_page, len(node.pages))
+            lo, hi = max(start - first_page, 0), min(end - first_page, self._npages(node))
             if lo < hi:
                 changed |= self._retention_of(node).raise_to(r, now, lo, hi)
         return changed
 
-    @staticmethod
-    def _retention_of(node: RadixNode) -> PageRetention:
+    def _retention_of(self, node: RadixNode) -> PageRetention:
         if node.retention is None:
-            node.retention = PageRetention.default(len(node.pages))
+            node.retention = PageRetention.default(self._npages(node))
         return node.retention
+
+    def _schedule_expiries(self, node: RadixNode, now: float) -> None:
+        times = node.retention.pending_expiries(now)
+        self._queue.schedule_expiries(node, times)
+        if self.host is not None:
+            self._host_queue.schedule_expiries(node, times)
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
                       priority: int) -> None:
@@ -335,16 +486,23 @@ class RadixTree:
             full = matched // size
             self._retention_of(child).end_temporary(priority, now, full)
             last = child
-            if full < len(child.pages):
+            if full < self._npages(child):
                 break
             node, pos = child, pos + full * size
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
-        if last is not None and self._is_evictable_leaf(last):
-            self._queue.push(last, now)
+        if last is not None:
+            self._requeue(last, now)
+
+    def _requeue(self, node: RadixNode, now: float) -> None:
+        """Queues `node` in each eviction queue it is a candidate of (with its current key)."""
+        if self._is_evictable_leaf(node):
+            self._queue.push(node, now)
+        if self.host is not None and self._is_host_leaf(node):
+            self._host_queue.push(node, now)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode) -> None:
-        """Protects `node` and its ancestors from eviction until `unlock`."""
+        """Protects `node` and its ancestors from eviction (on either tier) until `unlock`."""
         if node.parent is None and not node.is_root:
             raise ValueError("lock: the node was evicted (lock it right after match)")
         while node is not None:
@@ -362,33 +520,55 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._locked -= len(node.pages)
-                if self._is_evictable_leaf(node):
+                if self._is_evictable_leaf(node) or (self.host is not None and self._is_host_leaf(node)):
                     now = self._clock() if now is None else now
-                    self._queue.push(node, now)
+                    self._requeue(node, now)
             node = node.parent
 
-    # ------------------------------------------------------------------ eviction
+    # ------------------------------------------------------------------ device eviction
     def evict(self, num_pages: int) -> int:
-        """Frees up to `num_pages` pages from unlocked leaves, page by page from the tail of
-        a leaf's edge, in the policy's order. Returns the pages actually freed in the pool."""
+        """Frees up to `num_pages` device pages from unlocked nodes with no child on the
+        device, page by page from the tail of the edge, in the policy's order. With a host
+        tier the pages leave the device as `_leave_device` says. Returns the pages actually
+        freed in the device pool."""
         if num_pages <= 0:
             return 0
         now = self._clock()
         self._queue.requeue_expired(now)
         freed = 0
+        if self.host is None:
+            while freed < num_pages:
+                popped = self._queue.pop(now)
+                if popped is None:
+                    break
+                node, _, bound = popped
+                run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
+                freed += self._evict_tail(node, min(run, num_pages - freed), now)
+            return freed
+        self._eviction_call += 1
+        self._shielded = self._eviction_call
+        leaving: list[tuple[RadixNode, list[int]]] = []
+        left: list[RadixNode] = []
         while freed < num_pages:
             popped = self._queue.pop(now)
             if popped is None:
                 break
             node, _, bound = popped
             run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-            freed += self._evict_tail(node, min(run, num_pages - freed), now)
+            freed += self._leave_device(node, min(run, num_pages - freed), now, leaving, left)
+        if leaving:
+            self._place_on_host(leaving, left, now)
+        self._shielded = None
+        for node in left:
+            if node.parent is not None:
+                self._requeue(node, now)
         return freed
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
+        """Without a host tier: drops the last `count` pages of a leaf."""
         keep = len(node.pages) - count
         if self.events is not None and self.events.active:
-            self._report_removed(node, keep)
+            self._report_removed(node, keep, DEVICE)
         evicted = node.pages[keep:]
         del node.pages[keep:]
         node.tokens = node.tokens[: keep * self.page_size]
@@ -401,11 +581,212 @@ class RadixTree:
         if keep:
             self._queue.push(node, now)
         else:
+            node.parent.device_children -= 1  # its pages are gone: it no longer counts as on the device
             self._detach(node, now)
         return freed
 
+    def _leave_device(self, node: RadixNode, count: int, now: float,
+                      leaving: list[tuple[RadixNode, list[int]]], left: list[RadixNode]) -> int:
+        """Takes the last `count` pages of `node` off the device; returns device pages freed.
+
+        The rule, per eviction call (all pages it takes off the device, S):
+        - a page with a host copy just loses its device copy;
+        - a device-only page goes to host if its priority reaches the offload floor and so
+          does every page above it in S; the others are dropped, with everything below them;
+        - host room for those pages is made from free host pages, then by host eviction of
+          pages outside S; if that is not enough, the pages of S compete among themselves
+          by the same order (host eviction, leaf first) and the losers are dropped.
+        The split makes the run a node of its own; its device pages are freed now and
+        copied to host at the end of the call (`_place_on_host`), before anything can reuse
+        them.
+        """
+        keep = self._npages(node) - count
+        if keep:
+            self._split(node, keep)  # `node` keeps the run, its new parent the rest
+        self._stats.evicted(count, now - node.inserted_at, node.hits)
+        freed = 0
+        if node.host is None:
+            qualifies = self._effective(node, now) >= self.host.offload_min_priority
+            head = count if qualifies.all() else int(qualifies.argmin())
+            if head < count:
+                top = self._split(node, head) if head else None
+                parent = node.parent
+                self._stats.dropped(count - head)
+                freed += self._drop(node, report=True)
+                if top is None:
+                    self._after_removal(parent, now)
+                    return freed
+                node = top
+            leaving.append((node, node.pages))
+        else:
+            self._host_only += count
+            self._settle(node)
+        if self.events is not None and self.events.active:
+            self._report_removed(node, 0, DEVICE)
+        freed += len(self.pool.decref(node.pages))
+        self._cached -= len(node.pages)
+        node.pages = []
+        node.parent.device_children -= 1
+        node.left_device_in = self._eviction_call
+        left.append(node)
+        self._requeue(node.parent, now)  # it may have no child on the device now
+        return freed
+
+    def _place_on_host(self, leaving: list[tuple[RadixNode, list[int]]], left: list[RadixNode],
+                       now: float) -> None:
+        """Copies the device-only pages that left the device in this call to host pages,
+        making room as `_leave_device` says."""
+        need = sum(self._npages(node) for node, _ in leaving if node.parent is not None)
+        short = need - self.host.pool.num_free
+        if short > 0:
+            short -= self._evict_host(short, now)
+        if short > 0:  # the pages of this call compete among themselves now
+            self._shielded = None
+            for node in left:
+                if node.parent is not None and self._is_host_leaf(node):
+                    self._host_queue.push(node, now)
+            self._evict_host(short, now)
+        for node, device_pages in leaving:
+            if node.parent is None:
+                continue  # dropped since
+            count = self._npages(node)
+            host_pages = self.host.pool.allocate(count)
+            self.host.copier.offload(device_pages[:count], host_pages)
+            self._host_only += count
+            self._stats.offloaded(count)
+            self._gain_host(node, host_pages)
+
+    def _drop(self, top: RadixNode, *, report: bool) -> int:
+        """Removes `top` and everything below it from the tree, on both tiers (the caller
+        tidies its parent); returns the device pages freed."""
+        self._unlink(top.parent, top.key)
+        nodes, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            nodes.append(node)
+        if report and self.events is not None and self.events.active:
+            for node in nodes:  # before the links go: a page's hash walks up to the root
+                if node.pages:
+                    self._report_removed(node, 0, DEVICE)
+                if node.host is not None:
+                    self._report_removed(node, 0, HOST)
+        device: list[int] = []
+        host: list[int] = []
+        for node in nodes:
+            self._settle(node)
+            device += node.pages
+            if node.host is not None:
+                host += node.host
+                if not node.pages:
+                    self._host_only -= len(node.host)
+            node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
+        self._num_nodes -= len(nodes)
+        self._cached -= len(device)
+        if host:
+            self._host_cached -= len(host)
+            self.host.pool.decref(host)
+        return len(self.pool.decref(device))
+
+    # ------------------------------------------------------------------ host tier
+    def _host_alloc(self, num_pages: int) -> list[int]:
+        """Up to `num_pages` host pages, evicting from the host to make room."""
+        short = num_pages - self.host.pool.num_free
+        if short > 0:
+            self._evict_host(short, self._clock())
+        return self.host.pool.allocate(min(num_pages, self.host.pool.num_free))
+
+    def _evict_host(self, num_pages: int, now: float) -> int:
+        """Takes up to `num_pages` pages off the host, from the tail of unlocked host-only
+        leaves in the policy's order; returns how many (host pages freed, plus pages that
+        were on their way to host and are dropped instead)."""
+        self._host_queue.requeue_expired(now)
+        done = 0
+        while done < num_pages:
+            popped = self._host_queue.pop(now)
+            if popped is None:
+                break
+            node, _, bound = popped
+            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
+            done += self._evict_host_tail(node, min(run, num_pages - done), now)
+        return done
+
+    def _evict_host_tail(self, node: RadixNode, count: int, now: float) -> int:
+        keep = self._npages(node) - count
+        if node.host is None:  # on its way to host (this eviction call): dropped instead
+            self._stats.dropped(count)
+        else:
+            if self.events is not None and self.events.active:
+                self._report_removed(node, keep, HOST)
+            self._settle(node)
+            evicted = node.host[keep:]
+            del node.host[keep:]
+            self._host_cached -= count
+            self._host_only -= count
+            self._stats.host_evicted(count)
+            self.host.pool.decref(evicted)
+        node.tokens = node.tokens[: keep * self.page_size]
+        node.chain = None
+        if node.retention is not None:
+            node.retention.truncate(keep)
+        if keep:
+            self._host_queue.push(node, now)
+        else:
+            self._detach(node, now)
+        return count
+
+    def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
+        """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
+        at most the free device pages: the caller makes room first) into fresh device pages,
+        which the tree holds from now on; returns the match as it stands after the copy.
+
+        `match` must come from `match(update=True)`, with `match.host_node` locked by the
+        caller (so making room evicts nothing on the path). On CUDA the copy may still be in
+        flight: its handle is in the result's `loads`.
+        """
+        if not match.host_pages:
+            return match
+        chain: list[RadixNode] = []
+        up = match.host_node
+        while up is not match.node:
+            chain.append(up)
+            up = up.parent
+        budget = min(len(match.host_pages), self.pool.num_free)
+        if max_pages is not None:
+            budget = min(budget, max_pages)
+        pages, loads, node = list(match.pages), list(match.loads), match.node
+        for step in reversed(chain):
+            if budget == 0:
+                break
+            count = self._npages(step)
+            if count > budget:
+                step = self._split(step, budget)
+                count = budget
+            device = self.pool.allocate(count)
+            handle = self.host.copier.load(step.host, device)
+            self._gain_device(step, device)
+            if handle is not None:
+                step.loading = handle
+                loads.append(handle)
+            self._stats.loaded(count)
+            pages += device
+            node = step
+            budget -= count
+        rest = match.host_pages[len(pages) - len(match.pages):]
+        return MatchResult(len(pages) * self.page_size, pages, node, None, 0, rest,
+                           match.host_node if rest else None, len(rest) * self.page_size, loads)
+
+    def _settle(self, node: RadixNode) -> None:
+        """Before pages of `node` are freed: an unfinished load into it is fenced."""
+        if node.loading is not None:
+            if not node.loading.done():
+                self.host.copier.fence(node.loading)
+            node.loading = None
+
+    # ------------------------------------------------------------------ flush
     def reset(self) -> int:
-        """Drops every unlocked cached page (flush); returns the pages freed in the pool.
+        """Drops every unlocked cached page on both tiers, and the host copies of the locked
+        ones (flush); returns the device pages freed.
 
         Events: one "cleared", then "stored" for the pages that stayed because they are in use.
         """
@@ -414,42 +795,48 @@ class RadixTree:
             stack = [root]
             while stack:
                 node = stack.pop()
-                for key, child in list(node.children.items()):
+                for child in list(node.children.values()):
                     if child.lock_ref:
                         stack.append(child)
                     else:  # an unlocked node has no locked descendant: drop its subtree
-                        self._unlink(node, key)
-                        self._drop_subtree(child)
+                        self._drop(child, report=False)
             if not root.children and not root.lock_ref:
                 del self._roots[namespace]
+        if self.host is not None:
+            for node, _ in self.nodes():
+                if node.pages and node.host is not None:
+                    self._settle(node)
+                    self._host_cached -= len(node.host)
+                    self.host.pool.decref(node.host)
+                    node.host = None
         # Every node left is locked; unlock re-queues it.
         self._queue.forget(lambda node: node.parent is not None)
+        self._host_queue.forget(lambda node: node.parent is not None)
         if self.events is not None and self.events.active:
             self.events.cleared()
             for node, _ in self.nodes():
                 if not node.is_root:
-                    self._report_stored(node, 0)
+                    if node.pages:
+                        self._report_stored(node, 0, DEVICE)
+                    if node.host is not None:
+                        self._report_stored(node, 0, HOST)
         return self.pool.num_free - free_before
 
-    def _drop_subtree(self, top: RadixNode) -> None:
-        dropped: list[int] = []
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            dropped += node.pages
-            node.parent, node.heap_seq = None, -1
-            self._num_nodes -= 1
-        self._cached -= len(dropped)
-        self.pool.decref(dropped)
-
+    # ------------------------------------------------------------------ eviction order
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        return (node.parent is not None and not node.children and node.lock_ref == 0
+        """A device eviction candidate: unlocked, on the device, no child on the device."""
+        return (node.parent is not None and node.device_children == 0 and node.lock_ref == 0
                 and len(node.pages) > 0)
+
+    def _is_host_leaf(self, node: RadixNode) -> bool:
+        """A host eviction candidate: an unlocked host-only leaf, unless it left the device
+        in the eviction call under way (see `_leave_device`)."""
+        return (node.parent is not None and not node.pages and not node.children and node.lock_ref == 0
+                and node.left_device_in != self._shielded)
 
     def _effective(self, node: RadixNode, now: float) -> np.ndarray:
         if node.retention is None:
-            return np.full(len(node.pages), DEFAULT_PRIORITY, dtype=np.int16)
+            return np.full(self._npages(node), DEFAULT_PRIORITY, dtype=np.int16)
         return node.retention.effective(now)
 
     def _key(self, node: RadixNode, now: float) -> EvictionKey:
@@ -469,7 +856,7 @@ class RadixTree:
             seed = self._namespace(path[0].namespace)[1]
             for step in reversed(path):
                 _, state = page_hashes(step.tokens, self.page_size, seed, state, depth)
-                depth += len(step.pages)
+                depth += self._npages(step)
                 step.chain = (state, depth)
         return state, depth
 
@@ -479,21 +866,21 @@ class RadixTree:
         parent = node.parent
         state, depth = self._chain_end(parent)
         hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
-        node.chain = (end, depth + len(node.pages))
+        node.chain = (end, depth + self._npages(node))
         return (None if parent.is_root else state_hash(state, seed)), hashes.tolist()
 
-    def _report_stored(self, node: RadixNode, first: int) -> None:
-        """Reports `node`'s pages from index `first` on as stored on the device."""
+    def _report_stored(self, node: RadixNode, first: int, tier: str) -> None:
+        """Reports `node`'s pages from index `first` on as stored in `tier`."""
         parent_hash, hashes = self._hashes(node)
         if first:
             parent_hash = hashes[first - 1]
         tokens = node.tokens[first * self.page_size:].tolist() if self.events.wants_tokens else None
-        self.events.stored(self._namespace(node.namespace)[0], DEVICE, parent_hash, hashes[first:], tokens)
+        self.events.stored(self._namespace(node.namespace)[0], tier, parent_hash, hashes[first:], tokens)
 
-    def _report_removed(self, node: RadixNode, first: int) -> None:
-        """Reports `node`'s pages from index `first` on as removed from the device."""
+    def _report_removed(self, node: RadixNode, first: int, tier: str) -> None:
+        """Reports `node`'s pages from index `first` on as removed from `tier`."""
         _, hashes = self._hashes(node)
-        self.events.removed(self._namespace(node.namespace)[0], DEVICE, hashes[first:])
+        self.events.removed(self._namespace(node.namespace)[0], tier, hashes[first:])
 
     def _namespace(self, namespace: Hashable) -> tuple[str, int]:
         """The namespace's opaque id and hash seed (cached)."""
@@ -503,11 +890,14 @@ class RadixTree:
             known = self._namespace_ids[namespace] = (ns_id, namespace_seed(ns_id))
         return known
 
-    def cached_page_hashes(self) -> set[tuple[str, int]]:
-        """(namespace id, page hash) of every cached page: what an event indexer should hold."""
+    def cached_page_hashes(self, tier: str | None = None) -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page on `tier` ("device", "host"; None:
+        on either): what an indexer of that tier's events should hold."""
         out: set[tuple[str, int]] = set()
         for node, _ in self.nodes():
-            if not node.is_root:
+            if node.is_root:
+                continue
+            if tier is None or (node.pages if tier == DEVICE else node.host is not None):
                 ns_id = self._namespace(node.namespace)[0]
                 out.update((ns_id, h) for h in self._hashes(node)[1])
         return out
@@ -519,54 +909,65 @@ class RadixTree:
     def _attach(self, parent: RadixNode, child: RadixNode) -> None:
         child.parent = parent
         parent.children[child.key] = child
+        if child.pages:
+            parent.device_children += 1
         if parent.sorted_keys is not None:
             insort(parent.sorted_keys, child.key)
 
     def _unlink(self, parent: RadixNode, key: bytes) -> None:
-        del parent.children[key]
+        child = parent.children.pop(key)
+        if child.pages:
+            parent.device_children -= 1
         if parent.sorted_keys is not None:
             del parent.sorted_keys[bisect_left(parent.sorted_keys, key)]
 
     def _detach(self, node: RadixNode, now: float) -> None:
-        """Removes an emptied leaf; its parent may become an evictable leaf."""
+        """Removes an emptied leaf; its parent may become an eviction candidate."""
         parent = node.parent
         self._unlink(parent, node.key)
-        node.parent, node.heap_seq = None, -1
+        node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
         self._num_nodes -= 1
-        if parent.children or parent.lock_ref:
-            return
+        self._after_removal(parent, now)
+
+    def _after_removal(self, parent: RadixNode, now: float) -> None:
+        """A child of `parent` left the tree: an empty root goes, a node may be a candidate now."""
         if parent.is_root:
-            if self._roots.get(parent.namespace) is parent:
+            if not parent.children and not parent.lock_ref and self._roots.get(parent.namespace) is parent:
                 del self._roots[parent.namespace]
-        else:
-            self._queue.push(parent, now)
+        elif parent.lock_ref == 0:
+            self._requeue(parent, now)
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cuts `node` after `num_pages` pages; returns the new upper node.
 
         `node` keeps the lower part, so a lock handle held on it still covers the same path
-        (and its hash-chain state, which describes the end of the same path).
+        (and its hash-chain state, which describes the end of the same path). Both parts
+        keep the node's tiers.
         """
         cut = num_pages * self.page_size
         top = RadixNode(node.namespace, node.key, node.tokens[:cut].copy(),
                         node.pages[:num_pages], self.page_size > 1)
         node.tokens, node.pages = node.tokens[cut:].copy(), node.pages[num_pages:]
+        if node.host is not None:
+            top.host, node.host = node.host[:num_pages], node.host[num_pages:]
         if node.retention is not None:
             top.retention, node.retention = node.retention.split(num_pages)
         top.lock_ref, top.tick, top.inserted_at, top.hits = node.lock_ref, node.tick, node.inserted_at, node.hits
+        top.loading, top.left_device_in = node.loading, node.left_device_in
         parent = node.parent
         top.parent = parent
-        parent.children[top.key] = top  # same first page, same key: sorted_keys unchanged
+        parent.children[top.key] = top  # same first page, same key, same tier: parent unchanged
         node.key = node.tokens[: self.page_size].tobytes()
         self._attach(top, node)
         self._num_nodes += 1
         if top.retention is not None:
-            self._queue.schedule_expiries(top, top.retention.pending_expiries(self._clock()))
+            self._schedule_expiries(top, self._clock())
         return top
 
     # ------------------------------------------------------------------ inspection
     def nodes(self) -> Iterator[tuple[RadixNode, list[int]]]:
-        """Every node (namespace roots included, with no pages) and its pages, for checkers."""
+        """Every node (namespace roots included, with no pages) and its device pages, for
+        checkers (`node.host`: its host pages)."""
         stack = list(self._roots.values())
         while stack:
             node = stack.pop()
@@ -574,8 +975,12 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def queued_nodes(self) -> list[RadixNode]:
-        """Nodes with a live entry in the eviction queue (for checkers)."""
+        """Nodes with a live entry in the device eviction queue (for checkers)."""
         return list(self._queue.queued())
+
+    def host_queued_nodes(self) -> list[RadixNode]:
+        """Nodes with a live entry in the host eviction queue (for checkers)."""
+        return list(self._host_queue.queued())
 
     def histograms(self) -> dict[str, Histogram]:
         """Age of cached KV when hit and when evicted (seconds since insertion, one
@@ -583,9 +988,12 @@ class RadixTree:
         return self._stats.histograms()
 
     def stats(self) -> dict[str, float]:
-        """Counters for metrics: lookups, tokens looked up and hit, page counts, evictions,
-        and the sums/counts of the histograms."""
+        """Counters for metrics: lookups, tokens looked up and hit (per tier), page counts,
+        evictions and host-tier traffic, and the sums/counts of the histograms."""
         out = self._stats.as_dict()
         out.update(cached_pages=self._cached, evictable_pages=self.evictable_pages,
                    locked_pages=self._locked, free_pages=self.pool.num_free, nodes=self._num_nodes)
+        if self.host is not None:
+            out.update(host_cached_pages=self._host_cached, host_only_pages=self._host_only,
+                       host_free_pages=self.host.pool.num_free)
         return out

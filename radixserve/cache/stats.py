@@ -46,15 +46,23 @@ class Histogram:
 class CacheStats:
     """Cumulative counters of one tree.
 
-    A lookup is a counted `match` (tokens asked for, tokens found); a touched node records the
-    age of its KV once per page; an eviction records how old the pages were and how often
-    they had been hit.
+    A lookup is a counted `match` (tokens asked for, tokens found on the device and on the
+    host only); a touched node records the age of its KV once per page; a device eviction
+    records how old the pages were and how often they had been hit. With a host tier, pages
+    leaving the device are offloaded (copied to host) or dropped; pages reach the host by
+    write-through too, come back by load-back, and leave it by host eviction.
     """
 
     lookups: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0
     evicted_pages: int = 0
+    offloaded_pages: int = 0
+    dropped_pages: int = 0
+    written_through_pages: int = 0
+    loaded_pages: int = 0
+    host_evicted_pages: int = 0
     hit_age: Histogram = field(default_factory=lambda: Histogram(AGE_BUCKETS_S))
     evict_age: Histogram = field(default_factory=lambda: Histogram(AGE_BUCKETS_S))
     evict_reuse: Histogram = field(default_factory=lambda: Histogram(REUSE_BUCKETS))
@@ -64,9 +72,11 @@ class CacheStats:
         self.lookups += 1
         self.lookup_tokens += num_tokens
 
-    def hit(self, num_tokens: int) -> None:
-        """A counted match found `num_tokens` cached tokens."""
-        self.hit_tokens += num_tokens
+    def hit(self, num_tokens: int, host_tokens: int = 0) -> None:
+        """A counted match found `num_tokens` tokens on the device, then `host_tokens` more
+        on the host only."""
+        self.hit_tokens += num_tokens + host_tokens
+        self.host_hit_tokens += host_tokens
 
     def used(self, age_s: float, num_pages: int) -> None:
         """A match used `num_pages` pages cached `age_s` seconds ago."""
@@ -77,6 +87,27 @@ class CacheStats:
         self.evicted_pages += num_pages
         self.evict_age.observe(age_s, num_pages)
         self.evict_reuse.observe(hits, num_pages)
+
+    def offloaded(self, num_pages: int) -> None:
+        """Pages leaving the device were copied to host."""
+        self.offloaded_pages += num_pages
+
+    def dropped(self, num_pages: int) -> None:
+        """Pages leaving the device were not kept on host (priority below the floor, no
+        host room, or under a page that was dropped)."""
+        self.dropped_pages += num_pages
+
+    def written_through(self, num_pages: int) -> None:
+        """Device pages hit often enough were copied to host (write-through-selective)."""
+        self.written_through_pages += num_pages
+
+    def loaded(self, num_pages: int) -> None:
+        """Host-only pages were copied back to the device."""
+        self.loaded_pages += num_pages
+
+    def host_evicted(self, num_pages: int) -> None:
+        """Host-only pages were evicted from the host (and so from the cache)."""
+        self.host_evicted_pages += num_pages
 
     def histograms(self) -> dict[str, Histogram]:
         """Age of cached KV when hit and when evicted (seconds since insertion, one
@@ -90,8 +121,15 @@ class CacheStats:
             "lookups": self.lookups,
             "lookup_tokens": self.lookup_tokens,
             "hit_tokens": self.hit_tokens,
+            "device_hit_tokens": self.hit_tokens - self.host_hit_tokens,
+            "host_hit_tokens": self.host_hit_tokens,
             "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
             "evicted_pages": self.evicted_pages,
+            "offloaded_pages": self.offloaded_pages,
+            "dropped_pages": self.dropped_pages,
+            "written_through_pages": self.written_through_pages,
+            "loaded_pages": self.loaded_pages,
+            "host_evicted_pages": self.host_evicted_pages,
         }
         for name, hist in self.histograms().items():
             out[f"{name}_sum"] = hist.sum

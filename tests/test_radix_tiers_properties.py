@@ -1,0 +1,463 @@
+"""Stateful property test: the two-tier tree (device + host) against a brute-force model.
+
+The model keeps every cached page under the full token prefix it ends, with its device page
+(or None), whether it has a host copy, its recency tick, hit count and retention, and
+applies the rules of radix.py page by page with full scans:
+
+- match reads device pages, then the pages that continue them on the host only; it touches
+  all of them; under write-through-selective it copies matched device pages hit twice to host;
+- device eviction takes the device page with no child on the device that sorts first
+  (priority, then recency), page by page; the pages one call takes off the device (S) then
+  go to host if they have a host copy already, or if they and every page above them in S
+  reach the offload floor (the others are dropped with everything below them); host room
+  comes from free pages, then from evicting host-only leaves outside S, then from S itself;
+- load-back copies the host continuation into free device pages; insert over a host-only
+  page makes the inserted page its device copy; flush keeps only locked pages, on the device.
+
+After every step the tree must hold exactly the model's pages on each tier, pass
+`check_invariants` (host tier included), evict device pages in the model's order, and an
+indexer fed only by the tree's events must hold each tier's page hashes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import numpy as np
+
+from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored, CacheEvent, CacheEventHub
+from radixserve.cache.invariants import SequenceView, check_invariants
+from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
+from radixserve.cache.tiers import HostTier
+from radixserve.cache.transfer import PageCopier
+
+Key = tuple  # (namespace, token, token, ...)
+WRITE_THROUGH_HITS = 2
+
+
+@dataclass
+class Page:
+    device: int | None
+    host: bool
+    tick: int
+    priority: int = DEFAULT_PRIORITY
+    expiry: float = math.inf
+    floor: int = DEFAULT_PRIORITY
+    hits: int = 0
+
+
+class TieredModel:
+    """The brute-force two-tier cache."""
+
+    def __init__(self, page_size: int, policy: str, host_pages: int, floor: int, write_through: bool) -> None:
+        self.size = page_size
+        self.policy = policy
+        self.host_pages = host_pages
+        self.floor = floor
+        self.write_through = write_through
+        self.pages: dict[Key, Page] = {}
+        self.tick = 0
+
+    # ---------------------------------------------------------------- helpers
+    def keys(self, namespace, tokens, num_pages: int) -> list[Key]:
+        return [(namespace, *tokens[: (i + 1) * self.size]) for i in range(num_pages)]
+
+    def below(self, key: Key) -> list[Key]:
+        """Every cached key that extends `key` (its subtree, without itself)."""
+        return [k for k in self.pages if len(k) > len(key) and k[: len(key)] == key]
+
+    def has_child(self, key: Key, on_device: bool = False) -> bool:
+        return any(len(k) == len(key) + self.size and k[: len(key)] == key
+                   and (not on_device or p.device is not None) for k, p in self.pages.items())
+
+    @staticmethod
+    def locked(key: Key, locks: list[Key]) -> bool:
+        return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
+
+    def effective(self, page: Page, now: float) -> int:
+        return page.priority if page.expiry > now else page.floor
+
+    def order(self, key: Key, now: float) -> tuple:
+        page = self.pages[key]
+        return (self.effective(page, now), page.tick) if self.policy == "priority" else (page.tick,)
+
+    def first(self, candidates: list[Key], now: float) -> Key:
+        candidates.sort(key=lambda k: self.order(k, now))
+        assert len(candidates) < 2 or self.order(candidates[0], now) != self.order(candidates[1], now), \
+            "model order is ambiguous"
+        return candidates[0]
+
+    def host_used(self) -> int:
+        return sum(p.host for p in self.pages.values())
+
+    # ---------------------------------------------------------------- host
+    def evict_host(self, n: int, now: float, locks: list[Key], shielded: set[Key]) -> int:
+        """Takes up to n pages off the host (host-only leaves, unlocked, outside `shielded`)."""
+        done = 0
+        while done < n:
+            candidates = [k for k, p in self.pages.items() if p.device is None and not self.has_child(k)
+                          and not self.locked(k, locks) and k not in shielded]
+            if not candidates:
+                break
+            del self.pages[self.first(candidates, now)]
+            done += 1
+        return done
+
+    def host_room(self, n: int, now: float, locks: list[Key]) -> bool:
+        """Makes room for n more host pages if it can (write-through)."""
+        short = self.host_used() + n - self.host_pages
+        if short > 0:
+            self.evict_host(short, now, locks, set())
+        return self.host_used() + n <= self.host_pages
+
+    # ---------------------------------------------------------------- operations
+    def match(self, namespace, tokens, touch: bool, now: float, locks: list[Key]):
+        """(device pages, host-only keys, partial candidates on the device, best partial
+        length, whether a host page ties for it)."""
+        if touch:
+            self.tick += 1
+        matched: list[Key] = []
+        for key in self.keys(namespace, tokens, len(tokens) // self.size):
+            if key not in self.pages:
+                break
+            matched.append(key)
+        on_device = [k for k in matched if self.pages[k].device is not None]
+        host_keys = matched[len(on_device):]
+        assert all(self.pages[k].device is None for k in host_keys), "model: device pages not prefix-closed"
+        if touch:
+            for key in matched:
+                self.pages[key].tick = self.tick
+                self.pages[key].hits += 1
+        start = len(matched) * self.size
+        best, device_best, host_best = 0, set(), False
+        if not host_keys:
+            rest = tuple(tokens[start:start + self.size])
+            for key, page in self.pages.items():
+                if len(key) - 1 == start + self.size and key[: start + 1] == (namespace, *tokens[:start]):
+                    tail = key[start + 1:]
+                    common = next((i for i, (a, b) in enumerate(zip(tail, rest)) if a != b), min(len(tail), len(rest)))
+                    if common > best:
+                        best, device_best, host_best = common, set(), False
+                    if common == best and common:
+                        if page.device is not None:
+                            device_best.add(page.device)
+                        else:
+                            host_best = True
+        if touch and self.write_through:
+            path_lock = [matched[-1]] if matched else []
+            for key in on_device:
+                page = self.pages[key]
+                if not page.host and page.hits >= WRITE_THROUGH_HITS:
+                    if not self.host_room(1, now, locks + path_lock):
+                        break
+                    page.host = True
+        return [self.pages[k].device for k in on_device], host_keys, device_best, best, host_best
+
+    def raise_retention(self, page: Page, r: Retention, now: float) -> None:
+        current = (page.priority, page.expiry) if page.expiry > now else (page.floor, math.inf)
+        if not r.duration_s:
+            page.floor = max(page.floor, r.priority)
+        page.priority, page.expiry = max(current, (r.priority, now + r.duration_s if r.duration_s else math.inf))
+
+    def insert(self, namespace, tokens, pages, retention, ranges, now) -> list[int]:
+        self.tick += 1
+        duplicates = []
+        retention = retention or Retention()
+        for i, key in enumerate(self.keys(namespace, tokens, len(tokens) // self.size)):
+            page = self.pages.get(key)
+            if page is None:
+                page = self.pages[key] = Page(pages[i], False, self.tick, retention.priority,
+                                              now + retention.duration_s if retention.duration_s else math.inf,
+                                              DEFAULT_PRIORITY if retention.duration_s else retention.priority)
+            else:
+                if page.device is None:
+                    page.device = pages[i]
+                elif page.device != pages[i]:
+                    duplicates.append(pages[i])
+                page.tick = self.tick
+                self.raise_retention(page, retention, now)
+            for start, end, r in ranges:
+                if start < (i + 1) * self.size and end > i * self.size:
+                    self.raise_retention(page, r, now)
+        return duplicates
+
+    def drop(self, key: Key) -> None:
+        for k in [key, *self.below(key)]:
+            self.pages.pop(k, None)
+
+    def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> tuple[int, list[Key]]:
+        """Device pages freed in the pool, and the keys S taken off the device, in order."""
+        freed = 0
+        taken: list[Key] = []
+        while freed < n:
+            leaves = [k for k, p in self.pages.items() if p.device is not None
+                      and not self.has_child(k, on_device=True) and not self.locked(k, locks)]
+            if not leaves:
+                break
+            key = self.first(leaves, now)
+            page = self.pages[key]
+            freed += page.device not in held
+            page.device = None
+            taken.append(key)
+        for key in sorted(taken, key=len):  # top down: a dropped page takes everything below
+            page = self.pages.get(key)
+            if page is not None and not page.host and self.effective(page, now) < self.floor:
+                self.drop(key)
+        going = [k for k in taken if k in self.pages and not self.pages[k].host]
+        short = len(going) - (self.host_pages - self.host_used())
+        if short > 0:
+            short -= self.evict_host(short, now, locks, set(taken))
+        if short > 0:
+            self.evict_host(short, now, locks, set())
+        for key in going:
+            if key in self.pages:
+                self.pages[key].host = True
+        return freed, taken
+
+    def load(self, keys: list[Key], pages: list[int]) -> None:
+        for key, page in zip(keys, pages):
+            assert self.pages[key].device is None
+            self.pages[key].device = page
+
+    def reset(self, locks: list[Key]) -> None:
+        self.pages = {k: p for k, p in self.pages.items() if self.locked(k, locks)}
+        for page in self.pages.values():
+            if page.device is not None:
+                page.host = False
+
+    def hash_of(self, key: Key) -> tuple[str, int]:
+        ns_id = namespace_id(key[0])
+        tokens = np.asarray(key[1:], dtype=np.int64)
+        return ns_id, int(page_hashes(tokens, self.size, namespace_seed(ns_id))[0][-1])
+
+
+@dataclass
+class Live:
+    namespace: object
+    tokens: list[int]
+    table: list[int]
+    node: object
+    lock_key: Key
+
+
+RETENTIONS = [None, Retention(0), Retention(80), Retention(80, 5.0), Retention(10, 2.0), Retention(35, 4.0)]
+
+
+class TieredTreeMachine(RuleBasedStateMachine):
+    page_size = 1
+    num_pages = 16
+    max_len = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.live: list[Live] = []
+        self.seen: list[list[int]] = []
+
+    @initialize(policy=st.sampled_from(["priority", "lru"]), host_pages=st.sampled_from([3, 8, 20]),
+                floor=st.sampled_from([0, DEFAULT_PRIORITY, 50]), write_through=st.booleans(), data=st.data())
+    def setup(self, policy: str, host_pages: int, floor: int, write_through: bool, data) -> None:
+        self.pool = PagePool(self.num_pages, self.page_size)
+        host_pool = PagePool(host_pages, self.page_size)
+        tier = HostTier(host_pool, PageCopier(self.pool, host_pool),
+                        write_policy="write-through-selective" if write_through else "write-back",
+                        offload_min_priority=floor, write_through_hits=WRITE_THROUGH_HITS)
+        self.indexed = {DEVICE: set(), HOST: set()}
+        self.events: list[CacheEvent] = []
+        hub = CacheEventHub(self.page_size)
+        hub.subscribe(self.on_event)
+        self.tree = RadixTree(self.pool, eviction_policy=policy, clock=lambda: self.now, events=hub, host=tier)
+        self.model = TieredModel(self.page_size, policy, host_pages, floor, write_through)
+        for _ in range(data.draw(st.integers(3, 8))):
+            self.serve(data, data.draw(st.sampled_from([None, "b"])), data.draw(st.sampled_from(RETENTIONS)))
+
+    def tokens(self):
+        size, n = self.page_size, self.max_len
+        trunk = list(range(10, 10 + n))
+        prompts = [trunk, trunk[: size + 1] + list(range(40, 40 + n)),
+                   trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
+        fresh = st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
+                          st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
+        return st.one_of(fresh, st.sampled_from(self.seen)) if self.seen else fresh
+
+    def draw_tokens(self, data) -> list[int]:
+        tokens = data.draw(self.tokens())
+        self.seen.append(tokens)
+        return tokens
+
+    # ------------------------------------------------------------ helpers
+    def locks(self) -> list[Key]:
+        return [s.lock_key for s in self.live]
+
+    def held(self) -> set[int]:
+        return {p for s in self.live for p in s.table}
+
+    def on_event(self, event: CacheEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, BlockStored):
+            self.indexed[event.tier].update((event.namespace, h) for h in event.hashes)
+        elif isinstance(event, BlockRemoved):
+            self.indexed[event.tier].difference_update((event.namespace, h) for h in event.hashes)
+        elif isinstance(event, AllCleared):
+            for tier in ([event.tier] if event.tier else self.indexed):
+                self.indexed[tier].clear()
+
+    def evict_and_compare(self, n: int, locks: list[Key]) -> None:
+        expect, keys = self.model.evict(n, self.now, locks, self.held())
+        self.events.clear()
+        assert self.tree.evict(n) == expect
+        order = [(e.namespace, h) for e in self.events
+                 if isinstance(e, BlockRemoved) and e.tier == DEVICE for h in reversed(e.hashes)]
+        assert order == [self.model.hash_of(key) for key in keys], "device pages evicted out of order"
+
+    def match_and_compare(self, namespace, tokens, update: bool, extra_locks: list[Key] = ()):
+        m = self.tree.match(tokens, namespace, update=update)
+        pages, host_keys, device_best, best, host_best = self.model.match(
+            namespace, tokens, update, self.now, self.locks() + list(extra_locks))
+        assert m.pages == pages
+        assert len(m.host_pages) == len(host_keys) and m.host_tokens == len(host_keys) * self.page_size
+        if m.partial_tokens:
+            assert m.partial_tokens == best and m.partial_page in device_best
+        else:
+            assert m.partial_page is None and (best == 0 or host_best)
+        assert m.num_tokens == len(pages) * self.page_size + m.partial_tokens
+        return m, host_keys
+
+    # ------------------------------------------------------------ rules
+    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]))
+    def admit(self, data, namespace) -> None:
+        """Match (both tiers), lock, load the host continuation back, take the rest (evicting)."""
+        self._admit(data, namespace)
+
+    def _admit(self, data, namespace) -> bool:
+        tokens = self.draw_tokens(data)
+        m, host_keys = self.match_and_compare(namespace, tokens, update=True)
+        handle = m.host_node or m.node
+        self.tree.lock(handle)
+        path_key = (namespace, *tokens[: (len(m.pages) + len(m.host_pages)) * self.page_size])
+        if m.host_pages and data.draw(st.booleans(), label="load back (else recompute)"):
+            short = len(m.host_pages) - self.pool.num_free
+            if short > 0:
+                self.evict_and_compare(short, self.locks() + [path_key])
+            loaded = self.tree.load_back(m)
+            self.model.load(host_keys, loaded.pages[len(m.pages):])
+            assert len(loaded.pages) == len(m.pages) + min(len(m.host_pages), len(loaded.pages) - len(m.pages))
+            self.tree.lock(loaded.node)
+            self.tree.unlock(handle)
+            m, handle = loaded, loaded.node
+        elif m.host_pages:  # recompute the host part: lock only what is on the device
+            self.tree.lock(m.node)
+            self.tree.unlock(handle)
+            handle = m.node
+        self.pool.incref(m.pages)
+        lock_key = (namespace, *tokens[: len(m.pages) * self.page_size])
+        self.live.append(Live(namespace, tokens, list(m.pages), handle, lock_key))
+        need = math.ceil(len(tokens) / self.page_size) - len(m.pages)
+        if self.pool.num_free < need:
+            self.evict_and_compare(need - self.pool.num_free, self.locks())
+        if self.pool.num_free < need:
+            self._release(self.live.pop())
+            return False
+        self.live[-1].table += self.pool.allocate(need)
+        return True
+
+    def _release(self, seq: Live) -> None:
+        self.tree.unlock(seq.node)
+        self.pool.decref(seq.table)
+        cached = {p.device for p in self.model.pages.values()}
+        self.check(set(seq.table) - cached - self.held())
+
+    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]), retention=st.sampled_from(RETENTIONS))
+    def serve(self, data, namespace, retention) -> None:
+        if self._admit(data, namespace):
+            self._finish(self.live.pop(), retention, data.draw(st.booleans()))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), retention=st.sampled_from(RETENTIONS), ranged=st.booleans())
+    def finish(self, data, retention, ranged) -> None:
+        self._finish(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))), retention, ranged)
+
+    def _finish(self, seq: Live, retention: Retention | None, ranged: bool) -> None:
+        ranges = [(0, self.page_size + 1, Retention(90, 3.0))] if ranged else []
+        dups = self.tree.insert(seq.tokens, seq.table, seq.namespace, retention, ranges)
+        assert dups == self.model.insert(seq.namespace, seq.tokens, seq.table, retention, ranges, self.now)
+        self._release(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        self._release(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))))
+
+    @rule(n=st.integers(1, 6))
+    def evict(self, n) -> None:
+        self.evict_and_compare(n, self.locks())
+
+    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]), update=st.booleans())
+    def lookup(self, data, namespace, update) -> None:
+        self.match_and_compare(namespace, self.draw_tokens(data), update)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def advance_clock(self, dt) -> None:
+        self.now += dt
+
+    @rule()
+    def flush(self) -> None:
+        before = {p.device for p in self.model.pages.values() if p.device is not None}
+        self.model.reset(self.locks())
+        dropped = before - {p.device for p in self.model.pages.values()}
+        assert self.tree.reset() == len(dropped - self.held())
+        assert self.tree.host.pool.num_free == self.tree.host.pool.num_pages - self.model.host_used()
+
+    # ------------------------------------------------------------ checks
+    def tree_contents(self) -> tuple[dict[Key, int], set[Key]]:
+        device, host = {}, set()
+        for node, pages in self.tree.nodes():
+            if node.is_root:
+                continue
+            path, up = [], node
+            while up is not None and not up.is_root:
+                path[:0] = up.tokens.tolist()
+                up = up.parent
+            start = len(path) - len(node.tokens)
+            for i in range(len(node.tokens) // self.page_size):
+                key = (node.namespace, *path[: start + (i + 1) * self.page_size])
+                if pages:
+                    device[key] = pages[i]
+                if node.host is not None:
+                    host.add(key)
+        return device, host
+
+    @invariant()
+    def check(self, released=()) -> None:
+        if not hasattr(self, "tree"):
+            return
+        check_invariants(self.pool, self.tree, [SequenceView(s.table, len(s.tokens)) for s in self.live], released)
+        device, host = self.tree_contents()
+        assert device == {k: p.device for k, p in self.model.pages.items() if p.device is not None}
+        assert host == {k for k, p in self.model.pages.items() if p.host}
+        assert set(device) | host == set(self.model.pages), "a cached page on no tier"
+        for tier, keys in ((DEVICE, device), (HOST, host)):
+            expected = {self.model.hash_of(key) for key in keys}
+            assert self.tree.cached_page_hashes(tier) == expected
+            assert self.indexed[tier] == expected, f"the {tier} event indexer disagrees with the tree"
+
+
+class TieredTreeMachinePage4(TieredTreeMachine):
+    page_size = 4
+    num_pages = 8
+    max_len = 18
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=40, derandomize=True, database=None,
+                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestTieredTreePage1 = TieredTreeMachine.TestCase
+TestTieredTreePage1.settings = SETTINGS
+TestTieredTreePage4 = TieredTreeMachinePage4.TestCase
+TestTieredTreePage4.settings = SETTINGS
