@@ -20,6 +20,7 @@ from radixserve.cache.invariants import SequenceView, check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
 from radixserve.cache.reuse import ReuseHistory
+from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK, HostTier
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
                                       StreamDelta, TokenLogprob)
@@ -32,6 +33,8 @@ from radixserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
+_TREE_PAGE_COUNTS = frozenset({"cached_pages", "evictable_pages", "locked_pages", "free_pages",
+                               "host_cached_pages", "host_only_pages", "host_free_pages"})
 REUSE_WINDOW = 16  # reuse history length, in multiples of the pool's pages (measured best)
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
 SESSION_SWEEP_S = 1.0  # how often idle sessions are looked for
@@ -65,6 +68,14 @@ class Engine:
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
         enable_prefix_cache: False computes every prompt in full (a baseline).
         debug_checks: run the structural invariant checker after every step.
+        host_num_pages / host_kv_memory_gb: size of the host tier, a second KV pool in host
+            memory (pinned on CUDA) that pages evicted from the device go to and are loaded
+            back from; default (and 0): no host tier.
+        host_write_policy: "write-back" (copy a page to host when the device evicts it) or
+            "write-through-selective" (also as soon as it has been hit twice).
+        host_offload_min_priority: device-only pages below this retention priority are
+            dropped on eviction instead of copied to host (default 35: the default priority
+            is offloaded).
     """
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
@@ -74,7 +85,9 @@ class Engine:
                  max_queue: int | None = None, max_batch_tokens: int = 2048,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
-                 backend: str | None = None, seed: int = 0) -> None:
+                 backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
+                 host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
+                 host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -87,10 +100,12 @@ class Engine:
         self.device = self.loaded.device
         self.page_size = page_size
         self.pool = self._make_pool(num_pages, kv_memory_gb)
+        self.host_tier = self._make_host_tier(host_num_pages, host_kv_memory_gb, host_write_policy,
+                                              host_offload_min_priority) if enable_prefix_cache else None
         reuse_boost = eviction_policy == "reuse-boost"
         self.cache_events = CacheEventHub(page_size)
         self.tree = RadixTree(self.pool, eviction_policy="priority" if reuse_boost else eviction_policy,
-                              events=self.cache_events)
+                              events=self.cache_events, host=self.host_tier)
         self.reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * self.pool.num_pages)
                               if reuse_boost and enable_prefix_cache else None)
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
@@ -106,8 +121,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._sessions: dict[str, _Session] = {}
         self._pending: dict[str, list[StreamDelta]] = {}
-        self._counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                          "requests_finished": 0, "requests_aborted": 0, "steps": 0}
+        self._counters = {"prompt_tokens": 0, "cached_tokens": 0, "host_cached_tokens": 0,
+                          "generated_tokens": 0, "requests_finished": 0, "requests_aborted": 0,
+                          "steps": 0, "prefill_tokens": 0}
+        self._prefill_step_s = 0.0
         self._step_time_s = 0.0
         self._last_step_s = 0.0
         self._released: list[int] = []  # pages let go in this step, for the debug checker
@@ -133,6 +150,27 @@ class Engine:
         else:
             budget = int(kv_memory_gb * 2**30)
         return PagePool.from_memory_budget(budget, self.page_size, **shape)
+
+    def _make_host_tier(self, num_pages: int | None, memory_gb: float | None, write_policy: str,
+                        offload_min_priority: int) -> HostTier | None:
+        """The host tier's pool (same page shape, in host memory, pinned on CUDA); None when
+        neither size is given or it is zero."""
+        if num_pages is not None and memory_gb is not None:
+            raise ValueError("give host_num_pages or host_kv_memory_gb, not both")
+        for name, value in (("host_num_pages", num_pages), ("host_kv_memory_gb", memory_gb)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
+        if not num_pages and not memory_gb:
+            return None
+        cfg = self.loaded.model
+        shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                     dtype=self.loaded.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+        if num_pages:
+            host_pool = PagePool(num_pages, self.page_size, **shape)
+        else:
+            host_pool = PagePool.from_memory_budget(int(memory_gb * 2**30), self.page_size, **shape)
+        return HostTier.over(self.pool, host_pool, write_policy=write_policy,
+                             offload_min_priority=offload_min_priority)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -229,6 +267,10 @@ class Engine:
             self._run(chunks)
         self._counters["steps"] += 1
         self._last_step_s = time.perf_counter() - start
+        prefilled = sum(c.num_new for c in chunks if c.num_new > 1)
+        if prefilled:  # for prefill time per token (vs. a host-tier copy's)
+            self._counters["prefill_tokens"] += prefilled
+            self._prefill_step_s += self._last_step_s
         self._step_time_s += self._last_step_s
         if self.debug_checks:
             self.check_invariants()
@@ -432,6 +474,7 @@ class Engine:
         self._counters["requests_aborted" if req.aborted else "requests_finished"] += 1
         self._counters["prompt_tokens"] += len(req.prompt_ids)
         self._counters["cached_tokens"] += req.cached_tokens or 0
+        self._counters["host_cached_tokens"] += req.host_cached_tokens
 
     # ------------------------------------------------------------------ offline API
     def generate(self, prompts: list[str] | list[list[int]],
@@ -465,6 +508,17 @@ class Engine:
         step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
         pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
         the tree's counters prefixed "cache_" (cache_evicted_pages, cache_lookups, ...), and
+        the host tier's (zero without one): host_cached_tokens / device_cached_tokens (the
+        part of cached_tokens loaded back from the host / found on the device),
+        host_pages_total, host_pages_free, host_pages_used, host_pages_cached (host copies the
+        tree holds), host_only_pages (cached pages on the host only), host_kv_bytes,
+        cache_offloaded_pages / cache_written_through_pages (copied to host on eviction / by
+        write-through), cache_dropped_pages (left the device without a host copy),
+        cache_loaded_pages, cache_host_evicted_pages, cache_device_hit_tokens /
+        cache_host_hit_tokens (lookups), kv_offloaded_bytes, kv_loaded_bytes,
+        kv_offload_seconds_total / kv_load_seconds_total (time spent issuing the copies),
+        prefill_tokens and prefill_step_s_total (steps that prefilled: prefill time per
+        token, to compare with a copy's), and
         "histograms": {"hit_age_seconds" | "evict_age_seconds" | "evict_reuse":
         {"buckets": [(le, cumulative count), ...], "sum", "count"}} — the age of cached KV
         when it is hit and when it is evicted, and how often each evicted page had been hit.
@@ -484,13 +538,33 @@ class Engine:
             kv_tokens_capacity=self.pool.num_pages * self.page_size,
             kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self._sessions),
         )
-        # The tree's page counts are reported above as pages_*; the rest come prefixed.
-        out.update({f"cache_{k}": v for k, v in self.tree.stats().items() if not k.endswith("_pages")
-                    or k == "evicted_pages"})
+        out["device_cached_tokens"] = c["cached_tokens"] - c["host_cached_tokens"]
+        out["prefill_step_s_total"] = self._prefill_step_s
+        out.update(self._host_stats())
+        # The tree's page counts are reported as pages_* / host_*; its counters come prefixed.
+        out.update({f"cache_{k}": v for k, v in self.tree.stats().items() if k not in _TREE_PAGE_COUNTS})
         # Prometheus-style cumulative buckets: [(upper bound, count <= bound), ...] ending at +inf.
         out["histograms"] = {name: {"buckets": h.cumulative(), "sum": h.sum, "count": h.count}
                              for name, h in self.tree.histograms().items()}
         return out
+
+    def _host_stats(self) -> dict[str, float]:
+        host = self.host_tier
+        if host is None:
+            return dict.fromkeys(("host_pages_total", "host_pages_free", "host_pages_used", "host_pages_cached",
+                                  "host_only_pages", "host_kv_bytes", "kv_offloaded_bytes", "kv_loaded_bytes",
+                                  "kv_offload_seconds_total", "kv_load_seconds_total"), 0)
+        tree = self.tree.stats()
+        per_page = host.bytes_per_page
+        return {
+            "host_pages_total": host.pool.num_pages, "host_pages_free": host.pool.num_free,
+            "host_pages_used": host.pool.num_used, "host_pages_cached": self.tree.host_cached_pages,
+            "host_only_pages": self.tree.host_only_pages, "host_kv_bytes": host.pool.num_pages * per_page,
+            "kv_offloaded_bytes": (tree["offloaded_pages"] + tree["written_through_pages"]) * per_page,
+            "kv_loaded_bytes": tree["loaded_pages"] * per_page,
+            "kv_offload_seconds_total": host.copier.offload_seconds,
+            "kv_load_seconds_total": host.copier.load_seconds,
+        }
 
     def _bytes_per_page(self) -> int:
         m = self.loaded.model

@@ -58,8 +58,9 @@ class FCFS(SchedulePolicy):
 
 
 def _cached_len(request: Schedulable, tree: RadixTree) -> int:
+    """Prompt tokens cached on either tier (a host hit is loaded back, not recomputed)."""
     prompt = request.prompt_ids
-    return tree.match(prompt[: len(prompt) - 1], request.namespace, update=False).num_tokens
+    return tree.match(prompt[: len(prompt) - 1], request.namespace, update=False).cached_tokens
 
 
 class LongestPrefixMatch(SchedulePolicy):

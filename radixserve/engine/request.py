@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.radix import RadixNode, Retention
+from radixserve.cache.transfer import LoadHandle
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import SamplingParams, TokenLogprob
 
@@ -33,6 +34,7 @@ class Request:
     reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
     sequences: list[Sequence] = field(default_factory=list)
     cached_tokens: int | None = None  # set when its first sequence is first admitted
+    host_cached_tokens: int = 0  # how many of those were copied back from the host tier
     aborted: bool = False
 
     @property
@@ -71,6 +73,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     lock_node: RadixNode | None = None
     locked_tokens: int = 0  # tokens covered by lock_node's path (whole pages in the tree)
+    loaded_tokens: int = 0  # of num_computed, tokens copied back from the host at admission
+    pending_loads: list[LoadHandle] = field(default_factory=list)  # copies not done yet: wait
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

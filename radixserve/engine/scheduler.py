@@ -5,6 +5,12 @@ it (1) gives every running sequence its next chunk (one token when decoding), pr
 lowest-priority, latest-arrived sequences when pages run out, then (2) admits waiting
 sequences in the policy's order within the token budget, reusing their cached prefixes.
 It knows nothing of the model: the runner turns its Batch into a forward pass.
+
+With a host tier under the tree, a prefix found on the host is loaded back into device pages
+at admission (`_take_cached_prefix`) before the rest is prefilled; a load that does not fit
+in device memory falls back to recomputing what did not fit. Where the copy runs
+asynchronously (CUDA), the sequence joins the running set but runs no chunk until its copy
+is done, so the copy never holds up the running batch.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class SchedulerCounters:
     shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
     deferred_for_sharing: int = 0
     admitted: int = 0
+    loaded_tokens: int = 0  # prompt tokens copied back from the host tier instead of recomputed
 
 
 class Scheduler:
@@ -70,6 +77,8 @@ class Scheduler:
         ordered = sorted(self.running, key=lambda s: (-s.priority, s.arrival_time, s.seq_id))
         while ordered and budget > 0:
             seq = ordered.pop(0)
+            if not self._loaded(seq):
+                continue  # its prefix is still being copied from the host
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             while not self._reserve(seq, seq.num_computed + num_new):
                 # A prefill chunk shrinks to the pages it can have before anyone is preempted,
@@ -105,7 +114,7 @@ class Scheduler:
             peek = None  # one look at the cache serves both checks below
             if self.prefix_cache:
                 peek = self.tree.match(tokens[: len(tokens) - 1], seq.namespace, update=False)
-                if not aged and self._shares_prefill_in_flight(tokens, seq, peek.num_tokens):
+                if not aged and self._shares_prefill_in_flight(tokens, seq, peek.cached_tokens):
                     self.counters.deferred_for_sharing += 1
                     continue
             # Keep a page per decoding sequence in hand, so admitting does not force a preemption
@@ -120,12 +129,22 @@ class Scheduler:
                 break
             if seq.request.cached_tokens is None:  # first admission: what the caller is told
                 seq.request.cached_tokens = seq.num_computed
+                seq.request.host_cached_tokens = seq.loaded_tokens
             self.waiting.remove(seq)
             self.running.append(seq)
             self.counters.admitted += 1
+            if not self._loaded(seq):
+                continue  # runs once its copy from the host is done; the budget stays for others
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return chunks
+
+    @staticmethod
+    def _loaded(seq: Sequence) -> bool:
+        """Whether every copy from the host into the sequence's pages has completed."""
+        if seq.pending_loads:
+            seq.pending_loads = [load for load in seq.pending_loads if not load.done()]
+        return not seq.pending_loads
 
     def _shares_prefill_in_flight(self, mine: np.ndarray, seq: Sequence, cached: int) -> bool:
         """In-batch sharing: wait while another sequence computes a prefix this one needs.
@@ -146,8 +165,9 @@ class Scheduler:
         return False
 
     def _may_fit(self, num_tokens: int, cached: MatchResult | None, budget: int, reserve: int) -> bool:
-        """Whether the pages this admission needs could be had at all (free + evictable)."""
-        hit = cached.num_tokens if cached else 0
+        """Whether the pages this admission needs could be had at all (free + evictable); a
+        prefix found on the host needs device pages too, loaded or recomputed."""
+        hit = cached.cached_tokens if cached else 0
         full_pages = len(cached.pages) if cached else 0
         num_new = min(num_tokens - hit, budget)
         needed = math.ceil((hit + num_new) / self.page_size) - full_pages
@@ -157,14 +177,22 @@ class Scheduler:
         """Locks the sequence's longest cached prefix and takes its pages.
 
         Full pages are shared; a match that ends inside a cached page is copied into a private
-        page (copy-on-partial-reuse), so the hit does not depend on the page size.
+        page (copy-on-partial-reuse), so the hit does not depend on the page size. A prefix
+        that continues on the host is copied into device pages first, as far as device
+        memory allows (eviction included); the rest is recomputed.
         """
+        seq.loaded_tokens = 0
         if not self.prefix_cache:
             return
         tokens = seq.prompt_ids
         match = self.tree.match(tokens[: len(tokens) - 1], seq.namespace)
+        if match.host_pages:
+            found_on_device = match.num_tokens
+            match = self._load_back(match)
+            seq.loaded_tokens = match.num_tokens - found_on_device
         self.tree.lock(match.node)
         self.pool.incref(match.pages)
+        seq.pending_loads = list(match.loads)
         seq.lock_node = match.node
         seq.block_table = list(match.pages)
         seq.num_computed = seq.locked_tokens = len(match.pages) * self.page_size
@@ -175,6 +203,17 @@ class Scheduler:
                 self.pool.copy_page(match.partial_page, page, match.partial_tokens)
                 seq.block_table.append(page)
                 seq.num_computed += match.partial_tokens
+
+    def _load_back(self, match: MatchResult) -> MatchResult:
+        """Copies the host continuation of `match` into device pages, evicting to make room;
+        what cannot get a device page stays on the host (and is recomputed)."""
+        handle = match.host_node
+        self.tree.lock(handle)  # making room must not evict the pages being loaded
+        self._ensure_free(len(match.host_pages))
+        loaded = self.tree.load_back(match)
+        self.tree.unlock(handle)
+        self.counters.loaded_tokens += loaded.num_tokens - match.num_tokens
+        return loaded
 
     # ------------------------------------------------------------------ pages
     def _ensure_free(self, num_pages: int) -> bool:
