@@ -41,6 +41,20 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="size of the KV pool in pages (default: sized by --kv-memory-gb)")
     pool.add_argument("--kv-memory-gb", type=float, default=None,
                       help="size of the KV pool in GiB (default: 0.5 on CPU, 80%% of free memory on CUDA)")
+    host = serve.add_mutually_exclusive_group()
+    host.add_argument("--host-kv-memory-gb", type=float, default=None,
+                      help="size of the host tier in GiB: a second KV pool in host memory (pinned on "
+                           "CUDA) that pages evicted from the device go to and are loaded back from "
+                           "(default: none)")
+    host.add_argument("--host-num-pages", type=int, default=None,
+                      help="size of the host tier in pages (default: none)")
+    serve.add_argument("--host-write-policy", default="write-back",
+                       choices=["write-back", "write-through-selective"],
+                       help="when pages go to the host tier: on device eviction, or also once hit "
+                            "twice (default: %(default)s)")
+    serve.add_argument("--host-offload-min-priority", type=int, default=35,
+                       help="device-only pages below this retention priority are dropped on eviction "
+                            "instead of copied to the host tier (default: %(default)s)")
     serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                        help="order of waiting requests: longest cached prefix first, DFS over "
                             "shared prefixes, or arrival order (default: %(default)s)")
@@ -126,6 +140,9 @@ def serve_command(args: argparse.Namespace) -> int:
          f"context {engine.max_context_len} tokens")
     _say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
          f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
+    if stats["host_pages_total"]:
+        _say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
+             f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
     app = create_app(AsyncEngine(engine), served_model_name=args.served_model_name, api_key=args.api_key,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer)
     _say(f"serving {args.served_model_name or engine.model_name} at http://{args.host}:{args.port}/v1 "
@@ -141,7 +158,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
                 kv_memory_gb=args.kv_memory_gb, device=args.device,
                 schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
                 dtype=args.dtype, max_running=args.max_running, max_queue=args.max_queue,
-                max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache)
+                max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache,
+                host_kv_memory_gb=args.host_kv_memory_gb, host_num_pages=args.host_num_pages,
+                host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,8 @@ from radixserve.cli import build_parser, main
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVE_FLAGS = ["--model", "--host", "--port", "--page-size", "--num-pages", "--kv-memory-gb",
                "--schedule-policy", "--eviction-policy", "--max-running", "--max-queue", "--api-key",
-               "--dtype", "--device", "--served-model-name", "--no-prefix-cache"]
+               "--dtype", "--device", "--served-model-name", "--no-prefix-cache", "--host-kv-memory-gb",
+               "--host-num-pages", "--host-write-policy", "--host-offload-min-priority"]
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -45,6 +46,10 @@ def test_serve_defaults_and_pool_flags_exclusive() -> None:
     assert args.num_pages is None and args.kv_memory_gb is None and args.max_queue is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--num-pages", "8", "--kv-memory-gb", "1"])
+    assert args.host_num_pages is None and args.host_kv_memory_gb is None  # no host tier by default
+    assert (args.host_write_policy, args.host_offload_min_priority) == ("write-back", 35)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--host-num-pages", "8", "--host-kv-memory-gb", "1"])
 
 
 def test_bench_subcommand_present_exactly_when_its_module_is() -> None:
@@ -69,7 +74,7 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
     env.pop("RADIXSERVE_API_KEY", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--num-pages", "32",
-         "--served-model-name", "cli-demo", "--log-level", "warning"],
+         "--host-num-pages", "64", "--served-model-name", "cli-demo", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + 60
@@ -95,5 +100,6 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
             process.communicate()
     assert process.returncode == 0, stderr
     assert "KV pool: 32 pages x 16 tokens = 512 tokens" in stderr
+    assert "host tier: 64 pages = 1024 tokens" in stderr
     assert f"http://127.0.0.1:{port}/v1" in stderr
     assert "radixserve: stopped" in stderr
