@@ -6,14 +6,17 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from radixserve.benchmark.report import (
+    format_capacity,
     format_tokens,
     parse_tokens,
     percent,
     plot_hit_rate_vs_capacity,
+    plot_hit_rate_vs_host_capacity,
     plot_ttft_cdf,
     serve_table,
     sweep_table,
@@ -50,6 +53,16 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     _add_workload_args(p)
     p.add_argument("--capacity-tokens", required=True, metavar="N[,N...]",
                    help="cache capacity in tokens, e.g. 1M or a sweep 0.5M,1M,2M,4M")
+    p.add_argument("--host-capacity-tokens", default="0", metavar="N[,N...]",
+                   help="host tier capacity in tokens, e.g. 8M or a sweep 0,2M,8M (default: none); "
+                        "with several device and host capacities every pair runs")
+    p.add_argument("--host-write-policy", default="write-back", choices=["write-back", "write-through-selective"],
+                   help="when pages go to the host tier (default: %(default)s)")
+    p.add_argument("--host-offload-min-priority", type=int, default=35,
+                   help="device-only pages below this retention priority are dropped, not offloaded "
+                        "(default: %(default)s)")
+    p.add_argument("--load-tokens-per-s", type=float, default=1_000_000.0,
+                   help="simulated speed of loads from the host tier (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: %(default)s)")
     p.add_argument("--policy", default="lpm", choices=["fcfs", "lpm", "dfs-weight"],
                    help="schedule policy of the main configuration (default: %(default)s)")
@@ -160,26 +173,31 @@ def simulate_command(args: argparse.Namespace) -> int:
     from radixserve.benchmark.suite import run_suite, suite_configs
 
     capacities = [parse_tokens(c) for c in args.capacity_tokens.split(",")]
+    host_capacities = [parse_tokens(c) for c in args.host_capacity_tokens.split(",")]
+    points = [(device, host) for device in capacities for host in host_capacities]
     workload = load_workload(args)
     if args.replicas is not None:
         return _simulate_cluster(args, workload, capacities)
     main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.policy,
                      eviction_policy=args.eviction, sequential=args.sequential,
                      max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-                     prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_ms / 1000)
+                     prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_ms / 1000,
+                     host_write_policy=args.host_write_policy,
+                     host_offload_min_priority=args.host_offload_min_priority,
+                     load_tokens_per_s=args.load_tokens_per_s)
     bounds = WorkloadBounds(workload)
     batch_in_dfs_order = None if args.sequential else dfs_order(workload)
     dfs_bounds = WorkloadBounds(batch_in_dfs_order) if batch_in_dfs_order else None
-    total = len(capacities) * len(suite_configs(main, args.retention, baselines=not args.no_baselines,
-                                                study=args.study))
+    total = sum(len(suite_configs(replace(main, host_capacity_tokens=host), args.retention,
+                                  baselines=not args.no_baselines, study=args.study)) for _, host in points)
     bar = None if args.no_progress else _tqdm(total, "simulations")
     sweep = []
-    for capacity in capacities:
+    for capacity, host in points:
         obj = run_suite(workload, capacity, main, args.retention, bounds, dfs_bounds=dfs_bounds,
-                        baselines=not args.no_baselines,
-                        study=args.study, on_result=(lambda _: bar.update(1)) if bar else None)
+                        baselines=not args.no_baselines, study=args.study, host_capacity_tokens=host,
+                        on_result=(lambda _: bar.update(1)) if bar else None)
         sweep.append(obj)
-        _say(f"{format_tokens(capacity)}: " + ", ".join(
+        _say(f"{format_capacity(capacity, host)}: " + ", ".join(
             f"{e['label']} {percent(e['hit_rate'])}" for e in obj["runs"])
             + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}")
     if bar:
@@ -189,12 +207,14 @@ def simulate_command(args: argparse.Namespace) -> int:
     else:
         result = {key: sweep[0][key] for key in ("workload", "workload_params", "requests", "prompt_tokens",
                                                  "page_size", "infinite_hit_rate")}
-        for key in ("capacity_tokens", "hit_rate", "optimal_hit_rate", "optimal_dfs_hit_rate", "fraction_of_optimum"):
+        for key in ("capacity_tokens", "host_capacity_tokens", "hit_rate", "device_hit_rate", "host_hit_rate",
+                    "offloaded_tokens", "loaded_tokens", "optimal_hit_rate", "optimal_device_hit_rate",
+                    "optimal_dfs_hit_rate", "fraction_of_optimum"):
             result[key] = [run[key] for run in sweep]
         result["sweep"] = sweep
     if args.trace is not None:
         result["block512_optimal_hit_rate"] = trace_block_bounds(args.trace, capacities) \
-            if args.limit is None else None
+            if args.limit is None and host_capacities == [0] else None
     table = sweep_table(sweep)
     print(table)
     if args.json:
@@ -204,8 +224,12 @@ def simulate_command(args: argparse.Namespace) -> int:
         args.markdown.write_text(table)
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_hit_rate_vs_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs capacity "
-                                                          f"(page size {args.page_size})")
+        if len(host_capacities) > 1:
+            plot_hit_rate_vs_host_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs host tier "
+                                                                   f"capacity (page size {args.page_size})")
+        else:
+            plot_hit_rate_vs_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs capacity "
+                                                              f"(page size {args.page_size})")
     return 0
 
 

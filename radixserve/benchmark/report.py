@@ -16,6 +16,11 @@ def format_tokens(n: float) -> str:
     return f"{n:g}"
 
 
+def format_capacity(device: int, host: int = 0) -> str:
+    """'0.5M', or '0.5M+8M' with a host tier (device + host)."""
+    return format_tokens(device) + (f"+{format_tokens(host)}" if host else "")
+
+
 def parse_tokens(text: str) -> int:
     """'0.5M' -> 500000, '64k' -> 64000, '1000' -> 1000."""
     text = text.strip()
@@ -35,16 +40,17 @@ def sweep_table(sweep: Sequence[Mapping]) -> str:
     rate and (in brackets) its fraction of the offline optimum (the better of arrival and DFS
     order where both exist); bound rows at the bottom.
 
-    `sweep` is a list of simulate-run objects (see `cli.simulate_object`), one per capacity.
+    `sweep` is a list of simulate-run objects (`suite.run_suite`), one per capacity (columns
+    "device+host" with a host tier, where the optimum is that of the whole capacity).
     """
-    capacities = [run["capacity_tokens"] for run in sweep]
     labels: list[str] = []
     for run in sweep:
         for entry in run["runs"]:
             if entry["label"] not in labels:
                 labels.append(entry["label"])
-    header = "| configuration | " + " | ".join(format_tokens(c) for c in capacities) + " |"
-    lines = [header, "|---" * (len(capacities) + 1) + "|"]
+    header = "| configuration | " + " | ".join(format_capacity(r["capacity_tokens"], r.get("host_capacity_tokens", 0))
+                                               for r in sweep) + " |"
+    lines = [header, "|---" * (len(sweep) + 1) + "|"]
     for label in labels:
         cells = []
         for run in sweep:
@@ -58,6 +64,9 @@ def sweep_table(sweep: Sequence[Mapping]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| **offline optimum** (arrival order) | "
                  + " | ".join(percent(r["optimal_hit_rate"]) for r in sweep) + " |")
+    if any(r.get("host_capacity_tokens") for r in sweep):
+        lines.append("| offline optimum, device capacity alone | "
+                     + " | ".join(percent(r.get("optimal_device_hit_rate")) for r in sweep) + " |")
     if any(r.get("optimal_dfs_hit_rate") is not None for r in sweep):
         lines.append("| offline optimum, DFS order | "
                      + " | ".join(percent(r.get("optimal_dfs_hit_rate")) for r in sweep) + " |")
@@ -104,6 +113,37 @@ def plot_hit_rate_vs_capacity(sweep: Sequence[Mapping], path: str | Path, title:
     ax.set_xlabel("cache capacity (tokens)")
     ax.set_ylabel("prefix hit rate (%)")
     ax.set_title(title or "hit rate vs capacity")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_hit_rate_vs_host_capacity(sweep: Sequence[Mapping], path: str | Path, title: str = "") -> None:
+    """Hit rate against host tier capacity, one line per device capacity for the main
+    configuration, with the same capacity as one cache, the offline optimum of the whole
+    capacity and the infinite-cache bound."""
+    plt = _pyplot()
+    hosts = sorted({run["host_capacity_tokens"] for run in sweep})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for device in sorted({run["capacity_tokens"] for run in sweep}):
+        runs = {run["host_capacity_tokens"]: run for run in sweep if run["capacity_tokens"] == device}
+        xs = [i for i, h in enumerate(hosts) if h in runs]
+        name = format_tokens(device)
+        line, = ax.plot(xs, [100 * runs[hosts[i]]["hit_rate"] for i in xs], marker="o",
+                        label=f"device {name} + host tier ({runs[hosts[xs[0]]]['main']})")
+        one_cache = [next((e["hit_rate"] for e in runs[hosts[i]]["runs"] if e["label"].endswith("one cache of device+host")),
+                          runs[hosts[i]]["hit_rate"] if hosts[i] == 0 else np.nan) for i in xs]
+        ax.plot(xs, 100 * np.array(one_cache), linestyle="--", color=line.get_color(), marker="^",
+                label=f"one device cache of {name} + host capacity")
+        ax.plot(xs, [100 * runs[hosts[i]]["optimal_hit_rate"] for i in xs], linestyle=":", color=line.get_color(),
+                marker="s", label=f"offline optimum, {name} + host capacity")
+    ax.axhline(100 * sweep[0]["infinite_hit_rate"], color="grey", linestyle=":", label="infinite cache")
+    ax.set_xticks(range(len(hosts)), [format_tokens(h) if h else "0" for h in hosts])
+    ax.set_xlabel("host tier capacity (tokens)")
+    ax.set_ylabel("prefix hit rate (%)")
+    ax.set_title(title or "hit rate vs host tier capacity")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

@@ -15,6 +15,7 @@ from typing import ClassVar
 from radixserve.benchmark.workloads import BenchRequest
 from radixserve.cache.retention import Retention
 from radixserve.cache.reuse import ReuseHistory
+from radixserve.engine.request import REUSED_RETENTION
 
 RetentionRanges = list[tuple[int, int, Retention]]
 
@@ -23,6 +24,9 @@ class RetentionRule(ABC):
     """Maps an insert to `range_retention` entries for `RadixTree.insert`."""
 
     name: ClassVar[str]
+
+    def observe(self, request: BenchRequest) -> None:
+        """Called when `request` arrives at the server (the engine's `add_request`)."""
 
     @abstractmethod
     def ranges(self, request: BenchRequest, hit_tokens: int) -> RetentionRanges:
@@ -99,7 +103,7 @@ class ReuseBoost(RetentionRule):
 
     name = "reuse-boost"
 
-    def __init__(self, page_size: int, window_pages: int, priority: int = 60, *,
+    def __init__(self, page_size: int, window_pages: int, priority: int = REUSED_RETENTION.priority, *,
                  boost_sessions: bool = True) -> None:
         self.page_size = page_size
         self.window_pages = window_pages
@@ -108,10 +112,14 @@ class ReuseBoost(RetentionRule):
         self._history = ReuseHistory(page_size, window_pages)
         self._seen_pages: dict[int, int] = {}
 
+    def observe(self, request: BenchRequest) -> None:
+        """Looks the prompt up in the history on arrival, as the engine does."""
+        if request.index not in self._seen_pages:
+            self._seen_pages[request.index] = self._history.observe(request.prompt_ids)
+
     def ranges(self, request: BenchRequest, hit_tokens: int) -> RetentionRanges:
-        seen = self._seen_pages.get(request.index)
-        if seen is None:  # first insert of this request (later chunks ask again)
-            seen = self._seen_pages[request.index] = self._history.observe(request.prompt_ids)
+        self.observe(request)  # a no-op once observed on arrival
+        seen = self._seen_pages[request.index]
         if self.boost_sessions and request.client_id >= 0:
             reply = 0 if request.output_ids is None else len(request.output_ids)
             return [(0, request.prompt_len + reply, self.retention)]

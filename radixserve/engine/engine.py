@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _TREE_PAGE_COUNTS = frozenset({"cached_pages", "evictable_pages", "locked_pages", "free_pages",
                                "host_cached_pages", "host_only_pages", "host_free_pages"})
-REUSE_WINDOW = 16  # reuse history length, in multiples of the pool's pages (measured best)
+REUSE_WINDOW = 16  # reuse history length, in multiples of the cache's pages, both tiers (measured best)
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
 SESSION_SWEEP_S = 1.0  # how often idle sessions are looked for
 DEFAULT_CPU_KV_GB = 0.5
@@ -106,7 +106,8 @@ class Engine:
         self.cache_events = CacheEventHub(page_size)
         self.tree = RadixTree(self.pool, eviction_policy="priority" if reuse_boost else eviction_policy,
                               events=self.cache_events, host=self.host_tier)
-        self.reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * self.pool.num_pages)
+        cache_pages = self.pool.num_pages + (self.host_tier.pool.num_pages if self.host_tier else 0)
+        self.reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * cache_pages)
                               if reuse_boost and enable_prefix_cache else None)
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
