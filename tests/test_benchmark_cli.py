@@ -76,3 +76,26 @@ def test_cli_offers_every_retention_rule() -> None:
         args = parser.parse_args(["bench", "simulate", "--workload", "gsp", "--capacity-tokens", "1k",
                                   "--retention", rule])
         assert args.retention == rule
+
+
+def test_simulate_with_a_host_tier_reports_both_tiers_and_the_two_tier_bound(tmp_path: Path) -> None:
+    out, plot = tmp_path / "host.json", tmp_path / "host.png"
+    sessions = "num_clients=6,num_turns=4,num_system_prompts=2,system_len=96,message_len=24,output_len=8"
+    assert main(["bench", "simulate", "--workload", "multiturn", "--workload-args", sessions, "--page-size", "4",
+                 "--capacity-tokens", "400", "--host-capacity-tokens", "0,2k", "--no-progress",
+                 "--json", str(out), "--plot", str(plot)]) == 0
+    result = json.loads(out.read_text())
+    assert result["capacity_tokens"] == [400, 400] and result["host_capacity_tokens"] == [0, 2000]
+    device_only, two_tier = result["sweep"]
+    for run in result["sweep"]:
+        assert run["device_hit_rate"] + run["host_hit_rate"] == pytest.approx(run["hit_rate"])
+        assert run["optimal_hit_rate"] >= run["optimal_device_hit_rate"]
+    assert device_only["host_hit_rate"] == 0 and device_only["offloaded_tokens"] == 0
+    assert two_tier["host_hit_rate"] > 0 and two_tier["loaded_tokens"] > 0 and two_tier["offloaded_tokens"] > 0
+    assert two_tier["hit_rate"] > device_only["hit_rate"]
+    assert two_tier["optimal_device_hit_rate"] == device_only["optimal_hit_rate"]
+    labels = [run["label"] for run in two_tier["runs"]]
+    assert labels[-2:] == ["lpm/priority+reuse-boost, device only", "lpm/priority+reuse-boost, one cache of device+host"]
+    variant = {run["label"]: run for run in two_tier["runs"]}["lpm/priority+reuse-boost, device only"]
+    assert variant["hit_rate"] == device_only["hit_rate"] and variant["host_capacity_tokens"] == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -194,3 +194,51 @@ def test_reuse_boost_raises_a_whole_session_turn() -> None:
     (start, end, retention), = rule.ranges(turn, 0)
     assert (start, end) == (0, 12 + 3) and retention.priority == 60
     assert ReuseBoost(page_size=4, window_pages=100, boost_sessions=False).ranges(turn, 0) == []
+
+
+def _sessions() -> Workload:
+    return multi_turn(num_clients=6, num_turns=4, num_system_prompts=2, system_len=96, message_len=24,
+                      output_len=8)
+
+
+def test_a_host_tier_keeps_what_the_device_pool_evicts_up_to_the_infinite_bound() -> None:
+    w = _sessions()
+    device_only = simulate(w, SimConfig(400, page_size=1, max_running=8, max_batch_tokens=512))
+    sim = Simulator(w, SimConfig(400, page_size=1, max_running=8, max_batch_tokens=512,
+                                 host_capacity_tokens=10 ** 6))
+    two_tier = sim.run()
+    infinite = WorkloadBounds(w).infinite().hit_rate
+    assert device_only.hit_rate < infinite - 0.05
+    assert two_tier.hit_rate == pytest.approx(infinite) and two_tier.skipped == 0
+    entry = two_tier.to_dict()
+    assert entry["device_hit_rate"] + entry["host_hit_rate"] == pytest.approx(two_tier.hit_rate)
+    assert two_tier.host_hit_tokens > 0 and two_tier.loaded_tokens >= two_tier.host_hit_tokens
+    assert two_tier.offloaded_tokens > 0 and entry["host_capacity_tokens"] == 10 ** 6
+    check_invariants(sim.pool, sim.tree, [])
+    assert sim.tree.locked_pages == 0 and sim.tree.host_only_pages > 0
+
+
+def test_loads_from_the_host_take_simulated_time_and_the_request_waits_for_them() -> None:
+    w = _sessions()
+    results = {}
+    for rate in (1e9, 200.0):  # tokens per second of host-to-device copy
+        sim = Simulator(w, SimConfig(400, page_size=1, max_running=8, max_batch_tokens=512,
+                                     host_capacity_tokens=10 ** 6, load_tokens_per_s=rate))
+        results[rate] = sim.run()
+        check_invariants(sim.pool, sim.tree, [])
+    fast, slow = results[1e9], results[200.0]
+    assert slow.host_hit_tokens > 0 and np.isfinite(slow.ttft_s).all()
+    # 200 tokens/s: a 100-token load alone takes half a second, far above a step.
+    assert np.nanmean(slow.ttft_s) > np.nanmean(fast.ttft_s) + 0.1
+    assert slow.makespan_s > fast.makespan_s
+
+
+def test_write_policies_and_the_offload_floor_shape_what_reaches_the_host() -> None:
+    w = _sessions()
+    config = dict(page_size=1, max_running=8, max_batch_tokens=512, host_capacity_tokens=10 ** 6)
+    back = simulate(w, SimConfig(400, **config))
+    through = simulate(w, SimConfig(400, host_write_policy="write-through-selective", **config))
+    nothing = simulate(w, SimConfig(400, host_offload_min_priority=36, **config))  # default pages are 35
+    assert through.offloaded_tokens >= back.offloaded_tokens > 0
+    assert nothing.offloaded_tokens == nothing.host_hit_tokens == 0
+    assert through.label.endswith("write-through-selective")

@@ -124,7 +124,8 @@ class Scheduler:
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
             self._take_cached_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, seq.num_computed + num_new, extra_free=reserve):
+            loading = not self._loaded(seq)  # its pages come when its copy from the host is done
+            if not loading and not self._reserve(seq, seq.num_computed + num_new, extra_free=reserve):
                 self._release_pages(seq, cache=False)
                 break
             if seq.request.cached_tokens is None:  # first admission: what the caller is told
@@ -133,8 +134,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             self.counters.admitted += 1
-            if not self._loaded(seq):
-                continue  # runs once its copy from the host is done; the budget stays for others
+            if loading:
+                continue  # the budget stays for others this step
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return chunks

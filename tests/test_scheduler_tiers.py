@@ -1,0 +1,116 @@
+"""The scheduler over a two-tier cache: load-back at admission, waiting for a copy in flight
+without holding up the running batch, and a load that does not fit.
+
+Real scheduler, tree and pools (no tensors); the copy engine is the benchmark's simulated
+one, whose loads complete when the clock reaches their finish time (as a CUDA copy on a side
+stream completes while the compute stream goes on).
+"""
+
+from __future__ import annotations
+
+from radixserve.benchmark.sim_server import SimulatedCopier
+from radixserve.cache.invariants import SequenceView, check_invariants
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree
+from radixserve.cache.tiers import HostTier
+from radixserve.engine.params import SamplingParams
+from radixserve.engine.policy import make_policy
+from radixserve.engine.request import Request, Sequence
+from radixserve.engine.scheduler import Scheduler
+
+P = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_pages: int, load_s_per_page: float = 0.0):
+    clock = Clock()
+    pool = PagePool(num_pages, P)
+    tier = HostTier(PagePool(64, P), SimulatedCopier(clock, load_s_per_page))
+    tree = RadixTree(pool, clock=clock, host=tier)
+    scheduler = Scheduler(pool, tree, make_policy("fcfs"), max_running=8, max_batch_tokens=256, clock=clock)
+    return clock, pool, tree, scheduler
+
+
+def submit(scheduler: Scheduler, tokens: list[int], arrival: float = 0.0) -> Sequence:
+    req = Request(str(len(scheduler.waiting) + len(scheduler.running)), tokens, SamplingParams(), arrival)
+    seq = Sequence(req, 0, list(tokens), None, None, None)
+    req.sequences.append(seq)
+    scheduler.waiting.append(seq)
+    return seq
+
+
+def on_host(pool: PagePool, tree: RadixTree, tokens: list[int]) -> None:
+    """Caches `tokens` and pushes every page of them to the host tier."""
+    pages = pool.allocate(len(tokens) // P)
+    tree.insert(tokens, pages)
+    pool.decref(pages)
+    assert tree.evict(len(pages)) == len(pages)
+    assert tree.host_only_pages == len(pages)
+
+
+def run(scheduler: Scheduler, chunks) -> None:
+    """What the engine does after a forward pass, minus the tokens: progress and caching."""
+    for chunk in chunks:
+        chunk.seq.num_computed += chunk.num_new
+        if chunk.num_new > 1:
+            scheduler.cache_computed(chunk.seq, None, [])
+        if chunk.needs_logits:
+            chunk.seq.token_ids.append(7)
+
+
+def check(pool: PagePool, tree: RadixTree, scheduler: Scheduler, *others: SequenceView) -> None:
+    check_invariants(pool, tree, [SequenceView(s.block_table, s.num_computed) for s in scheduler.running] + list(others))
+
+
+def test_a_request_waits_for_its_copy_from_the_host_while_the_batch_decodes() -> None:
+    clock, pool, tree, scheduler = make(32, load_s_per_page=0.01)
+    conversation = list(range(100, 140))  # 10 pages
+    on_host(pool, tree, conversation)
+    other = submit(scheduler, list(range(300, 310)))
+    run(scheduler, scheduler.schedule())  # `other` prefills and decodes from now on
+    returning = submit(scheduler, conversation + [1], arrival=clock.now)
+    chunks = scheduler.schedule()
+    assert [c.seq for c in chunks] == [other]  # the copy of 10 pages is in flight: 0.1 s
+    assert returning in scheduler.running and returning.pending_loads
+    assert returning.request.cached_tokens == 40 and returning.request.host_cached_tokens == 40
+    run(scheduler, chunks)
+    check(pool, tree, scheduler)
+    clock.now += 0.05
+    assert [c.seq for c in scheduler.schedule()] == [other]
+    clock.now += 0.06
+    chunks = scheduler.schedule()
+    assert {c.seq for c in chunks} == {other, returning}
+    first = next(c for c in chunks if c.seq is returning)
+    assert returning.num_computed == 40 and first.num_new == 1  # only the last token is computed
+    run(scheduler, chunks)
+    check(pool, tree, scheduler)
+    assert tree.stats()["loaded_pages"] == 10
+
+
+def test_a_load_that_finds_no_device_room_loads_what_fits_and_the_request_waits() -> None:
+    clock, pool, tree, scheduler = make(16)
+    conversation = list(range(100, 140))  # 10 pages, pushed to the host
+    on_host(pool, tree, conversation)
+    # Another holder keeps 12 cached pages alive: the tree may evict them (they count as
+    # evictable) but that frees nothing, so only 4 device pages can be had.
+    held = pool.allocate(12)
+    tree.insert(list(range(500, 548)), held)
+    returning = submit(scheduler, conversation + [1])
+    assert scheduler.schedule() == []  # it loaded what fitted; the rest of its pages do not
+    assert returning in scheduler.waiting and returning.request.cached_tokens is None
+    assert scheduler.counters.loaded_tokens == 16 and tree.host_only_pages == 6 + 12
+    check(pool, tree, scheduler, SequenceView(held, len(held) * P))
+    pool.decref(held)  # the other holder lets go: now everything fits
+    chunks = scheduler.schedule()
+    assert [c.seq for c in chunks] == [returning] and chunks[0].num_new == 1
+    # 4 pages came back in the first attempt (found on the device now), 6 in this one.
+    assert returning.request.cached_tokens == 40 and returning.request.host_cached_tokens == 24
+    run(scheduler, chunks)
+    check(pool, tree, scheduler)
