@@ -33,6 +33,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_simulate(sub)
     _add_serve(sub)
     _add_compare(sub)
+    _add_tiers(sub)
 
 
 def _add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) -> None:
@@ -128,6 +129,29 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=compare_command)
+
+
+def _add_tiers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tiers", help="multi-turn chat on a device pool too small for it, with and without "
+                                     "the host tier, on a random bench Llama")
+    p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn")
+    p.add_argument("--workload-args", default="num_clients=16,num_turns=4,num_system_prompts=2,system_len=256,"
+                                              "message_len=128,output_len=32",
+                   help="generator overrides (default: a CPU-sized multiturn)")
+    p.add_argument("--device-fraction", type=float, default=0.25,
+                   help="device pool as a fraction of the working set (default: %(default)s)")
+    p.add_argument("--host-factor", type=float, default=2.0,
+                   help="host tier as a multiple of the working set (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
+                   help="bench model directory, built if missing (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=tiers_command)
 
 
 def parse_workload_args(text: str) -> dict[str, Any]:
@@ -301,6 +325,41 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: prefix cache on vs off")
+    if args.json:
+        _write_json(args.json, result)
+    return 1 if result["server_failures"] else 0
+
+
+def tiers_command(args: argparse.Namespace) -> int:
+    """`radixserve bench tiers`."""
+    from radixserve.benchmark.compare import build_bench_model, model_vocab_size
+    from radixserve.benchmark.host_tier import run_host_tier_comparison
+
+    model_dir = build_bench_model(args.model_dir)
+    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir), **parse_workload_args(args.workload_args)}
+    workload = make_workload(args.workload, **params)
+    result = run_host_tier_comparison(workload, model_dir, page_size=args.page_size,
+                                      device_fraction=args.device_fraction, host_factor=args.host_factor,
+                                      concurrency=args.concurrency, server_args=args.server_args.split(),
+                                      log_dir=args.json.parent if args.json else None,
+                                      progress=not args.no_progress)
+    _say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
+         f"host tier {result['host_pages']} pages of {args.page_size}")
+    print(serve_table(result["servers"]))
+    for name, value in result.get("ratios", {}).items():
+        if value is not None:
+            print(f"{name}: {value:.2f}x")
+    if "identical_outputs" in result:
+        print(f"identical outputs: {result['identical_outputs']} ({result['mismatched_requests']} differ)")
+        copy, prefill = result["copy_s_per_token"], result["prefill_s_per_token"]
+        if copy and prefill:
+            print(f"copy from host: {1e6 * copy:.2f} us/token; prefill: {1e6 * prefill:.2f} us/token")
+    for label, reason in result["server_failures"].items():
+        _say(f"server run '{label}' failed: {reason}")
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: device pool "
+                                                         f"{args.device_fraction:g} of the working set")
     if args.json:
         _write_json(args.json, result)
     return 1 if result["server_failures"] else 0

@@ -36,6 +36,7 @@ class RequestRecord:
     latency_s: float = float("nan")
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the completion, to compare runs
 
 
 @dataclass
@@ -139,6 +140,7 @@ async def send_request(client: httpx.AsyncClient, url: str, request: BenchReques
                 chunk = json.loads(data)
                 now = time.perf_counter()
                 if chunk.get("choices"):
+                    record.text += chunk["choices"][0].get("text") or ""
                     if last_chunk is None:
                         record.ttft_s = now - start
                     else:

@@ -1,0 +1,107 @@
+"""`radixserve bench tiers`: a multi-turn workload on a device pool too small for it, served
+with and without the host tier.
+
+The device pool holds `device_fraction` (a quarter by default) of the workload's working set
+— every distinct token its prompts and replies contain — so conversations are evicted
+between their turns; the host tier holds `host_factor` times the working set. The same
+requests are replayed against `radixserve serve` twice, over HTTP, and compared: TTFT,
+throughput, whether every completion is the same text (greedy), and, from the server's own
+counters of the host-tier run, the time a load from the host takes per token against the time
+a prefill takes per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.benchmark.compare import launch_server
+from radixserve.benchmark.optimum import WorkloadBounds
+from radixserve.benchmark.serve import run_serve_benchmark
+from radixserve.benchmark.workloads import Workload
+
+DEVICE_ONLY = "device only"
+WITH_HOST = "device + host tier"
+COUNTERS = ("radixserve_kv_load_seconds", "radixserve_kv_pages_loaded", "radixserve_kv_pages_offloaded",
+            "radixserve_prefill_step_seconds", "radixserve_prefill_tokens", "radixserve_host_cached_tokens",
+            "radixserve_cached_tokens", "radixserve_preemptions")
+
+
+def working_set_tokens(workload: Workload) -> int:
+    """Distinct tokens of the workload's prompts and known replies (its trie's size)."""
+    return int(WorkloadBounds(workload).trie.size.sum())
+
+
+def pool_sizes(workload: Workload, page_size: int, device_fraction: float, host_factor: float) -> tuple[int, int]:
+    """(device pages, host pages): a fraction of the working set on the device, but at least
+    what the longest request needs on its own; `host_factor` times the working set on host."""
+    working = working_set_tokens(workload)
+    longest = max(r.prompt_len + max(r.output_len, 1) for r in workload.requests)
+    device = max(math.ceil(working * device_fraction / page_size), math.ceil(longest / page_size) + 2)
+    return device, math.ceil(working * host_factor / page_size)
+
+
+def scrape_counters(url: str) -> dict[str, float]:
+    """The host-tier and prefill counters from the server's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in COUNTERS:
+            out[family.name.removeprefix("radixserve_")] = sum(s.value for s in family.samples)
+    return out
+
+
+def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_size: int = 16,
+                             device_fraction: float = 0.25, host_factor: float = 2.0, concurrency: int = 4,
+                             server_args: list[str] | None = None, log_dir: Path | None = None,
+                             progress: bool = False) -> dict[str, object]:
+    """Serves `workload` on `model_dir` with a small device pool, without and with a host
+    tier; returns both summaries, the ratios, whether the outputs agree, and copy vs prefill
+    time per token. A server that fails to start is reported, not fatal."""
+    device_pages, host_pages = pool_sizes(workload, page_size, device_fraction, host_factor)
+    base = [*(server_args or []), "--page-size", str(page_size), "--num-pages", str(device_pages)]
+    runs = ((DEVICE_ONLY, base), (WITH_HOST, [*base, "--host-num-pages", str(host_pages)]))
+    summaries: dict[str, dict] = {}
+    texts: dict[str, list[str]] = {}
+    ttfts: dict[str, list[float]] = {}
+    failures: dict[str, str] = {}
+    for label, flags in runs:
+        log_path = log_dir / f"server-{label.replace(' ', '-').replace('+', 'plus')}.log" if log_dir else None
+        try:
+            with launch_server(model_dir, flags, log_path=log_path) as url:
+                result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency, progress=progress))
+                counters = scrape_counters(url)
+        except (RuntimeError, TimeoutError) as exc:
+            failures[label] = str(exc)
+            continue
+        summaries[label] = {**result.summary(), "server": counters}
+        texts[label] = [r.text if r.error is None else None for r in result.records]
+        ttfts[label] = [r.ttft_s for r in result.records if r.error is None]
+    out: dict[str, object] = {
+        "workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens, "working_set_tokens": working_set_tokens(workload),
+        "page_size": page_size, "device_pages": device_pages, "host_pages": host_pages,
+        "concurrency": concurrency, "servers": summaries, "server_failures": failures, "ttft_s": ttfts,
+    }
+    if len(summaries) == 2:
+        plain, tiered = summaries[DEVICE_ONLY], summaries[WITH_HOST]
+        mismatched = sum(a != b for a, b in zip(texts[DEVICE_ONLY], texts[WITH_HOST]))
+        counters = tiered["server"]
+        loaded_tokens = counters.get("kv_pages_loaded", 0.0) * page_size
+        prefill_tokens = counters.get("prefill_tokens", 0.0)
+        copy = counters.get("kv_load_seconds", 0.0) / loaded_tokens if loaded_tokens else None
+        prefill = counters.get("prefill_step_seconds", 0.0) / prefill_tokens if prefill_tokens else None
+        out.update(
+            identical_outputs=mismatched == 0, mismatched_requests=mismatched,
+            copy_s_per_token=copy, prefill_s_per_token=prefill,
+            ratios={
+                "ttft mean: device only / host tier": plain["ttft_mean_s"] / tiered["ttft_mean_s"],
+                "ttft p99: device only / host tier": plain["ttft_p99_s"] / tiered["ttft_p99_s"],
+                "throughput: host tier / device only": tiered["total_token_throughput"] / plain["total_token_throughput"],
+                "prefill time per token / copy time per token": prefill / copy if copy and prefill else None,
+            })
+    return out
