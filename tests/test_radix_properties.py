@@ -9,6 +9,7 @@ exactly the tree's page hashes.
 """
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
@@ -33,6 +34,20 @@ class RefPage:
     priority: int = DEFAULT_PRIORITY
     expiry: float = math.inf
     floor: int = DEFAULT_PRIORITY  # what an expired priority falls back to
+
+
+def page_keys(tree: RadixTree) -> Iterator[tuple[object, Key, int]]:
+    """(node, the full prefix its i-th page ends, i) for every page of every node."""
+    for node, _ in tree.nodes():
+        if node.is_root:
+            continue
+        path, up = [], node
+        while not up.is_root:
+            path[:0] = up.tokens.tolist()
+            up = up.parent
+        start = len(path) - len(node.tokens)
+        for i in range(len(node.tokens) // tree.page_size):
+            yield node, (node.namespace, *path[: start + (i + 1) * tree.page_size]), i
 
 
 class ReferenceCache:
@@ -291,16 +306,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ checks
     def tree_contents(self) -> dict[Key, int]:
-        out = {}
-        for node, pages in self.tree.nodes():
-            path, up = [], node
-            while up is not None and not up.is_root:
-                path[:0] = up.tokens.tolist()
-                up = up.parent
-            start = len(path) - len(node.tokens)
-            for i, page in enumerate(pages):
-                out[(node.namespace, *path[: start + (i + 1) * self.page_size])] = page
-        return out
+        return {key: node.pages[i] for node, key, i in page_keys(self.tree)}
 
     @invariant()
     def check(self, released=()) -> None:

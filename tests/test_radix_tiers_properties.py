@@ -28,15 +28,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import numpy as np
-
 from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored, CacheEvent, CacheEventHub
 from radixserve.cache.invariants import SequenceView, check_invariants
-from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
 from radixserve.cache.tiers import HostTier
 from radixserve.cache.transfer import PageCopier
+from tests.test_radix_properties import RETENTIONS, Live, ReferenceCache, TreeMachine, page_keys
 
 Key = tuple  # (namespace, token, token, ...)
 WRITE_THROUGH_HITS = 2
@@ -53,22 +51,18 @@ class Page:
     hits: int = 0
 
 
-class TieredModel:
-    """The brute-force two-tier cache."""
+class TieredModel(ReferenceCache):
+    """The brute-force two-tier cache (the single-tier reference's keys, locks, retention and
+    hashes; its own pages, eviction and matching)."""
 
     def __init__(self, page_size: int, policy: str, host_pages: int, floor: int, write_through: bool) -> None:
-        self.size = page_size
-        self.policy = policy
+        super().__init__(page_size, policy)
         self.host_pages = host_pages
         self.floor = floor
         self.write_through = write_through
         self.pages: dict[Key, Page] = {}
-        self.tick = 0
 
     # ---------------------------------------------------------------- helpers
-    def keys(self, namespace, tokens, num_pages: int) -> list[Key]:
-        return [(namespace, *tokens[: (i + 1) * self.size]) for i in range(num_pages)]
-
     def below(self, key: Key) -> list[Key]:
         """Every cached key that extends `key` (its subtree, without itself)."""
         return [k for k in self.pages if len(k) > len(key) and k[: len(key)] == key]
@@ -76,10 +70,6 @@ class TieredModel:
     def has_child(self, key: Key, on_device: bool = False) -> bool:
         return any(len(k) == len(key) + self.size and k[: len(key)] == key
                    and (not on_device or p.device is not None) for k, p in self.pages.items())
-
-    @staticmethod
-    def locked(key: Key, locks: list[Key]) -> bool:
-        return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
 
     def effective(self, page: Page, now: float) -> int:
         return page.priority if page.expiry > now else page.floor
@@ -103,7 +93,7 @@ class TieredModel:
         done = 0
         while done < n:
             candidates = [k for k, p in self.pages.items() if p.device is None and not self.has_child(k)
-                          and not self.locked(k, locks) and k not in shielded]
+                          and not self._locked(k, locks) and k not in shielded]
             if not candidates:
                 break
             del self.pages[self.first(candidates, now)]
@@ -124,7 +114,7 @@ class TieredModel:
         if touch:
             self.tick += 1
         matched: list[Key] = []
-        for key in self.keys(namespace, tokens, len(tokens) // self.size):
+        for key in self._keys(namespace, tokens, len(tokens) // self.size):
             if key not in self.pages:
                 break
             matched.append(key)
@@ -160,17 +150,11 @@ class TieredModel:
                     page.host = True
         return [self.pages[k].device for k in on_device], host_keys, device_best, best, host_best
 
-    def raise_retention(self, page: Page, r: Retention, now: float) -> None:
-        current = (page.priority, page.expiry) if page.expiry > now else (page.floor, math.inf)
-        if not r.duration_s:
-            page.floor = max(page.floor, r.priority)
-        page.priority, page.expiry = max(current, (r.priority, now + r.duration_s if r.duration_s else math.inf))
-
     def insert(self, namespace, tokens, pages, retention, ranges, now) -> list[int]:
         self.tick += 1
         duplicates = []
         retention = retention or Retention()
-        for i, key in enumerate(self.keys(namespace, tokens, len(tokens) // self.size)):
+        for i, key in enumerate(self._keys(namespace, tokens, len(tokens) // self.size)):
             page = self.pages.get(key)
             if page is None:
                 page = self.pages[key] = Page(pages[i], False, self.tick, retention.priority,
@@ -182,10 +166,10 @@ class TieredModel:
                 elif page.device != pages[i]:
                     duplicates.append(pages[i])
                 page.tick = self.tick
-                self.raise_retention(page, retention, now)
+                self._raise(page, retention, now)
             for start, end, r in ranges:
                 if start < (i + 1) * self.size and end > i * self.size:
-                    self.raise_retention(page, r, now)
+                    self._raise(page, r, now)
         return duplicates
 
     def drop(self, key: Key) -> None:
@@ -198,7 +182,7 @@ class TieredModel:
         taken: list[Key] = []
         while freed < n:
             leaves = [k for k, p in self.pages.items() if p.device is not None
-                      and not self.has_child(k, on_device=True) and not self.locked(k, locks)]
+                      and not self.has_child(k, on_device=True) and not self._locked(k, locks)]
             if not leaves:
                 break
             key = self.first(leaves, now)
@@ -227,27 +211,11 @@ class TieredModel:
             self.pages[key].device = page
 
     def reset(self, locks: list[Key]) -> None:
-        self.pages = {k: p for k, p in self.pages.items() if self.locked(k, locks)}
+        self.pages = {k: p for k, p in self.pages.items() if self._locked(k, locks)}
         for page in self.pages.values():
             if page.device is not None:
                 page.host = False
 
-    def hash_of(self, key: Key) -> tuple[str, int]:
-        ns_id = namespace_id(key[0])
-        tokens = np.asarray(key[1:], dtype=np.int64)
-        return ns_id, int(page_hashes(tokens, self.size, namespace_seed(ns_id))[0][-1])
-
-
-@dataclass
-class Live:
-    namespace: object
-    tokens: list[int]
-    table: list[int]
-    node: object
-    lock_key: Key
-
-
-RETENTIONS = [None, Retention(0), Retention(80), Retention(80, 5.0), Retention(10, 2.0), Retention(35, 4.0)]
 
 
 class TieredTreeMachine(RuleBasedStateMachine):
@@ -278,19 +246,8 @@ class TieredTreeMachine(RuleBasedStateMachine):
         for _ in range(data.draw(st.integers(3, 8))):
             self.serve(data, data.draw(st.sampled_from([None, "b"])), data.draw(st.sampled_from(RETENTIONS)))
 
-    def tokens(self):
-        size, n = self.page_size, self.max_len
-        trunk = list(range(10, 10 + n))
-        prompts = [trunk, trunk[: size + 1] + list(range(40, 40 + n)),
-                   trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
-        fresh = st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
-                          st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
-        return st.one_of(fresh, st.sampled_from(self.seen)) if self.seen else fresh
-
-    def draw_tokens(self, data) -> list[int]:
-        tokens = data.draw(self.tokens())
-        self.seen.append(tokens)
-        return tokens
+    tokens = TreeMachine.tokens  # the same prompts: shared prefixes diverging anywhere
+    draw_tokens = TreeMachine.draw_tokens
 
     # ------------------------------------------------------------ helpers
     def locks(self) -> list[Key]:
@@ -418,20 +375,11 @@ class TieredTreeMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ checks
     def tree_contents(self) -> tuple[dict[Key, int], set[Key]]:
         device, host = {}, set()
-        for node, pages in self.tree.nodes():
-            if node.is_root:
-                continue
-            path, up = [], node
-            while up is not None and not up.is_root:
-                path[:0] = up.tokens.tolist()
-                up = up.parent
-            start = len(path) - len(node.tokens)
-            for i in range(len(node.tokens) // self.page_size):
-                key = (node.namespace, *path[: start + (i + 1) * self.page_size])
-                if pages:
-                    device[key] = pages[i]
-                if node.host is not None:
-                    host.add(key)
+        for node, key, i in page_keys(self.tree):
+            if node.pages:
+                device[key] = node.pages[i]
+            if node.host is not None:
+                host.add(key)
         return device, host
 
     @invariant()

@@ -110,14 +110,7 @@ def plot_hit_rate_vs_capacity(sweep: Sequence[Mapping], path: str | Path, title:
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(capacities, [format_tokens(c) for c in capacities])
-    ax.set_xlabel("cache capacity (tokens)")
-    ax.set_ylabel("prefix hit rate (%)")
-    ax.set_title(title or "hit rate vs capacity")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_hit_rate_plot(plt, fig, ax, path, "cache capacity (tokens)", title or "hit rate vs capacity")
 
 
 def plot_hit_rate_vs_host_capacity(sweep: Sequence[Mapping], path: str | Path, title: str = "") -> None:
@@ -141,9 +134,14 @@ def plot_hit_rate_vs_host_capacity(sweep: Sequence[Mapping], path: str | Path, t
                 marker="s", label=f"offline optimum, {name} + host capacity")
     ax.axhline(100 * sweep[0]["infinite_hit_rate"], color="grey", linestyle=":", label="infinite cache")
     ax.set_xticks(range(len(hosts)), [format_tokens(h) if h else "0" for h in hosts])
-    ax.set_xlabel("host tier capacity (tokens)")
+    _finish_hit_rate_plot(plt, fig, ax, path, "host tier capacity (tokens)", title or "hit rate vs host tier capacity")
+
+
+def _finish_hit_rate_plot(plt, fig, ax, path: str | Path, xlabel: str, title: str) -> None:
+    """Labels, grid and legend of a hit-rate plot; writes it to `path`."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("prefix hit rate (%)")
-    ax.set_title(title or "hit rate vs host tier capacity")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
