@@ -24,9 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored, CacheEvent, CacheEventHub
 from radixserve.cache.invariants import SequenceView, check_invariants
@@ -34,7 +33,7 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
 from radixserve.cache.tiers import HostTier
 from radixserve.cache.transfer import PageCopier
-from tests.test_radix_properties import RETENTIONS, Live, ReferenceCache, TreeMachine, page_keys
+from tests.test_radix_properties import RETENTIONS, SETTINGS, Live, ReferenceCache, TreeMachine, page_keys
 
 Key = tuple  # (namespace, token, token, ...)
 WRITE_THROUGH_HITS = 2
@@ -42,7 +41,7 @@ WRITE_THROUGH_HITS = 2
 
 @dataclass
 class Page:
-    device: int | None
+    page: int | None  # the device page; None: on the host only
     host: bool
     tick: int
     priority: int = DEFAULT_PRIORITY
@@ -69,7 +68,7 @@ class TieredModel(ReferenceCache):
 
     def has_child(self, key: Key, on_device: bool = False) -> bool:
         return any(len(k) == len(key) + self.size and k[: len(key)] == key
-                   and (not on_device or p.device is not None) for k, p in self.pages.items())
+                   and (not on_device or p.page is not None) for k, p in self.pages.items())
 
     def effective(self, page: Page, now: float) -> int:
         return page.priority if page.expiry > now else page.floor
@@ -92,7 +91,7 @@ class TieredModel(ReferenceCache):
         """Takes up to n pages off the host (host-only leaves, unlocked, outside `shielded`)."""
         done = 0
         while done < n:
-            candidates = [k for k, p in self.pages.items() if p.device is None and not self.has_child(k)
+            candidates = [k for k, p in self.pages.items() if p.page is None and not self.has_child(k)
                           and not self._locked(k, locks) and k not in shielded]
             if not candidates:
                 break
@@ -118,9 +117,9 @@ class TieredModel(ReferenceCache):
             if key not in self.pages:
                 break
             matched.append(key)
-        on_device = [k for k in matched if self.pages[k].device is not None]
+        on_device = [k for k in matched if self.pages[k].page is not None]
         host_keys = matched[len(on_device):]
-        assert all(self.pages[k].device is None for k in host_keys), "model: device pages not prefix-closed"
+        assert all(self.pages[k].page is None for k in host_keys), "model: device pages not prefix-closed"
         if touch:
             for key in matched:
                 self.pages[key].tick = self.tick
@@ -136,8 +135,8 @@ class TieredModel(ReferenceCache):
                     if common > best:
                         best, device_best, host_best = common, set(), False
                     if common == best and common:
-                        if page.device is not None:
-                            device_best.add(page.device)
+                        if page.page is not None:
+                            device_best.add(page.page)
                         else:
                             host_best = True
         if touch and self.write_through:
@@ -148,7 +147,7 @@ class TieredModel(ReferenceCache):
                     if not self.host_room(1, now, locks + path_lock):
                         break
                     page.host = True
-        return [self.pages[k].device for k in on_device], host_keys, device_best, best, host_best
+        return [self.pages[k].page for k in on_device], host_keys, device_best, best, host_best
 
     def insert(self, namespace, tokens, pages, retention, ranges, now) -> list[int]:
         self.tick += 1
@@ -161,9 +160,9 @@ class TieredModel(ReferenceCache):
                                               now + retention.duration_s if retention.duration_s else math.inf,
                                               DEFAULT_PRIORITY if retention.duration_s else retention.priority)
             else:
-                if page.device is None:
-                    page.device = pages[i]
-                elif page.device != pages[i]:
+                if page.page is None:
+                    page.page = pages[i]
+                elif page.page != pages[i]:
                     duplicates.append(pages[i])
                 page.tick = self.tick
                 self._raise(page, retention, now)
@@ -181,14 +180,14 @@ class TieredModel(ReferenceCache):
         freed = 0
         taken: list[Key] = []
         while freed < n:
-            leaves = [k for k, p in self.pages.items() if p.device is not None
+            leaves = [k for k, p in self.pages.items() if p.page is not None
                       and not self.has_child(k, on_device=True) and not self._locked(k, locks)]
             if not leaves:
                 break
             key = self.first(leaves, now)
             page = self.pages[key]
-            freed += page.device not in held
-            page.device = None
+            freed += page.page not in held
+            page.page = None
             taken.append(key)
         for key in sorted(taken, key=len):  # top down: a dropped page takes everything below
             page = self.pages.get(key)
@@ -207,27 +206,22 @@ class TieredModel(ReferenceCache):
 
     def load(self, keys: list[Key], pages: list[int]) -> None:
         for key, page in zip(keys, pages):
-            assert self.pages[key].device is None
-            self.pages[key].device = page
+            assert self.pages[key].page is None
+            self.pages[key].page = page
 
     def reset(self, locks: list[Key]) -> None:
         self.pages = {k: p for k, p in self.pages.items() if self._locked(k, locks)}
         for page in self.pages.values():
-            if page.device is not None:
+            if page.page is not None:
                 page.host = False
 
 
 
-class TieredTreeMachine(RuleBasedStateMachine):
-    page_size = 1
-    num_pages = 16
-    max_len = 10
+class TieredTreeMachine(TreeMachine):
+    """The single-tier machine's rules (serve, finish, abort, evict, lookup, clock) over a
+    tree with a host tier; admission loads host continuations back (or recomputes them)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0.0
-        self.live: list[Live] = []
-        self.seen: list[list[int]] = []
+    num_pages = 16
 
     @initialize(policy=st.sampled_from(["priority", "lru"]), host_pages=st.sampled_from([3, 8, 20]),
                 floor=st.sampled_from([0, DEFAULT_PRIORITY, 50]), write_through=st.booleans(), data=st.data())
@@ -242,19 +236,9 @@ class TieredTreeMachine(RuleBasedStateMachine):
         hub = CacheEventHub(self.page_size)
         hub.subscribe(self.on_event)
         self.tree = RadixTree(self.pool, eviction_policy=policy, clock=lambda: self.now, events=hub, host=tier)
-        self.model = TieredModel(self.page_size, policy, host_pages, floor, write_through)
+        self.ref = TieredModel(self.page_size, policy, host_pages, floor, write_through)
         for _ in range(data.draw(st.integers(3, 8))):
             self.serve(data, data.draw(st.sampled_from([None, "b"])), data.draw(st.sampled_from(RETENTIONS)))
-
-    tokens = TreeMachine.tokens  # the same prompts: shared prefixes diverging anywhere
-    draw_tokens = TreeMachine.draw_tokens
-
-    # ------------------------------------------------------------ helpers
-    def locks(self) -> list[Key]:
-        return [s.lock_key for s in self.live]
-
-    def held(self) -> set[int]:
-        return {p for s in self.live for p in s.table}
 
     def on_event(self, event: CacheEvent) -> None:
         self.events.append(event)
@@ -266,18 +250,18 @@ class TieredTreeMachine(RuleBasedStateMachine):
             for tier in ([event.tier] if event.tier else self.indexed):
                 self.indexed[tier].clear()
 
-    def evict_and_compare(self, n: int, locks: list[Key]) -> None:
-        expect, keys = self.model.evict(n, self.now, locks, self.held())
+    def _evict(self, n: int, locks: list[Key] | None = None) -> None:
+        expect, keys = self.ref.evict(n, self.now, self._locks() if locks is None else locks, self._held())
         self.events.clear()
         assert self.tree.evict(n) == expect
         order = [(e.namespace, h) for e in self.events
                  if isinstance(e, BlockRemoved) and e.tier == DEVICE for h in reversed(e.hashes)]
-        assert order == [self.model.hash_of(key) for key in keys], "device pages evicted out of order"
+        assert order == [self.ref.hash_of(key) for key in keys], "device pages evicted out of order"
 
-    def match_and_compare(self, namespace, tokens, update: bool, extra_locks: list[Key] = ()):
+    def _match(self, namespace, tokens, update: bool):
         m = self.tree.match(tokens, namespace, update=update)
-        pages, host_keys, device_best, best, host_best = self.model.match(
-            namespace, tokens, update, self.now, self.locks() + list(extra_locks))
+        pages, host_keys, device_best, best, host_best = self.ref.match(namespace, tokens, update, self.now,
+                                                                        self._locks())
         assert m.pages == pages
         assert len(m.host_pages) == len(host_keys) and m.host_tokens == len(host_keys) * self.page_size
         if m.partial_tokens:
@@ -285,27 +269,23 @@ class TieredTreeMachine(RuleBasedStateMachine):
         else:
             assert m.partial_page is None and (best == 0 or host_best)
         assert m.num_tokens == len(pages) * self.page_size + m.partial_tokens
-        return m, host_keys
-
-    # ------------------------------------------------------------ rules
-    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]))
-    def admit(self, data, namespace) -> None:
-        """Match (both tiers), lock, load the host continuation back, take the rest (evicting)."""
-        self._admit(data, namespace)
+        self.host_keys = host_keys
+        return m
 
     def _admit(self, data, namespace) -> bool:
+        """Match (both tiers), lock, load the host continuation back or recompute it, take
+        the rest (evicting)."""
         tokens = self.draw_tokens(data)
-        m, host_keys = self.match_and_compare(namespace, tokens, update=True)
+        m = self._match(namespace, tokens, update=True)
         handle = m.host_node or m.node
         self.tree.lock(handle)
         path_key = (namespace, *tokens[: (len(m.pages) + len(m.host_pages)) * self.page_size])
         if m.host_pages and data.draw(st.booleans(), label="load back (else recompute)"):
             short = len(m.host_pages) - self.pool.num_free
             if short > 0:
-                self.evict_and_compare(short, self.locks() + [path_key])
+                self._evict(short, self._locks() + [path_key])
             loaded = self.tree.load_back(m)
-            self.model.load(host_keys, loaded.pages[len(m.pages):])
-            assert len(loaded.pages) == len(m.pages) + min(len(m.host_pages), len(loaded.pages) - len(m.pages))
+            self.ref.load(self.host_keys, loaded.pages[len(m.pages):])
             self.tree.lock(loaded.node)
             self.tree.unlock(handle)
             m, handle = loaded, loaded.node
@@ -318,61 +298,21 @@ class TieredTreeMachine(RuleBasedStateMachine):
         self.live.append(Live(namespace, tokens, list(m.pages), handle, lock_key))
         need = math.ceil(len(tokens) / self.page_size) - len(m.pages)
         if self.pool.num_free < need:
-            self.evict_and_compare(need - self.pool.num_free, self.locks())
+            self._evict(need - self.pool.num_free)
         if self.pool.num_free < need:
             self._release(self.live.pop())
             return False
         self.live[-1].table += self.pool.allocate(need)
         return True
 
-    def _release(self, seq: Live) -> None:
-        self.tree.unlock(seq.node)
-        self.pool.decref(seq.table)
-        cached = {p.device for p in self.model.pages.values()}
-        self.check(set(seq.table) - cached - self.held())
-
-    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]), retention=st.sampled_from(RETENTIONS))
-    def serve(self, data, namespace, retention) -> None:
-        if self._admit(data, namespace):
-            self._finish(self.live.pop(), retention, data.draw(st.booleans()))
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), retention=st.sampled_from(RETENTIONS), ranged=st.booleans())
-    def finish(self, data, retention, ranged) -> None:
-        self._finish(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))), retention, ranged)
-
-    def _finish(self, seq: Live, retention: Retention | None, ranged: bool) -> None:
-        ranges = [(0, self.page_size + 1, Retention(90, 3.0))] if ranged else []
-        dups = self.tree.insert(seq.tokens, seq.table, seq.namespace, retention, ranges)
-        assert dups == self.model.insert(seq.namespace, seq.tokens, seq.table, retention, ranges, self.now)
-        self._release(seq)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def abort(self, data) -> None:
-        self._release(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))))
-
-    @rule(n=st.integers(1, 6))
-    def evict(self, n) -> None:
-        self.evict_and_compare(n, self.locks())
-
-    @rule(data=st.data(), namespace=st.sampled_from([None, "b"]), update=st.booleans())
-    def lookup(self, data, namespace, update) -> None:
-        self.match_and_compare(namespace, self.draw_tokens(data), update)
-
-    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
-    def advance_clock(self, dt) -> None:
-        self.now += dt
-
     @rule()
     def flush(self) -> None:
-        before = {p.device for p in self.model.pages.values() if p.device is not None}
-        self.model.reset(self.locks())
-        dropped = before - {p.device for p in self.model.pages.values()}
-        assert self.tree.reset() == len(dropped - self.held())
-        assert self.tree.host.pool.num_free == self.tree.host.pool.num_pages - self.model.host_used()
+        before = {p.page for p in self.ref.pages.values() if p.page is not None}
+        self.ref.reset(self._locks())
+        dropped = before - {p.page for p in self.ref.pages.values()}
+        assert self.tree.reset() == len(dropped - self._held())
+        assert self.tree.host.pool.num_free == self.tree.host.pool.num_pages - self.ref.host_used()
 
-    # ------------------------------------------------------------ checks
     def tree_contents(self) -> tuple[dict[Key, int], set[Key]]:
         device, host = {}, set()
         for node, key, i in page_keys(self.tree):
@@ -388,11 +328,11 @@ class TieredTreeMachine(RuleBasedStateMachine):
             return
         check_invariants(self.pool, self.tree, [SequenceView(s.table, len(s.tokens)) for s in self.live], released)
         device, host = self.tree_contents()
-        assert device == {k: p.device for k, p in self.model.pages.items() if p.device is not None}
-        assert host == {k for k, p in self.model.pages.items() if p.host}
-        assert set(device) | host == set(self.model.pages), "a cached page on no tier"
+        assert device == {k: p.page for k, p in self.ref.pages.items() if p.page is not None}
+        assert host == {k for k, p in self.ref.pages.items() if p.host}
+        assert set(device) | host == set(self.ref.pages), "a cached page on no tier"
         for tier, keys in ((DEVICE, device), (HOST, host)):
-            expected = {self.model.hash_of(key) for key in keys}
+            expected = {self.ref.hash_of(key) for key in keys}
             assert self.tree.cached_page_hashes(tier) == expected
             assert self.indexed[tier] == expected, f"the {tier} event indexer disagrees with the tree"
 
@@ -403,8 +343,6 @@ class TieredTreeMachinePage4(TieredTreeMachine):
     max_len = 18
 
 
-SETTINGS = settings(max_examples=150, stateful_step_count=40, derandomize=True, database=None,
-                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestTieredTreePage1 = TieredTreeMachine.TestCase
 TestTieredTreePage1.settings = SETTINGS
 TestTieredTreePage4 = TieredTreeMachinePage4.TestCase
