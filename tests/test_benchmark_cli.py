@@ -99,3 +99,16 @@ def test_simulate_with_a_host_tier_reports_both_tiers_and_the_two_tier_bound(tmp
     variant = {run["label"]: run for run in two_tier["runs"]}["lpm/priority+reuse-boost, device only"]
     assert variant["hit_rate"] == device_only["hit_rate"] and variant["host_capacity_tokens"] == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tiers_sizes_the_device_pool_to_a_fraction_of_the_working_set() -> None:
+    from radixserve.benchmark.host_tier import median_summary, pool_sizes, working_set_tokens
+    from radixserve.benchmark.workloads import multi_turn
+
+    w = multi_turn(num_clients=4, num_turns=3, num_system_prompts=2, system_len=64, message_len=16, output_len=8)
+    # 2 system prompts, and per client 3 messages and 3 replies (the last one cached too).
+    assert working_set_tokens(w) == 2 * 64 + 4 * 3 * (16 + 8)
+    longest = max(r.prompt_len + r.output_len for r in w.requests)
+    assert pool_sizes(w, 16, 0.25, 2.0) == (max(-(-416 // 4 // 16), -(-longest // 16) + 2), -(-832 // 16))
+    assert median_summary([{"ttft": 1.0, "name": "a"}, {"ttft": 3.0, "name": "b"}, {"ttft": 2.0, "name": "c"}]) \
+        == {"ttft": 2.0, "name": "a"}

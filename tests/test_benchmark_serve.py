@@ -97,6 +97,7 @@ def test_one_at_a_time_measures_hits_tokens_and_latencies(server) -> None:
     assert summary["hit_rate"] == pytest.approx(WorkloadBounds(w).infinite().hit_rate)
     for record in result.records:
         assert len(record.itl_s) == 3 and all(g > 0 for g in record.itl_s)
+        assert record.text == "xxxx"  # the completion, kept to compare runs
         assert 0 < record.ttft_s < record.latency_s
     assert summary["request_throughput"] == pytest.approx(9 / result.duration_s)
     body = scripted.bodies[0]

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_util import running_server
 
 from radixserve import AsyncEngine, Engine
+from radixserve.benchmark.host_tier import scrape_counters
 from radixserve.server import create_app
 
 PAGE_SIZE = 16
@@ -53,4 +54,7 @@ def test_a_request_after_offload_reports_the_host_tier_hit_in_cached_tokens() ->
         assert value("radixserve_kv_loaded_bytes") == 9 * engine.host_tier.bytes_per_page
         assert value("radixserve_cached_tokens") == value("radixserve_host_cached_tokens") + value(
             "radixserve_device_cached_tokens")
+        counters = scrape_counters(url)  # what `bench tiers` reads from a server
+        assert counters["kv_pages_loaded"] == 9 and counters["host_cached_tokens"] == 9 * PAGE_SIZE
+        assert counters["kv_load_seconds"] > 0 and counters["prefill_tokens"] > 0
     engine.check_invariants()

@@ -12,7 +12,6 @@ from typing import Any
 
 from radixserve.benchmark.report import (
     format_capacity,
-    format_tokens,
     parse_tokens,
     percent,
     plot_hit_rate_vs_capacity,
@@ -135,8 +134,8 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tiers", help="multi-turn chat on a device pool too small for it, with and without "
                                      "the host tier, on a random bench Llama")
     p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn")
-    p.add_argument("--workload-args", default="num_clients=16,num_turns=4,num_system_prompts=2,system_len=256,"
-                                              "message_len=128,output_len=32",
+    p.add_argument("--workload-args", default="num_clients=8,num_turns=6,num_system_prompts=2,system_len=256,"
+                                              "message_len=64,output_len=32",
                    help="generator overrides (default: a CPU-sized multiturn)")
     p.add_argument("--device-fraction", type=float, default=0.25,
                    help="device pool as a fraction of the working set (default: %(default)s)")
@@ -146,6 +145,8 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each server, alternating; medians are reported (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
@@ -340,12 +341,13 @@ def tiers_command(args: argparse.Namespace) -> int:
     workload = make_workload(args.workload, **params)
     result = run_host_tier_comparison(workload, model_dir, page_size=args.page_size,
                                       device_fraction=args.device_fraction, host_factor=args.host_factor,
-                                      concurrency=args.concurrency, server_args=args.server_args.split(),
+                                      concurrency=args.concurrency, repeat=args.repeat,
+                                      server_args=args.server_args.split(),
                                       log_dir=args.json.parent if args.json else None,
                                       progress=not args.no_progress)
     _say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
          f"host tier {result['host_pages']} pages of {args.page_size}")
-    print(serve_table(result["servers"]))
+    print(serve_table(result["servers"]))  # medians of the runs
     for name, value in result.get("ratios", {}).items():
         if value is not None:
             print(f"{name}: {value:.2f}x")

@@ -4,10 +4,11 @@ with and without the host tier.
 The device pool holds `device_fraction` (a quarter by default) of the workload's working set
 — every distinct token its prompts and replies contain — so conversations are evicted
 between their turns; the host tier holds `host_factor` times the working set. The same
-requests are replayed against `radixserve serve` twice, over HTTP, and compared: TTFT,
-throughput, whether every completion is the same text (greedy), and, from the server's own
-counters of the host-tier run, the time a load from the host takes per token against the time
-a prefill takes per token.
+requests are replayed against `radixserve serve` with and without the host tier, over HTTP,
+`repeat` times in alternation (medians reported: a shared machine is noisy), and compared:
+TTFT, throughput, whether every completion is the same text in every run (greedy), and, from
+the server's own counters of the host-tier run, the time a load from the host takes per token
+against the time a prefill step takes per prefilled token (whole steps, so an upper bound).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 from pathlib import Path
 
 import httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.benchmark.compare import launch_server
@@ -55,46 +57,62 @@ def scrape_counters(url: str) -> dict[str, float]:
     return out
 
 
+def median_summary(summaries: list[dict]) -> dict:
+    """Key by key, the median of several runs' numeric figures (the first run's otherwise)."""
+    out = dict(summaries[0])
+    for key, value in summaries[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values = [s[key] for s in summaries if s.get(key) is not None]
+            out[key] = float(np.median(values)) if values else None
+    return out
+
+
 def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_size: int = 16,
                              device_fraction: float = 0.25, host_factor: float = 2.0, concurrency: int = 4,
-                             server_args: list[str] | None = None, log_dir: Path | None = None,
-                             progress: bool = False) -> dict[str, object]:
+                             repeat: int = 1, server_args: list[str] | None = None,
+                             log_dir: Path | None = None, progress: bool = False) -> dict[str, object]:
     """Serves `workload` on `model_dir` with a small device pool, without and with a host
-    tier; returns both summaries, the ratios, whether the outputs agree, and copy vs prefill
-    time per token. A server that fails to start is reported, not fatal."""
+    tier, `repeat` times in alternation; returns the median summaries, the ratios of the
+    medians, whether every run's outputs agree, and copy vs prefill time per token. A server
+    that fails to start is reported, not fatal."""
     device_pages, host_pages = pool_sizes(workload, page_size, device_fraction, host_factor)
     base = [*(server_args or []), "--page-size", str(page_size), "--num-pages", str(device_pages)]
     runs = ((DEVICE_ONLY, base), (WITH_HOST, [*base, "--host-num-pages", str(host_pages)]))
-    summaries: dict[str, dict] = {}
-    texts: dict[str, list[str]] = {}
-    ttfts: dict[str, list[float]] = {}
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    each: dict[str, list[dict]] = {label: [] for label, _ in runs}
+    texts: list[list[str | None]] = []
+    ttfts: dict[str, list[float]] = {label: [] for label, _ in runs}
     failures: dict[str, str] = {}
-    for label, flags in runs:
-        log_path = log_dir / f"server-{label.replace(' ', '-').replace('+', 'plus')}.log" if log_dir else None
-        try:
-            with launch_server(model_dir, flags, log_path=log_path) as url:
-                result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency, progress=progress))
-                counters = scrape_counters(url)
-        except (RuntimeError, TimeoutError) as exc:
-            failures[label] = str(exc)
-            continue
-        summaries[label] = {**result.summary(), "server": counters}
-        texts[label] = [r.text if r.error is None else None for r in result.records]
-        ttfts[label] = [r.ttft_s for r in result.records if r.error is None]
+    for _ in range(repeat):
+        for label, flags in runs:
+            log_path = log_dir / f"server-{label.replace(' ', '-').replace('+', 'plus')}.log" if log_dir else None
+            try:
+                with launch_server(model_dir, flags, log_path=log_path) as url:
+                    result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency,
+                                                             progress=progress))
+                    counters = scrape_counters(url)
+            except (RuntimeError, TimeoutError) as exc:
+                failures[label] = str(exc)
+                continue
+            each[label].append({**result.summary(), **{f"server_{k}": v for k, v in counters.items()}})
+            texts.append([r.text if r.error is None else None for r in result.records])
+            ttfts[label] += [r.ttft_s for r in result.records if r.error is None]
+    summaries = {label: median_summary(runs_of) for label, runs_of in each.items() if runs_of}
     out: dict[str, object] = {
         "workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens, "working_set_tokens": working_set_tokens(workload),
         "page_size": page_size, "device_pages": device_pages, "host_pages": host_pages,
-        "concurrency": concurrency, "servers": summaries, "server_failures": failures, "ttft_s": ttfts,
+        "concurrency": concurrency, "repeat": repeat, "servers": summaries, "runs": each,
+        "server_failures": failures, "ttft_s": ttfts,
     }
     if len(summaries) == 2:
         plain, tiered = summaries[DEVICE_ONLY], summaries[WITH_HOST]
-        mismatched = sum(a != b for a, b in zip(texts[DEVICE_ONLY], texts[WITH_HOST]))
-        counters = tiered["server"]
-        loaded_tokens = counters.get("kv_pages_loaded", 0.0) * page_size
-        prefill_tokens = counters.get("prefill_tokens", 0.0)
-        copy = counters.get("kv_load_seconds", 0.0) / loaded_tokens if loaded_tokens else None
-        prefill = counters.get("prefill_step_seconds", 0.0) / prefill_tokens if prefill_tokens else None
+        mismatched = sum(len({run[i] for run in texts}) > 1 for i in range(len(workload.requests)))
+        loaded_tokens = (tiered.get("server_kv_pages_loaded") or 0.0) * page_size
+        prefill_tokens = tiered.get("server_prefill_tokens") or 0.0
+        copy = (tiered.get("server_kv_load_seconds") or 0.0) / loaded_tokens if loaded_tokens else None
+        prefill = (tiered.get("server_prefill_step_seconds") or 0.0) / prefill_tokens if prefill_tokens else None
         out.update(
             identical_outputs=mismatched == 0, mismatched_requests=mismatched,
             copy_s_per_token=copy, prefill_s_per_token=prefill,

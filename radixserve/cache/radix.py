@@ -5,9 +5,9 @@ and, per tier, the pages holding their K/V: `pages` on the device (a list, one p
 `page_size` tokens, or empty when the edge lives on the host only) and `host` (the host tier's
 pages, or None). Children are found by a dict keyed by the raw bytes of their first page, so
 the walk does one dict lookup per node and compares the rest of the edge as one numpy slice
-compare; it drops to page arithmetic only where the slices differ. For token-deep partial matches each node also keeps
-its children's keys sorted: the child sharing the longest prefix with a query page is next to
-the query's insertion point.
+compare; it drops to page arithmetic only where the slices differ. For token-deep partial
+matches each node also keeps its children's keys sorted: the child sharing the longest prefix
+with a query page is next to the query's insertion point.
 
 Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
 touches, so LRU order is exact even when the clock does not move. A match or insert that ends
@@ -24,10 +24,12 @@ are dropped with everything below them (see `_leave_device`). Host eviction take
 leaves by the same (priority, recency) order. Without a host tier everything is on the device
 and the tree behaves exactly as a single-tier cache.
 
-The jobs around the shape live in their own modules: per-page retention priorities
-(retention.py), the eviction order and its queue (eviction.py), counters and histograms
-(stats.py), the host tier's pool and rules (tiers.py) and copies (transfer.py), and the events
-that tell subscribers what the cache holds (events.py, named by page_hash.py).
+The jobs around the shape live in their own modules: the node and match result (node.py),
+per-page retention priorities (retention.py), the eviction order and its queue (eviction.py),
+counters and histograms (stats.py), tier placement — offload, host eviction, load-back,
+write-through (placement.py) — under the host tier's pool and rules (tiers.py) and copies
+(transfer.py), and the events that tell subscribers what the cache holds (tree_events.py,
+events.py, named by page_hash.py).
 """
 
 from __future__ import annotations
@@ -35,90 +37,23 @@ from __future__ import annotations
 import time
 from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.eviction import EvictionKey, EvictionQueue, make_policy
-from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes, state_hash
+from radixserve.cache.node import MatchResult, RadixNode
+from radixserve.cache.placement import TierPlacement
 from radixserve.cache.pool import PagePool, as_int64
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRetention, Retention
 from radixserve.cache.stats import CacheStats, Histogram
 from radixserve.cache.tiers import HostTier
 from radixserve.cache.transfer import LoadHandle
+from radixserve.cache.tree_events import TreeEvents
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
 RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
-
-
-class RadixNode:
-    """One edge of the tree: page-aligned tokens and the pages holding their K/V.
-
-    Doubles as the lock handle returned by `RadixTree.match`. Read-only outside the tree.
-    A root has `key is None` and no pages; a node removed from the tree has `parent is None`.
-    `pages` are device pages (empty: the edge is on the host only), `host` host pages (None:
-    no host copy).
-    """
-
-    __slots__ = ("parent", "children", "key", "tokens", "pages", "host", "retention", "lock_ref", "tick",
-                 "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys", "namespace", "chain",
-                 "device_children", "loading", "left_device_in")
-
-    def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
-                 pages: list[int], sorted_children: bool) -> None:
-        self.parent: RadixNode | None = None
-        self.children: dict[bytes, RadixNode] = {}
-        self.key = key                      # bytes of the first page; None for a root
-        self.tokens = tokens                # int64 [num_pages * page_size]
-        self.pages = pages                  # device pages, one per page_size tokens; [] if host only
-        self.host: list[int] | None = None  # host pages, one per page_size tokens; None: none
-        self.retention: PageRetention | None = None  # None: every page at the default
-        self.lock_ref = 0                   # locks held on this node or any descendant
-        self.tick = 0                       # recency counter value of the last touch
-        self.inserted_at = 0.0              # clock time the pages were cached
-        self.hits = 0                       # matches that used these pages
-        self.heap_seq = -1                  # sequence number of its live device eviction-queue entry
-        self.host_heap_seq = -1             # ... and of its live host eviction-queue entry
-        self.sorted_keys: list[bytes] | None = [] if sorted_children else None
-        self.namespace = namespace
-        # Page-hash chain state at the end of the edge and pages from the root through it,
-        # computed only when events are on (None: not computed yet, or stale).
-        self.chain: tuple[int, int] | None = None
-        self.device_children = 0           # children with pages on the device
-        self.loading: LoadHandle | None = None  # an unfinished copy of host pages into `pages`
-        self.left_device_in = -1            # the eviction call that took its pages off the device
-
-    @property
-    def is_root(self) -> bool:
-        """True for a namespace root (no pages, never evicted)."""
-        return self.key is None
-
-    def __repr__(self) -> str:
-        pages = self.pages if len(self.pages) <= 8 else [*self.pages[:8], "..."]
-        return (f"RadixNode(pages={pages}, host={'-' if self.host is None else len(self.host)}, "
-                f"children={len(self.children)}, lock_ref={self.lock_ref}, tick={self.tick})")
-
-
-@dataclass
-class MatchResult:
-    """The cached prefix of a token sequence: device pages, then the host-only continuation."""
-
-    num_tokens: int            # tokens matched on the device: len(pages) * page_size + partial_tokens
-    pages: list[int]           # fully matched device pages, in order
-    node: RadixNode            # lock handle covering exactly `pages`
-    partial_page: int | None   # device page whose first `partial_tokens` slots match too
-    partial_tokens: int        # 0 <= partial_tokens < page_size
-    host_pages: list[int] = field(default_factory=list)  # host pages continuing `pages`
-    host_node: RadixNode | None = None  # lock handle covering `pages` + `host_pages` (None: none)
-    host_tokens: int = 0       # len(host_pages) * page_size
-    loads: list[LoadHandle] = field(default_factory=list)  # unfinished copies into `pages`
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens found on either tier."""
-        return self.num_tokens + self.host_tokens
 
 
 def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -136,7 +71,7 @@ def _common_length(edge: np.ndarray, query: np.ndarray) -> int:
     return first if differs[first] else len(query)
 
 
-class RadixTree:
+class RadixTree(TierPlacement, TreeEvents):
     """Maps token prefixes to chains of pages in `pool` (and `host.pool`); see the module
     docstring.
 
@@ -322,30 +257,6 @@ class RadixTree:
         node.hits += 1
         self._stats.used(now - node.inserted_at, self._npages(node))
 
-    def _write_through(self, match: MatchResult) -> None:
-        """Write-through-selective: copies the matched device pages hit often enough to the
-        host, top down, as far as host room can be made (the matched path is locked meanwhile,
-        so making room never takes its host pages)."""
-        handle = match.host_node or match.node
-        path: list[RadixNode] = []
-        up: RadixNode | None = match.node
-        while up is not None and not up.is_root:
-            path.append(up)
-            up = up.parent
-        self.lock(handle)
-        for node in reversed(path):
-            if node.host is not None or not self.host.writes_through(node.hits):
-                continue
-            got = self._host_alloc(self._npages(node))
-            if not got:
-                break
-            if len(got) < self._npages(node):
-                node = self._split(node, len(got))
-            self.host.copier.offload(node.pages, got)
-            self._gain_host(node, got)
-            self._stats.written_through(len(got))
-        self.unlock(handle)
-
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int] | np.ndarray,
                namespace: Hashable = None, retention: Retention | None = None,
@@ -416,31 +327,6 @@ class RadixTree:
         self._queue.push(leaf, now)
         if self.events is not None and self.events.active:
             self._report_stored(leaf, 0, DEVICE)
-
-    def _adopt(self, node: RadixNode, pages: list[int]) -> None:
-        """The host-only `node` gets `pages` as its device copy (their holder adds the tree)."""
-        self.pool.incref(pages)
-        self._gain_device(node, list(pages))
-
-    def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
-        """Host-only `node` now also lives in the device `pages` (already held for the tree)."""
-        node.pages = pages
-        node.parent.device_children += 1
-        self._cached += len(pages)
-        self._host_only -= len(pages)
-        if node.lock_ref:
-            self._locked += len(pages)
-        if node.device_children == 0 and node.lock_ref == 0:
-            self._queue.push(node, self._clock())
-        if self.events is not None and self.events.active:
-            self._report_stored(node, 0, DEVICE)
-
-    def _gain_host(self, node: RadixNode, host_pages: list[int]) -> None:
-        """Device `node` now also lives in `host_pages` (copied, held for the tree)."""
-        node.host = host_pages
-        self._host_cached += len(host_pages)
-        if self.events is not None and self.events.active:
-            self._report_stored(node, 0, HOST)
 
     def _retain(self, node: RadixNode, first_page: int, retention: Retention | None,
                 ranges: list[tuple[int, int, Retention]], now: float) -> bool:
@@ -585,77 +471,6 @@ class RadixTree:
             self._detach(node, now)
         return freed
 
-    def _leave_device(self, node: RadixNode, count: int, now: float,
-                      leaving: list[tuple[RadixNode, list[int]]], left: list[RadixNode]) -> int:
-        """Takes the last `count` pages of `node` off the device; returns device pages freed.
-
-        The rule, per eviction call (all pages it takes off the device, S):
-        - a page with a host copy just loses its device copy;
-        - a device-only page goes to host if its priority reaches the offload floor and so
-          does every page above it in S; the others are dropped, with everything below them;
-        - host room for those pages is made from free host pages, then by host eviction of
-          pages outside S; if that is not enough, the pages of S compete among themselves
-          by the same order (host eviction, leaf first) and the losers are dropped.
-        The split makes the run a node of its own; its device pages are freed now and
-        copied to host at the end of the call (`_place_on_host`), before anything can reuse
-        them.
-        """
-        keep = self._npages(node) - count
-        if keep:
-            self._split(node, keep)  # `node` keeps the run, its new parent the rest
-        self._stats.evicted(count, now - node.inserted_at, node.hits)
-        freed = 0
-        if node.host is None:
-            qualifies = self._effective(node, now) >= self.host.offload_min_priority
-            head = count if qualifies.all() else int(qualifies.argmin())
-            if head < count:
-                top = self._split(node, head) if head else None
-                parent = node.parent
-                self._stats.dropped(count - head)
-                freed += self._drop(node, report=True)
-                if top is None:
-                    self._after_removal(parent, now)
-                    return freed
-                node = top
-            leaving.append((node, node.pages))
-        else:
-            self._host_only += count
-            self._settle(node)
-        if self.events is not None and self.events.active:
-            self._report_removed(node, 0, DEVICE)
-        freed += len(self.pool.decref(node.pages))
-        self._cached -= len(node.pages)
-        node.pages = []
-        node.parent.device_children -= 1
-        node.left_device_in = self._eviction_call
-        left.append(node)
-        self._requeue(node.parent, now)  # it may have no child on the device now
-        return freed
-
-    def _place_on_host(self, leaving: list[tuple[RadixNode, list[int]]], left: list[RadixNode],
-                       now: float) -> None:
-        """Copies the device-only pages that left the device in this call to host pages,
-        making room as `_leave_device` says."""
-        need = sum(self._npages(node) for node, _ in leaving if node.parent is not None)
-        short = need - self.host.pool.num_free
-        if short > 0:
-            short -= self._evict_host(short, now)
-        if short > 0:  # the pages of this call compete among themselves now
-            self._shielded = None
-            for node in left:
-                if node.parent is not None and self._is_host_leaf(node):
-                    self._host_queue.push(node, now)
-            self._evict_host(short, now)
-        for node, device_pages in leaving:
-            if node.parent is None:
-                continue  # dropped since
-            count = self._npages(node)
-            host_pages = self.host.pool.allocate(count)
-            self.host.copier.offload(device_pages[:count], host_pages)
-            self._host_only += count
-            self._stats.offloaded(count)
-            self._gain_host(node, host_pages)
-
     def _drop(self, top: RadixNode, *, report: bool) -> int:
         """Removes `top` and everything below it from the tree, on both tiers (the caller
         tidies its parent); returns the device pages freed."""
@@ -687,101 +502,6 @@ class RadixTree:
             self._host_cached -= len(host)
             self.host.pool.decref(host)
         return len(self.pool.decref(device))
-
-    # ------------------------------------------------------------------ host tier
-    def _host_alloc(self, num_pages: int) -> list[int]:
-        """Up to `num_pages` host pages, evicting from the host to make room."""
-        short = num_pages - self.host.pool.num_free
-        if short > 0:
-            self._evict_host(short, self._clock())
-        return self.host.pool.allocate(min(num_pages, self.host.pool.num_free))
-
-    def _evict_host(self, num_pages: int, now: float) -> int:
-        """Takes up to `num_pages` pages off the host, from the tail of unlocked host-only
-        leaves in the policy's order; returns how many (host pages freed, plus pages that
-        were on their way to host and are dropped instead)."""
-        self._host_queue.requeue_expired(now)
-        done = 0
-        while done < num_pages:
-            popped = self._host_queue.pop(now)
-            if popped is None:
-                break
-            node, _, bound = popped
-            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-            done += self._evict_host_tail(node, min(run, num_pages - done), now)
-        return done
-
-    def _evict_host_tail(self, node: RadixNode, count: int, now: float) -> int:
-        keep = self._npages(node) - count
-        if node.host is None:  # on its way to host (this eviction call): dropped instead
-            self._stats.dropped(count)
-        else:
-            if self.events is not None and self.events.active:
-                self._report_removed(node, keep, HOST)
-            self._settle(node)
-            evicted = node.host[keep:]
-            del node.host[keep:]
-            self._host_cached -= count
-            self._host_only -= count
-            self._stats.host_evicted(count)
-            self.host.pool.decref(evicted)
-        node.tokens = node.tokens[: keep * self.page_size]
-        node.chain = None
-        if node.retention is not None:
-            node.retention.truncate(keep)
-        if keep:
-            self._host_queue.push(node, now)
-        else:
-            self._detach(node, now)
-        return count
-
-    def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
-        """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
-        at most the free device pages: the caller makes room first) into fresh device pages,
-        which the tree holds from now on; returns the match as it stands after the copy.
-
-        `match` must come from `match(update=True)`, with `match.host_node` locked by the
-        caller (so making room evicts nothing on the path). On CUDA the copy may still be in
-        flight: its handle is in the result's `loads`.
-        """
-        if not match.host_pages:
-            return match
-        chain: list[RadixNode] = []
-        up = match.host_node
-        while up is not match.node:
-            chain.append(up)
-            up = up.parent
-        budget = min(len(match.host_pages), self.pool.num_free)
-        if max_pages is not None:
-            budget = min(budget, max_pages)
-        pages, loads, node = list(match.pages), list(match.loads), match.node
-        for step in reversed(chain):
-            if budget == 0:
-                break
-            count = self._npages(step)
-            if count > budget:
-                step = self._split(step, budget)
-                count = budget
-            device = self.pool.allocate(count)
-            handle = self.host.copier.load(step.host, device)
-            self._gain_device(step, device)
-            if handle is not None:
-                step.loading = handle
-                loads.append(handle)
-            self._stats.loaded(count)
-            pages += device
-            node = step
-            budget -= count
-        rest = match.host_pages[len(pages) - len(match.pages):]
-        return MatchResult(len(pages) * self.page_size, pages, node, None, 0, rest,
-                           match.host_node if rest else None, len(rest) * self.page_size, loads)
-
-    def _settle(self, node: RadixNode) -> None:
-        """Before pages of `node` are freed: an unfinished load into it is fenced."""
-        if node.loading is not None:
-            if not node.loading.done():
-                self.host.copier.fence(node.loading)
-            node.loading = None
 
     # ------------------------------------------------------------------ flush
     def reset(self) -> int:
@@ -828,12 +548,6 @@ class RadixTree:
         return (node.parent is not None and node.device_children == 0 and node.lock_ref == 0
                 and len(node.pages) > 0)
 
-    def _is_host_leaf(self, node: RadixNode) -> bool:
-        """A host eviction candidate: an unlocked host-only leaf, unless it left the device
-        in the eviction call under way (see `_leave_device`)."""
-        return (node.parent is not None and not node.pages and not node.children and node.lock_ref == 0
-                and node.left_device_in != self._shielded)
-
     def _effective(self, node: RadixNode, now: float) -> np.ndarray:
         if node.retention is None:
             return np.full(self._npages(node), DEFAULT_PRIORITY, dtype=np.int16)
@@ -842,65 +556,6 @@ class RadixTree:
     def _key(self, node: RadixNode, now: float) -> EvictionKey:
         priority = DEFAULT_PRIORITY if node.retention is None else node.retention.tail_priority(now)
         return self.policy.key(priority, node.tick)
-
-    # ------------------------------------------------------------------ events
-    def _chain_end(self, node: RadixNode) -> tuple[int, int]:
-        """(hash-chain state, pages from the root) at the end of `node`'s edge; computes and
-        caches it for `node` and any ancestors that lack it."""
-        path = []
-        while not node.is_root and node.chain is None:
-            path.append(node)
-            node = node.parent
-        state, depth = (0, 0) if node.is_root else node.chain
-        if path:
-            seed = self._namespace(path[0].namespace)[1]
-            for step in reversed(path):
-                _, state = page_hashes(step.tokens, self.page_size, seed, state, depth)
-                depth += self._npages(step)
-                step.chain = (state, depth)
-        return state, depth
-
-    def _hashes(self, node: RadixNode) -> tuple[int | None, list[int]]:
-        """The hash of the page before `node`'s edge (None at the root) and of its pages."""
-        ns_id, seed = self._namespace(node.namespace)
-        parent = node.parent
-        state, depth = self._chain_end(parent)
-        hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
-        node.chain = (end, depth + self._npages(node))
-        return (None if parent.is_root else state_hash(state, seed)), hashes.tolist()
-
-    def _report_stored(self, node: RadixNode, first: int, tier: str) -> None:
-        """Reports `node`'s pages from index `first` on as stored in `tier`."""
-        parent_hash, hashes = self._hashes(node)
-        if first:
-            parent_hash = hashes[first - 1]
-        tokens = node.tokens[first * self.page_size:].tolist() if self.events.wants_tokens else None
-        self.events.stored(self._namespace(node.namespace)[0], tier, parent_hash, hashes[first:], tokens)
-
-    def _report_removed(self, node: RadixNode, first: int, tier: str) -> None:
-        """Reports `node`'s pages from index `first` on as removed from `tier`."""
-        _, hashes = self._hashes(node)
-        self.events.removed(self._namespace(node.namespace)[0], tier, hashes[first:])
-
-    def _namespace(self, namespace: Hashable) -> tuple[str, int]:
-        """The namespace's opaque id and hash seed (cached)."""
-        known = self._namespace_ids.get(namespace)
-        if known is None:
-            ns_id = namespace_id(namespace)
-            known = self._namespace_ids[namespace] = (ns_id, namespace_seed(ns_id))
-        return known
-
-    def cached_page_hashes(self, tier: str | None = None) -> set[tuple[str, int]]:
-        """(namespace id, page hash) of every cached page on `tier` ("device", "host"; None:
-        on either): what an indexer of that tier's events should hold."""
-        out: set[tuple[str, int]] = set()
-        for node, _ in self.nodes():
-            if node.is_root:
-                continue
-            if tier is None or (node.pages if tier == DEVICE else node.host is not None):
-                ns_id = self._namespace(node.namespace)[0]
-                out.update((ns_id, h) for h in self._hashes(node)[1])
-        return out
 
     # ------------------------------------------------------------------ shape
     def _new_root(self, namespace: Hashable) -> RadixNode:

@@ -1,0 +1,80 @@
+"""The radix tree's node (an edge and the pages of its tokens on each tier) and the result
+of a match. Shared by the tree's modules; read-only outside the tree."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.cache.retention import PageRetention
+from radixserve.cache.transfer import LoadHandle
+
+
+class RadixNode:
+    """One edge of the tree: page-aligned tokens and the pages holding their K/V.
+
+    Doubles as the lock handle returned by `RadixTree.match`. Read-only outside the tree.
+    A root has `key is None` and no pages; a node removed from the tree has `parent is None`.
+    `pages` are device pages (empty: the edge is on the host only), `host` host pages (None:
+    no host copy).
+    """
+
+    __slots__ = ("parent", "children", "key", "tokens", "pages", "host", "retention", "lock_ref", "tick",
+                 "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys", "namespace", "chain",
+                 "device_children", "loading", "left_device_in")
+
+    def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
+                 pages: list[int], sorted_children: bool) -> None:
+        self.parent: RadixNode | None = None
+        self.children: dict[bytes, RadixNode] = {}
+        self.key = key                      # bytes of the first page; None for a root
+        self.tokens = tokens                # int64 [num_pages * page_size]
+        self.pages = pages                  # device pages, one per page_size tokens; [] if host only
+        self.host: list[int] | None = None  # host pages, one per page_size tokens; None: none
+        self.retention: PageRetention | None = None  # None: every page at the default
+        self.lock_ref = 0                   # locks held on this node or any descendant
+        self.tick = 0                       # recency counter value of the last touch
+        self.inserted_at = 0.0              # clock time the pages were cached
+        self.hits = 0                       # matches that used these pages
+        self.heap_seq = -1                  # sequence number of its live device eviction-queue entry
+        self.host_heap_seq = -1             # ... and of its live host eviction-queue entry
+        self.sorted_keys: list[bytes] | None = [] if sorted_children else None
+        self.namespace = namespace
+        # Page-hash chain state at the end of the edge and pages from the root through it,
+        # computed only when events are on (None: not computed yet, or stale).
+        self.chain: tuple[int, int] | None = None
+        self.device_children = 0           # children with pages on the device
+        self.loading: LoadHandle | None = None  # an unfinished copy of host pages into `pages`
+        self.left_device_in = -1            # the eviction call that took its pages off the device
+
+    @property
+    def is_root(self) -> bool:
+        """True for a namespace root (no pages, never evicted)."""
+        return self.key is None
+
+    def __repr__(self) -> str:
+        pages = self.pages if len(self.pages) <= 8 else [*self.pages[:8], "..."]
+        return (f"RadixNode(pages={pages}, host={'-' if self.host is None else len(self.host)}, "
+                f"children={len(self.children)}, lock_ref={self.lock_ref}, tick={self.tick})")
+
+
+@dataclass
+class MatchResult:
+    """The cached prefix of a token sequence: device pages, then the host-only continuation."""
+
+    num_tokens: int            # tokens matched on the device: len(pages) * page_size + partial_tokens
+    pages: list[int]           # fully matched device pages, in order
+    node: RadixNode            # lock handle covering exactly `pages`
+    partial_page: int | None   # device page whose first `partial_tokens` slots match too
+    partial_tokens: int        # 0 <= partial_tokens < page_size
+    host_pages: list[int] = field(default_factory=list)  # host pages continuing `pages`
+    host_node: RadixNode | None = None  # lock handle covering `pages` + `host_pages` (None: none)
+    host_tokens: int = 0       # len(host_pages) * page_size
+    loads: list[LoadHandle] = field(default_factory=list)  # unfinished copies into `pages`
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens found on either tier."""
+        return self.num_tokens + self.host_tokens
