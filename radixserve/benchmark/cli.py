@@ -134,8 +134,8 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tiers", help="multi-turn chat on a device pool too small for it, with and without "
                                      "the host tier, on a random bench Llama")
     p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn")
-    p.add_argument("--workload-args", default="num_clients=8,num_turns=6,num_system_prompts=2,system_len=256,"
-                                              "message_len=64,output_len=32",
+    p.add_argument("--workload-args", default="num_clients=16,num_turns=6,num_system_prompts=2,system_len=128,"
+                                              "message_len=48,output_len=24",
                    help="generator overrides (default: a CPU-sized multiturn)")
     p.add_argument("--device-fraction", type=float, default=0.25,
                    help="device pool as a fraction of the working set (default: %(default)s)")

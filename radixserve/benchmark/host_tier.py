@@ -29,6 +29,7 @@ from radixserve.benchmark.workloads import Workload
 DEVICE_ONLY = "device only"
 WITH_HOST = "device + host tier"
 COUNTERS = ("radixserve_kv_load_seconds", "radixserve_kv_pages_loaded", "radixserve_kv_pages_offloaded",
+            "radixserve_kv_pages_written_through",
             "radixserve_prefill_step_seconds", "radixserve_prefill_tokens", "radixserve_host_cached_tokens",
             "radixserve_cached_tokens", "radixserve_preemptions")
 
