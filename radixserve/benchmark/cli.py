@@ -12,6 +12,7 @@ from typing import Any
 
 from radixserve.benchmark.report import (
     format_capacity,
+    format_tokens,
     parse_tokens,
     percent,
     plot_hit_rate_vs_capacity,
@@ -202,6 +203,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     points = [(device, host) for device in capacities for host in host_capacities]
     workload = load_workload(args)
     if args.replicas is not None:
+        if host_capacities != [0]:
+            _say("error: --host-capacity-tokens is not simulated with --replicas yet")
+            return 2
         return _simulate_cluster(args, workload, capacities)
     main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.policy,
                      eviction_policy=args.eviction, sequential=args.sequential,

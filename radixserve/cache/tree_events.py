@@ -69,9 +69,9 @@ class TreeEvents:
             known = self._namespace_ids[namespace] = (ns_id, namespace_seed(ns_id))
         return known
 
-    def cached_page_hashes(self, tier: str | None = None) -> set[tuple[str, int]]:
-        """(namespace id, page hash) of every cached page on `tier` ("device", "host"; None:
-        on either): what an indexer of that tier's events should hold."""
+    def cached_page_hashes(self, tier: str | None = DEVICE) -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page on `tier` ("device", the default;
+        "host"; None: on either): what an indexer of that tier's events should hold."""
         out: set[tuple[str, int]] = set()
         for node, _ in self.nodes():
             if node.is_root:

@@ -598,6 +598,7 @@ class Engine:
         """
         return self.cache_events.subscribe(callback, include_token_ids=include_token_ids)
 
-    def cache_page_hashes(self) -> set[tuple[str, int]]:
-        """(namespace id, page hash) of every cached page: what an indexer of the events holds."""
-        return self.tree.cached_page_hashes()
+    def cache_page_hashes(self, tier: str | None = "device") -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page on `tier` ("device", the default;
+        "host"; None: either): what an indexer of that tier's events holds."""
+        return self.tree.cached_page_hashes(tier)

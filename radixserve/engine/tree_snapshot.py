@@ -30,6 +30,14 @@ DEFAULT_MAX_NODES = 2000
 DEFAULT_MAX_DEPTH = 64
 DEFAULT_TOP_K = 10
 DEVICE_TIER = "device"
+HOST_TIER = "host"
+
+
+def _tier(node: RadixNode) -> str:
+    """Where a node's pages live: "device", "host", or "device+host" (a copy on each)."""
+    if not node.pages:
+        return HOST_TIER
+    return DEVICE_TIER if node.host is None else f"{DEVICE_TIER}+{HOST_TIER}"
 
 
 class TreeNodeView(msgspec.Struct, omit_defaults=True):
@@ -46,7 +54,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     subtree_nodes: int              # nodes in the subtree, this one included (not for "cache")
     lock_count: int                 # locks held on this node or below (in use by requests)
     hits: int                       # lookups that used these pages (aggregate: summed)
-    tier: str                       # "device" (a host tier will add "host")
+    tier: str                       # "device", "host" or "device+host"
     priority: int | None = None     # retention priority in force for the tail page (evicted first)
     priority_max: int | None = None  # highest retention priority of its pages
     age_s: float | None = None      # seconds since its pages were cached
@@ -118,7 +126,7 @@ def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
     builder = _Builder(tree.page_size, options, facts, namespace_id, decode, now)
     top = builder.build()
     snapshot = TreeSnapshot(
-        object="cache.tree", page_size=tree.page_size, tiers=[DEVICE_TIER],
+        object="cache.tree", page_size=tree.page_size, tiers=[DEVICE_TIER] if tree.host is None else [DEVICE_TIER, HOST_TIER],
         nodes_total=len(facts.nodes) - len(facts.roots), pages_total=sum(facts.pages),
         locked_pages=tree.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
         max_nodes=options.max_nodes, max_depth=options.max_depth,
@@ -138,7 +146,7 @@ class _Facts:
         self.index[None] = -1
         n = len(self.nodes)
         self.parent = [self.index[node.parent] for node in self.nodes]
-        self.pages = [len(node.pages) for node in self.nodes]
+        self.pages = [len(node.tokens) // tree.page_size for node in self.nodes]  # on either tier
         self.depth = [0] * n
         self.prefix_pages = [0] * n
         for i, p in enumerate(self.parent):
@@ -263,13 +271,13 @@ class _Builder:
         node = f.nodes[i]
         size = self.page_size
         priorities = (node.retention.effective(self.now)
-                      if node.retention is not None and len(node.pages) else None)
+                      if node.retention is not None and len(node.tokens) else None)
         last_hash, state = self._last_hash(node, parent_state)
         token_ids = node.tokens.tolist() if self.options.include_tokens else None
         view = TreeNodeView(
             id=self._id(), kind="node", pages=f.pages[i], tokens=f.pages[i] * size,
             prefix_tokens=f.prefix_pages[i] * size, subtree_pages=f.subtree_pages[i],
-            subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits, tier=DEVICE_TIER,
+            subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits, tier=_tier(node),
             priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
             priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,

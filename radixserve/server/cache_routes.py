@@ -96,9 +96,15 @@ class CacheRoutes:
             # Pages only running sequences hold (their uncached tails): used but not cached.
             "pages_running": s["pages_used"] - s["pages_cached"],
         }
+        host = None if not s["host_pages_total"] else {  # the host tier, when there is one
+            "pages_total": s["host_pages_total"], "pages_free": s["host_pages_free"],
+            "pages_cached": s["host_pages_cached"], "pages_host_only": s["host_only_pages"],
+            "pages_offloaded": s["cache_offloaded_pages"], "pages_loaded": s["cache_loaded_pages"],
+            "pages_evicted": s["cache_host_evicted_pages"],
+        }
         body = {
             "object": "cache.stats", "time": time.time(), "page_size": s["page_size"],
-            "tiers": {"device": device, "host": None},
+            "tiers": {"device": device, "host": host},
             "nodes": s["cache_nodes"],
             "requests": {key: s[key] for key in ("requests_finished", "requests_aborted", "running", "waiting",
                                                  "preemptions", "prompt_tokens", "cached_tokens")},
