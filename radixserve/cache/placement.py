@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from radixserve.cache.eviction import EvictionPolicy, EvictionQueue
+from radixserve.cache.eviction import EvictionQueue
 from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.pool import PagePool
@@ -28,7 +28,6 @@ class TierPlacement:
     pool: PagePool
     host: HostTier | None
     page_size: int
-    policy: EvictionPolicy
     events: CacheEventHub | None
     _queue: EvictionQueue[RadixNode]
     _host_queue: EvictionQueue[RadixNode]
@@ -42,6 +41,7 @@ class TierPlacement:
     _clock: Callable[[], float]
     _npages: Callable[[RadixNode], int]
     _split: Callable[[RadixNode, int], RadixNode]
+    _drain: Callable[..., int]
     _drop: Callable[..., int]
     _detach: Callable[[RadixNode, float], None]
     _after_removal: Callable[[RadixNode, float], None]
@@ -184,15 +184,7 @@ class TierPlacement:
         leaves in the policy's order; returns how many (host pages freed, plus pages that
         were on their way to host and are dropped instead)."""
         self._host_queue.requeue_expired(now)
-        done = 0
-        while done < num_pages:
-            popped = self._host_queue.pop(now)
-            if popped is None:
-                break
-            node, _, bound = popped
-            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-            done += self._evict_host_tail(node, min(run, num_pages - done), now)
-        return done
+        return self._drain(self._host_queue, num_pages, now, self._evict_host_tail)
 
     def _evict_host_tail(self, node: RadixNode, count: int, now: float) -> int:
         keep = self._npages(node) - count

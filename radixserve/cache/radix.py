@@ -421,27 +421,14 @@ class RadixTree(TierPlacement, TreeEvents):
             return 0
         now = self._clock()
         self._queue.requeue_expired(now)
-        freed = 0
         if self.host is None:
-            while freed < num_pages:
-                popped = self._queue.pop(now)
-                if popped is None:
-                    break
-                node, _, bound = popped
-                run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-                freed += self._evict_tail(node, min(run, num_pages - freed), now)
-            return freed
+            return self._drain(self._queue, num_pages, now, self._evict_tail)
         self._eviction_call += 1
         self._shielded = self._eviction_call
         leaving: list[tuple[RadixNode, list[int]]] = []
         left: list[RadixNode] = []
-        while freed < num_pages:
-            popped = self._queue.pop(now)
-            if popped is None:
-                break
-            node, _, bound = popped
-            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-            freed += self._leave_device(node, min(run, num_pages - freed), now, leaving, left)
+        freed = self._drain(self._queue, num_pages, now,
+                            lambda node, count, at: self._leave_device(node, count, at, leaving, left))
         if leaving:
             self._place_on_host(leaving, left, now)
         self._shielded = None
@@ -449,6 +436,20 @@ class RadixTree(TierPlacement, TreeEvents):
             if node.parent is not None:
                 self._requeue(node, now)
         return freed
+
+    def _drain(self, queue: EvictionQueue[RadixNode], num_pages: int, now: float,
+               take: Callable[[RadixNode, int, float], int]) -> int:
+        """Pops leaves from `queue` in order and lets `take(node, count, now)` remove the run
+        of tail pages that sort before the next leaf, until `take` has counted `num_pages`."""
+        done = 0
+        while done < num_pages:
+            popped = queue.pop(now)
+            if popped is None:
+                break
+            node, _, bound = popped
+            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
+            done += take(node, min(run, num_pages - done), now)
+        return done
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
         """Without a host tier: drops the last `count` pages of a leaf."""
