@@ -180,7 +180,8 @@ def paged_step(
         rows.append(list(range(start, end)) if all_logits else ([end - 1] if new else []))
         start = end
     backend = backend or TorchBackend()
-    model.plan_attention(backend, meta)
+    backend.plan(meta, num_qo_heads=model.num_qo_heads, num_kv_heads=model.num_kv_heads,
+                 head_dim=model.head_dim, dtype=model.model.embed_tokens.weight.dtype)
     logits_indices = torch.tensor(sum(rows, []), dtype=torch.int64, device=kv.device)
     logits = model(input_ids, meta, backend, kv.k, kv.v, logits_indices)
     for seq, new in work:

@@ -11,13 +11,29 @@ bottom-right aligned: query j of a sequence with Lq new and L total tokens sees 
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+@dataclass
+class HostIndices:
+    """The step's index arrays on the host (numpy), for whatever plans on the CPU.
+
+    Backends plan from these rather than from the device tensors: on a GPU, reading a device
+    tensor back would stall the host until the device catches up.
+    """
+
+    qo_indptr: np.ndarray  # int32 [B+1]
+    kv_indptr: np.ndarray  # int32 [B+1]
+    kv_indices: np.ndarray  # int32 [nnz]
+    kv_last_page_len: np.ndarray  # int32 [B]
+    kv_lens: np.ndarray  # int64 [B]: tokens with K/V after this step's writes
+    qo_lens: np.ndarray  # int64 [B]: new tokens
 
 
 @dataclass
@@ -25,7 +41,8 @@ class AttentionMetadata:
     """Where a step's tokens come from and go to; built once per step, shared by all layers.
 
     Index tensors follow FlashInfer's paged-KV conventions and are int32; `positions` and
-    `slot_mapping` are int64 (they index tensors directly).
+    `slot_mapping` are int64 (they index tensors directly). `host` holds the same indices as
+    numpy arrays on the host.
     """
 
     qo_indptr: Tensor  # int32 [B+1]: sequence b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
@@ -36,6 +53,7 @@ class AttentionMetadata:
     slot_mapping: Tensor  # int64 [T]: page * page_size + offset where its K/V are written
     page_size: int
     is_decode: bool  # every sequence has exactly one new token
+    host: HostIndices
 
     @property
     def batch_size(self) -> int:
@@ -62,67 +80,97 @@ class AttentionMetadata:
         step's writes, so it includes the `num_new_tokens[b]` new ones (0 is allowed: a
         sequence with nothing to compute). A block table may list more pages than the tokens
         need (pages allocated ahead); only the first ceil(kv_len / page_size) are used.
-        Raises ValueError on inconsistent inputs.
+        Raises ValueError on inconsistent inputs. (The engine's runner keeps the tables as
+        arrays between steps instead: `radixserve.attention.metadata.MetadataBuilder`.)
         """
         if not len(block_tables) == len(kv_lens) == len(num_new_tokens):
             raise ValueError(
                 f"block_tables, kv_lens and num_new_tokens differ in length: "
                 f"{len(block_tables)}, {len(kv_lens)}, {len(num_new_tokens)}"
             )
+        kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
+        pages_needed = -(-kv // max(page_size, 1))
+        tables = [
+            np.fromiter(table[:n], dtype=np.int32, count=n) if n <= len(table) else None
+            for table, n in zip(block_tables, pages_needed.tolist())
+        ]
+        for b, table in enumerate(tables):
+            if table is None:
+                raise ValueError(
+                    f"sequence {b}: {kv[b]} tokens need {pages_needed[b]} pages of {page_size}, "
+                    f"block table has {len(block_tables[b])}"
+                )
+        return cls.from_page_arrays(tables, kv, np.asarray(num_new_tokens, dtype=np.int64),
+                                    page_size, device)
+
+    @classmethod
+    def from_page_arrays(
+        cls,
+        tables: Sequence[np.ndarray],
+        kv_lens: np.ndarray,
+        qo_lens: np.ndarray,
+        page_size: int,
+        device: str | torch.device,
+    ) -> AttentionMetadata:
+        """The metadata of sequences whose used pages are given as int32 arrays, exactly
+        ceil(kv_len / page_size) each; vectorised over the batch (numpy on the host, one copy
+        per tensor to the device)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        used_tables: list[Sequence[int]] = []
-        for b, (table, kv_len, new) in enumerate(zip(block_tables, kv_lens, num_new_tokens)):
-            if not 0 <= new <= kv_len:
-                raise ValueError(
-                    f"sequence {b}: need 0 <= num_new_tokens ({new}) <= kv_len ({kv_len})"
-                )
-            num_pages = -(-kv_len // page_size)
-            if len(table) < num_pages:
-                raise ValueError(
-                    f"sequence {b}: {kv_len} tokens need {num_pages} pages of {page_size}, "
-                    f"block table has {len(table)}"
-                )
-            used_tables.append(table[:num_pages])
-
-        kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64)
-        qo_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
-        pages_per_seq = torch.tensor([len(t) for t in used_tables], dtype=torch.int64)
-        kv_indices = torch.tensor(
-            list(itertools.chain.from_iterable(used_tables)), dtype=torch.int64
-        )
+        kv_lens = kv_lens.reshape(-1)
+        qo_lens = qo_lens.reshape(-1)
+        bad = np.flatnonzero((qo_lens < 0) | (qo_lens > kv_lens))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"sequence {b}: need 0 <= num_new_tokens ({qo_lens[b]}) <= kv_len ({kv_lens[b]})"
+            )
+        num_seqs = len(kv_lens)
+        pages_per_seq = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+        kv_indices = np.concatenate(tables) if num_seqs else np.zeros(0, np.int32)
         qo_indptr = _indptr(qo_lens)
         kv_indptr = _indptr(pages_per_seq)
-        last_page_len = torch.where(
-            kv_lens_t > 0, kv_lens_t - (pages_per_seq - 1).clamp(min=0) * page_size, 0
-        )
-
-        # Each new token's sequence, then its position and the slot its K/V go to.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(kv_lens)), qo_lens)
-        num_tokens = int(qo_lens.sum())
-        positions = (
-            torch.arange(num_tokens)
-            - qo_indptr[seq_of_token]
-            + (kv_lens_t - qo_lens)[seq_of_token]
-        )
-        pages_of_token = kv_indices[kv_indptr[seq_of_token] + positions // page_size]
+        last_page_len = np.where(kv_lens > 0, kv_lens - np.maximum(pages_per_seq - 1, 0) * page_size, 0)
+        is_decode = num_seqs > 0 and bool((qo_lens == 1).all())
+        if is_decode:
+            positions = kv_lens - 1
+            seq_of_token = np.arange(num_seqs)
+        else:
+            # Each new token's sequence, then its position and the slot its K/V go to.
+            seq_of_token = np.repeat(np.arange(num_seqs), qo_lens)
+            starts = (kv_lens - qo_lens - qo_indptr[:-1])[seq_of_token]
+            positions = np.arange(len(seq_of_token), dtype=np.int64) + starts
+        pages_of_token = kv_indices[kv_indptr[seq_of_token] + positions // page_size].astype(np.int64)
         slot_mapping = pages_of_token * page_size + positions % page_size
 
+        host = HostIndices(
+            qo_indptr=qo_indptr.astype(np.int32), kv_indptr=kv_indptr.astype(np.int32),
+            kv_indices=kv_indices.astype(np.int32, copy=False),
+            kv_last_page_len=last_page_len.astype(np.int32), kv_lens=kv_lens.astype(np.int64),
+            qo_lens=qo_lens.astype(np.int64),
+        )
+
+        def on_device(array: np.ndarray) -> Tensor:
+            return torch.from_numpy(array).to(device)
+
         return cls(
-            qo_indptr=qo_indptr.to(device=device, dtype=torch.int32),
-            kv_indptr=kv_indptr.to(device=device, dtype=torch.int32),
-            kv_indices=kv_indices.to(device=device, dtype=torch.int32),
-            kv_last_page_len=last_page_len.to(device=device, dtype=torch.int32),
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
+            qo_indptr=on_device(host.qo_indptr),
+            kv_indptr=on_device(host.kv_indptr),
+            kv_indices=on_device(host.kv_indices),
+            kv_last_page_len=on_device(host.kv_last_page_len),
+            positions=on_device(np.ascontiguousarray(positions, dtype=np.int64)),
+            slot_mapping=on_device(slot_mapping),
             page_size=page_size,
-            is_decode=len(num_new_tokens) > 0 and all(n == 1 for n in num_new_tokens),
+            is_decode=is_decode,
+            host=host,
         )
 
 
-def _indptr(lengths: Tensor) -> Tensor:
+def _indptr(lengths: np.ndarray) -> np.ndarray:
     """[0, l0, l0+l1, ...] as int64."""
-    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
 
 
 class AttentionBackend(ABC):

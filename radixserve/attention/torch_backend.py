@@ -1,43 +1,65 @@
 """Reference paged attention in plain torch: runs on any device, takes FlashInfer's inputs.
 
-Once per step `plan` turns the page indices into padded batches: for each sequence the flat
-slot ids of its keys (padded to the longest sequence), the rows of its queries (padded to the
-most new tokens) and a boolean mask (causal, bottom-right aligned, padding masked). Decoding
-sequences (one new token) and prefilling ones (several) form two separate groups, so a long
-prefill chunk in a step of many decodes does not pad every decode to the chunk's length.
-Each layer's `forward` is then, per group, one gather of K and V, one
-`scaled_dot_product_attention` and one scatter of the real rows; no Python loop over
-sequences or tokens.
+Torch has no paged-attention kernel, so each layer gathers the keys and values a sequence
+attends to and calls `scaled_dot_product_attention`. What this backend avoids is the cost
+around that:
+
+- *No padding to the longest sequence.* `plan` sorts the sequences with new tokens by
+  length and cuts them into groups whose padded size is at most `MAX_PADDING` above the real
+  one (decoding sequences and prefill chunks apart), so a batch of short decodes next to one
+  long prompt does not pad every decode to the prompt's length.
+- *Cheap, bounded gathers.* Keys and values are gathered with `index_select` on the flat
+  slot view (advanced indexing on the 3-D cache is about ten times slower on the CPU) into
+  workspace buffers reused across layers and steps (fresh multi-megabyte buffers cost page
+  faults on every layer), and a group never gathers more than `MAX_GATHER_ELEMENTS`.
+- *No GQA copies, no mask when none is needed.* A decode group folds each KV head's query
+  heads into the query axis (`[n, Hkv, group, D]` against `[n, Hkv, K, D]`), so K/V are never
+  repeated per query head, and runs without a mask when its sequences are equally long; a
+  single fresh prompt uses `is_causal`.
+
+Padding keys re-read their sequence's last written key and padding queries repeat its last
+query; both are masked or dropped, and no never-written slot is ever read (the tests fill
+caches with NaN, which would poison even a masked softmax). `plan` runs on the host from
+`meta.host`, once per step; each layer's `forward` is one gather and one SDPA per group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, HostIndices
+
+MAX_PADDING = 0.125  # a group's padded attention area may exceed its real area by this much
+MAX_GATHER_ELEMENTS = 1 << 26  # per group, per K (and per V): 256 MiB in float32
 
 
 @dataclass
-class _PaddedGroup:
-    """Index tensors for attention over a group of B sequences, padded to [B, Q] queries and
-    [B, K] keys."""
+class _Group:
+    """n sequences attended together: queries padded to Q rows each, keys to K."""
 
-    kv_slots: Tensor  # int64 [B, K]: flat cache slot of each key
-    q_rows: Tensor  # int64 [B, Q]: row of q for each query
-    mask: Tensor  # bool [B, 1, Q, K]: True where the query sees the key
-    real: Tensor  # int64 [n]: positions in the flattened [B * Q] that are real queries
-    out_rows: Tensor  # int64 [n]: the output rows those real queries fill
+    num_seqs: int
+    num_queries: int  # Q
+    num_keys: int  # K
+    q_rows: Tensor  # int64 [n * Q]: row of q for each (sequence, query)
+    kv_slots: Tensor  # int64 [n * K]: flat cache slot of each (sequence, key)
+    mask: Tensor | None  # bool [n, 1, Q, K]; None: every query sees every key
+    causal: bool  # one sequence whose queries are all its keys: SDPA's own causal mask
+    out_rows: Tensor  # int64 [m]: output rows of the real queries
+    real: Tensor | None  # int64 [m]: their positions in the flattened [n * Q]; None: all
 
 
 class TorchBackend(AttentionBackend):
-    """Paged attention via gather + SDPA; the default everywhere but CUDA with FlashInfer."""
+    """Paged attention via grouped gathers + SDPA; the default everywhere but CUDA with
+    FlashInfer. See the module docstring."""
 
     def __init__(self) -> None:
-        self._groups: list[_PaddedGroup] | None = None
+        self._groups: list[_Group] | None = None
+        self._workspace: Tensor | None = None
 
     def plan(
         self,
@@ -48,27 +70,18 @@ class TorchBackend(AttentionBackend):
         head_dim: int,
         dtype: torch.dtype,
     ) -> None:
-        """Build the gather indices and masks for this step (shapes and dtype unused)."""
-        qo_indptr = meta.qo_indptr.long()
-        kv_indptr = meta.kv_indptr.long()
-        qo_lens = qo_indptr.diff()
-        pages = kv_indptr.diff()
-        kv_lens = torch.where(pages > 0, (pages - 1) * meta.page_size + meta.kv_last_page_len, 0)
-        self._groups = []
+        """Group the sequences and build their gather indices and masks for this step."""
+        host = meta.host
+        device = meta.positions.device
+        row_elements = num_kv_heads * head_dim
+        decoding = np.flatnonzero(host.qo_lens == 1)
+        prefilling = np.flatnonzero(host.qo_lens > 1)
         # Sequences without new tokens need no attention and belong to no group.
-        for members in (qo_lens == 1, qo_lens > 1):
-            seq_ids = members.nonzero().squeeze(1)
-            if seq_ids.numel():
-                self._groups.append(
-                    _pad_group(
-                        qo_indptr[seq_ids],
-                        qo_lens[seq_ids],
-                        kv_indptr[seq_ids],
-                        kv_lens[seq_ids],
-                        meta.kv_indices.long(),
-                        meta.page_size,
-                    )
-                )
+        self._groups = [
+            _build_group(members, host, meta.page_size, device)
+            for seqs in (decoding, prefilling)
+            for members in _split(seqs, host, row_elements)
+        ]
 
     def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float) -> Tensor:
         """See `AttentionBackend.forward`."""
@@ -76,55 +89,99 @@ class TorchBackend(AttentionBackend):
             raise RuntimeError("TorchBackend.forward called before plan()")
         num_qo_heads, head_dim = q.shape[1:]
         num_kv_heads = k_cache.shape[2]
-        keys = k_cache.view(-1, num_kv_heads, head_dim)
-        values = v_cache.view(-1, num_kv_heads, head_dim)
+        group_size = num_qo_heads // num_kv_heads
+        keys = k_cache.view(-1, num_kv_heads * head_dim)
+        values = v_cache.view(-1, num_kv_heads * head_dim)
         out = torch.empty_like(q)
         for group in self._groups:
-            attended = F.scaled_dot_product_attention(
-                q[group.q_rows].transpose(1, 2),  # [B, Hq, Q, D]
-                keys[group.kv_slots].transpose(1, 2),  # [B, Hkv, K, D]
-                values[group.kv_slots].transpose(1, 2),
-                attn_mask=group.mask,
-                scale=sm_scale,
-                enable_gqa=num_qo_heads != num_kv_heads,
-            )
-            rows = attended.transpose(1, 2).reshape(-1, num_qo_heads, head_dim)
-            out[group.out_rows] = rows[group.real]
+            n, num_q, num_k = group.num_seqs, group.num_queries, group.num_keys
+            k_buf, v_buf = self._buffers(n * num_k * num_kv_heads * head_dim, k_cache)
+            k = torch.index_select(keys, 0, group.kv_slots, out=k_buf.view(n * num_k, -1))
+            v = torch.index_select(values, 0, group.kv_slots, out=v_buf.view(n * num_k, -1))
+            k = k.view(n, num_k, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, K, D]
+            v = v.view(n, num_k, num_kv_heads, head_dim).transpose(1, 2)
+            queries = q.index_select(0, group.q_rows)
+            if num_q == 1:
+                # Fold each KV head's query heads into the query axis: no K/V repeat per head.
+                attended = F.scaled_dot_product_attention(
+                    queries.view(n, num_kv_heads, group_size, head_dim), k, v,
+                    attn_mask=group.mask, scale=sm_scale,
+                )  # [n, Hkv, G, D]
+                rows = attended.reshape(n, num_qo_heads, head_dim)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    queries.view(n, num_q, num_qo_heads, head_dim).transpose(1, 2), k, v,
+                    attn_mask=group.mask, is_causal=group.causal, scale=sm_scale,
+                    enable_gqa=group_size > 1,
+                )  # [n, Hq, Q, D]
+                rows = attended.transpose(1, 2).reshape(n * num_q, num_qo_heads, head_dim)
+            if group.real is not None:
+                rows = rows.index_select(0, group.real)
+            out.index_copy_(0, group.out_rows, rows)
         return out
 
+    def _buffers(self, elements: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Two reused workspace views of `elements` each, in `like`'s dtype and device."""
+        ws = self._workspace
+        if ws is None or ws.numel() < 2 * elements or ws.dtype != like.dtype or ws.device != like.device:
+            ws = self._workspace = torch.empty(2 * elements, dtype=like.dtype, device=like.device)
+        return ws[:elements], ws[elements: 2 * elements]
 
-def _pad_group(
-    q_start: Tensor,
-    q_lens: Tensor,
-    page_start: Tensor,
-    kv_lens: Tensor,
-    kv_indices: Tensor,
-    page_size: int,
-) -> _PaddedGroup:
-    """Padded indices for sequences that each have >= 1 new token (hence >= 1 key)."""
-    device = q_lens.device
-    key_pos = torch.arange(int(kv_lens.max()), device=device)
-    key_valid = key_pos < kv_lens[:, None]  # [B, K]
-    # Padding keys re-read their sequence's last key: it was written, so it is finite, and a
-    # never-written slot (NaN garbage) cannot leak through a masked-out position.
-    readable_pos = torch.minimum(key_pos, kv_lens[:, None] - 1)
-    kv_slots = (
-        kv_indices[page_start[:, None] + readable_pos // page_size] * page_size
-        + readable_pos % page_size
-    )
-    q_offset = torch.arange(int(q_lens.max()), device=device)
-    q_valid = q_offset < q_lens[:, None]  # [B, Q]
+
+def _split(seqs: np.ndarray, host: HostIndices, row_elements: int) -> list[np.ndarray]:
+    """Cuts sequences (longest first) into groups of bounded padding and gather size."""
+    if not len(seqs):
+        return []
+    kv_lens = host.kv_lens[seqs]
+    qo_lens = host.qo_lens[seqs]
+    order = np.lexsort((-qo_lens, -kv_lens))
+    seqs, kv_lens, qo_lens = seqs[order], kv_lens[order].tolist(), qo_lens[order].tolist()
+    max_keys = max(1, MAX_GATHER_ELEMENTS // row_elements)
+    groups: list[np.ndarray] = []
+    start, area, max_q = 0, 0, 0
+    for i, (num_k, num_q) in enumerate(zip(kv_lens, qo_lens)):
+        if i > start:
+            longest = kv_lens[start]  # sorted: the group's first sequence has the most keys
+            new_max_q = max(max_q, num_q)
+            padded = (i - start + 1) * new_max_q * longest
+            if padded > (1 + MAX_PADDING) * (area + num_q * num_k) or (i - start + 1) * longest > max_keys:
+                groups.append(seqs[start:i])
+                start, area, max_q = i, 0, 0
+        area += num_q * num_k
+        max_q = max(max_q, num_q)
+    groups.append(seqs[start:])
+    return groups
+
+
+def _build_group(seqs: np.ndarray, host: HostIndices, page_size: int, device: torch.device) -> _Group:
+    """Gather indices, query rows and mask of sequences that each have >= 1 new token."""
+    kv_lens = host.kv_lens[seqs]
+    q_lens = host.qo_lens[seqs]
+    q_start = host.qo_indptr[seqs].astype(np.int64)
+    page_start = host.kv_indptr[seqs].astype(np.int64)
+    n, num_k, num_q = len(seqs), int(kv_lens.max()), int(q_lens.max())
+    key_pos = np.arange(num_k)
+    # Padding keys re-read their sequence's last key: it was written, so it is finite.
+    readable = np.minimum(key_pos, kv_lens[:, None] - 1)
+    pages = host.kv_indices[page_start[:, None] + readable // page_size].astype(np.int64)
+    kv_slots = pages * page_size + readable % page_size
     # Padding queries repeat their sequence's last query; their outputs are dropped.
-    q_rows = q_start[:, None] + torch.minimum(q_offset, q_lens[:, None] - 1)
-    # Query j of a sequence with Lq new and L total tokens sees keys 0 .. L - Lq + j (padding
-    # queries see all keys, so no softmax row is empty).
-    last_visible = (kv_lens - q_lens)[:, None] + q_offset  # [B, Q]
-    mask = (key_pos <= last_visible[:, :, None]) & key_valid[:, None, :]
-    real = q_valid.flatten().nonzero().squeeze(1)
-    return _PaddedGroup(
-        kv_slots=kv_slots,
-        q_rows=q_rows,
-        mask=mask[:, None],
-        real=real,
-        out_rows=q_rows.flatten()[real],
-    )
+    q_offset = np.arange(num_q)
+    q_rows = q_start[:, None] + np.minimum(q_offset, q_lens[:, None] - 1)
+    q_valid = q_offset < q_lens[:, None]  # [n, Q]
+    causal = n == 1 and num_q == num_k and num_q > 1
+    mask = None
+    if not causal and (num_q > 1 or (kv_lens != num_k).any()):
+        # Query j of a sequence with Lq new and L total tokens sees keys 0 .. L - Lq + j
+        # (padding queries see all of their sequence's keys, so no softmax row is empty).
+        last_visible = (kv_lens - q_lens)[:, None] + q_offset  # [n, Q]
+        visible = (key_pos <= last_visible[:, :, None]) & (key_pos < kv_lens[:, None, None])
+        mask = torch.from_numpy(visible[:, None]).to(device)
+    real = None if q_valid.all() else torch.from_numpy(np.flatnonzero(q_valid)).to(device)
+    out_rows = q_rows.reshape(-1)[q_valid.reshape(-1)]
+
+    def tensor(array: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64).reshape(-1)).to(device)
+
+    return _Group(n, num_q, num_k, tensor(q_rows), tensor(kv_slots), mask, causal,
+                  tensor(out_rows), real)

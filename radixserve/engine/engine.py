@@ -29,6 +29,7 @@ from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import compute_logprobs, make_generator, sample
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
+from radixserve.engine.timing import StepTimings
 from radixserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class Engine:
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache)
         attention = create_backend(backend, self.device, self.loaded.dtype)
-        self.runner = ModelRunner(self.loaded, self.pool, attention)
+        self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
         self.max_queue = max_queue
         self.session_ttl_s = session_ttl_s
         self.debug_checks = debug_checks
@@ -128,6 +129,7 @@ class Engine:
         self._prefill_step_s = 0.0
         self._step_time_s = 0.0
         self._last_step_s = 0.0
+        self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
         self._last_session_sweep = time.monotonic()
 
@@ -263,8 +265,11 @@ class Engine:
         """
         start = time.perf_counter()
         self._sweep_sessions()
+        scheduling = time.perf_counter()
         chunks = self.scheduler.schedule()
+        self._timings.add("schedule", time.perf_counter() - scheduling)
         if chunks:
+            self._timings.steps += 1
             self._run(chunks)
         self._counters["steps"] += 1
         self._last_step_s = time.perf_counter() - start
@@ -289,8 +294,14 @@ class Engine:
         chunks = [c for c in chunks if not c.seq.finished]  # a sibling half may have failed it
         if not chunks:
             return
+        clock = time.perf_counter
         try:
-            logits = self.runner.run(chunks)
+            t0 = clock()
+            prepared = self.runner.prepare(chunks)
+            t1 = clock()
+            logits = self.runner.forward(*prepared)
+            self._timings.add("metadata", t1 - t0)
+            self._timings.add("model", clock() - t1)
         except Exception:
             if len(chunks) == 1:
                 logger.exception("forward pass failed for request %s; it ends with finish_reason "
@@ -309,8 +320,10 @@ class Engine:
         return {rid: deltas for rid, deltas in out.items() if deltas}
 
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        clock, timings = time.perf_counter, self._timings
         ready: list[tuple[Sequence, int]] = []  # (sequence, logits row)
         row = 0
+        t0 = clock()
         for chunk in chunks:
             seq = chunk.seq
             needs_logits = chunk.needs_logits
@@ -324,10 +337,16 @@ class Engine:
             if len(req.sequences) < req.params.n and seq.index == 0:
                 ready.extend((child, row) for child in self._fork(seq))
             row += 1
+        t1 = clock()
+        timings.add("tree", t1 - t0)
         if not ready:
             return
         seqs = [s for s, _ in ready]
-        for seq, token, logprob in zip(seqs, *self._sample(logits[[r for _, r in ready]], seqs)):
+        tokens, logprobs = self._sample(logits[[r for _, r in ready]], seqs)
+        t2 = clock()
+        timings.add("sampling", t2 - t1)
+        tree_before = timings.seconds["tree"]
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
             if seq.finished:  # its request failed while sampling
                 continue
             try:
@@ -336,6 +355,8 @@ class Engine:
                 logger.exception("post-processing a token of request %s failed; it ends with "
                                  "finish_reason 'error'", seq.request.request_id)
                 self._fail({seq.request})
+        finishing = timings.seconds["tree"] - tree_before  # _finish's share, counted there
+        timings.add("detokenize", clock() - t2 - finishing)
 
     def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token (and logprobs if asked) per row; the batch at once, or row by row if the
@@ -426,7 +447,9 @@ class Engine:
                 self._demote(previous)
             ranges.append((0, seq.num_computed, Retention(SESSION_PRIORITY, self.session_ttl_s)))
         computed = seq.token_ids[: seq.num_computed]
+        start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
+        self._timings.add("tree", time.perf_counter() - start)
         if in_session:
             self._sessions[req.session_id] = _Session(computed, req.namespace, time.monotonic())
         self._emit(seq)
@@ -523,6 +546,8 @@ class Engine:
         "histograms": {"hit_age_seconds" | "evict_age_seconds" | "evict_reuse":
         {"buckets": [(le, cumulative count), ...], "sum", "count"}} — the age of cached KV
         when it is hit and when it is evicted, and how often each evicted page had been hit.
+        "step_breakdown_s": cumulative seconds per section of step() (schedule, metadata,
+        model, sampling, detokenize, tree; see engine/timing.py) and "steps" that ran a batch.
         """
         c = self._counters
         out: dict[str, Any] = dict(c)
@@ -533,6 +558,7 @@ class Engine:
             shrunk_chunks=self.scheduler.counters.shrunk_chunks,
             deferred_for_sharing=self.scheduler.counters.deferred_for_sharing,
             step_time_s_total=self._step_time_s, last_step_s=self._last_step_s,
+            step_breakdown_s=self._timings.snapshot(),
             pages_total=self.pool.num_pages, pages_free=self.pool.num_free, pages_used=self.pool.num_used,
             pages_cached=self.tree.cached_pages, pages_evictable=self.tree.evictable_pages,
             pages_locked=self.tree.locked_pages, page_size=self.page_size,

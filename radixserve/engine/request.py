@@ -70,7 +70,7 @@ class Sequence:
     generator: torch.Generator | None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # appended to in place, else replaced
     lock_node: RadixNode | None = None
     locked_tokens: int = 0  # tokens covered by lock_node's path (whole pages in the tree)
     loaded_tokens: int = 0  # of num_computed, tokens copied back from the host at admission

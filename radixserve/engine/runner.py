@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.attention.metadata import MetadataBuilder
 from radixserve.cache.pool import PagePool
 from radixserve.engine.scheduler import ScheduledChunk
 from radixserve.models.loader import LoadedModel
@@ -14,39 +17,48 @@ class ModelRunner:
     """Builds the step's metadata once and runs the model over the pool's pages.
 
     The seam below the scheduler: it sees token ids, block tables and lengths, never the
-    tree or the queues.
+    tree or the queues. Block tables are mirrored as arrays between steps (keyed by
+    `Sequence.seq_id`, see `attention/metadata.py`), so preparing a step costs time in the
+    batch size and the new pages, not the whole context. `verify_tables` (the engine's debug
+    checks) compares each mirror with its list every step.
     """
 
-    def __init__(self, loaded: LoadedModel, pool: PagePool, backend: AttentionBackend) -> None:
+    def __init__(self, loaded: LoadedModel, pool: PagePool, backend: AttentionBackend, *,
+                 verify_tables: bool = False) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.pool = pool
         self.backend = backend
+        self.metadata = MetadataBuilder(pool.page_size, loaded.device, verify=verify_tables)
 
-    @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Runs every chunk; returns float32 logits [number of chunks needing logits, vocab]."""
-        input_ids: list[int] = []
-        logits_indices: list[int] = []
-        for chunk in chunks:
-            seq = chunk.seq
-            input_ids.extend(seq.token_ids[seq.num_computed: seq.num_computed + chunk.num_new])
-            if chunk.needs_logits:
-                logits_indices.append(len(input_ids) - 1)
-        meta = AttentionMetadata.build(
-            block_tables=[c.seq.block_table for c in chunks],
-            kv_lens=[c.seq.num_computed + c.num_new for c in chunks],
-            num_new_tokens=[c.num_new for c in chunks],
-            page_size=self.pool.page_size,
-            device=self.device,
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """The step's metadata (backend planned), input ids and logits rows: all the host
+        work before the forward pass."""
+        input_ids = list(itertools.chain.from_iterable(
+            c.seq.token_ids[c.seq.num_computed: c.seq.num_computed + c.num_new] for c in chunks))
+        ends = itertools.accumulate(c.num_new for c in chunks)
+        logits_indices = [end - 1 for c, end in zip(chunks, ends) if c.needs_logits]
+        meta = self.metadata.build(
+            [c.seq.seq_id for c in chunks],
+            [c.seq.block_table for c in chunks],
+            [c.seq.num_computed + c.num_new for c in chunks],
+            [c.num_new for c in chunks],
         )
         self.backend.plan(meta, num_qo_heads=self.config.num_attention_heads,
                           num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
                           dtype=self.dtype)
-        return self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            meta, self.backend, self.pool.k_cache, self.pool.v_cache,
-            torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-        )
+        return (meta, torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(logits_indices, dtype=torch.int64, device=self.device))
+
+    @torch.inference_mode()
+    def forward(self, meta: AttentionMetadata, input_ids: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """The model over a prepared step; float32 logits [len(logits_indices), vocab]."""
+        return self.model(input_ids, meta, self.backend, self.pool.k_cache, self.pool.v_cache,
+                          logits_indices)
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Runs every chunk; returns float32 logits [number of chunks needing logits, vocab]."""
+        return self.forward(*self.prepare(chunks))

@@ -257,11 +257,15 @@ class Scheduler:
             # neither counts as a lookup nor refreshes recency) returns the covering node.
             match = self.tree.match(tokens, seq.namespace, update=False)
             node = match.node
-            for i, page in enumerate(match.pages):
-                if seq.block_table[i] != page:
-                    self.pool.incref([page])
-                    self.pool.decref([seq.block_table[i]])
-                    seq.block_table[i] = page
+            if seq.block_table[: len(match.pages)] != match.pages:
+                # A new list, not a change in place: the runner mirrors tables by appends.
+                table = list(seq.block_table)
+                for i, page in enumerate(match.pages):
+                    if table[i] != page:
+                        self.pool.incref([page])
+                        self.pool.decref([table[i]])
+                        table[i] = page
+                seq.block_table = table
             self.tree.lock(node)
             if seq.lock_node is not None:
                 self.tree.unlock(seq.lock_node)

@@ -63,7 +63,8 @@ def verify_cached_kv(
         [range(num_pages)], [num_tokens], [num_tokens], page_size, device
     )
     backend = backend or TorchBackend()
-    model.plan_attention(backend, meta)
+    backend.plan(meta, num_qo_heads=model.num_qo_heads, num_kv_heads=model.num_kv_heads,
+                 head_dim=model.head_dim, dtype=dtype)
     model(
         torch.tensor(list(tokens), dtype=torch.int64, device=device),
         meta,

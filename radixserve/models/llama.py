@@ -161,16 +161,6 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(inverse_frequencies(config, self.head_dim))
 
-    def plan_attention(self, backend: AttentionBackend, meta: AttentionMetadata) -> None:
-        """Plan `backend` for a step of this model; call once per step, before `forward`."""
-        backend.plan(
-            meta,
-            num_qo_heads=self.num_qo_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.model.embed_tokens.weight.dtype,
-        )
-
     @torch.inference_mode()
     def forward(
         self,
@@ -184,8 +174,8 @@ class CausalLM(nn.Module):
         """Run one step and return float32 logits [len(logits_indices), vocab].
 
         input_ids: int64 [T], the new tokens of all sequences in `meta.qo_indptr` order.
-        `backend` must already be planned for `meta` (see `plan_attention`). Writes every
-        layer's new K/V into `k_caches[l]` / `v_caches[l]`
+        `backend` must already be planned for `meta` (`AttentionBackend.plan`, once per
+        step). Writes every layer's new K/V into `k_caches[l]` / `v_caches[l]`
         ([num_pages, page_size, num_kv_heads, head_dim], the model's dtype) at
         `meta.slot_mapping`, and computes logits only for the rows `logits_indices` of [T].
         """
