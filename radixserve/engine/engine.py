@@ -27,7 +27,7 @@ from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, S
 from radixserve.engine.policy import make_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
-from radixserve.engine.sampler import compute_logprobs, make_generator, sample
+from radixserve.engine.sampler import compute_logprobs, sample, sampling_seed
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
 from radixserve.engine.timing import StepTimings
 from radixserve.models.loader import load_model
@@ -233,9 +233,9 @@ class Engine:
                                 f"holds ({self.pool.num_pages} pages of {self.page_size} tokens)")
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer),
+        seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                        StopStringMatcher(list(req.params.stop)),
-                       make_generator(req.params, index, self.device, self._rng))
+                       sampling_seed(req.params, index, self._rng))
         req.sequences.append(seq)
         return seq
 
@@ -362,15 +362,17 @@ class Engine:
         """One token (and logprobs if asked) per row; the batch at once, or row by row if the
         batch fails, so a request whose sampling fails ends alone (with a dummy token here)."""
         params = [s.request.params for s in seqs]
+        seeds = [s.sampling_seed for s in seqs]
+        steps = [len(s.output_ids) for s in seqs]  # token t of a sample is drawn from (seed, t)
         try:
-            tokens = sample(rows, params, [s.generator for s in seqs])
+            tokens = sample(rows, params, seeds, steps)
             return tokens, compute_logprobs(rows, tokens, [p.logprobs for p in params])
         except Exception:
             logger.exception("batched sampling failed; sampling row by row")
         tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
         for i, seq in enumerate(seqs):
             try:
-                (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], [seq.generator])
+                (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1])
                 (logprobs[i],) = compute_logprobs(rows[i:i + 1], tokens[i:i + 1], [params[i].logprobs])
             except Exception:
                 logger.exception("sampling failed for request %s; it ends with finish_reason 'error'",

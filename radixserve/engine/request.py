@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 import numpy as np
-import torch
 
 from radixserve.cache.radix import RadixNode, Retention
 from radixserve.cache.transfer import LoadHandle
@@ -67,7 +66,7 @@ class Sequence:
     token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
-    generator: torch.Generator | None
+    sampling_seed: int | None  # None: greedy (engine/sampler.py draws token t from (seed, t))
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)  # appended to in place, else replaced

@@ -1,56 +1,158 @@
-"""Logits → next tokens: greedy, temperature, top-k, top-p, min-p, seeded, with logprobs."""
+"""Logits → next tokens: greedy, temperature, top-k, top-p, min-p, seeded, with logprobs.
+
+Vectorised over the batch: one pass of tensor ops for all rows, whatever mix of parameters
+they carry; no Python loop over rows.
+
+Randomness. Each sample has a 63-bit seed (derived from the request's `seed` and the
+sample's index, or drawn from the engine's generator when the request has none), and its
+t-th token is drawn by inverse transform sampling with one uniform number
+u = hash(seed, t) (splitmix64, computed on the host with numpy). A token therefore depends
+only on its own sample's seed, its position and its logits, never on its batch-mates or on
+how the batch was composed, so "same seed, same tokens" holds with continuous batching and
+after preemption (`t` counts generated tokens, which preemption keeps). A torch.Generator
+per sample would give the same guarantee only with a Python loop over the rows.
+
+Top-p without a full sort: the kept set is read off the `TOP_P_CANDIDATES` most likely
+tokens (`topk`), and only rows whose kept set is larger fall back to sorting their whole
+vocabulary. The top token is always kept (a `top_p` that rounds to zero, or a distribution
+whose other tokens underflow, still samples it). Tokens tied with the last kept one are all
+kept.
+"""
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from radixserve.engine.params import SamplingParams, TokenLogprob
 
+TOP_P_CANDIDATES = 256
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
-def make_generator(params: SamplingParams, index: int, device: torch.device,
-                   engine_rng: torch.Generator) -> torch.Generator | None:
-    """A per-sample generator: seeded requests reproduce, unseeded ones draw from the engine."""
+
+def sampling_seed(params: SamplingParams, index: int, engine_rng: torch.Generator) -> int | None:
+    """A sample's 63-bit seed: seeded requests reproduce, unseeded ones draw from the engine;
+    None for greedy sampling."""
     if params.greedy:
         return None
     if params.seed is not None:
-        # Any int seeds; torch takes 63 bits, so hash (seed, sample) down to them.
+        # Any int seeds; hash (seed, sample) down to 63 bits.
         digest = hashlib.blake2b(f"{params.seed}:{index}".encode(), digest_size=8).digest()
-        seed = int.from_bytes(digest, "little") >> 1
+        return int.from_bytes(digest, "little") >> 1
+    return int(torch.randint(0, 2**62, (1,), generator=engine_rng))
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """One uniform number in [0, 1) per (seed, step): float64, 53 random bits each."""
+    with np.errstate(over="ignore"):
+        state = _mix64(np.asarray(seeds, dtype=np.uint64) ^ _GOLDEN)
+        z = _mix64(state + (np.asarray(steps, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, min-p and top-p over rows of logits [R, V] (float32), each row with
+    its own parameters (tensors [R]; top_k 0, top_p 1 and min_p 0 are off). Returns the
+    softmax probabilities with filtered tokens zeroed, not renormalised."""
+    vocab = logits.shape[-1]
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    if bool((k < vocab).any()):
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if bool((top_p < 1).any()):
+        probs = _top_p(probs, top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches top_p (a token is
+    dropped once the mass before it does), at least the top token."""
+    vocab = probs.shape[-1]
+    width = min(vocab, TOP_P_CANDIDATES)
+    candidates = torch.topk(probs, width, dim=-1).values  # sorted, descending
+    kept = _kept_count(candidates, top_p)
+    incomplete = (kept == width) & (top_p < 1) if width < vocab else None
+    if incomplete is not None and bool(incomplete.any()):
+        rows = incomplete.nonzero().squeeze(1)
+        full = torch.sort(probs[rows], dim=-1, descending=True).values
+        thresholds = full.gather(1, (_kept_count(full, top_p[rows]) - 1)[:, None])
+        threshold = candidates.gather(1, (kept - 1)[:, None]).index_copy(0, rows, thresholds)
     else:
-        seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng))
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+        threshold = candidates.gather(1, (kept - 1)[:, None])
+    threshold = torch.where(top_p[:, None] < 1, threshold, 0.0)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _kept_count(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Applies temperature, top-k, top-p and min-p to one row of logits; returns probabilities."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p: drop a token once the mass before it does.
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    """The sampling distribution of one row of logits under `params` (normalised; greedy
+    parameters give all the mass to the argmax)."""
+    if params.greedy:
+        return torch.zeros_like(logits, dtype=torch.float32).index_fill_(0, logits.argmax(), 1.0)
+    row = logits[None].float()
+    probs = filter_probs(row, *_param_tensors([params], row.device))[0]
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """Samples one token per row of `logits` [B, vocab] (float32)."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for row, (p, generator) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            probs = filter_logits(logits[row], p)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
-    return tokens
+def _param_tensors(params: list[SamplingParams], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """temperature, top_k, top_p, min_p as tensors [R] (float32 / int64)."""
+    values = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], dtype=np.float64)
+    as_float = torch.from_numpy(values.astype(np.float32)).to(device)
+    top_k = torch.from_numpy(values[:, 1].astype(np.int64)).to(device)
+    return as_float[:, 0], top_k, as_float[:, 2], as_float[:, 3]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],
+           steps: list[int]) -> list[int]:
+    """One token per row of `logits` [B, vocab] (float32). Row b uses `params[b]`; a sampled
+    (non-greedy) row draws with `seeds[b]` at position `steps[b]` (the tokens its sample
+    generated before this one)."""
+    tokens = torch.argmax(logits, dim=-1)
+    random_rows = [b for b, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return tokens.tolist()
+    device = logits.device
+    rows = torch.tensor(random_rows, dtype=torch.int64, device=device)
+    probs = filter_probs(logits.index_select(0, rows).float(),
+                         *_param_tensors([params[b] for b in random_rows], device))
+    u = seeded_uniforms([seeds[b] for b in random_rows], [steps[b] for b in random_rows])
+    drawn = _inverse_transform(probs, torch.from_numpy(u).to(device))
+    return tokens.index_copy(0, rows, drawn).tolist()
+
+
+def _inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose cumulative-probability interval holds u * total mass, per row."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    # x < total: some token's interval ends above x, and that token has mass > 0.
+    x = torch.minimum((u[:, None] * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, x, right=True).clamp(max=probs.shape[-1] - 1)
+    # A device scan may be off by a rounding step; never return a token of zero mass.
+    zero = probs.gather(1, drawn).squeeze(1) == 0
+    if bool(zero.any()):
+        positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+        last_positive = torch.where(probs > 0, positions, -1).cummax(dim=-1).values
+        drawn = torch.where(zero[:, None], last_positive.gather(1, drawn), drawn)
+    return drawn.squeeze(1)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: list[int], top_ks: list[int | None]
@@ -63,8 +165,10 @@ def compute_logprobs(logits: torch.Tensor, tokens: list[int], top_ks: list[int |
     logprobs = torch.log_softmax(logits[wanted], dim=-1)
     max_k = max(top_ks[i] for i in wanted)  # type: ignore[type-var]
     top_values, top_ids = torch.topk(logprobs, max(max_k, 1), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=logits.device))
+    top_ids_rows, top_values_rows, chosen_rows = top_ids.tolist(), top_values.tolist(), chosen[:, 0].tolist()
     for row, i in enumerate(wanted):
         k = top_ks[i] or 0
-        top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist()))
-        out[i] = TokenLogprob(tokens[i], float(logprobs[row, tokens[i]]), top)
+        top = list(zip(top_ids_rows[row][:k], top_values_rows[row][:k]))
+        out[i] = TokenLogprob(tokens[i], chosen_rows[row], top)
     return out
