@@ -10,7 +10,7 @@ import pytest
 
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import LongestPrefixMatch, make_policy
 
 
 @dataclass(eq=False)
@@ -74,3 +74,37 @@ def test_dfs_weight_prefers_a_cached_subtree_to_a_heavier_uncached_one(tree: Rad
     waiting = [req("y1", [60, 1, 1], 1.0), req("y2", [60, 2, 2], 2.0), req("y3", [60, 3, 3], 3.0),
                req("cached", [1, 2, 3, 4, 5, 9], 4.0)]
     assert names(make_policy("dfs-weight").order(waiting, tree, now=5.0)) == ["cached", "y1", "y2", "y3"]
+
+
+class CountingTree(RadixTree):
+    """A real tree that counts its lookups."""
+
+    lookups = 0
+
+    def match(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.lookups += 1
+        return super().match(*args, **kwargs)
+
+
+def test_lpm_looks_up_at_most_its_budget_and_converges_to_the_exact_order() -> None:
+    pool = PagePool(64, 2)
+    tree = CountingTree(pool)
+    pages = pool.allocate(4)
+    tree.insert([1, 2, 3, 4, 5, 6, 7, 8], pages)
+    pool.decref(pages)
+    # Ten requests; the later an arrival, the longer its cached prefix (0..8 tokens).
+    waiting = [req(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8][: min(i, 8)] + [99, 99], float(i)) for i in range(10)]
+    exact = names(LongestPrefixMatch().order(waiting, tree, now=10.0))
+    assert exact == ["r8", "r9", "r7", "r6", "r5", "r4", "r3", "r2", "r1", "r0"]
+    bounded = LongestPrefixMatch(match_budget=4)
+    tree.lookups = 0
+    first = names(bounded.order(waiting, tree, now=10.0))
+    assert tree.lookups == 4  # the four oldest were looked up; the rest count as 0 so far
+    assert first == ["r3", "r2", "r1", "r0", "r4", "r5", "r6", "r7", "r8", "r9"]
+    for _ in range(2):
+        bounded.order(waiting, tree, now=10.0)
+    assert tree.lookups == 12
+    assert names(bounded.order(waiting, tree, now=10.0)) == exact
+    # A newcomer is looked up before any stale value is refreshed.
+    newcomer = req("new", [1, 2, 3, 4, 5, 6, 7, 8, 0], 11.0)
+    assert names(bounded.order([*waiting, newcomer], tree, now=12.0))[:3] == ["r8", "r9", "new"]
