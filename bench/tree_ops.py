@@ -36,6 +36,8 @@ class Timings:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("match", "insert", "evict"), 0))
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    pool_seconds: float = 0.0  # inside PagePool methods, wherever called (tree ops included)
+    table_seconds: float = 0.0  # the replay's own block-table assembly and release
 
     def add(self, op: str, seconds: float, tokens: int) -> None:
         self.seconds[op] += seconds
@@ -119,21 +121,48 @@ class NaiveTrie:
         return len(self.pool.decref(evicted))
 
 
+class TimedPagePool(PagePool):
+    """A PagePool that adds the time spent in its bookkeeping methods to `seconds`."""
+
+    seconds = 0.0
+
+    def allocate(self, n):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            return super().allocate(n)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def incref(self, pages):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            return super().incref(pages)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def decref(self, pages):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            return super().decref(pages)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 def replay_radix(prompts: list[np.ndarray], page_size: int, capacity: int) -> Timings:
-    pool = PagePool(capacity // page_size, page_size)
+    pool = TimedPagePool(capacity // page_size, page_size)
     tree = RadixTree(pool, eviction_policy="lru")
     return _replay(prompts, pool, lambda t: tree.match(t[:-1]), tree.insert, tree.evict,
                    lambda m: (m.pages, m.num_tokens), lambda m, d: (tree.lock if d > 0 else tree.unlock)(m.node))
 
 
 def replay_naive(prompts: list[list[int]], page_size: int, capacity: int) -> Timings:
-    pool = PagePool(capacity // page_size, page_size)
+    pool = TimedPagePool(capacity // page_size, page_size)
     trie = NaiveTrie(pool)
     return _replay(prompts, pool, lambda t: trie.match(t[:-1]), trie.insert, trie.evict,
                    lambda m: (m[0], len(m[0]) * page_size), lambda m, d: trie.lock(m[1], d))
 
 
-def _replay(prompts, pool: PagePool, match: Callable, insert: Callable, evict: Callable,
+def _replay(prompts, pool: TimedPagePool, match: Callable, insert: Callable, evict: Callable,
             unpack: Callable, lock: Callable) -> Timings:
     size, clock = pool.page_size, time.perf_counter
     out = Timings()
@@ -152,12 +181,16 @@ def _replay(prompts, pool: PagePool, match: Callable, insert: Callable, evict: C
             t0 = clock()
             freed = evict(need - pool.num_free)
             out.add("evict", clock() - t0, freed * size)
-        table = list(pages) + pool.allocate(need)
+        allocated = pool.allocate(need)
+        t0 = clock()
+        table = list(pages) + allocated
+        out.table_seconds += clock() - t0
         t0 = clock()
         insert(tokens, table)
         out.add("insert", clock() - t0, len(tokens) // size * size)
         lock(m, -1)
         pool.decref(table)
+    out.pool_seconds = pool.seconds
     return out
 
 
@@ -177,6 +210,7 @@ def main() -> None:
     print("| page size | matcher | hit rate | match Mtok/s | match µs/op | insert Mtok/s | "
           "insert µs/op | evict Mtok/s | evict µs/op |")
     print("|---|---|---|---|---|---|---|---|---|")
+    bookkeeping: list[tuple[int, Timings]] = []
     for size in args.page_sizes:
         radix = replay_radix(arrays, size, args.capacity)
         naive = replay_naive(lists, size, args.capacity)
@@ -189,6 +223,14 @@ def main() -> None:
         ratios = [f"{naive.seconds[op] / radix.seconds[op]:.1f}x" if radix.seconds[op] else "-"
                   for op in ("match", "insert", "evict")]
         print(f"| {size} | speed-up (naive time / radix time) | | {ratios[0]} | | {ratios[1]} | | {ratios[2]} | |")
+        bookkeeping.append((size, radix))
+    print("\nPool and block-table bookkeeping of the radix replay (PagePool calls wherever made, "
+          "tree ops included, plus the replay's table assembly), seconds:\n")
+    print("| page size | pool | block tables | total | tree ops (match + insert + evict) |")
+    print("|---|---|---|---|---|")
+    for size, t in bookkeeping:
+        print(f"| {size} | {t.pool_seconds:.3f} | {t.table_seconds:.3f} | "
+              f"{t.pool_seconds + t.table_seconds:.3f} | {sum(t.seconds.values()):.3f} |")
 
 
 if __name__ == "__main__":
