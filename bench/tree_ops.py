@@ -122,37 +122,44 @@ class NaiveTrie:
 
 
 class TimedPagePool(PagePool):
-    """A PagePool that adds the time spent in its bookkeeping methods to `seconds`."""
+    """A PagePool that adds the time spent in its bookkeeping methods to `seconds` (the
+    outermost call only: allocate calls allocate_array)."""
 
     seconds = 0.0
+    _depth = 0
+
+    def _timed(self, method: Callable, *args):  # type: ignore[no-untyped-def]
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - start
 
     def allocate(self, n):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        try:
-            return super().allocate(n)
-        finally:
-            self.seconds += time.perf_counter() - start
+        return self._timed(super().allocate, n)
 
-    def incref(self, pages):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        try:
-            return super().incref(pages)
-        finally:
-            self.seconds += time.perf_counter() - start
+    def allocate_array(self, n):  # type: ignore[no-untyped-def]
+        return self._timed(super().allocate_array, n)
 
-    def decref(self, pages):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        try:
-            return super().decref(pages)
-        finally:
-            self.seconds += time.perf_counter() - start
+    def incref(self, pages, *, distinct=False):  # type: ignore[no-untyped-def]
+        return self._timed(lambda: super(TimedPagePool, self).incref(pages, distinct=distinct))
+
+    def decref(self, pages, *, distinct=False):  # type: ignore[no-untyped-def]
+        return self._timed(lambda: super(TimedPagePool, self).decref(pages, distinct=distinct))
+
+    def decref_count(self, pages, *, distinct=False):  # type: ignore[no-untyped-def]
+        return self._timed(lambda: super(TimedPagePool, self).decref_count(pages, distinct=distinct))
 
 
 def replay_radix(prompts: list[np.ndarray], page_size: int, capacity: int) -> Timings:
     pool = TimedPagePool(capacity // page_size, page_size)
     tree = RadixTree(pool, eviction_policy="lru")
     return _replay(prompts, pool, lambda t: tree.match(t[:-1]), tree.insert, tree.evict,
-                   lambda m: (m.pages, m.num_tokens), lambda m, d: (tree.lock if d > 0 else tree.unlock)(m.node))
+                   lambda m: (m.page_array, m.num_tokens), lambda m, d: (tree.lock if d > 0 else tree.unlock)(m.node),
+                   arrays=True)
 
 
 def replay_naive(prompts: list[list[int]], page_size: int, capacity: int) -> Timings:
@@ -163,7 +170,8 @@ def replay_naive(prompts: list[list[int]], page_size: int, capacity: int) -> Tim
 
 
 def _replay(prompts, pool: TimedPagePool, match: Callable, insert: Callable, evict: Callable,
-            unpack: Callable, lock: Callable) -> Timings:
+            unpack: Callable, lock: Callable, *, arrays: bool = False) -> Timings:
+    """`arrays`: block tables as int64 arrays (the radix tree's page arrays), else lists."""
     size, clock = pool.page_size, time.perf_counter
     out = Timings()
     for tokens in prompts:
@@ -174,22 +182,22 @@ def _replay(prompts, pool: TimedPagePool, match: Callable, insert: Callable, evi
         out.prompt_tokens += len(tokens)
         out.hit_tokens += hit
         lock(m, +1)
-        pool.incref(pages)
+        pool.incref(pages, distinct=True)  # the tree holds each page once
         # Pages for the whole prompt; a partial hit is recomputed here (no K/V to copy).
         need = math.ceil(len(tokens) / size) - len(pages)
         if pool.num_free < need:
             t0 = clock()
             freed = evict(need - pool.num_free)
             out.add("evict", clock() - t0, freed * size)
-        allocated = pool.allocate(need)
+        allocated = pool.allocate_array(need) if arrays else pool.allocate(need)
         t0 = clock()
-        table = list(pages) + allocated
+        table = np.concatenate((pages, allocated)) if arrays else list(pages) + allocated
         out.table_seconds += clock() - t0
         t0 = clock()
         insert(tokens, table)
         out.add("insert", clock() - t0, len(tokens) // size * size)
         lock(m, -1)
-        pool.decref(table)
+        pool.decref(table, distinct=True)  # cached pages plus freshly allocated ones
     out.pool_seconds = pool.seconds
     return out
 

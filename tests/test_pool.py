@@ -142,3 +142,34 @@ def test_sizing_from_a_memory_budget():
 def test_page_size_must_be_a_power_of_two(page_size):
     with pytest.raises(ValueError, match="power of two"):
         PagePool(4, page_size)
+
+
+def test_array_calls_equal_list_calls():
+    """allocate_array / decref_count / distinct are the list API without Python-int lists."""
+    lists, arrays = PagePool(32, 1), PagePool(32, 1)
+    a = lists.allocate(10)
+    b = arrays.allocate_array(10)
+    assert b.dtype == np.int64 and b.tolist() == a
+    b[0] = 99  # a fresh copy: writing it leaves the pool alone
+    assert arrays.refcount(0) == 1 and arrays.num_free == 22
+    b[0] = 0
+    lists.incref(a[:4])
+    arrays.incref(b[:4], distinct=True)
+    assert lists.refcounts().tolist() == arrays.refcounts().tolist()
+    assert arrays.decref_count(b[2:6], distinct=True) == len(lists.decref(a[2:6])) == 2
+    assert lists.refcounts().tolist() == arrays.refcounts().tolist()
+    assert lists.free_pages() == arrays.free_pages()
+    with pytest.raises(ValueError, match="page -1 is not in"):
+        arrays.decref_count(np.array([3, -1]), distinct=True)
+    with pytest.raises(ValueError, match="page 32 is not in"):
+        arrays.incref(np.array([32]), distinct=True)
+    assert arrays.allocate_array(0).tolist() == []
+
+
+def test_the_duplicate_check_counts_repeats_and_distinct_skips_it():
+    pool = PagePool(8, 1)
+    (p,) = pool.allocate(1)
+    pool.incref([p, p])  # checked: two more holders
+    assert pool.refcount(p) == 3
+    pool.incref(np.array([p, p]), distinct=True)  # the caller promised distinct pages: one more
+    assert pool.refcount(p) == 4

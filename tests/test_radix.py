@@ -148,15 +148,16 @@ def test_namespaces_never_share_pages(P):
     ok(pool, tree)
 
 
+@pytest.mark.parametrize("as_array", [False, True])
 @pytest.mark.parametrize("P", PAGE_SIZES)
-def test_insert_returns_duplicates_and_adopts_only_new_pages(P):
+def test_insert_returns_duplicates_and_adopts_only_new_pages(P, as_array):
     pool, tree, _ = make(P)
     first = cache(pool, tree, seq(0, 2 * P))
     # A request that matched the first page and computed two more.
     m = tree.match(seq(0, P))
     pool.incref(m.pages)
     mine = m.pages + pool.allocate(2)
-    dups = tree.insert(seq(0, 3 * P), mine)
+    dups = tree.insert(seq(0, 3 * P), np.array(mine) if as_array else mine)
     assert dups == [mine[1]]  # page 0 is the tree's own, page 2 is new
     assert pool.refcount(mine[2]) == 2  # adopted
     assert pool.decref(mine) == [mine[1]]  # the duplicate frees, the rest stay cached
@@ -510,3 +511,34 @@ def test_end_retention_drops_only_the_temporary_level() -> None:
     tree.end_retention([3, 4], None, 90)
     assert tree.evict(2) == 2  # [1, 2] fell back to 50, below [3, 4] still at 95
     assert tree.match([3, 4, 9], update=False).num_tokens == 2
+
+
+def test_node_page_arrays_and_match_arrays_mirror_the_page_lists() -> None:
+    """Random inserts (lists and arrays), matches, splits and evictions at page size 1 and 4."""
+    rng = np.random.default_rng(3)
+    for page_size in (1, 4):
+        pool = PagePool(400, page_size)
+        tree = RadixTree(pool, eviction_policy="lru")
+        for step in range(300):
+            tokens = rng.integers(0, 3, size=int(rng.integers(1, 40))).tolist()
+            peek = tree.match(tokens, update=False)
+            assert peek.page_array.tolist() == peek.pages
+            match = tree.match(tokens)
+            assert match.page_array.tolist() == match.pages
+            tree.lock(match.node)
+            need = -(-len(tokens) // page_size) - len(match.pages)
+            if pool.num_free < need:
+                tree.evict(need - pool.num_free)
+            if pool.num_free < need:
+                tree.unlock(match.node)
+                continue
+            pool.incref(match.page_array, distinct=True)
+            table = match.pages + pool.allocate(need)
+            dups = tree.insert(tokens, np.array(table) if step % 3 else table)
+            assert all(isinstance(d, int) for d in dups)
+            tree.unlock(match.node)
+            pool.decref(table)
+            for node, pages in tree.nodes():
+                assert node.page_array.dtype == np.int64 and node.page_array.tolist() == pages
+        tree.reset()
+        assert pool.num_free == pool.num_pages

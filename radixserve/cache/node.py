@@ -21,17 +21,18 @@ class RadixNode:
     no host copy).
     """
 
-    __slots__ = ("parent", "children", "key", "tokens", "pages", "host", "retention", "lock_ref", "tick",
-                 "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys", "namespace", "chain",
-                 "device_children", "loading", "left_device_in")
+    __slots__ = ("parent", "children", "key", "tokens", "_pages", "_page_array", "host", "retention",
+                 "lock_ref", "tick", "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys",
+                 "namespace", "chain", "device_children", "loading", "left_device_in")
 
     def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
-                 pages: list[int], sorted_children: bool) -> None:
+                 pages: list[int], sorted_children: bool, page_array: np.ndarray | None = None) -> None:
         self.parent: RadixNode | None = None
         self.children: dict[bytes, RadixNode] = {}
         self.key = key                      # bytes of the first page; None for a root
         self.tokens = tokens                # int64 [num_pages * page_size]
-        self.pages = pages                  # device pages, one per page_size tokens; [] if host only
+        self._pages = pages                 # device pages, one per page_size tokens; [] if host only
+        self._page_array = page_array       # the same as int64, made on first use (`page_array`)
         self.host: list[int] | None = None  # host pages, one per page_size tokens; None: none
         self.retention: PageRetention | None = None  # None: every page at the default
         self.lock_ref = 0                   # locks held on this node or any descendant
@@ -48,6 +49,39 @@ class RadixNode:
         self.device_children = 0           # children with pages on the device
         self.loading: LoadHandle | None = None  # an unfinished copy of host pages into `pages`
         self.left_device_in = -1            # the eviction call that took its pages off the device
+
+    @property
+    def pages(self) -> list[int]:
+        """Device pages, one per page_size tokens (empty: the edge is on the host only)."""
+        return self._pages
+
+    @pages.setter
+    def pages(self, pages: list[int]) -> None:
+        self._pages = pages
+        self._page_array = None
+
+    @property
+    def page_array(self) -> np.ndarray:
+        """`pages` as an int64 array, converted once and kept: the pool takes arrays, and at
+        page size 1 converting a node's page list on every incref/decref cost more than the
+        tree's own work."""
+        if self._page_array is None or len(self._page_array) != len(self._pages):
+            self._page_array = np.fromiter(self._pages, dtype=np.int64, count=len(self._pages))
+        return self._page_array
+
+    def truncate_pages(self, keep: int) -> None:
+        """Keeps the first `keep` device pages (eviction from the tail)."""
+        del self._pages[keep:]
+        if self._page_array is not None:
+            self._page_array = self._page_array[:keep]
+
+    def split_pages(self, num_pages: int) -> tuple[list[int], np.ndarray | None]:
+        """Keeps the pages from `num_pages` on; returns the first `num_pages` (list, array if
+        one was made) for the node split off above."""
+        head, array = self._pages[:num_pages], self._page_array
+        self._pages = self._pages[num_pages:]
+        self._page_array = None if array is None else array[num_pages:]
+        return head, None if array is None else array[:num_pages]
 
     @property
     def is_root(self) -> bool:
@@ -73,6 +107,12 @@ class MatchResult:
     host_node: RadixNode | None = None  # lock handle covering `pages` + `host_pages` (None: none)
     host_tokens: int = 0       # len(host_pages) * page_size
     loads: list[LoadHandle] = field(default_factory=list)  # unfinished copies into `pages`
+    page_chunks: list[np.ndarray] = field(default_factory=list, repr=False)  # nodes' page arrays
+
+    @property
+    def page_array(self) -> np.ndarray:
+        """`pages` as an int64 array, from the nodes' arrays (no per-page conversion)."""
+        return np.concatenate(self.page_chunks) if self.page_chunks else np.zeros(0, np.int64)
 
     @property
     def cached_tokens(self) -> int:

@@ -16,7 +16,7 @@ import torch
 
 def as_int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
     """Integers as a 1-D int64 array; no copy for an int64 array. Lists go through
-    `np.fromiter`, about twice as fast as `np.asarray` on long Python lists."""
+    `np.fromiter` (about 10 ns a Python int: page sequences kept as arrays skip it)."""
     if isinstance(values, np.ndarray):
         return values.astype(np.int64, copy=False)
     if isinstance(values, (list, tuple, range)):
@@ -35,7 +35,11 @@ class PagePool:
     With `num_layers == 0` the pool holds no tensors (simulation and tree tests). `pin_memory`
     page-locks a host pool's tensors, so copies to and from a CUDA device run asynchronously.
     Page arguments may be any iterable of ints or an integer numpy array; the counting is
-    vectorised, so releasing a long block table costs C time, not a Python loop.
+    vectorised, so releasing a long block table costs C time, not a Python loop. At page
+    size 1 a block table has a page per token, and turning Python ints into an array is then
+    most of the cost: callers that keep pages as arrays (`allocate_array`, the tree's
+    `MatchResult.page_array`) pass them as they are, and `decref_count` skips building the
+    list of freed pages when only their number matters.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, num_layers: int = 0,
@@ -60,7 +64,8 @@ class PagePool:
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
         self._refcounts = np.zeros(num_pages, dtype=np.int32)
-        self._scratch = np.zeros(num_pages, dtype=np.int64)  # for duplicate detection
+        self._scratch = np.zeros(num_pages, dtype=np.int32)  # for duplicate detection
+        self._positions = np.arange(num_pages, dtype=np.int32)
 
     @staticmethod
     def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -104,20 +109,26 @@ class PagePool:
 
     def allocate(self, n: int) -> list[int]:
         """Takes `n` free pages, each with refcount 1; all or nothing."""
+        return self.allocate_array(n).tolist()
+
+    def allocate_array(self, n: int) -> np.ndarray:
+        """`allocate`, as an int64 array (a fresh copy)."""
         if n < 0:
             raise ValueError(f"allocate: n must be >= 0, got {n}")
         if n > self._num_free:
             raise OutOfPages(f"asked for {n} pages, {self._num_free} free of {self.num_pages}")
-        if n == 0:
-            return []
         self._num_free -= n
-        pages = self._free[self._num_free:self._num_free + n][::-1]
+        pages = self._free[self._num_free:self._num_free + n][::-1].copy()
         self._refcounts[pages] = 1
-        return pages.tolist()
+        return pages
 
-    def incref(self, pages: Iterable[int] | np.ndarray) -> None:
-        """Adds a holder to each page (a page listed twice gains two); pages must be in use."""
-        idx, counts = self._index(pages)
+    def incref(self, pages: Iterable[int] | np.ndarray, *, distinct: bool = False) -> None:
+        """Adds a holder to each page (a page listed twice gains two); pages must be in use.
+
+        `distinct`: the caller guarantees that no page is listed twice (a tree node's pages,
+        a block table), which skips the duplicate check; a page listed twice then gains one.
+        """
+        idx, counts = self._index(pages, distinct)
         if idx.size == 0:
             return
         before = self._refcounts[idx]
@@ -126,11 +137,19 @@ class PagePool:
             raise ValueError(f"incref: page {page} is free (allocate it first)")
         self._refcounts[idx] = before + counts
 
-    def decref(self, pages: Iterable[int] | np.ndarray) -> list[int]:
-        """Removes a holder from each page; returns the pages that became free."""
-        idx, counts = self._index(pages)
+    def decref(self, pages: Iterable[int] | np.ndarray, *, distinct: bool = False) -> list[int]:
+        """Removes a holder from each page; returns the pages that became free. `distinct`
+        as for `incref` (a page listed twice then loses one holder)."""
+        return self._decref(pages, distinct).tolist()
+
+    def decref_count(self, pages: Iterable[int] | np.ndarray, *, distinct: bool = False) -> int:
+        """`decref`, returning how many pages became free."""
+        return len(self._decref(pages, distinct))
+
+    def _decref(self, pages: Iterable[int] | np.ndarray, distinct: bool) -> np.ndarray:
+        idx, counts = self._index(pages, distinct)
         if idx.size == 0:
-            return []
+            return idx
         before = self._refcounts[idx]
         if (before < counts).any():
             page = int(idx[np.flatnonzero(before < counts)[0]])
@@ -140,7 +159,7 @@ class PagePool:
         freed = idx[after == 0]
         self._free[self._num_free:self._num_free + len(freed)] = freed
         self._num_free += len(freed)
-        return freed.tolist()
+        return freed
 
     def copy_page(self, src: int, dst: int, num_slots: int | None = None) -> None:
         """Copies the first `num_slots` slots (default all) of page `src` into `dst`, K and V,
@@ -153,17 +172,20 @@ class PagePool:
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst, :n].copy_(cache[src, :n])
 
-    def _index(self, pages: Iterable[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+    def _index(self, pages: Iterable[int] | np.ndarray, distinct: bool = False
+               ) -> tuple[np.ndarray, np.ndarray | int]:
         """Pages as a checked int array, plus how often each occurs (1 unless repeated)."""
         idx = as_int64(pages)
         if idx.size == 0:
             return idx, 1
-        if idx.min() < 0 or idx.max() >= self.num_pages:
+        if idx.view(np.uint64).max() >= self.num_pages:  # one pass: negatives wrap to huge
             bad = int(idx[(idx < 0) | (idx >= self.num_pages)][0])
             raise ValueError(f"page {bad} is not in 0..{self.num_pages - 1}")
+        if distinct:
+            return idx, 1
         # A repeated page would be counted once by fancy indexing; the last write of each
         # page's position reveals repeats in O(n).
-        order = np.arange(idx.size)
+        order = self._positions[: idx.size]
         self._scratch[idx] = order
         if not np.array_equal(self._scratch[idx], order):
             return np.unique(idx, return_counts=True)

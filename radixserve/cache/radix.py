@@ -2,8 +2,9 @@
 
 Layout. Each node's edge holds a whole number of pages: `tokens` (int64 array, page-aligned)
 and, per tier, the pages holding their K/V: `pages` on the device (a list, one page per
-`page_size` tokens, or empty when the edge lives on the host only) and `host` (the host tier's
-pages, or None). Children are found by a dict keyed by the raw bytes of their first page, so
+`page_size` tokens, or empty when the edge lives on the host only; also kept as the int64
+`page_array` for the pool, made once per node: at page size 1 converting page lists on every
+incref/decref cost more than the tree) and `host` (the host tier's pages, or None). Children are found by a dict keyed by the raw bytes of their first page, so
 the walk does one dict lookup per node and compares the rest of the edge as one numpy slice
 compare; it drops to page arithmetic only where the slices differ. For token-deep partial
 matches each node also keeps its children's keys sorted: the child sharing the longest prefix
@@ -164,6 +165,7 @@ class RadixTree(TierPlacement, TreeEvents):
         node = at = root  # node: the deepest device node matched; at: where the walk is
         pos = 0
         pages: list[int] = []
+        chunks: list[np.ndarray] = []  # the same pages as the nodes' arrays
         host_pages: list[int] = []
         host_node: RadixNode | None = None
         loads: list[LoadHandle] = []
@@ -184,6 +186,7 @@ class RadixTree(TierPlacement, TreeEvents):
                     self._touch(child, tick, now)
                 if on_device:
                     pages += child.pages
+                    chunks.append(child.page_array)
                     self._pending_load(child, loads)
                     node = child
                 else:
@@ -198,6 +201,7 @@ class RadixTree(TierPlacement, TreeEvents):
                 source, index = next(iter(child.children.values())), 0  # holds the partial page
                 if on_device:
                     pages += child.pages
+                    chunks.append(child.page_array)
                     node = child
                 else:
                     host_pages += child.host
@@ -206,6 +210,7 @@ class RadixTree(TierPlacement, TreeEvents):
                 source, index = child, full
                 if on_device:
                     pages += child.pages[:full]
+                    chunks.append(child.page_array[:full])
                 else:
                     host_pages += child.host[:full]
             if on_device:
@@ -218,7 +223,7 @@ class RadixTree(TierPlacement, TreeEvents):
         if host_pages and host_node is None:  # a peek that ended inside the first host edge
             host_node = node
         result = MatchResult(num_tokens, pages, node, partial_page, partial_tokens, host_pages,
-                             host_node if host_pages else None, host_tokens, loads)
+                             host_node if host_pages else None, host_tokens, loads, chunks)
         if update:
             self._stats.hit(num_tokens, host_tokens)
             if self.host is not None and self.host.write_policy != "write-back":
@@ -268,13 +273,15 @@ class RadixTree(TierPlacement, TreeEvents):
         Adopted pages gain the tree's reference; where the tree held tokens on the host
         only, the given pages become their device copy. Each page's retention becomes the max
         of its current effective one and `retention`; pages overlapping `[start, end)` of a
-        `range_retention` entry get that entry's retention if higher.
+        `range_retention` entry get that entry's retention if higher. Pages given as an int
+        array are converted to Python ints only where a new leaf adopts them.
         """
         size = self.page_size
         toks = _as_tokens(tokens)
         num_full = len(toks) // size
-        page_list = pages[:num_full].tolist() if isinstance(pages, np.ndarray) else list(pages[:num_full])
-        if len(page_list) < num_full:
+        page_array = as_int64(pages[:num_full]) if isinstance(pages, np.ndarray) else None
+        page_list = list(pages[:num_full]) if page_array is None else None
+        if len(pages[:num_full]) < num_full:
             raise ValueError(f"insert: {num_full} full pages of tokens but only {len(pages)} pages")
         if num_full == 0:
             return []
@@ -293,17 +300,31 @@ class RadixTree(TierPlacement, TreeEvents):
             key = toks[pos:pos + size].tobytes()
             child = node.children.get(key)
             if child is None:
-                self._add_leaf(node, key, toks[pos:], page_list[first:], retention, ranges, first, now)
+                if page_array is None:
+                    leaf_pages, leaf_array = page_list[first:], None
+                else:
+                    leaf_array = page_array[first:].copy()
+                    leaf_pages = leaf_array.tolist()
+                self._add_leaf(node, key, toks[pos:], leaf_pages, retention, ranges, first, now, leaf_array)
                 break
             matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             if full < self._npages(child):
                 child = self._split(child, full)
-            given = page_list[first:first + full]
-            if not child.pages:
-                self._adopt(child, given)
-            elif given != child.pages:  # C-speed compare; the loop runs only on duplicates
-                duplicates += [g for g, c in zip(given, child.pages) if g != c]
+            if page_list is not None:
+                given = page_list[first:first + full]
+                if not child.pages:
+                    self._adopt(child, given)
+                elif given != child.pages:  # C-speed compare; the loop runs only on duplicates
+                    duplicates += [g for g, c in zip(given, child.pages) if g != c]
+            else:
+                given_array = page_array[first:first + full]
+                if not child.pages:
+                    self._adopt(child, given_array.tolist())
+                else:
+                    differs = given_array != child.page_array
+                    if differs.any():
+                        duplicates += given_array[differs].tolist()
             if self._retain(child, first, retention, ranges, now):
                 self._schedule_expiries(child, now)
             child.tick = self._tick
@@ -312,9 +333,9 @@ class RadixTree(TierPlacement, TreeEvents):
 
     def _add_leaf(self, parent: RadixNode, key: bytes, tokens: np.ndarray, pages: list[int],
                   retention: Retention, ranges: list[tuple[int, int, Retention]],
-                  first_page: int, now: float) -> None:
-        self.pool.incref(pages)
-        leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1)
+                  first_page: int, now: float, page_array: np.ndarray | None = None) -> None:
+        leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1, page_array)
+        self.pool.incref(leaf.page_array)
         leaf.tick, leaf.inserted_at = self._tick, now
         if not retention.is_default:
             leaf.retention = PageRetention.of(len(pages), retention, now)
@@ -456,15 +477,15 @@ class RadixTree(TierPlacement, TreeEvents):
         keep = len(node.pages) - count
         if self.events is not None and self.events.active:
             self._report_removed(node, keep, DEVICE)
-        evicted = node.pages[keep:]
-        del node.pages[keep:]
+        evicted = node.page_array[keep:]
+        node.truncate_pages(keep)
         node.tokens = node.tokens[: keep * self.page_size]
         node.chain = None  # its edge ends elsewhere now
         if node.retention is not None:
             node.retention.truncate(keep)
         self._cached -= count
         self._stats.evicted(count, now - node.inserted_at, node.hits)
-        freed = len(self.pool.decref(evicted))
+        freed = self.pool.decref_count(evicted, distinct=True)  # a node lists a page once
         if keep:
             self._queue.push(node, now)
         else:
@@ -601,9 +622,9 @@ class RadixTree(TierPlacement, TreeEvents):
         keep the node's tiers.
         """
         cut = num_pages * self.page_size
-        top = RadixNode(node.namespace, node.key, node.tokens[:cut].copy(),
-                        node.pages[:num_pages], self.page_size > 1)
-        node.tokens, node.pages = node.tokens[cut:].copy(), node.pages[num_pages:]
+        head, head_array = node.split_pages(num_pages)
+        top = RadixNode(node.namespace, node.key, node.tokens[:cut].copy(), head, self.page_size > 1, head_array)
+        node.tokens = node.tokens[cut:].copy()
         if node.host is not None:
             top.host, node.host = node.host[:num_pages], node.host[num_pages:]
         if node.retention is not None:
