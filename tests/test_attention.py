@@ -230,3 +230,13 @@ def test_flashinfer_is_not_chosen_or_allowed_for_float32() -> None:
     assert isinstance(create_backend(None, "cpu", torch.float32), TorchBackend)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         create_backend("flashinfer", "cuda", torch.float32)
+
+
+def test_decode_uses_tensor_cores_above_a_group_of_four() -> None:
+    """FlashInfer's decode on tensor cores pays for large GQA groups (SGLang, vLLM: > 4)."""
+    from radixserve.attention.flashinfer_backend import decode_uses_tensor_cores
+
+    assert not decode_uses_tensor_cores(32, 32)  # MHA
+    assert not decode_uses_tensor_cores(32, 8)  # Llama-3-8B, Mistral-7B: 4
+    assert decode_uses_tensor_cores(28, 4)  # Qwen2.5-7B: 7
+    assert decode_uses_tensor_cores(64, 8)  # Llama-3-70B: 8
