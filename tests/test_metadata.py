@@ -91,6 +91,7 @@ def test_groups_bound_padding_and_gather_size_and_stay_exact(monkeypatch: pytest
     shapes = [(rng.choice([1, 3, 40, 41, 300, 310, 900]), 1) for _ in range(24)]
     shapes += [(rng.randint(2, 900), rng.randint(2, 60)) for _ in range(8)]
     shapes = [(max(kv, new), new) for kv, new in shapes]
+    shapes += [(30, 30), (30, 30), (45, 45), (8, 8), (8, 8)]  # fresh prompts: causal groups
     tables, kv_lens, num_new, num_pages = random_batch(rng, 4, shapes)
     generator = torch.Generator().manual_seed(2)
     k_cache, v_cache = fill_caches(tables, kv_lens, num_pages, 4, 2, 8, torch.float32, generator)
@@ -100,6 +101,7 @@ def test_groups_bound_padding_and_gather_size_and_stay_exact(monkeypatch: pytest
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     groups = backend._groups
     assert groups is not None and len(groups) >= 4
+    assert sum(g.causal and g.mask is None for g in groups) >= 2  # the 30s together, the 45 alone
     row_elements = 2 * 8
     seen = 0
     for group in groups:

@@ -210,8 +210,10 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     """Store new tokens' K/V ([T, num_kv_heads, head_dim]) at their flat slots
     (page * page_size + offset) of one layer's caches."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+    # index_copy_ of flat rows: several times faster on the CPU than an index_put.
+    row = num_kv_heads * head_dim
+    k_cache.view(-1, row).index_copy_(0, slot_mapping, k.reshape(-1, row).to(k_cache.dtype))
+    v_cache.view(-1, row).index_copy_(0, slot_mapping, v.reshape(-1, row).to(v_cache.dtype))
 
 
 FLASHINFER_UNAVAILABLE = "the flashinfer backend needs CUDA and `pip install radixserve[gpu]`"

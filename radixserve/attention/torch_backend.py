@@ -14,8 +14,9 @@ around that:
   faults on every layer), and a group never gathers more than `MAX_GATHER_ELEMENTS`.
 - *No GQA copies, no mask when none is needed.* A decode group folds each KV head's query
   heads into the query axis (`[n, Hkv, group, D]` against `[n, Hkv, K, D]`), so K/V are never
-  repeated per query head, and runs without a mask when its sequences are equally long; a
-  single fresh prompt uses `is_causal`.
+  repeated per query head, and runs without a mask when its sequences are equally long.
+  Fresh prompts (no cached prefix) are grouped by exact length and use SDPA's `is_causal`,
+  which skips the masked half of the scores.
 
 Padding keys re-read their sequence's last written key and padding queries repeat its last
 query; both are masked or dropped, and no never-written slot is ever read (the tests fill
@@ -36,6 +37,7 @@ from radixserve.attention.base import AttentionBackend, AttentionMetadata, HostI
 
 MAX_PADDING = 0.125  # a group's padded attention area may exceed its real area by this much
 MAX_GATHER_ELEMENTS = 1 << 26  # per group, per K (and per V): 256 MiB in float32
+MIN_CAUSAL_PROMPT = 16  # fresh prompts this long are grouped by exact length, unmasked
 
 
 @dataclass
@@ -74,12 +76,17 @@ class TorchBackend(AttentionBackend):
         host = meta.host
         device = meta.positions.device
         row_elements = num_kv_heads * head_dim
-        decoding = np.flatnonzero(host.qo_lens == 1)
-        prefilling = np.flatnonzero(host.qo_lens > 1)
+        qo_lens, kv_lens = host.qo_lens, host.kv_lens
+        decoding = np.flatnonzero(qo_lens == 1)
+        # Fresh prompts (every key is new) of one length need no mask: SDPA's causal mode
+        # skips the upper triangle, half the work a masked call does.
+        fresh = (qo_lens == kv_lens) & (qo_lens >= MIN_CAUSAL_PROMPT)
+        prefilling = np.flatnonzero((qo_lens > 1) & ~fresh)
+        by_length = [np.flatnonzero(fresh & (qo_lens == n)) for n in np.unique(qo_lens[fresh]).tolist()]
         # Sequences without new tokens need no attention and belong to no group.
         self._groups = [
             _build_group(members, host, meta.page_size, device)
-            for seqs in (decoding, prefilling)
+            for seqs in (decoding, prefilling, *by_length)
             for members in _split(seqs, host, row_elements)
         ]
 
@@ -169,7 +176,7 @@ def _build_group(seqs: np.ndarray, host: HostIndices, page_size: int, device: to
     q_offset = np.arange(num_q)
     q_rows = q_start[:, None] + np.minimum(q_offset, q_lens[:, None] - 1)
     q_valid = q_offset < q_lens[:, None]  # [n, Q]
-    causal = n == 1 and num_q == num_k and num_q > 1
+    causal = num_q > 1 and bool((q_lens == num_q).all() and (kv_lens == num_q).all())
     mask = None
     if not causal and (num_q > 1 or (kv_lens != num_k).any()):
         # Query j of a sequence with Lq new and L total tokens sees keys 0 .. L - Lq + j

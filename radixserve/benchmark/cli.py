@@ -123,7 +123,14 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="bench model directory, built if missing (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8, help="transformers static batch size")
-    p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
+    p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated "
+                                                     "(--dtype and --page-size apply in process too)")
+    p.add_argument("--mode", choices=["both", "in-process", "http"], default="both",
+                   help="the engine in this process (no HTTP), the server over HTTP, or both "
+                        "(default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every run; figures are medians, ratios are taken within a round "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
@@ -312,19 +319,27 @@ def serve_command(args: argparse.Namespace) -> int:
 
 def compare_command(args: argparse.Namespace) -> int:
     """`radixserve bench compare`."""
-    from radixserve.benchmark.compare import build_bench_model, model_vocab_size, run_comparison
+    from radixserve.benchmark.compare import MODES, build_bench_model, model_vocab_size, run_comparison
+    from radixserve.benchmark.inprocess import breakdown_table
 
     model_dir = build_bench_model(args.model_dir)
     params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
               **parse_workload_args(args.workload_args)}
     workload = make_workload(args.workload, **params)
     result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
-                            server_args=args.server_args.split(), log_dir=args.json.parent if args.json else None,
-                            progress=not args.no_progress)
-    rows = {f"radixserve, {label}": summary for label, summary in result["servers"].items()}
+                            server_args=args.server_args.split(),
+                            modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
+                            log_dir=args.json.parent if args.json else None, progress=not args.no_progress)
+    rows = {f"radixserve {label}": summary for label, summary in result["runs"].items()}
     rows["transformers generate, static batches"] = result["hf_static_batches"]
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} rounds; ratios taken within each round, then the median\n")
     print(serve_table(rows))
     print("\n".join(f"{name}: {value:.2f}x" for name, value in result["ratios"].items()))
+    in_process = {label: s for label, s in result["runs"].items() if label.startswith("in-process")}
+    if in_process:
+        print("\nEngine step time per batch step (in process), by section:\n")
+        print(breakdown_table(in_process))
     for label, reason in result["server_failures"].items():
         _say(f"server run '{label}' failed: {reason}")
     if args.plot:

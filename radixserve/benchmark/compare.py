@@ -2,9 +2,11 @@
 
 `build_bench_model` writes a random Llama of tens of millions of parameters (large enough that
 compute, not Python, dominates) with transformers' `save_pretrained`, plus the demo's BPE
-tokenizer. `run_comparison` serves it twice with `radixserve serve` (prefix cache on, then
-`--no-prefix-cache`), replays the workload against each over HTTP, then runs transformers'
-`generate` on the same prompts in static batches, and reports throughput and latency ratios.
+tokenizer. `run_comparison` runs the workload with the prefix cache on, off, and on with
+nothing reusable, each through `Engine` in process (no HTTP: the engine alone) and through
+`radixserve serve` over HTTP (the engine plus the server), then transformers' `generate` on
+the same prompts in static batches, and reports throughput and latency ratios (medians of
+ratios taken side by side, over `repeat` rounds).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from radixserve.benchmark.inprocess import run_in_process
 from radixserve.benchmark.serve import run_serve_benchmark
 from radixserve.benchmark.workloads import Workload
+from radixserve.engine.engine import Engine
 
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -167,49 +171,108 @@ def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int
     return StaticBatchResult(time.perf_counter() - start, latency, workload.prompt_tokens, output_tokens)
 
 
-SERVER_RUNS: tuple[tuple[str, list[str], bool], ...] = (
-    # (label, extra `radixserve serve` flags, isolate requests with their own cache_salt)
-    ("cache on", [], False),
-    ("cache off", ["--no-prefix-cache"], False),
-    ("cache on, 0% reuse", [], True),
+RUNS: tuple[tuple[str, bool, bool], ...] = (
+    # (label, prefix cache on, isolate requests with their own cache_salt)
+    ("cache on", True, False),
+    ("cache off", False, False),
+    ("cache on, 0% reuse", True, True),
 )
+MODES = ("in-process", "http")
 
 
 def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: int = 8,
                    batch_size: int = 8, server_args: list[str] | None = None,
-                   log_dir: Path | None = None, progress: bool = False) -> dict[str, object]:
-    """Serves `model_dir` three ways (prefix cache on; off with `--no-prefix-cache`; on, but
-    every request under its own cache_salt, i.e. caching's overhead at 0% hits), replays
-    `workload` against each, runs the transformers static-batch baseline, and returns
-    summaries plus ratios. A server that fails to start is reported, not fatal."""
-    summaries: dict[str, dict] = {}
-    ttfts: dict[str, list[float]] = {}
+                   modes: tuple[str, ...] = MODES, repeat: int = 1, log_dir: Path | None = None,
+                   progress: bool = False) -> dict[str, object]:
+    """Runs `workload` on `model_dir` three ways (prefix cache on; off; on but every request
+    under its own cache_salt, i.e. caching's overhead at 0% hits) in each of `modes`
+    ("in-process": `Engine` in this process, no HTTP; "http": `radixserve serve` in a
+    subprocess, replayed over HTTP) and through transformers' static batches, `repeat` times
+    in turn. Returns the median of every figure over the repeats, and ratios taken side by
+    side within each repeat, then their median. A server that fails to start is reported,
+    not fatal."""
+    per_repeat: list[dict[str, dict]] = []
     failures: dict[str, str] = {}
-    for label, flags, isolate in SERVER_RUNS:
-        log_path = log_dir / f"server-{label.replace(' ', '-').replace(',', '').replace('%', 'pct')}.log" \
-            if log_dir else None
-        try:
-            with launch_server(model_dir, [*(server_args or []), *flags], log_path=log_path) as url:
-                result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency,
-                                                         isolate=isolate, progress=progress))
-        except (RuntimeError, TimeoutError) as exc:
-            failures[label] = str(exc)
-            continue
-        summaries[label] = result.summary()
-        ttfts[label] = [r.ttft_s for r in result.records if r.error is None]
-    hf = hf_static_batches(model_dir, workload, batch_size).summary()
-    ratios: dict[str, float] = {}
-    on = summaries.get("cache on")
-    for label, summary in summaries.items():
-        if on is not None and label != "cache on":
-            ratios[f"throughput: cache on / {label}"] = on["total_token_throughput"] / summary["total_token_throughput"]
-            ratios[f"ttft mean: {label} / cache on"] = summary["ttft_mean_s"] / on["ttft_mean_s"]
-        ratios[f"throughput: {label} / transformers"] = summary["total_token_throughput"] / hf["total_token_throughput"]
-    if on is not None:
-        ratios["latency mean: transformers / cache on"] = hf["latency_mean_s"] / on["latency_mean_s"]
+    ttfts: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        summaries: dict[str, dict] = {"transformers": hf_static_batches(model_dir, workload, batch_size).summary()}
+        for label, prefix_cache, isolate in RUNS:
+            if "in-process" in modes:
+                engine = Engine(str(model_dir), enable_prefix_cache=prefix_cache, **_engine_args(server_args))
+                run = run_in_process(engine, workload, concurrency=concurrency, isolate=isolate)
+                del engine
+                summaries[f"in-process, {label}"] = run.summary()
+                ttfts[f"in-process, {label}"] = [r.ttft_s for r in run.result.records]
+            if "http" in modes:
+                flags = [*(server_args or []), *([] if prefix_cache else ["--no-prefix-cache"])]
+                name = f"http, {label}"
+                log_path = log_dir / f"server-{_slug(label)}.log" if log_dir else None
+                try:
+                    with launch_server(model_dir, flags, log_path=log_path) as url:
+                        result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency,
+                                                                 isolate=isolate, progress=progress))
+                except (RuntimeError, TimeoutError) as exc:
+                    failures[name] = str(exc)
+                    continue
+                summaries[name] = result.summary()
+                ttfts[name] = [r.ttft_s for r in result.records if r.error is None]
+        per_repeat.append(summaries)
+    medians = {label: _median_summary([s[label] for s in per_repeat if label in s])
+               for label in per_repeat[0]}
+    ratios = _median_ratios(per_repeat)
+    hf = medians.pop("transformers")
     return {
         "workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens, "concurrency": concurrency, "hf_batch_size": batch_size,
-        "servers": summaries, "server_failures": failures, "hf_static_batches": hf, "ttft_s": ttfts,
-        "ratios": ratios,
+        "modes": list(modes), "repeat": repeat, "runs": medians, "server_failures": failures,
+        "hf_static_batches": hf, "ttft_s": ttfts, "ratios": ratios, "per_repeat": per_repeat,
     }
+
+
+def _engine_args(server_args: list[str] | None) -> dict[str, object]:
+    """The `Engine` keywords among the server flags that matter in process (--dtype,
+    --page-size)."""
+    args = list(server_args or [])
+    out: dict[str, object] = {}
+    for flag, key, cast in (("--dtype", "dtype", str), ("--page-size", "page_size", int)):
+        if flag in args and args.index(flag) + 1 < len(args):
+            out[key] = cast(args[args.index(flag) + 1])
+    return out
+
+
+def _slug(label: str) -> str:
+    return label.replace(" ", "-").replace(",", "").replace("%", "pct")
+
+
+def _median_summary(summaries: list[dict]) -> dict:
+    """The median of every number over the repeats; other values from the first."""
+    out = dict(summaries[0])
+    for key, value in summaries[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values = [s[key] for s in summaries if s.get(key) is not None]
+            out[key] = float(np.median(values)) if values else None
+        elif isinstance(value, dict):
+            out[key] = {k: float(np.median([s[key][k] for s in summaries])) for k in value}
+    return out
+
+
+def _median_ratios(per_repeat: list[dict[str, dict]]) -> dict[str, float]:
+    """Throughput against transformers and cache on against the rest, per mode: computed
+    within each repeat (side by side on a shared machine), then the median."""
+    collected: dict[str, list[float]] = {}
+    for summaries in per_repeat:
+        hf = summaries["transformers"]
+        for label, summary in summaries.items():
+            if label == "transformers":
+                continue
+            mode, _, run = label.partition(", ")
+            collected.setdefault(f"throughput: {label} / transformers", []).append(
+                summary["total_token_throughput"] / hf["total_token_throughput"])
+            on = summaries.get(f"{mode}, cache on")
+            if on is not None and run != "cache on":
+                collected.setdefault(f"throughput: {mode}, cache on / {run}", []).append(
+                    on["total_token_throughput"] / summary["total_token_throughput"])
+            if run == "cache on":
+                collected.setdefault(f"latency mean: transformers / {label}", []).append(
+                    hf["latency_mean_s"] / summary["latency_mean_s"])
+    return {name: float(np.median(values)) for name, values in collected.items()}
