@@ -114,6 +114,7 @@ class StopStringMatcher:
     def __init__(self, stop: list[str]) -> None:
         self.stop = [s for s in stop if s]
         self._borders = [_failure_function(s) for s in self.stop]
+        self._first_chars = frozenset(s[0] for s in self.stop)
         self._states = [0] * len(self.stop)
         self._held: deque[str] = deque()  # text not yet emitted, oldest first
         self._held_len = 0
@@ -121,7 +122,9 @@ class StopStringMatcher:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
-        if not self.stop:
+        if not self.stop or (not self._held_len and self._first_chars.isdisjoint(piece)):
+            # Nothing held and no character that could begin a stop string: the automata
+            # stay at their start state (they all are there when nothing is held).
             out = self._take(self._held_len) + piece
             return out, False
         earliest = None  # start of the earliest stop string found, counted from the held text

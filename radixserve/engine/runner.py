@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
@@ -36,16 +34,25 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """The step's metadata (backend planned), input ids and logits rows: all the host
         work before the forward pass."""
-        input_ids = list(itertools.chain.from_iterable(
-            c.seq.token_ids[c.seq.num_computed: c.seq.num_computed + c.num_new] for c in chunks))
-        ends = itertools.accumulate(c.num_new for c in chunks)
-        logits_indices = [end - 1 for c, end in zip(chunks, ends) if c.needs_logits]
-        meta = self.metadata.build(
-            [c.seq.seq_id for c in chunks],
-            [c.seq.block_table for c in chunks],
-            [c.seq.num_computed + c.num_new for c in chunks],
-            [c.num_new for c in chunks],
-        )
+        # One pass over the chunks (this runs for every sequence on every step).
+        input_ids: list[int] = []
+        logits_indices: list[int] = []
+        seq_ids, tables, kv_lens, num_new = [], [], [], []
+        for chunk in chunks:
+            seq, new = chunk.seq, chunk.num_new
+            start, end = seq.num_computed, seq.num_computed + new
+            tokens = seq.token_ids
+            if new == 1:
+                input_ids.append(tokens[start])
+            else:
+                input_ids += tokens[start:end]
+            if end == len(tokens):  # the chunk reaches the last token: it yields logits
+                logits_indices.append(len(input_ids) - 1)
+            seq_ids.append(seq.seq_id)
+            tables.append(seq.block_table)
+            kv_lens.append(end)
+            num_new.append(new)
+        meta = self.metadata.build(seq_ids, tables, kv_lens, num_new)
         self.backend.plan(meta, num_qo_heads=self.config.num_attention_heads,
                           num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
                           dtype=self.dtype)

@@ -81,25 +81,54 @@ def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keeps the smallest set of most likely tokens whose mass reaches top_p (a token is
     dropped once the mass before it does), at least the top token."""
+    if probs.device.type == "cpu":
+        threshold = torch.from_numpy(_top_p_thresholds_host(probs.numpy(), top_p.numpy()))
+    else:
+        threshold = _top_p_thresholds(probs, top_p)
+    threshold = torch.where(top_p[:, None] < 1, threshold, 0.0)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The probability of the last kept token, per row ([R, 1]); on the device."""
     vocab = probs.shape[-1]
     width = min(vocab, TOP_P_CANDIDATES)
     candidates = torch.topk(probs, width, dim=-1).values  # sorted, descending
     kept = _kept_count(candidates, top_p)
-    incomplete = (kept == width) & (top_p < 1) if width < vocab else None
-    if incomplete is not None and bool(incomplete.any()):
-        rows = incomplete.nonzero().squeeze(1)
-        full = torch.sort(probs[rows], dim=-1, descending=True).values
-        thresholds = full.gather(1, (_kept_count(full, top_p[rows]) - 1)[:, None])
-        threshold = candidates.gather(1, (kept - 1)[:, None]).index_copy(0, rows, thresholds)
-    else:
-        threshold = candidates.gather(1, (kept - 1)[:, None])
-    threshold = torch.where(top_p[:, None] < 1, threshold, 0.0)
-    return probs.masked_fill(probs < threshold, 0.0)
+    threshold = candidates.gather(1, (kept - 1)[:, None])
+    if width < vocab:
+        incomplete = (kept == width) & (top_p < 1)
+        if bool(incomplete.any()):
+            rows = incomplete.nonzero().squeeze(1)
+            full = torch.sort(probs[rows], dim=-1, descending=True).values
+            threshold = threshold.index_copy(0, rows, full.gather(1, (_kept_count(full, top_p[rows]) - 1)[:, None]))
+    return threshold
 
 
 def _kept_count(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     return (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)
+
+
+def _top_p_thresholds_host(probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """`_top_p_thresholds` with numpy, for CPU tensors: `np.partition` then a sort of the
+    candidates only (torch's CPU topk and sort are several times slower than numpy's)."""
+    vocab = probs.shape[-1]
+    width = min(vocab, TOP_P_CANDIDATES)
+    candidates = -np.sort(-np.partition(probs, vocab - width, axis=-1)[:, vocab - width:], axis=-1)
+    kept = _kept_count_host(candidates, top_p)
+    threshold = np.take_along_axis(candidates, kept[:, None] - 1, axis=-1)
+    if width < vocab:
+        rows = np.flatnonzero((kept == width) & (top_p < 1))
+        if len(rows):
+            full = -np.sort(-probs[rows], axis=-1)
+            threshold[rows] = np.take_along_axis(full, _kept_count_host(full, top_p[rows])[:, None] - 1, axis=-1)
+    return threshold
+
+
+def _kept_count_host(sorted_probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    return np.maximum((mass_before < top_p[:, None]).sum(axis=-1), 1)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -126,17 +155,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     """One token per row of `logits` [B, vocab] (float32). Row b uses `params[b]`; a sampled
     (non-greedy) row draws with `seeds[b]` at position `steps[b]` (the tokens its sample
     generated before this one)."""
-    tokens = torch.argmax(logits, dim=-1)
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return tokens.tolist()
+        return torch.argmax(logits, dim=-1).tolist()
     device = logits.device
+    everyone = len(random_rows) == len(params)
     rows = torch.tensor(random_rows, dtype=torch.int64, device=device)
-    probs = filter_probs(logits.index_select(0, rows).float(),
+    probs = filter_probs((logits if everyone else logits.index_select(0, rows)).float(),
                          *_param_tensors([params[b] for b in random_rows], device))
     u = seeded_uniforms([seeds[b] for b in random_rows], [steps[b] for b in random_rows])
     drawn = _inverse_transform(probs, torch.from_numpy(u).to(device))
-    return tokens.index_copy(0, rows, drawn).tolist()
+    if everyone:
+        return drawn.tolist()
+    greedy_rows = torch.tensor([b for b, p in enumerate(params) if p.greedy], dtype=torch.int64, device=device)
+    tokens = torch.empty(len(params), dtype=torch.int64, device=device)
+    tokens.index_copy_(0, rows, drawn)
+    tokens.index_copy_(0, greedy_rows, torch.argmax(logits.index_select(0, greedy_rows), dim=-1))
+    return tokens.tolist()
 
 
 def _inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

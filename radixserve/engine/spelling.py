@@ -25,6 +25,7 @@ import json
 import re
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
@@ -56,6 +57,18 @@ class TokenSpelling:
     entries: list[bytes | str | int | None]
     strip_leading_spaces: int = 0  # `Strip` decoder: spaces dropped at the start of a text
     first_token_drops_spaces: bool = False  # `Metaspace` decoder: the first token loses its "▁"
+
+    @cached_property
+    def whole_texts(self) -> list[str | None]:
+        """Byte-level: each token's text when its bytes are whole UTF-8 characters on their
+        own (most tokens), else None; decoding those needs no UTF-8 decoder state."""
+        texts: list[str | None] = []
+        for entry in self.entries:
+            try:
+                texts.append(entry.decode() if isinstance(entry, bytes) else None)
+            except UnicodeDecodeError:
+                texts.append(None)
+        return texts
 
 
 _SPELLINGS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, TokenSpelling | None] = weakref.WeakKeyDictionary()
@@ -140,6 +153,8 @@ class SpelledStream:
     def __init__(self, spelling: TokenSpelling, *, prompt_has_text: bool = False) -> None:
         self.entries = spelling.entries
         self.byte_level = spelling.byte_level
+        self._whole = spelling.whole_texts if spelling.byte_level else None
+        self._utf8_pending = False  # the UTF-8 decoder holds bytes of an unfinished character
         self._strip = 0 if prompt_has_text else spelling.strip_leading_spaces
         self._drop_first_spaces = spelling.first_token_drops_spaces and not prompt_has_text
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -154,7 +169,11 @@ class SpelledStream:
         if entry is None:
             return ""
         if self.byte_level:
+            whole = self._whole[token_id]  # type: ignore[index]
+            if whole is not None and not self._utf8_pending:
+                return whole  # the common case: no decoder call
             text = self._utf8.decode(entry)  # type: ignore[arg-type]
+            self._utf8_pending = bool(self._utf8.getstate()[0])
             if self._prompt_bytes_pending and text:
                 # The prompt's unfinished bytes resolved: into a character (ours), or into a
                 # U+FFFD that the prompt's own decode already shows.
@@ -190,7 +209,7 @@ class SpelledStream:
     def end_prompt(self) -> None:
         """Marks the end of the prompt's tokens; what they decoded to was the prompt's text."""
         if self.byte_level:
-            self._prompt_bytes_pending = bool(self._utf8.getstate()[0])
+            self._prompt_bytes_pending = self._utf8_pending
             return
         try:
             self._run.decode()
@@ -205,7 +224,7 @@ class SpelledStream:
             text = self._utf8.decode(b"", final=True)
             if self._prompt_bytes_pending and text:
                 text = text[1:]
-            self._prompt_bytes_pending = False
+            self._prompt_bytes_pending = self._utf8_pending = False
             return text
         return self._emit(self._end_run())
 
