@@ -142,13 +142,16 @@ class StaticBatchResult:
         }
 
 
-def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int = 8) -> StaticBatchResult:
+def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int = 8, *,
+                      dtype: str = "float32", device: str | None = None) -> StaticBatchResult:
     """Greedy `generate` in batches of `batch_size` requests (left-padded, every request
-    forced to its full output length); a request's latency is its batch's finish time."""
+    forced to its full output length); a request's latency is its batch's finish time. Runs
+    on `device` (default: CUDA when available, as the engine) in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
     pad = int(model.config.pad_token_id or 0)
     requests = workload.requests
     latency: list[float] = []
@@ -164,8 +167,10 @@ def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int
             mask[row, width - r.prompt_len:] = 1
         new_tokens = max(max(r.output_len for r in batch), 1)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        if device != "cpu":
+            torch.cuda.synchronize()
         output_tokens += sum(max(r.output_len, 1) for r in batch)
         latency += [time.perf_counter() - start] * len(batch)
     return StaticBatchResult(time.perf_counter() - start, latency, workload.prompt_tokens, output_tokens)
@@ -195,7 +200,9 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
     failures: dict[str, str] = {}
     ttfts: dict[str, list[float]] = {}
     for _ in range(repeat):
-        summaries: dict[str, dict] = {"transformers": hf_static_batches(model_dir, workload, batch_size).summary()}
+        hf = hf_static_batches(model_dir, workload, batch_size,
+                               dtype=str(_engine_args(server_args).get("dtype", "float32")))
+        summaries: dict[str, dict] = {"transformers": hf.summary()}
         for label, prefix_cache, isolate in RUNS:
             if "in-process" in modes:
                 engine = Engine(str(model_dir), enable_prefix_cache=prefix_cache, **_engine_args(server_args))
