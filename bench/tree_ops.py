@@ -6,7 +6,7 @@ pages when it finishes and let go. Only the tree operations are timed. The same 
 through a naive page-by-page Python trie (a dict per page, walked one page at a time, same
 LRU leaf eviction), and the table reports both and the speed-up.
 
-    python bench/tree_ops.py [--limit N] [--capacity TOKENS] [--page-sizes 1 16]
+    PYTHONPATH=. python bench/tree_ops.py [--limit N] [--capacity TOKENS] [--page-sizes 1 16] [--no-naive]
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--capacity", type=int, default=1_000_000, help="pool size in tokens")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive trie (it is slow at page size 1)")
     args = parser.parse_args()
 
     requests = load_mooncake_trace(args.trace)[: args.limit]
@@ -221,16 +222,19 @@ def main() -> None:
     bookkeeping: list[tuple[int, Timings]] = []
     for size in args.page_sizes:
         radix = replay_radix(arrays, size, args.capacity)
-        naive = replay_naive(lists, size, args.capacity)
+        naive = None if args.no_naive else replay_naive(lists, size, args.capacity)
         for name, t in (("radix (numpy edges)", radix), ("naive page trie", naive)):
+            if t is None:
+                continue
             cells = [f"{t.hit_tokens / t.prompt_tokens:.1%}"]
             for op in ("match", "insert", "evict"):
                 secs, calls = t.seconds[op], max(t.calls[op], 1)
                 cells += [f"{t.tokens[op] / secs / 1e6:.1f}" if secs else "-", f"{secs / calls * 1e6:.0f}"]
             print(f"| {size} | {name} | " + " | ".join(cells) + " |")
-        ratios = [f"{naive.seconds[op] / radix.seconds[op]:.1f}x" if radix.seconds[op] else "-"
-                  for op in ("match", "insert", "evict")]
-        print(f"| {size} | speed-up (naive time / radix time) | | {ratios[0]} | | {ratios[1]} | | {ratios[2]} | |")
+        if naive is not None:
+            ratios = [f"{naive.seconds[op] / radix.seconds[op]:.1f}x" if radix.seconds[op] else "-"
+                      for op in ("match", "insert", "evict")]
+            print(f"| {size} | speed-up (naive time / radix time) | | {ratios[0]} | | {ratios[1]} | | {ratios[2]} | |")
         bookkeeping.append((size, radix))
     print("\nPool and block-table bookkeeping of the radix replay (PagePool calls wherever made, "
           "tree ops included, plus the replay's table assembly), seconds:\n")
