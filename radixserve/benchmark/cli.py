@@ -128,6 +128,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["both", "in-process", "http"], default="both",
                    help="the engine in this process (no HTTP), the server over HTTP, or both "
                         "(default: %(default)s)")
+    p.add_argument("--vary-output", action="store_true",
+                   help="draw each output length from 1 .. 2x the workload's (same mean)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every run; figures are medians, ratios are taken within a round "
                         "(default: %(default)s)")
@@ -319,13 +321,16 @@ def serve_command(args: argparse.Namespace) -> int:
 
 def compare_command(args: argparse.Namespace) -> int:
     """`radixserve bench compare`."""
-    from radixserve.benchmark.compare import MODES, build_bench_model, model_vocab_size, run_comparison
+    from radixserve.benchmark.compare import (MODES, build_bench_model, model_vocab_size, run_comparison,
+                                              with_varied_output_lengths)
     from radixserve.benchmark.inprocess import breakdown_table
 
     model_dir = build_bench_model(args.model_dir)
     params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
               **parse_workload_args(args.workload_args)}
     workload = make_workload(args.workload, **params)
+    if args.vary_output:
+        workload = with_varied_output_lengths(workload, args.seed)
     result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
                             server_args=args.server_args.split(),
                             modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,

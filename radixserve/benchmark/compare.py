@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -174,6 +174,14 @@ def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int
         output_tokens += sum(max(r.output_len, 1) for r in batch)
         latency += [time.perf_counter() - start] * len(batch)
     return StaticBatchResult(time.perf_counter() - start, latency, workload.prompt_tokens, output_tokens)
+
+
+def with_varied_output_lengths(workload: Workload, seed: int = 0) -> Workload:
+    """The workload with each output length drawn uniformly from 1 .. 2 * length - 1 (same
+    mean): a static batch then waits for its longest generation, as real requests make it."""
+    rng = np.random.default_rng(seed)
+    requests = [replace(r, output_len=int(rng.integers(1, 2 * max(r.output_len, 1)))) for r in workload.requests]
+    return Workload(f"{workload.name}-varied", requests, {**workload.params, "varied_output": True})
 
 
 RUNS: tuple[tuple[str, bool, bool], ...] = (
