@@ -26,14 +26,19 @@ def req(name: str, tokens: list[int], arrival: float, priority: int = 0) -> Wait
     return Waiting(name, np.asarray(tokens, dtype=np.int32), arrival, priority)
 
 
-@pytest.fixture
-def tree() -> RadixTree:
+def cached_tree(tree_class: type[RadixTree] = RadixTree) -> RadixTree:
+    """A tree over 2-token pages holding tokens 1..8."""
     pool = PagePool(64, 2)
-    tree = RadixTree(pool)
+    tree = tree_class(pool)
     pages = pool.allocate(4)
     tree.insert([1, 2, 3, 4, 5, 6, 7, 8], pages)
     pool.decref(pages)
     return tree
+
+
+@pytest.fixture
+def tree() -> RadixTree:
+    return cached_tree()
 
 
 def names(items: list[Waiting]) -> list[str]:
@@ -87,11 +92,7 @@ class CountingTree(RadixTree):
 
 
 def test_lpm_looks_up_at_most_its_budget_and_converges_to_the_exact_order() -> None:
-    pool = PagePool(64, 2)
-    tree = CountingTree(pool)
-    pages = pool.allocate(4)
-    tree.insert([1, 2, 3, 4, 5, 6, 7, 8], pages)
-    pool.decref(pages)
+    tree = cached_tree(CountingTree)
     # Ten requests; the later an arrival, the longer its cached prefix (0..8 tokens).
     waiting = [req(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8][: min(i, 8)] + [99, 99], float(i)) for i in range(10)]
     exact = names(LongestPrefixMatch().order(waiting, tree, now=10.0))
