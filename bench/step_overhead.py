@@ -36,6 +36,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
 
 SECTIONS = ("schedule", "metadata", "sampling", "detokenize")
+MAX_TOKENS = 2048
 
 
 class NoAttention(AttentionBackend):
@@ -72,12 +73,12 @@ def tiny_checkpoint(directory: Path, vocab_size: int, max_positions: int) -> Pat
 
 def measure(checkpoint: Path, context: int, page_size: int, steps: int, batch: int) -> dict[str, float]:
     """Mean seconds per decode step in each section, with `batch` sequences of `context`."""
-    num_pages = batch * (-(-(context + steps + 64) // page_size)) + 64
+    max_tokens = MAX_TOKENS  # nobody finishes during admission (one chunk a step) or timing
+    num_pages = batch * (-(-(context + max_tokens) // page_size)) + 64
     engine = Engine(str(checkpoint), page_size=page_size, num_pages=num_pages, max_running=batch,
                     max_batch_tokens=65536, device="cpu", dtype="float32")
     engine.runner.backend = NoAttention()
     rng = np.random.default_rng(context)
-    max_tokens = steps + 32  # nobody finishes while timed
     for i in range(batch):
         prompt = rng.integers(10, 2000, size=context).tolist()
         params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=["\n\n\n", "STOP"])
@@ -88,6 +89,8 @@ def measure(checkpoint: Path, context: int, page_size: int, steps: int, batch: i
     while len(engine.scheduler.running) < batch or any(
             s.num_computed < s.num_tokens - 1 for s in engine.scheduler.running):
         engine.step()  # prefill (the tiny model makes it quick)
+        if engine.stats()["requests_finished"]:
+            raise RuntimeError("a request finished before all were admitted: raise MAX_TOKENS")
     for _ in range(3):
         engine.step()  # warm up: every sequence decoding, mirrors built
     before = engine.stats()["step_breakdown_s"]
@@ -117,7 +120,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in args.vocab:
-            checkpoint = tiny_checkpoint(Path(tmp) / f"v{vocab}", vocab, max(args.context) + args.steps + 128)
+            checkpoint = tiny_checkpoint(Path(tmp) / f"v{vocab}", vocab, max(args.context) + MAX_TOKENS)
             for context in args.context:
                 figures = measure(checkpoint, context, args.page_size, args.steps, args.batch)
                 rows.append({"context": context, "vocab": vocab, "page_size": args.page_size, **figures})

@@ -128,6 +128,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["both", "in-process", "http"], default="both",
                    help="the engine in this process (no HTTP), the server over HTTP, or both "
                         "(default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of every run, in process and servers (default: torch's choice)")
     p.add_argument("--vary-output", action="store_true",
                    help="draw each output length from 1 .. 2x the workload's (same mean)")
     p.add_argument("--repeat", type=int, default=1,
@@ -334,7 +336,8 @@ def compare_command(args: argparse.Namespace) -> int:
     result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
                             server_args=args.server_args.split(),
                             modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
-                            log_dir=args.json.parent if args.json else None, progress=not args.no_progress)
+                            log_dir=args.json.parent if args.json else None, progress=not args.no_progress,
+                            threads=args.threads)
     rows = {f"radixserve {label}": summary for label, summary in result["runs"].items()}
     rows["transformers generate, static batches"] = result["hf_static_batches"]
     if args.repeat > 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -87,14 +88,16 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Path | None = None
-                  ) -> Iterator[str]:
-    """Runs `radixserve serve` on a free local port until the block exits; yields its URL."""
+def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Path | None = None,
+                  threads: int | None = None) -> Iterator[str]:
+    """Runs `radixserve serve` on a free local port until the block exits; yields its URL.
+    `threads`: the server's CPU threads (OMP_NUM_THREADS), default torch's choice."""
     port = _free_port()
     cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir),
            "--port", str(port), "--log-level", "warning", *extra_args]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -196,14 +199,20 @@ MODES = ("in-process", "http")
 def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: int = 8,
                    batch_size: int = 8, server_args: list[str] | None = None,
                    modes: tuple[str, ...] = MODES, repeat: int = 1, log_dir: Path | None = None,
-                   progress: bool = False) -> dict[str, object]:
+                   progress: bool = False, threads: int | None = None) -> dict[str, object]:
     """Runs `workload` on `model_dir` three ways (prefix cache on; off; on but every request
     under its own cache_salt, i.e. caching's overhead at 0% hits) in each of `modes`
     ("in-process": `Engine` in this process, no HTTP; "http": `radixserve serve` in a
     subprocess, replayed over HTTP) and through transformers' static batches, `repeat` times
     in turn. Returns the median of every figure over the repeats, and ratios taken side by
-    side within each repeat, then their median. A server that fails to start is reported,
-    not fatal."""
+    side within each repeat, then their median. `threads` fixes the CPU threads of every run
+    (torch in this process, OMP_NUM_THREADS for the servers): on a machine shared with other
+    work, one thread each keeps a busy neighbour from stalling a run's thread barriers. A
+    server that fails to start is reported, not fatal."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     per_repeat: list[dict[str, dict]] = []
     failures: dict[str, str] = {}
     ttfts: dict[str, list[float]] = {}
@@ -223,7 +232,7 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                 name = f"http, {label}"
                 log_path = log_dir / f"server-{_slug(label)}.log" if log_dir else None
                 try:
-                    with launch_server(model_dir, flags, log_path=log_path) as url:
+                    with launch_server(model_dir, flags, log_path=log_path, threads=threads) as url:
                         result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency,
                                                                  isolate=isolate, progress=progress))
                 except (RuntimeError, TimeoutError) as exc:
