@@ -177,3 +177,14 @@ def test_a_seeded_request_reproduces_alone_among_others_and_after_preemption(tin
     squeezed = tight.generate([list(range(100, 108)), prompt], [long_output, seeded])
     assert tight.stats()["preemptions"] > 0
     assert squeezed[1].token_ids == alone[0].token_ids
+
+
+def test_non_finite_logits_raise_instead_of_sampling_garbage() -> None:
+    """The engine then samples row by row and ends only the request whose logits broke."""
+    logits = torch.tensor([[0.0, 1.0, float("nan")], [0.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=1.0)] * 2
+    with pytest.raises(ValueError, match=r"cannot sample rows \[0\]"):
+        sample(logits, params, [1, 2], [0, 0])
+    assert sample(logits[1:], params[1:], [2], [0])[0] in (0, 1, 2)
+    with pytest.raises(ValueError, match="not finite"):
+        sample(torch.tensor([[float("inf"), 0.0]]), params[:1], [1], [0])

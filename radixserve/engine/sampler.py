@@ -178,6 +178,10 @@ def _inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token whose cumulative-probability interval holds u * total mass, per row."""
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
+    invalid = ~torch.isfinite(total) | (total <= 0)  # NaN or +inf logits spread to the total
+    if bool(invalid.any()):
+        rows = invalid.squeeze(1).nonzero().squeeze(1).tolist()
+        raise ValueError(f"cannot sample rows {rows}: their logits are not finite")
     # x < total: some token's interval ends above x, and that token has mass > 0.
     x = torch.minimum((u[:, None] * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
     drawn = torch.searchsorted(cdf, x, right=True).clamp(max=probs.shape[-1] - 1)
