@@ -102,7 +102,8 @@ def test_simulate_with_a_host_tier_reports_both_tiers_and_the_two_tier_bound(tmp
 
 
 def test_tiers_sizes_the_device_pool_to_a_fraction_of_the_working_set() -> None:
-    from radixserve.benchmark.host_tier import median_summary, pool_sizes, working_set_tokens
+    from radixserve.benchmark.compare import median_summary
+    from radixserve.benchmark.host_tier import pool_sizes, working_set_tokens
     from radixserve.benchmark.workloads import multi_turn
 
     w = multi_turn(num_clients=4, num_turns=3, num_system_prompts=2, system_len=64, message_len=16, output_len=8)

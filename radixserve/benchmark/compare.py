@@ -241,7 +241,7 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                 summaries[name] = result.summary()
                 ttfts[name] = [r.ttft_s for r in result.records if r.error is None]
         per_repeat.append(summaries)
-    medians = {label: _median_summary([s[label] for s in per_repeat if label in s])
+    medians = {label: median_summary([s[label] for s in per_repeat if label in s])
                for label in per_repeat[0]}
     ratios = _median_ratios(per_repeat)
     hf = medians.pop("transformers")
@@ -268,8 +268,9 @@ def _slug(label: str) -> str:
     return label.replace(" ", "-").replace(",", "").replace("%", "pct")
 
 
-def _median_summary(summaries: list[dict]) -> dict:
-    """The median of every number over the repeats; other values from the first."""
+def median_summary(summaries: list[dict]) -> dict:
+    """Key by key, the median of several runs' figures: numbers, and each number of a nested
+    dict (the step breakdown); the first run's value otherwise."""
     out = dict(summaries[0])
     for key, value in summaries[0].items():
         if isinstance(value, int | float) and not isinstance(value, bool):

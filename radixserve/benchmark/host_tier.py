@@ -18,10 +18,9 @@ import math
 from pathlib import Path
 
 import httpx
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.benchmark.compare import launch_server
+from radixserve.benchmark.compare import launch_server, median_summary
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.serve import run_serve_benchmark
 from radixserve.benchmark.workloads import Workload
@@ -55,16 +54,6 @@ def scrape_counters(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         if family.name in COUNTERS:
             out[family.name.removeprefix("radixserve_")] = sum(s.value for s in family.samples)
-    return out
-
-
-def median_summary(summaries: list[dict]) -> dict:
-    """Key by key, the median of several runs' numeric figures (the first run's otherwise)."""
-    out = dict(summaries[0])
-    for key, value in summaries[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            values = [s[key] for s in summaries if s.get(key) is not None]
-            out[key] = float(np.median(values)) if values else None
     return out
 
 
