@@ -88,7 +88,10 @@ def test_metrics_cover_every_replica(client: httpx.Client, server: SimpleNamespa
     """/metrics sums the replicas: twice one engine's pages (single server: NUM_PAGES)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    before = server.stats()["prompt_tokens"]
     client.post(COMPLETIONS, json={"prompt": "metrics", "max_tokens": 3, "ignore_eos": True, "stream": True})
+    # Replicas report their stats periodically: wait until this request is in them.
+    assert single.wait_for(lambda: server.stats()["prompt_tokens"] > before), server.stats()
     single.assert_idle(server)
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
 
