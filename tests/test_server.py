@@ -57,6 +57,21 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return predicate()
 
 
+def prompt_len(server: SimpleNamespace, messages: list[dict[str, str]]) -> int:
+    """Tokens of a chat prompt, rendered as the server renders it."""
+    text = server.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(server.tokenizer.encode(text, add_special_tokens=False))
+
+
+def cached_on_repeat(prompt_tokens: int, max_tokens: int) -> int:
+    """cached_tokens of a request repeating an earlier one exactly (same namespace).
+
+    The earlier one computed its prompt and all but its last generated token, and left its
+    full pages cached; a repeat matches at most prompt - 1 tokens (one must be computed)."""
+    computed = prompt_tokens + max_tokens - 1
+    return min(prompt_tokens - 1, computed // PAGE_SIZE * PAGE_SIZE)
+
+
 def assert_idle(server: SimpleNamespace) -> None:
     """No request runs or waits, no page is locked, every used page is cache (none leaked)."""
     def idle() -> bool:
@@ -71,7 +86,9 @@ def assert_idle(server: SimpleNamespace) -> None:
 
 
 def test_chat_non_streaming_counts_tokens(client: httpx.Client, server: SimpleNamespace) -> None:
-    body = chat_body("Say something about pages.", max_tokens=7, temperature=0, ignore_eos=True)
+    # A salt of its own: nothing is cached for it yet, whatever ran before.
+    body = chat_body("Say something about pages.", max_tokens=7, temperature=0, ignore_eos=True,
+                     cache_salt="counts-tokens")
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     data = r.json()
@@ -80,24 +97,25 @@ def test_chat_non_streaming_counts_tokens(client: httpx.Client, server: SimpleNa
     (choice,) = data["choices"]
     assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
     assert choice["finish_reason"] == "length"
-    text = server.tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
-    expected_prompt = len(server.tokenizer.encode(text, add_special_tokens=False))
+    expected_prompt = prompt_len(server, body["messages"])
     usage = data["usage"]
     assert usage["prompt_tokens"] == expected_prompt
     assert usage["completion_tokens"] == 7
     assert usage["total_tokens"] == expected_prompt + 7
-    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < expected_prompt
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    again = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == cached_on_repeat(expected_prompt, 7)
 
 
-def test_chat_streaming_sse_framing(client: httpx.Client) -> None:
+def test_chat_streaming_sse_framing(client: httpx.Client, server: SimpleNamespace) -> None:
     body = chat_body("Stream me two answers.", max_tokens=6, temperature=0, n=2, ignore_eos=True,
-                     stream=True, stream_options={"include_usage": True})
+                     stream=True, stream_options={"include_usage": True}, cache_salt="sse-framing")
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     chunks = sse_chunks(r.text)
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
-    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a fresh salt
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     per_choice: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
@@ -106,6 +124,9 @@ def test_chat_streaming_sse_framing(client: httpx.Client) -> None:
         (choice,) = chunk["choices"]
         per_choice[choice["index"]].append(choice)
     non_stream = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    prompt_tokens = prompt_len(server, body["messages"])
+    assert non_stream["usage"]["prompt_tokens"] == prompt_tokens  # counted once for n = 2
+    assert non_stream["usage"]["prompt_tokens_details"]["cached_tokens"] == cached_on_repeat(prompt_tokens, 6)
     for index, choices in per_choice.items():
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}
         assert all("role" not in c["delta"] for c in choices[1:])
@@ -200,23 +221,39 @@ def test_seeded_sampling_reproduces(client: httpx.Client) -> None:
 
 def test_shared_system_prompt_hits_cache_unless_salted(client: httpx.Client, server: SimpleNamespace) -> None:
     system = "Cache-sharing system prompt: " + "every tenant shares these instructions. " * 12
+
+    def messages(user: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
     def cached(user: str, **extra: Any) -> int:
-        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-                "max_tokens": 2, **extra}
-        r = client.post("/v1/chat/completions", json=body)
+        r = client.post("/v1/chat/completions", json={"messages": messages(user), "max_tokens": 2, **extra})
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def ids(user: str) -> list[int]:
+        text = server.tokenizer.apply_chat_template(messages(user), tokenize=False, add_generation_prompt=True)
+        return server.tokenizer.encode(text, add_special_tokens=False)
+
+    def hit(earlier: str, later: str) -> int:
+        """What `later` finds of `earlier` (max_tokens 2): their common prefix, as far as
+        `earlier`'s computed tokens filled whole pages (a partial page is never cached)."""
+        a, b = ids(earlier), ids(later)[:-1]
+        shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return min(shared, (len(a) + 1) // PAGE_SIZE * PAGE_SIZE)
 
     system_tokens = len(server.tokenizer.encode(
         server.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
         add_special_tokens=False))
-    # Only the template's role header can be cached yet: other chats shared it already.
-    header_tokens = len(server.tokenizer.encode("<|im_start|>system\n", add_special_tokens=False))
-    assert cached("first question") <= header_tokens < system_tokens // 4
-    assert cached("second question") >= system_tokens - 1
+    assert hit("first question", "second question") >= system_tokens  # the system prompt is shared
+    # A salt of its own: nothing is cached for it yet, not even the template's role header.
+    assert cached("first question", cache_salt="tenant-a") == 0
+    assert cached("second question", cache_salt="tenant-a") == hit("first question", "second question")
     assert cached("third question", cache_salt="tenant-b") == 0
-    assert cached("fourth question", cache_salt="tenant-b") >= system_tokens - 1
+    assert cached("fourth question", cache_salt="tenant-b") == hit("third question", "fourth question")
     assert cached("fifth question", cache_salt="tenant-c", system_retention_priority=90) == 0
+    # Unsalted requests share too (other tests' chats share at most the role header with these).
+    cached("sixth question")
+    assert cached("seventh question") == hit("sixth question", "seventh question")
 
 
 def test_session_close(client: httpx.Client, server: SimpleNamespace) -> None:
@@ -259,7 +296,20 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "stop": [""]}, 400, "stop"),
-    (CHAT, {"messages": USER, "stop": [f"s{i}" for i in range(9)]}, 400, "stop"),
+    (CHAT, {"messages": USER, "stop": [f"s{i}" for i in range(5)]}, 400, "stop"),
+    (CHAT, {"messages": USER, "stop": "x" * 513}, 400, "stop"),
+    (COMPLETIONS, {"prompt": "hi", "stop": ["ok", "y" * 200_000]}, 400, "stop"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
+    (CHAT, {"messages": USER, "session_id": "s" * 257}, 400, "session_id"),
+    (CHAT, {"messages": USER, "cache_salt": "s" * 257}, 400, "cache_salt"),
+    (CHAT, {"messages": USER, "user": "u" * 257}, 400, "user"),
+    (CHAT, {"messages": USER, "model": "m" * 257}, 400, "model"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "name": "n" * 257}]}, 400, "messages[0].name"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format.type"),
+    (CHAT, {"messages": USER, "response_format": {}}, 400, "response_format.type"),
+    (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "messages[0]"),
+    (CHAT, b'{"x": ' + b'{"a": ' * 1200 + b"1" + b"}" * 1200 + b', "messages": []}', 400, None),
+    (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None),
     (CHAT, {"messages": USER, "stream": "yes"}, 400, "stream"),
     (CHAT, {"messages": USER, "presence_penalty": 0.5}, 400, "presence_penalty"),
     (CHAT, {"messages": USER, "retention_priority": 101}, 400, "retention_priority"),
@@ -270,7 +320,12 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages"),
     (CHAT, {"messages": USER, "max_tokens": 5000}, 400, "max_tokens"),
     (COMPLETIONS, {}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt[0]"),
+    (COMPLETIONS, {"prompt": [1, "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", ""]}, 400, "prompt[1]"),
+    (COMPLETIONS, {"prompt": [[1, 2], []]}, 400, "prompt[1]"),
+    (COMPLETIONS, {"prompt": [[1, 2], [10**6]]}, 400, "prompt[1]"),
+    (COMPLETIONS, {"prompt": ["a", "word " * 5000]}, 400, "prompt[1]"),
+    (COMPLETIONS, {"prompt": ["a"] * 65}, 400, "prompt"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [3, -1]}, 400, "prompt[1]"),
     (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt"),

@@ -25,7 +25,7 @@ def server() -> Iterator[SimpleNamespace]:
     engine = Engine(model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_running=1, max_queue=1)
     app = create_app(AsyncEngine(engine), served_model_name="tiny-demo", api_key=API_KEY)
     with running_server(app) as url:
-        yield SimpleNamespace(url=url, stats=app.state.server.engine.stats)
+        yield SimpleNamespace(url=url, stats=app.state.server.engine.stats, engine=app.state.server.engine)
     engine.check_invariants()
 
 
@@ -65,33 +65,54 @@ def test_right_key_serves_and_open_routes_need_none(client: httpx.Client) -> Non
     assert client.get("/metrics").status_code == 200
 
 
-def test_request_larger_than_the_pool_is_400(client: httpx.Client) -> None:
-    # Fits the 4096-token context but not 64 pages x 16 tokens: the engine refuses it up front.
-    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 1500})
+@pytest.mark.parametrize(("path", "body", "param"), [
+    # Fits the 4096-token context but not 64 pages x 16 tokens: the engine refuses it up front,
+    # naming what does not fit: max_tokens when the prompt alone would, else the prompt.
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1500}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1500},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": [7] * (NUM_PAGES * PAGE_SIZE), "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}], "max_tokens": 1},
+     "messages"),
+])
+def test_request_larger_than_the_pool_is_400(client: httpx.Client, path: str, body: dict, param: str) -> None:
+    r = client.post(path, headers=AUTH, json=body)
     assert r.status_code == 400
     assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
-                                                    "param": "prompt", "code": "context_length_exceeded"}
+                                                    "param": param, "code": "context_length_exceeded"}
 
 
 def test_full_queue_is_503_with_retry_after(client: httpx.Client, server: SimpleNamespace) -> None:
     long_body = {"prompt": "Occupy the only running slot", "max_tokens": 900, "ignore_eos": True, "stream": True}
     queued: dict[str, int] = {}
+    engine = server.engine
+
+    def hold_once_running() -> None:  # runs on the engine thread before each step
+        if engine.engine.stats()["running"]:
+            engine.step_hook = None
+            engine.pause()  # the long request stays running (and unfinished) until resume()
 
     def queued_request() -> None:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             r = c.post("/v1/completions", headers=AUTH, json={"prompt": "I wait my turn", "max_tokens": 3})
             queued["status"] = r.status_code
 
-    with client.stream("POST", "/v1/completions", headers=AUTH, json=long_body) as running:
-        assert running.status_code == 200  # headers arrive with the first token: it is running
-        waiter = threading.Thread(target=queued_request)
-        waiter.start()
-        assert wait_for(lambda: server.stats()["waiting"] == 1)
-        r = client.post("/v1/completions", headers=AUTH, json={"prompt": "No room", "max_tokens": 3})
-        assert r.status_code == 503, r.text
-        assert r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_overloaded"
-        assert server.stats()["running"] == 1
+    engine.step_hook = hold_once_running
+    try:
+        with client.stream("POST", "/v1/completions", headers=AUTH, json=long_body) as running:
+            assert running.status_code == 200  # headers arrive with the first token: it is running
+            waiter = threading.Thread(target=queued_request)
+            waiter.start()
+            assert wait_for(lambda: server.stats()["waiting"] == 1, timeout=60)
+            r = client.post("/v1/completions", headers=AUTH, json={"prompt": "No room", "max_tokens": 3})
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_overloaded"
+            assert server.stats()["running"] == 1
+            engine.resume()
+    finally:
+        engine.step_hook = None
+        engine.resume()
     # Leaving the stream aborted the long request: the queued one now runs to completion.
     waiter.join(timeout=30)
     assert queued["status"] == 200

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -16,54 +17,106 @@ from radixserve.engine.params import SamplingParams, StreamDelta
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
+DEFAULT_STALL_TIMEOUT_S = 120.0  # a step on a CPU with a large model may take tens of seconds
+DEFAULT_STOP_TIMEOUT_S = 5.0
+MAX_REQUEST_ID_CHARS = 256
+IDLE_WAKEUP_S = 0.5
+
 
 class AsyncEngine:
     """Runs Engine's step loop in a background thread; the asyncio loop never waits on a step.
 
     Every engine call is a command handed to that thread, so the engine's state has one owner.
     Deltas come back to each request's asyncio.Queue through `call_soon_threadsafe`.
+
+    Watchdog: the loop is *stalled* when it has had work pending (requests, commands) for
+    longer than `stall_timeout_s` without completing a step — a step stuck, the loop paused,
+    or the thread gone. `health()` says so and why; `stats()` carries
+    `seconds_since_last_step` and `stalled`. `shutdown()` waits at most `timeout_s` for the
+    thread, so a stuck step cannot keep the process alive.
+
+    `step_hook`, if given, runs on the engine thread before every step: tests and debuggers
+    use it to hold the loop inside a step. `pause()` / `resume()` stop and restart stepping
+    while commands (new requests, aborts) are still taken.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                 step_hook: Callable[[], None] | None = None) -> None:
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s: must be > 0, got {stall_timeout_s}")
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self.step_hook = step_hook
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._paused = False
         self._stats: dict[str, Any] = engine.stats()
         self._stats_lock = threading.Lock()
+        # Written by the engine thread only; read anywhere (a float or None: atomic).
+        self._pending_since: float | None = None  # work waiting for a step since then
+        self._last_step_at = time.monotonic()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._last_step_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self) -> None:
-        """Aborts what is left and stops the thread."""
+    async def shutdown(self, timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S) -> bool:
+        """Aborts what is left and stops the thread.
+
+        Returns False when the thread did not stop within `timeout_s` (a step is stuck): it is
+        a daemon thread, left behind so that the process can still exit.
+        """
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return True
+        await asyncio.to_thread(thread.join, timeout_s)
+        if thread.is_alive():
+            logger.error("the engine thread did not stop within %s s (a step is stuck); leaving it behind",
+                         timeout_s)
+            return False
+        self._thread = None
+        return True
+
+    def pause(self) -> None:
+        """Stops running steps (commands are still taken) until resume(); thread-safe."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Lets the loop step again; thread-safe."""
+        self._paused = False
+        self._wakeup.set()
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         while not self._stopping:
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
             self._drain_commands()
-            if self.engine.has_work():
+            if self.engine.has_work() and not self._paused:
+                if self.step_hook is not None:
+                    self.step_hook()
                 try:
                     deltas = self.engine.step()
                 except Exception:  # the engine ended that step's requests; the loop carries on
                     logger.exception("engine step failed; its requests were ended with finish_reason 'error'")
                     deltas = self.engine.take_deltas()
+                self._last_step_at = self._pending_since = time.monotonic()
                 self._deliver(deltas)
                 self._publish_stats()
             else:
+                if not self.engine.has_work():
+                    self._pending_since = None  # idle: nothing is waiting for a step
                 self._publish_stats()
-                self._wakeup.wait(timeout=0.5)
+                self._wakeup.wait(timeout=IDLE_WAKEUP_S)
                 self._wakeup.clear()
         self._drain_commands()
         for request_id in list(self._streams):
@@ -121,6 +174,8 @@ class AsyncEngine:
         Closing the iterator early (a client that went away) aborts the request, which frees
         its pages.
         """
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         stream: asyncio.Queue[Any] = asyncio.Queue()
@@ -165,10 +220,30 @@ class AsyncEngine:
         e.g. to read the tree); the future resolves with its result or error."""
         return self._call(fn)
 
+    def health(self) -> str | None:
+        """None while the loop is healthy; else why not (what GET /health reports with a 503)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return "the engine thread is not running"
+        waited = self._pending_for()
+        if waited > self.stall_timeout_s:
+            return (f"the engine loop has not completed a step for {waited:.1f} s while work is "
+                    f"pending (bound: {self.stall_timeout_s:g} s)")
+        return None
+
     def stats(self) -> dict[str, Any]:
-        """The snapshot published after the latest step: never waits for a step."""
+        """The snapshot published after the latest step, plus the watchdog's live figures:
+        `seconds_since_last_step` and `stalled` (1 while health() reports a stall). Never
+        waits for a step."""
         with self._stats_lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        stats["seconds_since_last_step"] = time.monotonic() - self._last_step_at
+        stats["stalled"] = int(self._pending_for() > self.stall_timeout_s)
+        return stats
+
+    def _pending_for(self) -> float:
+        since = self._pending_since
+        return 0.0 if since is None else time.monotonic() - since
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

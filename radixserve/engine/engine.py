@@ -226,11 +226,13 @@ class Engine:
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_context_len:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                f"exceeds the model's context of {self.max_context_len} tokens")
+                                f"exceeds the model's context of {self.max_context_len} tokens",
+                                param=_cause(len(prompt_ids), self.max_context_len))
         # Every sample must fit the pool on its own, or preemption could never make room.
         if math.ceil(total / self.page_size) + 1 > self.pool.num_pages:
             raise PromptTooLong(f"prompt + max_tokens ({total} tokens) needs more KV pages than the pool "
-                                f"holds ({self.pool.num_pages} pages of {self.page_size} tokens)")
+                                f"holds ({self.pool.num_pages} pages of {self.page_size} tokens)",
+                                param=_cause(len(prompt_ids), self.max_sequence_len))
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
@@ -630,3 +632,8 @@ class Engine:
         """(namespace id, page hash) of every cached page on `tier` ("device", the default;
         "host"; None: either): what an indexer of that tier's events holds."""
         return self.tree.cached_page_hashes(tier)
+
+
+def _cause(prompt_len: int, limit: int) -> str:
+    """What PromptTooLong blames: the prompt if it leaves no room for one token, else max_tokens."""
+    return "prompt" if prompt_len + 1 > limit else "max_tokens"

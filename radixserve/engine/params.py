@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIN_TEMPERATURE = 1e-5
+# Bounds on what one request may ask of the engine's per-token work (docs/server.md).
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 512  # per stop string: the matcher rescans this much text per token
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -38,8 +42,12 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p: must be in [0, 1]"),
             (isinstance(self.n, int) and 1 <= self.n <= 16, "n: must be an integer in [1, 16]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs: must be in [0, 20]"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"stop: at most {MAX_STOP_STRINGS} stop strings"),
             (all(isinstance(s, str) and s for s in self.stop), "stop: must be non-empty strings"),
-            (len(self.stop) <= 8, "stop: at most 8 stop strings"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"stop: each stop string must be at most {MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids"),
         ]
         for ok, message in checks:
             if not ok:
@@ -92,4 +100,11 @@ class QueueFull(RuntimeError):
 
 
 class PromptTooLong(ValueError):
-    """The prompt and max_tokens do not fit the model's context or the KV pool."""
+    """The prompt and max_tokens do not fit the model's context or the KV pool.
+
+    `param` names the cause: "prompt" when the prompt alone does not fit, else "max_tokens".
+    """
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param

@@ -10,29 +10,31 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from radixserve import AsyncEngine, StreamDelta
+from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
 from radixserve.server.cache_routes import CacheRoutes
 from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
     APIError,
     engine_errors,
+    engine_failure,
     error_from_decode,
     handle_api_error,
     handle_http_exception,
-    handle_unexpected,
 )
 from radixserve.server.formatting import (
     ChatFormatter,
@@ -43,27 +45,30 @@ from radixserve.server.formatting import (
     TokenNamer,
     UsageCounter,
 )
+from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompts import render_chat
 from radixserve.server.protocol import (
+    MAX_ID_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorBody,
     ModelCard,
     ModelList,
 )
-from radixserve.server.translate import EngineCall, chat_call, completion_call
+from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
+from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
 
 logger = logging.getLogger("radixserve.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENCODER = msgspec.json.Encoder()
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 _DONE = b"data: [DONE]\n\n"
-_T = TypeVar("_T")
 
 
 class OpenAIServer:
@@ -83,31 +88,35 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine.stats)
 
     # ------------------------------------------------------------------ routes
-    async def chat_completions(self, request: Request) -> Response:
-        """POST /v1/chat/completions."""
-        return await self._counted("chat", self._chat, request)
-
-    async def completions(self, request: Request) -> Response:
-        """POST /v1/completions."""
-        return await self._counted("completions", self._completion, request)
-
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one model served."""
         self._authorize(request)
-        card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context_len)
-        return _json(ModelList(data=[card]))
+        return _json(ModelList(data=[self._model_card(self.model_name)]))
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model_id}: the served model under either of its names, else 404."""
+        self._authorize(request)
+        model_id = request.path_params["model_id"]
+        self._check_model(model_id)
+        return _json(self._model_card(model_id))
 
     async def close_session(self, request: Request) -> Response:
         """POST /v1/sessions/{session_id}/close: the session's pages become ordinary cache."""
         self._authorize(request)
         session_id = request.path_params["session_id"]
+        if len(session_id) > MAX_ID_CHARS:
+            raise APIError(400, f"session_id: at most {MAX_ID_CHARS} characters", param="session_id",
+                           code="invalid_value")
         if not await self.engine.close_session(session_id):
             raise APIError(404, f"No open session {session_id!r}", param="session_id",
                            code="session_not_found")
         return JSONResponse({"id": session_id, "object": "session", "closed": True})
 
     async def health(self, request: Request) -> Response:
-        """GET /health: answers at once; the engine thread never blocks the event loop."""
+        """GET /health: 200 at once, or 503 with the reason when the engine loop is stalled."""
+        problem = self.engine.health()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
@@ -116,7 +125,8 @@ class OpenAIServer:
         return Response(body, media_type=content_type)
 
     # ------------------------------------------------------------------ generation
-    async def _chat(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
         self._authorize(request)
         timer = self.metrics.timer()
         body = _decode(await self._read_body(request), _CHAT_DECODER)
@@ -127,90 +137,113 @@ class OpenAIServer:
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
-        return await self._generate(request, call, formatter, body.stream, "messages", timer)
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        return await self._generate(request, [call], formatter, body.stream, ["messages"], max_tokens_param,
+                                    timer)
 
-    async def _completion(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions: one prompt, or a batch of them (n choices per prompt)."""
         self._authorize(request)
         timer = self.metrics.timer()
         body = _decode(await self._read_body(request), _COMPLETION_DECODER)
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = await anyio.to_thread.run_sync(self.tokenizer.encode, body.prompt)
-        else:
-            prompt_ids = body.prompt
-        call = completion_call(body, prompt_ids, self.max_context_len, self.max_sequence_len)
+        prompts, batch = completion_prompts(body)
+        params = [f"prompt[{i}]" for i in range(len(prompts))] if batch else ["prompt"]
+        tokenizer = self.tokenizer
+        prompt_ids = await anyio.to_thread.run_sync(
+            lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
+        calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param)
+                 for ids, param in zip(prompt_ids, params)]
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
-        return await self._generate(request, call, formatter, body.stream, "prompt", timer)
+        return await self._generate(request, calls, formatter, body.stream, params, "max_tokens", timer)
 
-    async def _generate(self, request: Request, call: EngineCall, formatter: ResponseFormatter,
-                        stream: bool, prompt_param: str, timer: RequestTimer) -> Response:
+    async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
+                        stream: bool, prompt_params: list[str], max_tokens_param: str,
+                        timer: RequestTimer) -> Response:
+        """Runs one engine request per call (one per prompt of a batch) and answers with their
+        choices: prompt i's choice j has index i * n + j."""
         request_id = formatter.identity.id
-        deltas = self.engine.generate(
-            call.prompt_ids, call.params, request_id=request_id, priority=call.priority,
-            cache_salt=call.cache_salt, retention=call.retention,
+        n = calls[0].params.n
+        streams = [self.engine.generate(
+            call.prompt_ids, call.params, request_id=request_id if len(calls) == 1 else f"{request_id}-{i}",
+            priority=call.priority, cache_salt=call.cache_salt, retention=call.retention,
             prefix_retention=call.prefix_retention, session_id=call.session_id)
-        streaming = False
+            for i, call in enumerate(calls)]
+        handed_over = False
         try:
-            # The engine reports bad input and a full queue on the first item: wait for it
-            # before answering, so those become proper HTTP errors.
-            with engine_errors(prompt_param, RETRY_AFTER_S):
-                first = await _unless_disconnected(request, anext(deltas))
-            if first is None:
+            # The engine reports bad input and a full queue on the first item: wait for every
+            # prompt's before answering, so those become proper HTTP errors.
+            firsts = await unless_disconnected(request, first_of_each(streams))
+            if firsts is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
+            for param, first in zip(prompt_params, firsts):
+                if isinstance(first, BaseException):
+                    with engine_errors(param, max_tokens_param, RETRY_AFTER_S):
+                        raise first
+            deltas = merge_batch([prepend(first, rest) for first, rest in zip(firsts, streams)], n)
+            handed_over = True  # from here `deltas` owns the engine streams and closes them
+            choices = n * len(calls)
             if stream:
-                streaming = True  # from here the event generator owns `deltas` and closes it
-                events = self._sse(deltas, first, formatter, call.params.n, timer)
+                events = self._sse(deltas, formatter, choices, n, timer)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            response = await _unless_disconnected(
-                request, self._collect(deltas, first, formatter, call.params.n, timer))
+            try:
+                response = await unless_disconnected(request, self._collect(deltas, formatter, choices, n, timer))
+            finally:
+                await close(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
         finally:
-            if not streaming:
-                await _close(deltas)
+            if not handed_over:
+                for engine_stream in streams:
+                    await close(engine_stream)
 
-    async def _collect(self, deltas: AsyncIterator[StreamDelta], first: StreamDelta,
-                       formatter: ResponseFormatter, n: int, timer: RequestTimer) -> Response:
-        choices = [ChoiceResult() for _ in range(n)]
-        usage = UsageCounter()
-        async with aclosing(_prepend(first, deltas)) as all_deltas:
-            async for delta in all_deltas:
+    async def _collect(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter,
+                       choices: int, n: int, timer: RequestTimer) -> Response:
+        results = [ChoiceResult() for _ in range(choices)]
+        usage = UsageCounter(n)
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if delta.finish_reason == "error":
+                    raise engine_failure()
                 timer.observe(delta)
                 usage.add(delta)
-                choice = choices[delta.index]
-                choice.text += delta.text
-                choice.token_ids.extend(delta.token_ids)
-                choice.logprobs.extend(delta.logprobs or ())
-                choice.finish_reason = delta.finish_reason or choice.finish_reason
+                result = results[delta.index]
+                result.text += delta.text
+                result.token_ids.extend(delta.token_ids)
+                result.logprobs.extend(delta.logprobs or ())
+                result.finish_reason = delta.finish_reason or result.finish_reason
         timer.finish()
-        return _json(formatter.response(choices, usage.usage()))
+        return _json(formatter.response(results, usage.usage()))
 
-    async def _sse(self, deltas: AsyncIterator[StreamDelta], first: StreamDelta,
-                   formatter: ResponseFormatter, n: int, timer: RequestTimer) -> AsyncIterator[bytes]:
-        usage = UsageCounter()
+    async def _sse(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter, choices: int,
+                   n: int, timer: RequestTimer) -> AsyncIterator[bytes]:
+        usage = UsageCounter(n)
         try:
-            for chunk in formatter.opening_chunks(n):
+            for chunk in formatter.opening_chunks(choices):
                 yield _event(chunk)
-            async with aclosing(_prepend(first, deltas)) as all_deltas:
-                async for delta in all_deltas:
-                    timer.observe(delta)
-                    usage.add(delta)
-                    chunk = formatter.chunk(delta)
-                    if chunk is not None:
-                        yield _event(chunk)
-            timer.finish()
-            if formatter.identity.include_usage:
-                yield _event(formatter.usage_chunk(usage.usage()))
+            async for delta in deltas:
+                if delta.finish_reason == "error":
+                    # The engine ended this request (its step failed); the rest is aborted.
+                    yield _event(_error_event(engine_failure()))
+                    break
+                timer.observe(delta)
+                usage.add(delta)
+                chunk = formatter.chunk(delta)
+                if chunk is not None:
+                    yield _event(chunk)
+            else:
+                timer.finish()
+                if formatter.identity.include_usage:
+                    yield _event(formatter.usage_chunk(usage.usage()))
         except Exception as exc:
             # Headers are gone already: the client learns of the failure from an error event.
             logger.exception("request %s failed mid-stream", formatter.identity.id)
-            yield _event({"error": ErrorBody(message=f"{type(exc).__name__}: {exc}", type="server_error",
-                                             param=None, code="internal_error")})
+            yield _event(_error_event(APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")))
         finally:
-            # A client that went away cancels this generator; closing the engine's stream
-            # aborts the request and frees its pages, even while the cancellation unwinds.
-            await _close(deltas)
+            # A client that went away cancels this generator; closing the engine's streams
+            # aborts the requests and frees their pages, even while the cancellation unwinds.
+            await close(deltas)
         yield _DONE
 
     # ------------------------------------------------------------------ checks
@@ -224,8 +257,12 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+            shown = model if len(model) <= MAX_ID_CHARS else model[:MAX_ID_CHARS] + "..."
+            raise APIError(404, f"The model {shown!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    def _model_card(self, model_id: str) -> ModelCard:
+        return ModelCard(id=model_id, created=self.created, max_model_len=self.max_context_len)
 
     async def _read_body(self, request: Request) -> bytes:
         too_large = APIError(413, f"Request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
@@ -244,23 +281,11 @@ class OpenAIServer:
         return ResponseIdentity(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
                                 model=self.model_name, include_usage=include_usage)
 
-    async def _counted(self, endpoint: str, handler: Callable[[Request], Awaitable[Response]],
-                       request: Request) -> Response:
-        try:
-            response = await handler(request)
-        except APIError as exc:
-            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
-            raise
-        except Exception:
-            self.metrics.requests.labels(endpoint, "500").inc()
-            raise
-        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
-
 
 def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, expose_cache_tokens: bool = False,
-               cache_event_buffer: int = DEFAULT_CAPACITY) -> Starlette:
+               cache_event_buffer: int = DEFAULT_CAPACITY,
+               engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -268,6 +293,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     The /v1/cache routes and /dashboard come from cache_routes.py and dashboard.py;
     `expose_cache_tokens` lets their snapshots and events carry token ids and text, and
     `cache_event_buffer` bounds how far (in events) a /v1/cache/events reader may fall behind.
+    At shutdown the engine thread gets `engine_stop_timeout_s` to stop; a thread stuck in a
+    step is left behind (`app.state.engine_stopped` is then False).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes)
@@ -281,31 +308,32 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
             yield
         finally:
             cache.close()
-            await engine.shutdown()
+            app.state.engine_stopped = await engine.shutdown(engine_stop_timeout_s)
 
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/sessions/{session_id}/close", server.close_session, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
         *cache.routes(),
         *Dashboard().routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: handle_api_error,
-        HTTPException: handle_http_exception,
-        Exception: handle_unexpected,
-    })
+    # Exceptions no handler maps are answered by RequestGuard (a 500 that keeps the connection).
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS)],
+                    exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception})
     app.state.server = server
+    app.state.engine_stopped = None
     return app
 
 
 def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
     try:
         return decoder.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise error_from_decode(exc) from exc
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The body is not valid UTF-8: {exc.reason} at byte {exc.start}.",
@@ -320,38 +348,6 @@ def _event(value: Any) -> bytes:
     return b"data: " + _ENCODER.encode(value) + b"\n\n"
 
 
-async def _prepend(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
-    yield first
-    async for delta in rest:
-        yield delta
-
-
-async def _close(deltas: AsyncIterator[StreamDelta]) -> None:
-    with anyio.CancelScope(shield=True):
-        await deltas.aclose()  # type: ignore[attr-defined]
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
-    """Awaits `work` unless the client disconnects first (then cancels it, returns None).
-
-    Starlette notices a disconnect only while streaming; this covers the time before the first
-    token and non-streaming requests, so a client that leaves never keeps the engine busy.
-    """
-    result: list[_T] = []
-    error: Exception | None = None
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        try:
-            result.append(await work)
-        except Exception as exc:  # re-raised below, not wrapped in the group's ExceptionGroup
-            error = exc
-        group.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return result[0] if result else None
+def _error_event(error: APIError) -> dict[str, ErrorBody]:
+    """The SSE payload of a failure after the headers went out: OpenAI's error shape."""
+    return {"error": ErrorBody(message=error.message, type=error.error_type, param=error.param, code=error.code)}

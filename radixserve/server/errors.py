@@ -53,12 +53,14 @@ def error_response(error: APIError) -> Response:
                     media_type="application/json")
 
 
-def error_from_decode(exc: msgspec.DecodeError) -> APIError:
+def error_from_decode(exc: msgspec.DecodeError | RecursionError) -> APIError:
     """Maps a msgspec decode failure to a 400 naming the offending field.
 
     A missing field is named by its full path (`messages[0].role`), a wrong type or value by
     the path msgspec reports; malformed JSON names no field.
     """
+    if isinstance(exc, RecursionError):  # msgspec's decoder recurses once per nesting level
+        return APIError(400, "Request body is nested too deeply", code="invalid_json")
     if not isinstance(exc, msgspec.ValidationError):
         return APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json")
     message = str(exc)
@@ -81,11 +83,13 @@ def error_from_value_error(exc: ValueError, default_param: str | None = None) ->
 
 
 @contextmanager
-def engine_errors(prompt_param: str, retry_after_s: int = 1) -> Iterator[None]:
+def engine_errors(prompt_param: str, max_tokens_param: str = "max_tokens",
+                  retry_after_s: int = 1) -> Iterator[None]:
     """Maps what AsyncEngine.generate raises up front to HTTP errors.
 
-    QueueFull → 503 with Retry-After; PromptTooLong → 400 on `prompt_param` ("messages" or
-    "prompt"); the engine's ValueError("<field>: why") → 400 on that field.
+    QueueFull → 503 with Retry-After; PromptTooLong → 400 on `prompt_param` ("messages",
+    "prompt" or "prompt[i]") when the prompt alone is too long, else on `max_tokens_param`;
+    the engine's ValueError("<field>: why") → 400 on that field.
     """
     try:
         yield
@@ -93,12 +97,20 @@ def engine_errors(prompt_param: str, retry_after_s: int = 1) -> Iterator[None]:
         raise APIError(503, f"The server is busy: {exc}", code="queue_full",
                        headers={"Retry-After": str(retry_after_s)}) from exc
     except PromptTooLong as exc:
-        raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
+        param = max_tokens_param if exc.param == "max_tokens" else prompt_param
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
     except ValueError as exc:
         error = error_from_value_error(exc)
         if error.param == "prompt":
             error.param = prompt_param
         raise error from exc
+
+
+def engine_failure() -> APIError:
+    """The 500 of a request the engine ended with finish_reason "error" (a failed step)."""
+    return APIError(500, "The engine failed while generating this request; the failure is in the "
+                         "server log. Other requests are not affected; retrying may succeed.",
+                    code="engine_error")
 
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:
@@ -118,10 +130,9 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
                                    headers=dict(exc.headers or {})))
 
 
-async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    """Any other exception: a 500 in the same shape; the server carries on."""
-    return error_response(APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                                   code="internal_error"))
+def unexpected_error(exc: BaseException) -> APIError:
+    """Any other exception: a 500 in the same shape."""
+    return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
 def _code_for_status(status: int) -> str:

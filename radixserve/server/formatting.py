@@ -39,29 +39,33 @@ class ChoiceResult:
 
 
 class UsageCounter:
-    """Token counts over a request's deltas.
+    """Token counts over a request's deltas; a batch of prompts sums over its prompts.
 
-    The prompt is counted once whatever n is; cached_tokens is that of choice 0 (later
-    choices of the same request usually hit the pages choice 0 just computed).
+    Choices `i * n .. i * n + n - 1` belong to prompt `i`. Each prompt is counted once
+    whatever n is; its cached_tokens is that of its first choice (later choices of the same
+    prompt usually hit the pages the first one just computed).
     """
 
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+        self.prompt_tokens: dict[int, int] = {}  # prompt position → its tokens
+        self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
 
     def add(self, delta: StreamDelta) -> None:
         """Counts one delta."""
-        self.prompt_tokens = delta.prompt_tokens
-        if delta.index == 0:
-            self.cached_tokens = delta.cached_tokens
+        prompt, choice = divmod(delta.index, self.n)
+        self.prompt_tokens[prompt] = delta.prompt_tokens
+        if choice == 0:
+            self.cached_tokens[prompt] = delta.cached_tokens
         self.completion_tokens += len(delta.token_ids)
 
     def usage(self) -> Usage:
         """The `usage` object of the response."""
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+        prompt_tokens = sum(self.prompt_tokens.values())
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
 
 
 class TokenNamer:

@@ -41,6 +41,10 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "steps": ("engine_steps", "counter", "Engine steps run."),
     "step_time_s_total": ("engine_step_seconds", "counter", "Time spent in engine steps."),
     "last_step_s": ("engine_last_step_seconds", "gauge", "Duration of the latest engine step."),
+    "seconds_since_last_step": ("engine_seconds_since_last_step", "gauge",
+                                "Seconds since the engine loop last completed a step (grows while idle)."),
+    "stalled": ("engine_stalled", "gauge",
+                "1 while work has waited longer than the stall bound for a step (/health is 503)."),
     "pages_total": ("kv_pages_total", "gauge", "KV pages in the pool."),
     "pages_free": ("kv_pages_free", "gauge", "KV pages free."),
     "pages_used": ("kv_pages_used", "gauge", "KV pages allocated (running sequences and cache)."),
@@ -157,8 +161,12 @@ class ServerMetrics:
         self.latency = Histogram(f"{PREFIX}_request_latency_seconds",
                                  "Time from request arrival to its last token.",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.requests = Counter(f"{PREFIX}_http_requests", "Generation requests by endpoint and status.",
+        self.requests = Counter(f"{PREFIX}_http_requests",
+                                "Generation requests answered, by endpoint and status (one per access-log line).",
                                 ["endpoint", "status"], registry=self.registry)
+        self.disconnects = Counter(f"{PREFIX}_http_disconnects",
+                                   "Generation requests whose client left before any answer (not in the access log).",
+                                   ["endpoint"], registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

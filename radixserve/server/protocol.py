@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+MAX_ID_CHARS = 256  # model, user, cache_salt, session_id, message name (docs/server.md)
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -21,8 +23,10 @@ NumChoices = Annotated[int, Meta(ge=1, le=16)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 RetentionPriority = Annotated[int, Meta(ge=0, le=100)]
 Duration = Annotated[float, Meta(gt=0.0)]
-NonEmptyStr = Annotated[str, Meta(min_length=1)]
-SessionId = Annotated[str, Meta(min_length=1, max_length=256)]
+Identifier = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Name = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, Meta(ge=0)]
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -47,7 +51,7 @@ class ChatMessage(Struct, kw_only=True):
 
     role: Role
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Name | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -58,10 +62,16 @@ class ChatMessage(Struct, kw_only=True):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(Struct, kw_only=True):
+    """`response_format`: only {"type": "text"} (plain text, the default) is implemented."""
+
+    type: Name
+
+
 class GenerationRequest(Struct, kw_only=True):
     """Fields shared by chat and completions requests, OpenAI's and radixserve's own."""
 
-    model: str | None = None
+    model: Name | None = None
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -70,9 +80,10 @@ class GenerationRequest(Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: NumChoices | None = None
-    user: str | None = None
+    user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     # OpenAI fields with no implementation here: accepted at their neutral value only.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -83,10 +94,10 @@ class GenerationRequest(Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False
     # radixserve extensions: scheduling, cache isolation and retention.
     priority: int = 0
-    cache_salt: NonEmptyStr | None = None
+    cache_salt: Identifier | None = None
     retention_priority: RetentionPriority | None = None
     retention_duration_s: Duration | None = None
-    session_id: SessionId | None = None
+    session_id: Identifier | None = None
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
@@ -102,9 +113,10 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
-    """POST /v1/completions; the prompt is text or a list of token ids."""
+    """POST /v1/completions; the prompt is text, a list of token ids, or a batch of either
+    (a list of strings or of token-id lists: see translate.completion_prompts)."""
 
-    prompt: str | Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
+    prompt: str | Annotated[list[TokenId | str | TokenIds], Meta(min_length=1)]
     logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None

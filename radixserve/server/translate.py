@@ -14,6 +14,7 @@ from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest,
 
 # Completions default to OpenAI's 16 new tokens; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_BATCH_PROMPTS = 64  # prompts in one completions request (docs/server.md)
 
 
 @dataclass
@@ -51,17 +52,36 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
     return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention)
 
 
+def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]], bool]:
+    """The prompts of a completions request, and whether they came as a batch.
+
+    A string or a list of token ids is one prompt; a list of strings or a list of token-id
+    lists is a batch (OpenAI's API), answered with `n` choices per prompt.
+    """
+    prompt = request.prompt
+    if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
+        return [prompt], False  # type: ignore[list-item]
+    if not (all(isinstance(item, str) for item in prompt) or all(isinstance(item, list) for item in prompt)):
+        raise APIError(400, "prompt must be a string, a list of token ids, or a batch: a list of strings "
+                            "or a list of token-id lists (not a mix)", param="prompt", code="invalid_value")
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise APIError(400, f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}",
+                       param="prompt", code="invalid_value")
+    return list(prompt), True  # type: ignore[arg-type]
+
+
 def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int,
-                    max_sequence_len: int | None = None) -> EngineCall:
-    """The engine call for a completions request whose prompt is `prompt_ids`."""
+                    max_sequence_len: int | None = None, prompt_param: str = "prompt") -> EngineCall:
+    """The engine call for a completions request (or one prompt of its batch, named
+    `prompt_param` in errors) whose prompt is `prompt_ids`."""
     _refuse_unsupported(request)
     if request.echo:
         raise _unsupported("echo")
     if request.suffix:
         raise _unsupported("suffix")
     if not prompt_ids:
-        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-    max_tokens = _fit_context(len(prompt_ids), request.max_tokens, max_context_len, "prompt",
+        raise APIError(400, f"{prompt_param} must not be empty", param=prompt_param, code="invalid_value")
+    max_tokens = _fit_context(len(prompt_ids), request.max_tokens, max_context_len, prompt_param,
                               "max_tokens", default=COMPLETIONS_DEFAULT_MAX_TOKENS,
                               max_sequence_len=max_sequence_len)
     return _call(request, prompt_ids, max_tokens, request.logprobs, None)
@@ -138,6 +158,10 @@ def _refuse_unsupported(request: GenerationRequest) -> None:
         raise _unsupported("frequency_penalty")
     if request.logit_bias and any(bias != 0 for bias in request.logit_bias.values()):
         raise _unsupported("logit_bias")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise APIError(400, f"response_format type {request.response_format.type[:64]!r} is not supported "
+                            'by radixserve; only {"type": "text"} is', param="response_format.type",
+                       code="unsupported_parameter")
 
 
 def _unsupported(param: str) -> APIError:

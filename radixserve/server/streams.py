@@ -1,0 +1,102 @@
+"""Async plumbing between the engine's delta streams and a response: first items, merging,
+closing, and giving up when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from radixserve import StreamDelta
+
+_T = TypeVar("_T")
+_END = object()
+
+
+async def first_of_each(streams: list[AsyncIterator[_T]]) -> list[_T | BaseException]:
+    """The first item of every stream, awaited together (so a batch's requests are all queued
+    before any of them has to produce a token); a stream's exception takes its item's place."""
+    return await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
+
+
+async def prepend(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
+    """`first`, then the items of `rest`."""
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def close(stream: AsyncIterator[object]) -> None:
+    """Closes an async generator even while the caller is being cancelled (closing an engine
+    stream aborts its request and frees its pages, which must not be skipped)."""
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def merge_batch(streams: list[AsyncIterator[StreamDelta]], n: int) -> AsyncIterator[StreamDelta]:
+    """The deltas of a batch's requests as they come, choice `j` of prompt `i` renumbered
+    `i * n + j` (OpenAI's indices for a batch). Closing the merged stream closes every one."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield delta
+        return
+    inbox: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(position: int, stream: AsyncIterator[StreamDelta]) -> None:
+        try:
+            async for delta in stream:
+                inbox.put_nowait((position, delta))
+        except Exception as exc:  # handed to the consumer, which raises it
+            inbox.put_nowait((position, exc))
+            return
+        inbox.put_nowait((position, _END))
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(pumps)
+        while remaining:
+            position, item = await inbox.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                assert isinstance(item, StreamDelta)
+                yield dataclasses.replace(item, index=position * n + item.index)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """Awaits `work` unless the client disconnects first (then cancels it, returns None).
+
+    Starlette notices a disconnect only while streaming; this covers the time before the first
+    token and non-streaming requests, so a client that leaves never keeps the engine busy.
+    """
+    result: list[_T] = []
+    error: Exception | None = None
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result.append(await work)
+        except Exception as exc:  # re-raised below, not wrapped in the group's ExceptionGroup
+            error = exc
+        group.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result[0] if result else None

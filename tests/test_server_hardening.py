@@ -1,0 +1,309 @@
+"""Hostile input and a stuck engine on a real server: nobody else may be hurt, and the
+operator can see and stop it (issue 9)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import running_server, sse_chunks
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from radixserve import AsyncEngine, Engine, SamplingParams
+from radixserve.server import create_app
+from radixserve.server.guard import RequestGuard
+from radixserve.server.metrics import ServerMetrics
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}
+
+
+class StepGate:
+    """A step hook that holds the engine thread inside its next step until released: a real
+    stuck step, as a frozen kernel or a runaway computation would leave it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.holding = threading.Event()
+        self._open = threading.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+        self.closed = True
+
+    def release(self) -> None:
+        self.closed = False
+        self._open.set()
+
+    def __call__(self) -> None:
+        if self.closed:
+            self.holding.set()
+            self._open.wait()
+            self.holding.clear()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimpleNamespace]:
+    gate = StepGate()
+    engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=256), stall_timeout_s=0.5, step_hook=gate)
+    app = create_app(engine)
+    try:
+        with running_server(app, log_level="info") as url:
+            yield SimpleNamespace(url=url, engine=engine, gate=gate)
+    finally:
+        gate.release()
+    engine.engine.check_invariants()
+
+
+@pytest.fixture
+def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def assert_idle(server: SimpleNamespace) -> None:
+    def idle() -> bool:
+        s = server.engine.stats()
+        return s["running"] == 0 and s["waiting"] == 0 and s["pages_locked"] == 0
+    assert wait_for(idle), server.engine.stats()
+
+
+def metric(client: httpx.Client, name: str, labels: dict[str, str] | None = None) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and (labels is None or sample.labels == labels):
+                return sample.value
+    return 0.0
+
+
+def local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+# ---------------------------------------------------------------- stop strings (item 1)
+
+
+def test_huge_stop_string_is_400_and_a_concurrent_request_is_unaffected(server: SimpleNamespace) -> None:
+    prompt = "An innocent request streams beside an attacker"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = Engine(model="demo", page_size=16, num_pages=64).generate([prompt], params)[0].text
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as innocent, httpx.Client(base_url=server.url,
+                                                                                 timeout=60) as attacker:
+        with innocent.stream("POST", COMPLETIONS, json=body) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            for stop in (["a" * 200_000], ["x", "y", "z", "w", "v"]):
+                r = attacker.post(COMPLETIONS, json={"prompt": "attack", "max_tokens": 4, "stop": stop})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "stop" and r.json()["error"]["code"] == "invalid_value"
+            raw = first + "\n" + "".join(line + "\n" for line in lines)
+    chunks = sse_chunks(raw)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert_idle(server)
+
+
+def test_longest_allowed_stop_string_still_stops(client: httpx.Client) -> None:
+    body = {"prompt": "A stop string test for the server", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = client.post(COMPLETIONS, json=body).json()["choices"][0]["text"]
+    middle = len(full) // 2
+    stop = full[middle - 8: middle]
+    longest = "q" * (512 - len(stop)) + stop  # 512 characters: allowed
+    assert stop.strip() and "q" not in full, full
+    choice = client.post(COMPLETIONS, json={**body, "stop": [longest, stop]}).json()["choices"][0]
+    assert choice["text"] == full[: full.index(stop)] and choice["finish_reason"] == "stop"
+    r = client.post(COMPLETIONS, json={**body, "stop": ["q" + longest]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
+# ---------------------------------------------------------------- malformed bodies (item 3)
+
+
+HOSTILE_BODIES = [
+    # JSON nested past the decoder's recursion limit: was a 500 (RecursionError).
+    (CHAT, b'{"x": ' + b'{"a": ' * 1200 + b"1" + b"}" * 1200 + b"}", 400, "invalid_json"),
+    # The three bodies that got no answer: each followed a 500 on the same keep-alive
+    # connection, which uvicorn closed after the 500 without saying so.
+    (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "invalid_value"),
+    (CHAT, json.dumps({"messages": USER, "session_id": "s" * 200_000}).encode(), 400, "invalid_value"),
+    (COMPLETIONS, b'{"prompt": "' + b"\\u00e9" * 100_000 + b'", "max_tokens": 2}', 400, "context_length_exceeded"),
+    (COMPLETIONS, b"[" * 1000 + b"]" * 1000, 400, "invalid_value"),
+    (CHAT, b'{"x": ' + b"[" * 1100 + b"]" * 1100 + b', "messages": []}', 400, "invalid_json"),
+]
+
+
+def test_hostile_bodies_each_get_a_4xx_on_one_keep_alive_connection(client: httpx.Client) -> None:
+    ports = set()
+    for _ in range(2):
+        for path, body, status, code in HOSTILE_BODIES:
+            r = client.post(path, content=body, headers=JSON)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body[:60], r.text)
+            assert r.headers.get("connection") != "close"
+            ports.add(local_port(r))
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2})
+    assert r.status_code == 200
+    ports.add(local_port(r))
+    assert len(ports) == 1  # one connection served them all: none was dropped
+
+
+def test_unexpected_exception_is_a_json_500_that_keeps_the_connection() -> None:
+    async def broken(request: Request) -> Response:
+        raise RuntimeError("a bug in a handler")
+
+    async def fine(request: Request) -> Response:
+        return Response("ok")
+
+    metrics = ServerMetrics(dict)
+    app = Starlette(routes=[Route("/v1/completions", broken, methods=["POST"]), Route("/ok", fine)],
+                    middleware=[Middleware(RequestGuard, metrics=metrics, endpoints={"/v1/completions": "completions"})])
+    with running_server(app) as url, httpx.Client(base_url=url) as c:
+        r = c.post("/v1/completions", json={})
+        assert r.status_code == 500 and r.headers.get("connection") != "close"
+        assert r.json()["error"] == {"message": "Internal server error: RuntimeError: a bug in a handler",
+                                     "type": "server_error", "param": None, "code": "internal_error"}
+        again = c.get("/ok")
+        assert again.text == "ok" and local_port(again) == local_port(r)
+    assert metrics.requests.labels("completions", "500")._value.get() == 1
+
+
+# ---------------------------------------------------------------- metrics agree with the log (item 7)
+
+
+class AccessLog(logging.Handler):
+    """Collects uvicorn's access-log lines as (path, status)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _client, _method, path, _version, status = record.args  # type: ignore[misc]
+        self.lines.append((path, status))
+
+
+def test_request_counters_agree_with_the_access_log(server: SimpleNamespace, client: httpx.Client) -> None:
+    log = AccessLog()
+    logger = logging.getLogger("uvicorn.access")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # every uvicorn.Config in this process sets it anew
+    logger.addHandler(log)
+    before = {(e, s): metric(client, "radixserve_http_requests_total", {"endpoint": e, "status": s})
+              for e in ("chat", "completions") for s in ("200", "400", "404", "405", "413")}
+    gone_before = metric(client, "radixserve_http_disconnects_total", {"endpoint": "completions"})
+    try:
+        client.post(CHAT, json={"messages": USER, "max_tokens": 2})
+        client.post(CHAT, content=b"{", headers=JSON)
+        client.post(COMPLETIONS, json={"prompt": "x", "model": "nope"})
+        client.get(COMPLETIONS)
+        client.post(COMPLETIONS, content=b"x" * (5 * 2**20), headers=JSON)
+        client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "stream": True})
+        # A client that leaves while sending its body, and one that leaves before its answer:
+        # neither gets a line in the access log.
+        with httpx.Client(base_url=server.url, timeout=0.5) as impatient:
+            def body() -> Iterator[bytes]:
+                yield b'{"prompt": "'
+                raise RuntimeError("the client gives up mid-body")
+            with pytest.raises(RuntimeError):
+                impatient.post(COMPLETIONS, content=body(), headers=JSON)
+            server.gate.close()
+            with pytest.raises(httpx.ReadTimeout):
+                impatient.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2})
+        assert wait_for(lambda: metric(client, "radixserve_http_disconnects_total",
+                                       {"endpoint": "completions"}) == gone_before + 2)
+    finally:
+        server.gate.release()
+        logger.removeHandler(log)
+        logger.setLevel(level)
+    assert_idle(server)
+    logged: dict[tuple[str, str], int] = {}
+    for path, status in log.lines:
+        endpoint = {CHAT: "chat", COMPLETIONS: "completions"}.get(path)
+        if endpoint:
+            logged[endpoint, str(status)] = logged.get((endpoint, str(status)), 0) + 1
+    counted = {key: metric(client, "radixserve_http_requests_total", {"endpoint": key[0], "status": key[1]})
+               - before[key] for key in before}
+    assert logged == {("chat", "200"): 1, ("chat", "400"): 1, ("completions", "404"): 1,
+                      ("completions", "405"): 1, ("completions", "413"): 1, ("completions", "200"): 1}
+    assert {key: value for key, value in counted.items() if value} == logged
+
+
+# ---------------------------------------------------------------- the watchdog (item 4)
+
+
+def test_stuck_step_makes_health_503_and_metrics_show_it(server: SimpleNamespace, client: httpx.Client) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    server.gate.close()
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            result["response"] = c.post(COMPLETIONS, json={"prompt": "held", "max_tokens": 3, "ignore_eos": True})
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        assert server.gate.holding.wait(30)  # the engine thread is inside a step, and stays there
+        assert wait_for(lambda: client.get("/health").status_code == 503)
+        health = client.get("/health").json()
+        assert health["status"] == "unhealthy"
+        assert "has not completed a step" in health["reason"] and "bound: 0.5 s" in health["reason"]
+        assert metric(client, "radixserve_engine_stalled") == 1
+        assert metric(client, "radixserve_engine_seconds_since_last_step") > 0.5
+    finally:
+        server.gate.release()
+        worker.join(timeout=60)
+    assert result["response"].status_code == 200
+    assert result["response"].json()["usage"]["completion_tokens"] == 3
+    assert_idle(server)
+    assert wait_for(lambda: client.get("/health").json() == {"status": "ok"})
+    assert metric(client, "radixserve_engine_stalled") == 0
+
+
+def test_paused_engine_is_stalled_only_while_work_waits(server: SimpleNamespace, client: httpx.Client) -> None:
+    assert_idle(server)
+    server.engine.pause()
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            result["response"] = c.post(COMPLETIONS, json={"prompt": "waits", "max_tokens": 2, "ignore_eos": True})
+
+    worker = threading.Thread(target=request)
+    try:
+        assert client.get("/health").status_code == 200  # paused but idle: nothing waits
+        worker.start()
+        assert wait_for(lambda: client.get("/health").status_code == 503)
+        assert server.engine.stats()["waiting"] == 1
+    finally:
+        server.engine.resume()
+        worker.join(timeout=60)
+    assert result["response"].status_code == 200
+    assert_idle(server)
+    assert wait_for(lambda: client.get("/health").status_code == 200)
