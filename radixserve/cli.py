@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from types import FrameType
+
+import uvicorn
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_STALL_TIMEOUT_S = 120.0  # as AsyncEngine's (not imported: --help must not load torch)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +112,16 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="Ray CPUs reserved per replica (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
+    serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                       help="watchdog: /health answers 503 once work has waited this long for an engine "
+                            "step (default: %(default)s)")
+    serve.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="after Ctrl-C or SIGTERM, exit (status 1) if stopping takes longer than this, "
+                            "e.g. because a step is stuck; a second signal exits at once "
+                            "(default: %(default)s)")
+    serve.add_argument("--debug-stall-engine", action="store_true",
+                       help="debugging: hold the engine thread inside its first step for good, to see the "
+                            "watchdog (/health 503) and the bounded shutdown at work")
     serve.set_defaults(handler=serve_command)
 
 
@@ -118,21 +137,30 @@ def _add_bench_parser_if_present(subparsers: argparse._SubParsersAction) -> None
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """`radixserve serve`: load, report the KV pool, serve until Ctrl-C."""
-    import uvicorn
-
+    """`radixserve serve`: bind, load, report the KV pool, serve until Ctrl-C or SIGTERM."""
     from radixserve import AsyncEngine, Engine
     from radixserve.server import create_app
 
+    for flag in ("stall_timeout_s", "shutdown_timeout_s"):
+        if getattr(args, flag) <= 0:
+            _say(f"error: --{flag.replace('_', '-')} must be > 0")
+            return 2
     if args.replicas is not None or args.ray_address is not None:
         from radixserve.cluster.cli import serve_cluster
 
         return serve_cluster(args, engine_options(args))
+    try:  # first, so that a busy port is reported before minutes of loading
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        _say(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} "
+             f"(is another server using port {args.port}?)")
+        return 1
     _say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
     started = time.perf_counter()
     try:
         engine = Engine(**engine_options(args))
     except (OSError, ValueError) as exc:
+        sock.close()
         _say(f"error: cannot load {args.model!r}: {exc}")
         return 2
     stats = engine.stats()
@@ -143,11 +171,21 @@ def serve_command(args: argparse.Namespace) -> int:
     if stats["host_pages_total"]:
         _say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
              f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
-    app = create_app(AsyncEngine(engine), served_model_name=args.served_model_name, api_key=args.api_key,
+    step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
+    app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook),
+                     served_model_name=args.served_model_name, api_key=args.api_key,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer)
-    _say(f"serving {args.served_model_name or engine.model_name} at http://{args.host}:{args.port}/v1 "
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
+    _say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # uvicorn re-raises the signals it caught once it has stopped: let them land here quietly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    if app.state.engine_stopped is False:
+        _say("the engine thread did not stop (a step is stuck); exiting anyway")
+        _exit_now(1)
     _say("stopped")
     return 0
 
@@ -161,6 +199,54 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
                 max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache,
                 host_kv_memory_gb=args.host_kv_memory_gb, host_num_pages=args.host_num_pages,
                 host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority)
+
+
+class BoundedServer(uvicorn.Server):
+    """uvicorn's Server whose shutdown cannot hang: after the first SIGINT/SIGTERM it exits
+    with status 1 once `shutdown_timeout_s` have passed, and at once on a second signal."""
+
+    def __init__(self, config: uvicorn.Config, *, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            _say(f"second {signal.Signals(sig).name}: exiting now")
+            _exit_now(1)
+        super().handle_exit(sig, frame)
+        deadline = threading.Timer(self.shutdown_timeout_s, _shutdown_overdue, args=(self.shutdown_timeout_s,))
+        deadline.daemon = True
+        deadline.start()
+
+
+def _shutdown_overdue(timeout_s: float) -> None:
+    _say(f"shutdown took longer than {timeout_s:g} s (is a step stuck?); exiting now")
+    _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    """Ends the process without waiting for any thread (a stuck engine thread included)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, as uvicorn would bind it; raises OSError if it cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def main(argv: Sequence[str] | None = None) -> int:

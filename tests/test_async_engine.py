@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,72 @@ def test_cancel_before_first_delta_duplicate_ids_and_shutdown_end_every_stream(c
 
 async def _collect(stream) -> list:
     return [delta async for delta in stream]
+
+
+def test_watchdog_sees_a_stuck_step_and_shutdown_does_not_wait_for_it(ckpt: Path) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_step() -> None:  # holds the engine thread inside its first step
+        entered.set()
+        release.wait()
+
+    async def scenario() -> None:
+        engine = AsyncEngine(Engine(model=str(ckpt), page_size=4, num_pages=64, debug_checks=True),
+                             stall_timeout_s=0.2, step_hook=stuck_step)
+        assert engine.health() == "the engine thread is not running"
+        await engine.start()
+        assert engine.health() is None and engine.stats()["stalled"] == 0
+        stream = engine.generate(list(range(10, 30)), SamplingParams(max_tokens=5, temperature=0.0),
+                                 request_id="held")
+        first = asyncio.ensure_future(stream.__anext__())
+        assert await asyncio.to_thread(entered.wait, 30)
+        for _ in range(600):
+            if engine.health() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert "has not completed a step" in engine.health() and "bound: 0.2 s" in engine.health()
+        stats = engine.stats()
+        assert stats["stalled"] == 1 and stats["seconds_since_last_step"] > 0.2
+        assert await engine.shutdown(timeout_s=0.1) is False  # the stuck thread is left behind
+        release.set()  # the step completes; the thread sees the stop, aborts what is left, ends
+        deltas = [await first] + await asyncio.wait_for(_collect(stream), timeout=30)
+        assert deltas[-1].finish_reason == "abort"
+        assert await engine.shutdown() is True
+        assert engine.health() == "the engine thread is not running"
+        stats = engine.engine.stats()
+        assert stats["running"] == 0 and stats["pages_locked"] == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+
+
+def test_pause_keeps_taking_commands_but_runs_no_step(ckpt: Path) -> None:
+    async def scenario() -> None:
+        engine = AsyncEngine(Engine(model=str(ckpt), page_size=4, num_pages=64), stall_timeout_s=0.2)
+        await engine.start()
+        try:
+            engine.pause()
+            stream = engine.generate(list(range(10, 30)), SamplingParams(max_tokens=3, temperature=0.0),
+                                     request_id="paused")
+            first = asyncio.ensure_future(stream.__anext__())
+            for _ in range(600):
+                if engine.stats()["waiting"] == 1 and engine.health() is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.stats()["waiting"] == 1 and engine.stats()["steps"] == 0
+            assert "has not completed a step" in engine.health()
+            assert not first.done()
+            engine.resume()
+            deltas = [await first] + await asyncio.wait_for(_collect(stream), timeout=30)
+            assert sum(len(d.token_ids) for d in deltas) == 3 and deltas[-1].finish_reason == "length"
+            for _ in range(100):
+                if engine.health() is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.health() is None
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())

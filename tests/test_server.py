@@ -390,6 +390,57 @@ def test_models(client: httpx.Client) -> None:
     assert [m["id"] for m in data["data"]] == ["demo"] and data["data"][0]["max_model_len"] == 4096
 
 
+def test_model_retrieve(client: httpx.Client) -> None:
+    r = client.get("/v1/models/demo")  # what the openai client's models.retrieve("demo") asks
+    assert r.status_code == 200
+    assert r.json() == client.get("/v1/models").json()["data"][0]
+    for missing in ("gpt-4", "org/some-model"):
+        r = client.get(f"/v1/models/{missing}")
+        assert r.status_code == 404
+        assert r.json()["error"] | {"message": ""} == {"message": "", "type": "not_found_error",
+                                                        "param": "model", "code": "model_not_found"}
+
+
+def test_response_format_text_is_the_default(client: httpx.Client) -> None:
+    body = {"messages": USER, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = client.post(CHAT, json=body).json()["choices"][0]["message"]["content"]
+    r = client.post(CHAT, json={**body, "response_format": {"type": "text"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+    r = client.post(CHAT, json={**body, "response_format": {"type": "json_schema", "json_schema": {}}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    assert "json_schema" in r.json()["error"]["message"]
+
+
+def test_completions_batch_of_prompts(client: httpx.Client, server: SimpleNamespace) -> None:
+    prompts = ["Batches are answered", "by index, prompt after prompt"]
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2}
+    singles = [client.post(COMPLETIONS, json={**body, "prompt": p, "n": 1}).json() for p in prompts]
+    batch = client.post(COMPLETIONS, json={**body, "prompt": prompts})
+    assert batch.status_code == 200, batch.text
+    data = batch.json()
+    # OpenAI's numbering: choice j of prompt i has index i * n + j.
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in data["choices"]] == [singles[i]["choices"][0]["text"] for i in (0, 0, 1, 1)]
+    prompt_tokens = sum(single["usage"]["prompt_tokens"] for single in singles)
+    assert data["usage"]["prompt_tokens"] == prompt_tokens and data["usage"]["completion_tokens"] == 12
+    # The same prompts as token ids, streamed.
+    ids = [server.tokenizer.encode(p) for p in prompts]
+    r = client.post(COMPLETIONS, json={**body, "prompt": ids, "stream": True,
+                                       "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(r.text)
+    streamed = {i: "".join(c["choices"][0]["text"] for c in chunks[:-1] if c["choices"][0]["index"] == i)
+                for i in range(4)}
+    assert streamed == {c["index"]: c["text"] for c in data["choices"]}
+    finals = [c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    # One prompt of the batch is refused: nothing of the others is left behind.
+    r = client.post(COMPLETIONS, json={**body, "prompt": ["fine", "word " * 5000]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+    assert_idle(server)
+
+
 def test_metrics_exposes_engine_and_latency(client: httpx.Client) -> None:
     client.post(COMPLETIONS, json={"prompt": "metrics", "max_tokens": 3, "ignore_eos": True, "stream": True})
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}

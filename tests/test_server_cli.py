@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVE_FLAGS = ["--model", "--host", "--port", "--page-size", "--num-pages", "--kv-memory-gb",
                "--schedule-policy", "--eviction-policy", "--max-running", "--max-queue", "--api-key",
                "--dtype", "--device", "--served-model-name", "--no-prefix-cache", "--host-kv-memory-gb",
-               "--host-num-pages", "--host-write-policy", "--host-offload-min-priority"]
+               "--host-num-pages", "--host-write-policy", "--host-offload-min-priority", "--stall-timeout-s",
+               "--shutdown-timeout-s", "--debug-stall-engine"]
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -68,38 +71,115 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
-    port = free_port()
+def start_serve(port: int, *flags: str) -> subprocess.Popen[str]:
+    """`radixserve serve` on `port` in a subprocess, once /health answers (any status)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("RADIXSERVE_API_KEY", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--num-pages", "32",
-         "--host-num-pages", "64", "--served-model-name", "cli-demo", "--log-level", "warning"],
+         "--log-level", "warning", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.communicate())
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return process
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("server did not come up", process.communicate())
+        time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
+def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
+    port = free_port()
+    process = start_serve(port, "--served-model-name", "cli-demo", "--host-num-pages", "64")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["cli-demo"]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "cli", "max_tokens": 2},
                        timeout=30)
         assert r.status_code == 200
+        # A second server on the same port says so before loading anything, and fails.
+        busy = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", str(port)],
+                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert busy.returncode == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in busy.stderr and f"port {port}?" in busy.stderr
+        assert "loading" not in busy.stderr and "serving" not in busy.stderr
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=30)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        stop(process)
     assert process.returncode == 0, stderr
-    assert "KV pool: 32 pages x 16 tokens = 512 tokens" in stderr
+    assert "KV pool: 32 pages x 16 tokens = 512 tokens, 2.0 MiB" in stderr
     assert "host tier: 64 pages = 1024 tokens" in stderr
-    assert f"http://127.0.0.1:{port}/v1" in stderr
+    assert f"serving cli-demo at http://127.0.0.1:{port}/v1" in stderr
     assert "radixserve: stopped" in stderr
+
+
+def hold_a_request(port: int) -> threading.Thread:
+    """Sends a request the stalled engine never answers (the client gives up when the server goes)."""
+    def send() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       timeout=300)
+    worker = threading.Thread(target=send, daemon=True)
+    worker.start()
+    return worker
+
+
+def test_stuck_engine_is_reported_and_sigterm_still_ends_the_process() -> None:
+    port = free_port()
+    process = start_serve(port, "--debug-stall-engine", "--stall-timeout-s", "0.5", "--shutdown-timeout-s", "2")
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}  # idle
+        hold_a_request(port)
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"http://127.0.0.1:{port}/health")).status_code != 503:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.1)
+        assert "has not completed a step" in health.json()["reason"]
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)  # the engine thread never stops by itself
+    finally:
+        stop(process)
+    assert process.returncode == 1, stderr
+    assert "shutdown took longer than 2 s (is a step stuck?); exiting now" in stderr
+
+
+def test_second_signal_ends_a_stuck_shutdown_at_once() -> None:
+    port = free_port()
+    process = start_serve(port, "--debug-stall-engine", "--shutdown-timeout-s", "600")
+    try:
+        worker = hold_a_request(port)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"http://127.0.0.1:{port}/metrics").text.count("radixserve_sequences_waiting 1.0") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # The first signal starts a shutdown that waits for the held request and the stuck
+        # engine thread (at least 10 s); the second one ends it.
+        process.send_signal(signal.SIGTERM)
+        while True:  # the server stops listening once the first signal was handled
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            except httpx.TransportError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        worker.join(timeout=30)
+    finally:
+        stop(process)
+    assert process.returncode == 1, stderr
+    assert "second SIGTERM: exiting now" in stderr

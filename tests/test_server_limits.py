@@ -118,3 +118,18 @@ def test_full_queue_is_503_with_retry_after(client: httpx.Client, server: Simple
     assert queued["status"] == 200
     r = client.post("/v1/completions", headers=AUTH, json={"prompt": "And the server carries on", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_batch_over_the_queue_is_503_and_leaves_nothing(client: httpx.Client, server: SimpleNamespace) -> None:
+    # max_running 1, max_queue 1: of three prompts at least one finds the queue full.
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": ["one", "two", "three"], "max_tokens": 50})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+    assert wait_for(lambda: server.stats()["running"] == 0 and server.stats()["waiting"] == 0)
+    assert server.stats()["pages_locked"] == 0
+
+
+def test_model_retrieve_needs_the_key_and_knows_both_names(client: httpx.Client) -> None:
+    assert client.get("/v1/models/tiny-demo").status_code == 401
+    for name in ("tiny-demo", "demo"):
+        r = client.get(f"/v1/models/{name}", headers=AUTH)
+        assert r.status_code == 200 and r.json()["id"] == name and r.json()["object"] == "model"
