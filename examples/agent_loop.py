@@ -12,6 +12,7 @@ latest turn ahead of ordinary cache until the session is closed.
 from __future__ import annotations
 
 import argparse
+import os
 import uuid
 
 import httpx
@@ -50,9 +51,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--agents", type=int, default=2, help="agents sharing the system prompt")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    parser.add_argument("--turns", type=int, default=4, help="turns per agent")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per reply at most")
+    parser.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                        help="the server's --api-key (default: $RADIXSERVE_API_KEY, else none)")
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(base_url=args.url, headers=headers, timeout=300) as client:

@@ -1,4 +1,5 @@
-"""Walks through DESIGN.md §5's worked example, printing block tables and the page pool.
+"""Walks through a worked example of paged KV, printing block tables and the page pool
+(the contracts of the pool, the tree and the block tables: ARCHITECTURE.md §1-§4).
 
 Page size 4. A has 6 tokens → two pages; B has 3 tokens → one page; A grows to 9 tokens and
 gets a third page; B finishes and its page is cached in the radix tree (unlocked), then

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import httpx
@@ -43,12 +44,14 @@ def stream_chat(url: str, messages: list[dict[str, str]], *, max_tokens: int, te
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("prompt", nargs="?", default="Explain prefix caching in one paragraph.")
+    parser.add_argument("prompt", nargs="?", default="Explain prefix caching in one paragraph.",
+                        help="the user message")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--system", default="You are a concise assistant.", help="system prompt")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                        help="the server's --api-key (default: $RADIXSERVE_API_KEY, else none)")
     args = parser.parse_args()
     messages = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     usage = stream_chat(args.url, messages, max_tokens=args.max_tokens, temperature=args.temperature,

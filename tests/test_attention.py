@@ -18,7 +18,8 @@ from radixserve.attention import (
 
 
 def test_metadata_of_the_worked_example() -> None:
-    """DESIGN.md §5: A has 6 tokens in pages [7, 2] (2 new), B 3 tokens in [9] (all new)."""
+    """The worked example (tests/test_worked_example.py): A has 6 tokens in pages [7, 2] (2 new),
+    B 3 tokens in [9] (all new)."""
     meta = AttentionMetadata.build([[7, 2], [9]], [6, 3], [2, 3], page_size=4, device="cpu")
     assert meta.qo_indptr.tolist() == [0, 2, 5]
     assert meta.kv_indptr.tolist() == [0, 2, 3]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,18 +67,28 @@ def test_token_counts_and_workload_args_parse() -> None:
         parse_workload_args("oops")
 
 
-def test_cli_offers_every_retention_rule() -> None:
+def test_simulate_speaks_serves_policy_names() -> None:
     import argparse
 
-    from radixserve.benchmark.cli import add_bench_parser
+    from radixserve.benchmark.cli import EVICTION_POLICIES, add_bench_parser
     from radixserve.benchmark.suite import RETENTION_RULES
+    from radixserve.cli import build_parser
 
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
-    for rule in RETENTION_RULES:
-        args = parser.parse_args(["bench", "simulate", "--workload", "gsp", "--capacity-tokens", "1k",
-                                  "--retention", rule])
-        assert args.retention == rule
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    serve_choices = {a.dest: a.choices for a in serve._actions if a.choices}
+    simulate = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0].choices["bench"]
+    simulate = next(a for a in simulate._actions if isinstance(a, argparse._SubParsersAction)).choices["simulate"]
+    sim_choices = {a.dest: a.choices for a in simulate._actions if a.choices}
+    # Every value `serve` takes, `simulate` takes under the same flag; the extra eviction
+    # values are the simulator's retention rules, and together they cover all of them.
+    for flag in ("schedule_policy", "eviction_policy"):
+        assert set(serve_choices[flag]) <= set(sim_choices[flag]), flag
+    assert {rule for _, rule in EVICTION_POLICIES.values()} == set(RETENTION_RULES)
+    assert EVICTION_POLICIES["reuse-boost"] == ("priority", "reuse-boost")  # the engine's default
+    args = parser.parse_args(["bench", "simulate", "--workload", "gsp", "--capacity-tokens", "1k"])
+    assert (args.schedule_policy, args.eviction_policy) == ("lpm", "reuse-boost")
 
 
 def test_simulate_with_a_host_tier_reports_both_tiers_and_the_two_tier_bound(tmp_path: Path) -> None:
@@ -113,3 +126,38 @@ def test_tiers_sizes_the_device_pool_to_a_fraction_of_the_working_set() -> None:
     assert pool_sizes(w, 16, 0.25, 2.0) == (max(-(-416 // 4 // 16), -(-longest // 16) + 2), -(-832 // 16))
     assert median_summary([{"ttft": 1.0, "name": "a"}, {"ttft": 3.0, "name": "b"}, {"ttft": 2.0, "name": "c"}]) \
         == {"ttft": 2.0, "name": "a"}
+
+
+@pytest.mark.parametrize(("policy", "label"), [("lru", "lpm/lru"), ("priority", "lpm/priority"),
+                                               ("hit-boost", "lpm/priority+hit-boost")])
+def test_eviction_policy_sets_the_main_configuration(tmp_path: Path, policy: str, label: str) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["bench", "simulate", *SMALL_GSP, "--capacity-tokens", "1k", "--no-progress", "--no-baselines",
+                 "--eviction-policy", policy, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["main"] == label
+
+
+def _every_action(parser: argparse.ArgumentParser, path: str = "radixserve") -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_action(sub, f"{path} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_flag_has_a_help_text() -> None:
+    from radixserve.cli import build_parser
+
+    undocumented = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in _every_action(build_parser())
+                    if not (a.help and a.help.strip())]
+    assert undocumented == []
+
+
+def test_progress_bar_and_status_lines_do_not_share_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "simulate", *SMALL_GSP, "--capacity-tokens", "0.5k,1k", "--no-baselines"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("radixserve bench: ") == 2 and "simulations" in err  # two lines and a bar
+    for segment in re.split(r"[\r\n]", err):
+        if "radixserve bench: " in segment:
+            assert segment.startswith("radixserve bench: "), segment

@@ -38,7 +38,8 @@ def random_prompts(n: int, seed: int, groups: int = 5, prefix_len: int = 24, voc
 
 
 def assert_cached_kv_is_factual(engine: Engine) -> None:
-    """Every cached leaf path's K/V equal a fresh computation of its tokens (DESIGN.md §5)."""
+    """Every cached leaf path's K/V equal a fresh computation of its tokens (the factual check
+    of README.md, "How correctness is checked")."""
     leaves = [node for node, _ in engine.tree.nodes() if not node.children and not node.is_root]
     assert leaves
     for leaf in leaves:

@@ -17,7 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine
 from radixserve.cli import build_parser, main
+from radixserve.server import create_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVE_FLAGS = ["--model", "--host", "--port", "--page-size", "--num-pages", "--kv-memory-gb",
@@ -183,3 +187,24 @@ def test_second_signal_ends_a_stuck_shutdown_at_once() -> None:
         stop(process)
     assert process.returncode == 1, stderr
     assert "second SIGTERM: exiting now" in stderr
+
+
+def test_bench_serve_sends_the_key_and_fails_loudly_without_it(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    engine = Engine(model="demo", page_size=16, num_pages=128)
+    app = create_app(AsyncEngine(engine), api_key="bench-key")
+    with running_server(app) as url:
+        args = ["bench", "serve", "--url", url, "--workload", "gsp", "--vocab-size", "2048", "--no-progress",
+                "--workload-args", "num_groups=1,prompts_per_group=3,system_len=16,question_len=4,output_len=2"]
+        monkeypatch.delenv("RADIXSERVE_API_KEY", raising=False)
+        assert main(args) == 1
+        out, err = capsys.readouterr()
+        assert out == ""  # no table of zeros
+        assert "FAILED: 3 of 3 requests failed (none completed: no table); errors:" in err
+        assert "3 x HTTP 401: " in err and "invalid_api_key" in err
+        monkeypatch.setenv("RADIXSERVE_API_KEY", "bench-key")  # the default of --api-key
+        assert main(args) == 0
+        out, err = capsys.readouterr()
+        assert "FAILED" not in err and "| gsp |" in out
+        assert main([*args, "--api-key", "wrong"]) == 1
+        assert "3 x HTTP 401" in capsys.readouterr().err

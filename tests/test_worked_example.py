@@ -1,4 +1,5 @@
-"""DESIGN.md §5 worked example: block tables over a page pool with page size 4.
+"""A worked example of block tables over a page pool with page size 4 (the same as
+examples/block_table_trace.py; the contracts: ARCHITECTURE.md §1 and §4).
 
 A has 6 tokens → pages [7, 2] (4 + 2 slots used); B has 3 tokens → [9]; 9 of 12 allocated
 slots hold tokens. A grows to 9 tokens: page 2 fills and page 4 is added → [7, 2, 4]. B

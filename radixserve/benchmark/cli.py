@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +50,18 @@ def _add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) -
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
 
 
+# `--eviction-policy` names, shared with `radixserve serve`: (tree eviction, retention rule).
+# The last three are retention rules only the simulator has (the eviction study).
+EVICTION_POLICIES: dict[str, tuple[str, str]] = {
+    "reuse-boost": ("priority", "reuse-boost"),
+    "priority": ("priority", "default"),
+    "lru": ("lru", "default"),
+    "system-prompt": ("priority", "system-prompt"),
+    "tail-demotion": ("priority", "tail-demotion"),
+    "hit-boost": ("priority", "hit-boost"),
+}
+
+
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="replay a workload through the real cache and policies, no model")
     _add_workload_args(p)
@@ -65,22 +78,26 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-tokens-per-s", type=float, default=1_000_000.0,
                    help="simulated speed of loads from the host tier (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: %(default)s)")
-    p.add_argument("--policy", default="lpm", choices=["fcfs", "lpm", "dfs-weight"],
-                   help="schedule policy of the main configuration (default: %(default)s)")
-    p.add_argument("--eviction", default="priority", choices=["priority", "lru"],
-                   help="tree eviction policy of the main configuration (default: %(default)s)")
-    p.add_argument("--retention", default="reuse-boost",
-                   choices=["default", "system-prompt", "tail-demotion", "hit-boost", "reuse-boost"],
-                   help="retention rule of the main configuration (default: %(default)s, as the "
-                        "engine's default eviction policy)")
+    p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
+                   help="schedule policy of the main configuration, as `radixserve serve --schedule-policy` "
+                        "(default: %(default)s)")
+    p.add_argument("--eviction-policy", default="reuse-boost", choices=list(EVICTION_POLICIES),
+                   help="eviction policy of the main configuration, as `radixserve serve --eviction-policy` "
+                        "(reuse-boost, priority, lru); the simulator also has the retention rules "
+                        "system-prompt, tail-demotion and hit-boost over priority eviction "
+                        "(default: %(default)s)")
     p.add_argument("--sequential", action="store_true",
                    help="one request at a time in arrival order (the Mooncake README's setting)")
     p.add_argument("--no-baselines", action="store_true", help="run the main configuration only")
     p.add_argument("--study", action="store_true", help="also run every retention rule (eviction study)")
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--max-batch-tokens", type=int, default=8192)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0, help="simulated prefill speed")
-    p.add_argument("--decode-step-ms", type=float, default=20.0, help="simulated time of one forward step")
+    p.add_argument("--max-running", type=int, default=64,
+                   help="sequences decoding at once, as in `radixserve serve` (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="tokens per simulated forward step (default: %(default)s)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0,
+                   help="simulated prefill speed (default: %(default)s)")
+    p.add_argument("--decode-step-ms", type=float, default=20.0,
+                   help="simulated time of one forward step (default: %(default)s)")
     p.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="simulate N replicas of --capacity-tokens each behind a router, next to one "
                         "replica with N times the memory (the ideal)")
@@ -91,7 +108,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--markdown", type=Path, help="write the hit-rate table here")
     p.add_argument("--plot", type=Path, help="write the hit rate vs capacity plot (PNG) here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=simulate_command)
 
 
@@ -104,24 +121,29 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--open-loop", action="store_true",
                    help="send each request at its arrival time (trace timestamps or --request-rate)")
     p.add_argument("--model", default=None, help="model name to put in requests")
+    p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY, else none)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="keep token ids below the model's vocabulary size (synthetic default: 32000; "
                         "trace ids are rehashed into it)")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="per-request timeout in seconds (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the summary here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=serve_command)
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="cache on vs off vs transformers generate, on a random bench Llama")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp",
+                   help="synthetic workload (default: %(default)s)")
     p.add_argument("--workload-args", default="num_groups=4,prompts_per_group=8,system_len=512,"
                                               "question_len=64,output_len=16",
                    help="generator overrides (default: a CPU-sized gsp)")
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight against each server (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="transformers static batch size")
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated "
                                                      "(--dtype and --page-size apply in process too)")
@@ -135,10 +157,10 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every run; figures are medians, ratios are taken within a round "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=compare_command)
 
 
@@ -218,8 +240,9 @@ def simulate_command(args: argparse.Namespace) -> int:
             _say("error: --host-capacity-tokens is not simulated with --replicas yet")
             return 2
         return _simulate_cluster(args, workload, capacities)
-    main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.policy,
-                     eviction_policy=args.eviction, sequential=args.sequential,
+    eviction, retention = EVICTION_POLICIES[args.eviction_policy]
+    main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.schedule_policy,
+                     eviction_policy=eviction, sequential=args.sequential,
                      max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
                      prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_ms / 1000,
                      host_write_policy=args.host_write_policy,
@@ -228,18 +251,19 @@ def simulate_command(args: argparse.Namespace) -> int:
     bounds = WorkloadBounds(workload)
     batch_in_dfs_order = None if args.sequential else dfs_order(workload)
     dfs_bounds = WorkloadBounds(batch_in_dfs_order) if batch_in_dfs_order else None
-    total = sum(len(suite_configs(replace(main, host_capacity_tokens=host), args.retention,
+    total = sum(len(suite_configs(replace(main, host_capacity_tokens=host), retention,
                                   baselines=not args.no_baselines, study=args.study)) for _, host in points)
     bar = None if args.no_progress else _tqdm(total, "simulations")
     sweep = []
     for capacity, host in points:
-        obj = run_suite(workload, capacity, main, args.retention, bounds, dfs_bounds=dfs_bounds,
+        obj = run_suite(workload, capacity, main, retention, bounds, dfs_bounds=dfs_bounds,
                         baselines=not args.no_baselines, study=args.study, host_capacity_tokens=host,
                         on_result=(lambda _: bar.update(1)) if bar else None)
         sweep.append(obj)
         _say(f"{format_capacity(capacity, host)}: " + ", ".join(
             f"{e['label']} {percent(e['hit_rate'])}" for e in obj["runs"])
-            + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}")
+            + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}",
+            bar)
     if bar:
         bar.close()
     if len(sweep) == 1:
@@ -284,13 +308,14 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
     if unknown or args.sequential or args.replicas < 1:
         _say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1, without --sequential")
         return 2
+    eviction, retention = EVICTION_POLICIES[args.eviction_policy]
     results = []
     for capacity in capacities:
-        config = SimConfig(capacity, page_size=args.page_size, schedule_policy=args.policy,
-                           eviction_policy=args.eviction, max_running=args.max_running,
+        config = SimConfig(capacity, page_size=args.page_size, schedule_policy=args.schedule_policy,
+                           eviction_policy=eviction, max_running=args.max_running,
                            max_batch_tokens=args.max_batch_tokens, prefill_tokens_per_s=args.prefill_tokens_per_s,
                            decode_step_s=args.decode_step_ms / 1000)
-        result = run_cluster_suite(workload, config, args.replicas, routers, retention=args.retention, seed=args.seed)
+        result = run_cluster_suite(workload, config, args.replicas, routers, retention=retention, seed=args.seed)
         results.append(result)
         _say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
             f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f})" for r in result["runs"])
@@ -313,12 +338,20 @@ def serve_command(args: argparse.Namespace) -> int:
     workload = load_workload(args, **extra)
     result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
                                              open_loop=args.open_loop, model=args.model,
-                                             timeout_s=args.timeout_s, progress=not args.no_progress))
+                                             timeout_s=args.timeout_s, progress=not args.no_progress,
+                                             api_key=args.api_key))
     summary = result.summary()
-    print(serve_table({workload.name: summary}))
+    if summary["completed"]:
+        print(serve_table({workload.name: summary}))
     if args.json:
-        _write_json(args.json, summary)
-    return 0 if summary["errors"] == 0 else 1
+        _write_json(args.json, summary | {"error_messages": dict(result.errors())})
+    if summary["errors"]:
+        _say(f"FAILED: {summary['errors']} of {summary['requests']} requests failed"
+             + ("" if summary["completed"] else " (none completed: no table)") + "; errors:")
+        for message, count in result.errors()[:5]:
+            _say(f"  {count} x {message}")
+        return 1
+    return 0
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -411,5 +444,10 @@ def _tqdm(total: int, desc: str):  # -> tqdm
     return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
 
 
-def _say(message: str) -> None:
-    print(f"radixserve bench: {message}", file=sys.stderr, flush=True)
+def _say(message: str, bar: Any = None) -> None:
+    """A status line on stderr; with a progress `bar` running, on a line of its own above it."""
+    line = f"radixserve bench: {message}"
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -71,6 +72,10 @@ class ServeResult:
             **_stats("ttft", ttft), **_stats("itl", itl), **_stats("latency", latency),
             **_replica_figures(self.replica_requests),
         }
+
+    def errors(self) -> list[tuple[str, int]]:
+        """The distinct errors of failed requests with how many requests each, most common first."""
+        return Counter(r.error for r in self.records if r.error is not None).most_common()
 
 
 def _replica_figures(per_replica: dict[str, int] | None) -> dict[str, object]:
@@ -138,6 +143,9 @@ async def send_request(client: httpx.AsyncClient, url: str, request: BenchReques
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if "error" in chunk:  # the server failed after the headers went out
+                    record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                    return record
                 now = time.perf_counter()
                 if chunk.get("choices"):
                     record.text += chunk["choices"][0].get("text") or ""
@@ -163,11 +171,13 @@ async def send_request(client: httpx.AsyncClient, url: str, request: BenchReques
 
 async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int | None = 16,
                               open_loop: bool = False, model: str | None = None, isolate: bool = False,
-                              timeout_s: float = 600.0, progress: bool = False) -> ServeResult:
+                              timeout_s: float = 600.0, progress: bool = False,
+                              api_key: str | None = None) -> ServeResult:
     """Replays `workload` against the server at `url` (e.g. http://127.0.0.1:8000).
 
     `open_loop` sends each request at its `arrival_time`; otherwise `concurrency` workers
     keep that many requests in flight. `isolate` gives every request its own cache_salt.
+    `api_key` is sent as `Authorization: Bearer` (a keyed server answers 401 without it).
     """
     url = url.rstrip("/")
     requests = workload.requests
@@ -184,7 +194,8 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
         if bar is not None:
             bar.update(1)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
         routed_before = await cluster_routed(client, url)
         start = time.perf_counter()
         if open_loop:
