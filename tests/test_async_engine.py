@@ -141,8 +141,11 @@ def test_pause_keeps_taking_commands_but_runs_no_step(ckpt: Path) -> None:
                 if engine.stats()["waiting"] == 1 and engine.health() is not None:
                     break
                 await asyncio.sleep(0.05)
-            assert engine.stats()["waiting"] == 1 and engine.stats()["steps"] == 0
             assert "has not completed a step" in engine.health()
+            # A command round-trips through the engine thread: had it stepped, it would have
+            # done so before taking the command.
+            await engine.flush_cache()
+            assert engine.stats()["waiting"] == 1 and engine.stats()["steps"] == 0
             assert not first.done()
             engine.resume()
             deltas = [await first] + await asyncio.wait_for(_collect(stream), timeout=30)

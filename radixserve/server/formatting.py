@@ -42,8 +42,8 @@ class UsageCounter:
     """Token counts over a request's deltas; a batch of prompts sums over its prompts.
 
     Choices `i * n .. i * n + n - 1` belong to prompt `i`. Each prompt is counted once
-    whatever n is; its cached_tokens is that of its first choice (later choices of the same
-    prompt usually hit the pages the first one just computed).
+    whatever n is, with its cached_tokens (the engine reports one count per request: how much
+    of the prompt its first sample found cached).
     """
 
     def __init__(self, n: int = 1) -> None:
@@ -54,10 +54,9 @@ class UsageCounter:
 
     def add(self, delta: StreamDelta) -> None:
         """Counts one delta."""
-        prompt, choice = divmod(delta.index, self.n)
+        prompt = delta.index // self.n
         self.prompt_tokens[prompt] = delta.prompt_tokens
-        if choice == 0:
-            self.cached_tokens[prompt] = delta.cached_tokens
+        self.cached_tokens[prompt] = delta.cached_tokens
         self.completion_tokens += len(delta.token_ids)
 
     def usage(self) -> Usage:
