@@ -6,7 +6,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +43,19 @@ def running_server(app: Starlette, *, log_level: str = "warning") -> Iterator[st
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Polls `predicate` until it holds (True) or `timeout` seconds pass (its last value).
+
+    For state that a server reaches on its own (stats published after a step): it waits,
+    it never races a deadline that the test could miss on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
 
 
 def parse_sse(raw: str) -> list[str]:

@@ -6,14 +6,14 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_util import parse_sse, running_server, sse_chunks
+from server_util import parse_sse, running_server, sse_chunks, wait_for
 
 from radixserve import AsyncEngine, Engine, SamplingParams
 from radixserve.server import create_app
@@ -46,15 +46,6 @@ def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
 def chat_body(user: str, **extra: Any) -> dict[str, Any]:
     return {"model": "demo", "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": user}], **extra}
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def prompt_len(server: SimpleNamespace, messages: list[dict[str, str]]) -> int:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_util import running_server, sse_chunks
+from server_util import running_server, sse_chunks, wait_for
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -75,22 +75,24 @@ def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
         yield c
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def assert_idle(server: SimpleNamespace) -> None:
     def idle() -> bool:
         s = server.engine.stats()
         return s["running"] == 0 and s["waiting"] == 0 and s["pages_locked"] == 0
     assert wait_for(idle), server.engine.stats()
+
+
+def post_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """Posts a completion from a thread; the response lands in the dict under "response"."""
+    result: dict[str, httpx.Response] = {}
+
+    def request() -> None:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            result["response"] = c.post(COMPLETIONS, json=body)
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    return worker, result
 
 
 def metric(client: httpx.Client, name: str, labels: dict[str, str] | None = None) -> float:
@@ -260,14 +262,7 @@ def test_request_counters_agree_with_the_access_log(server: SimpleNamespace, cli
 def test_stuck_step_makes_health_503_and_metrics_show_it(server: SimpleNamespace, client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     server.gate.close()
-    result: dict[str, Any] = {}
-
-    def request() -> None:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            result["response"] = c.post(COMPLETIONS, json={"prompt": "held", "max_tokens": 3, "ignore_eos": True})
-
-    worker = threading.Thread(target=request)
-    worker.start()
+    worker, result = post_in_background(server.url, {"prompt": "held", "max_tokens": 3, "ignore_eos": True})
     try:
         assert server.gate.holding.wait(30)  # the engine thread is inside a step, and stays there
         assert wait_for(lambda: client.get("/health").status_code == 503)
@@ -289,16 +284,9 @@ def test_stuck_step_makes_health_503_and_metrics_show_it(server: SimpleNamespace
 def test_paused_engine_is_stalled_only_while_work_waits(server: SimpleNamespace, client: httpx.Client) -> None:
     assert_idle(server)
     server.engine.pause()
-    result: dict[str, Any] = {}
-
-    def request() -> None:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            result["response"] = c.post(COMPLETIONS, json={"prompt": "waits", "max_tokens": 2, "ignore_eos": True})
-
-    worker = threading.Thread(target=request)
     try:
         assert client.get("/health").status_code == 200  # paused but idle: nothing waits
-        worker.start()
+        worker, result = post_in_background(server.url, {"prompt": "waits", "max_tokens": 2, "ignore_eos": True})
         assert wait_for(lambda: client.get("/health").status_code == 503)
         assert server.engine.stats()["waiting"] == 1
     finally:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from server_util import running_server
+from server_util import running_server, wait_for
 
 from radixserve import AsyncEngine, Engine
 from radixserve.server import create_app
@@ -33,15 +32,6 @@ def server() -> Iterator[SimpleNamespace]:
 def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
