@@ -181,6 +181,8 @@ class OpenAIServer:
                 if isinstance(first, BaseException):
                     with engine_errors(param, max_tokens_param, RETRY_AFTER_S):
                         raise first
+            if any(first.finish_reason == "error" for first in firsts):
+                raise engine_failure()  # before any token: a plain 500, streaming or not
             deltas = merge_batch([prepend(first, rest) for first, rest in zip(firsts, streams)], n)
             handed_over = True  # from here `deltas` owns the engine streams and closes them
             choices = n * len(calls)
