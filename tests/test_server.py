@@ -217,7 +217,10 @@ def test_shared_system_prompt_hits_cache_unless_salted(client: httpx.Client, ser
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def cached(user: str, **extra: Any) -> int:
-        r = client.post("/v1/chat/completions", json={"messages": messages(user), "max_tokens": 2, **extra})
+        body = {"messages": messages(user), "max_tokens": 2, **extra}
+        if user in EARLIER:  # enough tokens that its cached pages cover everything it shares
+            body.update(max_tokens=EARLIER_TOKENS, ignore_eos=True)
+        r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -226,16 +229,20 @@ def test_shared_system_prompt_hits_cache_unless_salted(client: httpx.Client, ser
         return server.tokenizer.encode(text, add_special_tokens=False)
 
     def hit(earlier: str, later: str) -> int:
-        """What `later` finds of `earlier` (max_tokens 2): their common prefix, as far as
-        `earlier`'s computed tokens filled whole pages (a partial page is never cached)."""
+        """What `later` finds of `earlier`: their common prefix, as far as `earlier`'s computed
+        tokens filled whole pages (a partial page is never cached)."""
         a, b = ids(earlier), ids(later)[:-1]
         shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return min(shared, (len(a) + 1) // PAGE_SIZE * PAGE_SIZE)
+        return min(shared, (len(a) + EARLIER_TOKENS - 1) // PAGE_SIZE * PAGE_SIZE)
+
+    EARLIER, EARLIER_TOKENS = ("first question", "third question", "sixth question"), 16
 
     system_tokens = len(server.tokenizer.encode(
         server.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
         add_special_tokens=False))
     assert hit("first question", "second question") >= system_tokens  # the system prompt is shared
+    # Token-deep: the hit ends inside a page (its partial page is copied), not on a boundary.
+    assert hit("first question", "second question") % PAGE_SIZE != 0
     # A salt of its own: nothing is cached for it yet, not even the template's role header.
     assert cached("first question", cache_salt="tenant-a") == 0
     assert cached("second question", cache_salt="tenant-a") == hit("first question", "second question")
