@@ -167,7 +167,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tiers", help="multi-turn chat on a device pool too small for it, with and without "
                                      "the host tier, on a random bench Llama")
-    p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn")
+    p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn",
+                   help="the conversation workload (default: %(default)s)")
     p.add_argument("--workload-args", default="num_clients=16,num_turns=6,num_system_prompts=2,system_len=128,"
                                               "message_len=48,output_len=24",
                    help="generator overrides (default: a CPU-sized multiturn)")
@@ -175,17 +176,18 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
                    help="device pool as a fraction of the working set (default: %(default)s)")
     p.add_argument("--host-factor", type=float, default=2.0,
                    help="host tier as a multiple of the working set (default: %(default)s)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="conversations in flight at once (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each server, alternating; medians are reported (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=tiers_command)
 
 
