@@ -353,3 +353,26 @@ def test_closing_a_session_keeps_another_requests_higher_retention(ckpt: Path) -
     filler = [[rng.randrange(3, 190) for _ in range(60)] for _ in range(6)]
     engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert engine.generate([system + [4, 5]], GREEDY)[0].cached_tokens == len(system)
+
+
+def test_stop_string_in_the_text_released_at_the_end_is_a_stop(ckpt: Path) -> None:
+    """The last token can leave text held back (an unfinished UTF-8 character, released as
+    U+FFFD when the sample ends); a stop string found in it makes the reason "stop"."""
+    engine = make_engine(ckpt)
+    lead_byte = engine.tokenizer.convert_tokens_to_ids("Ã")  # byte 0xC3: begins a 2-byte character
+    assert engine.tokenizer.decode([lead_byte]) == "\ufffd"
+
+    def force_lead_byte(module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[..., lead_byte] = 1e4
+        return logits
+
+    handle = engine.loaded.model.register_forward_hook(force_lead_byte)  # the logits
+    try:
+        plain = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+        stopped = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                                             stop=["\ufffd"]))[0]
+    finally:
+        handle.remove()
+    assert (plain.token_ids, plain.text, plain.finish_reason) == ([lead_byte], "\ufffd", "length")
+    assert (stopped.token_ids, stopped.text, stopped.finish_reason) == ([lead_byte], "", "stop")

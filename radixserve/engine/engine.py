@@ -426,8 +426,11 @@ class Engine:
         else:
             reason = None
         if reason is not None and not hit_stop:
+            # The end releases held-back text (an unfinished character): it may hold a stop.
             tail, hit_stop = seq.stop_matcher.feed(seq.detokenizer.flush())
             seq.text += tail if hit_stop else tail + seq.stop_matcher.flush()
+            if hit_stop:
+                reason = "stop"
         if reason is not None:
             self._finish(seq, reason)
         else:
