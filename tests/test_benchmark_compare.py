@@ -1,13 +1,15 @@
-"""bench compare's in-process mode: the engine replays a workload without HTTP."""
+"""bench compare: the in-process mode (the engine replays a workload without HTTP) and the
+servers it launches."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from radixserve import Engine
-from radixserve.benchmark.compare import run_comparison, with_varied_output_lengths
+from radixserve.benchmark.compare import launch_server, run_comparison, with_varied_output_lengths
 from radixserve.benchmark.inprocess import breakdown_table, run_in_process
 from radixserve.benchmark.workloads import make_workload
 from radixserve.engine.timing import SECTIONS
@@ -64,3 +66,11 @@ def test_varied_output_lengths_keep_the_mean_and_the_prompts() -> None:
     assert abs(lengths.mean() - 20) < 2
     assert all(np.array_equal(a.prompt_ids, b.prompt_ids) for a, b in zip(workload.requests, varied.requests))
     assert [r.output_len for r in with_varied_output_lengths(workload, seed=3).requests] == lengths.tolist()
+
+
+def test_launched_servers_take_no_api_key_from_the_environment(tiny_llama_dir: Path, monkeypatch) -> None:
+    """bench compare and bench tiers talk to their own servers without a key: an operator's
+    RADIXSERVE_API_KEY must not make every request a 401."""
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "operator-secret")
+    with launch_server(tiny_llama_dir, ["--num-pages", "16"]) as url:
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200

@@ -96,7 +96,10 @@ def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Pat
     cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir),
            "--port", str(port), "--log-level", "warning", *extra_args]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
+    # The benchmark's own servers take no API key, even where RADIXSERVE_API_KEY is set.
+    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
