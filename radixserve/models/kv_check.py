@@ -1,7 +1,7 @@
 """Factual check of cached K/V: recompute a token prefix and compare with the stored pages.
 
 A page table can be structurally perfect and still point at another request's data; the only
-proof that cached pages hold the right K/V is to compute them again (DESIGN.md §5).
+proof that cached pages hold the right K/V is to compute them again.
 """
 
 from __future__ import annotations
