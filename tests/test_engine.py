@@ -376,3 +376,26 @@ def test_stop_string_in_the_text_released_at_the_end_is_a_stop(ckpt: Path) -> No
         handle.remove()
     assert (plain.token_ids, plain.text, plain.finish_reason) == ([lead_byte], "\ufffd", "length")
     assert (stopped.token_ids, stopped.text, stopped.finish_reason) == ([lead_byte], "", "stop")
+
+
+@pytest.mark.parametrize("max_session_tokens", [10**6, 90])
+def test_sessions_together_raise_at_most_their_token_bound(ckpt: Path, max_session_tokens: int) -> None:
+    """Past max_session_tokens the least recently active sessions end early: their turns
+    become ordinary cache (evicted under pressure) while the newer sessions' stay."""
+    engine = make_engine(ckpt, page_size=4, num_pages=48, max_running=1, eviction_policy="priority",
+                         max_session_tokens=max_session_tokens)
+    turns = {"oldest": list(range(250, 282)), "middle": list(range(200, 232)), "newest": list(range(150, 182))}
+    for session_id, turn in turns.items():
+        engine.add_request(turn, GREEDY, session_id=session_id)
+        while engine.has_work():
+            engine.step()
+    raised = len(turns["newest"]) + GREEDY.max_tokens - 1  # computed tokens of one turn: 43
+    bounded = max_session_tokens < 3 * raised  # 90: room for two turns
+    assert engine.stats()["sessions_open"] == (2 if bounded else 3)
+    assert engine.sessions.tokens == (2 if bounded else 3) * raised
+    rng = random.Random(0)
+    filler = [[rng.randrange(3, 140) for _ in range(40)] for _ in range(6)]
+    engine.generate(filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    cached = {sid: engine.generate([turn + [1]], GREEDY)[0].cached_tokens for sid, turn in turns.items()}
+    assert cached == {"oldest": 0 if bounded else 32, "middle": 32, "newest": 32}
+    assert [engine.close_session(sid) for sid in turns] == [not bounded, True, True]

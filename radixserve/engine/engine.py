@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +27,7 @@ from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import compute_logprobs, sample, sampling_seed
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
+from radixserve.engine.sessions import SESSION_PRIORITY, Session, SessionTable
 from radixserve.engine.timing import StepTimings
 from radixserve.models.loader import load_model
 
@@ -37,17 +36,8 @@ logger = logging.getLogger(__name__)
 _TREE_PAGE_COUNTS = frozenset({"cached_pages", "evictable_pages", "locked_pages", "free_pages",
                                "host_cached_pages", "host_only_pages", "host_free_pages"})
 REUSE_WINDOW = 16  # reuse history length, in multiples of the cache's pages, both tiers (measured best)
-SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
-SESSION_SWEEP_S = 1.0  # how often idle sessions are looked for
 DEFAULT_CPU_KV_GB = 0.5
 DEFAULT_GPU_KV_FRACTION = 0.8
-
-
-@dataclass
-class _Session:
-    tokens: list[int]
-    namespace: Any
-    last_active: float
 
 
 class Engine:
@@ -67,6 +57,9 @@ class Engine:
         max_batch_tokens: tokens per forward step; longer prompts are prefilled in chunks.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
+        max_session_tokens: tokens all open sessions together may keep ahead of ordinary
+            cache; past it the least recently active sessions end early (default: half the
+            device pool).
         enable_prefix_cache: False computes every prompt in full (a baseline).
         debug_checks: run the structural invariant checker after every step.
         host_num_pages / host_kv_memory_gb: size of the host tier, a second KV pool in host
@@ -85,6 +78,7 @@ class Engine:
                  dtype: str | torch.dtype | None = None, max_running: int = 256,
                  max_queue: int | None = None, max_batch_tokens: int = 2048,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
+                 max_session_tokens: int | None = None,
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
                  backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
@@ -116,12 +110,13 @@ class Engine:
         attention = create_backend(backend, self.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
         self.max_queue = max_queue
-        self.session_ttl_s = session_ttl_s
+        if max_session_tokens is None:
+            max_session_tokens = self.pool.num_pages * page_size // 2
+        self.sessions = SessionTable(session_ttl_s, max_session_tokens, self._demote)
         self.debug_checks = debug_checks
         self.eos_token_ids = self._eos_token_ids()
         self._rng = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
-        self._sessions: dict[str, _Session] = {}
         self._pending: dict[str, list[StreamDelta]] = {}
         self._counters = {"prompt_tokens": 0, "cached_tokens": 0, "host_cached_tokens": 0,
                           "generated_tokens": 0, "requests_finished": 0, "requests_aborted": 0,
@@ -131,7 +126,6 @@ class Engine:
         self._last_step_s = 0.0
         self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
-        self._last_session_sweep = time.monotonic()
 
     # ------------------------------------------------------------------ set-up
     def _make_pool(self, num_pages: int | None, kv_memory_gb: float | None) -> PagePool:
@@ -266,7 +260,7 @@ class Engine:
         checks) ends that request alone with finish_reason "error"; the others carry on.
         """
         start = time.perf_counter()
-        self._sweep_sessions()
+        self.sessions.sweep()
         scheduling = time.perf_counter()
         chunks = self.scheduler.schedule()
         self._timings.add("schedule", time.perf_counter() - scheduling)
@@ -446,46 +440,25 @@ class Engine:
         in_session = req.session_id is not None and reason != "abort" and seq.index == 0
         if in_session:
             # The latest turn is kept ahead of ordinary cache for the TTL, on top of whatever
-            # retention its pages have for good; the turn before it no longer is (ended first:
-            # what the two share is raised again by the insert below).
-            self._expire_sessions()
-            previous = self._sessions.get(req.session_id)
-            if previous is not None:
-                self._demote(previous)
-            ranges.append((0, seq.num_computed, Retention(SESSION_PRIORITY, self.session_ttl_s)))
+            # retention its pages have for good; the turn before it no longer is. Sessions end
+            # first: what the new turn shares with them is raised again by the insert below.
+            self.sessions.reserve(req.session_id, seq.num_computed)
+            ranges.append((0, seq.num_computed, Retention(SESSION_PRIORITY, self.sessions.ttl_s)))
         computed = seq.token_ids[: seq.num_computed]
         start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         self._timings.add("tree", time.perf_counter() - start)
         if in_session:
-            self._sessions[req.session_id] = _Session(computed, req.namespace, time.monotonic())
+            self.sessions.add(req.session_id, computed, req.namespace)
         self._emit(seq)
 
-    def _demote(self, session: _Session) -> None:
+    def _demote(self, session: Session) -> None:
         self.tree.end_retention(session.tokens, session.namespace, SESSION_PRIORITY)
-
-    def _expire_sessions(self) -> None:
-        """Forgets sessions idle past the TTL; their retention has decayed in the tree already."""
-        now = time.monotonic()
-        self._last_session_sweep = now
-        for sid in [k for k, v in self._sessions.items() if now - v.last_active > self.session_ttl_s]:
-            del self._sessions[sid]
-
-    def _sweep_sessions(self) -> None:
-        """Expires idle sessions at most every SESSION_SWEEP_S (every step would be wasted work)."""
-        interval = min(SESSION_SWEEP_S, self.session_ttl_s)
-        if self._sessions and time.monotonic() - self._last_session_sweep > interval:
-            self._expire_sessions()
 
     def close_session(self, session_id: str) -> bool:
         """Ends a session: its pages become ordinary cache. False if it was not open (or
         expired: idle past the TTL)."""
-        self._expire_sessions()
-        session = self._sessions.pop(session_id, None)
-        if session is None:
-            return False
-        self._demote(session)
-        return True
+        return self.sessions.close(session_id)
 
     def _emit(self, seq: Sequence) -> None:
         req = seq.request
@@ -570,7 +543,7 @@ class Engine:
             pages_cached=self.tree.cached_pages, pages_evictable=self.tree.evictable_pages,
             pages_locked=self.tree.locked_pages, page_size=self.page_size,
             kv_tokens_capacity=self.pool.num_pages * self.page_size,
-            kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self._sessions),
+            kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self.sessions),
         )
         out["device_cached_tokens"] = c["cached_tokens"] - c["host_cached_tokens"]
         out["prefill_step_s_total"] = self._prefill_step_s
