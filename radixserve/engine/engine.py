@@ -6,6 +6,7 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +15,12 @@ import torch
 
 from radixserve.attention.base import create_backend
 from radixserve.cache.events import CacheEvent, CacheEventHub
-from radixserve.cache.invariants import SequenceView, check_invariants
+from radixserve.cache.invariants import InvariantError, SequenceView, check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
 from radixserve.cache.reuse import ReuseHistory
 from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK, HostTier
+from radixserve.engine.beam import BeamGroup, Candidate, Hypothesis
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
                                       StreamDelta, TokenLogprob)
@@ -187,6 +189,8 @@ class Engine:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
         params = params or SamplingParams()
         params.validate()
+        if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
+            params = replace(params, beam_width=None, temperature=0.0)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, params)
         queued = sum(1 for s in self.scheduler.waiting if s.request.cached_tokens is None)
@@ -203,7 +207,13 @@ class Engine:
             req.reused_tokens = seen_pages * self.page_size
         self._requests[request_id] = req
         self._pending[request_id] = []
-        self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
+        if params.beam_search:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            req.beam = BeamGroup.for_request(req, stops)
+            req.beam.running.append(self._new_sequence(req, 0, list(prompt_ids), output=False))
+            self.scheduler.waiting.append(req.beam.running[0])
+        else:
+            self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
 
     @property
@@ -222,17 +232,26 @@ class Engine:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                 f"exceeds the model's context of {self.max_context_len} tokens",
                                 param=_cause(len(prompt_ids), self.max_context_len))
-        # Every sample must fit the pool on its own, or preemption could never make room.
-        if math.ceil(total / self.page_size) + 1 > self.pool.num_pages:
-            raise PromptTooLong(f"prompt + max_tokens ({total} tokens) needs more KV pages than the pool "
-                                f"holds ({self.pool.num_pages} pages of {self.page_size} tokens)",
+        # Every sample must fit the pool on its own, or preemption could never make room; the
+        # beams of a group run together, so all of them must (counted without sharing: a
+        # group resumed after its cached pages were evicted recomputes each beam in full).
+        beams = params.beam_width if params.beam_search else 1
+        if beams * (math.ceil(total / self.page_size) + 1) > self.pool.num_pages:
+            what = f"{beams} beams of " if beams > 1 else ""
+            raise PromptTooLong(f"{what}prompt + max_tokens ({total} tokens) needs more KV pages than the "
+                                f"pool holds ({self.pool.num_pages} pages of {self.page_size} tokens)",
                                 param=_cause(len(prompt_ids), self.max_sequence_len))
+        if beams > self.scheduler.max_running:
+            raise ValueError(f"beam_width: {beams} beams run at once, more than max_running "
+                             f"({self.scheduler.max_running})")
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int], *, output: bool = True) -> Sequence:
+        """A sequence of `req`; `output`: one of the request's samples (not a beam)."""
+        seed = None if req.params.beam_search else sampling_seed(req.params, index, self._rng)
         seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
-                       StopStringMatcher(list(req.params.stop)),
-                       sampling_seed(req.params, index, self._rng))
-        req.sequences.append(seq)
+                       StopStringMatcher(list(req.params.stop)), seed)
+        if output:
+            req.sequences.append(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -244,6 +263,8 @@ class Engine:
         for seq in req.sequences:
             if not seq.finished:
                 self._finish(seq, "abort")
+        if req.beam is not None:
+            self._release_beams(req.beam, "abort")
         for index in range(len(req.sequences), req.params.n):  # samples not forked yet
             self._pending[request_id].append(StreamDelta(index, [], "", None, "abort", len(req.prompt_ids),
                                                          req.cached_tokens or 0))
@@ -318,6 +339,7 @@ class Engine:
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         clock, timings = time.perf_counter, self._timings
         ready: list[tuple[Sequence, int]] = []  # (sequence, logits row)
+        beams: list[tuple[Sequence, int]] = []  # beam-search beams: their rows go to their group
         row = 0
         t0 = clock()
         for chunk in chunks:
@@ -329,12 +351,18 @@ class Engine:
                 self.scheduler.cache_computed(seq, req.retention, req.range_retention())
             if not needs_logits:
                 continue
+            if req.beam is not None:
+                beams.append((seq, row))
+                row += 1
+                continue
             ready.append((seq, row))
             if len(req.sequences) < req.params.n and seq.index == 0:
                 ready.extend((child, row) for child in self._fork(seq))
             row += 1
         t1 = clock()
         timings.add("tree", t1 - t0)
+        if beams:  # scored with the sampling
+            self._deliver_beams(beams, logits)
         if not ready:
             return
         seqs = [s for s, _ in ready]
@@ -385,11 +413,114 @@ class Engine:
                     seq.finish_reason = "error"
                     self.scheduler.finish(seq, cache=False)
                     self._emit(seq)
+            if req.beam is not None:
+                self._release_beams(req.beam, "error")
             for index in range(len(req.sequences), req.params.n):
                 self._pending[req.request_id].append(StreamDelta(index, [], "", None, "error",
                                                                  len(req.prompt_ids), req.cached_tokens or 0))
             req.aborted = True
             self._retire(req)
+
+    # ------------------------------------------------------------------ beam search
+    def _deliver_beams(self, beams: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """Hands each beam its logits row; a group whose beams have all delivered steps."""
+        groups: dict[int, BeamGroup] = {}
+        for seq, row in beams:
+            group = seq.request.beam
+            if group is not None and not group.done:
+                group.deliver(seq, logits[row])
+                groups[id(group)] = group
+        for group in groups.values():
+            if not group.ready:
+                continue
+            try:
+                self._beam_step(group)
+            except Exception:
+                logger.exception("a beam search step of request %s failed; it ends with finish_reason "
+                                 "'error'", group.request.request_id)
+                self._fail({group.request})
+
+    def _beam_step(self, group: BeamGroup) -> None:
+        """One beam-search step over the paged cache.
+
+        New hypotheses hold their parent's full pages; a beam no candidate continues releases
+        its pages; a parent's first surviving child is the parent itself (it keeps its pages,
+        last page included), every further child shares the parent's full pages and copies
+        its partly filled last page. Beams that die free exactly as many partial pages as the
+        extra children copy, so only the first step (one prompt, W children) needs free
+        pages: if they cannot be had, the group is preempted and recomputes from the cache.
+        """
+        req = group.request
+        parents = list(group.running)
+        result = group.step()
+        fresh = []
+        for entry in result.finished:
+            if isinstance(entry, Candidate):
+                parent = parents[entry.parent]
+                seq = self._new_sequence(req, 0, parent.token_ids + [entry.token], output=False)
+                seq.output_ids = parent.output_ids + [entry.token]
+                self.scheduler.share_full_pages(parent, seq)
+                entry = Hypothesis(entry.score, seq)
+            fresh.append(entry)
+        for dropped in group.keep(fresh):
+            self._released.extend(self.scheduler.finish(dropped.seq, cache=False))
+        if result.done:
+            self._finish_beams(group)
+            return
+        children: dict[int, list[int]] = {}  # parent position -> ranks of its children
+        for rank, cand in enumerate(result.running):
+            children.setdefault(cand.parent, []).append(rank)
+        for i, parent in enumerate(parents):
+            if i not in children:
+                parent.finish_reason = "pruned"
+                self._released.extend(self.scheduler.finish(parent, cache=False))
+        extra = len(result.running) - len(children)
+        copies = extra if parents[0].num_computed % self.page_size else 0
+        fits = (len(self.scheduler.running) + extra <= self.scheduler.max_running
+                and self.scheduler.ensure_free(copies))
+        running: list[Sequence] = [parents[0]] * len(result.running)
+        for i, ranks in children.items():
+            parent = parents[i]
+            for rank in ranks[1:]:
+                child = self._new_sequence(req, 0, list(parent.token_ids), output=False)
+                child.output_ids = list(parent.output_ids)
+                if not (fits and self.scheduler.fork(parent, child)):
+                    self.scheduler.waiting.append(child)
+                running[rank] = child
+            running[ranks[0]] = parent
+        for rank, cand in enumerate(result.running):
+            running[rank].token_ids.append(cand.token)
+            running[rank].output_ids.append(cand.token)
+            self._counters["generated_tokens"] += 1
+        group.running = running
+        if not fits:  # all of the group waits, and is admitted again as a whole
+            self.scheduler.preempt_unit(running)
+
+    def _finish_beams(self, group: BeamGroup) -> None:
+        """Ends a search: the n best hypotheses become the request's outputs (their pages are
+        cached like any finished sample's); everything else the group holds is released."""
+        req = group.request
+        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids)
+        best, rest = group.hypotheses[: req.params.n], group.hypotheses[req.params.n:]
+        group.hypotheses = rest
+        self._release_beams(group, None)
+        for rank, hyp in enumerate(best):
+            seq = hyp.seq
+            seq.index, seq.beam_score = rank, hyp.score
+            seq.text = "".join(seq.detokenizer.push(t) for t in seq.output_ids) + seq.detokenizer.flush()
+            req.sequences.append(seq)
+            self._finish(seq, "stop" if seq.output_ids[-1] in stops else "length")
+        self._retire(req)
+
+    def _release_beams(self, group: BeamGroup, reason: str | None) -> None:
+        """Releases every running beam and kept hypothesis of `group` (no caching) and ends
+        the search; `reason` marks the beams (so chunks of this step skip them)."""
+        for seq in group.running + [h.seq for h in group.hypotheses]:
+            seq.finish_reason = reason or "pruned"
+            self._released.extend(self.scheduler.finish(seq, cache=False))
+        group.running, group.hypotheses = [], []
+        group.logits.clear()
+        group.done = True
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of a request start from sample 0's computed prompt pages."""
@@ -498,7 +629,8 @@ class Engine:
             self.step()
         return [RequestOutput(req.request_id, seq.index, len(req.prompt_ids), req.cached_tokens or 0,
                               list(seq.output_ids), seq.text, seq.finish_reason,
-                              list(seq.logprobs) if req.params.logprobs is not None else None)
+                              list(seq.logprobs) if req.params.logprobs is not None else None,
+                              seq.beam_score)
                 for req in requests for seq in sorted(req.sequences, key=lambda s: s.index)]
 
     # ------------------------------------------------------------------ introspection
@@ -584,11 +716,24 @@ class Engine:
         Pages that finished sequences let go in the last step must be free unless the tree
         or another live sequence still holds them.
         """
-        views = [SequenceView(s.block_table, s.num_computed) for s in self.scheduler.running]
-        held = {p for s in self.scheduler.running for p in s.block_table}
+        holders = list(self.scheduler.running)
+        for req in self._requests.values():
+            if req.beam is not None:  # finished hypotheses keep their full pages until the end
+                holders.extend(h.seq for h in req.beam.hypotheses)
+                self._check_beam_group(req.beam)
+        views = [SequenceView(s.block_table, s.num_computed) for s in holders]
+        held = {p for s in holders for p in s.block_table}
         held.update(p for _, pages in self.tree.nodes() for p in pages)
         released = [p for p in self._released if p not in held]
         check_invariants(self.pool, self.tree, views, released_pages=released)
+
+    def _check_beam_group(self, group: BeamGroup) -> None:
+        """A beam group is scheduled as a whole: its beams all run or all wait."""
+        running = [s in self.scheduler.running for s in group.running]
+        waiting = [s in self.scheduler.waiting for s in group.running]
+        if not (all(running) or all(waiting)):
+            raise InvariantError(f"[beam-group-split] request {group.request.request_id}: beams running "
+                                 f"{running}, waiting {waiting}")
 
     def flush_cache(self) -> int:
         """Drops every unlocked cached page; returns how many pages were freed."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MIN_TEMPERATURE = 1e-5
@@ -9,6 +10,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 512  # per stop string: the matcher rescans this much text per token
 MAX_STOP_TOKEN_IDS = 256
+MAX_BEAM_WIDTH = 16
 
 
 @dataclass
@@ -18,6 +20,13 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 switch those filters off.
     `logprobs` None returns none; k >= 0 returns the sampled token's logprob and its top-k
     alternatives. With `seed`, the same request gives the same tokens every time.
+
+    Beam search: `beam_width` W >= 2 keeps the W best hypotheses at every step and returns the
+    `n` <= W best finished ones, best first, scored as transformers' beam search scores them
+    (sum of token log-probabilities / generated length ** `length_penalty`; `early_stopping`
+    True, False or "never" with transformers' meanings). It is deterministic: temperature,
+    top_p, top_k, min_p and seed do not apply. W = 1 is greedy decoding (as num_beams=1 is in
+    transformers). None (the default) samples.
     """
 
     max_tokens: int = 16
@@ -31,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self) -> None:
         """Raises ValueError("<field>: why") on the first bad value."""
@@ -49,9 +61,30 @@ class SamplingParams:
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids"),
         ]
+        if self.beam_width is not None:
+            checks += self._beam_checks()
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _beam_checks(self) -> list[tuple[bool, str]]:
+        width = self.beam_width
+        return [
+            (isinstance(width, int) and 1 <= width <= MAX_BEAM_WIDTH,
+             f"beam_width: must be an integer in [1, {MAX_BEAM_WIDTH}]"),
+            (not isinstance(width, int) or self.n <= width, "n: beam search returns at most beam_width beams"),
+            (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty),
+             "length_penalty: must be a finite number"),
+            (isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+             'early_stopping: must be true, false or "never"'),
+            (not self.stop, "stop: stop strings are not supported with beam search (use stop_token_ids)"),
+            (self.logprobs is None, "logprobs: not supported with beam search"),
+        ]
+
+    @property
+    def beam_search(self) -> bool:
+        """Whether this request runs beam search (beam_width >= 2; 1 is plain greedy)."""
+        return self.beam_width is not None and self.beam_width >= 2
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +113,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
+    score: float | None = None  # beam search: the beam's length-penalised log-probability
 
 
 @dataclass

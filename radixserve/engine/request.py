@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 
@@ -13,13 +13,20 @@ from radixserve.cache.transfer import LoadHandle
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import SamplingParams, TokenLogprob
 
+if TYPE_CHECKING:
+    from radixserve.engine.beam import BeamGroup
+
 _ids = itertools.count()
 REUSED_RETENTION = Retention(60)  # pages seen before outrank first-seen ones (default 35)
 
 
 @dataclass(eq=False)
 class Request:
-    """One submitted prompt; it owns `params.n` sequences once its prompt is computed."""
+    """One submitted prompt; it owns `params.n` sequences once its prompt is computed.
+
+    A beam-search request keeps its live beams in `beam` instead; `sequences` then receives
+    the `n` best finished beams when the search ends.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -35,9 +42,12 @@ class Request:
     cached_tokens: int | None = None  # set when its first sequence is first admitted
     host_cached_tokens: int = 0  # how many of those were copied back from the host tier
     aborted: bool = False
+    beam: BeamGroup | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences)
 
     def range_retention(self) -> list[tuple[int, int, Retention]]:
@@ -78,6 +88,7 @@ class Sequence:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    beam_score: float | None = None  # a finished beam's score (beam search only)
     # What has already been handed to the stream: the engine emits only what is new.
     emitted_tokens: int = 0
     emitted_text: int = 0

@@ -11,6 +11,11 @@ at admission (`_take_cached_prefix`) before the rest is prefilled; a load that d
 in device memory falls back to recomputing what did not fit. Where the copy runs
 asynchronously (CUDA), the sequence joins the running set but runs no chunk until its copy
 is done, so the copy never holds up the running batch.
+
+The beams of a beam-search request (engine/beam.py) form one unit: they are scheduled,
+preempted and admitted together, never some of them, since a beam step needs every beam's
+next-token logits. Beams share pages by reference count; only the last, partly filled page
+is copied when two beams would both write it (copy-on-write, `fork`).
 """
 
 from __future__ import annotations
@@ -74,71 +79,114 @@ class Scheduler:
         """Picks the next step's chunks and makes sure their pages exist."""
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
-        ordered = sorted(self.running, key=lambda s: (-s.priority, s.arrival_time, s.seq_id))
+        ordered = sorted(self._running_units(), key=lambda u: (-u[0].priority, u[0].arrival_time, u[0].seq_id))
         while ordered and budget > 0:
-            seq = ordered.pop(0)
-            if not self._loaded(seq):
-                continue  # its prefix is still being copied from the host
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            while not self._reserve(seq, seq.num_computed + num_new):
+            unit = ordered.pop(0)
+            if not all(self._loaded(seq) for seq in unit):
+                continue  # a prefix is still being copied from the host
+            work = self._next_chunks(unit, budget)
+            if not work:  # beams that delivered their logits and wait for their siblings
+                continue
+            while not all(self._reserve(c.seq, c.seq.num_computed + c.num_new) for c in work):
                 # A prefill chunk shrinks to the pages it can have before anyone is preempted,
                 # leaving each sequence still to run this step the page its next token needs.
-                fits = self._tokens_that_fit(seq, ordered)
-                if 0 < fits < num_new:
-                    num_new = fits
-                    self.counters.shrunk_chunks += 1
-                    continue
-                # Out of pages even after eviction: preempt the least important sequence,
-                # which is the last one in `ordered`, or this one if it is the last.
-                victim = ordered.pop() if ordered else seq
-                self.preempt(victim)
-                if victim is seq:
+                if len(work) == 1:
+                    fits = self._tokens_that_fit(work[0].seq, [s for u in ordered for s in u])
+                    if 0 < fits < work[0].num_new:
+                        work[0].num_new = fits
+                        self.counters.shrunk_chunks += 1
+                        continue
+                # Out of pages even after eviction: preempt the least important unit, which
+                # is the last one in `ordered`, or this one if it is the last.
+                victim = ordered.pop() if ordered else unit
+                self.preempt_unit(victim)
+                if victim is unit:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, num_new))
-                budget -= num_new
+                chunks.extend(work)
+                budget -= sum(c.num_new for c in work)
         if budget > 0:
             chunks.extend(self._admit(budget))
         return chunks
+
+    def _running_units(self) -> list[list[Sequence]]:
+        """The running sequences, one list per unit: a beam group's beams, else one sequence."""
+        units: list[list[Sequence]] = []
+        groups: set[int] = set()
+        for seq in self.running:
+            group = seq.request.beam
+            if group is None:
+                units.append([seq])
+            elif id(group) not in groups:
+                groups.add(id(group))
+                units.append(list(group.running))
+        return units
+
+    @staticmethod
+    def _next_chunks(unit: list[Sequence], budget: int) -> list[ScheduledChunk]:
+        """Each member's next chunk within `budget`; members with nothing to run get none."""
+        work = []
+        for seq in unit:
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if num_new > 0:
+                work.append(ScheduledChunk(seq, num_new))
+                budget -= num_new
+        return work
 
     def _admit(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         if not self.waiting:
             return chunks
         now = self.clock()
+        admitted: set[int] = set()  # beams admitted with an earlier member of their group
         for seq in self.policy.order(self.waiting, self.tree, now):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
+            if seq.seq_id in admitted:
+                continue
+            unit = list(seq.request.beam.running) if seq.request.beam is not None else [seq]
             aged = now - seq.arrival_time > self.policy.max_wait_s
-            tokens = seq.prompt_ids
-            peek = None  # one look at the cache serves both checks below
+            peeks = []  # one look at the cache per member serves both checks below
             if self.prefix_cache:
-                peek = self.tree.match(tokens[: len(tokens) - 1], seq.namespace, update=False)
-                if not aged and self._shares_prefill_in_flight(tokens, seq, peek.cached_tokens):
+                peeks = [self.tree.match(s.prompt_ids[: s.num_tokens - 1], s.namespace, update=False)
+                         for s in unit]
+                if not aged and any(self._shares_prefill_in_flight(s.prompt_ids, s, peek.cached_tokens)
+                                    for s, peek in zip(unit, peeks)):
                     self.counters.deferred_for_sharing += 1
                     continue
             # Keep a page per decoding sequence in hand, so admitting does not force a preemption
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
-            if not self._may_fit(len(tokens), peek, budget, reserve):
+            if len(self.running) + len(unit) > self.max_running or not self._may_fit(
+                    [s.num_tokens for s in unit], peeks or [None] * len(unit), budget, reserve):
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
-            self._take_cached_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            loading = not self._loaded(seq)  # its pages come when its copy from the host is done
-            if not loading and not self._reserve(seq, seq.num_computed + num_new, extra_free=reserve):
-                self._release_pages(seq, cache=False)
+            work = self._take_unit(unit, budget, reserve)
+            if work is None:
                 break
             if seq.request.cached_tokens is None:  # first admission: what the caller is told
                 seq.request.cached_tokens = seq.num_computed
                 seq.request.host_cached_tokens = seq.loaded_tokens
-            self.waiting.remove(seq)
-            self.running.append(seq)
+            for member in unit:
+                self.waiting.remove(member)
+                self.running.append(member)
+                admitted.add(member.seq_id)
             self.counters.admitted += 1
-            if loading:
-                continue  # the budget stays for others this step
-            chunks.append(ScheduledChunk(seq, num_new))
-            budget -= num_new
+            chunks.extend(work)  # members loading from the host run once their copy is done
+            budget -= sum(c.num_new for c in work)
         return chunks
+
+    def _take_unit(self, unit: list[Sequence], budget: int, reserve: int) -> list[ScheduledChunk] | None:
+        """Takes each member's cached prefix and the pages of its first chunk, all or none
+        (None: the pages could not be had; nothing is held then). A member whose prefix is
+        still being copied from the host gets its pages when the copy is done."""
+        for seq in unit:
+            self._take_cached_prefix(seq)
+        work = self._next_chunks([seq for seq in unit if self._loaded(seq)], budget)
+        if all(self._reserve(c.seq, c.seq.num_computed + c.num_new, extra_free=reserve) for c in work):
+            return work
+        for seq in unit:
+            self._release_pages(seq, cache=False)
+        return None
 
     @staticmethod
     def _loaded(seq: Sequence) -> bool:
@@ -165,13 +213,17 @@ class Scheduler:
                 return True
         return False
 
-    def _may_fit(self, num_tokens: int, cached: MatchResult | None, budget: int, reserve: int) -> bool:
-        """Whether the pages this admission needs could be had at all (free + evictable); a
-        prefix found on the host needs device pages too, loaded or recomputed."""
-        hit = cached.cached_tokens if cached else 0
-        full_pages = len(cached.pages) if cached else 0
-        num_new = min(num_tokens - hit, budget)
-        needed = math.ceil((hit + num_new) / self.page_size) - full_pages
+    def _may_fit(self, num_tokens: list[int], cached: list[MatchResult | None], budget: int,
+                 reserve: int) -> bool:
+        """Whether the pages an admission of sequences of `num_tokens` tokens needs for their
+        first chunks could be had at all (free + evictable); a prefix found on the host needs
+        device pages too, loaded or recomputed."""
+        needed = 0
+        for tokens, match in zip(num_tokens, cached):
+            hit = match.cached_tokens if match else 0
+            num_new = min(tokens - hit, budget)
+            budget -= num_new
+            needed += math.ceil((hit + num_new) / self.page_size) - (len(match.pages) if match else 0)
         return needed + reserve <= self.pool.num_free + self.tree.evictable_pages
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
@@ -197,7 +249,7 @@ class Scheduler:
         seq.lock_node = match.node
         seq.block_table = list(match.pages)
         seq.num_computed = seq.locked_tokens = len(match.pages) * self.page_size
-        if match.partial_page is not None and self._ensure_free(1):
+        if match.partial_page is not None and self.ensure_free(1):
             # Eviction may just have freed the partial page itself; then it is no hit.
             if self.pool.refcount(match.partial_page) > 0:
                 (page,) = self.pool.allocate(1)
@@ -210,14 +262,14 @@ class Scheduler:
         what cannot get a device page stays on the host (and is recomputed)."""
         handle = match.host_node
         self.tree.lock(handle)  # making room must not evict the pages being loaded
-        self._ensure_free(len(match.host_pages))
+        self.ensure_free(len(match.host_pages))
         loaded = self.tree.load_back(match)
         self.tree.unlock(handle)
         self.counters.loaded_tokens += loaded.num_tokens - match.num_tokens
         return loaded
 
     # ------------------------------------------------------------------ pages
-    def _ensure_free(self, num_pages: int) -> bool:
+    def ensure_free(self, num_pages: int) -> bool:
         short = num_pages - self.pool.num_free
         if short > 0:
             self.tree.evict(short)
@@ -235,7 +287,7 @@ class Scheduler:
         needed = math.ceil(num_tokens / self.page_size) - len(seq.block_table)
         if needed <= 0:
             return True
-        if not self._ensure_free(needed + extra_free):
+        if not self.ensure_free(needed + extra_free):
             return False
         seq.block_table.extend(self.pool.allocate(needed))
         return True
@@ -300,6 +352,14 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.append(seq)
         self.counters.preemptions += 1
+        if req.beam is not None:
+            req.beam.forget(seq)  # it recomputes its tokens and delivers its logits again
+
+    def preempt_unit(self, unit: list[Sequence]) -> None:
+        """Preempts a unit (a beam group's beams, or one sequence) wherever its members are."""
+        for seq in unit:
+            if seq in self.running:
+                self.preempt(seq)
 
     def finish(self, seq: Sequence, retention: Retention | None = None,
                range_retention: list[tuple[int, int, Retention]] = (), *, cache: bool = True) -> list[int]:
@@ -313,25 +373,32 @@ class Scheduler:
         return self._release_pages(seq, cache=cache, retention=retention, range_retention=range_retention)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Starts `child` on the parent's computed prompt: full pages shared, last page copied.
+        """Starts `child` running on the parent's computed tokens: full pages shared, the last,
+        partly filled page copied (copy-on-write: the two would both write it next).
 
         Returns False when no page is free for the copy; the child then waits and is
         admitted like any request (its prompt is a cache hit by then).
         """
         full = parent.num_computed // self.page_size
         partial = parent.num_computed - full * self.page_size
-        if partial and not self._ensure_free(1):
+        if partial and not self.ensure_free(1):
             return False
-        child.block_table = list(parent.block_table[:full])
-        self.pool.incref(child.block_table)
+        self.share_full_pages(parent, child)
         if partial:
             (page,) = self.pool.allocate(1)
             self.pool.copy_page(parent.block_table[full], page, partial)
             child.block_table.append(page)
-        child.num_computed = parent.num_computed
-        child.lock_node, child.locked_tokens = parent.lock_node, parent.locked_tokens
-        if child.lock_node is not None:
-            self.tree.lock(child.lock_node)
+            child.num_computed = parent.num_computed
         self.running.append(child)
         return True
 
+    def share_full_pages(self, parent: Sequence, holder: Sequence) -> None:
+        """Makes `holder` hold the parent's computed full pages (increfs, and the parent's tree
+        lock): a beam hypothesis frozen at the parent's state, or the start of a fork."""
+        full = parent.num_computed // self.page_size
+        holder.block_table = list(parent.block_table[:full])
+        self.pool.incref(holder.block_table)
+        holder.num_computed = full * self.page_size
+        holder.lock_node, holder.locked_tokens = parent.lock_node, parent.locked_tokens
+        if holder.lock_node is not None:
+            self.tree.lock(holder.lock_node)

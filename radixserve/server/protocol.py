@@ -98,6 +98,11 @@ class GenerationRequest(Struct, kw_only=True):
     retention_priority: RetentionPriority | None = None
     retention_duration_s: Duration | None = None
     session_id: Identifier | None = None
+    # Beam search (extension): the n best of beam_width beams (beam_width defaults to n).
+    use_beam_search: bool = False
+    beam_width: NumChoices | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):

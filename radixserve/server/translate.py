@@ -102,6 +102,7 @@ def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
         ignore_eos=request.ignore_eos,
         n=request.n or 1,
         logprobs=logprobs,
+        **_beam_search(request),
     )
     try:
         params.validate()
@@ -116,6 +117,17 @@ def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
         prefix_retention=prefix_retention,
         session_id=request.session_id,
     )
+
+
+def _beam_search(request: GenerationRequest) -> dict[str, object]:
+    """The SamplingParams fields of the beam-search extension (none without use_beam_search)."""
+    if not request.use_beam_search:
+        if request.beam_width is not None:
+            raise APIError(400, "beam_width needs use_beam_search: true", param="beam_width",
+                           code="invalid_value")
+        return {}
+    return dict(beam_width=request.beam_width or request.n or 1, length_penalty=request.length_penalty,
+                early_stopping=request.early_stopping)
 
 
 def _fit_context(prompt_len: int, requested: int | None, max_context_len: int,
