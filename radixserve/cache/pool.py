@@ -24,6 +24,11 @@ def as_int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
+# A block-table entry whose page its sequence has released: the page lay wholly before the
+# sliding attention window (see engine/scheduler.py, Scheduler.trim_window). Never a page id.
+DROPPED_PAGE = -1
+
+
 class OutOfPages(RuntimeError):
     """Raised by `PagePool.allocate` when fewer pages are free than were asked for."""
 

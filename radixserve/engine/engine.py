@@ -108,7 +108,8 @@ class Engine:
                               if reuse_boost and enable_prefix_cache else None)
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
-                                   clock=time.monotonic, prefix_cache=enable_prefix_cache)
+                                   clock=time.monotonic, prefix_cache=enable_prefix_cache,
+                                   window=self.loaded.model.kv_window)
         attention = create_backend(backend, self.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
         self.max_queue = max_queue
@@ -349,6 +350,7 @@ class Engine:
             req = seq.request
             if chunk.num_new > 1:  # a prefill chunk: share its pages now (decodes cache at the end)
                 self.scheduler.cache_computed(seq, req.retention, req.range_retention())
+            self._released.extend(self.scheduler.trim_window(seq))
             if not needs_logits:
                 continue
             if req.beam is not None:
@@ -459,7 +461,8 @@ class Engine:
                 parent = parents[entry.parent]
                 seq = self._new_sequence(req, 0, parent.token_ids + [entry.token], output=False)
                 seq.output_ids = parent.output_ids + [entry.token]
-                self.scheduler.share_full_pages(parent, seq)
+                if not parent.dropped_pages:  # else it could never be cached: it holds nothing
+                    self.scheduler.share_full_pages(parent, seq)
                 entry = Hypothesis(entry.score, seq)
             fresh.append(entry)
         for dropped in group.keep(fresh):
@@ -721,8 +724,9 @@ class Engine:
             if req.beam is not None:  # finished hypotheses keep their full pages until the end
                 holders.extend(h.seq for h in req.beam.hypotheses)
                 self._check_beam_group(req.beam)
-        views = [SequenceView(s.block_table, s.num_computed) for s in holders]
-        held = {p for s in holders for p in s.block_table}
+        window = self.scheduler.window
+        views = [SequenceView(s.block_table, s.num_computed, window) for s in holders]
+        held = {p for s in holders for p in s.block_table[s.dropped_pages:]}
         held.update(p for _, pages in self.tree.nodes() for p in pages)
         released = [p for p in self._released if p not in held]
         check_invariants(self.pool, self.tree, views, released_pages=released)

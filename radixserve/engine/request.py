@@ -84,6 +84,7 @@ class Sequence:
     locked_tokens: int = 0  # tokens covered by lock_node's path (whole pages in the tree)
     loaded_tokens: int = 0  # of num_computed, tokens copied back from the host at admission
     pending_loads: list[LoadHandle] = field(default_factory=list)  # copies not done yet: wait
+    dropped_pages: int = 0  # leading block-table entries released (out of a sliding window)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

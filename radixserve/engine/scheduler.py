@@ -16,6 +16,16 @@ The beams of a beam-search request (engine/beam.py) form one unit: they are sche
 preempted and admitted together, never some of them, since a beam step needs every beam's
 next-token logits. Beams share pages by reference count; only the last, partly filled page
 is copied when two beams would both write it (copy-on-write, `fork`).
+
+Sliding window (`window`: every layer of the model attends to at most that many tokens): a
+running sequence releases each page that lies wholly before the window of its next token
+(`trim_window`); its block table marks the page DROPPED_PAGE. The tree stays prefix-closed:
+pages under the sequence's tree lock are released only once all of them have left the window
+(the lock is then dropped too, and the tree keeps them as ordinary, evictable cache), and a
+sequence with dropped pages caches nothing more when it ends (what it still holds has no
+path from the root). So a sequence decoding far past its cached prefix holds at most
+ceil(window / page_size) + 1 pages, and any prefix the tree matches is whole: the window
+before the match point is always there.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from radixserve.cache.pool import PagePool
+from radixserve.cache.pool import DROPPED_PAGE, PagePool
 from radixserve.cache.radix import MatchResult, RadixTree, Retention
 from radixserve.engine.policy import SchedulePolicy, common_prefix_len
 from radixserve.engine.request import Sequence
@@ -61,7 +71,7 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, window: int | None = None) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -70,6 +80,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.prefix_cache = prefix_cache  # False: nothing is matched or cached (a baseline)
+        self.window = window  # sliding window of every layer, or None (some layer sees all)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -300,7 +311,7 @@ class Scheduler:
         the tree's pages and frees its own, so equal prefixes are stored once.
         """
         full = seq.num_computed // self.page_size
-        if full == 0 or not self.prefix_cache:
+        if full == 0 or not self.prefix_cache or seq.dropped_pages:
             return
         tokens = seq.token_ids[: full * self.page_size]
         if full * self.page_size > seq.locked_tokens:
@@ -329,18 +340,37 @@ class Scheduler:
     def _release_pages(self, seq: Sequence, cache: bool,
                        retention: Retention | None = None,
                        range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
-        """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree."""
-        if cache and self.prefix_cache:
+        """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree
+        (none once it has dropped pages: they would have no path from the root)."""
+        if cache and self.prefix_cache and not seq.dropped_pages:
             self.tree.insert(seq.token_ids[: (seq.num_computed // self.page_size) * self.page_size],
                              seq.block_table[: seq.num_computed // self.page_size],
                              seq.namespace, retention, list(range_retention))
-        released = list(seq.block_table)
+        released = seq.block_table[seq.dropped_pages:]
         self.pool.decref(released)
         if seq.lock_node is not None:
             self.tree.unlock(seq.lock_node)
         seq.block_table = []
         seq.lock_node = None
-        seq.num_computed = seq.locked_tokens = 0
+        seq.num_computed = seq.locked_tokens = seq.dropped_pages = 0
+        return released
+
+    def trim_window(self, seq: Sequence) -> list[int]:
+        """Releases the pages of `seq` that lie wholly before the sliding window of its next
+        token (position num_computed, which attends to the `window` positions ending there);
+        returns them. Pages under its tree lock go only all at once, with the lock."""
+        if self.window is None:
+            return []
+        out_of_window = max(0, seq.num_computed - self.window + 1) // self.page_size
+        if out_of_window <= seq.dropped_pages or seq.locked_tokens > out_of_window * self.page_size:
+            return []
+        if seq.lock_node is not None:
+            self.tree.unlock(seq.lock_node)
+            seq.lock_node, seq.locked_tokens = None, 0
+        released = seq.block_table[seq.dropped_pages:out_of_window]
+        self.pool.decref(released)
+        seq.block_table[seq.dropped_pages:out_of_window] = [DROPPED_PAGE] * len(released)
+        seq.dropped_pages = out_of_window
         return released
 
     # ------------------------------------------------------------------ lifecycle
@@ -397,7 +427,8 @@ class Scheduler:
         lock): a beam hypothesis frozen at the parent's state, or the start of a fork."""
         full = parent.num_computed // self.page_size
         holder.block_table = list(parent.block_table[:full])
-        self.pool.incref(holder.block_table)
+        holder.dropped_pages = min(parent.dropped_pages, full)
+        self.pool.incref(holder.block_table[holder.dropped_pages:])
         holder.num_computed = full * self.page_size
         holder.lock_node, holder.locked_tokens = parent.lock_node, parent.locked_tokens
         if holder.lock_node is not None:

@@ -23,6 +23,31 @@ from radixserve.models.layers import GatedMLP, RMSNorm
 from radixserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding attention window (it attends to at most that many positions,
+    its own included), or None for full attention.
+
+    Mistral: `sliding_window` on every layer. Qwen2 / Qwen3: `sliding_window` only with
+    `use_sliding_window`, on layers from `max_window_layers` on. transformers v5 spells the
+    result out as `config.layer_types`, which wins where present. Llama: none.
+    """
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        window = None
+    num_layers = config.num_hidden_layers
+    if not window:
+        return [None] * num_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        first = getattr(config, "max_window_layers", 0) if config.model_type in ("qwen2", "qwen3") else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown or len(types) != num_layers:
+        raise ValueError(f"unsupported layer_types {unknown or types!r} (supported: {', '.join(LAYER_TYPES)})")
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
 @dataclass(frozen=True)
@@ -160,6 +185,14 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(inverse_frequencies(config, self.head_dim))
+        self.layer_windows: list[int | None] = layer_windows(config)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window of every layer (the largest, if they differ), or None when some
+        layer attends to the whole sequence: then no page can ever be released early."""
+        windows = self.layer_windows
+        return None if not windows or None in windows else max(w for w in windows if w is not None)
 
     @torch.inference_mode()
     def forward(
