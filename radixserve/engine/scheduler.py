@@ -369,7 +369,8 @@ class Scheduler:
             seq.lock_node, seq.locked_tokens = None, 0
         released = seq.block_table[seq.dropped_pages:out_of_window]
         self.pool.decref(released)
-        seq.block_table[seq.dropped_pages:out_of_window] = [DROPPED_PAGE] * len(released)
+        # A new list, not a change in place: block tables are only ever appended to in place.
+        seq.block_table = [DROPPED_PAGE] * out_of_window + seq.block_table[out_of_window:]
         seq.dropped_pages = out_of_window
         return released
 
