@@ -191,8 +191,3 @@ class BeamGroup:
         self.hypotheses = [old[x] if isinstance(x, int) else x for x in finished]
         kept = {id(h) for h in self.hypotheses}
         return [h for h in old if id(h) not in kept]
-
-    def sequences_holding_pages(self) -> list[Sequence]:
-        """Every sequence of the group that holds pages: hypotheses (running beams are the
-        scheduler's to report)."""
-        return [h.seq for h in self.hypotheses]
