@@ -161,3 +161,22 @@ def test_progress_bar_and_status_lines_do_not_share_a_line(capsys: pytest.Captur
     for segment in re.split(r"[\r\n]", err):
         if "radixserve bench: " in segment:
             assert segment.startswith("radixserve bench: "), segment
+
+
+def test_simulate_window_runs_full_attention_beside_it(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w.json"
+    args = ["bench", "simulate", "--workload", "multiturn", "--workload-args",
+            "num_clients=4,num_turns=3,num_system_prompts=2,system_len=64,message_len=16,output_len=48",
+            "--capacity-tokens", "100k", "--page-size", "1", "--window", "16", "--no-baselines",
+            "--no-progress", "--json", str(out)]
+    assert main(args) == 0
+    runs = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
+    windowed, full = runs["lpm/priority+reuse-boost, window 16"], runs["lpm/priority+reuse-boost"]
+    assert windowed["window"] == 16 and full["window"] is None
+    assert windowed["hit_rate"] < full["hit_rate"]
+    assert windowed["held_pages_peak"] < full["held_pages_peak"]
+    assert windowed["cached_pages"] < full["cached_pages"]  # the replies past the window are not kept
+    printed = capsys.readouterr().out
+    assert "| capacity | attention | hit rate | pages cached at the end |" in printed
+    assert "| 100k | sliding window (16) |" in printed and "| 100k | full |" in printed
+    assert main(args[:-4] + ["--window", "0", "--no-progress"]) == 2

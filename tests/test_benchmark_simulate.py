@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +243,23 @@ def test_write_policies_and_the_offload_floor_shape_what_reaches_the_host() -> N
     assert through.offloaded_tokens >= back.offloaded_tokens > 0
     assert nothing.offloaded_tokens == nothing.host_hit_tokens == 0
     assert through.label.endswith("write-through-selective")
+
+
+def test_a_sliding_window_loses_the_replies_that_ran_past_it() -> None:
+    """`--window`: replies of 48 tokens run past a window of 16, so their pages are released
+    and never cached; each follow-up turn then hits exactly its parent's prompt, 48 tokens
+    (the parent's reply) fewer than with full attention, which reaches the infinite bound.
+    Replies inside the window change nothing."""
+    w = multi_turn(num_clients=4, num_turns=3, num_system_prompts=2, system_len=64, message_len=16,
+                   output_len=48)
+    config = SimConfig(10 ** 6, page_size=1, schedule_policy="lpm", max_running=8, max_batch_tokens=512)
+    full = simulate(w, config)
+    windowed = simulate(w, replace(config, window=16))
+    follow_ups = sum(1 for r in w.requests if r.parent is not None)
+    assert full.hit_rate == pytest.approx(WorkloadBounds(w).infinite().hit_rate)
+    assert full.hit_tokens - windowed.hit_tokens == 48 * follow_ups
+    assert windowed.held_pages_peak < full.held_pages_peak
+    assert windowed.config.label().endswith("window 16")
+    short = multi_turn(num_clients=4, num_turns=3, num_system_prompts=2, system_len=64, message_len=16,
+                       output_len=8)
+    assert simulate(short, replace(config, window=64)).hit_tokens == simulate(short, config).hit_tokens

@@ -21,6 +21,7 @@ from radixserve.benchmark.report import (
     plot_ttft_cdf,
     serve_table,
     sweep_table,
+    window_table,
 )
 from radixserve.benchmark.workloads import WORKLOADS, Workload, make_workload, mooncake_trace, with_poisson_arrivals
 
@@ -88,6 +89,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--sequential", action="store_true",
                    help="one request at a time in arrival order (the Mooncake README's setting)")
+    p.add_argument("--window", type=int, default=None, metavar="N",
+                   help="simulate a model with a sliding window of N tokens on every layer (pages that "
+                        "leave the window are released), next to the same model with full attention")
     p.add_argument("--no-baselines", action="store_true", help="run the main configuration only")
     p.add_argument("--study", action="store_true", help="also run every retention rule (eviction study)")
     p.add_argument("--max-running", type=int, default=64,
@@ -249,7 +253,10 @@ def simulate_command(args: argparse.Namespace) -> int:
                      prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_ms / 1000,
                      host_write_policy=args.host_write_policy,
                      host_offload_min_priority=args.host_offload_min_priority,
-                     load_tokens_per_s=args.load_tokens_per_s)
+                     load_tokens_per_s=args.load_tokens_per_s, window=args.window)
+    if args.window is not None and args.window < 1:
+        _say("error: --window must be >= 1")
+        return 2
     bounds = WorkloadBounds(workload)
     batch_in_dfs_order = None if args.sequential else dfs_order(workload)
     dfs_bounds = WorkloadBounds(batch_in_dfs_order) if batch_in_dfs_order else None
@@ -282,6 +289,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         result["block512_optimal_hit_rate"] = trace_block_bounds(args.trace, capacities) \
             if args.limit is None and host_capacities == [0] else None
     table = sweep_table(sweep)
+    if args.window:
+        table += "\n" + window_table(sweep, main.label(args.retention), replace(main, window=None).label(args.retention))
     print(table)
     if args.json:
         _write_json(args.json, result)

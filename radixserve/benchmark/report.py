@@ -74,6 +74,24 @@ def sweep_table(sweep: Sequence[Mapping]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def window_table(sweep: Sequence[Mapping], windowed: str, full: str) -> str:
+    """Markdown table of a windowed model next to full attention (`bench simulate --window`):
+    per capacity, the hit rate, the pages the tree holds at the end, and the pages running
+    sequences keep from being freed (mean over steps, peak)."""
+    lines = ["| capacity | attention | hit rate | pages cached at the end | pages held by running "
+             "sequences, mean / peak |", "|---|---|---|---|---|"]
+    for run in sweep:
+        for label, name in ((windowed, "sliding window"), (full, "full")):
+            entry = next((e for e in run["runs"] if e["label"] == label), None)
+            if entry is None:
+                continue
+            what = f"{name}" + (f" ({entry['window']})" if entry.get("window") else "")
+            lines.append(f"| {format_capacity(run['capacity_tokens'], run.get('host_capacity_tokens', 0))} | "
+                         f"{what} | {percent(entry['hit_rate'])} | {entry['cached_pages']} | "
+                         f"{entry['held_pages_mean']:.1f} / {entry['held_pages_peak']} |")
+    return "\n".join(lines) + "\n"
+
+
 def serve_table(results: Mapping[str, Mapping]) -> str:
     """Markdown table of serve-mode summaries, one row per labelled run."""
     keys = [("hit_rate", "hit rate", percent), ("ttft_mean_s", "TTFT mean", _ms), ("ttft_p99_s", "TTFT p99", _ms),

@@ -6,7 +6,9 @@ cost model: a step lasts `decode_step_s` plus its prefill tokens / `prefill_toke
 and a load from the host tier finishes `load_s_per_page` per page after it was issued (one
 copy channel, overlapping the steps, as on CUDA; the sequence waits for it). Generated tokens
 are the workload's known reply followed by an end token, or unique filler tokens where the
-reply is unknown, so what the tree caches is what the engine would cache.
+reply is unknown, so what the tree caches is what the engine would cache. With `window` (a
+model whose every layer has that sliding window) running sequences release the pages that
+leave it, as the engine does (`Scheduler.trim_window`).
 
 The driver (simulate.py) owns arrivals and time between requests; a server only advances
 its own clock (`now`), so several servers can run side by side.
@@ -53,6 +55,7 @@ class ServerSpec:
     host_write_policy: str = "write-back"
     host_offload_min_priority: int = 35
     load_s_per_page: float = 0.0  # 0: a load from the host is instant
+    window: int | None = None  # sliding window of every layer (None: full attention)
 
 
 class _SimLoad:
@@ -154,7 +157,10 @@ class SimServer:
                               events=events)
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(spec.schedule_policy, max_wait_s=spec.max_wait_s),
                                    max_running=spec.max_running, max_batch_tokens=spec.max_batch_tokens,
-                                   clock=self.clock, prefix_cache=spec.use_cache)
+                                   clock=self.clock, prefix_cache=spec.use_cache, window=spec.window)
+        self.held_pages_sum = 0   # pages running sequences keep from being freed, summed over steps
+        self.held_pages_peak = 0
+        self.steps = 0
 
     def clock(self) -> float:
         """This server's simulated time."""
@@ -207,6 +213,7 @@ class SimServer:
             req: SimRequest = seq.request
             if chunk.num_new > 1:
                 self.scheduler.cache_computed(seq, None, req.range_retention())
+            self.scheduler.trim_window(seq)
             if not needs_token:
                 continue
             if req.first_token_at is None:
@@ -219,7 +226,15 @@ class SimServer:
                 self.scheduler.finish(seq, None, req.range_retention())
                 req.finished_at = self.now
                 finished.append(req)
+        self._count_held_pages()
         return True, finished
+
+    def _count_held_pages(self) -> None:
+        """Pages that running sequences keep from being freed (used and not evictable)."""
+        held = self.pool.num_used - self.tree.evictable_pages
+        self.held_pages_sum += held
+        self.held_pages_peak = max(self.held_pages_peak, held)
+        self.steps += 1
 
 
 def reply_tokens(request: BenchRequest, *, prompt_only: bool) -> np.ndarray:

@@ -58,6 +58,7 @@ class SimConfig:
     host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY
     load_tokens_per_s: float = 1_000_000.0
     tag: str = ""  # appended to the label (a variant of the main configuration)
+    window: int | None = None  # a model with this sliding window on every layer
 
     @property
     def num_pages(self) -> int:
@@ -78,6 +79,8 @@ class SimConfig:
         label = f"{mode}/{self.eviction_policy}" + ("" if rule == DefaultRetention.name else f"+{rule}")
         if self.host_num_pages and self.host_write_policy != WRITE_BACK:
             label += f" {self.host_write_policy}"
+        if self.window:
+            label += f", window {self.window}"
         return label + (f", {self.tag}" if self.tag else "")
 
     def server_spec(self) -> ServerSpec:
@@ -94,7 +97,8 @@ class SimConfig:
             prefill_tokens_per_s=math.inf if sequential else self.prefill_tokens_per_s,
             host_num_pages=self.host_num_pages, host_write_policy=self.host_write_policy,
             host_offload_min_priority=self.host_offload_min_priority,
-            load_s_per_page=0.0 if sequential else self.page_size / self.load_tokens_per_s)
+            load_s_per_page=0.0 if sequential else self.page_size / self.load_tokens_per_s,
+            window=self.window)
 
 
 @dataclass
@@ -116,6 +120,9 @@ class SimResult:
     offloaded_tokens: int = 0
     loaded_tokens: int = 0
     preemptions: int = 0
+    cached_pages: int = 0        # pages the tree holds at the end
+    held_pages_mean: float = 0.0  # pages running sequences kept from being freed, per step
+    held_pages_peak: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -142,6 +149,8 @@ class SimResult:
             "host_write_policy": self.config.host_write_policy if self.config.host_num_pages else None,
             "evicted_pages": self.evicted_pages, "offloaded_tokens": self.offloaded_tokens,
             "loaded_tokens": self.loaded_tokens, "preemptions": self.preemptions,
+            "window": self.config.window, "cached_pages": self.cached_pages,
+            "held_pages_mean": self.held_pages_mean, "held_pages_peak": self.held_pages_peak,
             "sim_makespan_s": self.makespan_s,
             "sim_ttft_mean_s": float(ttft.mean()) if len(ttft) else None,
             "sim_ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
@@ -222,7 +231,10 @@ class Simulator:
                          host_hit_tokens=int(self.host_hits.sum()),
                          offloaded_tokens=int(stats["offloaded_pages"] + stats["written_through_pages"]) * size,
                          loaded_tokens=int(stats["loaded_pages"]) * size,
-                         preemptions=self.server.scheduler.counters.preemptions)
+                         preemptions=self.server.scheduler.counters.preemptions,
+                         cached_pages=self.tree.cached_pages,
+                         held_pages_mean=self.server.held_pages_sum / max(self.server.steps, 1),
+                         held_pages_peak=self.server.held_pages_peak)
 
     def _record(self, req: SimRequest) -> None:
         index = req.bench.index

@@ -60,6 +60,8 @@ def suite_configs(main: SimConfig, retention: str, *, baselines: bool = True,
             plan += [(replace(main, schedule_policy=p, eviction_policy="lru"), "default") for p in SCHEDULE_POLICIES]
         plan.append((replace(main, eviction_policy="priority"), "system-prompt"))
     plan.append((main, retention))
+    if main.window:  # next to the same model without a window
+        plan.append((replace(main, window=None), retention))
     if main.host_num_pages:
         plan.append((replace(main, host_capacity_tokens=0, tag="device only"), retention))
         plan.append((replace(main, capacity_tokens=main.capacity_tokens + main.host_capacity_tokens,
