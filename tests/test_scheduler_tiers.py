@@ -58,10 +58,11 @@ def on_host(pool: PagePool, tree: RadixTree, tokens: list[int]) -> None:
 def run(scheduler: Scheduler, chunks) -> None:
     """What the engine does after a forward pass, minus the tokens: progress and caching."""
     for chunk in chunks:
+        needs_logits = chunk.needs_logits  # before the progress below, as the engine reads it
         chunk.seq.num_computed += chunk.num_new
         if chunk.num_new > 1:
             scheduler.cache_computed(chunk.seq, None, [])
-        if chunk.needs_logits:
+        if needs_logits:
             chunk.seq.token_ids.append(7)
 
 
