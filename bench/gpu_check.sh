@@ -2,10 +2,12 @@
 # The checks that need a GPU, as one run on a CUDA machine (under 5 minutes on one GPU once
 # FlashInfer's kernels are compiled; see the note at the end). Not run yet: no GPU was lent.
 #   1. the engine through FlashInfer in bfloat16 against the torch backend on the same
-#      weights: greedy generation, the cache-hit path, heavy eviction with preemption
+#      weights: greedy generation, the cache-hit path, heavy eviction with preemption, and
+#      sliding-window models (every layer windowed, and full next to windowed layers)
 #      (tests/test_flashinfer_engine.py);
 #   2. FlashInfer against the torch backend on random ragged batches, both decode wrappers
-#      (CUDA cores and tensor cores), and the demo model's logits (tests/test_flashinfer.py);
+#      (CUDA cores and tensor cores), sliding windows (window_left), and the demo model's
+#      logits (tests/test_flashinfer.py);
 #      the host tier's CUDA path (pinned host pool, side-stream load-back:
 #      tests/test_host_tier_cuda.py);
 #   3. the serving comparison in bfloat16, in process and over HTTP, against transformers on

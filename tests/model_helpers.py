@@ -65,17 +65,35 @@ def tiny_configs(vocab_size: int) -> dict[str, PretrainedConfig]:
 TINY_MODEL_NAMES = tuple(tiny_configs(TINY_VOCAB))
 
 
-def write_tiny_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
-    """Save a random tiny model `name` (see tiny_configs) with a tokenizer into `directory`.
+def windowed_configs(vocab_size: int, window: int) -> dict[str, PretrainedConfig]:
+    """Tiny models with a sliding window of `window` tokens: Mistral (every layer windowed)
+    and Qwen2 with use_sliding_window and max_window_layers=1 (transformers windows layers
+    from max_window_layers on: layer 0 full, layers 1 and 2 windowed)."""
+    common = dict(_COMMON, vocab_size=vocab_size)
+    return {
+        "mistral_window": MistralConfig(**common, sliding_window=window, tie_word_embeddings=False),
+        "qwen2_window": Qwen2Config(**dict(common, num_hidden_layers=3), use_sliding_window=True,
+                                    sliding_window=window, max_window_layers=1, tie_word_embeddings=True),
+    }
+
+
+WINDOWED_MODEL_NAMES = tuple(windowed_configs(TINY_VOCAB, 8))
+
+
+def write_tiny_checkpoint(name: str, directory: Path, seed: int = 0, *, window: int | None = None) -> Path:
+    """Save a random tiny model `name` (see tiny_configs; with `window`, windowed_configs)
+    with a tokenizer into `directory`.
 
     Weights are redrawn with O(1) activations (linear N(0, 1/fan_in), embeddings
     N(0, 0.25^2), norms 1 + N(0, 0.1^2), biases N(0, 0.1^2)) so that attention is far from
     uniform and positions, masks and norms all change the logits measurably. Each name gets
     its own weights.
     """
-    seed += TINY_MODEL_NAMES.index(name)
+    names = TINY_MODEL_NAMES + WINDOWED_MODEL_NAMES
+    seed += names.index(name)
     tokenizer = build_tokenizer(TINY_VOCAB, max_length=512)
-    config = tiny_configs(len(tokenizer))[name]
+    configs = tiny_configs(len(tokenizer)) if window is None else windowed_configs(len(tokenizer), window)
+    config = configs[name]
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config.pad_token_id = config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(seed)
@@ -180,8 +198,7 @@ def paged_step(
         rows.append(list(range(start, end)) if all_logits else ([end - 1] if new else []))
         start = end
     backend = backend or TorchBackend()
-    backend.plan(meta, num_qo_heads=model.num_qo_heads, num_kv_heads=model.num_kv_heads,
-                 head_dim=model.head_dim, dtype=model.model.embed_tokens.weight.dtype)
+    model.plan_attention(backend, meta, model.model.embed_tokens.weight.dtype)
     logits_indices = torch.tensor(sum(rows, []), dtype=torch.int64, device=kv.device)
     logits = model(input_ids, meta, backend, kv.k, kv.v, logits_indices)
     for seq, new in work:

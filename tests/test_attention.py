@@ -109,23 +109,33 @@ def fill_caches(
 
 def dense_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]],
-    kv_lens: list[int], num_new: list[int], sm_scale: float,
+    kv_lens: list[int], num_new: list[int], sm_scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """Float64 attention one sequence at a time, reading keys through the block table."""
+    """Float64 attention one sequence at a time, reading keys through the block table; with
+    `window` W, the query at position p sees keys p - W + 1 .. p (transformers' rule
+    kv_idx > q_idx - W). Keys no query sees are not read."""
     page_size = k_cache.shape[1]
     outputs, row = [], 0
     for table, kv_len, new in zip(tables, kv_lens, num_new):
         if new == 0:
             continue
-        keys = torch.stack([k_cache[table[p // page_size], p % page_size] for p in range(kv_len)])
-        values = torch.stack([v_cache[table[p // page_size], p % page_size] for p in range(kv_len)])
+        first = 0 if window is None else max(0, kv_len - new - window + 1)
+        zero = torch.zeros_like(k_cache[0, 0])
+        keys = torch.stack([k_cache[table[p // page_size], p % page_size] if p >= first else zero
+                            for p in range(kv_len)])
+        values = torch.stack([v_cache[table[p // page_size], p % page_size] if p >= first else zero
+                              for p in range(kv_len)])
         group = q.shape[1] // keys.shape[1]
         keys = keys.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = values.double().repeat_interleave(group, dim=1)
         queries = q[row : row + new].double()  # [Lq, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * sm_scale
         query_pos = torch.arange(kv_len - new, kv_len)[:, None]
-        scores = scores.masked_fill(torch.arange(kv_len)[None, :] > query_pos, float("-inf"))
+        key_pos = torch.arange(kv_len)[None, :]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
         row += new
     return torch.cat(outputs)
@@ -187,6 +197,50 @@ def test_decode_path_matches_dense_attention(page_size: int) -> None:
     out = backend.forward(q, k_cache, v_cache, sm_scale=0.25)
     expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, 0.25)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+WINDOW_SHAPES = RAGGED_SHAPES + [(70, 1), (64, 40), (20, 20), (33, 1), (100, 3)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 32])
+def test_windowed_layers_match_dense_sliding_window_attention(page_size: int, window: int) -> None:
+    """One plan for a full and a windowed layer (Qwen2 with max_window_layers): each forward
+    equals dense attention with its own mask, on NaN caches."""
+    rng = random.Random(page_size * 1000 + window)
+    shapes = WINDOW_SHAPES[:]
+    rng.shuffle(shapes)
+    generator = torch.Generator().manual_seed(window)
+    tables, kv_lens, num_new, num_pages = random_batch(rng, page_size, shapes)
+    k_cache, v_cache = fill_caches(tables, kv_lens, num_pages, page_size, 2, 16, torch.float32, generator)
+    q = torch.randn(sum(num_new), 4, 16, generator=generator)
+    meta = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
+    backend = TorchBackend()
+    backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                 windows=[None, window])
+    for layer_window in (None, window):
+        out = backend.forward(q, k_cache, v_cache, sm_scale=0.3, window=layer_window)
+        expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, 0.3, layer_window)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="window 7 was not planned"):
+        backend.forward(q, k_cache, v_cache, sm_scale=0.3, window=7)
+
+
+def test_window_mask_boundary_is_exact() -> None:
+    """The query at position p sees p - W + 1 .. p: W keys, not W + 1 or W - 1. Values are
+    one-hot per position, so the output says exactly which keys were averaged."""
+    window, kv_len = 4, 10
+    k_cache = torch.zeros(kv_len, 1, 1, 16)  # page size 1; equal scores: a plain average
+    v_cache = torch.eye(16)[:kv_len].view(kv_len, 1, 1, 16)
+    meta = AttentionMetadata.build([list(range(kv_len))], [kv_len], [kv_len], 1, "cpu")
+    backend = TorchBackend()
+    backend.plan(meta, num_qo_heads=1, num_kv_heads=1, head_dim=16, dtype=torch.float32, windows=[window])
+    out = backend.forward(torch.ones(kv_len, 1, 16), k_cache, v_cache, sm_scale=1.0, window=window)
+    for p in range(kv_len):
+        seen = list(range(max(0, p - window + 1), p + 1))
+        expected = torch.zeros(16)
+        expected[seen] = 1.0 / len(seen)
+        torch.testing.assert_close(out[p, 0], expected)
 
 
 def test_bfloat16_attention_is_close_to_exact() -> None:

@@ -26,10 +26,11 @@ PREFILL_SHAPES = [(37, 37), (1, 1), (29, 5), (16, 1), (9, 1), (300, 120), (64, 6
 
 def run_both(
     shapes: list[tuple[int, int]], page_size: int, dtype: torch.dtype, sm_scale: float, seed: int,
-    num_qo_heads: int = 8,
+    num_qo_heads: int = 8, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Outputs of the torch and FlashInfer backends on one random ragged paged batch
-    (2 KV heads of 128)."""
+    (2 KV heads of 128); with `window`, planned for a full and a windowed layer, and the
+    windowed layer's outputs returned."""
     rng = random.Random(seed)
     num_kv_heads, head_dim = 2, 128
     need = [-(-kv // page_size) for kv, _ in shapes]
@@ -52,8 +53,8 @@ def run_both(
     outputs = []
     for backend in (TorchBackend(), create_backend("flashinfer", "cuda")):
         backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, dtype=dtype)
-        outputs.append(backend.forward(q, k_cache, v_cache, sm_scale=sm_scale))
+                     head_dim=head_dim, dtype=dtype, windows=[None, window])
+        outputs.append(backend.forward(q, k_cache, v_cache, sm_scale=sm_scale, window=window))
     return outputs[0], outputs[1], meta
 
 
@@ -75,6 +76,20 @@ def test_flashinfer_matches_torch_backend(dtype: torch.dtype, page_size: int, de
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("window", [1, 24, 100])
+def test_flashinfer_sliding_window_matches_torch_backend(page_size: int, decode: bool, window: int) -> None:
+    """window_left = window - 1 in FlashInfer is transformers' window (the torch backend's
+    mask, checked against dense attention on the CPU), planned next to a full layer."""
+    rng = random.Random(page_size + window)
+    shapes = [(rng.randint(1, 400), 1) for _ in range(9)] if decode else PREFILL_SHAPES
+    expected, got, meta = run_both(shapes, page_size, torch.bfloat16, 128**-0.5, seed=window,
+                                   window=window)
+    assert meta.is_decode == decode
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_flashinfer_honours_a_custom_softmax_scale() -> None:
     expected, got, _ = run_both(PREFILL_SHAPES, 16, torch.bfloat16, 0.5 / math.sqrt(128), seed=3)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -89,7 +104,7 @@ def test_decode_plans_the_tensor_core_wrapper_for_large_groups() -> None:
     for num_qo_heads, tensor_cores in ((8, False), (16, True)):
         meta = AttentionMetadata.build([[0, 1, 2], [3, 4, 5, 6, 7]], [33, 70], [1, 1], 16, "cuda")
         backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
-        assert backend._planned.use_tensor_cores == tensor_cores
+        assert backend._planned[None].use_tensor_cores == tensor_cores
 
 
 def test_demo_model_agrees_across_backends(tmp_path: Path) -> None:

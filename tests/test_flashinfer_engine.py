@@ -14,12 +14,15 @@ Uses the demo model (head_dim 64, which FlashInfer's kernels support; the tiny t
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 flashinfer = pytest.importorskip("flashinfer")
 pytestmark = [
@@ -128,3 +131,47 @@ def test_heavy_eviction_and_preemption_through_flashinfer(demo_dir: Path, refere
     assert sum(exact) >= 0.95 * len(exact), f"{len(exact) - sum(exact)} near-ties in {len(exact)}"
     freed = tight.flush_cache()
     assert freed == stats["pages_cached"] and tight.pool.num_free == tight.pool.num_pages
+
+
+def windowed_demo(demo_dir: Path, directory: Path, mixed: bool) -> Path:
+    """The demo weights with a sliding window of 16: as a Mistral (every layer windowed:
+    pages are released), or as a Qwen2 with max_window_layers=2 (layers 0-1 full, 2-3
+    windowed: two plans per step; zero q/k/v biases, which Qwen2 has)."""
+    shutil.copytree(demo_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    if mixed:
+        config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                      sliding_window=16, max_window_layers=2)
+        weights = load_file(directory / "model.safetensors")
+        for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+            weights[name.replace(".weight", ".bias")] = torch.zeros(weights[name].shape[0], dtype=weights[name].dtype)
+        save_file(weights, directory / "model.safetensors")
+    else:
+        config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_sliding_window_through_flashinfer_equals_the_torch_backend(demo_dir: Path, tmp_path: Path,
+                                                                    mixed: bool) -> None:
+    """A window of 16, generating several windows past it, cold and after a cache hit:
+    FlashInfer (window_left) against the torch backend."""
+    windowed = windowed_demo(demo_dir, tmp_path / "windowed", mixed)
+    model = load_model(str(windowed), dtype="bfloat16", device="cuda").model
+    assert model.layer_windows == ([None, None, 16, 16] if mixed else [16] * 4)
+
+    def reference(tokens: list[int]) -> torch.Tensor:
+        kv = PagedKV(model, num_pages=len(tokens) // 16 + 2, page_size=16)
+        (out,) = paged_step(model, kv, [(Sequence(), tokens)], backend=TorchBackend(), all_logits=True)
+        return out.float()
+
+    prompts = random_prompts(6, seed=3, prefix_len=40)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for page_size in (1, 16):
+        ours = make_engine(windowed, "flashinfer", page_size=page_size)
+        theirs = make_engine(windowed, "torch", page_size=page_size).generate(prompts, params)
+        for _ in range(2):  # cold, then warm in the cache
+            exact = [assert_equal_until_a_near_tie(reference, p, a.token_ids, b.token_ids)
+                     for p, a, b in zip(prompts, ours.generate(prompts, params), theirs)]
+            assert sum(exact) >= len(exact) - 1, "more than one near-tie in six prompts"

@@ -99,7 +99,7 @@ def test_groups_bound_padding_and_gather_size_and_stay_exact(monkeypatch: pytest
     meta = AttentionMetadata.build(tables, kv_lens, num_new, 4, "cpu")
     backend = TorchBackend()
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    groups = backend._groups
+    groups = backend._groups[None] if backend._groups is not None else None
     assert groups is not None and len(groups) >= 4
     assert sum(g.causal and g.mask is None for g in groups) >= 2  # the 30s together, the 45 alone
     row_elements = 2 * 8
@@ -119,3 +119,41 @@ def test_groups_bound_padding_and_gather_size_and_stay_exact(monkeypatch: pytest
     out = backend.forward(q, k_cache, v_cache, sm_scale=0.3)
     expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, 0.3)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_released_pages_leave_the_metadata_and_windowed_attention_is_unchanged(page_size: int) -> None:
+    """Sequences whose leading pages left the window of 8 list only the pages they hold
+    (released entries are -1 in their tables, the pages themselves NaN): positions stay
+    absolute, slots point into held pages, and windowed attention equals dense attention over
+    the whole sequence."""
+    window = 8
+    rng = random.Random(page_size)
+    shapes = [(70, 1), (33, 1), (9, 1), (64, 5), (40, 12), (5, 5)]
+    tables, kv_lens, num_new, num_pages = random_batch(rng, page_size, shapes)
+    generator = torch.Generator().manual_seed(page_size)
+    k_cache, v_cache = fill_caches(tables, kv_lens, num_pages, page_size, 2, 8, torch.float32, generator)
+    q = torch.randn(sum(num_new), 4, 8, generator=generator)
+    # What the scheduler releases before a chunk: pages wholly before its first query's window.
+    dropped = [max(0, kv - new - window + 1) // page_size for kv, new in shapes]
+    assert sum(dropped) > 0
+    held_tables = []
+    for table, d in zip(tables, dropped):
+        k_cache[table[:d]] = float("nan")
+        v_cache[table[:d]] = float("nan")
+        held_tables.append([-1] * d + table[d:])
+    builder = MetadataBuilder(page_size, "cpu", verify=True)
+    meta = builder.build(list(range(len(shapes))), held_tables, kv_lens, num_new, dropped)
+    whole = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
+    assert torch.equal(meta.positions, whole.positions)
+    assert torch.equal(meta.slot_mapping, whole.slot_mapping)
+    assert meta.host.kv_lens.tolist() == [kv - d * page_size for kv, d in zip(kv_lens, dropped)]
+    assert (meta.host.kv_indices >= 0).all()
+    backend = TorchBackend()
+    backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, windows=[window])
+    out = backend.forward(q, k_cache, v_cache, sm_scale=0.3, window=window)
+    expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, 0.3, window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # A released page inside what is attended is caught in debug mode.
+    with pytest.raises(AssertionError, match="has released one of them"):
+        builder.build([0], [held_tables[0]], [kv_lens[0]], [num_new[0]], [0])

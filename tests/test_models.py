@@ -21,10 +21,11 @@ from tests.model_helpers import (
     paged_step,
     reference_logits,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.models import LoadedModel, load_model, verify_cached_kv
+from radixserve.models.llama import layer_windows
 from radixserve.models.loader import max_context_len
 from radixserve.models.rope import inverse_frequencies, rope_settings
 
@@ -228,9 +229,29 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         load_model(str(tmp_path), device="cpu")
 
 
-def test_sliding_window_caps_the_context() -> None:
-    assert max_context_len(MistralConfig(max_position_embeddings=4096, sliding_window=1024)) == 1024
+def test_a_sliding_window_does_not_cap_the_context() -> None:
+    assert max_context_len(MistralConfig(max_position_embeddings=4096, sliding_window=1024)) == 4096
     assert max_context_len(MistralConfig(max_position_embeddings=4096, sliding_window=None)) == 4096
+
+
+def test_layer_windows_follow_transformers_layer_types() -> None:
+    """Which layers are windowed, as transformers 5 decides (Qwen2/Qwen3: layers from
+    max_window_layers on, only with use_sliding_window; Mistral: all; Llama: none)."""
+    common = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert layer_windows(MistralConfig(**common, sliding_window=32)) == [32] * 4
+    assert layer_windows(MistralConfig(**common, sliding_window=None)) == [None] * 4
+    assert layer_windows(LlamaConfig(**common)) == [None] * 4
+    for cls in (Qwen2Config, Qwen3Config):
+        mixed = cls(**common, use_sliding_window=True, sliding_window=32, max_window_layers=1)
+        assert mixed.layer_types == ["full_attention"] + ["sliding_attention"] * 3  # transformers' own
+        assert layer_windows(mixed) == [None, 32, 32, 32]
+        assert layer_windows(cls(**common, use_sliding_window=False, sliding_window=32)) == [None] * 4
+        assert layer_windows(cls(**common, use_sliding_window=True, sliding_window=32,
+                                 max_window_layers=0)) == [32] * 4
+    # A config without layer_types (written by transformers 4) gets the same answer.
+    legacy = Qwen2Config(**common, use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    del legacy.layer_types
+    assert layer_windows(legacy) == [None, None, 32, 32]
 
 
 @pytest.mark.parametrize(

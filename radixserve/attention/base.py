@@ -7,6 +7,16 @@ computed in this step. The model writes the new tokens' K/V into their slots fir
 (`write_kv`), then every query attends over all `kv_lens[b]` keys of its sequence, causally,
 bottom-right aligned: query j of a sequence with Lq new and L total tokens sees keys
 0 .. L - Lq + j.
+
+Sliding window. A layer with window W attends as transformers' sliding-window mask does
+(`kv_idx > q_idx - W`): the query at position p sees keys p - W + 1 .. p, its own included,
+W at most. Backends are planned for the set of windows the model's layers use and each
+layer's `forward` names its own. A sequence whose leading pages fell out of every layer's
+window (the scheduler released them) lists only the pages it still holds: `kv_lens[b]`
+counts the keys in those pages and `positions` stay absolute (see
+`AttentionMetadata.from_page_arrays`, `kv_offsets`). Masks are relative to the last key, so
+attention over the held pages equals attention over the whole sequence for every windowed
+layer; a model with any full-attention layer never releases pages.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ class HostIndices:
     kv_indptr: np.ndarray  # int32 [B+1]
     kv_indices: np.ndarray  # int32 [nnz]
     kv_last_page_len: np.ndarray  # int32 [B]
-    kv_lens: np.ndarray  # int64 [B]: tokens with K/V after this step's writes
+    kv_lens: np.ndarray  # int64 [B]: keys in the listed pages after this step's writes
     qo_lens: np.ndarray  # int64 [B]: new tokens
 
 
@@ -111,10 +121,16 @@ class AttentionMetadata:
         qo_lens: np.ndarray,
         page_size: int,
         device: str | torch.device,
+        kv_offsets: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """The metadata of sequences whose used pages are given as int32 arrays, exactly
         ceil(kv_len / page_size) each; vectorised over the batch (numpy on the host, one copy
-        per tensor to the device)."""
+        per tensor to the device).
+
+        `kv_offsets[b]` (a multiple of page_size; default 0) counts sequence b's tokens
+        before its first listed page: pages released out of a sliding window. `kv_lens`
+        then counts the keys in the listed pages only, and `positions` add the offset back.
+        """
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         kv_lens = kv_lens.reshape(-1)
@@ -142,6 +158,8 @@ class AttentionMetadata:
             positions = np.arange(len(seq_of_token), dtype=np.int64) + starts
         pages_of_token = kv_indices[kv_indptr[seq_of_token] + positions // page_size].astype(np.int64)
         slot_mapping = pages_of_token * page_size + positions % page_size
+        if kv_offsets is not None:
+            positions = positions + kv_offsets.reshape(-1)[seq_of_token]
 
         host = HostIndices(
             qo_indptr=qo_indptr.astype(np.int32), kv_indptr=kv_indptr.astype(np.int32),
@@ -189,19 +207,23 @@ class AttentionBackend(ABC):
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         """Prepare everything that depends only on the batch layout (indices, masks, kernel
         schedules) so that each layer's `forward` does only the attention itself.
-        `dtype` is the dtype of the queries and of the K/V caches."""
+        `dtype` is the dtype of the queries and of the K/V caches; `windows` the sliding
+        windows the layers use (None: full attention), each planned once."""
 
     @abstractmethod
-    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float) -> Tensor:
+    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float,
+                window: int | None = None) -> Tensor:
         """Attention of the step's queries over their sequences' paged K/V.
 
         q: [T, num_qo_heads, head_dim], the new tokens of all sequences concatenated in
         `qo_indptr` order. k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim],
         already holding the new tokens' K/V. Softmax of `sm_scale * q.k`, causal and
-        bottom-right aligned, grouped-query when num_qo_heads > num_kv_heads.
+        bottom-right aligned, grouped-query when num_qo_heads > num_kv_heads; with `window`
+        W (one of the planned windows), only the last W keys up to each query's own.
         Returns [T, num_qo_heads, head_dim] in q's dtype.
         """
 

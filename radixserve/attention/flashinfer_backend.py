@@ -20,11 +20,19 @@ large enough to fill an MMA tile: FlashInfer's documentation says tensor cores a
 group size (query heads / KV heads) exceeds 4 (`TENSOR_CORE_MIN_GROUP`). So Llama-3-8B and
 Mistral-7B (32/8 = 4) decode on CUDA cores, Qwen2.5-7B (28/4 = 7) and Llama-3-70B (64/8 = 8)
 on tensor cores.
+
+Sliding windows. FlashInfer takes the window at plan time (`window_left`: how many keys left
+of the query's own it sees, so W - 1 for transformers' window W) and a wrapper holds one
+plan, so each window the layers use gets its own wrappers, planned every step over the same
+pages; they share the float workspace (kernels run one after the other on one stream) and
+each has its own small integer workspace, as in SGLang's sliding-window setup. A model with
+full and windowed layers (Qwen2 with `max_window_layers`) plans two.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,16 +62,19 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError(FLASHINFER_UNAVAILABLE)
         self._flashinfer = flashinfer
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode: dict[bool, Any] = {}  # by use_tensor_cores, made on first use
-        self._planned: Any = None
+        # Made on first use: by (window, "prefill") or (window, "decode", use_tensor_cores).
+        self._wrappers: dict[tuple, Any] = {}
+        self._planned: dict[int | None, Any] = {}  # window -> the wrapper planned this step
         self._planned_scale = 1.0
 
-    def _decode_wrapper(self, tensor_cores: bool) -> Any:
-        if tensor_cores not in self._decode:
-            self._decode[tensor_cores] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_tensor_cores=tensor_cores)
-        return self._decode[tensor_cores]
+    def _wrapper(self, window: int | None, decode: bool, tensor_cores: bool) -> Any:
+        key = (window, "decode", tensor_cores) if decode else (window, "prefill")
+        if key not in self._wrappers:
+            fi = self._flashinfer
+            self._wrappers[key] = (
+                fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=tensor_cores)
+                if decode else fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"))
+        return self._wrappers[key]
 
     def plan(
         self,
@@ -73,50 +84,39 @@ class FlashInferBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
-        """Plan the decode or prefill wrapper for this step's batch layout."""
+        """Plan the decode or prefill wrapper of each window for this step's batch layout."""
         # The softmax scale is fixed at plan time in FlashInfer but given per forward in our
         # interface: plan with the usual 1/sqrt(d) and rescale q in forward if it differs.
         self._planned_scale = 1.0 / math.sqrt(head_dim)
         host = meta.host
         kv_indptr = torch.from_numpy(host.kv_indptr)  # int32, CPU: see the module docstring
         last_page_len = torch.from_numpy(host.kv_last_page_len)
-        if meta.is_decode:
-            wrapper = self._decode_wrapper(decode_uses_tensor_cores(num_qo_heads, num_kv_heads))
-            wrapper.plan(
-                kv_indptr,
-                meta.kv_indices,
-                last_page_len,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                meta.page_size,
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                sm_scale=self._planned_scale,
-            )
-            self._planned = wrapper
-        else:
-            self._prefill.plan(
-                torch.from_numpy(host.qo_indptr),
-                kv_indptr,
-                meta.kv_indices,
-                last_page_len,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                meta.page_size,
-                causal=True,
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                sm_scale=self._planned_scale,
-            )
-            self._planned = self._prefill
+        tensor_cores = decode_uses_tensor_cores(num_qo_heads, num_kv_heads)
+        self._planned = {}
+        for window in dict.fromkeys(windows):
+            if window is not None and window < 1:
+                raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+            window_left = -1 if window is None else window - 1  # keys left of the query's own
+            wrapper = self._wrapper(window, meta.is_decode, tensor_cores)
+            common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=self._planned_scale,
+                          window_left=window_left)
+            if meta.is_decode:
+                wrapper.plan(kv_indptr, meta.kv_indices, last_page_len, num_qo_heads, num_kv_heads,
+                             head_dim, meta.page_size, **common)
+            else:
+                wrapper.plan(torch.from_numpy(host.qo_indptr), kv_indptr, meta.kv_indices, last_page_len,
+                             num_qo_heads, num_kv_heads, head_dim, meta.page_size, causal=True, **common)
+            self._planned[window] = wrapper
 
-    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float) -> Tensor:
+    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float,
+                window: int | None = None) -> Tensor:
         """See `AttentionBackend.forward`."""
-        if self._planned is None:
+        if not self._planned:
             raise RuntimeError("FlashInferBackend.forward called before plan()")
+        if window not in self._planned:
+            raise RuntimeError(f"FlashInferBackend.forward: window {window} was not planned")
         if not math.isclose(sm_scale, self._planned_scale, rel_tol=1e-6):
             q = q * (sm_scale / self._planned_scale)
-        return self._planned.run(q.contiguous(), (k_cache, v_cache))
+        return self._planned[window].run(q.contiguous(), (k_cache, v_cache))

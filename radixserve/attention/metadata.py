@@ -12,6 +12,10 @@ only ever *appended to* in place; any other change (pages replaced, the table dr
 assigns a new list. The mirror holds a reference to the list it copied, so a new list is
 always noticed. With `verify=True` (the engine's debug checks) every mirror is compared with
 its list each step, so a change in place that breaks the contract fails loudly in tests.
+
+Sliding window. A sequence that released its leading pages (they fell out of every layer's
+window) says how many (`dropped_pages`); their entries stay in its list as placeholders and
+the metadata lists only the pages after them, with the tokens before as `kv_offsets`.
 """
 
 from __future__ import annotations
@@ -68,17 +72,20 @@ class MetadataBuilder:
         self._last_seen: dict[int, int] = {}
 
     def build(self, seq_ids: Sequence[int], block_tables: Sequence[Sequence[int]],
-              kv_lens: Sequence[int], num_new_tokens: Sequence[int]) -> AttentionMetadata:
+              kv_lens: Sequence[int], num_new_tokens: Sequence[int],
+              dropped_pages: Sequence[int] | None = None) -> AttentionMetadata:
         """The metadata of one step; arguments as in `AttentionMetadata.build`, plus a stable
-        id per sequence. Raises ValueError on inconsistent inputs."""
+        id per sequence and, per sequence, how many leading pages of its table it released
+        (sliding window; default none). Raises ValueError on inconsistent inputs."""
         if not len(seq_ids) == len(block_tables) == len(kv_lens) == len(num_new_tokens):
             raise ValueError("seq_ids, block_tables, kv_lens and num_new_tokens differ in length")
         self._step += 1
         size = self.page_size
         kv = np.fromiter(kv_lens, dtype=np.int64, count=len(kv_lens))
         needed = (-(-kv // size)).tolist()
+        dropped = [0] * len(seq_ids) if dropped_pages is None else list(dropped_pages)
         tables: list[np.ndarray] = []
-        for seq_id, table, n in zip(seq_ids, block_tables, needed):
+        for seq_id, table, n, first in zip(seq_ids, block_tables, needed, dropped):
             mirror = self._mirrors.get(seq_id)
             if mirror is None:
                 mirror = self._mirrors[seq_id] = _TableMirror()
@@ -86,14 +93,26 @@ class MetadataBuilder:
             if len(pages) < n:
                 raise ValueError(f"sequence {seq_id}: {n * size} tokens' worth of pages needed, "
                                  f"block table has {len(pages)}")
-            if self.verify and not np.array_equal(pages, np.asarray(table, dtype=np.int32)):
-                raise AssertionError(f"sequence {seq_id}: its block table changed in place; "
-                                     "assign a new list instead (see attention/metadata.py)")
-            tables.append(pages[:n])
+            if self.verify:
+                self._verify(seq_id, pages, table, first, n)
+            tables.append(pages[first:n])
             self._last_seen[seq_id] = self._step
         self._prune(len(seq_ids))
         qo = np.fromiter(num_new_tokens, dtype=np.int64, count=len(num_new_tokens))
-        return AttentionMetadata.from_page_arrays(tables, kv, qo, size, self.device)
+        if not any(dropped):
+            return AttentionMetadata.from_page_arrays(tables, kv, qo, size, self.device)
+        offsets = np.asarray(dropped, dtype=np.int64) * size
+        return AttentionMetadata.from_page_arrays(tables, kv - offsets, qo, size, self.device, offsets)
+
+    @staticmethod
+    def _verify(seq_id: int, pages: np.ndarray, table: Sequence[int], first: int, needed: int) -> None:
+        """Debug checks: the mirror equals its list; the attended pages are real pages."""
+        if not np.array_equal(pages, np.asarray(table, dtype=np.int32)):
+            raise AssertionError(f"sequence {seq_id}: its block table changed in place; "
+                                 "assign a new list instead (see attention/metadata.py)")
+        if first > needed or (pages[first:needed] < 0).any():
+            raise AssertionError(f"sequence {seq_id}: pages {first}..{needed - 1} are attended, but "
+                                 f"its block table {pages.tolist()} has released one of them")
 
     def _prune(self, batch_size: int) -> None:
         """Drops mirrors of sequences absent from this step once there are many of them."""

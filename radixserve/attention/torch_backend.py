@@ -22,10 +22,18 @@ Padding keys re-read their sequence's last written key and padding queries repea
 query; both are masked or dropped, and no never-written slot is ever read (the tests fill
 caches with NaN, which would poison even a masked softmax). `plan` runs on the host from
 `meta.host`, once per step; each layer's `forward` is one gather and one SDPA per group.
+
+Sliding windows. `plan` builds one set of groups per window the layers use. A windowed set
+gathers, per sequence, only the keys its first new query can see (from position
+first - W + 1 on; a decode reads at most W keys, however long the sequence) and masks each
+query to its own last W keys; fresh prompts no longer than W keep SDPA's causal mode, since
+the window cannot cut them. Where the window cuts no sequence of the step, the full-attention
+groups serve it too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +68,7 @@ class TorchBackend(AttentionBackend):
     FlashInfer. See the module docstring."""
 
     def __init__(self) -> None:
-        self._groups: list[_Group] | None = None
+        self._groups: dict[int | None, list[_Group]] | None = None  # by window
         self._workspace: Tensor | None = None
 
     def plan(
@@ -71,36 +79,38 @@ class TorchBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
-        """Group the sequences and build their gather indices and masks for this step."""
+        """Group the sequences and build their gather indices and masks for this step, once
+        per window in `windows`."""
         host = meta.host
-        device = meta.positions.device
         row_elements = num_kv_heads * head_dim
-        qo_lens, kv_lens = host.qo_lens, host.kv_lens
-        decoding = np.flatnonzero(qo_lens == 1)
-        # Fresh prompts (every key is new) of one length need no mask: SDPA's causal mode
-        # skips the upper triangle, half the work a masked call does.
-        fresh = (qo_lens == kv_lens) & (qo_lens >= MIN_CAUSAL_PROMPT)
-        prefilling = np.flatnonzero((qo_lens > 1) & ~fresh)
-        by_length = [np.flatnonzero(fresh & (qo_lens == n)) for n in np.unique(qo_lens[fresh]).tolist()]
-        # Sequences without new tokens need no attention and belong to no group.
-        self._groups = [
-            _build_group(members, host, meta.page_size, device)
-            for seqs in (decoding, prefilling, *by_length)
-            for members in _split(seqs, host, row_elements)
-        ]
+        groups: dict[int | None, list[_Group]] = {}
+        longest = int(host.kv_lens.max(initial=0))
+        for window in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
+            if window is not None and window < 1:
+                raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+            if window is not None and window >= longest and None in groups:
+                groups[window] = groups[None]  # the window cuts no sequence of this step
+                continue
+            groups[window] = _plan_window(host, meta.page_size, meta.positions.device, row_elements, window)
+        self._groups = groups
 
-    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float) -> Tensor:
+    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float,
+                window: int | None = None) -> Tensor:
         """See `AttentionBackend.forward`."""
         if self._groups is None:
             raise RuntimeError("TorchBackend.forward called before plan()")
+        if window not in self._groups:
+            raise RuntimeError(f"TorchBackend.forward: window {window} was not planned "
+                               f"(planned: {sorted(self._groups, key=str)})")
         num_qo_heads, head_dim = q.shape[1:]
         num_kv_heads = k_cache.shape[2]
         group_size = num_qo_heads // num_kv_heads
         keys = k_cache.view(-1, num_kv_heads * head_dim)
         values = v_cache.view(-1, num_kv_heads * head_dim)
         out = torch.empty_like(q)
-        for group in self._groups:
+        for group in self._groups[window]:
             n, num_q, num_k = group.num_seqs, group.num_queries, group.num_keys
             k_buf, v_buf = self._buffers(n * num_k * num_kv_heads * head_dim, k_cache)
             k = torch.index_select(keys, 0, group.kv_slots, out=k_buf.view(n * num_k, -1))
@@ -135,12 +145,35 @@ class TorchBackend(AttentionBackend):
         return ws[:elements], ws[elements: 2 * elements]
 
 
-def _split(seqs: np.ndarray, host: HostIndices, row_elements: int) -> list[np.ndarray]:
-    """Cuts sequences (longest first) into groups of bounded padding and gather size."""
+def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_elements: int,
+                 window: int | None) -> list[_Group]:
+    """The groups of one window (None: full attention) over the sequences with new tokens."""
+    qo_lens, kv_lens = host.qo_lens, host.kv_lens
+    # Each sequence's first key any of its queries sees (0 under full attention).
+    key_start = np.zeros_like(kv_lens) if window is None else np.maximum(kv_lens - qo_lens - window + 1, 0)
+    decoding = np.flatnonzero(qo_lens == 1)
+    # Fresh prompts (every key is new) of one length need no mask: SDPA's causal mode
+    # skips the upper triangle, half the work a masked call does. A window longer than the
+    # prompt cuts nothing.
+    fresh = (qo_lens == kv_lens) & (qo_lens >= MIN_CAUSAL_PROMPT)
+    if window is not None:
+        fresh &= qo_lens <= window
+    prefilling = np.flatnonzero((qo_lens > 1) & ~fresh)
+    by_length = [np.flatnonzero(fresh & (qo_lens == n)) for n in np.unique(qo_lens[fresh]).tolist()]
+    # Sequences without new tokens need no attention and belong to no group.
+    return [
+        _build_group(members, host, key_start, page_size, device, window)
+        for seqs in (decoding, prefilling, *by_length)
+        for members in _split(seqs, kv_lens - key_start, qo_lens, row_elements)
+    ]
+
+
+def _split(seqs: np.ndarray, num_keys: np.ndarray, qo_lens: np.ndarray, row_elements: int) -> list[np.ndarray]:
+    """Cuts sequences (most keys gathered first) into groups of bounded padding and gather size."""
     if not len(seqs):
         return []
-    kv_lens = host.kv_lens[seqs]
-    qo_lens = host.qo_lens[seqs]
+    kv_lens = num_keys[seqs]
+    qo_lens = qo_lens[seqs]
     order = np.lexsort((-qo_lens, -kv_lens))
     seqs, kv_lens, qo_lens = seqs[order], kv_lens[order].tolist(), qo_lens[order].tolist()
     max_keys = max(1, MAX_GATHER_ELEMENTS // row_elements)
@@ -160,29 +193,41 @@ def _split(seqs: np.ndarray, host: HostIndices, row_elements: int) -> list[np.nd
     return groups
 
 
-def _build_group(seqs: np.ndarray, host: HostIndices, page_size: int, device: torch.device) -> _Group:
-    """Gather indices, query rows and mask of sequences that each have >= 1 new token."""
+def _build_group(seqs: np.ndarray, host: HostIndices, key_start: np.ndarray, page_size: int,
+                 device: torch.device, window: int | None) -> _Group:
+    """Gather indices, query rows and mask of sequences that each have >= 1 new token; each
+    gathers its keys from `key_start` on, and with `window` each query sees its last
+    `window` keys only."""
     kv_lens = host.kv_lens[seqs]
     q_lens = host.qo_lens[seqs]
+    first_key = key_start[seqs]
+    num_keys = kv_lens - first_key
     q_start = host.qo_indptr[seqs].astype(np.int64)
     page_start = host.kv_indptr[seqs].astype(np.int64)
-    n, num_k, num_q = len(seqs), int(kv_lens.max()), int(q_lens.max())
-    key_pos = np.arange(num_k)
+    n, num_k, num_q = len(seqs), int(num_keys.max()), int(q_lens.max())
+    key_slot = np.arange(num_k)
     # Padding keys re-read their sequence's last key: it was written, so it is finite.
-    readable = np.minimum(key_pos, kv_lens[:, None] - 1)
-    pages = host.kv_indices[page_start[:, None] + readable // page_size].astype(np.int64)
-    kv_slots = pages * page_size + readable % page_size
+    key_pos = first_key[:, None] + np.minimum(key_slot, num_keys[:, None] - 1)  # [n, K]
+    pages = host.kv_indices[page_start[:, None] + key_pos // page_size].astype(np.int64)
+    kv_slots = pages * page_size + key_pos % page_size
     # Padding queries repeat their sequence's last query; their outputs are dropped.
     q_offset = np.arange(num_q)
-    q_rows = q_start[:, None] + np.minimum(q_offset, q_lens[:, None] - 1)
+    q_last = np.minimum(q_offset, q_lens[:, None] - 1)  # [n, Q]
+    q_rows = q_start[:, None] + q_last
     q_valid = q_offset < q_lens[:, None]  # [n, Q]
-    causal = num_q > 1 and bool((q_lens == num_q).all() and (kv_lens == num_q).all())
+    # Fresh prompts of one length that no window cuts: SDPA's own causal mask is exact.
+    causal = (num_q > 1 and bool((q_lens == num_q).all() and (kv_lens == num_q).all())
+              and (window is None or num_q <= window))
     mask = None
-    if not causal and (num_q > 1 or (kv_lens != num_k).any()):
-        # Query j of a sequence with Lq new and L total tokens sees keys 0 .. L - Lq + j
-        # (padding queries see all of their sequence's keys, so no softmax row is empty).
-        last_visible = (kv_lens - q_lens)[:, None] + q_offset  # [n, Q]
-        visible = (key_pos <= last_visible[:, :, None]) & (key_pos < kv_lens[:, None, None])
+    if not causal and (num_q > 1 or (num_keys != num_k).any()):
+        # Query j of a sequence with Lq new and L total tokens is at position L - Lq + j and
+        # sees keys 0 .. that position, or with a window W the last W of them (padding
+        # queries see what their sequence's last query sees, so no softmax row is empty).
+        q_pos = (kv_lens - q_lens)[:, None] + q_last  # [n, Q]
+        real_key = (key_slot < num_keys[:, None])[:, None, :]  # [n, 1, K]
+        visible = (key_pos[:, None, :] <= q_pos[:, :, None]) & real_key
+        if window is not None:
+            visible &= key_pos[:, None, :] > q_pos[:, :, None] - window
         mask = torch.from_numpy(visible[:, None]).to(device)
     real = None if q_valid.all() else torch.from_numpy(np.flatnonzero(q_valid)).to(device)
     out_rows = q_rows.reshape(-1)[q_valid.reshape(-1)]

@@ -37,7 +37,7 @@ class ModelRunner:
         # One pass over the chunks (this runs for every sequence on every step).
         input_ids: list[int] = []
         logits_indices: list[int] = []
-        seq_ids, tables, kv_lens, num_new = [], [], [], []
+        seq_ids, tables, kv_lens, num_new, dropped = [], [], [], [], []
         for chunk in chunks:
             seq, new = chunk.seq, chunk.num_new
             start, end = seq.num_computed, seq.num_computed + new
@@ -52,10 +52,9 @@ class ModelRunner:
             tables.append(seq.block_table)
             kv_lens.append(end)
             num_new.append(new)
-        meta = self.metadata.build(seq_ids, tables, kv_lens, num_new)
-        self.backend.plan(meta, num_qo_heads=self.config.num_attention_heads,
-                          num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-                          dtype=self.dtype)
+            dropped.append(seq.dropped_pages)
+        meta = self.metadata.build(seq_ids, tables, kv_lens, num_new, dropped)
+        self.model.plan_attention(self.backend, meta, self.dtype)
         return (meta, torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.tensor(logits_indices, dtype=torch.int64, device=self.device))
 

@@ -63,8 +63,7 @@ def verify_cached_kv(
         [range(num_pages)], [num_tokens], [num_tokens], page_size, device
     )
     backend = backend or TorchBackend()
-    backend.plan(meta, num_qo_heads=model.num_qo_heads, num_kv_heads=model.num_kv_heads,
-                 head_dim=model.head_dim, dtype=dtype)
+    model.plan_attention(backend, meta, dtype)
     model(
         torch.tensor(list(tokens), dtype=torch.int64, device=device),
         meta,

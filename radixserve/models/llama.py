@@ -83,9 +83,11 @@ class Variant:
 class Attention(nn.Module):
     """Grouped-query self-attention that writes its new K/V into the paged cache."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant,
+                 window: int | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
+        self.window = window  # sliding window (None: full attention)
         self.num_qo_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
@@ -119,17 +121,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = backend.forward(q, k_cache, v_cache, sm_scale=self.sm_scale)
+        out = backend.forward(q, k_cache, v_cache, sm_scale=self.sm_scale, window=self.window)
         return self.o_proj(out.reshape(num_tokens, self.num_qo_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual connection."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant,
+                 window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, head_dim, variant)
+        self.self_attn = Attention(config, head_dim, variant, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, variant.mlp_bias)
 
@@ -155,7 +158,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, variant) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, head_dim, variant, window) for window in layer_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -193,6 +196,17 @@ class CausalLM(nn.Module):
         layer attends to the whole sequence: then no page can ever be released early."""
         windows = self.layer_windows
         return None if not windows or None in windows else max(w for w in windows if w is not None)
+
+    @property
+    def attention_windows(self) -> list[int | None]:
+        """The distinct windows of the layers (None: full attention), each planned per step."""
+        return list(dict.fromkeys(self.layer_windows))
+
+    def plan_attention(self, backend: AttentionBackend, meta: AttentionMetadata, dtype: torch.dtype) -> None:
+        """Plan `backend` for a step of this model (its head layout and layer windows); call
+        once per step, before `forward`. `dtype`: of the queries and the K/V caches."""
+        backend.plan(meta, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                     head_dim=self.head_dim, dtype=dtype, windows=self.attention_windows)
 
     @torch.inference_mode()
     def forward(

@@ -121,11 +121,9 @@ def resolve_dtype(
 
 
 def max_context_len(config: PretrainedConfig) -> int:
-    """Longest sequence the model serves: max_position_embeddings, capped by a sliding window
-    (within the window, sliding-window attention equals the full causal attention we run)."""
-    limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    return min(limit, int(window)) if window else limit
+    """Longest sequence the model serves: max_position_embeddings (a sliding window does not
+    cap it: windowed layers attend to their window, see models/llama.py `layer_windows`)."""
+    return int(config.max_position_embeddings)
 
 
 def weight_files(path: Path) -> list[Path]:
