@@ -154,6 +154,11 @@ def test_released_pages_leave_the_metadata_and_windowed_attention_is_unchanged(p
     out = backend.forward(q, k_cache, v_cache, sm_scale=0.3, window=window)
     expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, 0.3, window)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # Attention that would need a released page fails loudly: a full layer, a wider window.
+    for windows in ([None], [window + page_size]):
+        with pytest.raises(ValueError, match="tokens before its first held page"):
+            TorchBackend().plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                                windows=windows)
     # A released page inside what is attended is caught in debug mode.
     with pytest.raises(AssertionError, match="has released one of them"):
         builder.build([0], [held_tables[0]], [kv_lens[0]], [num_new[0]], [0])

@@ -44,6 +44,7 @@ class HostIndices:
     kv_last_page_len: np.ndarray  # int32 [B]
     kv_lens: np.ndarray  # int64 [B]: keys in the listed pages after this step's writes
     qo_lens: np.ndarray  # int64 [B]: new tokens
+    kv_offsets: np.ndarray  # int64 [B]: tokens before the first listed page (released), usually 0
 
 
 @dataclass
@@ -166,6 +167,7 @@ class AttentionMetadata:
             kv_indices=kv_indices.astype(np.int32, copy=False),
             kv_last_page_len=last_page_len.astype(np.int32), kv_lens=kv_lens.astype(np.int64),
             qo_lens=qo_lens.astype(np.int64),
+            kv_offsets=np.zeros(num_seqs, np.int64) if kv_offsets is None else kv_offsets.astype(np.int64),
         )
 
         def on_device(array: np.ndarray) -> Tensor:

@@ -149,8 +149,15 @@ def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_el
                  window: int | None) -> list[_Group]:
     """The groups of one window (None: full attention) over the sequences with new tokens."""
     qo_lens, kv_lens = host.qo_lens, host.kv_lens
-    # Each sequence's first key any of its queries sees (0 under full attention).
-    key_start = np.zeros_like(kv_lens) if window is None else np.maximum(kv_lens - qo_lens - window + 1, 0)
+    # Each sequence's first key any of its queries sees, counted from its first held page
+    # (full attention: position 0, before the released pages if there are any).
+    first_seen = -host.kv_offsets if window is None else kv_lens - qo_lens - window + 1
+    short = np.flatnonzero((first_seen < 0) & (host.kv_offsets > 0) & (qo_lens > 0))
+    if short.size:  # a released page is needed: the scheduler's window rule and this disagree
+        b = int(short[0])
+        raise ValueError(f"sequence {b}: a {'full' if window is None else f'window of {window}'} attention "
+                         f"reaches {-int(first_seen[b])} tokens before its first held page")
+    key_start = np.maximum(first_seen, 0)
     decoding = np.flatnonzero(qo_lens == 1)
     # Fresh prompts (every key is new) of one length need no mask: SDPA's causal mode
     # skips the upper triangle, half the work a masked call does. A window longer than the
