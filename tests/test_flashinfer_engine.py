@@ -14,15 +14,12 @@ Uses the demo model (head_dim 64, which FlashInfer's kernels support; the tiny t
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 flashinfer = pytest.importorskip("flashinfer")
 pytestmark = [
@@ -34,7 +31,7 @@ from radixserve import Engine, SamplingParams  # noqa: E402
 from radixserve.attention import TorchBackend, create_backend  # noqa: E402
 from radixserve.attention.flashinfer_backend import FlashInferBackend  # noqa: E402
 from radixserve.models import load_model  # noqa: E402
-from radixserve.models.demo import demo_checkpoint_dir  # noqa: E402
+from radixserve.models.demo import demo_checkpoint_dir, windowed_demo_dir  # noqa: E402
 from radixserve.models.kv_check import verify_cached_kv  # noqa: E402
 from tests.model_helpers import PagedKV, Sequence, paged_step  # noqa: E402
 
@@ -133,31 +130,13 @@ def test_heavy_eviction_and_preemption_through_flashinfer(demo_dir: Path, refere
     assert freed == stats["pages_cached"] and tight.pool.num_free == tight.pool.num_pages
 
 
-def windowed_demo(demo_dir: Path, directory: Path, mixed: bool) -> Path:
-    """The demo weights with a sliding window of 16: as a Mistral (every layer windowed:
-    pages are released), or as a Qwen2 with max_window_layers=2 (layers 0-1 full, 2-3
-    windowed: two plans per step; zero q/k/v biases, which Qwen2 has)."""
-    shutil.copytree(demo_dir, directory)
-    config = json.loads((directory / "config.json").read_text())
-    if mixed:
-        config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
-                      sliding_window=16, max_window_layers=2)
-        weights = load_file(directory / "model.safetensors")
-        for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
-            weights[name.replace(".weight", ".bias")] = torch.zeros(weights[name].shape[0], dtype=weights[name].dtype)
-        save_file(weights, directory / "model.safetensors")
-    else:
-        config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.mark.parametrize("mixed", [False, True])
-def test_sliding_window_through_flashinfer_equals_the_torch_backend(demo_dir: Path, tmp_path: Path,
+def test_sliding_window_through_flashinfer_equals_the_torch_backend(tmp_path: Path,
                                                                     mixed: bool) -> None:
-    """A window of 16, generating several windows past it, cold and after a cache hit:
-    FlashInfer (window_left) against the torch backend."""
-    windowed = windowed_demo(demo_dir, tmp_path / "windowed", mixed)
+    """The demo weights with a window of 16 on every layer (pages are released) or on layers
+    2-3 after two full ones (two plans per step), generating several windows past it, cold
+    and after a cache hit: FlashInfer (window_left) against the torch backend."""
+    windowed = windowed_demo_dir(tmp_path / "windowed", 16, full_layers=2 if mixed else 0)
     model = load_model(str(windowed), dtype="bfloat16", device="cuda").model
     assert model.layer_windows == ([None, None, 16, 16] if mixed else [16] * 4)
 

@@ -14,13 +14,14 @@ Building is deterministic (same bytes every time) and takes about a second.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -65,6 +66,26 @@ def demo_checkpoint_dir(root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def windowed_demo_dir(directory: Path, window: int | None, *, full_layers: int = 0) -> Path:
+    """The demo's weights in `directory` as a sliding-window model (for tests and benchmarks):
+    a Mistral with `window` on every layer (None: the same weights with full attention), or
+    with `full_layers` > 0 a Qwen2 whose first `full_layers` layers attend to everything
+    (`use_sliding_window`, `max_window_layers`; its q/k/v biases are zeros)."""
+    shutil.copytree(demo_checkpoint_dir(), directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    if full_layers:
+        config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                      sliding_window=window, max_window_layers=full_layers)
+        weights = load_file(directory / "model.safetensors")
+        for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+            weights[name.replace(".weight", ".bias")] = torch.zeros(weights[name].shape[0], dtype=weights[name].dtype)
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
 
 
 def write_demo_checkpoint(directory: Path) -> None:
