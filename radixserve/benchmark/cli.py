@@ -290,7 +290,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             if args.limit is None and host_capacities == [0] else None
     table = sweep_table(sweep)
     if args.window:
-        table += "\n" + window_table(sweep, main.label(args.retention), replace(main, window=None).label(args.retention))
+        table += "\n" + window_table(sweep, main.label(retention), replace(main, window=None).label(retention))
     print(table)
     if args.json:
         _write_json(args.json, result)
