@@ -8,6 +8,7 @@ holds) and that a beam group runs or waits as a whole.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -212,3 +213,16 @@ def test_a_group_that_cannot_fit_the_pool_is_refused(tiny_llama_dir: Path) -> No
     engine.generate([prompt_for(seed=1)], SamplingParams(max_tokens=8, temperature=0.0))  # fits alone
     with pytest.raises(PromptTooLong, match="4 beams of prompt"):
         engine.add_request(prompt_for(seed=1), beam_params(4, 1, max_new=8))
+
+
+@pytest.mark.parametrize("length_penalty", [-1e308, -50.0, 50.0, 1e308])
+def test_extreme_length_penalties_still_return_the_best_beams(tiny_llama_dir: Path, length_penalty: float) -> None:
+    """Scores far below transformers' -1e9 placeholder (a strong negative penalty) or a
+    divisor that overflows still finish hypotheses: the request gets its n beams, never none."""
+    engine = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=128, debug_checks=True)
+    prompt = prompt_for(seed=3)
+    stop = frequent_token(tiny_llama_dir, prompt)
+    outs = engine.generate([prompt], beam_params(4, 2, length_penalty=length_penalty, stop=stop, max_new=8))
+    assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
+    assert all(math.isfinite(o.score) for o in outs) and outs[0].score >= outs[1].score
+    assert not engine.has_work() and engine.stats()["pages_locked"] == 0

@@ -504,6 +504,8 @@ class Engine:
         cached like any finished sample's); everything else the group holds is released."""
         req = group.request
         stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids)
+        if len(group.hypotheses) < req.params.n:  # the scorer always keeps W: a bug, not input
+            raise RuntimeError(f"beam search ended with {len(group.hypotheses)} hypotheses, n={req.params.n}")
         best, rest = group.hypotheses[: req.params.n], group.hypotheses[req.params.n:]
         group.hypotheses = rest
         self._release_beams(group, None)
