@@ -7,10 +7,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from radixserve import Engine
-from radixserve.benchmark.compare import launch_server, run_comparison, with_varied_output_lengths
+from radixserve.benchmark.compare import hf_static_batches, launch_server, run_comparison, token_mismatch
 from radixserve.benchmark.inprocess import breakdown_table, run_in_process
+from radixserve.benchmark.lengths import spread_lengths, with_varied_output_lengths, with_varied_prompt_lengths
 from radixserve.benchmark.workloads import make_workload
 from radixserve.engine.timing import SECTIONS
 
@@ -57,15 +59,72 @@ def test_comparison_in_process_takes_medians_and_ratios_per_round(tiny_llama_dir
     assert result["hf_static_batches"]["requests"] == 6
 
 
-def test_varied_output_lengths_keep_the_mean_and_the_prompts() -> None:
+def test_varied_output_lengths_keep_the_total_and_the_prompts() -> None:
     workload = make_workload("gsp", num_groups=4, prompts_per_group=50, system_len=4, question_len=2,
                              output_len=20, seed=1)
     varied = with_varied_output_lengths(workload, seed=3)
     lengths = np.array([r.output_len for r in varied.requests])
+    assert lengths.sum() == 200 * 20  # the same tokens, spread
     assert lengths.min() >= 1 and lengths.max() <= 39 and len(set(lengths.tolist())) > 20
-    assert abs(lengths.mean() - 20) < 2
+    assert lengths.min() <= 2 and lengths.max() >= 38  # evenly over 1 .. 39
     assert all(np.array_equal(a.prompt_ids, b.prompt_ids) for a, b in zip(workload.requests, varied.requests))
     assert [r.output_len for r in with_varied_output_lengths(workload, seed=3).requests] == lengths.tolist()
+    assert [r.output_len for r in with_varied_output_lengths(workload, seed=4).requests] != lengths.tolist()
+
+
+def test_spread_lengths_keep_the_sum_exactly_and_lognormal_has_a_long_tail() -> None:
+    rng = np.random.default_rng(0)
+    for lengths in (np.full(1000, 64), np.full(7, 3), np.array([1, 1, 1]), np.arange(1, 40)):
+        for distribution in ("uniform", "lognormal"):
+            spread = spread_lengths(lengths, distribution, rng)
+            assert spread.sum() == lengths.sum() and spread.min() >= 1 and len(spread) == len(lengths)
+    assert spread_lengths(np.array([1, 1, 1]), "uniform", rng).tolist() == [1, 1, 1]
+    tail = spread_lengths(np.full(1000, 64), "lognormal", rng)
+    # lognormal(sigma 1) scaled to mean 64: median about 0.6 x 64, about 5% above 3 x 64.
+    assert 30 <= np.median(tail) <= 48 and 25 <= (tail > 3 * 64).sum() <= 90
+    flat = spread_lengths(np.full(1000, 64), "uniform", rng)
+    assert 56 <= np.median(flat) <= 72 and flat.min() <= 2 and flat.max() == 127 and (flat > 3 * 64).sum() == 0
+    with pytest.raises(ValueError, match="distribution"):
+        spread_lengths(np.full(3, 4), "zipf", rng)
+    with pytest.raises(ValueError, match=">= 1"):
+        spread_lengths(np.array([0, 4]), "uniform", rng)
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "lognormal"])
+def test_varied_prompts_keep_the_total_and_the_shared_prefixes(distribution: str) -> None:
+    workload = make_workload("gsp", num_groups=4, prompts_per_group=25, system_len=32, question_len=16,
+                             output_len=5, seed=2, vocab_size=500)
+    varied = with_varied_prompt_lengths(workload, vocab_size=500, seed=1, distribution=distribution)
+    assert varied.prompt_tokens == workload.prompt_tokens
+    questions = np.array([r.prompt_len - 32 for r in varied.requests])
+    assert questions.min() >= 1 and len(set(questions.tolist())) > 15 and questions.max() >= 2 * 16 - 1
+    for before, after in zip(workload.requests, varied.requests):
+        assert np.array_equal(after.prompt_ids[:32], before.prompt_ids[:32])  # the system prompt
+        cut = min(before.prompt_len, after.prompt_len)
+        assert np.array_equal(after.prompt_ids[:cut], before.prompt_ids[:cut])  # cut or extended
+        assert after.prompt_ids.dtype == np.int32 and after.prompt_ids.min() >= 10 and after.prompt_ids.max() < 500
+        assert (after.shared_len, after.group_id, after.output_len) == (32, before.group_id, 5)
+    # Reuse is what it was: members of a group share their system prompt and nothing more.
+    firsts = {(r.group_id, int(r.prompt_ids[32])) for r in varied.requests}
+    assert len(firsts) == 100
+    with pytest.raises(ValueError, match="earlier turns"):
+        with_varied_prompt_lengths(make_workload("multiturn", num_clients=2, num_turns=2), 32000)
+
+
+def test_static_batches_count_useful_tokens_only(tiny_llama_dir: Path) -> None:
+    """Padding and the tokens a row generates past its own output length (to its batch's
+    longest) are work, not throughput: both sides must count the same tokens."""
+    workload = with_varied_output_lengths(with_varied_prompt_lengths(small_gsp(), 300, seed=0), seed=0)
+    prompts = [r.prompt_len for r in workload.requests]
+    outputs = [r.output_len for r in workload.requests]
+    assert len(set(prompts)) > 1 and len(set(outputs)) > 1
+    hf = hf_static_batches(tiny_llama_dir, workload, batch_size=4).summary()
+    assert hf["prompt_tokens"] == sum(prompts) and hf["completion_tokens"] == sum(outputs)
+    assert hf["computed_tokens"] == 4 * (max(prompts[:4]) + max(outputs[:4])) + 2 * (max(prompts[4:]) + max(outputs[4:]))
+    engine = Engine(str(tiny_llama_dir), page_size=4, num_pages=256)
+    run = run_in_process(engine, workload, concurrency=3).summary()
+    assert token_mismatch(run, hf) is None
+    assert token_mismatch({**run, "completion_tokens": hf["computed_tokens"]}, hf) is not None
 
 
 def test_launched_servers_take_no_api_key_from_the_environment(tiny_llama_dir: Path, monkeypatch) -> None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from radixserve.benchmark.lengths import LENGTH_DISTRIBUTIONS
 from radixserve.benchmark.report import (
     format_capacity,
     format_tokens,
@@ -157,7 +158,13 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of every run, in process and servers (default: torch's choice)")
     p.add_argument("--vary-output", action="store_true",
-                   help="draw each output length from 1 .. 2x the workload's (same mean)")
+                   help="redraw output lengths around the workload's (same total; see --length-dist)")
+    p.add_argument("--vary-prompt", action="store_true",
+                   help="redraw the unique part of every prompt (gsp/fewshot's question) around the "
+                        "workload's length, shared prefixes kept (same total; see --length-dist)")
+    p.add_argument("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform",
+                   help="distribution of varied lengths of mean m: uniform (about 1 .. 2m-1) or "
+                        "lognormal (sigma 1, a ShareGPT-like long tail) (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every run; figures are medians, ratios are taken within a round "
                         "(default: %(default)s)")
@@ -367,16 +374,18 @@ def serve_command(args: argparse.Namespace) -> int:
 
 def compare_command(args: argparse.Namespace) -> int:
     """`radixserve bench compare`."""
-    from radixserve.benchmark.compare import (MODES, build_bench_model, model_vocab_size, run_comparison,
-                                              with_varied_output_lengths)
+    from radixserve.benchmark.compare import MODES, build_bench_model, model_vocab_size, run_comparison
+    from radixserve.benchmark.lengths import with_varied_output_lengths, with_varied_prompt_lengths
     from radixserve.benchmark.inprocess import breakdown_table
 
     model_dir = build_bench_model(args.model_dir)
     params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
               **parse_workload_args(args.workload_args)}
     workload = make_workload(args.workload, **params)
+    if args.vary_prompt:
+        workload = with_varied_prompt_lengths(workload, params["vocab_size"], args.seed, args.length_dist)
     if args.vary_output:
-        workload = with_varied_output_lengths(workload, args.seed)
+        workload = with_varied_output_lengths(workload, args.seed, args.length_dist)
     result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
                             server_args=args.server_args.split(),
                             modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
@@ -387,6 +396,10 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.repeat > 1:
         print(f"medians of {args.repeat} rounds; ratios taken within each round, then the median\n")
     print(serve_table(rows))
+    hf = result["hf_static_batches"]
+    useful = hf["prompt_tokens"] + hf["completion_tokens"]
+    print(f"transformers ran {hf['computed_tokens']:.0f} token positions for {useful} useful tokens "
+          f"({hf['computed_tokens'] / useful - 1:.0%} padding and tokens past a request's own length)\n")
     print("\n".join(f"{name}: {value:.2f}x" for name, value in result["ratios"].items()))
     in_process = {label: s for label, s in result["runs"].items() if label.startswith("in-process")}
     if in_process:
@@ -394,12 +407,14 @@ def compare_command(args: argparse.Namespace) -> int:
         print(breakdown_table(in_process))
     for label, reason in result["server_failures"].items():
         _say(f"server run '{label}' failed: {reason}")
+    for label, reason in result["token_mismatches"].items():
+        _say(f"run '{label}' did not do the same work as transformers: {reason}")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: prefix cache on vs off")
     if args.json:
         _write_json(args.json, result)
-    return 1 if result["server_failures"] else 0
+    return 1 if result["server_failures"] or result["token_mismatches"] else 0
 
 
 def tiers_command(args: argparse.Namespace) -> int:
@@ -429,6 +444,8 @@ def tiers_command(args: argparse.Namespace) -> int:
             print(f"copy from host: {1e6 * copy:.2f} us/token; prefill: {1e6 * prefill:.2f} us/token")
     for label, reason in result["server_failures"].items():
         _say(f"server run '{label}' failed: {reason}")
+    for label, reason in result["token_mismatches"].items():
+        _say(f"run '{label}' did not do the same work as transformers: {reason}")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: device pool "

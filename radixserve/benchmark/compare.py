@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -129,18 +129,24 @@ def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Pat
 
 @dataclass
 class StaticBatchResult:
-    """transformers `generate` over the workload in fixed batches."""
+    """transformers `generate` over the workload in fixed batches. `prompt_tokens` and
+    `output_tokens` are the useful tokens (each request's own prompt and output length, as
+    the engine counts them); `computed_tokens` the positions the batches ran, padding and
+    tokens past a request's own length included (what static batching wastes)."""
 
     duration_s: float
     latency_s: list[float]
     prompt_tokens: int
     output_tokens: int
+    computed_tokens: int = 0
 
     def summary(self) -> dict[str, float]:
         """Throughput and latency figures, named like `ServeResult.summary`'s."""
         latency = np.array(self.latency_s)
         return {
             "duration_s": self.duration_s, "requests": len(self.latency_s),
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.output_tokens,
+            "computed_tokens": self.computed_tokens,
             "request_throughput": len(self.latency_s) / self.duration_s,
             "output_token_throughput": self.output_tokens / self.duration_s,
             "total_token_throughput": (self.prompt_tokens + self.output_tokens) / self.duration_s,
@@ -150,9 +156,11 @@ class StaticBatchResult:
 
 def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int = 8, *,
                       dtype: str = "float32", device: str | None = None) -> StaticBatchResult:
-    """Greedy `generate` in batches of `batch_size` requests (left-padded, every request
-    forced to its full output length); a request's latency is its batch's finish time. Runs
-    on `device` (default: CUDA when available, as the engine) in `dtype`."""
+    """Greedy `generate` in batches of `batch_size` requests, in workload order: left-padded
+    to the batch's longest prompt, every row generating the batch's longest output (as a
+    static batch runs until its last request finishes). Throughput counts each request's own
+    prompt and output tokens only. A request's latency is its batch's finish time. Runs on
+    `device` (default: CUDA when available, as the engine) in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -161,7 +169,7 @@ def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int
     pad = int(model.config.pad_token_id or 0)
     requests = workload.requests
     latency: list[float] = []
-    output_tokens = 0
+    output_tokens = computed_tokens = 0
     start = time.perf_counter()
     for lo in range(0, len(requests), batch_size):
         batch = requests[lo:lo + batch_size]
@@ -178,16 +186,10 @@ def hf_static_batches(model_dir: str | Path, workload: Workload, batch_size: int
         if device != "cpu":
             torch.cuda.synchronize()
         output_tokens += sum(max(r.output_len, 1) for r in batch)
+        computed_tokens += len(batch) * (width + new_tokens)
         latency += [time.perf_counter() - start] * len(batch)
-    return StaticBatchResult(time.perf_counter() - start, latency, workload.prompt_tokens, output_tokens)
-
-
-def with_varied_output_lengths(workload: Workload, seed: int = 0) -> Workload:
-    """The workload with each output length drawn uniformly from 1 .. 2 * length - 1 (same
-    mean): a static batch then waits for its longest generation, as real requests make it."""
-    rng = np.random.default_rng(seed)
-    requests = [replace(r, output_len=int(rng.integers(1, 2 * max(r.output_len, 1)))) for r in workload.requests]
-    return Workload(f"{workload.name}-varied", requests, {**workload.params, "varied_output": True})
+    return StaticBatchResult(time.perf_counter() - start, latency, workload.prompt_tokens, output_tokens,
+                             computed_tokens)
 
 
 RUNS: tuple[tuple[str, bool, bool], ...] = (
@@ -211,13 +213,16 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
     side within each repeat, then their median. `threads` fixes the CPU threads of every run
     (torch in this process, OMP_NUM_THREADS for the servers): on a machine shared with other
     work, one thread each keeps a busy neighbour from stalling a run's thread barriers. A
-    server that fails to start is reported, not fatal."""
+    server that fails to start is reported, not fatal; so is a run whose useful tokens (its
+    completed requests' prompt and output tokens) differ from transformers' (failed or cut
+    requests: its ratios would compare different work), under "token_mismatches"."""
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     per_repeat: list[dict[str, dict]] = []
     failures: dict[str, str] = {}
+    mismatches: dict[str, str] = {}
     ttfts: dict[str, list[float]] = {}
     for _ in range(repeat):
         hf = hf_static_batches(model_dir, workload, batch_size,
@@ -243,6 +248,9 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                     continue
                 summaries[name] = result.summary()
                 ttfts[name] = [r.ttft_s for r in result.records if r.error is None]
+        for name, summary in summaries.items():
+            if (problem := token_mismatch(summary, summaries["transformers"])) is not None:
+                mismatches[name] = problem
         per_repeat.append(summaries)
     medians = {label: median_summary([s[label] for s in per_repeat if label in s])
                for label in per_repeat[0]}
@@ -252,8 +260,19 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
         "workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens, "concurrency": concurrency, "hf_batch_size": batch_size,
         "modes": list(modes), "repeat": repeat, "runs": medians, "server_failures": failures,
+        "token_mismatches": mismatches,
         "hf_static_batches": hf, "ttft_s": ttfts, "ratios": ratios, "per_repeat": per_repeat,
     }
+
+
+def token_mismatch(run: dict, baseline: dict) -> str | None:
+    """Why `run`'s token counts differ from `baseline`'s (both `summary()` dicts), or None:
+    throughput ratios are only fair over the same useful tokens."""
+    got = (run.get("prompt_tokens"), run.get("completion_tokens"))
+    want = (baseline["prompt_tokens"], baseline["completion_tokens"])
+    if got == want:
+        return None
+    return f"prompt/output tokens {got[0]}/{got[1]}, transformers {want[0]}/{want[1]}"
 
 
 def _engine_args(server_args: list[str] | None) -> dict[str, object]:
