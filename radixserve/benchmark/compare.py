@@ -220,6 +220,8 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
         import torch
 
         torch.set_num_threads(threads)
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
     per_repeat: list[dict[str, dict]] = []
     failures: dict[str, str] = {}
     mismatches: dict[str, str] = {}
