@@ -398,7 +398,7 @@ def compare_command(args: argparse.Namespace) -> int:
     print(serve_table(rows))
     hf = result["hf_static_batches"]
     useful = hf["prompt_tokens"] + hf["completion_tokens"]
-    print(f"transformers ran {hf['computed_tokens']:.0f} token positions for {useful} useful tokens "
+    print(f"transformers ran {hf['computed_tokens']:.0f} token positions for {useful:.0f} useful tokens "
           f"({hf['computed_tokens'] / useful - 1:.0%} padding and tokens past a request's own length)\n")
     print("\n".join(f"{name}: {value:.2f}x" for name, value in result["ratios"].items()))
     in_process = {label: s for label, s in result["runs"].items() if label.startswith("in-process")}
