@@ -19,11 +19,18 @@ from server_util import running_server
 
 from radixserve import AsyncEngine, Engine, SamplingParams
 from radixserve.engine.event_stream import CacheEventHub
-from radixserve.server import create_app
+from radixserve.server import cache_routes, create_app
 
 API_KEY = "cache-routes-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PAGE_SIZE = 4
+
+
+@pytest.fixture(autouse=True)
+def quick_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep-alive comments every 0.2 s, not 15: a follower's reading thread, blocked until
+    the next line, then notices `close()` at once (and the comments get skipped often)."""
+    monkeypatch.setattr(cache_routes, "KEEPALIVE_S", 0.2)
 
 
 class StreamFollower:
