@@ -122,6 +122,10 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return
+    # Serve restarts a proxy not ready within 5 s; on a busy machine a new worker process
+    # takes longer than that just to start, and serve.start then fails. The local cluster's
+    # processes inherit this environment (an operator's own value wins).
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     source = str(Path(radixserve.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
