@@ -180,3 +180,14 @@ def test_simulate_window_runs_full_attention_beside_it(tmp_path: Path, capsys) -
     assert "| capacity | attention | hit rate | pages cached at the end |" in printed
     assert "| 100k | sliding window (16) |" in printed and "| 100k | full |" in printed
     assert main(args[:-4] + ["--window", "0", "--no-progress"]) == 2
+
+
+def test_failures_are_reported_for_tiers_results_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench tiers` results have no transformers baseline (no token_mismatches key)."""
+    from radixserve.benchmark.cli import _report_failures
+
+    assert _report_failures({"server_failures": {}}) is False
+    assert _report_failures({"server_failures": {"host tier": "exit 1"}}) is True
+    assert _report_failures({"server_failures": {}, "token_mismatches": {"HTTP, cache on": "3 tokens short"}}) is True
+    err = capsys.readouterr().err
+    assert "server run 'host tier' failed: exit 1" in err and "'HTTP, cache on' did not do the same work" in err

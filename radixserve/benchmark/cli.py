@@ -405,16 +405,24 @@ def compare_command(args: argparse.Namespace) -> int:
     if in_process:
         print("\nEngine step time per batch step (in process), by section:\n")
         print(breakdown_table(in_process))
-    for label, reason in result["server_failures"].items():
-        _say(f"server run '{label}' failed: {reason}")
-    for label, reason in result["token_mismatches"].items():
-        _say(f"run '{label}' did not do the same work as transformers: {reason}")
+    failed = _report_failures(result)
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: prefix cache on vs off")
     if args.json:
         _write_json(args.json, result)
-    return 1 if result["server_failures"] or result["token_mismatches"] else 0
+    return 1 if failed else 0
+
+
+def _report_failures(result: dict) -> bool:
+    """Says on stderr which server runs failed and which runs did other work than
+    transformers (compare only); True if any did."""
+    for label, reason in result["server_failures"].items():
+        _say(f"server run '{label}' failed: {reason}")
+    mismatches = result.get("token_mismatches", {})
+    for label, reason in mismatches.items():
+        _say(f"run '{label}' did not do the same work as transformers: {reason}")
+    return bool(result["server_failures"] or mismatches)
 
 
 def tiers_command(args: argparse.Namespace) -> int:
@@ -442,17 +450,14 @@ def tiers_command(args: argparse.Namespace) -> int:
         copy, prefill = result["copy_s_per_token"], result["prefill_s_per_token"]
         if copy and prefill:
             print(f"copy from host: {1e6 * copy:.2f} us/token; prefill: {1e6 * prefill:.2f} us/token")
-    for label, reason in result["server_failures"].items():
-        _say(f"server run '{label}' failed: {reason}")
-    for label, reason in result["token_mismatches"].items():
-        _say(f"run '{label}' did not do the same work as transformers: {reason}")
+    failed = _report_failures(result)
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: device pool "
                                                          f"{args.device_fraction:g} of the working set")
     if args.json:
         _write_json(args.json, result)
-    return 1 if result["server_failures"] else 0
+    return 1 if failed else 0
 
 
 def _write_json(path: Path, obj: Any) -> None:
