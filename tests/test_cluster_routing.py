@@ -17,6 +17,7 @@ from radixserve.cluster.routing import (
     CacheAwareConfig,
     ClusterState,
     PrefixAffinityPolicy,
+    SETTLE_GRACE_BATCHES,
     ReplicaReport,
     RouteRequest,
     make_policy,
@@ -177,15 +178,43 @@ def test_session_sticks_while_its_replica_lives() -> None:
     assert state.sessions["s"] == "a"
 
 
-def test_finished_requests_release_load_and_in_flight_pages() -> None:
+def test_a_finished_request_stays_in_flight_until_its_replica_settles_it() -> None:
+    """The completion can overtake the replica's events: between the two, a repeat of the
+    prompt must still find it where it is being cached."""
     state = cluster("a", "b")
     policy = make_policy("cache-aware", state)
     replica = policy.choose(request(PROMPT, "r1"), ["a", "b"])
+    other = ({"a", "b"} - {replica}).pop()
     assert state.in_flight[replica] == 1 and state.routed_total[replica] == 1
     assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 5
     state.finished("r1")
     assert state.in_flight[replica] == 0 and state.routed_total[replica] == 1
-    assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 0
+    assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 5
+    assert policy.rank(request(PROMPT, "r2"), ["a", "b"])[0] == replica
+    state.settled(other, ["r1"])  # another replica cannot settle it
+    assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 5
+    state.index.apply(replica, [stored(1, hashes(PROMPT)[:3])])  # the replica cached 3 pages
+    state.settled(replica, ["r1"])
+    assert state.index.matched_pages(replica, NS, hashes(PROMPT)) == 3
+    assert state.index.matched_pages(replica, NS, hashes(PROMPT), in_flight=False) == 3
+
+
+def test_a_settle_may_come_before_the_completion_and_a_lost_one_expires() -> None:
+    state = cluster("a")
+    state.routed(RouteRequest("serve-1", NS, hashes(PROMPT), len(PROMPT), replica_request_id="cmpl-1"), "a")
+    state.settled("a", ["cmpl-1"])  # the replica's own id, not Serve's
+    assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
+    state.finished("serve-1")
+    assert state.in_flight["a"] == 0 and state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
+    # Never settled (cancelled before the replica ran it): dropped after the grace batches.
+    state.routed(RouteRequest("serve-2", NS, hashes(PROMPT), len(PROMPT), replica_request_id="cmpl-2"), "a")
+    state.finished("serve-2")
+    for _ in range(SETTLE_GRACE_BATCHES):
+        state.batch_applied("a")
+    assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 5
+    state.batch_applied("a")
+    assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
+    assert state._unsettled == {} and state._placed == {}
 
 
 def test_a_late_routing_report_of_a_finished_request_is_ignored() -> None:
@@ -245,7 +274,7 @@ def test_feed_snapshot_plus_events_equals_the_engine_cache() -> None:
     async def run() -> CacheIndex:
         index = CacheIndex()
         stream = feed.subscribe(batch_interval_s=0.0, heartbeat_s=0.05)
-        index.apply("r", await anext(stream))  # the snapshot
+        index.apply("r", (await anext(stream)).events)  # the snapshot
         assert index.page_set("r") == engine.cache_page_hashes()
         engine.generate([SYSTEM + [9, 9, 9, 9, 9, 9], list(range(300, 340))], params)
         engine.flush_cache()
@@ -257,13 +286,34 @@ def test_feed_snapshot_plus_events_equals_the_engine_cache() -> None:
             batch = await asyncio.wait_for(anext(stream), 5)
             if not batch:
                 break  # a heartbeat: everything published so far was delivered
-            index.apply("r", batch)
+            index.apply("r", batch.events)
         await stream.aclose()
         return index
 
     index = asyncio.run(run())
     assert index.page_set("r") == engine.cache_page_hashes() != set()
     assert feed._subscribers == []
+
+
+def test_feed_settles_a_request_after_the_events_published_before_it() -> None:
+    feed = EventFeed(PAGE)
+
+    async def run() -> list:
+        stream = feed.subscribe(batch_interval_s=0.0, heartbeat_s=0.05)
+        assert not (await anext(stream)).settled  # the snapshot
+        batches = []
+        for seq in range(1, 4):
+            feed.publish(stored(seq, hashes([seq] * 4)))
+            feed.settle(f"r{seq}")
+            batches.append(await asyncio.wait_for(anext(stream), 5))
+        feed.publish(stored(9, hashes([9] * 4)))
+        batches.append(await asyncio.wait_for(anext(stream), 5))
+        await stream.aclose()
+        return batches
+
+    batches = asyncio.run(run())
+    assert [([e.seq for e in b.events], b.settled) for b in batches] == [
+        ([1], ["r1"]), ([2], ["r2"]), ([3], ["r3"]), ([9], [])]
 
 
 def test_merge_stats_sums_counters_and_recomputes_rates() -> None:

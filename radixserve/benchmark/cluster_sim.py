@@ -93,7 +93,9 @@ class ClusterSimulator:
             key = min(busy)[1]
             sim = self.sims[key]
             for ended in sim.step(next_release if releases else None):
+                # Its events were applied as they happened: it is settled when it finishes.
                 self.state.finished(str(ended.index))
+                self.state.settled(key, [str(ended.index)])
                 for child in dependents.pop(ended.index, []):
                     heapq.heappush(releases, (max(child.arrival_time, sim.now), child.index))
         return self._result(time.perf_counter() - start)

@@ -5,6 +5,10 @@ The feed keeps the replica's current page set (a one-replica CacheIndex), so a n
 subscriber starts from a snapshot — AllCleared, then BlockStored for every cached page —
 taken atomically with its registration: the snapshot plus the events after it are exactly
 the replica's cache, whenever the subscriber joins (a restarted ingress, a new router).
+
+`settle(request_id)` marks, in the same ordered stream, the point after which every cache
+event of a finished request has been delivered: the router keeps the request's prompt
+counted as in flight on this replica until then (radixserve.cluster.routing.ClusterState).
 """
 
 from __future__ import annotations
@@ -12,11 +16,28 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from radixserve.cache.events import DEVICE, AllCleared, BlockStored, CacheEvent
 from radixserve.cluster.index import CacheIndex
 
 _SELF = "self"
+
+
+@dataclass(frozen=True)
+class _Settled:
+    request_id: str
+
+
+@dataclass
+class FeedBatch:
+    """Cache events in order, and the requests settled after them (see `EventFeed.settle`)."""
+
+    events: list[CacheEvent] = field(default_factory=list)
+    settled: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.settled)
 
 
 class EventFeed:
@@ -27,15 +48,25 @@ class EventFeed:
         self._lock = threading.Lock()
         self._mirror = CacheIndex()
         self._last_seq = 0
-        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[CacheEvent]]] = []
+        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[CacheEvent | _Settled]]] = []
 
     def publish(self, event: CacheEvent) -> None:
         """Engine-thread callback: record the event and hand it to every subscriber."""
         with self._lock:
             self._mirror.apply(_SELF, [event])
             self._last_seq = event.seq
-            for loop, queue in self._subscribers:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+            self._send_locked(event)
+
+    def settle(self, request_id: str) -> None:
+        """A request's stream ended: every cache event it caused was published (the engine
+        publishes a finished request's pages before its last delta), so subscribers get the
+        marker after them. Callbacks reach one subscriber's loop in the order sent."""
+        with self._lock:
+            self._send_locked(_Settled(request_id))
+
+    def _send_locked(self, item: CacheEvent | _Settled) -> None:
+        for loop, queue in self._subscribers:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def snapshot(self) -> list[CacheEvent]:
         """Events that rebuild the current cache from nothing."""
@@ -43,27 +74,29 @@ class EventFeed:
             return self._snapshot_locked()
 
     async def subscribe(self, batch_interval_s: float = 0.02,
-                        heartbeat_s: float = 0.25) -> AsyncIterator[list[CacheEvent]]:
-        """Yields batches of events: first the snapshot, then whatever arrived in each
+                        heartbeat_s: float = 0.25) -> AsyncIterator[FeedBatch]:
+        """Yields batches: first the snapshot, then whatever arrived in each
         `batch_interval_s`; an empty batch at least every `heartbeat_s` (a liveness beat
         the caller also uses to send fresh stats)."""
-        queue: asyncio.Queue[CacheEvent] = asyncio.Queue()
+        queue: asyncio.Queue[CacheEvent | _Settled] = asyncio.Queue()
         entry = (asyncio.get_running_loop(), queue)
         with self._lock:
-            first = self._snapshot_locked()
+            first = FeedBatch(self._snapshot_locked())
             self._subscribers.append(entry)
         try:
             yield first
             while True:
                 try:
-                    batch = [await asyncio.wait_for(queue.get(), heartbeat_s)]
+                    items = [await asyncio.wait_for(queue.get(), heartbeat_s)]
                 except asyncio.TimeoutError:
-                    yield []
+                    yield FeedBatch()
                     continue
                 await asyncio.sleep(batch_interval_s)  # let a step's events gather
                 while not queue.empty():
-                    batch.append(queue.get_nowait())
-                yield batch
+                    items.append(queue.get_nowait())
+                # Settled ids go after the events: a batch is applied events first.
+                yield FeedBatch([i for i in items if not isinstance(i, _Settled)],
+                                [i.request_id for i in items if isinstance(i, _Settled)])
         finally:
             with self._lock:
                 self._subscribers.remove(entry)

@@ -83,6 +83,11 @@ class CacheIndex:
             if counts[h] <= 0:
                 del counts[h]
 
+    def in_flight_on(self, request_id: str) -> str | None:
+        """The replica a request is in flight on (None: not in flight)."""
+        flight = self._requests.get(request_id)
+        return flight.replica if flight is not None else None
+
     # ------------------------------------------------------------------ lookups
     def matched_pages(self, replica: str, namespace: str, hashes: Sequence[int], *,
                       in_flight: bool = True) -> int:

@@ -50,7 +50,9 @@ class Refused:
 
 @dataclass
 class EventBatch:
-    """One item of a replica's event stream: cache events in order, and its latest stats.
+    """One item of a replica's event stream: cache events in order, the requests they settle
+    (every cache event of these finished requests is in this batch or an earlier one), and
+    the replica's latest stats.
 
     The first batch of a subscription starts with AllCleared and lists every cached page, so
     a subscriber that applies the batches in order holds exactly the replica's cached pages.
@@ -59,6 +61,7 @@ class EventBatch:
     replica: str
     events: list[Any]
     stats: dict[str, Any]
+    settled: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -45,33 +45,37 @@ class EngineReplica:
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Accepted | Refused | StreamDelta]:
         """Accepted (or Refused, then nothing), then the request's deltas. Cancelling the
-        stream (the client left) aborts the request and frees its pages."""
+        stream (the client left) aborts the request and frees its pages. However it ends,
+        the event feed then settles it (its cache events are all published)."""
         deltas = self.async_engine.generate(
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
             prefix_retention=request.prefix_retention, session_id=request.session_id)
-        async with aclosing(deltas):
-            try:
-                first = await anext(deltas)
-            except QueueFull as exc:
-                yield Refused("queue_full", str(exc))
-                return
-            except PromptTooLong as exc:
-                yield Refused("prompt_too_long", str(exc), getattr(exc, "param", None))
-                return
-            except ValueError as exc:
-                yield Refused("invalid", str(exc))
-                return
-            yield Accepted(self.replica)
-            yield first
-            async for delta in deltas:
-                yield delta
+        try:
+            async with aclosing(deltas):
+                try:
+                    first = await anext(deltas)
+                except QueueFull as exc:
+                    yield Refused("queue_full", str(exc))
+                    return
+                except PromptTooLong as exc:
+                    yield Refused("prompt_too_long", str(exc), getattr(exc, "param", None))
+                    return
+                except ValueError as exc:
+                    yield Refused("invalid", str(exc))
+                    return
+                yield Accepted(self.replica)
+                yield first
+                async for delta in deltas:
+                    yield delta
+        finally:
+            self.feed.settle(request.request_id)
 
     async def events(self, replica: str) -> AsyncIterator[EventBatch]:
         """This replica's cache events, from a snapshot on, each batch with fresh stats."""
         self._check_pin(replica)
-        async for events in self.feed.subscribe():
-            yield EventBatch(self.replica, events, self.async_engine.stats())
+        async for batch in self.feed.subscribe():
+            yield EventBatch(self.replica, batch.events, self.async_engine.stats(), batch.settled)
 
     async def close_session(self, session_id: str, replica: str) -> bool:
         self._check_pin(replica)

@@ -36,7 +36,8 @@ def route_request(pending_request: PendingRequest | None) -> RouteRequest | None
     if not isinstance(request, ReplicaRequest):
         return None
     return RouteRequest(pending_request.metadata.internal_request_id, request.namespace,
-                        request.page_hashes, len(request.prompt_ids), request.session_id)
+                        request.page_hashes, len(request.prompt_ids), request.session_id,
+                        replica_request_id=request.request_id)
 
 
 class _ClusterHooks:

@@ -38,6 +38,7 @@ from radixserve.cluster.index import CacheIndex
 
 ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
 ENDED_MEMORY = 65536  # finished request ids remembered (see ClusterState.finished)
+SETTLE_GRACE_BATCHES = 40  # event batches of a replica after which an unsettled request is dropped
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ class RouteRequest:
     page_hashes: Sequence[int]
     prompt_tokens: int
     session_id: str | None = None
+    replica_request_id: str | None = None  # the id the replica knows it by (default: request_id)
+
+    @property
+    def settle_key(self) -> str:
+        """The id the replica names when the request's pages are in its events."""
+        return self.replica_request_id or self.request_id
 
 
 def prompt_pages(prompt_ids: Sequence[int] | np.ndarray, page_size: int,
@@ -73,56 +80,97 @@ class ReplicaReport:
 
 @dataclass
 class ClusterState:
-    """What the router knows about the replicas. One per router; not thread-safe."""
+    """What the router knows about the replicas. One per router; not thread-safe.
+
+    A request's prompt pages count as in flight on its replica from routing until the
+    replica *settles* it (`settled`): its event stream has then delivered the events that
+    cache those pages. Ending them when the request finishes instead would leave a gap (the
+    completion can overtake the events) in which a repeat of the prompt finds it nowhere.
+    """
 
     index: CacheIndex = field(default_factory=CacheIndex)
     in_flight: dict[str, int] = field(default_factory=dict)      # replica → requests routed, not finished
     routed_total: dict[str, int] = field(default_factory=dict)   # replica → requests routed ever
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
-    _placed: dict[str, str] = field(default_factory=dict)         # request id → replica
+    _placed: dict[str, tuple[str, str]] = field(default_factory=dict)  # request id → (replica, settle key)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
+    _batches: dict[str, int] = field(default_factory=dict)        # replica → event batches applied
+    _unsettled: dict[str, tuple[str, int]] = field(default_factory=dict)  # settle key → (replica, batch)
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         """The request goes to `replica`: count it and note its prompt as in flight there.
         Routing the same request again (a retry, or Serve choosing another replica than the
         one reserved) moves it."""
-        if self._placed.get(request.request_id) == replica or request.request_id in self._ended:
+        placed = self._placed.get(request.request_id)
+        if (placed is not None and placed[0] == replica) or request.request_id in self._ended:
             return  # already there, or a late report of a request that has finished
-        self._unplace(request.request_id, count_routed=True)
-        self._placed[request.request_id] = replica
+        self._unroute(request.request_id)
+        self._placed[request.request_id] = (replica, request.settle_key)
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
-        self.index.add_in_flight(request.request_id, replica, request.namespace, request.page_hashes)
+        self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
         if request.session_id is not None:
             self.sessions[request.session_id] = replica
 
     def finished(self, request_id: str) -> None:
-        """The request ended (done, failed or cancelled). Ray Serve may report a short
-        request's completion before its routing: the id is remembered for a while, and a
-        late `routed` for it is ignored (else it would count as in flight forever)."""
-        self._unplace(request_id, count_routed=False)
+        """The request ended (done, failed or cancelled): its replica's load drops; its
+        prompt stays in flight until the replica settles it, or for SETTLE_GRACE_BATCHES of
+        the replica's event batches (a request cancelled before the replica ran it is never
+        settled). Ray Serve may report a short request's completion before its routing:
+        the id is remembered for a while, and a late `routed` for it is ignored (else it
+        would count as in flight forever)."""
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            replica, key = placed
+            if replica in self.in_flight:
+                self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+            if self.index.in_flight_on(key) is not None:
+                self._unsettled[key] = (replica, self._batches.get(replica, 0))
         self._ended[request_id] = None
         if len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
 
-    def _unplace(self, request_id: str, *, count_routed: bool) -> None:
-        replica = self._placed.pop(request_id, None)
-        if replica is not None and replica in self.in_flight:
+    def settled(self, replica: str, keys: Sequence[str]) -> None:
+        """`replica`'s event stream now covers these requests' cached pages (their settle
+        keys): from here on its events alone say what it holds."""
+        for key in keys:
+            if self.index.in_flight_on(key) == replica:
+                self.index.end_in_flight(key)
+            self._unsettled.pop(key, None)
+
+    def batch_applied(self, replica: str) -> None:
+        """One more event batch of `replica` was applied: requests it finished long ago and
+        never settled stop counting as in flight."""
+        count = self._batches[replica] = self._batches.get(replica, 0) + 1
+        stale = [k for k, (r, at) in self._unsettled.items() if r == replica and count - at > SETTLE_GRACE_BATCHES]
+        for key in stale:
+            del self._unsettled[key]
+            self.index.end_in_flight(key)
+
+    def _unroute(self, request_id: str) -> None:
+        """Takes back a routing: the request was not served there after all."""
+        placed = self._placed.pop(request_id, None)
+        if placed is None:
+            return
+        replica, key = placed
+        if replica in self.in_flight:
             self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
-            if count_routed:  # it was not served there after all
-                self.routed_total[replica] -= 1
-        self.index.end_in_flight(request_id)
+            self.routed_total[replica] -= 1
+        self.index.end_in_flight(key)
 
     def remove(self, replica: str) -> None:
         """A replica died or left: forget its cache, its load and its sessions."""
         self.index.forget(replica)
         self.in_flight.pop(replica, None)
         self.reports.pop(replica, None)
+        self._batches.pop(replica, None)
         for session in [s for s, r in self.sessions.items() if r == replica]:
             del self.sessions[session]
-        for request_id in [q for q, r in self._placed.items() if r == replica]:
+        for request_id in [q for q, (r, _) in self._placed.items() if r == replica]:
             del self._placed[request_id]
+        for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
+            del self._unsettled[key]
 
     def load(self, replica: str) -> int:
         return self.in_flight.get(replica, 0)

@@ -79,12 +79,15 @@ class ClusterView:
 
     # ------------------------------------------------------------------ what replicas report
     def apply(self, batch: EventBatch) -> None:
-        """One batch of a replica's event stream: its cache events and its stats."""
+        """One batch of a replica's event stream: its cache events, the requests they
+        settle, and its stats."""
         stats = batch.stats
         with self._lock:
             if batch.replica not in self._replicas:
                 return  # a late batch of a replica already removed
             self.state.index.apply(batch.replica, batch.events)
+            self.state.settled(batch.replica, batch.settled)
+            self.state.batch_applied(batch.replica)
             self.state.reports[batch.replica] = ReplicaReport(
                 pages_free=int(stats.get("pages_free", 0)), pages_total=int(stats.get("pages_total", 0)),
                 waiting=int(stats.get("waiting", 0)), running=int(stats.get("running", 0)))
