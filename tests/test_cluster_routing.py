@@ -226,6 +226,23 @@ def test_a_late_routing_report_of_a_finished_request_is_ignored() -> None:
     assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
 
 
+def test_a_retry_on_another_replica_keeps_its_prompt_there() -> None:
+    """ClusterEngine retries a request whose replica died under a new Serve id: the first
+    attempt's completion, and that replica's batches, do not end the retry's in-flight prompt."""
+    for first_ends_before_the_retry in (False, True):
+        state = cluster("a", "b")
+        state.routed(RouteRequest("serve-1", NS, hashes(PROMPT), len(PROMPT), replica_request_id="cmpl-1"), "a")
+        if first_ends_before_the_retry:
+            state.finished("serve-1")
+        state.routed(RouteRequest("serve-2", NS, hashes(PROMPT), len(PROMPT), replica_request_id="cmpl-1"), "b")
+        state.finished("serve-1")
+        for _ in range(SETTLE_GRACE_BATCHES + 1):
+            state.batch_applied("a")
+        assert state.index.in_flight_on("cmpl-1") == "b"
+        assert state.index.matched_pages("b", NS, hashes(PROMPT)) == 5
+        assert state.in_flight == {"a": 0, "b": 1}
+
+
 # ---------------------------------------------------------------- baselines
 
 

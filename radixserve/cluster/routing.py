@@ -135,7 +135,7 @@ class ClusterState:
         """`replica`'s event stream now covers these requests' cached pages (their settle
         keys): from here on its events alone say what it holds."""
         for key in keys:
-            if self.index.in_flight_on(key) == replica:
+            if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
                 self.index.end_in_flight(key)
             self._unsettled.pop(key, None)
 
@@ -146,7 +146,8 @@ class ClusterState:
         stale = [k for k, (r, at) in self._unsettled.items() if r == replica and count - at > SETTLE_GRACE_BATCHES]
         for key in stale:
             del self._unsettled[key]
-            self.index.end_in_flight(key)
+            if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
+                self.index.end_in_flight(key)
 
     def _unroute(self, request_id: str) -> None:
         """Takes back a routing: the request was not served there after all."""
