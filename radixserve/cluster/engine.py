@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3            # a request is tried on at most this many replicas
 RESUBSCRIBE_DELAY_S = 0.5   # before following a replica's events again after its stream broke
+PINNED_ATTEMPTS = 5         # a call pinned to a live replica is sent this many times at most
+PINNED_RETRY_DELAY_S = 0.05  # times the attempt, between them
 _T = TypeVar("_T")
 REPLICA_GONE = (RayActorError, WorkerCrashedError, ReplicaUnavailableError, WrongReplica)
 
@@ -105,6 +107,9 @@ class ClusterEngine:
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
+            except WrongReplica:
+                if not self._misdelivered(replica):
+                    return  # it left the live set: the view has forgotten it already
             except REPLICA_GONE:
                 logger.warning("replica %s is gone; no longer routing to it", replica)
                 self.view.replica_gone(replica)
@@ -166,9 +171,28 @@ class ClusterEngine:
         return sum(r for r in await self._on_every_replica("flush") if isinstance(r, int))
 
     async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
-        calls = [_fresh_call(lambda r=r: getattr(self.handle, method).remote(*args, replica=r))
-                 for r in sorted(self.view.replicas)]
+        calls = [self._call_pinned(method, r, *args) for r in sorted(self.view.replicas)]
         return await asyncio.gather(*calls, return_exceptions=True)
+
+    async def _call_pinned(self, method: str, replica: str, *args: Any) -> Any:
+        """`method` run on `replica`, sent again while it reached another one and `replica`
+        is still live (see `_misdelivered`)."""
+        for attempt in range(1, PINNED_ATTEMPTS + 1):
+            try:
+                return await _fresh_call(lambda: getattr(self.handle, method).remote(*args, replica=replica))
+            except WrongReplica:
+                if attempt == PINNED_ATTEMPTS or not self._misdelivered(replica):
+                    raise
+                await asyncio.sleep(PINNED_RETRY_DELAY_S * attempt)
+
+    def _misdelivered(self, replica: str) -> bool:
+        """A call pinned to `replica` reached another replica: True if `replica` is still
+        live (Serve's router handed it a replica chosen for another pending call: it fulfils
+        pending calls first come, first served), False if `replica` has left."""
+        if replica not in self.view.replicas:
+            return False
+        logger.info("a call pinned to replica %s reached another replica; sending it again", replica)
+        return True
 
     def stats(self) -> dict[str, Any]:
         """The sum of the replicas' latest stats; "replicas" (how many reported) and
