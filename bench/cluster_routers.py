@@ -26,20 +26,31 @@ from radixserve.cluster.deploy import APP_NAME, ClusterOptions, deploy, start_ra
 from radixserve.models.demo import DEMO_VOCAB_SIZE
 
 # CPU-sized versions of the three workloads (the demo model prefills ~10-30k tokens/s here).
+# "small" runs in minutes; in "large" each shared prefix serves 4x as many requests, so the
+# one-off cost of computing it on a second replica weighs as it does at full size.
 WORKLOADS = {
-    "gsp": dict(num_groups=16, prompts_per_group=16, system_len=512, question_len=64, output_len=8),
-    "multiturn": dict(num_clients=16, num_turns=3, num_system_prompts=4, system_len=256,
-                      message_len=64, output_len=8),
-    "agent": dict(num_agents=8, num_steps=4, system_len=512, task_len=64, tool_len=96, output_len=8),
+    "small": {
+        "gsp": dict(num_groups=16, prompts_per_group=16, system_len=512, question_len=64, output_len=8),
+        "multiturn": dict(num_clients=16, num_turns=3, num_system_prompts=4, system_len=256,
+                          message_len=64, output_len=8),
+        "agent": dict(num_agents=8, num_steps=4, system_len=512, task_len=64, tool_len=96, output_len=8),
+    },
+    "large": {
+        "gsp": dict(num_groups=16, prompts_per_group=64, system_len=512, question_len=64, output_len=8),
+        "multiturn": dict(num_clients=32, num_turns=6, num_system_prompts=4, system_len=256,
+                          message_len=64, output_len=8),
+        "agent": dict(num_agents=16, num_steps=6, system_len=512, task_len=64, tool_len=96, output_len=8),
+    },
 }
 ROUTERS = ["cache-aware", "power-of-two", "prefix-affinity"]
 FIGURES = ["hit_rate", "ttft_mean_s", "ttft_p99_s", "total_token_throughput", "replica_imbalance"]
 
 
-def run_one(options: ClusterOptions, workload_name: str, concurrency: int, port: int) -> dict[str, Any]:
+def run_one(options: ClusterOptions, workload_name: str, size: str, concurrency: int,
+            port: int) -> dict[str, Any]:
     from ray import serve
 
-    workload = make_workload(workload_name, vocab_size=DEMO_VOCAB_SIZE, **WORKLOADS[workload_name])
+    workload = make_workload(workload_name, vocab_size=DEMO_VOCAB_SIZE, **WORKLOADS[size][workload_name])
     deploy(options, port=port)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -67,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--num-pages", type=int, default=96, help="KV pages per replica (16 tokens each)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS["small"]))
+    parser.add_argument("--size", choices=sorted(WORKLOADS), default="small",
+                        help="workload sizes (see WORKLOADS; default: small)")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
@@ -84,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             configs[f"{args.replicas} replicas, {router}"] = ClusterOptions(
                 replicas=args.replicas, router=router, engine_options={**engine, "num_pages": args.num_pages})
         for label, options in configs.items():
-            runs = [run_one(options, workload, args.concurrency, args.port) for _ in range(args.repeats)]
+            runs = [run_one(options, workload, args.size, args.concurrency, args.port)
+                    for _ in range(args.repeats)]
             row = {key: statistics.median(r[key] for r in runs) for key in FIGURES if runs[0].get(key) is not None}
             row.update(errors=sum(r["errors"] for r in runs), runs=runs)
             results.setdefault(workload, {})[label] = row
@@ -94,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(replicas=args.replicas, num_pages=args.num_pages,
-                                             workloads={w: WORKLOADS[w] for w in results},
+        args.json.write_text(json.dumps(dict(replicas=args.replicas, num_pages=args.num_pages, size=args.size,
+                                             workloads={w: WORKLOADS[args.size][w] for w in results},
                                              results=results), indent=2) + "\n")
     return 0
 
