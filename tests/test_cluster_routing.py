@@ -149,6 +149,53 @@ def test_a_prefix_only_in_flight_binds_less_than_a_cached_one() -> None:
     assert policy.rank(request(PROMPT), ["a", "b"])[0] == "b"
 
 
+def test_a_conversation_continued_holds_its_replica_longer_than_a_shared_prefix() -> None:
+    """Default slack 8 for a prompt whose cached prefix runs through an earlier prompt routed
+    to that replica (the next turn of a conversation), 3 for a cached prefix merely shared
+    (the system prompt another conversation left there)."""
+    state = cluster("a", "b")
+    policy = make_policy("cache-aware", state)
+    turn1 = SYSTEM + [7, 8, 9, 10]                  # 5 full pages
+    state.routed(request(turn1, "t1"), "a")
+    state.finished("t1")
+    turn2 = turn1 + [50, 51, 52, 53] + [60, 61]     # + its reply + a new message
+    state.index.apply("a", [stored(1, hashes(turn1 + [50, 51, 52, 53]))])
+    state.settled("a", ["t1"])
+    assert state.index.continued_pages("a", NS, hashes(turn2)) == 6
+    stranger = SYSTEM + [90, 91, 92, 93]            # shares the system prompt only
+    assert state.index.matched_pages("a", NS, hashes(stranger)) == 4
+    assert state.index.continued_pages("a", NS, hashes(stranger)) == 0
+    state.in_flight = {"a": 8, "b": 0}
+    assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "a"
+    assert policy.rank(request(turn1, "again"), ["a", "b"])[0] == "a"   # a repeat continues too
+    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 4, "b": 0}
+    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 3, "b": 0}
+    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "a"
+    state.in_flight = {"a": 9, "b": 0}
+    assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "b"
+    # Evicted down to the system prompt, the conversation no longer holds the replica.
+    state.index.apply("a", [BlockRemoved(seq=2, namespace=NS, tier="device", hashes=hashes(turn2)[4:])])
+    assert state.index.continued_pages("a", NS, hashes(turn2)) == 0
+
+
+def test_prompt_ends_are_bounded_and_forgotten_with_their_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    import radixserve.cluster.index as index_module
+
+    monkeypatch.setattr(index_module, "PROMPT_ENDS_MEMORY", 2)
+    index = CacheIndex()
+    prompts = [SYSTEM + [i] * 4 for i in range(3)]
+    index.apply("a", [stored(1, hashes(p)) for p in prompts])
+    for p in prompts:
+        index.add_prompt_end("a", NS, hashes(p))
+    index.add_prompt_end("a", NS, [])  # shorter than a page: nothing to remember
+    assert [index.continued_pages("a", NS, hashes(p)) for p in prompts] == [0, 5, 5]
+    index.forget("a")
+    index.apply("a", [stored(2, hashes(prompts[2]))])
+    assert index.continued_pages("a", NS, hashes(prompts[2])) == 0
+
+
 def test_cache_aware_without_a_match_takes_least_loaded_then_most_free() -> None:
     state = cluster("a", "b", "c")
     state.in_flight = {"a": 1, "b": 0, "c": 0}

@@ -9,6 +9,10 @@ exact, not a guess from where earlier requests were sent.
 Requests routed to a replica whose prompt pages are not cached yet (still queued or
 prefilling there) are tracked apart as in flight: a burst of requests sharing a new prefix
 then lands together instead of each computing the prefix on another replica.
+
+The index also remembers where each prompt was routed (its last full page): a prompt whose
+cached prefix runs through an earlier prompt's end on a replica continues a conversation
+there (`continued_pages`), which the routing rule holds to more firmly than a shared prefix.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class CacheIndex:
         self._cached: dict[str, dict[str, set[int]]] = {}
         self._in_flight: dict[str, dict[str, Counter[int]]] = {}
         self._requests: dict[str, _InFlight] = {}
+        # replica → (namespace, hash of a routed prompt's last full page) → None; oldest first
+        self._prompt_ends: dict[str, dict[tuple[str, int], None]] = {}
 
     # ------------------------------------------------------------------ events
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
@@ -61,6 +67,7 @@ class CacheIndex:
         """Drops everything known about a replica (it died or left)."""
         self._cached.pop(replica, None)
         self._in_flight.pop(replica, None)
+        self._prompt_ends.pop(replica, None)
         for request_id in [r for r, f in self._requests.items() if f.replica == replica]:
             del self._requests[request_id]
 
@@ -83,6 +90,17 @@ class CacheIndex:
             if counts[h] <= 0:
                 del counts[h]
 
+    def add_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int]) -> None:
+        """Records the last full page of a prompt routed to `replica` (see `continued_pages`)."""
+        if not len(hashes):
+            return
+        ends = self._prompt_ends.setdefault(replica, {})
+        key = (namespace, hashes[-1])
+        ends.pop(key, None)
+        ends[key] = None
+        if len(ends) > PROMPT_ENDS_MEMORY:
+            del ends[next(iter(ends))]
+
     def in_flight_on(self, request_id: str) -> str | None:
         """The replica a request is in flight on (None: not in flight)."""
         flight = self._requests.get(request_id)
@@ -102,6 +120,21 @@ class CacheIndex:
             matched += 1
         return matched
 
+    def continued_pages(self, replica: str, namespace: str, hashes: Sequence[int]) -> int:
+        """Leading pages of a prompt the replica caches, if they run through the whole of an
+        earlier prompt routed there: the prompt continues (or repeats) that conversation.
+        0 otherwise, e.g. when only a prefix shared by many (a system prompt) is cached."""
+        cached = self._cached.get(replica, {}).get(namespace, _EMPTY)
+        ends = self._prompt_ends.get(replica, {})
+        matched = through_an_end = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            matched += 1
+            if (namespace, h) in ends:
+                through_an_end = matched
+        return matched if through_an_end else 0
+
     def cached_pages(self, replica: str) -> int:
         """Pages the replica's cache holds (all namespaces)."""
         return sum(len(s) for s in self._cached.get(replica, {}).values())
@@ -117,3 +150,4 @@ class CacheIndex:
 
 
 _EMPTY: frozenset[int] = frozenset()
+PROMPT_ENDS_MEMORY = 65536  # prompt ends remembered per replica (the oldest are forgotten)

@@ -15,6 +15,10 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
 3. Among eligible replicas, the one holding the longest prefix of the prompt (cached pages
    from its events, or pages of a request in flight there), if that is at least
    `min_match_pages` pages; ties go to the less loaded, then to the one with more free pages.
+   The slack depends on what is held: `balance_abs` for pages in flight, `cached_balance_abs`
+   for cached ones, `continuation_balance_abs` for a cached prefix that runs through an
+   earlier prompt routed there (the next turn of a conversation, which anywhere else would
+   be recomputed whole, where a shared system prompt is computed once per replica).
 4. Otherwise (nothing useful cached anywhere): the least loaded eligible replica, ties to
    the one with the most free pages (least cache to evict), then the fewest cached pages.
 
@@ -110,6 +114,7 @@ class ClusterState:
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
+        self.index.add_prompt_end(replica, request.namespace, request.page_hashes)
         if request.session_id is not None:
             self.sessions[request.session_id] = replica
 
@@ -207,6 +212,7 @@ class CacheAwareConfig:
 
     balance_abs: int = 1           # in-flight requests over the least loaded replica's, always allowed
     cached_balance_abs: int = 3    # ... when the prefix is already cached there (not only in flight)
+    continuation_balance_abs: int = 8  # ... when the cached prefix continues a conversation held there
     balance_rel: float = 0.25      # ... or this fraction of the least loaded replica's count
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
 
@@ -232,11 +238,16 @@ class CacheAwarePolicy(RoutingPolicy):
             # loaded one: a prefix merely in flight there within the tight slack, a prefix
             # already cached within a looser one (a burst of new sessions sharing only a
             # system prompt in flight spreads; a cached conversation is worth a short queue).
+            # A conversation's next turn (its cached prefix runs through an earlier prompt
+            # routed there) within the loosest: moving it recomputes the whole conversation,
+            # where a spilled request of a shared prefix computes that prefix once for many.
             over = state.load(replica) - least
             if over <= max(cfg.balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes)
             elif over <= max(cfg.cached_balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, in_flight=False)
+            elif over <= max(cfg.continuation_balance_abs, relative):
+                matched = index.continued_pages(replica, namespace, hashes)
             else:
                 matched = 0
             return matched if matched >= cfg.min_match_pages else 0
