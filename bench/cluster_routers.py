@@ -7,7 +7,8 @@ For each workload, on fresh deployments of the demo model (empty caches), one af
 Each row is `bench serve`'s summary: hit rate, TTFT mean/p99, throughput, and the requests
 each replica served (imbalance = max/min). Medians over --repeats runs.
 
-    python bench/cluster_routers.py --replicas 4 --num-pages 96 --json bench/results/cluster.json
+    python bench/cluster_routers.py --replicas 4 --num-pages 320 [--size large --repeats 3] \
+        [--router-kwargs cached_balance_abs=4] --json bench/results/cluster_routers.json
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ def _wait_for_replicas(url: str, count: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--num-pages", type=int, default=96, help="KV pages per replica (16 tokens each)")
+    parser.add_argument("--num-pages", type=int, default=320, help="KV pages per replica (16 tokens each)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS["small"]))
     parser.add_argument("--size", choices=sorted(WORKLOADS), default="small",
                         help="workload sizes (see WORKLOADS; default: small)")
     parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--router-kwargs", default="", metavar="K=V,...",
+                        help="cache-aware thresholds (CacheAwareConfig's fields), e.g. cached_balance_abs=4")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--port", type=int, default=8321)
@@ -89,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_ray(num_cpus=max(args.replicas, 2) + 1)
     engine = dict(model="demo", page_size=16, max_batch_tokens=2048)
+    router_kwargs = {k: int(v) if v.isdigit() else float(v)
+                     for k, v in (item.split("=", 1) for item in args.router_kwargs.split(",") if item)}
     results: dict[str, dict[str, Any]] = {}
     for workload in args.workloads.split(","):
         configs = {f"1 replica, {args.replicas}x memory": ClusterOptions(
             replicas=1, engine_options={**engine, "num_pages": args.num_pages * args.replicas})}
         for router in args.routers.split(","):
             configs[f"{args.replicas} replicas, {router}"] = ClusterOptions(
-                replicas=args.replicas, router=router, engine_options={**engine, "num_pages": args.num_pages})
+                replicas=args.replicas, router=router, engine_options={**engine, "num_pages": args.num_pages},
+                router_kwargs=router_kwargs if router == "cache-aware" else {})
         for label, options in configs.items():
             runs = [run_one(options, workload, args.size, args.concurrency, args.port)
                     for _ in range(args.repeats)]
