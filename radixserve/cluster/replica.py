@@ -46,7 +46,9 @@ class EngineReplica:
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Accepted | Refused | StreamDelta]:
         """Accepted (or Refused, then nothing), then the request's deltas. Cancelling the
         stream (the client left) aborts the request and frees its pages. However it ends,
-        the event feed then settles it (its cache events are all published)."""
+        the event feed then settles it: a request that ran to its end has published all its
+        cache events by then; an aborted one may cache its pages a step later, and the
+        router then learns of them from the events alone."""
         deltas = self.async_engine.generate(
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
