@@ -264,6 +264,17 @@ def test_a_settle_may_come_before_the_completion_and_a_lost_one_expires() -> Non
     assert state._unsettled == {} and state._placed == {}
 
 
+def test_routing_a_request_again_moves_it() -> None:
+    """The router reserves a replica, Serve sends the request to another: it counts there."""
+    state = cluster("a", "b")
+    state.routed(request(PROMPT, "r1"), "a")
+    state.routed(request(PROMPT, "r1"), "a")  # confirmed where reserved: no change
+    state.routed(request(PROMPT, "r1"), "b")
+    assert state.routed_total == {"a": 0, "b": 1} and state.in_flight == {"a": 0, "b": 1}
+    assert state.index.in_flight_on("r1") == "b"
+    assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
+
+
 def test_a_late_routing_report_of_a_finished_request_is_ignored() -> None:
     """Ray Serve may run a short request's completion callback before on_request_routed."""
     state = cluster("a", "b")

@@ -125,11 +125,9 @@ class ClusterState:
         settled). Ray Serve may report a short request's completion before its routing:
         the id is remembered for a while, and a late `routed` for it is ignored (else it
         would count as in flight forever)."""
-        placed = self._placed.pop(request_id, None)
+        placed = self._release(request_id)
         if placed is not None:
             replica, key = placed
-            if replica in self.in_flight:
-                self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
             if self.index.in_flight_on(key) is not None:
                 self._unsettled[key] = (replica, self._batches.get(replica, 0))
         self._ended[request_id] = None
@@ -154,14 +152,21 @@ class ClusterState:
             if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
                 self.index.end_in_flight(key)
 
+    def _release(self, request_id: str) -> tuple[str, str] | None:
+        """Forgets where a request was placed and drops its replica's load; returns
+        (replica, settle key), or None if it was not placed."""
+        placed = self._placed.pop(request_id, None)
+        if placed is not None and placed[0] in self.in_flight:
+            self.in_flight[placed[0]] = max(0, self.in_flight[placed[0]] - 1)
+        return placed
+
     def _unroute(self, request_id: str) -> None:
         """Takes back a routing: the request was not served there after all."""
-        placed = self._placed.pop(request_id, None)
+        placed = self._release(request_id)
         if placed is None:
             return
         replica, key = placed
-        if replica in self.in_flight:
-            self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+        if replica in self.routed_total:
             self.routed_total[replica] -= 1
         self.index.end_in_flight(key)
 
