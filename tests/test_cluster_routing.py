@@ -18,9 +18,11 @@ from radixserve.cluster.routing import (
     ClusterState,
     PrefixAffinityPolicy,
     SETTLE_GRACE_BATCHES,
+    STARTS_HALF_LIFE,
     ReplicaReport,
     RouteRequest,
     make_policy,
+    parse_routing_config,
     prompt_pages,
     replica_imbalance,
 )
@@ -115,7 +117,7 @@ def test_cache_aware_prefers_the_longest_real_prefix() -> None:
 
 def test_cache_aware_balance_guard_spreads_a_hot_prefix() -> None:
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state, config=CacheAwareConfig(balance_abs=2, balance_rel=0.5))
+    policy = make_policy("cache-aware", state, config=CacheAwareConfig(balance_abs=2, cached_balance_abs=2, balance_rel=0.5))
     placed = [policy.choose(request(PROMPT, f"r{i}"), ["a", "b"]) for i in range(8)]
     # The first lands on either (tie), then sticks (in flight) until it is 2 ahead, and so on.
     first = placed[0]
@@ -134,7 +136,7 @@ def test_cache_aware_balance_guard_spreads_a_hot_prefix() -> None:
 
 def test_a_prefix_only_in_flight_binds_less_than_a_cached_one() -> None:
     """Default slack: 1 request over the least loaded for a prefix still being computed
-    there, 3 for a prefix already cached there."""
+    there, 8 for a prefix already cached there."""
     state = cluster("a", "b")
     policy = make_policy("cache-aware", state)
     state.index.add_in_flight("q0", "a", NS, hashes(PROMPT))
@@ -143,41 +145,140 @@ def test_a_prefix_only_in_flight_binds_less_than_a_cached_one() -> None:
     state.in_flight = {"a": 1, "b": 0}
     assert policy.rank(request(PROMPT), ["a", "b"])[0] == "a"
     state.index.apply("a", [stored(1, hashes(PROMPT))])
-    state.in_flight = {"a": 3, "b": 0}
-    assert policy.rank(request(PROMPT), ["a", "b"])[0] == "a"   # cached: 3 over is still worth it
-    state.in_flight = {"a": 4, "b": 0}
+    state.in_flight = {"a": 8, "b": 0}
+    assert policy.rank(request(PROMPT), ["a", "b"])[0] == "a"   # cached: 8 over is still worth it
+    state.in_flight = {"a": 9, "b": 0}
     assert policy.rank(request(PROMPT), ["a", "b"])[0] == "b"
 
 
 def test_a_conversation_continued_holds_its_replica_longer_than_a_shared_prefix() -> None:
     """Default slack 8 for a prompt whose cached prefix runs through an earlier prompt routed
-    to that replica (the next turn of a conversation), 3 for a cached prefix merely shared
-    (the system prompt another conversation left there)."""
+    to that replica (the next turn of a conversation) and for a cached prefix; on a replica
+    ahead in conversations started, 3 for a cached prefix merely shared (the system prompt
+    another conversation left there), still 8 for the conversation."""
     state = cluster("a", "b")
     policy = make_policy("cache-aware", state)
-    turn1 = SYSTEM + [7, 8, 9, 10]                  # 5 full pages
+    turn1 = SYSTEM + list(range(7, 39))             # 12 full pages
     state.routed(request(turn1, "t1"), "a")
     state.finished("t1")
     turn2 = turn1 + [50, 51, 52, 53] + [60, 61]     # + its reply + a new message
     state.index.apply("a", [stored(1, hashes(turn1 + [50, 51, 52, 53]))])
     state.settled("a", ["t1"])
-    assert state.index.continued_pages("a", NS, hashes(turn2)) == 6
-    stranger = SYSTEM + [90, 91, 92, 93]            # shares the system prompt only
-    assert state.index.matched_pages("a", NS, hashes(stranger)) == 4
-    assert state.index.continued_pages("a", NS, hashes(stranger)) == 0
+    assert state.index.continued_pages("a", NS, hashes(turn2)) == 13
+    hot = SYSTEM + list(range(200, 240))            # a prompt cached on a alone, no conversation
+    state.index.apply("a", [stored(2, hashes(hot))])
+    assert state.index.matched_pages("a", NS, hashes(hot)) == 14
+    assert state.index.continued_pages("a", NS, hashes(hot)) == 0
+    state.starts = {"a": 0.0, "b": 0.0}
     state.in_flight = {"a": 8, "b": 0}
     assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "a"
     assert policy.rank(request(turn1, "again"), ["a", "b"])[0] == "a"   # a repeat continues too
-    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
-    state.in_flight = {"a": 4, "b": 0}
-    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "a"
+    state.in_flight = {"a": 9, "b": 0}
+    assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "b"
+    state.starts = {"a": 3.0, "b": 0.0}             # a is ahead
     state.in_flight = {"a": 3, "b": 0}
-    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "a"
+    assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "a"
+    state.in_flight = {"a": 4, "b": 0}
+    assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 8, "b": 0}
+    assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "a"
     state.in_flight = {"a": 9, "b": 0}
     assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "b"
     # Evicted down to the system prompt, the conversation no longer holds the replica.
-    state.index.apply("a", [BlockRemoved(seq=2, namespace=NS, tier="device", hashes=hashes(turn2)[4:])])
+    state.index.apply("a", [BlockRemoved(seq=3, namespace=NS, tier="device", hashes=hashes(turn2)[4:])])
     assert state.index.continued_pages("a", NS, hashes(turn2)) == 0
+
+
+def test_share_counts_conversations_started_not_turns_continued() -> None:
+    """A request that does not continue a conversation its replica holds is a start; starts
+    decay by half over STARTS_HALF_LIFE starts; a replica first seen joins at the least
+    share; a request routed again takes its start back."""
+    state = cluster("a", "b")
+    policy = make_policy("cache-aware", state)
+    turn1 = SYSTEM + [7, 8, 9, 10]
+    assert policy.choose(request(turn1, "t1"), ["a", "b"]) == "a"
+    assert (state.share("a"), state.share("b")) == (1.0, 0.0)
+    state.finished("t1")
+    state.index.apply("a", [stored(1, hashes(turn1 + [50, 51, 52, 53]))])
+    state.settled("a", ["t1"])
+    state.routed(request(turn1 + [50, 51, 52, 53, 60, 61, 62, 63], "t2"), "a")   # its next turn
+    assert state.share("a") == 1.0
+    state.routed(request(turn1, "t1-again"), "a")   # a repeat of a prompt held there: not a start
+    assert state.share("a") == 1.0
+    state.routed(request(SYSTEM + [90, 91, 92, 93], "s"), "a")   # the system prompt only: a start
+    decay = 0.5 ** (1 / STARTS_HALF_LIFE)
+    assert state.share("a") == pytest.approx(decay + 1.0)
+    assert state.share("b") == 0.0
+    assert state.share("c") == 0.0                 # joins at the least share
+    state.routed(request(SYSTEM + [90, 91, 92, 93], "s"), "b")   # Serve sent it elsewhere after all
+    assert state.share("a") == pytest.approx(decay * decay)     # taken back, then one start's decay
+    assert state.share("b") == 1.0
+    state.remove("b")
+    assert "b" not in state.starts
+
+
+def test_a_replica_ahead_in_conversations_draws_only_what_saves_prefill() -> None:
+    """Replica a started 3 conversations lately, b none: a is ahead (3 > 0 * 1.1 + 1). A new
+    conversation whose system prompt both cache goes to b although a has more free pages;
+    so does the early turn of a conversation on a (2 pages to recompute on b); a
+    conversation 8 pages past the system prompt and a prompt only a caches stay on a."""
+    state = cluster("a", "b")
+    state.reports["a"] = ReplicaReport(pages_free=200, pages_total=200)
+    policy = make_policy("cache-aware", state)
+    early = SYSTEM + [7, 8, 9, 10]                   # 5 pages; its next turn has 6
+    late = SYSTEM + list(range(300, 332))            # 12 pages: 8 past the system prompt
+    hot = list(range(200, 240))                      # 10 pages cached on a alone
+    for seq, (tokens, rid) in enumerate([(early, "e"), (late, "l"), (hot, "h")]):
+        state.routed(request(tokens, rid), "a")
+        state.finished(rid)
+        state.index.apply("a", [stored(seq, hashes(tokens + [50, 51, 52, 53]))])
+        state.settled("a", [rid])
+    state.index.apply("b", [stored(9, hashes(SYSTEM))])
+    state.starts = {"a": 3.0, "b": 0.0}
+    stranger = SYSTEM + [90, 91, 92, 93]
+    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(late + [50, 51, 52, 53, 60], "l2"), ["a", "b"])[0] == "a"
+    assert policy.rank(request(hot + [1, 2, 3, 4], "h2"), ["a", "b"])[0] == "a"
+    state.starts = {"a": 1.0, "b": 0.0}             # within the share slack: no longer ahead
+    assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "a"
+    assert policy.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "a"
+
+
+def test_a_replica_ahead_gets_the_tighter_cached_slack_and_a_queue_outranks_it() -> None:
+    """Ahead, a prompt cached only there draws within 3 requests in flight over the least
+    loaded (8 otherwise). Where nothing held draws a request, a replica not ahead wins
+    unless its queue is past the cached slack."""
+    state = cluster("a", "b")
+    policy = make_policy("cache-aware", state)
+    hot = list(range(200, 240))
+    state.index.apply("a", [stored(1, hashes(hot))])
+    state.starts = {"a": 3.0, "b": 0.0}
+    state.in_flight = {"a": 4, "b": 0}
+    assert policy.rank(request(hot, "h"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 3, "b": 0}
+    assert policy.rank(request(hot, "h"), ["a", "b"])[0] == "a"
+    state.starts = {"a": 1.0, "b": 0.0}
+    state.in_flight = {"a": 8, "b": 0}
+    assert policy.rank(request(hot, "h"), ["a", "b"])[0] == "a"
+    nothing = list(range(500, 520))                 # cached nowhere
+    state.starts = {"a": 0.0, "b": 3.0}             # b is ahead, a is not
+    state.in_flight = {"a": 8, "b": 0}
+    assert policy.rank(request(nothing, "n"), ["a", "b"])[0] == "a"
+    state.in_flight = {"a": 9, "b": 0}
+    assert policy.rank(request(nothing, "n"), ["a", "b"])[0] == "b"
+
+
+def test_routing_config_parses_from_the_command_line_form() -> None:
+    config = parse_routing_config("cached_balance_abs=3, share_abs=inf,share_rel=0.5")
+    assert config == CacheAwareConfig(cached_balance_abs=3, share_abs=float("inf"), share_rel=0.5)
+    assert parse_routing_config("") == CacheAwareConfig()
+    for bad, message in [("no_such=1", "expected field=value"), ("share_abs", "expected field=value"),
+                         ("cached_balance_abs=1.5", "needs a number")]:
+        with pytest.raises(ValueError, match=message):
+            parse_routing_config(bad)
 
 
 def test_prompt_ends_are_bounded_and_forgotten_with_their_replica(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,15 +120,18 @@ class CacheIndex:
             matched += 1
         return matched
 
-    def continued_pages(self, replica: str, namespace: str, hashes: Sequence[int]) -> int:
-        """Leading pages of a prompt the replica caches, if they run through the whole of an
-        earlier prompt routed there: the prompt continues (or repeats) that conversation.
-        0 otherwise, e.g. when only a prefix shared by many (a system prompt) is cached."""
+    def continued_pages(self, replica: str, namespace: str, hashes: Sequence[int], *,
+                        in_flight: bool = False) -> int:
+        """Leading pages of a prompt the replica caches (or, with `in_flight`, is computing),
+        if they run through the whole of an earlier prompt routed there: the prompt continues
+        (or repeats) that conversation. 0 otherwise, e.g. when only a prefix shared by many
+        (a system prompt) is held."""
         cached = self._cached.get(replica, {}).get(namespace, _EMPTY)
+        flying = self._in_flight.get(replica, {}).get(namespace, _EMPTY) if in_flight else _EMPTY
         ends = self._prompt_ends.get(replica, {})
         matched = through_an_end = 0
         for h in hashes:
-            if h not in cached:
+            if h not in cached and h not in flying:
                 break
             matched += 1
             if (namespace, h) in ends:

@@ -8,19 +8,26 @@ replica each session is on. A `RoutingPolicy` ranks the live replicas for one re
 
 The cache-aware rule (`CacheAwarePolicy`), in order:
 1. A request of a session goes to the session's replica while that replica is alive.
-2. Balance guard: a replica is *eligible* only if its in-flight requests are at most
-   `min + max(balance_abs, balance_rel * min)`, where `min` is the least loaded replica's
-   count. One hot prefix therefore cannot pile onto one replica: past the slack, the next
-   request goes to another replica, which computes the prefix once and then shares it too.
-3. Among eligible replicas, the one holding the longest prefix of the prompt (cached pages
-   from its events, or pages of a request in flight there), if that is at least
-   `min_match_pages` pages; ties go to the less loaded, then to the one with more free pages.
-   The slack depends on what is held: `balance_abs` for pages in flight, `cached_balance_abs`
-   for cached ones, `continuation_balance_abs` for a cached prefix that runs through an
-   earlier prompt routed there (the next turn of a conversation, which anywhere else would
-   be recomputed whole, where a shared system prompt is computed once per replica).
-4. Otherwise (nothing useful cached anywhere): the least loaded eligible replica, ties to
-   the one with the most free pages (least cache to evict), then the fewest cached pages.
+2. Balance guard: what a replica holds draws a request only while its in-flight requests
+   are at most `min + max(slack, balance_rel * min)`, where `min` is the least loaded
+   replica's count. One hot prefix therefore cannot pile onto one replica: past the slack,
+   the next request goes to another replica, which computes the prefix once and then shares
+   it too. The slack depends on what is held: `balance_abs` for pages in flight,
+   `cached_balance_abs` for cached ones, `continuation_balance_abs` for a cached prefix that
+   runs through an earlier prompt routed there (the next turn of a conversation, which
+   anywhere else would be recomputed whole, where a shared system prompt is computed once
+   per replica).
+3. Conversation guard: a replica that started more conversations lately than the least
+   (`ClusterState.share`, by `share_abs` and `share_rel`) is *ahead*. It draws a request
+   only if it saves `share_keep_pages` of prefill over every replica not ahead, and its
+   cached slack is `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
+   not the conversations a replica holds, whose later turns all follow them.
+4. Among the replicas a held prefix draws, the longest prefix (cached pages from its
+   events, or pages of a request in flight there), if at least `min_match_pages` pages;
+   ties go as in 5.
+5. Otherwise (nothing useful held anywhere): a replica within the cached slack of the least
+   loaded, then one not ahead, the least loaded, the one with the most free pages (least
+   cache to evict), then the fewest cached pages.
 
 Baselines (for benchmarks): `power-of-two` (two random replicas, the less loaded: Ray
 Serve's default), `round-robin`, and `prefix-affinity` — a re-implementation of Ray Serve
@@ -43,6 +50,8 @@ from radixserve.cluster.index import CacheIndex
 ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
 ENDED_MEMORY = 65536  # finished request ids remembered (see ClusterState.finished)
 SETTLE_GRACE_BATCHES = 40  # event batches of a replica after which an unsettled request is dropped
+STARTS_HALF_LIFE = 1024  # conversations started (anywhere) over which a replica's count of starts halves
+_STARTS_DECAY = 0.5 ** (1 / STARTS_HALF_LIFE)
 
 
 @dataclass(frozen=True)
@@ -95,9 +104,10 @@ class ClusterState:
     index: CacheIndex = field(default_factory=CacheIndex)
     in_flight: dict[str, int] = field(default_factory=dict)      # replica → requests routed, not finished
     routed_total: dict[str, int] = field(default_factory=dict)   # replica → requests routed ever
+    starts: dict[str, float] = field(default_factory=dict)        # replica → conversations started, decayed (`share`)
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
-    _placed: dict[str, tuple[str, str]] = field(default_factory=dict)  # request id → (replica, settle key)
+    _placed: dict[str, tuple[str, str, bool]] = field(default_factory=dict)  # request id → (replica, settle key, a start)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
     _batches: dict[str, int] = field(default_factory=dict)        # replica → event batches applied
     _unsettled: dict[str, tuple[str, int]] = field(default_factory=dict)  # settle key → (replica, batch)
@@ -110,9 +120,15 @@ class ClusterState:
         if (placed is not None and placed[0] == replica) or request.request_id in self._ended:
             return  # already there, or a late report of a request that has finished
         self._unroute(request.request_id)
-        self._placed[request.request_id] = (replica, request.settle_key)
+        start = not self.index.continued_pages(replica, request.namespace, request.page_hashes, in_flight=True)
+        self._placed[request.request_id] = (replica, request.settle_key, start)
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
+        if start:
+            self.share(replica)  # a replica first routed to joins at the least share
+            for known in self.starts:
+                self.starts[known] *= _STARTS_DECAY
+            self.starts[replica] += 1.0
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
         self.index.add_prompt_end(replica, request.namespace, request.page_hashes)
         if request.session_id is not None:
@@ -127,7 +143,7 @@ class ClusterState:
         would count as in flight forever)."""
         placed = self._release(request_id)
         if placed is not None:
-            replica, key = placed
+            replica, key, _ = placed
             if self.index.in_flight_on(key) is not None:
                 self._unsettled[key] = (replica, self._batches.get(replica, 0))
         self._ended[request_id] = None
@@ -152,9 +168,9 @@ class ClusterState:
             if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
                 self.index.end_in_flight(key)
 
-    def _release(self, request_id: str) -> tuple[str, str] | None:
+    def _release(self, request_id: str) -> tuple[str, str, bool] | None:
         """Forgets where a request was placed and drops its replica's load; returns
-        (replica, settle key), or None if it was not placed."""
+        (replica, settle key, whether it started a conversation), or None if it was not placed."""
         placed = self._placed.pop(request_id, None)
         if placed is not None and placed[0] in self.in_flight:
             self.in_flight[placed[0]] = max(0, self.in_flight[placed[0]] - 1)
@@ -165,26 +181,41 @@ class ClusterState:
         placed = self._release(request_id)
         if placed is None:
             return
-        replica, key = placed
+        replica, key, start = placed
         if replica in self.routed_total:
             self.routed_total[replica] -= 1
+        if start and replica in self.starts:
+            self.starts[replica] = max(0.0, self.starts[replica] - 1.0)
         self.index.end_in_flight(key)
 
     def remove(self, replica: str) -> None:
         """A replica died or left: forget its cache, its load and its sessions."""
         self.index.forget(replica)
         self.in_flight.pop(replica, None)
+        self.starts.pop(replica, None)
         self.reports.pop(replica, None)
         self._batches.pop(replica, None)
         for session in [s for s, r in self.sessions.items() if r == replica]:
             del self.sessions[session]
-        for request_id in [q for q, (r, _) in self._placed.items() if r == replica]:
+        for request_id in [q for q, (r, _, _) in self._placed.items() if r == replica]:
             del self._placed[request_id]
         for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
             del self._unsettled[key]
 
     def load(self, replica: str) -> int:
         return self.in_flight.get(replica, 0)
+
+    def share(self, replica: str) -> float:
+        """Conversations started on `replica` lately: requests routed there that do not
+        continue one it holds (`CacheIndex.continued_pages`), each counting 1 and halving over
+        STARTS_HALF_LIFE starts anywhere. Starts, not requests, because a conversation's
+        later turns follow it: balancing where conversations start balances the requests
+        they bring, while a replica that runs slower (and so gets fewer turns per second)
+        would look underused by a count of requests and draw ever more conversations. A
+        replica first seen joins at the least share, so one that joins late is not flooded."""
+        if replica not in self.starts:
+            self.starts[replica] = min(self.starts.values(), default=0.0)
+        return self.starts[replica]
 
     def free_pages(self, replica: str) -> int:
         report = self.reports.get(replica)
@@ -216,14 +247,36 @@ class CacheAwareConfig:
     """Thresholds of the cache-aware rule (measured in docs/benchmark.md)."""
 
     balance_abs: int = 1           # in-flight requests over the least loaded replica's, always allowed
-    cached_balance_abs: int = 3    # ... when the prefix is already cached there (not only in flight)
+    cached_balance_abs: int = 8    # ... when the prefix is already cached there (not only in flight)
+    ahead_cached_balance_abs: int = 3  # ... the same on a replica *ahead* in conversations started lately
     continuation_balance_abs: int = 8  # ... when the cached prefix continues a conversation held there
     balance_rel: float = 0.25      # ... or this fraction of the least loaded replica's count
+    share_abs: float = 1.0         # conversations started lately (`ClusterState.share`) over the least ...
+    share_rel: float = 0.1         # ... plus this fraction of the least: past both, a replica is *ahead*
+    share_keep_pages: int = 8      # ... and draws only requests it saves this many pages of prefill
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
 
 
+def parse_routing_config(text: str) -> CacheAwareConfig:
+    """`CacheAwareConfig` from "field=value,..." (the benchmarks' --router-kwargs)."""
+    from dataclasses import fields
+
+    kinds = {f.name: f.type for f in fields(CacheAwareConfig)}
+    values: dict[str, float | int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in kinds:
+            raise ValueError(f"router kwargs: expected field=value with a field of {sorted(kinds)}, got {item!r}")
+        try:
+            values[name] = int(value) if kinds[name] == "int" else float(value)
+        except ValueError:
+            raise ValueError(f"router kwargs: {name} needs a number, got {value!r}") from None
+    return CacheAwareConfig(**values)
+
+
 class CacheAwarePolicy(RoutingPolicy):
-    """Sessions, then the longest prefix a replica holds within the balance guard, then load."""
+    """Sessions, then the longest prefix a replica holds within the balance and conversation
+    guards, then load (the rule in the module docstring)."""
 
     name = "cache-aware"
 
@@ -236,9 +289,11 @@ class CacheAwarePolicy(RoutingPolicy):
         sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
         least = min(state.load(r) for r in replicas)
         relative = int(cfg.balance_rel * least)
+        least_share = min(state.share(r) for r in replicas)
+        share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
         index, namespace, hashes = state.index, request.namespace, request.page_hashes
 
-        def useful(replica: str) -> int:
+        def held(replica: str) -> int:
             # What a replica holds counts only while it is not too far ahead of the least
             # loaded one: a prefix merely in flight there within the tight slack, a prefix
             # already cached within a looser one (a burst of new sessions sharing only a
@@ -249,7 +304,7 @@ class CacheAwarePolicy(RoutingPolicy):
             over = state.load(replica) - least
             if over <= max(cfg.balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes)
-            elif over <= max(cfg.cached_balance_abs, relative):
+            elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, in_flight=False)
             elif over <= max(cfg.continuation_balance_abs, relative):
                 matched = index.continued_pages(replica, namespace, hashes)
@@ -257,9 +312,23 @@ class CacheAwarePolicy(RoutingPolicy):
                 matched = 0
             return matched if matched >= cfg.min_match_pages else 0
 
+        ahead = {r for r in replicas if state.share(r) > share_limit}
+        holds = {r: held(r) for r in replicas}
+        # A replica ahead in conversations started lately draws a request only if it saves
+        # at least `share_keep_pages` of prefill over every replica not ahead. Otherwise new
+        # conversations (whose shared system prompt every replica caches) and the early turns
+        # of one, cheap to move, stay where first turns happened to pile up, and the replica
+        # serves their later turns too. A hot prefix cached there alone still wins.
+        best_elsewhere = max((holds[r] for r in replicas if r not in ahead), default=0)
+        useful = {r: 0 if r in ahead and holds[r] - best_elsewhere < cfg.share_keep_pages else holds[r]
+                  for r in replicas}
+
         def key(replica: str) -> tuple:
-            return (replica != sticky, -useful(replica), state.load(replica), -state.free_pages(replica),
-                    index.cached_pages(replica))
+            # Conversations started count after a queue past the cached slack: where nothing
+            # held draws the request, a short queue goes before a conversation fewer.
+            queued = state.load(replica) - least > max(cfg.cached_balance_abs, relative)
+            return (replica != sticky, -useful[replica], queued, replica in ahead, state.load(replica),
+                    -state.free_pages(replica), index.cached_pages(replica))
 
         return sorted(replicas, key=key)
 
