@@ -45,3 +45,27 @@ sweep fewshot --workload fewshot --capacity-tokens 3k,4k,8k,16k --study
 # The host tier on chat and agent sessions: a device pool too small for them, host 0..4x it.
 sweep multiturn-host --workload multiturn --capacity-tokens 16k --host-capacity-tokens 0,16k,32k,64k
 sweep agent-host --workload agent --capacity-tokens 16k --host-capacity-tokens 0,16k,32k,64k
+
+# Routing across 4 replicas, served-like: the CPU-sized "large" workloads of
+# bench/cluster_routers.py, 4 x 5,120 tokens against 1 x 20,480, released by a closed loop of
+# 16 clients as `bench serve` sends them; all replicas at one speed, then two at half speed
+# (replicas sharing cores). "no-guard" is the rule without its conversation guard.
+cluster() {  # cluster NAME WORKLOAD ARGS SPEEDS [EXTRA...]
+  local name=$1 workload=$2 args=$3 speeds=$4; shift 4
+  python -m radixserve bench simulate --workload "$workload" --workload-args "$args,vocab_size=2048" \
+    --capacity-tokens 5120 --replicas 4 --concurrency 16 --replica-speeds "$speeds" \
+    --max-batch-tokens 2048 --prefill-tokens-per-s 20000 --no-progress \
+    --json "$OUT/$name.json" --markdown "$OUT/$name.md" "$@"
+}
+GSP=num_groups=16,prompts_per_group=64,system_len=512,question_len=64,output_len=8
+MULTITURN=num_clients=32,num_turns=6,num_system_prompts=4,system_len=256,message_len=64,output_len=8
+AGENT=num_agents=16,num_steps=6,system_len=512,task_len=64,tool_len=96,output_len=8
+for speeds in 1,1,1,1 1,0.5,1,0.5; do
+  for workload in gsp multiturn agent; do
+    args=GSP; [ "$workload" = multiturn ] && args=MULTITURN; [ "$workload" = agent ] && args=AGENT
+    cluster "cluster-$workload-$speeds" "$workload" "${!args}" "$speeds" \
+      --router cache-aware,power-of-two,prefix-affinity
+    cluster "cluster-$workload-$speeds-no-guard" "$workload" "${!args}" "$speeds" \
+      --router cache-aware --router-kwargs share_abs=inf,cached_balance_abs=3
+  done
+done

@@ -110,6 +110,15 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="with --replicas: cache-aware, power-of-two, round-robin, prefix-affinity "
                         "(the routing code the server uses; several: compared, the first reported "
                         "at the top of the JSON; default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="with --replicas: release the requests as `bench serve` does, by a closed loop "
+                        "of N clients taking them in order (default: as the workload says)")
+    p.add_argument("--router-kwargs", default="", metavar="K=V,...",
+                   help="with --replicas: the cache-aware rule's thresholds (CacheAwareConfig's fields), "
+                        "e.g. cached_balance_abs=3,share_abs=inf")
+    p.add_argument("--replica-speeds", default=None, metavar="S,S,...",
+                   help="with --replicas: each replica's speed relative to the simulated timings, "
+                        "e.g. 1,1,1,0.5 (replicas sharing cores; default: all 1)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--markdown", type=Path, help="write the hit-rate table here")
     p.add_argument("--plot", type=Path, help="write the hit rate vs capacity plot (PNG) here")
@@ -253,6 +262,9 @@ def simulate_command(args: argparse.Namespace) -> int:
             _say("error: --host-capacity-tokens is not simulated with --replicas yet")
             return 2
         return _simulate_cluster(args, workload, capacities)
+    if args.concurrency is not None or args.replica_speeds is not None or args.router_kwargs:
+        _say("error: --concurrency, --replica-speeds and --router-kwargs go with --replicas")
+        return 2
     eviction, retention = EVICTION_POLICIES[args.eviction_policy]
     main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.schedule_policy,
                      eviction_policy=eviction, sequential=args.sequential,
@@ -319,12 +331,27 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
     """`bench simulate --replicas N --router R`: N simulated replicas behind the router."""
     from radixserve.benchmark.cluster_sim import cluster_table, run_cluster_suite
     from radixserve.benchmark.simulate import SimConfig
-    from radixserve.cluster.routing import ROUTERS
+    from radixserve.cluster.routing import ROUTERS, parse_routing_config
 
     routers = args.router.split(",")
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown or args.sequential or args.replicas < 1:
         _say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1, without --sequential")
+        return 2
+    try:
+        speeds = [float(x) for x in args.replica_speeds.split(",")] if args.replica_speeds else None
+    except ValueError:
+        speeds = []
+    if speeds is not None and (len(speeds) != args.replicas or min(speeds, default=0) <= 0):
+        _say(f"error: --replica-speeds needs {args.replicas} positive numbers, got {args.replica_speeds!r}")
+        return 2
+    if args.concurrency is not None and args.concurrency < 1:
+        _say("error: --concurrency must be >= 1")
+        return 2
+    try:
+        routing = parse_routing_config(args.router_kwargs)
+    except ValueError as error:
+        _say(f"error: {error}")
         return 2
     eviction, retention = EVICTION_POLICIES[args.eviction_policy]
     results = []
@@ -333,7 +360,8 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
                            eviction_policy=eviction, max_running=args.max_running,
                            max_batch_tokens=args.max_batch_tokens, prefill_tokens_per_s=args.prefill_tokens_per_s,
                            decode_step_s=args.decode_step_ms / 1000)
-        result = run_cluster_suite(workload, config, args.replicas, routers, retention=retention, seed=args.seed)
+        result = run_cluster_suite(workload, config, args.replicas, routers, retention=retention, seed=args.seed,
+                                   concurrency=args.concurrency, speeds=speeds, routing=routing)
         results.append(result)
         _say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
             f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f})" for r in result["runs"])

@@ -7,6 +7,10 @@ requests in flight, free pages. A released request is routed at its release time
 `radixserve.cluster.routing` policy — the classes the served router uses — and handed to
 that replica's loop. Replicas advance in parallel: the loop always runs the earliest event,
 a release or the step of the replica whose clock is behind.
+
+Requests are released as the workload says (its arrival times; a chat's next turn when the
+previous one finished), or, with `concurrency`, as `bench serve`'s closed loop releases them:
+that many clients take the requests in order, each waiting for a request's parent first.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -52,15 +58,53 @@ class ClusterSimResult:
         return out
 
 
+class ClosedLoop:
+    """`bench serve`'s closed loop, in simulated time: `concurrency` clients take the
+    workload's requests in order; a client whose request has a parent that has not finished
+    waits for it (holding its place), then sends it. Arrival times are ignored."""
+
+    def __init__(self, workload: Workload, concurrency: int) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+        self._queue = deque(workload.requests)
+        self._done: set[int] = set()
+        self._blocked: dict[int, list[BenchRequest]] = {}  # parent index → requests waiting for it
+        self._concurrency = concurrency
+
+    def start(self) -> list[tuple[float, int]]:
+        """The first releases, at t=0: (time, request index)."""
+        return [release for _ in range(self._concurrency) for release in self._take(0.0)]
+
+    def ended(self, request: BenchRequest, now: float) -> list[tuple[float, int]]:
+        """`request` finished at `now`: the requests that wait for it go, and its client
+        takes the next one."""
+        self._done.add(request.index)
+        released = [(now, child.index) for child in self._blocked.pop(request.index, [])]
+        return released + self._take(now)
+
+    def _take(self, now: float) -> list[tuple[float, int]]:
+        if not self._queue:
+            return []
+        request = self._queue.popleft()
+        if request.parent is None or request.parent in self._done:
+            return [(now, request.index)]
+        self._blocked.setdefault(request.parent, []).append(request)
+        return []
+
+
 class ClusterSimulator:
     """`replicas` Simulators of `config` (capacity per replica) behind one router."""
 
     def __init__(self, workload: Workload, config: SimConfig, replicas: int, router: str, *,
-                 retention: str = "default", seed: int = 0, routing: CacheAwareConfig | None = None) -> None:
+                 retention: str = "default", seed: int = 0, routing: CacheAwareConfig | None = None,
+                 concurrency: int | None = None, speeds: Sequence[float] | None = None) -> None:
         if config.sequential:
             raise ValueError("sequential: a cluster runs the serving loop")
         if replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {replicas}")
+        speeds = list(speeds) if speeds is not None else [1.0] * replicas
+        if len(speeds) != replicas or min(speeds) <= 0:
+            raise ValueError(f"speeds: one positive factor per replica, got {speeds}")
         self.workload = workload
         self.config = config
         self.router = router
@@ -72,14 +116,22 @@ class ClusterSimulator:
             hub = CacheEventHub(config.page_size)
             hub.subscribe(lambda event, key=key: self.state.index.apply(key, [event]))
             rule = make_retention(retention, page_size=config.page_size, capacity_tokens=config.capacity_tokens)
-            self.sims[key] = Simulator(workload, replace(config, retention=rule), events=hub)
+            # A replica of speed s runs every step in 1/s of the time (replicas sharing cores).
+            timing = dict(decode_step_s=config.decode_step_s / speeds[i],
+                          prefill_tokens_per_s=config.prefill_tokens_per_s * speeds[i])
+            self.sims[key] = Simulator(workload, replace(config, retention=rule, **timing), events=hub)
             self.state.index.apply(key, [])
         self.served_by: dict[int, str] = {}
+        self.closed_loop = ClosedLoop(workload, concurrency) if concurrency is not None else None
 
     def run(self) -> ClusterSimResult:
         start = time.perf_counter()
         requests = self.workload.requests
-        releases, dependents = release_plan(self.workload)
+        if self.closed_loop is not None:
+            releases, dependents = self.closed_loop.start(), {}
+            heapq.heapify(releases)
+        else:
+            releases, dependents = release_plan(self.workload)
         while True:
             busy = [(sim.now, key) for key, sim in self.sims.items() if sim.busy]
             next_release = releases[0][0] if releases else math.inf
@@ -96,6 +148,9 @@ class ClusterSimulator:
                 # Its events were applied as they happened: it is settled when it finishes.
                 self.state.finished(str(ended.index))
                 self.state.settled(key, [str(ended.index)])
+                if self.closed_loop is not None:
+                    for release in self.closed_loop.ended(ended, sim.now):
+                        heapq.heappush(releases, release)
                 for child in dependents.pop(ended.index, []):
                     heapq.heappush(releases, (max(child.arrival_time, sim.now), child.index))
         return self._result(time.perf_counter() - start)
@@ -128,28 +183,39 @@ class ClusterSimulator:
 
 
 def simulate_cluster(workload: Workload, config: SimConfig, replicas: int, router: str, *,
-                     retention: str = "default", seed: int = 0,
-                     routing: CacheAwareConfig | None = None) -> ClusterSimResult:
+                     retention: str = "default", seed: int = 0, routing: CacheAwareConfig | None = None,
+                     concurrency: int | None = None, speeds: Sequence[float] | None = None) -> ClusterSimResult:
     """Runs `workload` through `replicas` simulated replicas behind `router` (fresh caches;
-    each replica its own `retention` rule, by name as in suite.make_retention)."""
+    each replica its own `retention` rule, by name as in suite.make_retention); with
+    `concurrency`, released by a closed loop of that many clients (`ClosedLoop`); `speeds`:
+    each replica's speed relative to `config`'s timings (default: all 1)."""
     return ClusterSimulator(workload, config, replicas, router, retention=retention, seed=seed,
-                            routing=routing).run()
+                            routing=routing, concurrency=concurrency, speeds=speeds).run()
 
 
 def run_cluster_suite(workload: Workload, config: SimConfig, replicas: int, routers: list[str], *,
-                      retention: str = "default", seed: int = 0) -> dict[str, object]:
+                      retention: str = "default", seed: int = 0, concurrency: int | None = None,
+                      speeds: Sequence[float] | None = None,
+                      routing: CacheAwareConfig | None = None) -> dict[str, object]:
     """What `bench simulate --replicas N --router R[,R...]` reports at one capacity per replica:
     the first router's figures at the top (`hit_rate`, `replicas`, `router`,
     `replica_imbalance`), every router in `runs`, and the ideal — one replica holding N
-    times the memory — as `ideal_hit_rate`."""
-    rule = make_retention(retention, page_size=config.page_size, capacity_tokens=config.capacity_tokens * replicas)
-    ideal = simulate(workload, replace(config, capacity_tokens=config.capacity_tokens * replicas, retention=rule))
-    runs = [simulate_cluster(workload, config, replicas, router, retention=retention, seed=seed).to_dict()
+    times the memory, at speed 1, released the same way — as `ideal_hit_rate`. `routing`:
+    the cache-aware rule's thresholds (default CacheAwareConfig())."""
+    big = replace(config, capacity_tokens=config.capacity_tokens * replicas)
+    if concurrency is None:
+        rule = make_retention(retention, page_size=config.page_size, capacity_tokens=big.capacity_tokens)
+        ideal = simulate(workload, replace(big, retention=rule))
+    else:  # the plain simulator has no closed loop: one replica behind a (trivial) router
+        ideal = simulate_cluster(workload, big, 1, "round-robin", retention=retention, concurrency=concurrency).result
+    runs = [simulate_cluster(workload, config, replicas, router, retention=retention, seed=seed,
+                             concurrency=concurrency, speeds=speeds, routing=routing).to_dict()
             for router in routers]
     main = runs[0]
     return {"workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
             "prompt_tokens": workload.prompt_tokens, "page_size": config.page_size,
             "capacity_tokens": config.capacity_tokens, "replicas": replicas, "router": main["router"],
+            "concurrency": concurrency, "replica_speeds": list(speeds) if speeds is not None else None,
             "hit_rate": main["hit_rate"], "replica_imbalance": main["replica_imbalance"],
             "ideal_hit_rate": ideal.hit_rate, "ideal": ideal.to_dict(), "runs": runs}
 
