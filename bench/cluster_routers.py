@@ -25,7 +25,7 @@ from typing import Any
 from radixserve.benchmark.serve import run_serve_benchmark
 from radixserve.benchmark.workloads import make_workload
 from radixserve.cluster.deploy import APP_NAME, ClusterOptions, deploy, start_ray
-from radixserve.cluster.routing import CacheAwareConfig, parse_routing_config
+from radixserve.cluster.routing import parse_routing_config
 from radixserve.models.demo import DEMO_VOCAB_SIZE
 
 # CPU-sized versions of the three workloads (the demo model prefills ~10-30k tokens/s here).
@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_ray(num_cpus=max(args.replicas, 2) + 1)
     engine = dict(model="demo", page_size=16, max_batch_tokens=2048)
-    default = CacheAwareConfig()
-    router_kwargs = {k: v for k, v in asdict(parse_routing_config(args.router_kwargs)).items()
-                     if v != getattr(default, k)}
+    router_kwargs = asdict(parse_routing_config(args.router_kwargs)) if args.router_kwargs else {}
     results: dict[str, dict[str, Any]] = {}
     for workload in args.workloads.split(","):
         configs = {f"1 replica, {args.replicas}x memory": ClusterOptions(

@@ -291,6 +291,7 @@ class CacheAwarePolicy(RoutingPolicy):
         relative = int(cfg.balance_rel * least)
         least_share = min(state.share(r) for r in replicas)
         share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
+        ahead = {r for r in replicas if state.share(r) > share_limit}
         index, namespace, hashes = state.index, request.namespace, request.page_hashes
 
         def held(replica: str) -> int:
@@ -312,7 +313,6 @@ class CacheAwarePolicy(RoutingPolicy):
                 matched = 0
             return matched if matched >= cfg.min_match_pages else 0
 
-        ahead = {r for r in replicas if state.share(r) > share_limit}
         holds = {r: held(r) for r in replicas}
         # A replica ahead in conversations started lately draws a request only if it saves
         # at least `share_keep_pages` of prefill over every replica not ahead. Otherwise new
