@@ -153,10 +153,11 @@ RAGGED_SHAPES = [  # (kv_len, num_new)
 ]
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize(("num_qo_heads", "num_kv_heads"), [(4, 2), (4, 4), (8, 1)])
 def test_torch_backend_matches_dense_attention(
-    page_size: int, num_qo_heads: int, num_kv_heads: int
+    page_size: int, num_qo_heads: int, num_kv_heads: int, use_kernel: bool
 ) -> None:
     rng = random.Random(page_size * 100 + num_qo_heads * 10 + num_kv_heads)
     shapes = RAGGED_SHAPES[:]
@@ -171,7 +172,7 @@ def test_torch_backend_matches_dense_attention(
     sm_scale = 0.7 / math.sqrt(head_dim)
 
     meta = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
-    backend = TorchBackend()
+    backend = TorchBackend(use_kernel=use_kernel)
     backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, dtype=torch.float32)
     out = backend.forward(q, k_cache, v_cache, sm_scale=sm_scale)
@@ -181,8 +182,9 @@ def test_torch_backend_matches_dense_attention(
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_decode_path_matches_dense_attention(page_size: int) -> None:
+def test_decode_path_matches_dense_attention(page_size: int, use_kernel: bool) -> None:
     rng = random.Random(page_size)
     shapes = [(rng.randint(1, 70), 1) for _ in range(7)]
     generator = torch.Generator().manual_seed(page_size)
@@ -192,7 +194,7 @@ def test_decode_path_matches_dense_attention(page_size: int) -> None:
     q = torch.randn(len(shapes), 4, 16, generator=generator)
     meta = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
     assert meta.is_decode
-    backend = TorchBackend()
+    backend = TorchBackend(use_kernel=use_kernel)
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     out = backend.forward(q, k_cache, v_cache, sm_scale=0.25)
     expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, 0.25)
@@ -202,9 +204,11 @@ def test_decode_path_matches_dense_attention(page_size: int) -> None:
 WINDOW_SHAPES = RAGGED_SHAPES + [(70, 1), (64, 40), (20, 20), (33, 1), (100, 3)]
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [1, 5, 16, 32])
-def test_windowed_layers_match_dense_sliding_window_attention(page_size: int, window: int) -> None:
+def test_windowed_layers_match_dense_sliding_window_attention(page_size: int, window: int,
+                                                              use_kernel: bool) -> None:
     """One plan for a full and a windowed layer (Qwen2 with max_window_layers): each forward
     equals dense attention with its own mask, on NaN caches."""
     rng = random.Random(page_size * 1000 + window)
@@ -215,7 +219,7 @@ def test_windowed_layers_match_dense_sliding_window_attention(page_size: int, wi
     k_cache, v_cache = fill_caches(tables, kv_lens, num_pages, page_size, 2, 16, torch.float32, generator)
     q = torch.randn(sum(num_new), 4, 16, generator=generator)
     meta = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
-    backend = TorchBackend()
+    backend = TorchBackend(use_kernel=use_kernel)
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                  windows=[None, window])
     for layer_window in (None, window):

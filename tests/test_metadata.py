@@ -97,7 +97,7 @@ def test_groups_bound_padding_and_gather_size_and_stay_exact(monkeypatch: pytest
     k_cache, v_cache = fill_caches(tables, kv_lens, num_pages, 4, 2, 8, torch.float32, generator)
     q = torch.randn(sum(num_new), 4, 8, generator=generator)
     meta = AttentionMetadata.build(tables, kv_lens, num_new, 4, "cpu")
-    backend = TorchBackend()
+    backend = TorchBackend(use_kernel=False)  # the gather path's groups, decodes included
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     groups = backend._groups[None] if backend._groups is not None else None
     assert groups is not None and len(groups) >= 4

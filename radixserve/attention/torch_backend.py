@@ -1,5 +1,11 @@
 """Reference paged attention in plain torch: runs on any device, takes FlashInfer's inputs.
 
+Decoding sequences on the CPU in float32 run the compiled kernel of `cpu_kernel`, which reads
+their keys and values in place from the pages (1.5-2x faster than gathering them, and no
+copy of the cache however large the batch). Everything else, and decoding where the kernel
+is unavailable (another device or dtype, no C compiler, `RADIXSERVE_CPU_KERNEL=0`), takes
+the path below.
+
 Torch has no paged-attention kernel, so each layer gathers the keys and values a sequence
 attends to and calls `scaled_dot_product_attention`. What this backend avoids is the cost
 around that:
@@ -41,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from radixserve.attention import cpu_kernel
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, HostIndices
 
 MAX_PADDING = 0.125  # a group's padded attention area may exceed its real area by this much
@@ -64,12 +71,18 @@ class _Group:
 
 
 class TorchBackend(AttentionBackend):
-    """Paged attention via grouped gathers + SDPA; the default everywhere but CUDA with
-    FlashInfer. See the module docstring."""
+    """Paged attention via the CPU kernel for decodes and grouped gathers + SDPA for the
+    rest; the default everywhere but CUDA with FlashInfer. See the module docstring.
 
-    def __init__(self) -> None:
+    `use_kernel=False` keeps every sequence on the gather path (to compare the two)."""
+
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.use_kernel = use_kernel
         self._groups: dict[int | None, list[_Group]] | None = None  # by window
+        self._kernel_rows: dict[int | None, cpu_kernel.KernelRows] = {}  # decodes, by window
         self._workspace: Tensor | None = None
+        self._scratch: Tensor | None = None
+        self._kernel_indices: Tensor | None = None
 
     def plan(
         self,
@@ -85,16 +98,26 @@ class TorchBackend(AttentionBackend):
         per window in `windows`."""
         host = meta.host
         row_elements = num_kv_heads * head_dim
+        device = meta.positions.device
+        kernel = (self.use_kernel and device.type == "cpu" and dtype == torch.float32
+                  and cpu_kernel.load() is not None)
         groups: dict[int | None, list[_Group]] = {}
+        kernel_rows: dict[int | None, cpu_kernel.KernelRows] = {}
         longest = int(host.kv_lens.max(initial=0))
         for window in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
             if window is not None and window < 1:
                 raise ValueError(f"a sliding window must be >= 1 token, got {window}")
             if window is not None and window >= longest and None in groups:
                 groups[window] = groups[None]  # the window cuts no sequence of this step
+                if None in kernel_rows:
+                    kernel_rows[window] = kernel_rows[None]
                 continue
-            groups[window] = _plan_window(host, meta.page_size, meta.positions.device, row_elements, window)
+            groups[window], rows = _plan_window(host, meta.page_size, device, row_elements, window, kernel)
+            if rows is not None:
+                kernel_rows[window] = rows
         self._groups = groups
+        self._kernel_rows = kernel_rows
+        self._kernel_indices = meta.kv_indices.contiguous()
 
     def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float,
                 window: int | None = None) -> Tensor:
@@ -110,6 +133,15 @@ class TorchBackend(AttentionBackend):
         keys = k_cache.view(-1, num_kv_heads * head_dim)
         values = v_cache.view(-1, num_kv_heads * head_dim)
         out = torch.empty_like(q)
+        rows = self._kernel_rows.get(window)
+        if rows is not None:
+            if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+                raise ValueError("the CPU attention kernel needs contiguous q and caches")
+            elements = cpu_kernel.scratch_elements(rows, num_qo_heads, head_dim)
+            if self._scratch is None or self._scratch.numel() < elements:
+                self._scratch = torch.empty(elements, dtype=torch.float32)
+            cpu_kernel.paged_attention(q, k_cache, v_cache, self._kernel_indices, rows, out,
+                                       scale=sm_scale, scratch=self._scratch)
         for group in self._groups[window]:
             n, num_q, num_k = group.num_seqs, group.num_queries, group.num_keys
             k_buf, v_buf = self._buffers(n * num_k * num_kv_heads * head_dim, k_cache)
@@ -146,8 +178,9 @@ class TorchBackend(AttentionBackend):
 
 
 def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_elements: int,
-                 window: int | None) -> list[_Group]:
-    """The groups of one window (None: full attention) over the sequences with new tokens."""
+                 window: int | None, kernel: bool) -> tuple[list[_Group], cpu_kernel.KernelRows | None]:
+    """The groups of one window (None: full attention) over the sequences with new tokens;
+    with `kernel`, decoding sequences are left out of them and returned as kernel rows."""
     qo_lens, kv_lens = host.qo_lens, host.kv_lens
     # Each sequence's first key any of its queries sees, counted from its first held page
     # (full attention: position 0, before the released pages if there are any).
@@ -167,12 +200,22 @@ def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_el
         fresh &= qo_lens <= window
     prefilling = np.flatnonzero((qo_lens > 1) & ~fresh)
     by_length = [np.flatnonzero(fresh & (qo_lens == n)) for n in np.unique(qo_lens[fresh]).tolist()]
+    rows = None
+    if kernel and decoding.size:
+        # A decode's one query sees keys key_start .. kv_len - 1 of its held pages.
+        def column(array: np.ndarray) -> Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+
+        rows = cpu_kernel.KernelRows(column(host.qo_indptr[decoding]), column(host.kv_indptr[decoding]),
+                                     column(key_start[decoding]), column(kv_lens[decoding]))
+        decoding = decoding[:0]
     # Sequences without new tokens need no attention and belong to no group.
-    return [
+    groups = [
         _build_group(members, host, key_start, page_size, device, window)
         for seqs in (decoding, prefilling, *by_length)
         for members in _split(seqs, kv_lens - key_start, qo_lens, row_elements)
     ]
+    return groups, rows
 
 
 def _split(seqs: np.ndarray, num_keys: np.ndarray, qo_lens: np.ndarray, row_elements: int) -> list[np.ndarray]:

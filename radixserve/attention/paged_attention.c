@@ -1,0 +1,132 @@
+/* Paged attention on the CPU, read straight from the pages: no gathered copy of K/V.
+ *
+ * Built at first use by radixserve/attention/cpu_kernel.py (the C compiler of the machine,
+ * -O3 -march=native) and called through ctypes. float32 only.
+ *
+ * Work item: query row i, every head. Its queries attend over keys lo[i] .. hi[i] - 1 of their
+ * sequence, whose pages are kv_indices[page_start[i] ...]; query head j reads KV head
+ * j / (Hq / Hkv). Cache layout (FlashInfer's NHD): [num_pages, page_size, Hkv, D], so a key's
+ * row of every KV head is contiguous and is read once per item. Only keys in [lo, hi) are
+ * read: never-written slots are never touched. Softmax in two passes (scores, then
+ * max-shifted exponentials), as SDPA's math.
+ *
+ * The dot products keep 16 independent partial sums so the compiler vectorises them without
+ * being allowed to reassociate floating-point additions (no -ffast-math).
+ */
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+static inline int thread_index(void) { return omp_get_thread_num(); }
+#else
+static inline int thread_index(void) { return 0; }
+#endif
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float dot(const float *a, const float *b, int d) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int width = LANES / 2; width > 0; width /= 2)  /* a fixed tree, not a serial chain */
+        for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+    float sum = acc[0];
+    for (; i < d; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+/* e^x for x <= 0 (scores minus their maximum), Cephes' expf: Cody-Waite reduction by ln 2 and
+ * a degree-6 polynomial, within 2 ulp of expf on [-87, 0] and 0 below. Plain arithmetic so
+ * the softmax loop vectorises (libm's expf is a scalar call per score). */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;  /* e^-87 is 1.6e-38: far below anything a sum can notice */
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The row of every KV head of key t (counted from the first listed page). */
+static inline const float *key_row(const float *cache, const int32_t *pages, int64_t t,
+                                   int page_size, int64_t row_stride) {
+    int64_t page = pages[t / page_size];
+    return cache + (page * page_size + t % page_size) * row_stride;
+}
+
+/* One query row, all heads: keys are read once each, a whole row (every KV head) at a time. */
+static void attend(const float *q, const float *k_cache, const float *v_cache,
+                   const int32_t *pages, int64_t lo, int64_t hi, float *out, int num_qo_heads,
+                   int num_kv_heads, int d, int page_size, float scale, float *scores,
+                   float *acc) {
+    int64_t n = hi - lo;
+    int group = num_qo_heads / num_kv_heads;
+    int64_t row_stride = (int64_t)num_kv_heads * d;
+    for (int64_t t = 0; t < n;) {
+        /* the keys of one page are contiguous rows */
+        const float *k = key_row(k_cache, pages, lo + t, page_size, row_stride);
+        int64_t run = page_size - (lo + t) % page_size;
+        if (run > n - t) run = n - t;
+        for (int64_t r = 0; r < run; ++r, ++t, k += row_stride)
+            for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
+                for (int g = 0; g < group; ++g, ++head)
+                    scores[head * n + t] = dot(q + (int64_t)head * d, k + (int64_t)kv_head * d, d) * scale;
+    }
+    for (int head = 0; head < num_qo_heads; ++head) {
+        float *row = scores + head * n;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
+        for (int64_t t = 0; t < n; ++t) {
+            row[t] = exp_nonpositive(row[t] - m);
+            sum += row[t];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)num_qo_heads * d);
+    for (int64_t t = 0; t < n;) {
+        const float *v = key_row(v_cache, pages, lo + t, page_size, row_stride);
+        int64_t run = page_size - (lo + t) % page_size;
+        if (run > n - t) run = n - t;
+        for (int64_t r = 0; r < run; ++r, ++t, v += row_stride)
+            for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
+                for (int g = 0; g < group; ++g, ++head) {
+                    float p = scores[head * n + t];
+                    const float *vh = v + (int64_t)kv_head * d;
+                    float *a = acc + (int64_t)head * d;
+                    for (int j = 0; j < d; ++j) a[j] += p * vh[j];
+                }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)num_qo_heads * d);
+}
+
+/* Returns 0, or -1 when a shape is out of this kernel's range (the caller falls back).
+ * scratch: num_threads * Hq * (max_keys + D) floats, max_keys >= every hi - lo. */
+int radixserve_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+                               const int32_t *kv_indices, const int64_t *rows,
+                               const int64_t *page_start, const int64_t *lo, const int64_t *hi,
+                               int64_t num_rows, int num_qo_heads, int num_kv_heads,
+                               int head_dim, int page_size, float scale, int64_t max_keys,
+                               float *out, float *scratch, int num_threads) {
+    if (num_kv_heads < 1 || num_qo_heads % num_kv_heads != 0) return -1;
+    int64_t per_thread = (int64_t)num_qo_heads * (max_keys + head_dim);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t i = 0; i < num_rows; ++i) {
+        float *scores = scratch + thread_index() * per_thread;
+        int64_t offset = rows[i] * num_qo_heads * head_dim;
+        attend(q + offset, k_cache, v_cache, kv_indices + page_start[i], lo[i], hi[i], out + offset,
+               num_qo_heads, num_kv_heads, head_dim, page_size, scale, scores,
+               scores + (int64_t)num_qo_heads * max_keys);
+    }
+    return 0;
+}

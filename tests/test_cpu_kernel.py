@@ -1,0 +1,101 @@
+"""The compiled CPU paged-attention kernel: built here, exact against float64 attention, and
+a clean fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixserve.attention import AttentionMetadata, TorchBackend, cpu_kernel
+from tests.test_attention import dense_attention, fill_caches, random_batch
+
+
+def test_the_kernel_builds_on_this_machine() -> None:
+    """CI machines have a C compiler: the kernel must load there, not silently fall back."""
+    assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
+    assert cpu_kernel.unavailable_reason() is None
+
+
+def plan_decodes(shapes: list[tuple[int, int]], page_size: int, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, seed: int, q_scale: float = 1.0):
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    tables, kv_lens, num_new, num_pages = random_batch(rng, page_size, shapes)
+    k_cache, v_cache = fill_caches(tables, kv_lens, num_pages, page_size, num_kv_heads, head_dim,
+                                   torch.float32, generator)
+    q = torch.randn(sum(num_new), num_qo_heads, head_dim, generator=generator) * q_scale
+    meta = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
+    return tables, kv_lens, num_new, k_cache, v_cache, q, meta
+
+
+@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads", "head_dim"),
+                         [(8, 4, 64), (6, 2, 24), (5, 5, 7), (32, 1, 16)])
+@pytest.mark.parametrize("q_scale", [1.0, 30.0])
+def test_decodes_match_float64_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                                         q_scale: float) -> None:
+    """Head sizes off the 16-lane path (24, 7), wide GQA groups, long and page-crossing
+    sequences, and sharp softmaxes (q x 30: most weights underflow in float32)."""
+    shapes = [(n, 1) for n in (1, 2, 15, 16, 17, 333, 1000, 64)]
+    tables, kv_lens, num_new, k_cache, v_cache, q, meta = plan_decodes(
+        shapes, 16, num_qo_heads, num_kv_heads, head_dim, seed=head_dim, q_scale=q_scale)
+    scale = head_dim ** -0.5
+    expected = dense_attention(q, k_cache, v_cache, tables, kv_lens, num_new, scale)
+    errors = []
+    for use_kernel in (True, False):
+        backend = TorchBackend(use_kernel=use_kernel)
+        backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     dtype=torch.float32)
+        # With the kernel every decode goes to it and none is gathered.
+        assert (backend._groups == {None: []}) == use_kernel
+        out = backend.forward(q, k_cache, v_cache, sm_scale=scale)
+        errors.append((out.double() - expected).abs().max().item())
+    kernel_error, gather_error = errors
+    # float32 scores of magnitude ~100 (q x 30) carry ~5e-6 of rounding on either path.
+    assert kernel_error < (1e-6 if q_scale == 1.0 else 2e-5)
+    assert kernel_error <= max(2 * gather_error, 1e-6)
+
+
+def test_kernel_and_gather_paths_agree_in_one_mixed_step() -> None:
+    """Decodes (kernel) beside prefill chunks (gathered) in one plan, with a window."""
+    shapes = [(40, 1), (300, 1), (37, 37), (90, 12), (5, 1), (70, 3)]
+    tables, kv_lens, num_new, k_cache, v_cache, q, meta = plan_decodes(shapes, 4, 4, 2, 32, seed=5)
+    outputs = []
+    for use_kernel in (True, False):
+        backend = TorchBackend(use_kernel=use_kernel)
+        backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                     windows=[None, 24])
+        outputs.append([backend.forward(q, k_cache, v_cache, sm_scale=0.2, window=w) for w in (None, 24)])
+    for with_kernel, gathered in zip(*outputs):
+        torch.testing.assert_close(with_kernel, gathered, atol=1e-6, rtol=1e-5)
+
+
+def test_noncontiguous_queries_are_refused_not_misread() -> None:
+    shapes = [(20, 1), (9, 1)]
+    _, _, _, k_cache, v_cache, q, meta = plan_decodes(shapes, 4, 4, 2, 16, seed=1)
+    backend = TorchBackend()
+    backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    wide = torch.cat([q, q], dim=-1)[..., :16]  # same values, strided rows
+    with pytest.raises(ValueError, match="contiguous"):
+        backend.forward(wide, k_cache, v_cache, sm_scale=0.25)
+
+
+def _load_in_subprocess(env: dict[str, str]) -> str:
+    code = ("from radixserve.attention import cpu_kernel; "
+            "print(cpu_kernel.load() is None, '|', cpu_kernel.unavailable_reason())")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                            capture_output=True, text=True, timeout=120, check=True)
+    return result.stdout.strip()
+
+
+def test_disabled_or_unbuildable_kernel_falls_back_with_a_reason(tmp_path) -> None:
+    assert _load_in_subprocess({"RADIXSERVE_CPU_KERNEL": "0"}) == "True | RADIXSERVE_CPU_KERNEL=0"
+    broken = _load_in_subprocess({"CC": "/bin/false", "RADIXSERVE_KERNEL_DIR": str(tmp_path)})
+    assert broken.startswith("True | /bin/false could not compile paged_attention.c"), broken
+    assert not list(tmp_path.glob("*.so"))  # no half-built library left behind
+    built = _load_in_subprocess({"RADIXSERVE_KERNEL_DIR": str(tmp_path)})
+    assert built == "False | None" and len(list(tmp_path.glob("paged_attention-*.so"))) == 1
