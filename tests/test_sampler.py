@@ -10,9 +10,21 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.engine import native_sampling
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import (TOP_P_CANDIDATES, _param_tensors, filter_logits, filter_probs,
                                        sample, seeded_uniforms)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both paths of `sample`: the C sampler and the torch code."""
+    if request.param == "torch":
+        monkeypatch.setattr(native_sampling, "usable", lambda logits: False)
+    else:
+        assert native_sampling.load() is not None, "the C sampler must build where the tests run"
+    return request.param
+
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 LOGITS = PROBS.log()

@@ -12,6 +12,10 @@ how the batch was composed, so "same seed, same tokens" holds with continuous ba
 after preemption (`t` counts generated tokens, which preemption keeps). A torch.Generator
 per sample would give the same guarantee only with a Python loop over the rows.
 
+On the CPU (float32 logits) one call of the fused C sampler (`native_sampling`) does all of
+this for every row when it is built, with the same semantics; the torch code below is the
+path everywhere else.
+
 Top-p without a full sort: the kept set is read off the `TOP_P_CANDIDATES` most likely
 tokens (`topk`), and only rows whose kept set is larger fall back to sorting their whole
 vocabulary. The top token is always kept (a `top_p` that rounds to zero, or a distribution
@@ -26,6 +30,7 @@ import hashlib
 import numpy as np
 import torch
 
+from radixserve.engine import native_sampling
 from radixserve.engine.params import SamplingParams, TokenLogprob
 
 TOP_P_CANDIDATES = 256
@@ -158,6 +163,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return torch.argmax(logits, dim=-1).tolist()
+    if native_sampling.usable(logits):
+        return _sample_native(logits, params, seeds, steps, random_rows)
     device = logits.device
     everyone = len(random_rows) == len(params)
     rows = torch.tensor(random_rows, dtype=torch.int64, device=device)
@@ -171,6 +178,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     tokens = torch.empty(len(params), dtype=torch.int64, device=device)
     tokens.index_copy_(0, rows, drawn)
     tokens.index_copy_(0, greedy_rows, torch.argmax(logits.index_select(0, greedy_rows), dim=-1))
+    return tokens.tolist()
+
+
+def _sample_native(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],
+                   steps: list[int], random_rows: list[int]) -> list[int]:
+    """`sample` in one call of the C sampler (greedy rows have temperature 0 there)."""
+    values = np.array([(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
+                      dtype=np.float64)
+    u = np.zeros(len(params))
+    u[random_rows] = seeded_uniforms([seeds[b] for b in random_rows], [steps[b] for b in random_rows])  # type: ignore[misc]
+    tokens, _ = native_sampling.run(logits, values[:, 0], values[:, 1].astype(np.int64), values[:, 2],
+                                    values[:, 3], u)
+    bad = np.flatnonzero(tokens < 0)
+    if bad.size:
+        raise ValueError(f"cannot sample rows {bad.tolist()}: their logits are not finite")
     return tokens.tolist()
 
 

@@ -1,7 +1,7 @@
 /* Paged attention on the CPU, read straight from the pages: no gathered copy of K/V.
  *
- * Built at first use by radixserve/attention/cpu_kernel.py (the C compiler of the machine,
- * -O3 -march=native) and called through ctypes. float32 only.
+ * Built at first use by radixserve.native (the machine's C compiler, -O3 -march=native) and
+ * called through ctypes by radixserve/attention/cpu_kernel.py. float32 only.
  *
  * Work item: query row i, every head. Its queries attend over keys lo[i] .. hi[i] - 1 of their
  * sequence, whose pages are kv_indices[page_start[i] ...]; query head j reads KV head
@@ -37,25 +37,7 @@ static inline float dot(const float *a, const float *b, int d) {
     return sum;
 }
 
-/* e^x for x <= 0 (scores minus their maximum), Cephes' expf: Cody-Waite reduction by ln 2 and
- * a degree-6 polynomial, within 2 ulp of expf on [-87, 0] and 0 below. Plain arithmetic so
- * the softmax loop vectorises (libm's expf is a scalar call per score). */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;  /* e^-87 is 1.6e-38: far below anything a sum can notice */
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "exp.h"
 
 /* The row of every KV head of key t (counted from the first listed page). */
 static inline const float *key_row(const float *cache, const int32_t *pages, int64_t t,

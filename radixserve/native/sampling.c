@@ -1,0 +1,257 @@
+/* Next tokens from logits on the CPU: greedy, or temperature, top-k, min-p, top-p and an
+ * inverse-transform draw, fused per row. Built by radixserve.native, called through ctypes by
+ * radixserve/engine/native_sampling.py; the semantics are radixserve/engine/sampler.py's:
+ *
+ *   x = (logits - max) / T; top-k keeps x >= the k-th largest; p = softmax(x); min-p drops
+ *   p < min_p * max p; top-p keeps the most likely tokens until the mass before one reaches
+ *   top_p (at least one; ties with the last kept one are kept); the token drawn is the first
+ *   whose cumulative mass, in token-id order, exceeds u * total (capped below total).
+ *
+ * Top-p needs only the tokens near the top: a pass sums the mass of the tokens above a bar
+ * (1/16 of the top probability, then 4 times lower each time) until it reaches top_p, and only
+ * those candidates are sorted. The draw then runs over the kept tokens alone:
+ * the cumulative sum over every token in id order adds zeros elsewhere, which changes nothing
+ * in floating point, so both give the same token.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int thread_index(void) { return omp_get_thread_num(); }
+#else
+static inline int thread_index(void) { return 0; }
+#endif
+
+#define LANES 16
+
+typedef struct {
+    float p;
+    int32_t id;
+} Candidate;
+
+static int by_probability_descending(const void *a, const void *b) {
+    float x = ((const Candidate *)a)->p, y = ((const Candidate *)b)->p;
+    return (x < y) - (x > y);
+}
+
+static int by_id(const void *a, const void *b) {
+    return ((const Candidate *)a)->id - ((const Candidate *)b)->id;
+}
+
+/* qsort, with an insertion sort for the usual handful of candidates (glibc's qsort
+ * allocates and calls the comparator through a pointer). */
+static void sort_candidates(Candidate *items, int64_t n, int (*before)(const void *, const void *)) {
+    if (n > 32) {
+        qsort(items, (size_t)n, sizeof(Candidate), before);
+        return;
+    }
+    for (int64_t i = 1; i < n; ++i) {
+        Candidate item = items[i];
+        int64_t j = i;
+        for (; j > 0 && before(&items[j - 1], &item) > 0; --j) items[j] = items[j - 1];
+        items[j] = item;
+    }
+}
+
+/* The largest value, and whether any value is NaN (lanes, so it vectorises). */
+static float max_value(const float *x, int64_t n, int *has_nan) {
+    float lane[LANES];
+    int nan_lane[LANES] = {0};
+    for (int j = 0; j < LANES; ++j) lane[j] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) {
+            float v = x[i + j];
+            nan_lane[j] |= v != v;
+            lane[j] = v > lane[j] ? v : lane[j];
+        }
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < LANES; ++j) {
+        m = lane[j] > m ? lane[j] : m;
+        nan |= nan_lane[j];
+    }
+    for (; i < n; ++i) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    *has_nan = nan;
+    return m;
+}
+
+/* The sum of x[0..n) in LANES partial sums and a fixed tree (so it vectorises). */
+static float lane_sum(const float *restrict x, int64_t n) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) lane[j] += x[i + j];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+    float sum = lane[0];
+    for (; i < n; ++i) sum += x[i];
+    return sum;
+}
+
+/* torch.argmax: the first maximum, or the first NaN. */
+static int64_t argmax(const float *x, int64_t n) {
+    int has_nan;
+    float m = max_value(x, n, &has_nan);
+    for (int64_t i = 0; i < n; ++i)
+        if (has_nan ? x[i] != x[i] : x[i] == m) return i;
+    return 0;
+}
+
+/* The k-th largest of values[0..n) (1 <= k <= n); reorders values. */
+static float kth_largest(float *values, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, target = k - 1;
+    while (lo < hi) {
+        float pivot = values[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* descending: larger values to the left */
+            while (values[i] > pivot) ++i;
+            while (values[j] < pivot) --j;
+            if (i <= j) {
+                float t = values[i];
+                values[i++] = values[j];
+                values[j--] = t;
+            }
+        }
+        if (target <= j) hi = j;
+        else if (target >= i) lo = i;
+        else break;
+    }
+    return values[target];
+}
+
+/* Filters one row into p (softmax probabilities, dropped tokens 0, not renormalised).
+ * Returns -1 for non-finite logits, else the number of kept tokens listed in `kept` by id,
+ * or 0 when they were not listed (no top-p: the draw scans the whole row). */
+static int64_t filter_row(const float *restrict logits, int64_t vocab, float temperature,
+                          int64_t top_k, float top_p, float min_p, float *restrict p,
+                          float *restrict work, Candidate *restrict kept) {
+    int has_nan;
+    float m = max_value(logits, vocab, &has_nan);
+    if (has_nan || isinf(m)) return -1; /* +inf, or every logit -inf: no distribution */
+    int64_t i;
+    if (top_k > 0 && top_k < vocab) {
+        for (i = 0; i < vocab; ++i) p[i] = (logits[i] - m) / temperature;
+        memcpy(work, p, sizeof(float) * (size_t)vocab);
+        float kth = kth_largest(work, vocab, top_k);
+        for (i = 0; i < vocab; ++i) p[i] = exp_nonpositive(p[i] < kth ? -INFINITY : p[i]);
+    } else {
+        for (i = 0; i < vocab; ++i) p[i] = exp_nonpositive((logits[i] - m) / temperature);
+    }
+    float sum = lane_sum(p, vocab);
+    for (i = 0; i < vocab; ++i) p[i] /= sum;
+    float largest = 1.0f / sum; /* the top logit's e^0 is exactly 1 */
+    if (min_p > 0.0f) {
+        float floor_p = min_p * largest;
+        for (i = 0; i < vocab; ++i) p[i] = p[i] < floor_p ? 0.0f : p[i];
+    }
+    if (!(top_p < 1.0f)) return 0;
+    /* Candidates: tokens of at least `bar`, lowered until their mass reaches top_p. Every
+     * token below the bar then has at least that mass before it and is dropped. */
+    for (float bar = largest * 0x1p-4f;; bar = bar > 0x1p-60f ? bar * 0x1p-2f : 0.0f) {
+        float mass_lane[LANES] = {0};
+        for (i = 0; i + LANES <= vocab; i += LANES)
+            for (int j = 0; j < LANES; ++j) mass_lane[j] += p[i + j] >= bar ? p[i + j] : 0.0f;
+        float mass = 0.0f;
+        for (int j = 0; j < LANES; ++j) mass += mass_lane[j];
+        for (; i < vocab; ++i) mass += p[i] >= bar ? p[i] : 0.0f;
+        if (mass < top_p && bar > 0.0f) continue;
+        int64_t n = 0;
+        for (i = 0; i < vocab; i += LANES) { /* skip blocks with no candidate */
+            int64_t end = i + LANES < vocab ? i + LANES : vocab;
+            int any = 0;
+            for (int64_t t = i; t < end; ++t) any |= p[t] >= bar;
+            if (!any) continue;
+            for (int64_t t = i; t < end; ++t)
+                if (p[t] >= bar) {
+                    kept[n].p = p[t];
+                    kept[n++].id = (int32_t)t;
+                }
+        }
+        sort_candidates(kept, n, by_probability_descending);
+        int64_t count = 0;
+        float cumulative = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+            cumulative += kept[j].p;
+            count += (cumulative - kept[j].p) < top_p;
+        }
+        if (cumulative < top_p && bar > 0.0f) continue; /* rounding: the mass fell short */
+        float threshold = kept[(count > 1 ? count : 1) - 1].p;
+        for (i = 0; i < vocab; ++i) p[i] = p[i] < threshold ? 0.0f : p[i];
+        int64_t listed = 0;
+        for (int64_t j = 0; j < n; ++j)
+            if (kept[j].p >= threshold && kept[j].p > 0.0f) kept[listed++] = kept[j];
+        sort_candidates(kept, listed, by_id);
+        return listed;
+    }
+}
+
+/* The token whose cumulative interval, in id order, holds u * total. */
+static int64_t draw(const float *p, int64_t vocab, const Candidate *kept, int64_t listed, double u) {
+    float total = 0.0f;
+    if (listed > 0)
+        for (int64_t j = 0; j < listed; ++j) total += kept[j].p;
+    else
+        for (int64_t i = 0; i < vocab; ++i) total += p[i];
+    float x = (float)(u * (double)total);
+    float cap = nextafterf(total, 0.0f);
+    if (x > cap) x = cap;
+    float cumulative = 0.0f;
+    int64_t last = 0;
+    if (listed > 0) {
+        for (int64_t j = 0; j < listed; ++j) {
+            cumulative += kept[j].p;
+            if (cumulative > x) return kept[j].id;
+        }
+        return kept[listed - 1].id;
+    }
+    for (int64_t i = 0; i < vocab; ++i) {
+        if (p[i] > 0.0f) last = i;
+        cumulative += p[i];
+        if (cumulative > x) return i;
+    }
+    return last;
+}
+
+/* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows.
+ * temperature[r] == 0 is greedy. probs, when not NULL, receives each sampled row's filtered
+ * probabilities ([rows, vocab]). scratch: num_threads * 4 * vocab floats. */
+int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows, int64_t vocab,
+                          const float *temperature, const int64_t *top_k, const float *top_p,
+                          const float *min_p, const double *u, int64_t *tokens, float *probs,
+                          float *scratch, int num_threads) {
+    int64_t failed = 0;
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if (num_threads > 1) reduction(+ : failed)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = logits + r * row_stride;
+        if (temperature[r] == 0.0f) {
+            tokens[r] = argmax(row, vocab);
+            continue;
+        }
+        float *mine = scratch + (int64_t)thread_index() * 4 * vocab;
+        float *p = probs ? probs + r * vocab : mine;
+        Candidate *kept = (Candidate *)(mine + 2 * vocab);
+        int64_t listed = filter_row(row, vocab, temperature[r], top_k[r], top_p[r], min_p[r], p,
+                                    mine + vocab, kept);
+        if (listed < 0) {
+            tokens[r] = -1;
+            failed += 1;
+            continue;
+        }
+        tokens[r] = draw(p, vocab, kept, listed, u[r]);
+    }
+    return failed;
+}
+
+/* exp_nonpositive over an array (the tests check it against float64 exp). */
+void radixserve_exp_nonpositive(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = exp_nonpositive(x[i]);
+}

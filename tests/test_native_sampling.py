@@ -1,0 +1,149 @@
+"""The C sampler against the torch sampler: same filtered distributions, same tokens, same
+errors, and safe from several threads at once."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.engine import native_sampling
+from radixserve.engine.params import SamplingParams
+from radixserve.engine.sampler import _param_tensors, filter_probs, sample
+
+GRID = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
+        for t in (1e-5, 0.3, 1.0, 2.0) for p in (1e-300, 0.2, 0.9, 0.999, 1.0)
+        for k in (0, 1, 7, 63, 10**9) for m in (0.0, 1e-9, 0.3, 1.0)]
+
+
+def native_filter(logits: torch.Tensor, params: list[SamplingParams]) -> np.ndarray:
+    values = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], dtype=np.float64)
+    _, probs = native_sampling.run(logits, values[:, 0], values[:, 1].astype(np.int64), values[:, 2],
+                                   values[:, 3], np.zeros(len(params)), want_probs=True)
+    assert probs is not None
+    return probs
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])
+def test_filtered_distributions_equal_the_torch_filters(scale: float) -> None:
+    """Every combination of temperature, top-p, top-k and min-p on flat, trained-like and
+    sharp logits (200 tokens, some of them tied): the same kept tokens, the same
+    probabilities to float32 rounding."""
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    row = torch.randn(200, generator=generator) * scale
+    row[50:53] = row[10]  # ties
+    logits = row.expand(len(GRID), -1).contiguous()
+    expected = filter_probs(logits, *_param_tensors(GRID, logits.device)).numpy()
+    got = native_filter(logits, GRID)
+    mismatched = [(GRID[r], np.flatnonzero((got[r] > 0) != (expected[r] > 0)).tolist())
+                  for r in range(len(GRID)) if not np.array_equal(got[r] > 0, expected[r] > 0)]
+    assert not mismatched, mismatched[:3]
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-30)
+
+
+def test_tokens_equal_the_torch_sampler_over_many_draws() -> None:
+    """10,240 seeded draws at a 32,000-token vocabulary: the two paths give the same tokens
+    (they could differ only where rounding puts a token on an edge)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 32000, generator=generator) * 4
+    params = [SamplingParams(temperature=0.0) if i % 4 == 0 else
+              SamplingParams(temperature=0.7 + i / 64, top_p=0.8 + (i % 3) / 20, min_p=0.01 * (i % 2))
+              for i in range(64)]
+    seeds = [None if p.greedy else 1000 + i for i, p in enumerate(params)]
+    native, torch_path, steps = [], [], range(160)
+    for step in steps:
+        native.append(sample(logits, params, seeds, [step] * 64))
+    original = native_sampling.usable
+    native_sampling.usable = lambda logits: False  # type: ignore[assignment]
+    try:
+        for step in steps:
+            torch_path.append(sample(logits, params, seeds, [step] * 64))
+    finally:
+        native_sampling.usable = original  # type: ignore[assignment]
+    assert native == torch_path
+
+
+def test_non_finite_rows_are_named_by_their_batch_index() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, float("nan"), 1.0], [float("inf"), 0.0, 0.0],
+                           [float("-inf")] * 3])
+    params = [SamplingParams(temperature=1.0)] * 4
+    with pytest.raises(ValueError, match=r"cannot sample rows \[1, 2, 3\]: their logits are not finite"):
+        sample(logits, params, [1, 2, 3, 4], [0] * 4)
+    tokens, _ = native_sampling.run(logits, np.ones(4), np.zeros(4, np.int64), np.ones(4), np.zeros(4),
+                                    np.full(4, 0.5))
+    assert tokens[1:].tolist() == [-1, -1, -1] and 0 <= tokens[0] <= 2
+
+
+def test_greedy_rows_take_torchs_argmax_ties_and_nan_included() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 5.0, float("nan"), 1.0], [-1.0, -1.0, -2.0, -3.0]])
+    tokens, _ = native_sampling.run(logits, np.zeros(3), np.zeros(3, np.int64), np.ones(3), np.zeros(3), np.zeros(3))
+    assert tokens.tolist() == torch.argmax(logits, dim=-1).tolist() == [1, 0, 0]
+
+
+def test_threads_sampling_at_once_get_their_own_results() -> None:
+    """ctypes releases the GIL: engines in two threads sample at once, each with its own
+    scratch; and the kernel's own threads give what one thread gives."""
+    generator = torch.Generator().manual_seed(9)
+    batches = [torch.randn(32, 5000, generator=generator) * 3 for _ in range(4)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95)] * 32
+    seeds = list(range(32))
+    expected = [sample(b, params, seeds, [0] * 32) for b in batches]
+    results: dict[int, list[list[int]]] = {}
+
+    def work(index: int) -> None:
+        results[index] = [sample(batches[index], params, seeds, [0] * 32) for _ in range(30)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in range(4):
+        assert all(tokens == expected[index] for tokens in results[index])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert [sample(b, params, seeds, [0] * 32) for b in batches] == expected
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_uniforms_drive_the_draw_as_the_torch_path() -> None:
+    """u = 0 draws the first kept token in id order, u just below 1 the last; tokens dropped
+    by a filter are never drawn, whether the draw runs over the top-p list or the whole row."""
+    logits = torch.tensor([[-9.0, 2.0, -9.0, 1.0, 0.5, -9.0]])
+    for top_p, min_p in ((0.95, 0.0), (1.0, 0.1)):
+        tokens = [native_sampling.run(logits, np.ones(1), np.zeros(1, np.int64), np.full(1, top_p),
+                                      np.full(1, min_p), np.array([u]))[0][0] for u in (0.0, 1.0 - 2**-53)]
+        assert tokens == [1, 4], (top_p, min_p)
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, 1), (0.6, 2), (0.7, 2), (0.71, 3), (1.0, 5)])
+def test_top_p_edges_as_hand_computed(top_p: float, kept: int) -> None:
+    """The mass before a token reaching top_p exactly (0.5, 0.7) drops it."""
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    got = native_filter(probs.log()[None].contiguous(), [SamplingParams(top_p=top_p)])[0]
+    assert (got > 0).tolist() == [True] * kept + [False] * (5 - kept)
+    np.testing.assert_allclose(got[:kept], probs[:kept].numpy(), rtol=1e-6)
+
+
+def test_the_vectorised_exponential_is_within_two_ulp_of_exp() -> None:
+    """Both kernels' softmax rests on it: 10^6 points over [-110, 0], denormals and the
+    underflow to 0 included."""
+    library = native_sampling.load()
+    assert library is not None
+    x = np.concatenate([-np.random.default_rng(0).random(1_000_000, dtype=np.float32) * 110,
+                        np.array([0.0, -1e-30, -87.3, -103.9, -104.0, -105.0, -np.inf], np.float32)])
+    out = np.empty_like(x)
+    library.radixserve_exp_nonpositive.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    library.radixserve_exp_nonpositive(x.ctypes.data, out.ctypes.data, len(x))
+    exact = np.exp(x.astype(np.float64))
+    normal = exact >= np.finfo(np.float32).tiny
+    ulp = np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(out[normal] - exact[normal]) / ulp) <= 2.0
+    smallest = np.finfo(np.float32).smallest_subnormal
+    assert np.max(np.abs(out[~normal] - exact[~normal])) <= smallest
+    assert out[-7:].tolist()[:2] == [1.0, 1.0] and out[-3:].tolist() == [0.0, 0.0, 0.0]
