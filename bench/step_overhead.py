@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 import tempfile
 import time
 from pathlib import Path
@@ -43,10 +44,11 @@ class NoAttention(AttentionBackend):
     """Stands in for the attention kernel: plans nothing, returns the queries."""
 
     def plan(self, meta: AttentionMetadata, *, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, dtype: torch.dtype) -> None:
+             head_dim: int, dtype: torch.dtype, windows: Sequence[int | None] = (None,)) -> None:
         """Nothing to plan."""
 
-    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float) -> Tensor:
+    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float,
+                window: int | None = None) -> Tensor:
         """The queries themselves."""
         return q
 
@@ -89,8 +91,11 @@ def measure(checkpoint: Path, context: int, page_size: int, steps: int, batch: i
     while len(engine.scheduler.running) < batch or any(
             s.num_computed < s.num_tokens - 1 for s in engine.scheduler.running):
         engine.step()  # prefill (the tiny model makes it quick)
-        if engine.stats()["requests_finished"]:
-            raise RuntimeError("a request finished before all were admitted: raise MAX_TOKENS")
+        counters = engine.stats()
+        if counters["requests_finished"] or counters["requests_aborted"]:
+            # A step that raises ends its requests (finish_reason "error"): stop, don't spin.
+            raise RuntimeError(f"{counters['requests_finished']} requests finished and "
+                               f"{counters['requests_aborted']} failed before all were admitted")
     for _ in range(3):
         engine.step()  # warm up: every sequence decoding, mirrors built
     before = engine.stats()["step_breakdown_s"]

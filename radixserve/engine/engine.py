@@ -368,7 +368,10 @@ class Engine:
         if not ready:
             return
         seqs = [s for s, _ in ready]
-        tokens, logprobs = self._sample(logits[[r for _, r in ready]], seqs)
+        rows = [r for _, r in ready]
+        # A decode step samples every row in order: no copy of the logits then.
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        tokens, logprobs = self._sample(picked, seqs)
         t2 = clock()
         timings.add("sampling", t2 - t1)
         tree_before = timings.seconds["tree"]
