@@ -10,8 +10,9 @@
  * read: never-written slots are never touched. Softmax in two passes (scores, then
  * max-shifted exponentials), as SDPA's math.
  *
- * The dot products keep 16 independent partial sums so the compiler vectorises them without
- * being allowed to reassociate floating-point additions (no -ffast-math).
+ * The dot products keep 16 independent partial sums in one vector register, reduced by a
+ * fixed tree, so they vectorise without letting the compiler reassociate floating-point
+ * additions (no -ffast-math).
  */
 #include <math.h>
 #ifdef _OPENMP
@@ -25,14 +26,32 @@ static inline int thread_index(void) { return 0; }
 
 #define LANES 16
 
+/* GCC/Clang vector types: one register of 16 floats, halves of 8 and 4 for the reduction
+ * (memcpy loads them from any address and compiles to plain vector moves). */
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
 static inline float dot(const float *a, const float *b, int d) {
-    float acc[LANES] = {0};
+    float sum = 0.0f;
     int i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
-    for (int width = LANES / 2; width > 0; width /= 2)  /* a fixed tree, not a serial chain */
-        for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
-    float sum = acc[0];
+    if (d >= LANES) {
+        vec16 acc = {0}, x, y;
+        for (; i + LANES <= d; i += LANES) {
+            memcpy(&x, a + i, sizeof x);
+            memcpy(&y, b + i, sizeof y);
+            acc += x * y;
+        }
+        vec8 lo, hi;  /* a fixed tree: 16 -> 8 -> 4 -> 1 */
+        memcpy(&lo, &acc, sizeof lo);
+        memcpy(&hi, (const char *)&acc + sizeof lo, sizeof hi);
+        lo += hi;
+        vec4 l4, h4;
+        memcpy(&l4, &lo, sizeof l4);
+        memcpy(&h4, (const char *)&lo + sizeof l4, sizeof h4);
+        l4 += h4;
+        sum = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+    }
     for (; i < d; ++i) sum += a[i] * b[i];
     return sum;
 }

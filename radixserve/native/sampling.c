@@ -108,6 +108,7 @@ static int64_t argmax(const float *x, int64_t n) {
 
 /* The k-th largest of values[0..n) (1 <= k <= n); reorders values. */
 static float kth_largest(float *values, int64_t n, int64_t k) {
+    if (k > n) k = n; /* callers pass k <= n; never read past the values */
     int64_t lo = 0, hi = n - 1, target = k - 1;
     while (lo < hi) {
         float pivot = values[lo + (hi - lo) / 2];
@@ -128,9 +129,27 @@ static float kth_largest(float *values, int64_t n, int64_t k) {
     return values[target];
 }
 
+/* The k-th largest of x[0..n) (x <= 0, max 0; 1 <= k < n). The candidates are the values at
+ * or above a bar that starts at -1/4 and grows by 1/4 until at least k are above it; only they go
+ * to the selection (a handful of passes over the row instead of a quickselect of all of it). */
+static float kth_of_row(const float *restrict x, int64_t n, int64_t k, float *restrict work) {
+    float bar = -1.0f;
+    for (;;) {
+        int64_t above = 0;
+        for (int64_t i = 0; i < n; ++i) above += x[i] >= bar;
+        if (above >= k || !(bar > -0x1p100f)) break;
+        bar *= 1.5f;
+    }
+    if (!(bar > -0x1p100f)) bar = -INFINITY; /* every value counts, -inf included */
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (x[i] >= bar) work[count++] = x[i];
+    return kth_largest(work, count, k);
+}
+
 /* Filters one row into p (softmax probabilities, dropped tokens 0, not renormalised).
  * Returns -1 for non-finite logits, else the number of kept tokens listed in `kept` by id,
- * or 0 when they were not listed (no top-p: the draw scans the whole row). */
+ * or 0 when they were not listed (neither top-p nor top-k: the draw scans the whole row). */
 static int64_t filter_row(const float *restrict logits, int64_t vocab, float temperature,
                           int64_t top_k, float top_p, float min_p, float *restrict p,
                           float *restrict work, Candidate *restrict kept) {
@@ -140,8 +159,7 @@ static int64_t filter_row(const float *restrict logits, int64_t vocab, float tem
     int64_t i;
     if (top_k > 0 && top_k < vocab) {
         for (i = 0; i < vocab; ++i) p[i] = (logits[i] - m) / temperature;
-        memcpy(work, p, sizeof(float) * (size_t)vocab);
-        float kth = kth_largest(work, vocab, top_k);
+        float kth = kth_of_row(p, vocab, top_k, work);
         for (i = 0; i < vocab; ++i) p[i] = exp_nonpositive(p[i] < kth ? -INFINITY : p[i]);
     } else {
         for (i = 0; i < vocab; ++i) p[i] = exp_nonpositive((logits[i] - m) / temperature);
@@ -153,7 +171,16 @@ static int64_t filter_row(const float *restrict logits, int64_t vocab, float tem
         float floor_p = min_p * largest;
         for (i = 0; i < vocab; ++i) p[i] = p[i] < floor_p ? 0.0f : p[i];
     }
-    if (!(top_p < 1.0f)) return 0;
+    if (!(top_p < 1.0f)) {
+        if (!(top_k > 0 && top_k < vocab)) return 0;
+        int64_t listed = 0; /* top-k kept a few: the draw runs over them alone */
+        for (i = 0; i < vocab; ++i)
+            if (p[i] > 0.0f) {
+                kept[listed].p = p[i];
+                kept[listed++].id = (int32_t)i;
+            }
+        return listed;
+    }
     /* Candidates: tokens of at least `bar`, lowered until their mass reaches top_p. Every
      * token below the bar then has at least that mass before it and is dropped. */
     for (float bar = largest * 0x1p-4f;; bar = bar > 0x1p-60f ? bar * 0x1p-2f : 0.0f) {
