@@ -74,14 +74,16 @@ def test_kernel_and_gather_paths_agree_in_one_mixed_step() -> None:
         torch.testing.assert_close(with_kernel, gathered, atol=1e-6, rtol=1e-5)
 
 
-def test_noncontiguous_queries_are_refused_not_misread() -> None:
+def test_tensors_the_kernel_cannot_read_are_refused_not_misread() -> None:
     shapes = [(20, 1), (9, 1)]
     _, _, _, k_cache, v_cache, q, meta = plan_decodes(shapes, 4, 4, 2, 16, seed=1)
     backend = TorchBackend()
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     wide = torch.cat([q, q], dim=-1)[..., :16]  # same values, strided rows
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous float32"):
         backend.forward(wide, k_cache, v_cache, sm_scale=0.25)
+    with pytest.raises(ValueError, match="caches torch.float64"):  # planned for float32
+        backend.forward(q.double(), k_cache.double(), v_cache.double(), sm_scale=0.25)
 
 
 def _load_in_subprocess(env: dict[str, str]) -> str:

@@ -43,10 +43,11 @@ def unavailable_reason() -> str | None:
     return native.unavailable_reason(NAME)
 
 
-def supports(q: Tensor, k_cache: Tensor) -> bool:
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     """Whether the kernel can run attention for these tensors (CPU, float32, contiguous)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and load() is not None)
+    tensors = (q, k_cache, v_cache)
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and load() is not None)
 
 
 class KernelRows:
@@ -72,7 +73,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indices: Ten
     `scratch_elements(rows, Hq, D)` floats. Callers check `supports` first."""
     library = load()
     assert library is not None and q.is_contiguous() and out.is_contiguous()
-    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
     threads = torch.get_num_threads()
     status = library.radixserve_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(),

@@ -135,8 +135,9 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         rows = self._kernel_rows.get(window)
         if rows is not None:
-            if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-                raise ValueError("the CPU attention kernel needs contiguous q and caches")
+            if not cpu_kernel.supports(q, k_cache, v_cache):  # planned for float32 on the CPU
+                raise ValueError("the CPU attention kernel needs contiguous float32 q and caches "
+                                 f"on the CPU, got q {q.dtype}, caches {k_cache.dtype}")
             elements = cpu_kernel.scratch_elements(rows, num_qo_heads, head_dim)
             if self._scratch is None or self._scratch.numel() < elements:
                 self._scratch = torch.empty(elements, dtype=torch.float32)
