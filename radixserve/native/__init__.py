@@ -57,7 +57,7 @@ def _cpu_signature() -> str:
 
 def _build(source: Path, compiler: str) -> Path | None:
     """Compile `source` (or find it already built) and return the shared object's path."""
-    # The headers beside the source count too: a changed exp.h must rebuild its users.
+    # The headers beside the source count too: a changed common.h must rebuild its users.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     for flags in FLAG_SETS:
         key = hashlib.sha256(text + repr((compiler, flags, _cpu_signature())).encode()).hexdigest()[:16]

@@ -14,17 +14,7 @@
  * fixed tree, so they vectorise without letting the compiler reassociate floating-point
  * additions (no -ffast-math).
  */
-#include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-static inline int thread_index(void) { return omp_get_thread_num(); }
-#else
-static inline int thread_index(void) { return 0; }
-#endif
-#include <stdint.h>
-#include <string.h>
-
-#define LANES 16
+#include "common.h"
 
 /* GCC/Clang vector types: one register of 16 floats, halves of 8 and 4 for the reduction
  * (memcpy loads them from any address and compiles to plain vector moves). */
@@ -56,8 +46,6 @@ static inline float dot(const float *a, const float *b, int d) {
     return sum;
 }
 
-#include "exp.h"
-
 /* The row of every KV head of key t (counted from the first listed page). */
 static inline const float *key_row(const float *cache, const int32_t *pages, int64_t t,
                                    int page_size, int64_t row_stride) {
@@ -65,14 +53,19 @@ static inline const float *key_row(const float *cache, const int32_t *pages, int
     return cache + (page * page_size + t % page_size) * row_stride;
 }
 
-/* Rows are read in page order, but pages are scattered: ask for the row AHEAD keys on
- * before it is needed, so the load overlaps the arithmetic on the current rows. */
+/* The row AHEAD keys on is asked for before it is needed: pages are scattered, so the
+ * hardware cannot guess the jump to the next one, and the load overlaps the arithmetic. */
 #define AHEAD 8
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+static inline const float *prefetched_row(const float *cache, const int32_t *pages, int64_t t,
+                                          int64_t n, int page_size, int64_t row_stride) {
+    if (t + AHEAD < n)
+        for (int64_t i = 0; i < row_stride; i += LANES)
+            __builtin_prefetch(key_row(cache, pages, t + AHEAD, page_size, row_stride) + i);
+    return key_row(cache, pages, t, page_size, row_stride);
 }
 
-/* One query row, all heads: keys are read once each, a whole row (every KV head) at a time. */
+/* One query row, all heads: keys are read once each, a whole row (every KV head) at a time.
+ * pages and key indices are counted from the first key the row sees (lo). */
 static void attend(const float *q, const float *k_cache, const float *v_cache,
                    const int32_t *pages, int64_t lo, int64_t hi, float *out, int num_qo_heads,
                    int num_kv_heads, int d, int page_size, float scale, float *scores,
@@ -80,17 +73,13 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
     int64_t n = hi - lo;
     int group = num_qo_heads / num_kv_heads;
     int64_t row_stride = (int64_t)num_kv_heads * d;
-    for (int64_t t = 0; t < n;) {
-        /* the keys of one page are contiguous rows */
-        const float *k = key_row(k_cache, pages, lo + t, page_size, row_stride);
-        int64_t run = page_size - (lo + t) % page_size;
-        if (run > n - t) run = n - t;
-        for (int64_t r = 0; r < run; ++r, ++t, k += row_stride) {
-            if (t + AHEAD < n) prefetch_row(key_row(k_cache, pages, lo + t + AHEAD, page_size, row_stride), row_stride);
-            for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
-                for (int g = 0; g < group; ++g, ++head)
-                    scores[head * n + t] = dot(q + (int64_t)head * d, k + (int64_t)kv_head * d, d) * scale;
-        }
+    pages += lo / page_size; /* key t of this row is key lo + t: start at lo's page */
+    int64_t first = lo % page_size;
+    for (int64_t t = 0; t < n; ++t) {
+        const float *k = prefetched_row(k_cache, pages, first + t, first + n, page_size, row_stride);
+        for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
+            for (int g = 0; g < group; ++g, ++head)
+                scores[head * n + t] = dot(q + (int64_t)head * d, k + (int64_t)kv_head * d, d) * scale;
     }
     for (int head = 0; head < num_qo_heads; ++head) {
         float *row = scores + head * n;
@@ -104,20 +93,15 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
         for (int64_t t = 0; t < n; ++t) row[t] *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)num_qo_heads * d);
-    for (int64_t t = 0; t < n;) {
-        const float *v = key_row(v_cache, pages, lo + t, page_size, row_stride);
-        int64_t run = page_size - (lo + t) % page_size;
-        if (run > n - t) run = n - t;
-        for (int64_t r = 0; r < run; ++r, ++t, v += row_stride) {
-            if (t + AHEAD < n) prefetch_row(key_row(v_cache, pages, lo + t + AHEAD, page_size, row_stride), row_stride);
-            for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
-                for (int g = 0; g < group; ++g, ++head) {
-                    float p = scores[head * n + t];
-                    const float *vh = v + (int64_t)kv_head * d;
-                    float *a = acc + (int64_t)head * d;
-                    for (int j = 0; j < d; ++j) a[j] += p * vh[j];
-                }
-        }
+    for (int64_t t = 0; t < n; ++t) {
+        const float *v = prefetched_row(v_cache, pages, first + t, first + n, page_size, row_stride);
+        for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
+            for (int g = 0; g < group; ++g, ++head) {
+                float p = scores[head * n + t];
+                const float *vh = v + (int64_t)kv_head * d;
+                float *a = acc + (int64_t)head * d;
+                for (int j = 0; j < d; ++j) a[j] += p * vh[j];
+            }
     }
     memcpy(out, acc, sizeof(float) * (size_t)num_qo_heads * d);
 }

@@ -13,21 +13,9 @@
  * the cumulative sum over every token in id order adds zeros elsewhere, which changes nothing
  * in floating point, so both give the same token.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "exp.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-static inline int thread_index(void) { return omp_get_thread_num(); }
-#else
-static inline int thread_index(void) { return 0; }
-#endif
-
-#define LANES 16
+#include "common.h"
 
 typedef struct {
     float p;
