@@ -147,3 +147,27 @@ def test_the_vectorised_exponential_is_within_two_ulp_of_exp() -> None:
     smallest = np.finfo(np.float32).smallest_subnormal
     assert np.max(np.abs(out[~normal] - exact[~normal])) <= smallest
     assert out[-7:].tolist()[:2] == [1.0, 1.0] and out[-3:].tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.999, 0.99999994])
+def test_flat_rows_that_keep_most_tokens_match_the_torch_filter(top_p: float) -> None:
+    """A hot temperature over 32,000 tokens with top_p near 1 keeps thousands of candidates:
+    the radix-sorted path (and its fall-back when rounding leaves the mass short of top_p)
+    keeps exactly what the torch filter keeps. Such a row once cost 63 ms; no request's
+    parameters may make every step slow for the others."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 32000, generator=generator) * torch.tensor([[0.1], [1.0], [4.0], [0.01]])
+    params = [SamplingParams(temperature=2.0, top_p=top_p)] * 4
+    expected = filter_probs(logits, *_param_tensors(params, logits.device)).numpy()
+    got = native_filter(logits, params)
+    softmax = torch.softmax(logits / 2.0, dim=-1).numpy()
+    for row in range(4):
+        # 16,000 near-equal probabilities: a 1-ulp difference between the two softmaxes may
+        # move the cut by one token, and only a token at the cut, never more than one.
+        differ = np.flatnonzero((got[row] > 0) != (expected[row] > 0))
+        assert differ.size <= 1, differ
+        cut = min(got[row][got[row] > 0].min(), expected[row][expected[row] > 0].min())
+        assert np.allclose(softmax[row][differ], cut, rtol=1e-6)
+        same = ~np.isin(np.arange(32000), differ)
+        np.testing.assert_allclose(got[row][same], expected[row][same], rtol=2e-5, atol=1e-30)
+    assert int((got[0] > 0).sum()) > 1000  # the many-candidates path ran

@@ -58,7 +58,7 @@ def run(logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.nd
     assert library is not None
     rows, vocab = logits.shape
     threads = torch.get_num_threads()
-    needed = threads * 4 * vocab
+    needed = threads * 6 * vocab
     scratch = getattr(_local, "scratch", None)
     if scratch is None or scratch.size < needed:
         scratch = _local.scratch = np.empty(needed, dtype=np.float32)

@@ -31,18 +31,38 @@ static int by_id(const void *a, const void *b) {
     return ((const Candidate *)a)->id - ((const Candidate *)b)->id;
 }
 
-/* qsort, with an insertion sort for the usual handful of candidates (glibc's qsort
- * allocates and calls the comparator through a pointer). */
-static void sort_candidates(Candidate *items, int64_t n, int (*before)(const void *, const void *)) {
-    if (n > 32) {
-        qsort(items, (size_t)n, sizeof(Candidate), before);
-        return;
-    }
+static void insertion_sort(Candidate *items, int64_t n, int (*before)(const void *, const void *)) {
     for (int64_t i = 1; i < n; ++i) {
         Candidate item = items[i];
         int64_t j = i;
         for (; j > 0 && before(&items[j - 1], &item) > 0; --j) items[j] = items[j - 1];
         items[j] = item;
+    }
+}
+
+/* Most likely first. A handful (the usual case) by insertion; more by an LSD radix sort on
+ * the probabilities' bits (p >= 0, so the bits order as the values): linear, so a flat
+ * distribution with top_p near 1, which keeps most of the vocabulary, costs a few passes
+ * instead of a comparison sort. Ties keep no particular order; equal values sum alike. */
+static void sort_descending(Candidate *items, int64_t n, Candidate *temp) {
+    if (n <= 32) {
+        insertion_sort(items, n, by_probability_descending);
+        return;
+    }
+    for (int shift = 0; shift < 32; shift += 8) {
+        int64_t start[257] = {0};
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t bits;
+            memcpy(&bits, &items[i].p, sizeof bits);
+            start[(~bits >> shift & 0xFF) + 1] += 1;
+        }
+        for (int b = 0; b < 256; ++b) start[b + 1] += start[b];
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t bits;
+            memcpy(&bits, &items[i].p, sizeof bits);
+            temp[start[~bits >> shift & 0xFF]++] = items[i];
+        }
+        memcpy(items, temp, sizeof(Candidate) * (size_t)n);
     }
 }
 
@@ -140,7 +160,8 @@ static float kth_of_row(const float *restrict x, int64_t n, int64_t k, float *re
  * or 0 when they were not listed (neither top-p nor top-k: the draw scans the whole row). */
 static int64_t filter_row(const float *restrict logits, int64_t vocab, float temperature,
                           int64_t top_k, float top_p, float min_p, float *restrict p,
-                          float *restrict work, Candidate *restrict kept) {
+                          float *restrict work, Candidate *restrict kept,
+                          Candidate *restrict temp) {
     int has_nan;
     float m = max_value(logits, vocab, &has_nan);
     if (has_nan || isinf(m)) return -1; /* +inf, or every logit -inf: no distribution */
@@ -171,7 +192,8 @@ static int64_t filter_row(const float *restrict logits, int64_t vocab, float tem
     }
     /* Candidates: tokens of at least `bar`, lowered until their mass reaches top_p. Every
      * token below the bar then has at least that mass before it and is dropped. */
-    for (float bar = largest * 0x1p-4f;; bar = bar > 0x1p-60f ? bar * 0x1p-2f : 0.0f) {
+    for (float bar = largest * 0x1p-4f, next;; bar = next) {
+        next = bar > 0x1p-60f ? bar * 0x1p-2f : 0.0f;
         float mass_lane[LANES] = {0};
         for (i = 0; i + LANES <= vocab; i += LANES)
             for (int j = 0; j < LANES; ++j) mass_lane[j] += p[i + j] >= bar ? p[i + j] : 0.0f;
@@ -191,20 +213,32 @@ static int64_t filter_row(const float *restrict logits, int64_t vocab, float tem
                     kept[n++].id = (int32_t)t;
                 }
         }
-        sort_candidates(kept, n, by_probability_descending);
+        sort_descending(kept, n, temp);
         int64_t count = 0;
         float cumulative = 0.0f;
         for (int64_t j = 0; j < n; ++j) {
             cumulative += kept[j].p;
             count += (cumulative - kept[j].p) < top_p;
         }
-        if (cumulative < top_p && bar > 0.0f) continue; /* rounding: the mass fell short */
+        if (cumulative < top_p && bar > 0.0f) { /* rounding: the mass fell short; take all */
+            next = 0.0f;
+            continue;
+        }
         float threshold = kept[(count > 1 ? count : 1) - 1].p;
         for (i = 0; i < vocab; ++i) p[i] = p[i] < threshold ? 0.0f : p[i];
         int64_t listed = 0;
         for (int64_t j = 0; j < n; ++j)
             if (kept[j].p >= threshold && kept[j].p > 0.0f) kept[listed++] = kept[j];
-        sort_candidates(kept, listed, by_id);
+        if (listed <= 32) {
+            insertion_sort(kept, listed, by_id);
+        } else { /* many kept: list them in id order by one pass over the row */
+            listed = 0;
+            for (i = 0; i < vocab; ++i)
+                if (p[i] > 0.0f) {
+                    kept[listed].p = p[i];
+                    kept[listed++].id = (int32_t)i;
+                }
+        }
         return listed;
     }
 }
@@ -238,7 +272,7 @@ static int64_t draw(const float *p, int64_t vocab, const Candidate *kept, int64_
 
 /* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows.
  * temperature[r] == 0 is greedy. probs, when not NULL, receives each sampled row's filtered
- * probabilities ([rows, vocab]). scratch: num_threads * 4 * vocab floats. */
+ * probabilities ([rows, vocab]). scratch: num_threads * 6 * vocab floats. */
 int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows, int64_t vocab,
                           const float *temperature, const int64_t *top_k, const float *top_p,
                           const float *min_p, const double *u, int64_t *tokens, float *probs,
@@ -251,11 +285,11 @@ int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows,
             tokens[r] = argmax(row, vocab);
             continue;
         }
-        float *mine = scratch + (int64_t)thread_index() * 4 * vocab;
+        float *mine = scratch + (int64_t)thread_index() * 6 * vocab;
         float *p = probs ? probs + r * vocab : mine;
         Candidate *kept = (Candidate *)(mine + 2 * vocab);
         int64_t listed = filter_row(row, vocab, temperature[r], top_k[r], top_p[r], min_p[r], p,
-                                    mine + vocab, kept);
+                                    mine + vocab, kept, (Candidate *)(mine + 4 * vocab));
         if (listed < 0) {
             tokens[r] = -1;
             failed += 1;
