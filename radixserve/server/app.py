@@ -10,7 +10,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -47,7 +47,7 @@ from radixserve.server.formatting import (
 )
 from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
-from radixserve.server.prompts import render_chat
+from radixserve.server.prompts import ChatRenderer
 from radixserve.server.protocol import (
     MAX_ID_CHARS,
     ChatCompletionRequest,
@@ -58,6 +58,7 @@ from radixserve.server.protocol import (
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
 from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
+from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, GeneratedTurns
 
 logger = logging.getLogger("radixserve.server")
 
@@ -69,15 +70,20 @@ _ENCODER = msgspec.json.Encoder()
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 _DONE = b"data: [DONE]\n\n"
+Remember = Callable[[ChoiceResult], None]
 
 
 class OpenAIServer:
     """The route handlers and what they share: the engine, the metrics and the settings."""
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None,
-                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 turn_memory_tokens: int = DEFAULT_TURN_TOKENS) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
+        self.turns = GeneratedTurns(turn_memory_tokens) if turn_memory_tokens else None
+        self.renderer = ChatRenderer(self.tokenizer, self.turns)
+        self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self.max_context_len = engine.engine.max_context_len
         self.max_sequence_len = engine.engine.max_sequence_len
         self.model_name = served_model_name or engine.engine.model_name
@@ -133,13 +139,15 @@ class OpenAIServer:
         self._check_model(body.model)
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
-        prompt_ids, system_tokens = await anyio.to_thread.run_sync(render_chat, self.tokenizer, body.messages)
+        scope = body.cache_salt or None  # the engine's cache namespace: "" is no salt
+        prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope)
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        remember = (lambda result: self._remember_turn(scope, result)) if self.turns is not None else None
         return await self._generate(request, [call], formatter, body.stream, ["messages"], max_tokens_param,
-                                    timer)
+                                    timer, remember)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions: one prompt, or a batch of them (n choices per prompt)."""
@@ -160,9 +168,10 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
                         stream: bool, prompt_params: list[str], max_tokens_param: str,
-                        timer: RequestTimer) -> Response:
+                        timer: RequestTimer, remember: Remember | None = None) -> Response:
         """Runs one engine request per call (one per prompt of a batch) and answers with their
-        choices: prompt i's choice j has index i * n + j."""
+        choices: prompt i's choice j has index i * n + j. `remember` sees each choice that
+        finished (a chat completion's generated turn)."""
         request_id = formatter.identity.id
         n = calls[0].params.n
         streams = [self.engine.generate(
@@ -187,11 +196,12 @@ class OpenAIServer:
             handed_over = True  # from here `deltas` owns the engine streams and closes them
             choices = n * len(calls)
             if stream:
-                events = self._sse(deltas, formatter, choices, n, timer)
+                events = self._sse(deltas, formatter, choices, n, timer, remember)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:
-                response = await unless_disconnected(request, self._collect(deltas, formatter, choices, n, timer))
+                response = await unless_disconnected(request, self._collect(deltas, formatter, choices, n, timer,
+                                                                             remember))
             finally:
                 await close(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
@@ -201,7 +211,7 @@ class OpenAIServer:
                     await close(engine_stream)
 
     async def _collect(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter,
-                       choices: int, n: int, timer: RequestTimer) -> Response:
+                       choices: int, n: int, timer: RequestTimer, remember: Remember | None) -> Response:
         results = [ChoiceResult() for _ in range(choices)]
         usage = UsageCounter(n)
         async with aclosing(deltas):
@@ -210,17 +220,17 @@ class OpenAIServer:
                     raise engine_failure()
                 timer.observe(delta)
                 usage.add(delta)
-                result = results[delta.index]
-                result.text += delta.text
-                result.token_ids.extend(delta.token_ids)
-                result.logprobs.extend(delta.logprobs or ())
-                result.finish_reason = delta.finish_reason or result.finish_reason
+                results[delta.index].add(delta)
         timer.finish()
+        if remember is not None:
+            for result in results:
+                remember(result)
         return _json(formatter.response(results, usage.usage()))
 
     async def _sse(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter, choices: int,
-                   n: int, timer: RequestTimer) -> AsyncIterator[bytes]:
+                   n: int, timer: RequestTimer, remember: Remember | None) -> AsyncIterator[bytes]:
         usage = UsageCounter(n)
+        results = [ChoiceResult() for _ in range(choices)] if remember is not None else None
         try:
             for chunk in formatter.opening_chunks(choices):
                 yield _event(chunk)
@@ -231,11 +241,15 @@ class OpenAIServer:
                     break
                 timer.observe(delta)
                 usage.add(delta)
+                if results is not None:
+                    results[delta.index].add(delta)
                 chunk = formatter.chunk(delta)
                 if chunk is not None:
                     yield _event(chunk)
             else:
                 timer.finish()
+                for result in results or ():
+                    remember(result)
                 if formatter.identity.include_usage:
                     yield _event(formatter.usage_chunk(usage.usage()))
         except Exception as exc:
@@ -247,6 +261,18 @@ class OpenAIServer:
             # aborts the requests and frees their pages, even while the cancellation unwinds.
             await close(deltas)
         yield _DONE
+
+    def _remember_turn(self, scope: str | None, result: ChoiceResult) -> None:
+        """Keeps a finished choice's token ids for later turns that send its text back, when
+        they decode to exactly that text (not when a stop string cut it short)."""
+        if result.finish_reason not in ("stop", "length"):
+            return
+        ids = result.token_ids
+        end = len(ids)
+        while end and ids[end - 1] in self._special_ids:  # the end token is not in the text
+            end -= 1
+        if end and self.tokenizer.decode(ids[:end], skip_special_tokens=False) == result.text:
+            self.turns.remember(scope, result.text, ids[:end])
 
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
@@ -287,7 +313,8 @@ class OpenAIServer:
 def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, expose_cache_tokens: bool = False,
                cache_event_buffer: int = DEFAULT_CAPACITY,
-               engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S) -> Starlette:
+               engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S,
+               turn_memory_tokens: int = DEFAULT_TURN_TOKENS) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -296,10 +323,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     `expose_cache_tokens` lets their snapshots and events carry token ids and text, and
     `cache_event_buffer` bounds how far (in events) a /v1/cache/events reader may fall behind.
     At shutdown the engine thread gets `engine_stop_timeout_s` to stop; a thread stuck in a
-    step is left behind (`app.state.engine_stopped` is then False).
+    step is left behind (`app.state.engine_stopped` is then False). `turn_memory_tokens`
+    bounds the token ids of generated turns kept for later turns' prompts (0: none; turns.py).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
-                          max_body_bytes=max_body_bytes)
+                          max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
                         event_buffer=cache_event_buffer)
 

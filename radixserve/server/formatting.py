@@ -37,6 +37,13 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
+    def add(self, delta: StreamDelta) -> None:
+        """Appends what `delta` brings to this choice."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or ())
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
 
 class UsageCounter:
     """Token counts over a request's deltas; a batch of prompts sums over its prompts.

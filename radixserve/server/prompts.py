@@ -1,42 +1,152 @@
-"""Chat messages → prompt token ids, and how many of them belong to the system prompt."""
+"""Chat messages → prompt token ids, and how many of them belong to the system prompt.
+
+Two things make the ids cache well across the turns of a conversation:
+- assistant messages whose text a completion of this server generated (in the same cache
+  scope) are spliced in as the ids the model generated, not re-encoded (turns.py says why);
+- a template that injects a default system prompt when the messages have none (SmolLM2's,
+  Qwen's) has that injected block counted as system prompt, so `system_retention_priority`
+  protects it as it protects one the client sent.
+"""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
 
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatMessage
+from radixserve.server.turns import GeneratedTurns
 
 _SYSTEM_ROLES = ("system", "developer")
+# Private-use characters: no client text or template contains them by accident.
+_PROBE_USER, _PROBE_SYSTEM = "\ue000", "\ue001"
+_MARK_OPEN, _MARK_CLOSE = "\ue002", "\ue003"
+
+Conversation = list[dict[str, str]]
+
+
+class ChatRenderer:
+    """Renders chat requests for one tokenizer, with an optional memory of generated turns."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, turns: GeneratedTurns | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.turns = turns
+
+    def render(self, messages: list[ChatMessage], scope: Hashable = None) -> tuple[list[int], int]:
+        """Renders `messages` with the chat template and a generation prompt.
+
+        Returns the prompt's token ids and the number of leading tokens that the system
+        message(s) alone render to — or, without one, the system block the template injects
+        (0 if it injects none): the part of the prompt shared by every conversation with the
+        same system prompt. `scope` is the request's cache scope, for generated turns.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "This model has no chat template; use /v1/completions instead.",
+                           param="messages", code="no_chat_template")
+        conversation = [_as_dict(message, i) for i, message in enumerate(messages)]
+        text = _render(self.tokenizer, conversation, add_generation_prompt=True)
+        prompt_ids = self._encode_turns(conversation, text, scope)
+        num_system = 0
+        while num_system < len(conversation) and conversation[num_system]["role"] == "system":
+            num_system += 1
+        if num_system:
+            system_text = _render(self.tokenizer, conversation[:num_system], add_generation_prompt=False)
+        else:
+            system_text = injected_system_text(self.tokenizer)
+            if not system_text or not text.startswith(system_text):
+                return prompt_ids, 0
+        # Templates may close the system block differently when nothing follows it, and BPE may
+        # merge across the boundary: only the tokens both renderings share count as the prefix.
+        return prompt_ids, _shared_prefix(self._encode(system_text), prompt_ids)
+
+    def _encode(self, text: str) -> list[int]:
+        # The template already wrote BOS and friends: no special tokens added here.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_turns(self, conversation: Conversation, text: str, scope: Hashable) -> list[int]:
+        """`text` encoded, with the ids of generated turns spliced in where the assistant
+        messages hold their exact text; plain encoding when the template does not render
+        those messages verbatim."""
+        if self.turns is None:
+            return self._encode(text)
+        known: dict[int, list[int]] = {}
+        for i, message in enumerate(conversation):
+            if message["role"] == "assistant" and message["content"]:
+                ids = self.turns.recall(scope, message["content"])
+                if ids is not None:
+                    known[i] = ids
+        if not known:
+            return self._encode(text)
+        marks = {i: f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in known}
+        marked = [dict(m, content=marks[i]) if i in known else m for i, m in enumerate(conversation)]
+        marked_text = _render(self.tokenizer, marked, add_generation_prompt=True)
+        pieces: list[str] = []
+        rest = marked_text
+        for i in known:
+            before, found, rest = rest.partition(marks[i])
+            if not found:
+                return self._encode(text)
+            pieces += [before, conversation[i]["content"]]
+        if "".join(pieces) + rest != text:  # the template changed a message (trimmed it, say)
+            return self._encode(text)
+        ids: list[int] = []
+        for (before, _), turn_ids in zip(zip(pieces[::2], pieces[1::2]), known.values()):
+            ids += self._encode(before) + turn_ids
+        return ids + self._encode(rest)
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> tuple[list[int], int]:
-    """Renders `messages` with the tokenizer's chat template and a generation prompt.
+    """`ChatRenderer(tokenizer).render(messages)`: without generated turns."""
+    return ChatRenderer(tokenizer).render(messages)
 
-    Returns the prompt's token ids and the number of leading tokens that the system
-    message(s) alone render to (0 without a leading system message): the part of the prompt
-    shared by every conversation with the same system prompt.
+
+@functools.lru_cache(maxsize=8)
+def injected_system_text(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The system block the template writes when the messages have none ("" if it writes none).
+
+    Three renderings find it: a system message alone (its opening and closing around the
+    system text), one user message (U), and the two together (S). U begins with the
+    system block's opening exactly when the template injects one; the block then ends
+    where the user message's opening (what follows the closing in S) begins in U.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "This model has no chat template; use /v1/completions instead.",
-                       param="messages", code="no_chat_template")
-    conversation = [_as_dict(message, i) for i, message in enumerate(messages)]
-    prompt_ids = _encode(tokenizer, conversation, add_generation_prompt=True)
-    num_system = 0
-    while num_system < len(conversation) and conversation[num_system]["role"] == "system":
-        num_system += 1
-    if num_system == 0:
-        return prompt_ids, 0
-    system_ids = _encode(tokenizer, conversation[:num_system], add_generation_prompt=False)
-    # Templates may close the system block differently when nothing follows it, and BPE may
-    # merge across the boundary: only the tokens both renderings share count as the prefix.
+    user = {"role": "user", "content": _PROBE_USER}
+    system = {"role": "system", "content": _PROBE_SYSTEM}
+    try:
+        alone = _render(tokenizer, [user], add_generation_prompt=False)
+        both = _render(tokenizer, [system, user], add_generation_prompt=False)
+        only = _render(tokenizer, [system], add_generation_prompt=False)
+    except APIError:
+        return ""
+    opening, _, between = both.partition(_PROBE_SYSTEM)  # between: closing + user opening
+    between = between[: between.find(_PROBE_USER)]
+    # Templates may close a block differently when nothing follows: the closing is what the
+    # system message alone and the pair agree on after the system text.
+    closing = _common_prefix(only.partition(_PROBE_SYSTEM)[2], between)
+    user_opening = between[len(closing):]
+    before_user = alone[: alone.find(_PROBE_USER)]
+    if not opening.strip() or not closing or not alone.startswith(opening) \
+            or not before_user.endswith(closing + user_opening):
+        return ""
+    return before_user[: len(before_user) - len(user_opening)]
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
     shared = 0
-    for a, b in zip(system_ids, prompt_ids):
-        if a != b:
+    for x, y in zip(a, b):
+        if x != y:
             break
         shared += 1
-    return prompt_ids, shared
+    return shared
 
 
 def _as_dict(message: ChatMessage, position: int) -> dict[str, str]:
@@ -48,14 +158,11 @@ def _as_dict(message: ChatMessage, position: int) -> dict[str, str]:
     return {"role": role, "content": message.text()}
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, str]], *,
-            add_generation_prompt: bool) -> list[int]:
-    # Render to text, then encode without special tokens: the template already wrote BOS and
-    # friends, and transformers 5.x returns a BatchEncoding from tokenize=True.
+def _render(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, *, add_generation_prompt: bool) -> str:
+    # Render to text, then encode apart: transformers 5.x returns a BatchEncoding from tokenize=True.
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except TemplateError as exc:  # templates reject some conversations (e.g. role order)
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
                        code="invalid_messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,171 @@
+"""Generated turns spliced into later prompts, and system prompts that templates inject."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from radixserve import AsyncEngine, Engine
+from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.server.app import create_app
+from radixserve.server.prompts import ChatRenderer, injected_system_text, render_chat
+from radixserve.server.protocol import ChatMessage
+from radixserve.server.turns import GeneratedTurns
+from tests.server_util import running_server
+
+# SmolLM2-Instruct's template: a default system block when the messages bring none.
+INJECTING_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TRIMMING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] | trim }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(demo_checkpoint_dir())
+
+
+def with_template(tokenizer: PreTrainedTokenizerBase, template: str) -> PreTrainedTokenizerBase:
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = template
+    return other
+
+
+def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:
+    return [ChatMessage(role=role, content=content) for role, content in pairs]
+
+
+def odd_split(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`text` as one token per character: ids its plain encoding never gives."""
+    ids = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+    assert ids != tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids) == text
+    return ids
+
+
+# ---------------------------------------------------------------- the memory
+
+
+def test_turns_are_bounded_by_tokens_and_forget_the_least_recent() -> None:
+    turns = GeneratedTurns(max_tokens=10)
+    turns.remember(None, "a", [1, 2, 3, 4])
+    turns.remember(None, "b", [5, 6, 7, 8])
+    assert turns.recall(None, "a") == [1, 2, 3, 4]  # now b is the least recent
+    turns.remember(None, "c", [9, 10, 11])
+    assert turns.recall(None, "b") is None
+    assert turns.recall(None, "a") == [1, 2, 3, 4] and turns.recall(None, "c") == [9, 10, 11]
+    assert turns.num_tokens == 7 and len(turns) == 2
+    turns.remember(None, "huge", list(range(11)))  # larger than the whole memory: not kept
+    turns.remember(None, "one", [1])  # too short to matter
+    assert turns.recall(None, "huge") is None and turns.recall(None, "one") is None
+    assert turns.num_tokens == 7
+
+
+def test_turns_are_scoped() -> None:
+    turns = GeneratedTurns()
+    turns.remember("tenant-a", "Hello there", [1, 2, 3])
+    assert turns.recall("tenant-b", "Hello there") is None
+    assert turns.recall(None, "Hello there") is None
+    assert turns.recall("tenant-a", "Hello there") == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_generated_ids_are_spliced_where_the_history_holds_their_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    renderer = ChatRenderer(tokenizer, GeneratedTurns())
+    first = messages(("system", "Be brief."), ("user", "Tell me about pages."))
+    first_ids, _ = renderer.render(first)
+    answer = "Pages hold\n\nKV slots."
+    generated = odd_split(tokenizer, answer)
+    renderer.turns.remember(None, answer, generated)
+    second = first + messages(("assistant", answer), ("user", "And trees?"))
+    ids, system_tokens = renderer.render(second)
+    assert ids[: len(first_ids)] == first_ids
+    assert ids[len(first_ids): len(first_ids) + len(generated)] == generated
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.text()} for m in second], tokenize=False, add_generation_prompt=True)
+    assert system_tokens == render_chat(tokenizer, second)[1] > 0
+    # Another scope, or no memory at all: plain encoding.
+    plain = render_chat(tokenizer, second)[0]
+    assert renderer.render(second, "other scope")[0] == plain != ids
+
+
+def test_a_template_that_changes_the_text_gets_plain_encoding(tokenizer: PreTrainedTokenizerBase) -> None:
+    trimming = with_template(tokenizer, TRIMMING_TEMPLATE)
+    renderer = ChatRenderer(trimming, GeneratedTurns())
+    answer = " spaced answer "
+    renderer.turns.remember(None, answer, odd_split(trimming, answer))
+    conversation = messages(("user", "q"), ("assistant", answer), ("user", "more"))
+    assert renderer.render(conversation) == render_chat(trimming, conversation)
+
+
+def test_an_injected_system_block_counts_as_the_system_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
+    injecting = with_template(tokenizer, INJECTING_TEMPLATE)
+    block = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    assert injected_system_text(injecting) == block
+    assert injected_system_text(tokenizer) == ""  # the demo template injects nothing
+    ids, system_tokens = render_chat(injecting, messages(("user", "hi")))
+    assert ids[:system_tokens] == tokenizer.encode(block, add_special_tokens=False)
+    assert tokenizer.decode(ids[:system_tokens]) == block
+    # A system message the client sends replaces the default and is counted as before.
+    sent = render_chat(injecting, messages(("system", "Rules."), ("user", "hi")))
+    assert tokenizer.decode(sent[0][: sent[1]]) == "<|im_start|>system\nRules.<|im_end|>\n"
+    assert render_chat(tokenizer, messages(("user", "hi")))[1] == 0
+
+
+# ---------------------------------------------------------------- over HTTP
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_multi_turn_chat_is_cached_through_the_previous_answer(stream: bool) -> None:
+    """Turn k+1 finds turn k's prompt and all of its answer but the last token in the cache.
+
+    Sampled answers of a random model are strings of odd tokens that re-encode differently:
+    without the memory of generated turns the match stops inside them (checked, so this
+    test exercises the splice)."""
+    cached, expected = _conversation(stream, memory=True)
+    assert cached == expected
+    cached, expected = _conversation(stream, memory=False)
+    assert any(c < e for c, e in zip(cached, expected))
+
+
+def _conversation(stream: bool, *, memory: bool, turns: int = 4) -> tuple[list[int], list[int]]:
+    """(cached tokens of turns 2.., previous prompt + completion - 1 for each of them)."""
+    engine = Engine(model="demo", page_size=1, num_pages=4096)
+    app = create_app(AsyncEngine(engine), turn_memory_tokens=4096 if memory else 0)
+    history = [{"role": "system", "content": "You answer questions about caches."}]
+    cached, expected = [], []
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        for turn in range(turns):
+            history.append({"role": "user", "content": f"Question number {turn}: what is a radix tree?"})
+            body = {"messages": history, "max_tokens": 24, "temperature": 1.0, "seed": turn, "stream": stream,
+                    "stream_options": {"include_usage": True}}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            text, usage = _answer(response, stream)
+            if turn:  # the last generated token (EOS, or the 24th) was never computed
+                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+                expected.append(previous)
+            previous = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+            history.append({"role": "assistant", "content": text})
+    return cached, expected
+
+
+def _answer(response: httpx.Response, stream: bool) -> tuple[str, dict]:
+    if not stream:
+        data = response.json()
+        return data["choices"][0]["message"]["content"], data["usage"]
+    from tests.server_util import sse_chunks
+
+    chunks = sse_chunks(response.text)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    return text, chunks[-1]["usage"]
