@@ -35,7 +35,8 @@ def run_agent(client: httpx.Client, task: str, turns: int, max_tokens: int, agen
         response = client.post("/v1/chat/completions", json={
             "messages": messages, "max_tokens": max_tokens, "temperature": 0.7,
             "session_id": session_id, "system_retention_priority": 90})
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise SystemExit(f"error {response.status_code}: {response.text}")
         data = response.json()
         usage = data["usage"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -63,4 +64,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except httpx.ConnectError as exc:  # one line, not a traceback, for the usual mistake
+        raise SystemExit(f"error: no server answered ({exc}); start one with `radixserve serve`, "
+                         "or pass --url") from None

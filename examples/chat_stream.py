@@ -63,4 +63,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except httpx.ConnectError as exc:  # one line, not a traceback, for the usual mistake
+        raise SystemExit(f"error: no server answered ({exc}); start one with `radixserve serve`, "
+                         "or pass --url") from None

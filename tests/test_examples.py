@@ -45,3 +45,16 @@ def test_agent_loop_uses_the_key_from_the_environment(url: str) -> None:
     done = run_example("agent_loop.py", url, "--agents", "1", "--turns", "2", "--max-tokens", "3", key=KEY)
     assert done.returncode == 0, done.stderr
     assert "agent 0 turn 1:" in done.stdout and "agent 0 turn 2:" in done.stdout
+
+
+@pytest.mark.parametrize("script", ["chat_stream.py", "agent_loop.py"])
+def test_no_server_is_one_line_not_a_traceback(script: str) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        done = run_example(script, f"http://127.0.0.1:{port}", key=None)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: no server answered") and "radixserve serve" in done.stderr
