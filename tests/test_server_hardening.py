@@ -295,3 +295,46 @@ def test_paused_engine_is_stalled_only_while_work_waits(server: SimpleNamespace,
     assert result["response"].status_code == 200
     assert_idle(server)
     assert wait_for(lambda: client.get("/health").status_code == 200)
+
+
+# ---------------------------------------------------------------- maps and fields with no effect (issue 22, item 7)
+
+
+def test_logit_bias_is_capped_and_best_of_is_refused_unless_it_equals_n(client: httpx.Client) -> None:
+    neutral = {str(i): 0 for i in range(1024)}
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "logit_bias": neutral})
+    assert r.status_code == 200, r.text
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "logit_bias": {**neutral, "1024": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    for body, status in (({"best_of": 2}, 400), ({"best_of": 3, "n": 2}, 400), ({"best_of": 2, "n": 2}, 200),
+                         ({"best_of": 1}, 200)):
+        r = client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, **body})
+        assert r.status_code == status, (body, r.text)
+        if status == 400:
+            assert r.json()["error"]["param"] == "best_of" and r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(server: SimpleNamespace, client: httpx.Client,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bodies past DECODE_IN_THREAD_BYTES are decoded in a worker thread (seen by the thread
+    that runs the decoder), smaller ones on the loop; both answer the same."""
+    import msgspec
+
+    from radixserve.server import app as app_module
+
+    threads: list[str] = []
+    real = app_module._CHAT_DECODER
+
+    class Spy:
+        def decode(self, body: bytes) -> Any:
+            threads.append(threading.current_thread().name)
+            return real.decode(body)
+
+    monkeypatch.setattr(app_module, "_CHAT_DECODER", Spy())
+    padding = "x" * app_module.DECODE_IN_THREAD_BYTES
+    for user in ("y", padding):
+        r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "user": "u", "metadata": user})
+        assert r.status_code == 200, r.text
+    loop_thread = threads[0]
+    assert threads[1] != loop_thread and len(threads) == 2
+    assert isinstance(real, msgspec.json.Decoder)

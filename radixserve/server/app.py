@@ -63,6 +63,7 @@ from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, G
 logger = logging.getLogger("radixserve.server")
 
 MAX_BODY_BYTES = 4 * 2**20
+DECODE_IN_THREAD_BYTES = 64 * 2**10
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -135,7 +136,7 @@ class OpenAIServer:
         """POST /v1/chat/completions."""
         self._authorize(request)
         timer = self.metrics.timer()
-        body = _decode(await self._read_body(request), _CHAT_DECODER)
+        body = await _decode(await self._read_body(request), _CHAT_DECODER)
         self._check_model(body.model)
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
@@ -153,7 +154,7 @@ class OpenAIServer:
         """POST /v1/completions: one prompt, or a batch of them (n choices per prompt)."""
         self._authorize(request)
         timer = self.metrics.timer()
-        body = _decode(await self._read_body(request), _COMPLETION_DECODER)
+        body = await _decode(await self._read_body(request), _COMPLETION_DECODER)
         self._check_model(body.model)
         prompts, batch = completion_prompts(body)
         params = [f"prompt[{i}]" for i in range(len(prompts))] if batch else ["prompt"]
@@ -360,8 +361,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     return app
 
 
-def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
+async def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
+    """The validated request; a large body is decoded in a worker thread, so that clients
+    sending megabytes of JSON cannot hold the event loop (and every other stream) meanwhile."""
     try:
+        if len(body) > DECODE_IN_THREAD_BYTES:
+            return await anyio.to_thread.run_sync(decoder.decode, body)
         return decoder.decode(body)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise error_from_decode(exc) from exc

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 MAX_ID_CHARS = 256  # model, user, cache_salt, session_id, message name (docs/server.md)
+MAX_LOGIT_BIAS = 1024  # entries; like stop strings (engine/params.py), capped in the schema
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -80,6 +81,7 @@ class GenerationRequest(Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: NumChoices | None = None
+    best_of: NumChoices | None = None  # accepted only when it asks for no more than n
     user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -87,7 +89,7 @@ class GenerationRequest(Struct, kw_only=True):
     # OpenAI fields with no implementation here: accepted at their neutral value only.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM-compatible extensions.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

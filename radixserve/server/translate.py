@@ -170,6 +170,11 @@ def _refuse_unsupported(request: GenerationRequest) -> None:
         raise _unsupported("frequency_penalty")
     if request.logit_bias and any(bias != 0 for bias in request.logit_bias.values()):
         raise _unsupported("logit_bias")
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        # best_of > n would compute candidates and return the best by log-probability: not
+        # implemented, and silently returning n plain samples would misreport the request.
+        raise APIError(400, "best_of is supported only equal to n (beam search: use_beam_search with "
+                            "beam_width)", param="best_of", code="unsupported_parameter")
     if request.response_format is not None and request.response_format.type != "text":
         raise APIError(400, f"response_format type {request.response_format.type[:64]!r} is not supported "
                             'by radixserve; only {"type": "text"} is', param="response_format.type",
