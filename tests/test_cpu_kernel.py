@@ -11,14 +11,15 @@ import sys
 import pytest
 import torch
 
-from radixserve.attention import AttentionMetadata, TorchBackend, cpu_kernel
+from radixserve.attention import AttentionMetadata, TorchBackend
+from radixserve.native import paged_attention
 from tests.test_attention import dense_attention, fill_caches, random_batch
 
 
 def test_the_kernel_builds_on_this_machine() -> None:
     """CI machines have a C compiler: the kernel must load there, not silently fall back."""
-    assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
-    assert cpu_kernel.unavailable_reason() is None
+    assert paged_attention.load() is not None, paged_attention.unavailable_reason()
+    assert paged_attention.unavailable_reason() is None
 
 
 def plan_decodes(shapes: list[tuple[int, int]], page_size: int, num_qo_heads: int, num_kv_heads: int,
@@ -87,8 +88,8 @@ def test_tensors_the_kernel_cannot_read_are_refused_not_misread() -> None:
 
 
 def _load_in_subprocess(env: dict[str, str]) -> str:
-    code = ("from radixserve.attention import cpu_kernel; "
-            "print(cpu_kernel.load() is None, '|', cpu_kernel.unavailable_reason())")
+    code = ("from radixserve.native import paged_attention; "
+            "print(paged_attention.load() is None, '|', paged_attention.unavailable_reason())")
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
                             capture_output=True, text=True, timeout=120, check=True)
     return result.stdout.strip()

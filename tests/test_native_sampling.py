@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.engine import native_sampling
+from radixserve.native import sampling as native_sampling
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import _param_tensors, filter_probs, sample
 
