@@ -149,6 +149,18 @@ def test_the_vectorised_exponential_is_within_two_ulp_of_exp() -> None:
     assert out[-7:].tolist()[:2] == [1.0, 1.0] and out[-3:].tolist() == [0.0, 0.0, 0.0]
 
 
+def test_the_vectorised_exponential_keeps_nan() -> None:
+    """e^NaN is NaN, as expf's: the attention kernel's softmax relies on it to give NaN where
+    SDPA does (the clamp below -104 must not catch NaN)."""
+    library = native_sampling.load()
+    assert library is not None
+    x = np.array([np.nan, -np.nan, 0.0, -np.inf], np.float32)
+    out = np.empty_like(x)
+    library.radixserve_exp_nonpositive.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    library.radixserve_exp_nonpositive(x.ctypes.data, out.ctypes.data, len(x))
+    assert np.isnan(out[:2]).all() and out[2:].tolist() == [1.0, 0.0]
+
+
 @pytest.mark.parametrize("top_p", [0.5, 0.999, 0.99999994])
 def test_flat_rows_that_keep_most_tokens_match_the_torch_filter(top_p: float) -> None:
     """A hot temperature over 32,000 tokens with top_p near 1 keeps thousands of candidates:

@@ -22,8 +22,9 @@ What each kernel trusts, and where it is checked:
   stride and 1 <= vocab < 2^31 (token ids are int32 in C); one entry per row in every
   parameter array, converted to the dtype C reads; temperature >= 0 (not NaN); u in [0, 1].
 
-NaN is not a check: a NaN in q or a key makes that head's attention NaN in the C kernel, as it
-does in SDPA (see paged_attention.c), and the sampler reports rows with non-finite logits.
+NaN is not checked here (that would be a pass over every key read, on every layer): the
+attention kernel propagates it instead (a NaN key makes the heads that read it NaN, as in
+SDPA; see paged_attention.c), so NaN logits follow and the sampler reports those rows.
 """
 
 from __future__ import annotations

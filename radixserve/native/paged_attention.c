@@ -11,8 +11,11 @@
  * j / (Hq / Hkv). Cache layout (FlashInfer's NHD): [num_pages, page_size, Hkv, D], so a key's
  * row of every KV head is contiguous and is read once per item. Only keys in [lo, hi) are
  * read: never-written slots are never touched. Softmax as SDPA's math: scores, their maximum,
- * max-shifted exponentials, normalised. NaN propagates as there: the maximum skips a NaN score,
- * but e^NaN is NaN (exp_nonpositive), so that head's sum, weights and output are all NaN.
+ * max-shifted exponentials, normalised. A NaN score (a NaN in q or in a key the head reads)
+ * makes the head's output NaN: the maximum skips it, but e^NaN is NaN (exp_nonpositive), so
+ * the sum, every weight and the output are NaN. SDPA gives the same NaN for a NaN key; for a
+ * NaN query, whose every score is NaN, torch's CPU SDPA returns 0 as for a fully masked row,
+ * where this kernel keeps the NaN rather than hide it.
  *
  * The dot products keep 16 independent partial sums in one vector register, reduced by a
  * fixed tree, so they vectorise without letting the compiler reassociate floating-point
