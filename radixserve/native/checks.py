@@ -59,7 +59,7 @@ def _host_integers(name: str, values: Tensor | np.ndarray) -> np.ndarray:
             raise ValueError(f"{name} must be on the CPU, got {values.device}")
         values = values.numpy()
     array = np.asarray(values)
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+    if array.ndim != 1 or array.dtype.kind not in "iu":
         raise ValueError(f"{name} must be a 1-D integer array, got {array.dtype} of shape {array.shape}")
     return array
 
@@ -79,13 +79,16 @@ def paged_rows(kv_indices: Tensor | np.ndarray, rows: Tensor | np.ndarray, page_
         raise ValueError(f"rows, page_start, lo and hi differ in length: {[len(c) for c in columns]}")
     if not len(rows_):
         return CheckedRows(np.ascontiguousarray(pages, dtype=np.int32), *columns, 0, -1, -1)
-    _require_all(rows_ >= 0, "query rows must be >= 0", rows_)
-    _require_all(page_start_ >= 0, "page_start must be >= 0", page_start_)
-    _require_all(lo_ >= 0, "lo (a row's first key) must be >= 0", lo_)
-    _require_all(hi_ > lo_, "every row must see at least one key (hi > lo)", hi_)
     first = page_start_ + lo_ // page_size  # the entries of kv_indices row i reads
     last = page_start_ + (hi_ - 1) // page_size
-    _require_all(last < len(pages), f"a row's pages run past the end of kv_indices ({len(pages)} entries)", last)
+    conditions = ((rows_ >= 0, "query rows must be >= 0", rows_),
+                  (page_start_ >= 0, "page_start must be >= 0", page_start_),
+                  (lo_ >= 0, "lo (a row's first key) must be >= 0", lo_),
+                  (hi_ > lo_, "every row must see at least one key (hi > lo)", hi_),
+                  (last < len(pages), f"a row's pages run past the end of kv_indices ({len(pages)} entries)", last))
+    if not np.logical_and.reduce([condition for condition, _, _ in conditions]).all():
+        for condition, message, values in conditions:  # name the first that fails
+            _require_all(condition, message, values)
     # The page indices the rows read: the entries covered by some [first, last] (marks +1 at
     # each range's start, -1 past its end, summed).
     marks = np.bincount(first, minlength=len(pages) + 1) - np.bincount(last + 1, minlength=len(pages) + 1)
@@ -119,18 +122,23 @@ def attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, row
                    page_size: int) -> None:
     """Checks one paged-attention call over checked `rows` (planned for `page_size`): the
     tensors' dtype, device, layout and shapes, and the rows' bounds against them."""
-    faults = {"q": _fault(q), "k_cache": _fault(k_cache), "v_cache": _fault(v_cache), "out": _fault(out)}
-    if any(faults.values()):
+    # Once per layer: one expression in the usual case, the message only on failure.
+    dense = (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+             and q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu and q.is_contiguous()
+             and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
+    if not dense:
+        faults = {"q": _fault(q), "k_cache": _fault(k_cache), "v_cache": _fault(v_cache), "out": _fault(out)}
         if faults["k_cache"] == faults["v_cache"]:
             faults["caches"] = faults.pop("k_cache")
             del faults["v_cache"]
         got = ", ".join(f"{name} {fault}" for name, fault in faults.items() if fault)
         raise ValueError(f"the CPU attention kernel needs contiguous float32 q, caches and out on the CPU, got {got}")
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or out.shape != q.shape:
-        raise ValueError(f"shapes: q {tuple(q.shape)} must be [T, Hq, D], out {tuple(out.shape)} the same, "
-                         f"caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)} [pages, page_size, Hkv, D]")
-    num_tokens, num_qo_heads, head_dim = q.shape
-    num_pages, cache_page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    q_shape, cache_shape = q.shape, k_cache.shape
+    if len(q_shape) != 3 or len(cache_shape) != 4 or v_cache.shape != cache_shape or out.shape != q_shape:
+        raise ValueError(f"shapes: q {tuple(q_shape)} must be [T, Hq, D], out {tuple(out.shape)} the same, "
+                         f"caches {tuple(cache_shape)} and {tuple(v_cache.shape)} [pages, page_size, Hkv, D]")
+    num_tokens, num_qo_heads, head_dim = q_shape
+    num_pages, cache_page_size, num_kv_heads, cache_head_dim = cache_shape
     if cache_head_dim != head_dim:
         raise ValueError(f"q's head_dim {head_dim} differs from the caches' {cache_head_dim}")
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
