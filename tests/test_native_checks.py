@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.attention import TorchBackend
+from radixserve.attention import AttentionMetadata, TorchBackend
 from radixserve.native import paged_attention, sampling, scratch
 from tests.test_cpu_kernel import plan_decodes
 from tests.test_engine_isolation import GREEDY, INNOCENT, run
@@ -21,18 +22,20 @@ from tests.test_engine_isolation import GREEDY, INNOCENT, run
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def decode_batch(seed: int = 1):
+def decode_batch(seed: int = 1) -> tuple:
     """Three decodes over 4-token pages: tables, caches, q and the metadata."""
     return plan_decodes([(20, 1), (9, 1), (13, 1)], 4, 4, 2, 16, seed=seed)
 
 
-def kernel_output(meta, q, k_cache, v_cache) -> torch.Tensor:
+def kernel_output(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> torch.Tensor:
     backend = TorchBackend()
     backend.plan(meta, **HEADS, dtype=torch.float32)
     return backend.forward(q, k_cache, v_cache, sm_scale=0.25)
 
 
-def rows_of(meta, kv_indices=None) -> paged_attention.PagedRows:
+def rows_of(meta: AttentionMetadata, kv_indices: torch.Tensor | np.ndarray | None = None
+            ) -> paged_attention.PagedRows:
     """Every sequence of a decode-only `meta` as kernel rows over all its keys."""
     host = meta.host
     return paged_attention.PagedRows(host.kv_indices if kv_indices is None else kv_indices,
@@ -40,7 +43,7 @@ def rows_of(meta, kv_indices=None) -> paged_attention.PagedRows:
                                      host.kv_lens, page_size=meta.page_size)
 
 
-def with_page(meta, sequence: int, page: int):
+def with_page(meta: AttentionMetadata, sequence: int, page: int) -> AttentionMetadata:
     """`meta` with the first page of `sequence` replaced by `page` (a copy)."""
     kv = meta.host.kv_indices.astype(np.int64)
     kv[meta.host.kv_indptr[sequence]] = page
@@ -144,12 +147,12 @@ def count_thread_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return reads
 
 
-def spy(monkeypatch: pytest.MonkeyPatch, library, function: str, threads_at: int) -> list[int]:
+def spy(monkeypatch: pytest.MonkeyPatch, library: object, function: str, threads_at: int) -> list[int]:
     """Records the thread count each call of `function` receives, then calls it."""
     received: list[int] = []
     real = getattr(library, function)
 
-    def wrapper(*args):
+    def wrapper(*args: Any) -> Any:
         received.append(args[threads_at])
         return real(*args)
 
@@ -220,7 +223,8 @@ def test_a_corrupt_page_table_fails_its_request_and_the_engine_carries_on(
     assert isinstance(engine.runner.backend, TorchBackend) and paged_attention.load() is not None
     build = engine.runner.metadata.build
 
-    def corrupting_build(seq_ids, tables, kv_lens, num_new, dropped=None):
+    def corrupting_build(seq_ids: list[int], tables: list, kv_lens: list[int], num_new: list[int],
+                         dropped: list[int] | None = None) -> AttentionMetadata:
         meta = build(seq_ids, tables, kv_lens, num_new, dropped)
         for i, seq_id in enumerate(seq_ids):
             if seq_id == bad_seq[0] and num_new[i] == 1 and kv_lens[i] > 4:  # page 0 is read, not written
@@ -230,7 +234,7 @@ def test_a_corrupt_page_table_fails_its_request_and_the_engine_carries_on(
     bad_seq: list[int] = []
     prepare = engine.runner.prepare
 
-    def prepare_noting_the_bad_sequence(chunks):
+    def prepare_noting_the_bad_sequence(chunks: list) -> tuple:
         bad_seq[:] = [c.seq.seq_id for c in chunks if c.seq.request.request_id == "bad"] or [-1]
         return prepare(chunks)
 
