@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from radixserve.attention import AttentionMetadata, TorchBackend, cpu_kernel
+from radixserve.attention import AttentionMetadata, TorchBackend
+from radixserve.native import paged_attention
 
 # (sequences, keys each): the bench Llama's decodes at concurrency 8, a wider batch, and
 # 256 x 2k, where the gather path copies the whole batch's K/V per layer.
@@ -57,8 +58,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_kernel.load() is None:
-        raise SystemExit(f"the CPU kernel is unavailable: {cpu_kernel.unavailable_reason()}")
+    if paged_attention.load() is None:
+        raise SystemExit(f"the CPU kernel is unavailable: {paged_attention.unavailable_reason()}")
     print(f"8 query heads, 4 KV heads, head_dim 64 (the bench Llama), page size {args.page_size}, "
           f"{args.threads} thread(s), medians of {args.repeats}")
     print("| sequences x keys | gather + SDPA (ms/layer) | kernel (ms/layer) | speed-up |")

@@ -11,14 +11,15 @@ import sys
 import pytest
 import torch
 
-from radixserve.attention import AttentionMetadata, TorchBackend, cpu_kernel
+from radixserve.attention import AttentionMetadata, TorchBackend
+from radixserve.native import paged_attention
 from tests.test_attention import dense_attention, fill_caches, random_batch
 
 
 def test_the_kernel_builds_on_this_machine() -> None:
     """CI machines have a C compiler: the kernel must load there, not silently fall back."""
-    assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
-    assert cpu_kernel.unavailable_reason() is None
+    assert paged_attention.load() is not None, paged_attention.unavailable_reason()
+    assert paged_attention.unavailable_reason() is None
 
 
 def plan_decodes(shapes: list[tuple[int, int]], page_size: int, num_qo_heads: int, num_kv_heads: int,
@@ -86,9 +87,56 @@ def test_tensors_the_kernel_cannot_read_are_refused_not_misread() -> None:
         backend.forward(q.double(), k_cache.double(), v_cache.double(), sm_scale=0.25)
 
 
+@pytest.mark.parametrize("where", ["key", "query"])
+def test_nan_in_a_key_or_query_gives_nan_as_the_torch_path_does(where: str) -> None:
+    """A NaN key makes SDPA's softmax NaN for the heads that read it; the kernel must not turn
+    it into a finite output (a clamp in e^x once mapped NaN to e^-104, a weight of zero). A
+    NaN query makes every score of its head NaN: torch's CPU SDPA treats such a row as fully
+    masked and returns 0, the kernel keeps the NaN (a poisoned query is not hidden)."""
+    tables, _, _, k_cache, v_cache, q, meta = plan_decodes([(20, 1), (9, 1), (13, 1)], 4, 4, 2, 16, seed=3)
+    if where == "key":
+        k_cache[tables[1][1], 2, 1, 5] = float("nan")  # sequence 1's key 6, KV head 1
+    else:
+        q[2, 0, 3] = float("nan")  # sequence 2, query head 0
+    outputs = []
+    for use_kernel in (True, False):
+        backend = TorchBackend(use_kernel=use_kernel)
+        backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+        outputs.append(backend.forward(q, k_cache, v_cache, sm_scale=0.25))
+    kernel, gathered = outputs
+    nan_heads = kernel.isnan().any(dim=-1)
+    assert kernel[nan_heads].isnan().all()  # every value of such a head
+    if where == "key":
+        assert nan_heads.nonzero().tolist() == [[1, 2], [1, 3]]  # KV head 1's query heads
+        assert torch.equal(kernel.isnan(), gathered.isnan())
+    else:
+        assert nan_heads.nonzero().tolist() == [[2, 0]]
+        assert not gathered.isnan().any() and (gathered[2, 0] == 0).all()
+    torch.testing.assert_close(kernel[~nan_heads], gathered[~nan_heads], atol=1e-6, rtol=1e-5)
+
+
+def test_one_thread_matches_the_torch_path_and_more_threads_exactly() -> None:
+    """Each row is one thread's work, whatever the count: one thread and four give the same
+    bits, and both match the gather path."""
+    shapes = [(n, 1) for n in (1, 7, 40, 333, 64, 17, 200, 5)]
+    _, _, _, k_cache, v_cache, q, meta = plan_decodes(shapes, 16, 8, 4, 64, seed=11)
+    previous = torch.get_num_threads()
+    outputs = {}
+    try:
+        for threads, use_kernel in ((1, True), (4, True), (1, False)):
+            torch.set_num_threads(threads)
+            backend = TorchBackend(use_kernel=use_kernel)
+            backend.plan(meta, num_qo_heads=8, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+            outputs[threads, use_kernel] = backend.forward(q, k_cache, v_cache, sm_scale=0.125)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outputs[1, True], outputs[4, True])
+    torch.testing.assert_close(outputs[1, True], outputs[1, False], atol=1e-6, rtol=1e-5)
+
+
 def _load_in_subprocess(env: dict[str, str]) -> str:
-    code = ("from radixserve.attention import cpu_kernel; "
-            "print(cpu_kernel.load() is None, '|', cpu_kernel.unavailable_reason())")
+    code = ("from radixserve.native import paged_attention; "
+            "print(paged_attention.load() is None, '|', paged_attention.unavailable_reason())")
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
                             capture_output=True, text=True, timeout=120, check=True)
     return result.stdout.strip()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.engine import native_sampling
+from radixserve.native import sampling as native_sampling
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import _param_tensors, filter_probs, sample
 
@@ -147,6 +147,18 @@ def test_the_vectorised_exponential_is_within_two_ulp_of_exp() -> None:
     smallest = np.finfo(np.float32).smallest_subnormal
     assert np.max(np.abs(out[~normal] - exact[~normal])) <= smallest
     assert out[-7:].tolist()[:2] == [1.0, 1.0] and out[-3:].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_the_vectorised_exponential_keeps_nan() -> None:
+    """e^NaN is NaN, as expf's: the attention kernel's softmax relies on it to give NaN where
+    SDPA does (the clamp below -104 must not catch NaN)."""
+    library = native_sampling.load()
+    assert library is not None
+    x = np.array([np.nan, -np.nan, 0.0, -np.inf], np.float32)
+    out = np.empty_like(x)
+    library.radixserve_exp_nonpositive.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    library.radixserve_exp_nonpositive(x.ctypes.data, out.ctypes.data, len(x))
+    assert np.isnan(out[:2]).all() and out[2:].tolist() == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.999, 0.99999994])

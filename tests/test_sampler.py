@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.engine import native_sampling
+from radixserve.native import sampling as native_sampling
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import (TOP_P_CANDIDATES, _param_tensors, filter_logits, filter_probs,
                                        sample, seeded_uniforms)

@@ -1,9 +1,11 @@
 """Reference paged attention in plain torch: runs on any device, takes FlashInfer's inputs.
 
-Decoding sequences on the CPU in float32 run the compiled kernel of `cpu_kernel`, which reads
-their keys and values in place from the pages (1.5-2x faster than gathering them, and no
-copy of the cache however large the batch). Everything else, and decoding where the kernel
-is unavailable (another device or dtype, no C compiler, `RADIXSERVE_CPU_KERNEL=0`), takes
+Decoding sequences on the CPU in float32 run the compiled kernel of
+`radixserve.native.paged_attention`, which reads their keys and values in place from the
+pages: faster than gathering them (docs/benchmark.md), and no copy of the cache however large
+the batch. Its rows are checked once per step in `plan` and its tensors on every call, so a
+page index past the pool raises ValueError instead of reading other memory. Everything else,
+and decoding where the kernel is unavailable (another device or dtype, no C compiler, `RADIXSERVE_CPU_KERNEL=0`), takes
 the path below.
 
 Torch has no paged-attention kernel, so each layer gathers the keys and values a sequence
@@ -15,7 +17,7 @@ around that:
   one (decoding sequences and prefill chunks apart), so a batch of short decodes next to one
   long prompt does not pad every decode to the prompt's length.
 - *Cheap, bounded gathers.* Keys and values are gathered with `index_select` on the flat
-  slot view (advanced indexing on the 3-D cache is about ten times slower on the CPU) into
+  slot view (advanced indexing on the 3-D cache is much slower on the CPU) into
   workspace buffers reused across layers and steps (fresh multi-megabyte buffers cost page
   faults on every layer), and a group never gathers more than `MAX_GATHER_ELEMENTS`.
 - *No GQA copies, no mask when none is needed.* A decode group folds each KV head's query
@@ -47,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from radixserve.attention import cpu_kernel
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, HostIndices
+from radixserve.native import paged_attention
 
 MAX_PADDING = 0.125  # a group's padded attention area may exceed its real area by this much
 MAX_GATHER_ELEMENTS = 1 << 26  # per group, per K (and per V): 256 MiB in float32
@@ -79,10 +81,8 @@ class TorchBackend(AttentionBackend):
     def __init__(self, use_kernel: bool = True) -> None:
         self.use_kernel = use_kernel
         self._groups: dict[int | None, list[_Group]] | None = None  # by window
-        self._kernel_rows: dict[int | None, cpu_kernel.KernelRows] = {}  # decodes, by window
+        self._kernel_rows: dict[int | None, paged_attention.PagedRows] = {}  # decodes, by window
         self._workspace: Tensor | None = None
-        self._scratch: Tensor | None = None
-        self._kernel_indices: Tensor | None = None
 
     def plan(
         self,
@@ -100,9 +100,9 @@ class TorchBackend(AttentionBackend):
         row_elements = num_kv_heads * head_dim
         device = meta.positions.device
         kernel = (self.use_kernel and device.type == "cpu" and dtype == torch.float32
-                  and cpu_kernel.load() is not None)
+                  and paged_attention.load() is not None)
         groups: dict[int | None, list[_Group]] = {}
-        kernel_rows: dict[int | None, cpu_kernel.KernelRows] = {}
+        kernel_rows: dict[int | None, paged_attention.PagedRows] = {}
         longest = int(host.kv_lens.max(initial=0))
         for window in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
             if window is not None and window < 1:
@@ -117,7 +117,6 @@ class TorchBackend(AttentionBackend):
                 kernel_rows[window] = rows
         self._groups = groups
         self._kernel_rows = kernel_rows
-        self._kernel_indices = meta.kv_indices.contiguous()
 
     def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, sm_scale: float,
                 window: int | None = None) -> Tensor:
@@ -134,15 +133,8 @@ class TorchBackend(AttentionBackend):
         values = v_cache.view(-1, num_kv_heads * head_dim)
         out = torch.empty_like(q)
         rows = self._kernel_rows.get(window)
-        if rows is not None:
-            if not cpu_kernel.supports(q, k_cache, v_cache):  # planned for float32 on the CPU
-                raise ValueError("the CPU attention kernel needs contiguous float32 q and caches "
-                                 f"on the CPU, got q {q.dtype}, caches {k_cache.dtype}")
-            elements = cpu_kernel.scratch_elements(rows, num_qo_heads, head_dim)
-            if self._scratch is None or self._scratch.numel() < elements:
-                self._scratch = torch.empty(elements, dtype=torch.float32)
-            cpu_kernel.paged_attention(q, k_cache, v_cache, self._kernel_indices, rows, out,
-                                       scale=sm_scale, scratch=self._scratch)
+        if rows is not None:  # raises ValueError on tensors the kernel cannot read
+            paged_attention.run(q, k_cache, v_cache, rows, out, scale=sm_scale)
         for group in self._groups[window]:
             n, num_q, num_k = group.num_seqs, group.num_queries, group.num_keys
             k_buf, v_buf = self._buffers(n * num_k * num_kv_heads * head_dim, k_cache)
@@ -179,7 +171,7 @@ class TorchBackend(AttentionBackend):
 
 
 def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_elements: int,
-                 window: int | None, kernel: bool) -> tuple[list[_Group], cpu_kernel.KernelRows | None]:
+                 window: int | None, kernel: bool) -> tuple[list[_Group], paged_attention.PagedRows | None]:
     """The groups of one window (None: full attention) over the sequences with new tokens;
     with `kernel`, decoding sequences are left out of them and returned as kernel rows."""
     qo_lens, kv_lens = host.qo_lens, host.kv_lens
@@ -204,11 +196,8 @@ def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_el
     rows = None
     if kernel and decoding.size:
         # A decode's one query sees keys key_start .. kv_len - 1 of its held pages.
-        def column(array: np.ndarray) -> Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-
-        rows = cpu_kernel.KernelRows(column(host.qo_indptr[decoding]), column(host.kv_indptr[decoding]),
-                                     column(key_start[decoding]), column(kv_lens[decoding]))
+        rows = paged_attention.PagedRows(host.kv_indices, host.qo_indptr[decoding], host.kv_indptr[decoding],
+                                         key_start[decoding], kv_lens[decoding], page_size=page_size)
         decoding = decoding[:0]
     # Sequences without new tokens need no attention and belong to no group.
     groups = [

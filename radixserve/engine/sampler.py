@@ -12,7 +12,7 @@ how the batch was composed, so "same seed, same tokens" holds with continuous ba
 after preemption (`t` counts generated tokens, which preemption keeps). A torch.Generator
 per sample would give the same guarantee only with a Python loop over the rows.
 
-On the CPU (float32 logits) one call of the fused C sampler (`native_sampling`) does all of
+On the CPU (float32 logits) one call of the fused C sampler (`radixserve.native.sampling`) does all of
 this for every row when it is built, with the same semantics; the torch code below is the
 path everywhere else.
 
@@ -30,8 +30,8 @@ import hashlib
 import numpy as np
 import torch
 
-from radixserve.engine import native_sampling
 from radixserve.engine.params import SamplingParams, TokenLogprob
+from radixserve.native import sampling as native_sampling
 
 TOP_P_CANDIDATES = 256
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -1,112 +1,16 @@
-"""Small C kernels for the CPU, compiled at first use and loaded with ctypes.
+"""Small C kernels for the CPU and their Python bindings: everything that calls into C.
 
-Torch has no paged attention and no fused sampling for the CPU; the kernels here
-(`paged_attention.c`, `sampling.c`) fill those gaps. `load(name)` builds one with the C compiler (`$CC`, else `cc`) into
-`$RADIXSERVE_KERNEL_DIR` (default `~/.cache/radixserve/kernels`), under a name that hashes
-the source and the headers beside it, the flags and the CPU, so a changed source or another CPU builds afresh; later processes load the built file. With
-no compiler, or with `RADIXSERVE_CPU_KERNEL=0`, `load` returns None and callers keep their
-torch path; `unavailable_reason(name)` says why.
+Torch has no paged attention and no fused sampling for the CPU; the kernels here fill those
+gaps. One module per purpose:
+
+- `build`: compiles a kernel at first use and loads it with ctypes (or says why it cannot).
+- `checks`: the one checking layer. The C code trusts its inputs, so every call into C goes
+  through a check here first, which raises ValueError naming what is wrong (a page index past
+  the pool, an index of the wrong dtype, a short parameter array) before C runs: a bad input
+  fails the one request that carries it, never the process.
+- `scratch`: per-thread scratch memory, sized with the same thread count the call runs with.
+- `paged_attention` (`paged_attention.c`): decode attention read in place from the pages;
+  used by `radixserve.attention.torch_backend`.
+- `sampling` (`sampling.c`): the fused sampler; used by `radixserve.engine.sampler`.
+- `common.h`: what both C files share (vector width, thread index, e^x).
 """
-
-from __future__ import annotations
-
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
-logger = logging.getLogger(__name__)
-
-SOURCES = Path(__file__).parent
-DISABLE_ENV = "RADIXSERVE_CPU_KERNEL"  # "0" turns every CPU kernel off
-DIR_ENV = "RADIXSERVE_KERNEL_DIR"
-# Tried in order: the first set that compiles is used (OpenMP and -march=native are optional).
-FLAG_SETS = (
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-march=native"),
-    ("-O3",),
-)
-
-_unavailable: dict[str, str] = {}
-
-
-def kernel_dir() -> Path:
-    """Where built kernels are kept."""
-    if os.environ.get(DIR_ENV):
-        return Path(os.environ[DIR_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "radixserve" / "kernels"
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return f"{platform.machine()} {line}"
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _build(source: Path, compiler: str) -> Path | None:
-    """Compile `source` (or find it already built) and return the shared object's path."""
-    # The headers beside the source count too: a changed common.h must rebuild its users.
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    for flags in FLAG_SETS:
-        key = hashlib.sha256(text + repr((compiler, flags, _cpu_signature())).encode()).hexdigest()[:16]
-        target = kernel_dir() / f"{source.stem}-{key}.so"
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target, then rename: processes building at once never load a
-        # half-written file.
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        command = [compiler, *flags, "-shared", "-fPIC", "-o", partial, str(source), "-lm"]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            logger.debug("%s failed: %s", " ".join(command), error)
-            result = None
-        if result is not None and result.returncode == 0:
-            os.replace(partial, target)
-            return target
-        os.unlink(partial)
-        if result is not None:
-            logger.debug("%s failed: %s", " ".join(command), result.stderr.strip())
-    return None
-
-
-@functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The library built from `<name>.c` in this package; None when it cannot be built."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        _unavailable[name] = f"{DISABLE_ENV}=0"
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _unavailable[name] = "no C compiler (cc, gcc or $CC) on this machine"
-        return None
-    source = SOURCES / f"{name}.c"
-    try:
-        path = _build(source, compiler)
-        if path is not None:
-            return ctypes.CDLL(str(path))
-        _unavailable[name] = f"{compiler} could not compile {source.name}"
-    except OSError as error:
-        _unavailable[name] = f"building or loading {source.name} failed: {error}"
-    logger.warning("CPU kernel %s unavailable (%s); using the torch path", name, _unavailable[name])
-    return None
-
-
-def unavailable_reason(name: str) -> str | None:
-    """Why `load(name)` returned None, or None when the kernel is loaded."""
-    load(name)
-    return _unavailable.get(name)

@@ -15,14 +15,17 @@ static inline int thread_index(void) { return 0; }
 
 /* e^x for x <= 0 in plain arithmetic, so that loops over it vectorise (libm's expf is a scalar
  * call). Cephes' expf: Cody-Waite reduction by ln 2 and a degree-6 polynomial, within 2 ulp
- * of expf, denormal results included (checked over 10^6 points); e^x underflows to exactly 0
- * below -104 as expf does.
+ * of expf, denormal results included (tests/test_native_sampling.py checks it against float64
+ * exp); e^x underflows to exactly 0 below -104 as expf does, and NaN gives NaN as expf does
+ * (the attention kernel relies on it: a NaN score must make its softmax NaN, as in SDPA).
  * The power of two is built as 2^(n + 64) * 2^-64 so that n down to -151 stays encodable. */
 static inline float exp_nonpositive(float x) {
-    x = x >= -104.0f ? x : -104.0f; /* -inf too */
+    x = x < -104.0f ? -104.0f : x; /* -inf too; NaN fails the comparison and stays NaN */
     /* n = x / ln 2 rounded to nearest by the 1.5 * 2^23 trick: plain adds, so it vectorises
-     * (floorf does not without -fno-trapping-math). */
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+     * (floorf does not without -fno-trapping-math). The sum's low mantissa bits hold n as an
+     * integer: read from there, not by a float-to-int conversion (undefined for NaN). */
+    float shifted = x * 1.44269504088896341f + 12582912.0f;
+    float n = shifted - 12582912.0f;
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -31,9 +34,11 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 64 + 127) << 23;
+    int32_t n_bits;
+    memcpy(&n_bits, &shifted, sizeof n_bits);
+    uint32_t bits = (uint32_t)(n_bits - 0x4B400000 + 64 + 127) << 23; /* 0x4B400000: 1.5 * 2^23 */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale * 0x1p-64f;
+    return p * scale * 0x1p-64f; /* NaN: p is NaN, whatever the scale */
 }
 #endif

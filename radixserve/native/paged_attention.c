@@ -1,14 +1,21 @@
 /* Paged attention on the CPU, read straight from the pages: no gathered copy of K/V.
  *
- * Built at first use by radixserve.native (the machine's C compiler, -O3 -march=native) and
- * called through ctypes by radixserve/attention/cpu_kernel.py. float32 only.
+ * Built at first use by radixserve/native/build.py (the machine's C compiler, -O3
+ * -march=native) and called through ctypes by radixserve/native/paged_attention.py. float32
+ * only. It trusts its inputs: radixserve/native/checks.py refuses, before every call, page
+ * indices outside the pool, rows or key ranges out of bounds, and tensors of the wrong dtype,
+ * layout or shape.
  *
  * Work item: query row i, every head. Its queries attend over keys lo[i] .. hi[i] - 1 of their
  * sequence, whose pages are kv_indices[page_start[i] ...]; query head j reads KV head
  * j / (Hq / Hkv). Cache layout (FlashInfer's NHD): [num_pages, page_size, Hkv, D], so a key's
  * row of every KV head is contiguous and is read once per item. Only keys in [lo, hi) are
- * read: never-written slots are never touched. Softmax in two passes (scores, then
- * max-shifted exponentials), as SDPA's math.
+ * read: never-written slots are never touched. Softmax as SDPA's math: scores, their maximum,
+ * max-shifted exponentials, normalised. A NaN score (a NaN in q or in a key the head reads)
+ * makes the head's output NaN: the maximum skips it, but e^NaN is NaN (exp_nonpositive), so
+ * the sum, every weight and the output are NaN. SDPA gives the same NaN for a NaN key; for a
+ * NaN query, whose every score is NaN, torch's CPU SDPA returns 0 as for a fully masked row,
+ * where this kernel keeps the NaN rather than hide it.
  *
  * The dot products keep 16 independent partial sums in one vector register, reduced by a
  * fixed tree, so they vectorise without letting the compiler reassociate floating-point
@@ -106,8 +113,9 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
     memcpy(out, acc, sizeof(float) * (size_t)num_qo_heads * d);
 }
 
-/* Returns 0, or -1 when a shape is out of this kernel's range (the caller falls back).
- * scratch: num_threads * Hq * (max_keys + D) floats, max_keys >= every hi - lo. */
+/* Returns 0, or -1 when the heads cannot be grouped (the binding's checks refuse that first).
+ * scratch: num_threads * Hq * (max_keys + D) floats, max_keys >= every hi - lo; thread t uses
+ * slice t, so num_threads must be the count the scratch was sized for. */
 int radixserve_paged_attention(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *kv_indices, const int64_t *rows,
                                const int64_t *page_start, const int64_t *lo, const int64_t *hi,

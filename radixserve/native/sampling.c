@@ -1,6 +1,8 @@
 /* Next tokens from logits on the CPU: greedy, or temperature, top-k, min-p, top-p and an
- * inverse-transform draw, fused per row. Built by radixserve.native, called through ctypes by
- * radixserve/engine/native_sampling.py; the semantics are radixserve/engine/sampler.py's:
+ * inverse-transform draw, fused per row. Built by radixserve/native/build.py, called through
+ * ctypes by radixserve/native/sampling.py after radixserve/native/checks.py has checked the
+ * call (float32 logits with rows of unit stride, one parameter per row, temperature >= 0,
+ * u in [0, 1]); the semantics are radixserve/engine/sampler.py's:
  *
  *   x = (logits - max) / T; top-k keeps x >= the k-th largest; p = softmax(x); min-p drops
  *   p < min_p * max p; top-p keeps the most likely tokens until the mass before one reaches
@@ -138,8 +140,9 @@ static float kth_largest(float *values, int64_t n, int64_t k) {
 }
 
 /* The k-th largest of x[0..n) (x <= 0, max 0; 1 <= k < n). The candidates are the values at
- * or above a bar that starts at -1/4 and grows by 1/4 until at least k are above it; only they go
- * to the selection (a handful of passes over the row instead of a quickselect of all of it). */
+ * or above a bar that starts at -1 and is multiplied by 1.5 until at least k are at or above
+ * it (or it passes -2^100: then every value counts, -inf included); only they go to the
+ * selection (a few passes over the row instead of a quickselect of all of it). */
 static float kth_of_row(const float *restrict x, int64_t n, int64_t k, float *restrict work) {
     float bar = -1.0f;
     for (;;) {
@@ -272,7 +275,9 @@ static int64_t draw(const float *p, int64_t vocab, const Candidate *kept, int64_
 
 /* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows.
  * temperature[r] == 0 is greedy. probs, when not NULL, receives each sampled row's filtered
- * probabilities ([rows, vocab]). scratch: num_threads * 6 * vocab floats. */
+ * probabilities ([rows, vocab]). scratch: num_threads * 6 * vocab floats (thread t uses slice
+ * t: p, the selection's work, then the kept and temp candidate lists of 2 * vocab floats each),
+ * so num_threads must be the count the scratch was sized for. */
 int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows, int64_t vocab,
                           const float *temperature, const int64_t *top_k, const float *top_p,
                           const float *min_p, const double *u, int64_t *tokens, float *probs,

@@ -1,41 +1,37 @@
-"""Ctypes binding of the fused CPU sampler (`radixserve/native/sampling.c`).
+"""Binding of the fused CPU sampler (`sampling.c`).
 
-`sampler.sample` hands CPU float32 logits here when the kernel is built: one C call filters
-and draws every row (see the C file for the method), instead of a dozen torch and numpy
-passes over [rows, vocab]. Semantics, seeds and errors are the torch path's; the two may
-differ only where float rounding puts a token on the edge of top-p or of the draw.
+`radixserve.engine.sampler.sample` hands CPU float32 logits here when the kernel is built: one
+C call filters and draws every row (see the C file for the method), instead of many torch and
+numpy passes over [rows, vocab]. Semantics, seeds and errors are the torch path's; the two may
+differ only where float rounding puts a token on the edge of top-p or of the draw. Every call
+is checked first (`checks.sampling_arguments`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from radixserve import native
+from radixserve.native import build, checks
+from radixserve.native.scratch import threads_and_scratch
 
 NAME = "sampling"
+SCRATCH_PER_VOCAB = 6  # floats per token per thread: probabilities, selection, two candidate lists
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The sampler's library with its signature declared; None when it cannot be built."""
-    library = native.load(NAME)
-    if library is None:
-        return None
-    function = library.radixserve_sample
-    function.restype = ctypes.c_int64
-    function.argtypes = [
+    return build.load_declared(NAME, "radixserve_sample", ctypes.c_int64, [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # logits, stride, rows, vocab
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # T, top_k, top_p, min_p
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # u, tokens, probs
         ctypes.c_void_p, ctypes.c_int,  # scratch, threads
-    ]
-    return library
+    ])
 
 
 def usable(logits: Tensor) -> bool:
@@ -44,27 +40,20 @@ def usable(logits: Tensor) -> bool:
             and logits.stride(1) == 1 and load() is not None)
 
 
-_local = threading.local()  # scratch per thread: engines in other threads sample at once
-
-
 def run(logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
         min_p: np.ndarray, u: np.ndarray, *, want_probs: bool = False
         ) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokens (int64 [R], -1 where a row's logits are not finite) and, with `want_probs`,
     the filtered probabilities [R, V] of the sampled rows (greedy rows: untouched zeros).
-    temperature 0 is greedy; the parameter arrays are per row (float32, int64 for top_k),
-    u float64. Callers check `usable` first."""
+    temperature 0 is greedy; the parameter arrays hold one entry per row (converted to
+    float32, int64 for top_k, float64 for u). Raises ValueError, before any C runs, on
+    arguments the kernel cannot read (see `checks.sampling_arguments`)."""
     library = load()
-    assert library is not None
+    if library is None:
+        raise RuntimeError(f"the CPU sampler is unavailable: {build.unavailable_reason(NAME)}")
+    arrays = checks.sampling_arguments(logits, temperature, top_k, top_p, min_p, u)
     rows, vocab = logits.shape
-    threads = torch.get_num_threads()
-    needed = threads * 6 * vocab
-    scratch = getattr(_local, "scratch", None)
-    if scratch is None or scratch.size < needed:
-        scratch = _local.scratch = np.empty(needed, dtype=np.float32)
-    arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
-        (temperature, np.float32), (top_k, np.int64), (top_p, np.float32), (min_p, np.float32),
-        (u, np.float64))]
+    threads, scratch = threads_and_scratch(NAME, SCRATCH_PER_VOCAB * vocab)
     tokens = np.empty(rows, dtype=np.int64)
     probs = np.zeros((rows, vocab), dtype=np.float32) if want_probs else None
     library.radixserve_sample(

@@ -1,0 +1,175 @@
+"""The one checking layer between Python and the C kernels: every call into C passes here.
+
+The kernels trust what they are given: a page index past the pool reads other memory (or, far
+past, kills the process), an int64 index array read as int32 reads the wrong pages, a short
+parameter array is read past its end. So each binding hands its inputs to a function here
+first, which raises ValueError naming what is wrong before any C runs. The engine ends a
+request whose forward pass or sampling raises with finish_reason "error", so a bad input fails
+the one request that carries it, never the process.
+
+What each kernel trusts, and where it is checked:
+
+- paged attention, once per step (`paged_rows`, when the backend plans): the index arrays are
+  integers (kv_indices converted to int32 once, explicitly, after a range check); every row
+  sees at least one key and its pages lie inside kv_indices; the page indices the rows
+  actually read are >= 0. Their largest page index and query row are kept for the per-call
+  check.
+- paged attention, every layer (`attention_call`): q, the caches and out are contiguous
+  float32 on the CPU, of consistent shapes ([T, Hq, D], [pages, page_size, Hkv, D]); Hkv
+  divides Hq; the largest page index read is below the pool's page count and the largest
+  query row below T. A handful of comparisons: the vectorised work was done at plan time.
+- sampling, every call (`sampling_arguments`): float32 logits on the CPU with rows of unit
+  stride and 1 <= vocab < 2^31 (token ids are int32 in C); one entry per row in every
+  parameter array, converted to the dtype C reads; temperature >= 0 (not NaN); u in [0, 1].
+
+NaN is not checked here (that would be a pass over every key read, on every layer): the
+attention kernel propagates it instead (a NaN key makes the heads that read it NaN, as in
+SDPA; see paged_attention.c), so NaN logits follow and the sampler reports those rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+INT32_MAX = 2**31 - 1
+
+
+class CheckedRows(NamedTuple):
+    """Decode rows that passed `paged_rows`: host arrays C can read as they are, and the
+    bounds `attention_call` compares against each call's tensors."""
+
+    kv_indices: np.ndarray  # int32, contiguous
+    rows: np.ndarray  # int64 columns, one entry per row
+    page_start: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    max_keys: int  # the most keys one row sees (0 without rows)
+    max_row: int  # the largest query row (-1 without rows)
+    max_page: int  # the largest page index the rows read (-1 without rows)
+
+
+def _host_integers(name: str, values: Tensor | np.ndarray) -> np.ndarray:
+    """`values` as a 1-D numpy integer array (no copy for a CPU tensor)."""
+    if isinstance(values, Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {values.device}")
+        values = values.numpy()
+    array = np.asarray(values)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a 1-D integer array, got {array.dtype} of shape {array.shape}")
+    return array
+
+
+def paged_rows(kv_indices: Tensor | np.ndarray, rows: Tensor | np.ndarray, page_start: Tensor | np.ndarray,
+               lo: Tensor | np.ndarray, hi: Tensor | np.ndarray, page_size: int) -> CheckedRows:
+    """Checks one step's decode rows for the paged-attention kernel: row i is query row
+    rows[i], whose pages are kv_indices[page_start[i]:] and which sees keys lo[i] .. hi[i] - 1
+    counted from the first of them. Raises ValueError on anything the kernel would misread."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    pages = _host_integers("kv_indices", kv_indices)
+    columns = [np.ascontiguousarray(_host_integers(name, values), dtype=np.int64)
+               for name, values in (("rows", rows), ("page_start", page_start), ("lo", lo), ("hi", hi))]
+    rows_, page_start_, lo_, hi_ = columns
+    if len({len(c) for c in columns}) != 1:
+        raise ValueError(f"rows, page_start, lo and hi differ in length: {[len(c) for c in columns]}")
+    if not len(rows_):
+        return CheckedRows(np.ascontiguousarray(pages, dtype=np.int32), *columns, 0, -1, -1)
+    first = page_start_ + lo_ // page_size  # the entries of kv_indices row i reads
+    last = page_start_ + (hi_ - 1) // page_size
+    conditions = ((rows_ >= 0, "query rows must be >= 0", rows_),
+                  (page_start_ >= 0, "page_start must be >= 0", page_start_),
+                  (lo_ >= 0, "lo (a row's first key) must be >= 0", lo_),
+                  (hi_ > lo_, "every row must see at least one key (hi > lo)", hi_),
+                  (last < len(pages), f"a row's pages run past the end of kv_indices ({len(pages)} entries)", last))
+    if not np.logical_and.reduce([condition for condition, _, _ in conditions]).all():
+        for condition, message, values in conditions:  # name the first that fails
+            _require_all(condition, message, values)
+    # The page indices the rows read: the entries covered by some [first, last] (marks +1 at
+    # each range's start, -1 past its end, summed).
+    marks = np.bincount(first, minlength=len(pages) + 1) - np.bincount(last + 1, minlength=len(pages) + 1)
+    used = pages[np.cumsum(marks[:len(pages)]) > 0]
+    low, high = int(used.min()), int(used.max())
+    if low < 0:
+        raise ValueError(f"page index {low} is negative: kv_indices must lie in [0, number of pages)")
+    if high > INT32_MAX:
+        raise ValueError(f"page index {high} is past any pool: kv_indices must fit in int32")
+    # int64 (or any integer) indices become int32 here, once: the kernel reads int32.
+    return CheckedRows(np.ascontiguousarray(pages, dtype=np.int32), *columns,
+                       max_keys=int((hi_ - lo_).max()), max_row=int(rows_.max()), max_page=high)
+
+
+def _require_all(condition: np.ndarray, message: str, values: np.ndarray) -> None:
+    """Raises ValueError with `message` and the first offending row when `condition` fails."""
+    if not condition.all():
+        row = int(np.flatnonzero(~condition)[0])
+        raise ValueError(f"{message}; row {row} has {values[row].item()}")
+
+
+def _fault(t: Tensor) -> str | None:
+    """Why a kernel cannot read `t` as dense float32 on the CPU, or None when it can."""
+    if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        return None
+    return f"{t.dtype}" + ("" if t.device.type == "cpu" else f" on {t.device}") + (
+        "" if t.is_contiguous() else " (not contiguous)")
+
+
+def attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, rows: CheckedRows,
+                   page_size: int) -> None:
+    """Checks one paged-attention call over checked `rows` (planned for `page_size`): the
+    tensors' dtype, device, layout and shapes, and the rows' bounds against them."""
+    # Once per layer: one expression in the usual case, the message only on failure.
+    dense = (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+             and q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu and q.is_contiguous()
+             and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
+    if not dense:
+        faults = {"q": _fault(q), "k_cache": _fault(k_cache), "v_cache": _fault(v_cache), "out": _fault(out)}
+        if faults["k_cache"] == faults["v_cache"]:
+            faults["caches"] = faults.pop("k_cache")
+            del faults["v_cache"]
+        got = ", ".join(f"{name} {fault}" for name, fault in faults.items() if fault)
+        raise ValueError(f"the CPU attention kernel needs contiguous float32 q, caches and out on the CPU, got {got}")
+    q_shape, cache_shape = q.shape, k_cache.shape
+    if len(q_shape) != 3 or len(cache_shape) != 4 or v_cache.shape != cache_shape or out.shape != q_shape:
+        raise ValueError(f"shapes: q {tuple(q_shape)} must be [T, Hq, D], out {tuple(out.shape)} the same, "
+                         f"caches {tuple(cache_shape)} and {tuple(v_cache.shape)} [pages, page_size, Hkv, D]")
+    num_tokens, num_qo_heads, head_dim = q_shape
+    num_pages, cache_page_size, num_kv_heads, cache_head_dim = cache_shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q's head_dim {head_dim} differs from the caches' {cache_head_dim}")
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise ValueError(f"{num_qo_heads} query heads cannot share {num_kv_heads} KV heads")
+    if cache_page_size != page_size:
+        raise ValueError(f"the rows were planned for pages of {page_size} tokens, the caches hold {cache_page_size}")
+    if rows.max_page >= num_pages:
+        raise ValueError(f"page index {rows.max_page} is past the pool: kv_indices must lie in [0, {num_pages})")
+    if rows.max_row >= num_tokens:
+        raise ValueError(f"query row {rows.max_row} is attended, but q has {num_tokens} rows")
+
+
+def sampling_arguments(logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, u: np.ndarray) -> list[np.ndarray]:
+    """Checks one sampler call and returns the per-row parameters as the contiguous arrays C
+    reads (float32, int64 for top_k, float64 for u), in the order given."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or (
+            logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError("the CPU sampler needs 2-D float32 logits on the CPU with rows of unit stride, got "
+                         f"{logits.dtype} on {logits.device}, shape {tuple(logits.shape)}, strides {logits.stride()}")
+    rows, vocab = logits.shape
+    if not 1 <= vocab <= INT32_MAX:
+        raise ValueError(f"the CPU sampler needs a vocabulary of 1 .. 2^31 - 1 tokens, got {vocab}")
+    arrays = []
+    for name, values, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int64),
+                                ("top_p", top_p, np.float32), ("min_p", min_p, np.float32), ("u", u, np.float64)):
+        array = np.ascontiguousarray(values, dtype=dtype)
+        if array.shape != (rows,):
+            raise ValueError(f"{name} must hold one entry per row ({rows}), got shape {array.shape}")
+        arrays.append(array)
+    temperature_, u_ = arrays[0], arrays[4]
+    _require_all(temperature_ >= 0, "temperature must be >= 0 (0: greedy)", temperature_)
+    _require_all((u_ >= 0) & (u_ <= 1), "u must lie in [0, 1]", u_)
+    return arrays

@@ -1,0 +1,87 @@
+"""Binding of the CPU paged-attention kernel (`paged_attention.c`).
+
+Torch has no paged attention for the CPU, so the torch backend would otherwise gather every
+key and value a query sees into a dense copy before SDPA. This kernel reads them in place
+from the pages. It is built at first use (see `build`); when it cannot be, `load()` returns
+None and the torch backend gathers as before.
+
+Two steps, both through `checks`: `PagedRows` checks a step's decode rows once, when the
+backend plans (the vectorised part: every page index the rows read); `run` checks each
+layer's tensors against them (a few comparisons) and calls C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+from torch import Tensor
+
+from radixserve.native import build, checks
+from radixserve.native.scratch import threads_and_scratch
+
+NAME = "paged_attention"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel's library with its signature declared; None when it cannot be built."""
+    return build.load_declared(NAME, "radixserve_paged_attention", ctypes.c_int, [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # q, k, v, kv_indices
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # rows, page_start, lo, hi
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # rows, Hq, Hkv, D, S
+        ctypes.c_float, ctypes.c_int64,  # scale, max_keys
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # out, scratch, threads
+    ])
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` returned None, or None when the kernel is loaded."""
+    return build.unavailable_reason(NAME)
+
+
+class PagedRows:
+    """The query rows one call attends, with each row's pages and key range, checked.
+
+    Row i is row `rows[i]` of q; its sequence's pages start at `kv_indices[page_start[i]]`
+    and it sees keys lo[i] .. hi[i] - 1, counted from the first listed page. Built once per
+    step; the constructor raises ValueError on rows the kernel would misread (see
+    `checks.paged_rows`), and converts int64 kv_indices to int32 once.
+    """
+
+    def __init__(self, kv_indices: Tensor | np.ndarray, rows: Tensor | np.ndarray,
+                 page_start: Tensor | np.ndarray, lo: Tensor | np.ndarray, hi: Tensor | np.ndarray,
+                 *, page_size: int) -> None:
+        self.page_size = page_size
+        self.checked = checks.paged_rows(kv_indices, rows, page_start, lo, hi, page_size)
+        self.max_keys = self.checked.max_keys
+        self._pointers = tuple(a.ctypes.data for a in self.checked[:5])  # the arrays live in `checked`
+
+    def __len__(self) -> int:
+        return len(self.checked.rows)
+
+
+def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: PagedRows, out: Tensor, *, scale: float) -> None:
+    """Writes attention for `rows` of q ([T, Hq, D]) into the same rows of out, reading K/V
+    from the caches ([pages, page_size, Hkv, D]). Raises ValueError, before any C runs, on
+    tensors or rows the kernel cannot read (see `checks.attention_call`)."""
+    library = load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
+    checks.attention_call(q, k_cache, v_cache, out, rows.checked, rows.page_size)
+    _, num_qo_heads, head_dim = q.shape
+    threads, scratch = threads_and_scratch(NAME, scratch_floats_per_thread(rows, num_qo_heads, head_dim))
+    status = library.radixserve_paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rows._pointers,
+        len(rows), num_qo_heads, k_cache.shape[2], head_dim, rows.page_size, scale, rows.max_keys,
+        out.data_ptr(), scratch.ctypes.data, threads,
+    )
+    if status != 0:  # the checks above refuse every shape the kernel refuses
+        raise RuntimeError(f"radixserve_paged_attention returned {status}")
+
+
+def scratch_floats_per_thread(rows: PagedRows, num_qo_heads: int, head_dim: int) -> int:
+    """Floats of scratch each of a call's threads needs: one score per key and one output
+    row per head."""
+    return num_qo_heads * (max(rows.max_keys, 1) + head_dim)
