@@ -156,6 +156,20 @@ class EvictionQueue(Generic[N]):
             return node, key, heap[0][0] if heap else None
         return None
 
+    def drain(self, num_pages: int, now: float, tail_run: Callable[[N, float, EvictionKey | None], int],
+              take: Callable[[N, int, float], int]) -> int:
+        """Pops leaves in order and lets `take(node, count, now)` remove the run of tail pages
+        that sort before the next leaf (`tail_run(node, now, next key)` pages), until `take`
+        has counted `num_pages`; returns the count."""
+        done = 0
+        while done < num_pages:
+            popped = self.pop(now)
+            if popped is None:
+                break
+            node, _, bound = popped
+            done += take(node, min(tail_run(node, now, bound), num_pages - done), now)
+        return done
+
     def forget(self, keep: Callable[[N], bool]) -> None:
         """Drops every entry (nodes left must be re-pushed when they become candidates) and
         the expiries of nodes for which `keep` is false."""

@@ -36,21 +36,20 @@ events.py, named by page_hash.py).
 from __future__ import annotations
 
 import time
-from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
+from radixserve.cache.event_reporter import TreeEventReporter
 from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.eviction import EvictionKey, EvictionQueue, make_policy
 from radixserve.cache.node import MatchResult, RadixNode
-from radixserve.cache.placement import TierPlacement
+from radixserve.cache.placement import HostPlacement, TreeOps
 from radixserve.cache.pool import PagePool, as_int64
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRetention, Retention
 from radixserve.cache.stats import CacheStats, Histogram
 from radixserve.cache.tiers import HostTier
-from radixserve.cache.transfer import LoadHandle
-from radixserve.cache.tree_events import TreeEvents
+from radixserve.cache.walk import MatchWalk, best_partial, common_length
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
@@ -65,14 +64,7 @@ def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
-def _common_length(edge: np.ndarray, query: np.ndarray) -> int:
-    """Length of the common prefix of `edge` and a non-empty `query` no longer than it."""
-    differs = edge[: len(query)] != query
-    first = int(differs.argmax())
-    return first if differs[first] else len(query)
-
-
-class RadixTree(TierPlacement, TreeEvents):
+class RadixTree:
     """Maps token prefixes to chains of pages in `pool` (and `host.pool`); see the module
     docstring.
 
@@ -90,24 +82,25 @@ class RadixTree(TierPlacement, TreeEvents):
         self.policy = make_policy(eviction_policy)
         self.events = events
         self.host = host
-        if host is not None and host.pool.page_size != pool.page_size:
-            raise ValueError(f"host pool: page size {host.pool.page_size} != device page size {pool.page_size}")
         self._clock = clock
         self._roots: dict[Hashable, RadixNode] = {}
         self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_evictable_leaf,
                                                               lambda: self._num_nodes)
-        self._host_queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_host_leaf,
-                                                                   lambda: self._num_nodes, slot="host_heap_seq")
         self._tick = 0
         self._num_nodes = 0
         self._cached = 0       # device pages held
         self._locked = 0       # device pages in locked nodes
-        self._host_cached = 0  # host pages held
-        self._host_only = 0    # pages held on the host only
         self._stats = CacheStats()
-        self._namespace_ids: dict[Hashable, tuple[str, int]] = {}
-        self._eviction_call = 0     # numbers device-eviction calls (see _leave_device)
-        self._shielded: int | None = None  # the call whose pages host eviction may not take yet
+        self._reporter = TreeEventReporter(events, self.page_size)
+        self._tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,
+                                                              self._stats, clock)
+
+    def _tier_ops(self) -> TreeOps:
+        """The operations the host tier may use (placement.py's seam)."""
+        return TreeOps(self.pool, self.page_size, self._key, lambda: self._num_nodes, self._tail_run,
+                       self._effective, self._split, lambda node: self._drop(node, report=True), self._detach,
+                       self._after_removal, self._requeue, self._gain_device, self._lose_device,
+                       self.lock, self.unlock)
 
     # ------------------------------------------------------------------ counters
     @property
@@ -128,16 +121,15 @@ class RadixTree(TierPlacement, TreeEvents):
     @property
     def host_cached_pages(self) -> int:
         """Host pages held by the tree (host-only pages and host copies of device pages)."""
-        return self._host_cached
+        return 0 if self._tier is None else self._tier.cached_pages
 
     @property
     def host_only_pages(self) -> int:
         """Cached pages that live on the host only."""
-        return self._host_only
+        return 0 if self._tier is None else self._tier.host_only_pages
 
     def _npages(self, node: RadixNode) -> int:
         return len(node.tokens) // self.page_size
-
 
     # ------------------------------------------------------------------ match
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *,
@@ -162,100 +154,43 @@ class RadixTree(TierPlacement, TreeEvents):
         if root is None:
             return MatchResult(0, [], self._new_root(namespace), None, 0)
         tick, now = self._tick, self._clock()
-        node = at = root  # node: the deepest device node matched; at: where the walk is
-        pos = 0
-        pages: list[int] = []
-        chunks: list[np.ndarray] = []  # the same pages as the nodes' arrays
-        host_pages: list[int] = []
-        host_node: RadixNode | None = None
-        loads: list[LoadHandle] = []
+        walk = MatchWalk(root)
+        at, pos = root, 0  # where the walk is
         partial_page: int | None = None
         partial_tokens = 0
         while True:
             rest = n - pos
             child = at.children.get(toks[pos:pos + size].tobytes()) if rest >= size else None
             if child is None:
-                if host_node is None:
-                    partial_page, partial_tokens = self._best_partial(at, toks[pos:pos + size])
+                if walk.host_node is None:
+                    partial_page, partial_tokens = best_partial(at, toks[pos:pos + size])
                 break
             edge_len = len(child.tokens)
-            matched = _common_length(child.tokens, toks[pos:pos + min(edge_len, rest)])
-            on_device = bool(child.pages)
+            matched = common_length(child.tokens, toks[pos:pos + min(edge_len, rest)])
             if matched == edge_len:
                 if update:
                     self._touch(child, tick, now)
-                if on_device:
-                    pages += child.pages
-                    chunks.append(child.page_array)
-                    self._pending_load(child, loads)
-                    node = child
-                else:
-                    host_pages += child.host
-                    host_node = child
+                walk.take(child)
                 at, pos = child, pos + edge_len
                 continue
             full = matched // size
             if update:
                 child = self._split(child, full)  # now covers exactly the matched pages
                 self._touch(child, tick, now)
+                walk.take(child)
                 source, index = next(iter(child.children.values())), 0  # holds the partial page
-                if on_device:
-                    pages += child.pages
-                    chunks.append(child.page_array)
-                    node = child
-                else:
-                    host_pages += child.host
-                    host_node = child
             else:
+                walk.take(child, full)
                 source, index = child, full
-                if on_device:
-                    pages += child.pages[:full]
-                    chunks.append(child.page_array[:full])
-                else:
-                    host_pages += child.host[:full]
-            if on_device:
-                self._pending_load(child, loads)
-                if matched > full * size:  # partial reuse, from the device only
-                    partial_page, partial_tokens = source.pages[index], matched - full * size
+            if child.pages and matched > full * size:  # partial reuse, from the device only
+                partial_page, partial_tokens = source.pages[index], matched - full * size
             break
-        num_tokens = len(pages) * size + partial_tokens
-        host_tokens = len(host_pages) * size
-        if host_pages and host_node is None:  # a peek that ended inside the first host edge
-            host_node = node
-        result = MatchResult(num_tokens, pages, node, partial_page, partial_tokens, host_pages,
-                             host_node if host_pages else None, host_tokens, loads, chunks)
+        result = walk.result(size, partial_page, partial_tokens)
         if update:
-            self._stats.hit(num_tokens, host_tokens)
-            if self.host is not None and self.host.write_policy != "write-back":
-                self._write_through(result)
+            self._stats.hit(result.num_tokens, result.host_tokens)
+            if self._tier is not None:
+                self._tier.write_through(result)
         return result
-
-    @staticmethod
-    def _pending_load(node: RadixNode, loads: list[LoadHandle]) -> None:
-        """Adds `node`'s copy from the host to `loads` while it is unfinished."""
-        if node.loading is not None:
-            if node.loading.done():
-                node.loading = None
-            else:
-                loads.append(node.loading)
-
-    def _best_partial(self, node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
-        """The device child page sharing the longest (< page_size) prefix with `query`."""
-        keys = node.sorted_keys
-        if not keys or not len(query):
-            return None, 0
-        i = bisect_left(keys, query.tobytes())
-        best, best_common = None, 0
-        # In sorted order the longest common prefix is with a neighbour of the insertion point.
-        for j in (i - 1, i):
-            if 0 <= j < len(keys):
-                child = node.children[keys[j]]
-                common = _common_length(child.tokens, query)
-                if common > best_common:
-                    best, best_common = child, common
-        if best is None or not best.pages:  # none, or the best one is on the host only
-            return None, 0
-        return best.pages[0], best_common
 
     def _touch(self, node: RadixNode, tick: int, now: float) -> None:
         node.tick = tick
@@ -307,20 +242,20 @@ class RadixTree(TierPlacement, TreeEvents):
                     leaf_pages = leaf_array.tolist()
                 self._add_leaf(node, key, toks[pos:], leaf_pages, retention, ranges, first, now, leaf_array)
                 break
-            matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
+            matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             if full < self._npages(child):
                 child = self._split(child, full)
             if page_list is not None:
                 given = page_list[first:first + full]
                 if not child.pages:
-                    self._adopt(child, given)
+                    self._tier.adopt(child, given)
                 elif given != child.pages:  # C-speed compare; the loop runs only on duplicates
                     duplicates += [g for g, c in zip(given, child.pages) if g != c]
             else:
                 given_array = page_array[first:first + full]
                 if not child.pages:
-                    self._adopt(child, given_array.tolist())
+                    self._tier.adopt(child, given_array.tolist())
                 else:
                     differs = given_array != child.page_array
                     if differs.any():
@@ -339,15 +274,15 @@ class RadixTree(TierPlacement, TreeEvents):
         leaf.tick, leaf.inserted_at = self._tick, now
         if not retention.is_default:
             leaf.retention = PageRetention.of(len(pages), retention, now)
-        self._attach(parent, leaf)
+        parent.attach(leaf)
         self._num_nodes += 1
         self._cached += len(pages)
         self._retain(leaf, first_page, None, ranges, now)
         if leaf.retention is not None:
             self._schedule_expiries(leaf, now)
         self._queue.push(leaf, now)
-        if self.events is not None and self.events.active:
-            self._report_stored(leaf, 0, DEVICE)
+        if self._reporter.active:
+            self._reporter.stored(leaf, 0, DEVICE)
 
     def _retain(self, node: RadixNode, first_page: int, retention: Retention | None,
                 ranges: list[tuple[int, int, Retention]], now: float) -> bool:
@@ -370,8 +305,8 @@ class RadixTree(TierPlacement, TreeEvents):
     def _schedule_expiries(self, node: RadixNode, now: float) -> None:
         times = node.retention.pending_expiries(now)
         self._queue.schedule_expiries(node, times)
-        if self.host is not None:
-            self._host_queue.schedule_expiries(node, times)
+        if self._tier is not None:
+            self._tier.schedule_expiries(node, times)
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
                       priority: int) -> None:
@@ -389,7 +324,7 @@ class RadixTree(TierPlacement, TreeEvents):
             child = node.children.get(toks[pos:pos + size].tobytes())
             if child is None:
                 break
-            matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
+            matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             self._retention_of(child).end_temporary(priority, now, full)
             last = child
@@ -404,8 +339,8 @@ class RadixTree(TierPlacement, TreeEvents):
         """Queues `node` in each eviction queue it is a candidate of (with its current key)."""
         if self._is_evictable_leaf(node):
             self._queue.push(node, now)
-        if self.host is not None and self._is_host_leaf(node):
-            self._host_queue.push(node, now)
+        if self._tier is not None:
+            self._tier.requeue(node, now)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode) -> None:
@@ -427,56 +362,52 @@ class RadixTree(TierPlacement, TreeEvents):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._locked -= len(node.pages)
-                if self._is_evictable_leaf(node) or (self.host is not None and self._is_host_leaf(node)):
+                if self._is_evictable_leaf(node) or (self._tier is not None and self._tier.is_candidate(node)):
                     now = self._clock() if now is None else now
                     self._requeue(node, now)
             node = node.parent
 
-    # ------------------------------------------------------------------ device eviction
+    # ------------------------------------------------------------------ eviction
     def evict(self, num_pages: int) -> int:
         """Frees up to `num_pages` device pages from unlocked nodes with no child on the
         device, page by page from the tail of the edge, in the policy's order. With a host
-        tier the pages leave the device as `_leave_device` says. Returns the pages actually
-        freed in the device pool."""
+        tier the pages leave the device as `HostPlacement.leave_device` says. Returns the
+        pages actually freed in the device pool."""
         if num_pages <= 0:
             return 0
         now = self._clock()
         self._queue.requeue_expired(now)
-        if self.host is None:
-            return self._drain(self._queue, num_pages, now, self._evict_tail)
-        self._eviction_call += 1
-        self._shielded = self._eviction_call
-        leaving: list[tuple[RadixNode, list[int]]] = []
-        left: list[RadixNode] = []
-        freed = self._drain(self._queue, num_pages, now,
-                            lambda node, count, at: self._leave_device(node, count, at, leaving, left))
-        if leaving:
-            self._place_on_host(leaving, left, now)
-        self._shielded = None
-        for node in left:
-            if node.parent is not None:
-                self._requeue(node, now)
+        if self._tier is None:
+            return self._queue.drain(num_pages, now, self._tail_run, self._evict_tail)
+        tier = self._tier
+        call = tier.begin_eviction()
+        freed = self._queue.drain(num_pages, now, self._tail_run,
+                                  lambda node, count, at: tier.leave_device(call, node, count, at))
+        tier.end_eviction(call, now)
         return freed
 
-    def _drain(self, queue: EvictionQueue[RadixNode], num_pages: int, now: float,
-               take: Callable[[RadixNode, int, float], int]) -> int:
-        """Pops leaves from `queue` in order and lets `take(node, count, now)` remove the run
-        of tail pages that sort before the next leaf, until `take` has counted `num_pages`."""
-        done = 0
-        while done < num_pages:
-            popped = queue.pop(now)
-            if popped is None:
-                break
-            node, _, bound = popped
-            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-            done += take(node, min(run, num_pages - done), now)
-        return done
+    def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
+        """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
+        at most the free device pages: the caller makes room first) into fresh device pages,
+        which the tree holds from now on; returns the match as it stands after the copy.
+
+        `match` must come from `match(update=True)`, with `match.host_node` locked by the
+        caller (so making room evicts nothing on the path). On CUDA the copy may still be in
+        flight: its handle is in the result's `loads`.
+        """
+        if self._tier is None:
+            return match
+        return self._tier.load_back(match, max_pages)
+
+    def _tail_run(self, node: RadixNode, now: float, bound: EvictionKey | None) -> int:
+        """How many tail pages of a popped leaf sort before `bound`, the next leaf's key."""
+        return self.policy.tail_run(self._effective(node, now), node.tick, bound)
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
         """Without a host tier: drops the last `count` pages of a leaf."""
         keep = len(node.pages) - count
-        if self.events is not None and self.events.active:
-            self._report_removed(node, keep, DEVICE)
+        if self._reporter.active:
+            self._reporter.removed(node, keep, DEVICE)
         evicted = node.page_array[keep:]
         node.truncate_pages(keep)
         node.tokens = node.tokens[: keep * self.page_size]
@@ -493,36 +424,51 @@ class RadixTree(TierPlacement, TreeEvents):
             self._detach(node, now)
         return freed
 
+    def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
+        """Host-only `node` now also lives in the device `pages` (held for the tree)."""
+        node.pages = pages
+        node.parent.device_children += 1
+        self._cached += len(pages)
+        if node.lock_ref:
+            self._locked += len(pages)
+        if node.device_children == 0 and node.lock_ref == 0:
+            self._queue.push(node, self._clock())
+        if self._reporter.active:
+            self._reporter.stored(node, 0, DEVICE)
+
+    def _lose_device(self, node: RadixNode) -> int:
+        """`node`'s device pages are freed (it stays, on the host); returns pages freed."""
+        if self._reporter.active:
+            self._reporter.removed(node, 0, DEVICE)
+        freed = len(self.pool.decref(node.pages))
+        self._cached -= len(node.pages)
+        node.pages = []
+        node.parent.device_children -= 1
+        return freed
+
     def _drop(self, top: RadixNode, *, report: bool) -> int:
         """Removes `top` and everything below it from the tree, on both tiers (the caller
         tidies its parent); returns the device pages freed."""
-        self._unlink(top.parent, top.key)
+        top.parent.unlink(top.key)
         nodes, stack = [], [top]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             nodes.append(node)
-        if report and self.events is not None and self.events.active:
+        if report and self._reporter.active:
             for node in nodes:  # before the links go: a page's hash walks up to the root
                 if node.pages:
-                    self._report_removed(node, 0, DEVICE)
+                    self._reporter.removed(node, 0, DEVICE)
                 if node.host is not None:
-                    self._report_removed(node, 0, HOST)
+                    self._reporter.removed(node, 0, HOST)
+        if self._tier is not None:
+            self._tier.release(nodes)
         device: list[int] = []
-        host: list[int] = []
         for node in nodes:
-            self._settle(node)
             device += node.pages
-            if node.host is not None:
-                host += node.host
-                if not node.pages:
-                    self._host_only -= len(node.host)
             node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
         self._num_nodes -= len(nodes)
         self._cached -= len(device)
-        if host:
-            self._host_cached -= len(host)
-            self.host.pool.decref(host)
         return len(self.pool.decref(device))
 
     # ------------------------------------------------------------------ flush
@@ -544,24 +490,18 @@ class RadixTree(TierPlacement, TreeEvents):
                         self._drop(child, report=False)
             if not root.children and not root.lock_ref:
                 del self._roots[namespace]
-        if self.host is not None:
-            for node, _ in self.nodes():
-                if node.pages and node.host is not None:
-                    self._settle(node)
-                    self._host_cached -= len(node.host)
-                    self.host.pool.decref(node.host)
-                    node.host = None
+        if self._tier is not None:
+            self._tier.reset(node for node, _ in self.nodes())
         # Every node left is locked; unlock re-queues it.
         self._queue.forget(lambda node: node.parent is not None)
-        self._host_queue.forget(lambda node: node.parent is not None)
-        if self.events is not None and self.events.active:
-            self.events.cleared()
+        if self._reporter.active:
+            self._reporter.cleared()
             for node, _ in self.nodes():
                 if not node.is_root:
                     if node.pages:
-                        self._report_stored(node, 0, DEVICE)
+                        self._reporter.stored(node, 0, DEVICE)
                     if node.host is not None:
-                        self._report_stored(node, 0, HOST)
+                        self._reporter.stored(node, 0, HOST)
         return self.pool.num_free - free_before
 
     # ------------------------------------------------------------------ eviction order
@@ -583,25 +523,10 @@ class RadixTree(TierPlacement, TreeEvents):
     def _new_root(self, namespace: Hashable) -> RadixNode:
         return RadixNode(namespace, None, np.empty(0, dtype=np.int64), [], self.page_size > 1)
 
-    def _attach(self, parent: RadixNode, child: RadixNode) -> None:
-        child.parent = parent
-        parent.children[child.key] = child
-        if child.pages:
-            parent.device_children += 1
-        if parent.sorted_keys is not None:
-            insort(parent.sorted_keys, child.key)
-
-    def _unlink(self, parent: RadixNode, key: bytes) -> None:
-        child = parent.children.pop(key)
-        if child.pages:
-            parent.device_children -= 1
-        if parent.sorted_keys is not None:
-            del parent.sorted_keys[bisect_left(parent.sorted_keys, key)]
-
     def _detach(self, node: RadixNode, now: float) -> None:
         """Removes an emptied leaf; its parent may become an eviction candidate."""
         parent = node.parent
-        self._unlink(parent, node.key)
+        parent.unlink(node.key)
         node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
         self._num_nodes -= 1
         self._after_removal(parent, now)
@@ -615,27 +540,8 @@ class RadixTree(TierPlacement, TreeEvents):
             self._requeue(parent, now)
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
-        """Cuts `node` after `num_pages` pages; returns the new upper node.
-
-        `node` keeps the lower part, so a lock handle held on it still covers the same path
-        (and its hash-chain state, which describes the end of the same path). Both parts
-        keep the node's tiers.
-        """
-        cut = num_pages * self.page_size
-        head, head_array = node.split_pages(num_pages)
-        top = RadixNode(node.namespace, node.key, node.tokens[:cut].copy(), head, self.page_size > 1, head_array)
-        node.tokens = node.tokens[cut:].copy()
-        if node.host is not None:
-            top.host, node.host = node.host[:num_pages], node.host[num_pages:]
-        if node.retention is not None:
-            top.retention, node.retention = node.retention.split(num_pages)
-        top.lock_ref, top.tick, top.inserted_at, top.hits = node.lock_ref, node.tick, node.inserted_at, node.hits
-        top.loading, top.left_device_in = node.loading, node.left_device_in
-        parent = node.parent
-        top.parent = parent
-        parent.children[top.key] = top  # same first page, same key, same tier: parent unchanged
-        node.key = node.tokens[: self.page_size].tobytes()
-        self._attach(top, node)
+        """Cuts `node` after `num_pages` pages (`RadixNode.split`); returns the new upper node."""
+        top = node.split(num_pages, self.page_size)
         self._num_nodes += 1
         if top.retention is not None:
             self._schedule_expiries(top, self._clock())
@@ -657,7 +563,12 @@ class RadixTree(TierPlacement, TreeEvents):
 
     def host_queued_nodes(self) -> list[RadixNode]:
         """Nodes with a live entry in the host eviction queue (for checkers)."""
-        return list(self._host_queue.queued())
+        return [] if self._tier is None else list(self._tier.queued())
+
+    def cached_page_hashes(self, tier: str | None = DEVICE) -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page on `tier` ("device", the default;
+        "host"; None: on either): what an indexer of that tier's events should hold."""
+        return self._reporter.page_hashes((node for node, _ in self.nodes()), tier)
 
     def histograms(self) -> dict[str, Histogram]:
         """Age of cached KV when hit and when evicted (seconds since insertion, one
@@ -670,7 +581,6 @@ class RadixTree(TierPlacement, TreeEvents):
         out = self._stats.as_dict()
         out.update(cached_pages=self._cached, evictable_pages=self.evictable_pages,
                    locked_pages=self._locked, free_pages=self.pool.num_free, nodes=self._num_nodes)
-        if self.host is not None:
-            out.update(host_cached_pages=self._host_cached, host_only_pages=self._host_only,
-                       host_free_pages=self.host.pool.num_free)
+        if self._tier is not None:
+            out.update(self._tier.stats())
         return out

@@ -1,0 +1,81 @@
+"""Walking the radix tree down a query: comparing edges, the best partial page, and what a
+match collects on its way (radix.py's `match` drives the walk; this module only compares and
+accumulates)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+
+from radixserve.cache.node import MatchResult, RadixNode
+from radixserve.cache.transfer import LoadHandle
+
+
+def common_length(edge: np.ndarray, query: np.ndarray) -> int:
+    """Length of the common prefix of `edge` and a non-empty `query` no longer than it."""
+    differs = edge[: len(query)] != query
+    first = int(differs.argmax())
+    return first if differs[first] else len(query)
+
+
+def best_partial(node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
+    """The device child page of `node` sharing the longest (< page_size) prefix with `query`,
+    and that prefix's length; (None, 0) when none does or the best child is on the host only."""
+    keys = node.sorted_keys
+    if not keys or not len(query):
+        return None, 0
+    i = bisect_left(keys, query.tobytes())
+    best, best_common = None, 0
+    # In sorted order the longest common prefix is with a neighbour of the insertion point.
+    for j in (i - 1, i):
+        if 0 <= j < len(keys):
+            child = node.children[keys[j]]
+            common = common_length(child.tokens, query)
+            if common > best_common:
+                best, best_common = child, common
+    if best is None or not best.pages:  # none, or the best one is on the host only
+        return None, 0
+    return best.pages[0], best_common
+
+
+class MatchWalk:
+    """What a match has collected so far: the device pages (and the nodes' arrays of them),
+    the deepest device node, the host-only continuation and the unfinished loads."""
+
+    def __init__(self, root: RadixNode) -> None:
+        self.node = root                   # the deepest device node taken whole
+        self.pages: list[int] = []
+        self.chunks: list[np.ndarray] = []  # the same pages as the nodes' arrays
+        self.host_pages: list[int] = []
+        self.host_node: RadixNode | None = None  # the deepest host-only node taken whole
+        self.loads: list[LoadHandle] = []
+
+    def take(self, child: RadixNode, head: int | None = None) -> None:
+        """Adds `child`'s pages on its tier: all of them (`head` None: the node is now the
+        deepest one matched), or only the first `head` (a peek ending inside the edge)."""
+        if child.pages:
+            if head is None:
+                self.pages += child.pages
+                self.chunks.append(child.page_array)
+                self.node = child
+            else:
+                self.pages += child.pages[:head]
+                self.chunks.append(child.page_array[:head])
+            load = child.unfinished_load()
+            if load is not None:
+                self.loads.append(load)
+        elif head is None:
+            self.host_pages += child.host
+            self.host_node = child
+        else:
+            self.host_pages += child.host[:head]
+
+    def result(self, page_size: int, partial_page: int | None, partial_tokens: int) -> MatchResult:
+        """The match these pages make, with the partial page found after them."""
+        host_node = self.host_node
+        if self.host_pages and host_node is None:  # a peek that ended inside the first host edge
+            host_node = self.node
+        return MatchResult(len(self.pages) * page_size + partial_tokens, self.pages, self.node, partial_page,
+                           partial_tokens, self.host_pages, host_node if self.host_pages else None,
+                           len(self.host_pages) * page_size, self.loads, self.chunks)
