@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from radixserve.cache.events import DEVICE, CacheEventHub
+from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.node import RadixNode
 from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes, state_hash
 
@@ -41,9 +41,24 @@ class TreeEventReporter:
         _, hashes = self._hashes(node)
         self.events.removed(self._namespace(node.namespace)[0], tier, hashes[first:])
 
-    def cleared(self) -> None:
-        """Reports that every cached page is gone (a flush; what stayed is stored again)."""
+    def dropped(self, nodes: Iterable[RadixNode]) -> None:
+        """Reports every page of `nodes` as removed from its tiers (before they are unlinked
+        below their parents: a page's hash walks up to the root)."""
+        for node in nodes:
+            if node.pages:
+                self.removed(node, 0, DEVICE)
+            if node.host is not None:
+                self.removed(node, 0, HOST)
+
+    def flushed(self, stayed: Iterable[RadixNode]) -> None:
+        """Reports a flush: "cleared", then the pages of the nodes that `stayed` as stored."""
         self.events.cleared()
+        for node in stayed:
+            if not node.is_root:
+                if node.pages:
+                    self.stored(node, 0, DEVICE)
+                if node.host is not None:
+                    self.stored(node, 0, HOST)
 
     def page_hashes(self, nodes: Iterable[RadixNode], tier: str | None = DEVICE) -> set[tuple[str, int]]:
         """(namespace id, page hash) of every page of `nodes` on `tier` ("device"; "host";

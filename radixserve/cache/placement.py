@@ -24,11 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
-
 from radixserve.cache.event_reporter import TreeEventReporter
 from radixserve.cache.events import HOST
-from radixserve.cache.eviction import EvictionKey, EvictionQueue
+from radixserve.cache.eviction import EvictionOrder, EvictionQueue
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.pool import PagePool
 from radixserve.cache.stats import CacheStats
@@ -41,10 +39,8 @@ class TreeOps:
 
     pool: PagePool                                    # the device pool
     page_size: int
-    key: Callable[[RadixNode, float], EvictionKey]    # a node's eviction key (both tiers' order)
+    order: EvictionOrder                              # keys and priorities (both tiers' order)
     num_nodes: Callable[[], int]                      # nodes in the tree (bounds the queue)
-    tail_run: Callable[[RadixNode, float, EvictionKey | None], int]  # tail pages before a bound
-    effective: Callable[[RadixNode, float], np.ndarray]  # per-page effective priority
     split: Callable[[RadixNode, int], RadixNode]      # cut after n pages; returns the upper node
     drop: Callable[[RadixNode], int]                  # remove a subtree (reported); device pages freed
     detach: Callable[[RadixNode, float], None]        # remove an emptied leaf
@@ -80,7 +76,7 @@ class HostPlacement:
         self._reporter = reporter
         self._stats = stats
         self._clock = clock
-        self._queue: EvictionQueue[RadixNode] = EvictionQueue(tree.key, self.is_candidate, tree.num_nodes,
+        self._queue: EvictionQueue[RadixNode] = EvictionQueue(tree.order.key, self.is_candidate, tree.num_nodes,
                                                               slot="host_heap_seq")
         self._cached = 0     # host pages held
         self._host_only = 0  # pages held on the host only
@@ -151,7 +147,7 @@ class HostPlacement:
         self._stats.evicted(count, now - node.inserted_at, node.hits)
         freed = 0
         if node.host is None:
-            qualifies = self.tier.offloads(tree.effective(node, now))
+            qualifies = self.tier.offloads(tree.order.effective(node, now))
             head = count if qualifies.all() else int(qualifies.argmin())
             if head < count:
                 top = tree.split(node, head) if head else None
@@ -218,7 +214,7 @@ class HostPlacement:
         leaves in the policy's order; returns how many (host pages freed, plus pages that
         were on their way to host and are dropped instead)."""
         self._queue.requeue_expired(now)
-        return self._queue.drain(num_pages, now, self._tree.tail_run, self._evict_tail)
+        return self._queue.drain(num_pages, now, self._tree.order.tail_run, self._evict_tail)
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
         keep = len(node.tokens) // self._tree.page_size - count

@@ -41,15 +41,15 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 import numpy as np
 
 from radixserve.cache.event_reporter import TreeEventReporter
-from radixserve.cache.events import DEVICE, HOST, CacheEventHub
-from radixserve.cache.eviction import EvictionKey, EvictionQueue, make_policy
+from radixserve.cache.events import DEVICE, CacheEventHub
+from radixserve.cache.eviction import EvictionOrder, EvictionQueue, make_policy
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
 from radixserve.cache.pool import PagePool, as_int64
-from radixserve.cache.retention import DEFAULT_PRIORITY, PageRetention, Retention
+from radixserve.cache.retention import DEFAULT_PRIORITY, PageRange, PageRetention, Retention, page_ranges, raise_retention
 from radixserve.cache.stats import CacheStats, Histogram
 from radixserve.cache.tiers import HostTier
-from radixserve.cache.walk import MatchWalk, best_partial, common_length
+from radixserve.cache.walk import GivenPages, MatchWalk, best_partial, common_length
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
@@ -80,11 +80,12 @@ class RadixTree:
         self.pool = pool
         self.page_size: int = pool.page_size
         self.policy = make_policy(eviction_policy)
+        self._order = EvictionOrder(self.policy, self.page_size)
         self.events = events
         self.host = host
         self._clock = clock
         self._roots: dict[Hashable, RadixNode] = {}
-        self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_evictable_leaf,
+        self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._order.key, self._is_evictable_leaf,
                                                               lambda: self._num_nodes)
         self._tick = 0
         self._num_nodes = 0
@@ -97,8 +98,8 @@ class RadixTree:
 
     def _tier_ops(self) -> TreeOps:
         """The operations the host tier may use (placement.py's seam)."""
-        return TreeOps(self.pool, self.page_size, self._key, lambda: self._num_nodes, self._tail_run,
-                       self._effective, self._split, lambda node: self._drop(node, report=True), self._detach,
+        return TreeOps(self.pool, self.page_size, self._order, lambda: self._num_nodes,
+                       self._split, lambda node: self._drop(node, report=True), self._detach,
                        self._after_removal, self._requeue, self._gain_device, self._lose_device,
                        self.lock, self.unlock)
 
@@ -214,15 +215,12 @@ class RadixTree:
         size = self.page_size
         toks = _as_tokens(tokens)
         num_full = len(toks) // size
-        page_array = as_int64(pages[:num_full]) if isinstance(pages, np.ndarray) else None
-        page_list = list(pages[:num_full]) if page_array is None else None
-        if len(pages[:num_full]) < num_full:
-            raise ValueError(f"insert: {num_full} full pages of tokens but only {len(pages)} pages")
+        given = GivenPages(pages, num_full)
         if num_full == 0:
             return []
         toks = toks[: num_full * size]
         retention = retention or Retention()
-        ranges = [(start // size, -(-end // size), r) for start, end, r in range_retention if end > start]
+        ranges = page_ranges(range_retention, size)
         now = self._clock()
         self._tick += 1
         root = self._roots.get(namespace)
@@ -235,40 +233,27 @@ class RadixTree:
             key = toks[pos:pos + size].tobytes()
             child = node.children.get(key)
             if child is None:
-                if page_array is None:
-                    leaf_pages, leaf_array = page_list[first:], None
-                else:
-                    leaf_array = page_array[first:].copy()
-                    leaf_pages = leaf_array.tolist()
-                self._add_leaf(node, key, toks[pos:], leaf_pages, retention, ranges, first, now, leaf_array)
+                self._add_leaf(node, key, toks[pos:], given.leaf(first), retention, ranges, first, now)
                 break
             matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             if full < self._npages(child):
                 child = self._split(child, full)
-            if page_list is not None:
-                given = page_list[first:first + full]
-                if not child.pages:
-                    self._tier.adopt(child, given)
-                elif given != child.pages:  # C-speed compare; the loop runs only on duplicates
-                    duplicates += [g for g, c in zip(given, child.pages) if g != c]
-            else:
-                given_array = page_array[first:first + full]
-                if not child.pages:
-                    self._tier.adopt(child, given_array.tolist())
-                else:
-                    differs = given_array != child.page_array
-                    if differs.any():
-                        duplicates += given_array[differs].tolist()
-            if self._retain(child, first, retention, ranges, now):
+            if child.pages:
+                duplicates += given.duplicates(first, child)
+            else:  # on the host only: the given pages become its device copy
+                self._tier.adopt(child, given.span(first, full))
+            child.retention, changed = raise_retention(child.retention, full, first, retention, ranges, now)
+            if changed:
                 self._schedule_expiries(child, now)
             child.tick = self._tick
             node, pos = child, pos + full * size
         return duplicates
 
-    def _add_leaf(self, parent: RadixNode, key: bytes, tokens: np.ndarray, pages: list[int],
-                  retention: Retention, ranges: list[tuple[int, int, Retention]],
-                  first_page: int, now: float, page_array: np.ndarray | None = None) -> None:
+    def _add_leaf(self, parent: RadixNode, key: bytes, tokens: np.ndarray,
+                  given: tuple[list[int], np.ndarray | None], retention: Retention,
+                  ranges: list[PageRange], first_page: int, now: float) -> None:
+        pages, page_array = given
         leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1, page_array)
         self.pool.incref(leaf.page_array)
         leaf.tick, leaf.inserted_at = self._tick, now
@@ -277,30 +262,12 @@ class RadixTree:
         parent.attach(leaf)
         self._num_nodes += 1
         self._cached += len(pages)
-        self._retain(leaf, first_page, None, ranges, now)
+        leaf.retention, _ = raise_retention(leaf.retention, len(pages), first_page, None, ranges, now)
         if leaf.retention is not None:
             self._schedule_expiries(leaf, now)
         self._queue.push(leaf, now)
         if self._reporter.active:
             self._reporter.stored(leaf, 0, DEVICE)
-
-    def _retain(self, node: RadixNode, first_page: int, retention: Retention | None,
-                ranges: list[tuple[int, int, Retention]], now: float) -> bool:
-        """Raises the node's page retentions (`first_page`: index of its first page in the
-        inserted sequence); returns whether any changed."""
-        changed = False
-        if retention is not None and (node.retention is not None or not retention.is_default):
-            changed = self._retention_of(node).raise_to(retention, now)
-        for start, end, r in ranges:
-            lo, hi = max(start - first_page, 0), min(end - first_page, self._npages(node))
-            if lo < hi:
-                changed |= self._retention_of(node).raise_to(r, now, lo, hi)
-        return changed
-
-    def _retention_of(self, node: RadixNode) -> PageRetention:
-        if node.retention is None:
-            node.retention = PageRetention.default(self._npages(node))
-        return node.retention
 
     def _schedule_expiries(self, node: RadixNode, now: float) -> None:
         times = node.retention.pending_expiries(now)
@@ -326,7 +293,8 @@ class RadixTree:
                 break
             matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
-            self._retention_of(child).end_temporary(priority, now, full)
+            child.retention = PageRetention.ensure(child.retention, self._npages(child))
+            child.retention.end_temporary(priority, now, full)
             last = child
             if full < self._npages(child):
                 break
@@ -378,10 +346,10 @@ class RadixTree:
         now = self._clock()
         self._queue.requeue_expired(now)
         if self._tier is None:
-            return self._queue.drain(num_pages, now, self._tail_run, self._evict_tail)
+            return self._queue.drain(num_pages, now, self._order.tail_run, self._evict_tail)
         tier = self._tier
         call = tier.begin_eviction()
-        freed = self._queue.drain(num_pages, now, self._tail_run,
+        freed = self._queue.drain(num_pages, now, self._order.tail_run,
                                   lambda node, count, at: tier.leave_device(call, node, count, at))
         tier.end_eviction(call, now)
         return freed
@@ -398,10 +366,6 @@ class RadixTree:
         if self._tier is None:
             return match
         return self._tier.load_back(match, max_pages)
-
-    def _tail_run(self, node: RadixNode, now: float, bound: EvictionKey | None) -> int:
-        """How many tail pages of a popped leaf sort before `bound`, the next leaf's key."""
-        return self.policy.tail_run(self._effective(node, now), node.tick, bound)
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
         """Without a host tier: drops the last `count` pages of a leaf."""
@@ -456,11 +420,7 @@ class RadixTree:
             stack.extend(node.children.values())
             nodes.append(node)
         if report and self._reporter.active:
-            for node in nodes:  # before the links go: a page's hash walks up to the root
-                if node.pages:
-                    self._reporter.removed(node, 0, DEVICE)
-                if node.host is not None:
-                    self._reporter.removed(node, 0, HOST)
+            self._reporter.dropped(nodes)
         if self._tier is not None:
             self._tier.release(nodes)
         device: list[int] = []
@@ -495,13 +455,7 @@ class RadixTree:
         # Every node left is locked; unlock re-queues it.
         self._queue.forget(lambda node: node.parent is not None)
         if self._reporter.active:
-            self._reporter.cleared()
-            for node, _ in self.nodes():
-                if not node.is_root:
-                    if node.pages:
-                        self._reporter.stored(node, 0, DEVICE)
-                    if node.host is not None:
-                        self._reporter.stored(node, 0, HOST)
+            self._reporter.flushed(node for node, _ in self.nodes())
         return self.pool.num_free - free_before
 
     # ------------------------------------------------------------------ eviction order
@@ -510,14 +464,6 @@ class RadixTree:
         return (node.parent is not None and node.device_children == 0 and node.lock_ref == 0
                 and len(node.pages) > 0)
 
-    def _effective(self, node: RadixNode, now: float) -> np.ndarray:
-        if node.retention is None:
-            return np.full(self._npages(node), DEFAULT_PRIORITY, dtype=np.int16)
-        return node.retention.effective(now)
-
-    def _key(self, node: RadixNode, now: float) -> EvictionKey:
-        priority = DEFAULT_PRIORITY if node.retention is None else node.retention.tail_priority(now)
-        return self.policy.key(priority, node.tick)
 
     # ------------------------------------------------------------------ shape
     def _new_root(self, namespace: Hashable) -> RadixNode:

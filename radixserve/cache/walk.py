@@ -1,14 +1,16 @@
-"""Walking the radix tree down a query: comparing edges, the best partial page, and what a
-match collects on its way (radix.py's `match` drives the walk; this module only compares and
-accumulates)."""
+"""Walking the radix tree down a query: comparing edges, the best partial page, what a match
+collects on its way and the pages an insert was given (radix.py's `match` and `insert` drive
+the walk; this module only compares and accumulates)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 
 import numpy as np
 
 from radixserve.cache.node import MatchResult, RadixNode
+from radixserve.cache.pool import as_int64
 from radixserve.cache.transfer import LoadHandle
 
 
@@ -79,3 +81,39 @@ class MatchWalk:
         return MatchResult(len(self.pages) * page_size + partial_tokens, self.pages, self.node, partial_page,
                            partial_tokens, self.host_pages, host_node if self.host_pages else None,
                            len(self.host_pages) * page_size, self.loads, self.chunks)
+
+
+class GivenPages:
+    """The pages handed to an insert, as a list or an int64 array: an array is converted to
+    Python ints only where the tree adopts pages."""
+
+    def __init__(self, pages: Sequence[int] | np.ndarray, num_full: int) -> None:
+        self.array = as_int64(pages[:num_full]) if isinstance(pages, np.ndarray) else None
+        self.list = list(pages[:num_full]) if self.array is None else None
+        if len(pages[:num_full]) < num_full:
+            raise ValueError(f"insert: {num_full} full pages of tokens but only {len(pages)} pages")
+
+    def leaf(self, first: int) -> tuple[list[int], np.ndarray | None]:
+        """The pages from `first` on, for a new leaf (as a list, and an array if given one)."""
+        if self.array is None:
+            return self.list[first:], None
+        array = self.array[first:].copy()
+        return array.tolist(), array
+
+    def span(self, first: int, count: int) -> list[int]:
+        """`count` pages from `first` on, as a list."""
+        if self.array is None:
+            return self.list[first:first + count]
+        return self.array[first:first + count].tolist()
+
+    def duplicates(self, first: int, node: RadixNode) -> list[int]:
+        """The given pages from `first` on that differ from `node`'s device pages (the tree
+        already holds those tokens elsewhere)."""
+        if self.array is None:
+            given = self.list[first:first + len(node.pages)]
+            if given == node.pages:  # C-speed compare; the loop runs only on duplicates
+                return []
+            return [g for g, c in zip(given, node.pages) if g != c]
+        given_array = self.array[first:first + len(node.pages)]
+        differs = given_array != node.page_array
+        return given_array[differs].tolist() if differs.any() else []
