@@ -1,5 +1,16 @@
 """The radix tree's node (an edge and the pages of its tokens on each tier) and the result
-of a match. Shared by the tree's modules; read-only outside the tree."""
+of a match. Shared by the tree's modules; read-only outside the tree.
+
+Layout. Each node's edge holds a whole number of pages: `tokens` (int64 array, page-aligned)
+and, per tier, the pages holding their K/V: `pages` on the device (a list, one page per
+`page_size` tokens, or empty when the edge lives on the host only; also kept as the int64
+`page_array` for the pool, made once per node: at page size 1 converting page lists on every
+incref/decref cost more than the tree) and `host` (the host tier's pages, or None). Children
+are found by a dict keyed by the raw bytes of their first page, so a walk does one dict
+lookup per node and compares the rest of the edge as one numpy slice compare. For
+token-deep partial matches each node also keeps its children's keys sorted: the child
+sharing the longest prefix with a query page is next to the query's insertion point.
+"""
 
 from __future__ import annotations
 
@@ -83,6 +94,23 @@ class RadixNode:
         self._pages = self._pages[num_pages:]
         self._page_array = None if array is None else array[num_pages:]
         return head, None if array is None else array[:num_pages]
+
+    def cut_tail(self, keep: int, page_size: int) -> None:
+        """Keeps the edge's first `keep` pages of tokens and retention (eviction from the
+        tail, on whichever tier held them); the hash chain ends elsewhere now."""
+        self.tokens = self.tokens[: keep * page_size]
+        self.chain = None
+        if self.retention is not None:
+            self.retention.truncate(keep)
+
+    def subtree(self) -> list[RadixNode]:
+        """This node and every node below it."""
+        nodes, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            nodes.append(node)
+        return nodes
 
     def attach(self, child: RadixNode) -> None:
         """Links `child` below this node (under its key)."""

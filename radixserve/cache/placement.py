@@ -230,10 +230,7 @@ class HostPlacement:
             self._host_only -= count
             self._stats.host_evicted(count)
             self.pool.decref(evicted)
-        node.tokens = node.tokens[: keep * self._tree.page_size]
-        node.chain = None
-        if node.retention is not None:
-            node.retention.truncate(keep)
+        node.cut_tail(keep, self._tree.page_size)
         if keep:
             self._queue.push(node, now)
         else:

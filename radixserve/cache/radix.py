@@ -1,36 +1,24 @@
 """The prefix cache: a radix tree from token-id sequences to chains of KV pages.
 
-Layout. Each node's edge holds a whole number of pages: `tokens` (int64 array, page-aligned)
-and, per tier, the pages holding their K/V: `pages` on the device (a list, one page per
-`page_size` tokens, or empty when the edge lives on the host only; also kept as the int64
-`page_array` for the pool, made once per node: at page size 1 converting page lists on every
-incref/decref cost more than the tree) and `host` (the host tier's pages, or None). Children are found by a dict keyed by the raw bytes of their first page, so
-the walk does one dict lookup per node and compares the rest of the edge as one numpy slice
-compare; it drops to page arithmetic only where the slices differ. For token-deep partial
-matches each node also keeps its children's keys sorted: the child sharing the longest prefix
-with a query page is next to the query's insertion point.
+Each node's edge holds a whole number of pages of tokens and, per tier, the pages holding
+their K/V (node.py says how; walk.py how a query walks down the edges). Recency is a counter
+(`tick`) bumped by every match/insert and stamped on each node it touches, so LRU order is
+exact even when the clock does not move. A match or insert that ends inside an edge splits it
+at the page boundary, so every page of a node shares one tick and one hit count.
 
-Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
-touches, so LRU order is exact even when the clock does not move. A match or insert that ends
-inside an edge splits it at the page boundary, so every page of a node shares one tick and one
-hit count.
+Tiers (only with a host tier, `host=`): every page is on the device, the host or both,
+uniformly per node (nodes split where that changes). The shape rule: **device pages are
+prefix-closed** — a node on the device has its parent on the device — so a match reads
+device pages first, then the continuation that lives on the host only. Without a host tier
+everything is on the device and the tree behaves exactly as a single-tier cache.
 
-Tiers (only with a host tier, `host=`): every page is on the device (D), the host (H) or both
-(DH), uniformly per node (nodes split where that changes). The shape rule: **device pages are
-prefix-closed** — a node on the device has its parent on the device — so a match reads device
-pages first, then the continuation that lives on the host only. Device eviction takes the
-tail of an unlocked node with no child on the device; its pages that have no host copy go to
-host if their priority reaches the offload floor and host room can be made, otherwise they
-are dropped with everything below them (see `_leave_device`). Host eviction takes host-only
-leaves by the same (priority, recency) order. Without a host tier everything is on the device
-and the tree behaves exactly as a single-tier cache.
-
-The jobs around the shape live in their own modules: the node and match result (node.py),
-per-page retention priorities (retention.py), the eviction order and its queue (eviction.py),
-counters and histograms (stats.py), tier placement — offload, host eviction, load-back,
-write-through (placement.py) — under the host tier's pool and rules (tiers.py) and copies
-(transfer.py), and the events that tell subscribers what the cache holds (tree_events.py,
-events.py, named by page_hash.py).
+This module keeps the shape (match, insert, split, lock, drop, flush) and composes the jobs
+around it, each an object or module of its own: the device tier's pages, counters and queue
+(device_tier.py), the host tier's (placement.py: offload, host eviction, load-back,
+write-through, under the rules of tiers.py and the copies of transfer.py; it works on the
+tree through the `TreeOps` the tree hands it), the eviction order and queues (eviction.py),
+per-page retention (retention.py), counters and histograms (stats.py), and the events that
+tell subscribers what the cache holds (event_reporter.py, events.py, named by page_hash.py).
 """
 
 from __future__ import annotations
@@ -40,28 +28,21 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
+from radixserve.cache.device_tier import DeviceTier
 from radixserve.cache.event_reporter import TreeEventReporter
 from radixserve.cache.events import DEVICE, CacheEventHub
-from radixserve.cache.eviction import EvictionOrder, EvictionQueue, make_policy
+from radixserve.cache.eviction import EvictionOrder, make_policy
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
-from radixserve.cache.pool import PagePool, as_int64
+from radixserve.cache.pool import PagePool
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRange, PageRetention, Retention, page_ranges, raise_retention
 from radixserve.cache.stats import CacheStats, Histogram
 from radixserve.cache.tiers import HostTier
-from radixserve.cache.walk import GivenPages, MatchWalk, best_partial, common_length
+from radixserve.cache.walk import GivenPages, MatchWalk, along, as_tokens, best_partial, common_length
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
 RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
-
-
-def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Tokens as a 1-D int64 array (no copy when they already are one)."""
-    arr = as_int64(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
-    return arr
 
 
 class RadixTree:
@@ -85,49 +66,49 @@ class RadixTree:
         self.host = host
         self._clock = clock
         self._roots: dict[Hashable, RadixNode] = {}
-        self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._order.key, self._is_evictable_leaf,
-                                                              lambda: self._num_nodes)
         self._tick = 0
         self._num_nodes = 0
-        self._cached = 0       # device pages held
-        self._locked = 0       # device pages in locked nodes
         self._stats = CacheStats()
         self._reporter = TreeEventReporter(events, self.page_size)
-        self._tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,
+        self._device = DeviceTier(pool, self._order, self._reporter, self._stats, clock, lambda: self._num_nodes)
+        self._queue = self._device.queue  # the device eviction queue
+        self._host_tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,
                                                               self._stats, clock)
 
     def _tier_ops(self) -> TreeOps:
         """The operations the host tier may use (placement.py's seam)."""
-        return TreeOps(self.pool, self.page_size, self._order, lambda: self._num_nodes,
-                       self._split, lambda node: self._drop(node, report=True), self._detach,
-                       self._after_removal, self._requeue, self._gain_device, self._lose_device,
-                       self.lock, self.unlock)
+        return TreeOps(pool=self.pool, page_size=self.page_size, order=self._order,
+                       num_nodes=lambda: self._num_nodes, split=self._split,
+                       drop=lambda node: self._drop(node, report=True), detach=self._detach,
+                       after_removal=self._after_removal, requeue=self._requeue,
+                       gain_device=self._device.gain, lose_device=self._device.lose,
+                       lock=self.lock, unlock=self.unlock)
 
     # ------------------------------------------------------------------ counters
     @property
     def cached_pages(self) -> int:
         """Device pages held by the tree."""
-        return self._cached
+        return self._device.cached_pages
 
     @property
     def locked_pages(self) -> int:
         """Cached device pages in locked nodes (in use by some sequence)."""
-        return self._locked
+        return self._device.locked_pages
 
     @property
     def evictable_pages(self) -> int:
         """Cached device pages that repeated device eviction can free."""
-        return self._cached - self._locked
+        return self._device.cached_pages - self._device.locked_pages
 
     @property
     def host_cached_pages(self) -> int:
         """Host pages held by the tree (host-only pages and host copies of device pages)."""
-        return 0 if self._tier is None else self._tier.cached_pages
+        return 0 if self._host_tier is None else self._host_tier.cached_pages
 
     @property
     def host_only_pages(self) -> int:
         """Cached pages that live on the host only."""
-        return 0 if self._tier is None else self._tier.host_only_pages
+        return 0 if self._host_tier is None else self._host_tier.host_only_pages
 
     def _npages(self, node: RadixNode) -> int:
         return len(node.tokens) // self.page_size
@@ -145,7 +126,7 @@ class RadixTree:
         changes, and `node` / `host_node` are then the deepest nodes whose edges matched in
         full, which may cover fewer pages. A partial page is only taken from the device.
         """
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         size = self.page_size
         n = len(toks)
         root = self._roots.get(namespace)
@@ -189,8 +170,8 @@ class RadixTree:
         result = walk.result(size, partial_page, partial_tokens)
         if update:
             self._stats.hit(result.num_tokens, result.host_tokens)
-            if self._tier is not None:
-                self._tier.write_through(result)
+            if self._host_tier is not None:
+                self._host_tier.write_through(result)
         return result
 
     def _touch(self, node: RadixNode, tick: int, now: float) -> None:
@@ -213,7 +194,7 @@ class RadixTree:
         array are converted to Python ints only where a new leaf adopts them.
         """
         size = self.page_size
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         num_full = len(toks) // size
         given = GivenPages(pages, num_full)
         if num_full == 0:
@@ -242,7 +223,7 @@ class RadixTree:
             if child.pages:
                 duplicates += given.duplicates(first, child)
             else:  # on the host only: the given pages become its device copy
-                self._tier.adopt(child, given.span(first, full))
+                self._host_tier.adopt(child, given.span(first, full))
             child.retention, changed = raise_retention(child.retention, full, first, retention, ranges, now)
             if changed:
                 self._schedule_expiries(child, now)
@@ -255,25 +236,21 @@ class RadixTree:
                   ranges: list[PageRange], first_page: int, now: float) -> None:
         pages, page_array = given
         leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1, page_array)
-        self.pool.incref(leaf.page_array)
         leaf.tick, leaf.inserted_at = self._tick, now
         if not retention.is_default:
             leaf.retention = PageRetention.of(len(pages), retention, now)
         parent.attach(leaf)
         self._num_nodes += 1
-        self._cached += len(pages)
         leaf.retention, _ = raise_retention(leaf.retention, len(pages), first_page, None, ranges, now)
         if leaf.retention is not None:
             self._schedule_expiries(leaf, now)
-        self._queue.push(leaf, now)
-        if self._reporter.active:
-            self._reporter.stored(leaf, 0, DEVICE)
+        self._device.add_leaf(leaf, now)
 
     def _schedule_expiries(self, node: RadixNode, now: float) -> None:
         times = node.retention.pending_expiries(now)
         self._queue.schedule_expiries(node, times)
-        if self._tier is not None:
-            self._tier.schedule_expiries(node, times)
+        if self._host_tier is not None:
+            self._host_tier.schedule_expiries(node, times)
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
                       priority: int) -> None:
@@ -281,34 +258,22 @@ class RadixTree:
         fall back to their floor (for example a closed session's pages). Pages retained
         otherwise — a system prompt another request kept higher — are left as they are."""
         size = self.page_size
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         toks = toks[: len(toks) // size * size]
-        node = self._roots.get(namespace)
         now = self._clock()
         last: RadixNode | None = None
-        pos = 0
-        while node is not None and pos < len(toks):
-            child = node.children.get(toks[pos:pos + size].tobytes())
-            if child is None:
-                break
-            matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
-            full = matched // size
-            child.retention = PageRetention.ensure(child.retention, self._npages(child))
-            child.retention.end_temporary(priority, now, full)
-            last = child
-            if full < self._npages(child):
-                break
-            node, pos = child, pos + full * size
+        for last, full in along(self._roots.get(namespace), toks, size):
+            last.retention = PageRetention.ensure(last.retention, self._npages(last))
+            last.retention.end_temporary(priority, now, full)
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
             self._requeue(last, now)
 
     def _requeue(self, node: RadixNode, now: float) -> None:
         """Queues `node` in each eviction queue it is a candidate of (with its current key)."""
-        if self._is_evictable_leaf(node):
-            self._queue.push(node, now)
-        if self._tier is not None:
-            self._tier.requeue(node, now)
+        self._device.requeue(node, now)
+        if self._host_tier is not None:
+            self._host_tier.requeue(node, now)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode) -> None:
@@ -317,7 +282,7 @@ class RadixTree:
             raise ValueError("lock: the node was evicted (lock it right after match)")
         while node is not None:
             if node.lock_ref == 0:
-                self._locked += len(node.pages)
+                self._device.locking(node, True)
             node.lock_ref += 1
             node = node.parent
 
@@ -329,8 +294,8 @@ class RadixTree:
         while node is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._locked -= len(node.pages)
-                if self._is_evictable_leaf(node) or (self._tier is not None and self._tier.is_candidate(node)):
+                self._device.locking(node, False)
+                if self._device.is_candidate(node) or (self._host_tier is not None and self._host_tier.is_candidate(node)):
                     now = self._clock() if now is None else now
                     self._requeue(node, now)
             node = node.parent
@@ -345,9 +310,10 @@ class RadixTree:
             return 0
         now = self._clock()
         self._queue.requeue_expired(now)
-        if self._tier is None:
-            return self._queue.drain(num_pages, now, self._order.tail_run, self._evict_tail)
-        tier = self._tier
+        if self._host_tier is None:
+            return self._queue.drain(num_pages, now, self._order.tail_run,
+                                     lambda node, count, at: self._device.evict_tail(node, count, at, self._detach))
+        tier = self._host_tier
         call = tier.begin_eviction()
         freed = self._queue.drain(num_pages, now, self._order.tail_run,
                                   lambda node, count, at: tier.leave_device(call, node, count, at))
@@ -363,73 +329,25 @@ class RadixTree:
         caller (so making room evicts nothing on the path). On CUDA the copy may still be in
         flight: its handle is in the result's `loads`.
         """
-        if self._tier is None:
+        if self._host_tier is None:
             return match
-        return self._tier.load_back(match, max_pages)
-
-    def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
-        """Without a host tier: drops the last `count` pages of a leaf."""
-        keep = len(node.pages) - count
-        if self._reporter.active:
-            self._reporter.removed(node, keep, DEVICE)
-        evicted = node.page_array[keep:]
-        node.truncate_pages(keep)
-        node.tokens = node.tokens[: keep * self.page_size]
-        node.chain = None  # its edge ends elsewhere now
-        if node.retention is not None:
-            node.retention.truncate(keep)
-        self._cached -= count
-        self._stats.evicted(count, now - node.inserted_at, node.hits)
-        freed = self.pool.decref_count(evicted, distinct=True)  # a node lists a page once
-        if keep:
-            self._queue.push(node, now)
-        else:
-            node.parent.device_children -= 1  # its pages are gone: it no longer counts as on the device
-            self._detach(node, now)
-        return freed
-
-    def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
-        """Host-only `node` now also lives in the device `pages` (held for the tree)."""
-        node.pages = pages
-        node.parent.device_children += 1
-        self._cached += len(pages)
-        if node.lock_ref:
-            self._locked += len(pages)
-        if node.device_children == 0 and node.lock_ref == 0:
-            self._queue.push(node, self._clock())
-        if self._reporter.active:
-            self._reporter.stored(node, 0, DEVICE)
-
-    def _lose_device(self, node: RadixNode) -> int:
-        """`node`'s device pages are freed (it stays, on the host); returns pages freed."""
-        if self._reporter.active:
-            self._reporter.removed(node, 0, DEVICE)
-        freed = len(self.pool.decref(node.pages))
-        self._cached -= len(node.pages)
-        node.pages = []
-        node.parent.device_children -= 1
-        return freed
+        return self._host_tier.load_back(match, max_pages)
 
     def _drop(self, top: RadixNode, *, report: bool) -> int:
         """Removes `top` and everything below it from the tree, on both tiers (the caller
         tidies its parent); returns the device pages freed."""
         top.parent.unlink(top.key)
-        nodes, stack = [], [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            nodes.append(node)
+        nodes = top.subtree()
         if report and self._reporter.active:
             self._reporter.dropped(nodes)
-        if self._tier is not None:
-            self._tier.release(nodes)
+        if self._host_tier is not None:
+            self._host_tier.release(nodes)
         device: list[int] = []
         for node in nodes:
             device += node.pages
             node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
         self._num_nodes -= len(nodes)
-        self._cached -= len(device)
-        return len(self.pool.decref(device))
+        return self._device.release(device)
 
     # ------------------------------------------------------------------ flush
     def reset(self) -> int:
@@ -450,20 +368,13 @@ class RadixTree:
                         self._drop(child, report=False)
             if not root.children and not root.lock_ref:
                 del self._roots[namespace]
-        if self._tier is not None:
-            self._tier.reset(node for node, _ in self.nodes())
+        if self._host_tier is not None:
+            self._host_tier.reset(node for node, _ in self.nodes())
         # Every node left is locked; unlock re-queues it.
         self._queue.forget(lambda node: node.parent is not None)
         if self._reporter.active:
             self._reporter.flushed(node for node, _ in self.nodes())
         return self.pool.num_free - free_before
-
-    # ------------------------------------------------------------------ eviction order
-    def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        """A device eviction candidate: unlocked, on the device, no child on the device."""
-        return (node.parent is not None and node.device_children == 0 and node.lock_ref == 0
-                and len(node.pages) > 0)
-
 
     # ------------------------------------------------------------------ shape
     def _new_root(self, namespace: Hashable) -> RadixNode:
@@ -509,7 +420,7 @@ class RadixTree:
 
     def host_queued_nodes(self) -> list[RadixNode]:
         """Nodes with a live entry in the host eviction queue (for checkers)."""
-        return [] if self._tier is None else list(self._tier.queued())
+        return [] if self._host_tier is None else list(self._host_tier.queued())
 
     def cached_page_hashes(self, tier: str | None = DEVICE) -> set[tuple[str, int]]:
         """(namespace id, page hash) of every cached page on `tier` ("device", the default;
@@ -525,8 +436,8 @@ class RadixTree:
         """Counters for metrics: lookups, tokens looked up and hit (per tier), page counts,
         evictions and host-tier traffic, and the sums/counts of the histograms."""
         out = self._stats.as_dict()
-        out.update(cached_pages=self._cached, evictable_pages=self.evictable_pages,
-                   locked_pages=self._locked, free_pages=self.pool.num_free, nodes=self._num_nodes)
-        if self._tier is not None:
-            out.update(self._tier.stats())
+        out.update(cached_pages=self.cached_pages, evictable_pages=self.evictable_pages,
+                   locked_pages=self.locked_pages, free_pages=self.pool.num_free, nodes=self._num_nodes)
+        if self._host_tier is not None:
+            out.update(self._host_tier.stats())
         return out

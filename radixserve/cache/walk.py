@@ -5,13 +5,21 @@ the walk; this module only compares and accumulates)."""
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.pool import as_int64
 from radixserve.cache.transfer import LoadHandle
+
+
+def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens as a 1-D int64 array (no copy when they already are one)."""
+    arr = as_int64(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+    return arr
 
 
 def common_length(edge: np.ndarray, query: np.ndarray) -> int:
@@ -39,6 +47,21 @@ def best_partial(node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
     if best is None or not best.pages:  # none, or the best one is on the host only
         return None, 0
     return best.pages[0], best_common
+
+
+def along(node: RadixNode | None, tokens: np.ndarray, page_size: int) -> Iterator[tuple[RadixNode, int]]:
+    """The nodes below `node` whose edges the page-aligned `tokens` run through, each with how
+    many of its pages they cover; the last one may be covered in part."""
+    pos = 0
+    while node is not None and pos < len(tokens):
+        child = node.children.get(tokens[pos:pos + page_size].tobytes())
+        if child is None:
+            return
+        full = common_length(child.tokens, tokens[pos:pos + min(len(child.tokens), len(tokens) - pos)]) // page_size
+        yield child, full
+        if full < len(child.tokens) // page_size:
+            return
+        node, pos = child, pos + full * page_size
 
 
 class MatchWalk:
