@@ -14,9 +14,9 @@ the device queue hands out, `end_eviction`), `load_back`, `write_through` after 
 `adopt` when insert covers host-only pages, `release` when it drops nodes, `reset` on a
 flush, and `requeue` / `schedule_expiries` to keep the host queue current. The host tier in
 turn works on the tree only through `TreeOps`, the operations the tree hands it at
-construction (split a node, drop or detach one, tidy a parent, requeue, the eviction key and
-effective priority, put pages on or take them off the device, lock). It reads and writes
-nodes (node.py) but never the tree's own fields.
+construction (split a node, drop or detach one, tidy a parent, requeue, the eviction order,
+put pages on or take them off the device — the `DeviceTier`'s moves — and lock). It reads
+and writes nodes (node.py) but never the tree's own fields.
 """
 
 from __future__ import annotations
