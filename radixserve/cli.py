@@ -43,27 +43,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help="TCP port to listen on (default: %(default)s)")
-    serve.add_argument("--page-size", type=int, default=16,
-                       help="tokens per KV page, a power of two (default: %(default)s)")
-    pool = serve.add_mutually_exclusive_group()
-    pool.add_argument("--num-pages", type=int, default=None,
-                      help="size of the KV pool in pages (default: sized by --kv-memory-gb)")
-    pool.add_argument("--kv-memory-gb", type=float, default=None,
-                      help="size of the KV pool in GiB (default: 0.5 on CPU, 80%% of free memory on CUDA)")
-    host = serve.add_mutually_exclusive_group()
-    host.add_argument("--host-kv-memory-gb", type=float, default=None,
-                      help="size of the host tier in GiB: a second KV pool in host memory (pinned on "
-                           "CUDA) that pages evicted from the device go to and are loaded back from "
-                           "(default: none)")
-    host.add_argument("--host-num-pages", type=int, default=None,
-                      help="size of the host tier in pages (default: none)")
-    serve.add_argument("--host-write-policy", default="write-back",
-                       choices=["write-back", "write-through-selective"],
-                       help="when pages go to the host tier: on device eviction, or also once hit "
-                            "twice (default: %(default)s)")
-    serve.add_argument("--host-offload-min-priority", type=int, default=35,
-                       help="device-only pages below this retention priority are dropped on eviction "
-                            "instead of copied to the host tier (default: %(default)s)")
+    _add_kv_arguments(serve)
     serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                        help="order of waiting requests: longest cached prefix first, DFS over "
                             "shared prefixes, or arrival order (default: %(default)s)")
@@ -96,6 +76,49 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name listed by /v1/models (default: the model's own name)")
+    _add_cluster_arguments(serve)
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default: %(default)s)")
+    serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                       help="watchdog: /health answers 503 once work has waited this long for an engine "
+                            "step (default: %(default)s)")
+    serve.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="after Ctrl-C or SIGTERM, exit (status 1) if stopping takes longer than this, "
+                            "e.g. because a step is stuck; a second signal exits at once "
+                            "(default: %(default)s)")
+    serve.add_argument("--debug-stall-engine", action="store_true",
+                       help="debugging: hold the engine thread inside its first step for good, to see the "
+                            "watchdog (/health 503) and the bounded shutdown at work")
+    serve.set_defaults(handler=serve_command)
+
+
+def _add_kv_arguments(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s KV cache options: page size, device pool, host tier."""
+    serve.add_argument("--page-size", type=int, default=16,
+                       help="tokens per KV page, a power of two (default: %(default)s)")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None,
+                      help="size of the KV pool in pages (default: sized by --kv-memory-gb)")
+    pool.add_argument("--kv-memory-gb", type=float, default=None,
+                      help="size of the KV pool in GiB (default: 0.5 on CPU, 80%% of free memory on CUDA)")
+    host = serve.add_mutually_exclusive_group()
+    host.add_argument("--host-kv-memory-gb", type=float, default=None,
+                      help="size of the host tier in GiB: a second KV pool in host memory (pinned on "
+                           "CUDA) that pages evicted from the device go to and are loaded back from "
+                           "(default: none)")
+    host.add_argument("--host-num-pages", type=int, default=None,
+                      help="size of the host tier in pages (default: none)")
+    serve.add_argument("--host-write-policy", default="write-back",
+                       choices=["write-back", "write-through-selective"],
+                       help="when pages go to the host tier: on device eviction, or also once hit "
+                            "twice (default: %(default)s)")
+    serve.add_argument("--host-offload-min-priority", type=int, default=35,
+                       help="device-only pages below this retention priority are dropped on eviction "
+                            "instead of copied to the host tier (default: %(default)s)")
+
+
+def _add_cluster_arguments(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s scale-out options (Ray Serve)."""
     cluster = serve.add_argument_group("scale-out (Ray Serve; pip install -e '.[cluster]')")
     cluster.add_argument("--replicas", type=int, default=None, metavar="N",
                          help="serve N engine replicas on Ray Serve behind one API, each request routed "
@@ -110,19 +133,6 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                               "(default: %(default)s)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0,
                          help="Ray CPUs reserved per replica (default: %(default)s)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn's log level (default: %(default)s)")
-    serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
-                       help="watchdog: /health answers 503 once work has waited this long for an engine "
-                            "step (default: %(default)s)")
-    serve.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                       help="after Ctrl-C or SIGTERM, exit (status 1) if stopping takes longer than this, "
-                            "e.g. because a step is stuck; a second signal exits at once "
-                            "(default: %(default)s)")
-    serve.add_argument("--debug-stall-engine", action="store_true",
-                       help="debugging: hold the engine thread inside its first step for good, to see the "
-                            "watchdog (/health 503) and the bounded shutdown at work")
-    serve.set_defaults(handler=serve_command)
 
 
 def _add_bench_parser_if_present(subparsers: argparse._SubParsersAction) -> None:
