@@ -1,4 +1,5 @@
-"""What the `radixserve bench` subcommands share: workload arguments and loading, output files, status lines."""
+"""What the `radixserve bench` subcommands share: workload arguments and loading, output
+files, progress bars and status lines."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from radixserve.benchmark.workloads import (
 )
 
 
-def _add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) -> None:
+def add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--workload", choices=sorted(WORKLOADS), help="synthetic workload")
     if trace:
@@ -66,7 +67,7 @@ def load_workload(args: argparse.Namespace, **extra: Any) -> Workload:
     return workload
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
 
@@ -77,13 +78,13 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _tqdm(total: int, desc: str):  # -> tqdm
+def progress_bar(total: int, desc: str):  # -> tqdm
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
 
 
-def _say(message: str, bar: Any = None) -> None:
+def say(message: str, bar: Any = None) -> None:
     """A status line on stderr; with a progress `bar` running, on a line of its own above it."""
     line = f"radixserve bench: {message}"
     if bar is not None:

@@ -1,14 +1,16 @@
-"""`radixserve bench compare` and `radixserve bench tiers`: model-running comparisons, their arguments and commands."""
+"""`radixserve bench compare` and `radixserve bench tiers`: comparisons that run the bench model,
+their arguments and commands."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from radixserve.benchmark.cli_common import parse_workload_args, _write_json, _say
+from radixserve.benchmark.cli_common import parse_workload_args, say, write_json
 from radixserve.benchmark.lengths import LENGTH_DISTRIBUTIONS
 from radixserve.benchmark.report import plot_ttft_cdf, serve_table
-from radixserve.benchmark.workloads import WORKLOADS, make_workload
+from radixserve.benchmark.workloads import WORKLOADS, Workload, make_workload
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
@@ -42,22 +44,17 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="rounds of every run; figures are medians, ratios are taken within a round "
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_run_outputs(p)
     p.set_defaults(handler=compare_command)
 
 
 def compare_command(args: argparse.Namespace) -> int:
     """`radixserve bench compare`."""
-    from radixserve.benchmark.compare import MODES, build_bench_model, model_vocab_size, run_comparison
+    from radixserve.benchmark.compare import MODES, run_comparison
     from radixserve.benchmark.lengths import with_varied_output_lengths, with_varied_prompt_lengths
     from radixserve.benchmark.inprocess import breakdown_table
 
-    model_dir = build_bench_model(args.model_dir)
-    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
-              **parse_workload_args(args.workload_args)}
-    workload = make_workload(args.workload, **params)
+    model_dir, workload, params = _bench_model_and_workload(args)
     if args.vary_prompt:
         workload = with_varied_prompt_lengths(workload, params["vocab_size"], args.seed, args.length_dist)
     if args.vary_output:
@@ -86,7 +83,7 @@ def compare_command(args: argparse.Namespace) -> int:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: prefix cache on vs off")
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     return 1 if failed else 0
 
 
@@ -111,27 +108,22 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
                    help="runs of each server, alternating; medians are reported (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_run_outputs(p)
     p.set_defaults(handler=tiers_command)
 
 
 def tiers_command(args: argparse.Namespace) -> int:
     """`radixserve bench tiers`."""
-    from radixserve.benchmark.compare import build_bench_model, model_vocab_size
     from radixserve.benchmark.host_tier import run_host_tier_comparison
 
-    model_dir = build_bench_model(args.model_dir)
-    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir), **parse_workload_args(args.workload_args)}
-    workload = make_workload(args.workload, **params)
+    model_dir, workload, _ = _bench_model_and_workload(args)
     result = run_host_tier_comparison(workload, model_dir, page_size=args.page_size,
                                       device_fraction=args.device_fraction, host_factor=args.host_factor,
                                       concurrency=args.concurrency, repeat=args.repeat,
                                       server_args=args.server_args.split(),
                                       log_dir=args.json.parent if args.json else None,
                                       progress=not args.no_progress)
-    _say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
+    say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
          f"host tier {result['host_pages']} pages of {args.page_size}")
     print(serve_table(result["servers"]))  # medians of the runs
     for name, value in result.get("ratios", {}).items():
@@ -148,7 +140,7 @@ def tiers_command(args: argparse.Namespace) -> int:
         plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: device pool "
                                                          f"{args.device_fraction:g} of the working set")
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     return 1 if failed else 0
 
 
@@ -156,8 +148,26 @@ def _report_failures(result: dict) -> bool:
     """Says on stderr which server runs failed and which runs did other work than
     transformers (compare only); True if any did."""
     for label, reason in result["server_failures"].items():
-        _say(f"server run '{label}' failed: {reason}")
+        say(f"server run '{label}' failed: {reason}")
     mismatches = result.get("token_mismatches", {})
     for label, reason in mismatches.items():
-        _say(f"run '{label}' did not do the same work as transformers: {reason}")
+        say(f"run '{label}' did not do the same work as transformers: {reason}")
     return bool(result["server_failures"] or mismatches)
+
+
+def _add_run_outputs(p: argparse.ArgumentParser) -> None:
+    """The output flags compare and tiers share."""
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _bench_model_and_workload(args: argparse.Namespace) -> tuple[Path, Workload, dict[str, Any]]:
+    """The bench model (built if missing), the workload over its vocabulary, and the
+    workload's parameters."""
+    from radixserve.benchmark.compare import build_bench_model, model_vocab_size
+
+    model_dir = build_bench_model(args.model_dir)
+    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
+              **parse_workload_args(args.workload_args)}
+    return model_dir, make_workload(args.workload, **params), params

@@ -7,14 +7,14 @@ import asyncio
 import os
 from pathlib import Path
 
-from radixserve.benchmark.cli_common import _add_workload_args, load_workload, _write_json, _say
+from radixserve.benchmark.cli_common import add_workload_args, load_workload, say, write_json
 from radixserve.benchmark.report import serve_table
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="drive a running server over HTTP (/v1/completions, token ids)")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    _add_workload_args(p)
+    add_workload_args(p)
     p.add_argument("--concurrency", type=int, default=16,
                    help="requests in flight (closed loop; default: %(default)s)")
     p.add_argument("--open-loop", action="store_true",
@@ -46,11 +46,11 @@ def serve_command(args: argparse.Namespace) -> int:
     if summary["completed"]:
         print(serve_table({workload.name: summary}))
     if args.json:
-        _write_json(args.json, summary | {"error_messages": dict(result.errors())})
+        write_json(args.json, summary | {"error_messages": dict(result.errors())})
     if summary["errors"]:
-        _say(f"FAILED: {summary['errors']} of {summary['requests']} requests failed"
+        say(f"FAILED: {summary['errors']} of {summary['requests']} requests failed"
              + ("" if summary["completed"] else " (none completed: no table)") + "; errors:")
         for message, count in result.errors()[:5]:
-            _say(f"  {count} x {message}")
+            say(f"  {count} x {message}")
         return 1
     return 0

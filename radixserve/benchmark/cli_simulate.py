@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from radixserve.benchmark.cli_common import _add_workload_args, load_workload, _write_json, _tqdm, _say
+from radixserve.benchmark.cli_common import add_workload_args, load_workload, progress_bar, say, write_json
 from radixserve.benchmark.report import (
     format_capacity,
     format_tokens,
@@ -35,7 +35,7 @@ EVICTION_POLICIES: dict[str, tuple[str, str]] = {
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="replay a workload through the real cache and policies, no model")
-    _add_workload_args(p)
+    add_workload_args(p)
     p.add_argument("--capacity-tokens", required=True, metavar="N[,N...]",
                    help="cache capacity in tokens, e.g. 1M or a sweep 0.5M,1M,2M,4M")
     p.add_argument("--host-capacity-tokens", default="0", metavar="N[,N...]",
@@ -107,11 +107,11 @@ def simulate_command(args: argparse.Namespace) -> int:
     workload = load_workload(args)
     if args.replicas is not None:
         if host_capacities != [0]:
-            _say("error: --host-capacity-tokens is not simulated with --replicas yet")
+            say("error: --host-capacity-tokens is not simulated with --replicas yet")
             return 2
         return _simulate_cluster(args, workload, capacities)
     if args.concurrency is not None or args.replica_speeds is not None or args.router_kwargs:
-        _say("error: --concurrency, --replica-speeds and --router-kwargs go with --replicas")
+        say("error: --concurrency, --replica-speeds and --router-kwargs go with --replicas")
         return 2
     eviction, retention = EVICTION_POLICIES[args.eviction_policy]
     main = SimConfig(capacities[0], page_size=args.page_size, schedule_policy=args.schedule_policy,
@@ -122,21 +122,21 @@ def simulate_command(args: argparse.Namespace) -> int:
                      host_offload_min_priority=args.host_offload_min_priority,
                      load_tokens_per_s=args.load_tokens_per_s, window=args.window)
     if args.window is not None and args.window < 1:
-        _say("error: --window must be >= 1")
+        say("error: --window must be >= 1")
         return 2
     bounds = WorkloadBounds(workload)
     batch_in_dfs_order = None if args.sequential else dfs_order(workload)
     dfs_bounds = WorkloadBounds(batch_in_dfs_order) if batch_in_dfs_order else None
     total = sum(len(suite_configs(replace(main, host_capacity_tokens=host), retention,
                                   baselines=not args.no_baselines, study=args.study)) for _, host in points)
-    bar = None if args.no_progress else _tqdm(total, "simulations")
+    bar = None if args.no_progress else progress_bar(total, "simulations")
     sweep = []
     for capacity, host in points:
         obj = run_suite(workload, capacity, main, retention, bounds, dfs_bounds=dfs_bounds,
                         baselines=not args.no_baselines, study=args.study, host_capacity_tokens=host,
                         on_result=(lambda _: bar.update(1)) if bar else None)
         sweep.append(obj)
-        _say(f"{format_capacity(capacity, host)}: " + ", ".join(
+        say(f"{format_capacity(capacity, host)}: " + ", ".join(
             f"{e['label']} {percent(e['hit_rate'])}" for e in obj["runs"])
             + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}",
             bar)
@@ -160,7 +160,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         table += "\n" + window_table(sweep, main.label(retention), replace(main, window=None).label(retention))
     print(table)
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table)
@@ -184,22 +184,22 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
     routers = args.router.split(",")
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown or args.sequential or args.replicas < 1:
-        _say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1, without --sequential")
+        say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1, without --sequential")
         return 2
     try:
         speeds = [float(x) for x in args.replica_speeds.split(",")] if args.replica_speeds else None
     except ValueError:
         speeds = []
     if speeds is not None and (len(speeds) != args.replicas or min(speeds, default=0) <= 0):
-        _say(f"error: --replica-speeds needs {args.replicas} positive numbers, got {args.replica_speeds!r}")
+        say(f"error: --replica-speeds needs {args.replicas} positive numbers, got {args.replica_speeds!r}")
         return 2
     if args.concurrency is not None and args.concurrency < 1:
-        _say("error: --concurrency must be >= 1")
+        say("error: --concurrency must be >= 1")
         return 2
     try:
         routing = parse_routing_config(args.router_kwargs)
     except ValueError as error:
-        _say(f"error: {error}")
+        say(f"error: {error}")
         return 2
     eviction, retention = EVICTION_POLICIES[args.eviction_policy]
     results = []
@@ -211,13 +211,13 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
         result = run_cluster_suite(workload, config, args.replicas, routers, retention=retention, seed=args.seed,
                                    concurrency=args.concurrency, speeds=speeds, routing=routing)
         results.append(result)
-        _say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
+        say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
             f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f})" for r in result["runs"])
             + f"; one replica with {args.replicas}x memory {percent(result['ideal_hit_rate'])}")
     table = cluster_table(results)
     print(table)
     if args.json:
-        _write_json(args.json, results[0] if len(results) == 1 else {"sweep": results})
+        write_json(args.json, results[0] if len(results) == 1 else {"sweep": results})
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table + "\n")
