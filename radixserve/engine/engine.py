@@ -20,7 +20,7 @@ from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
 from radixserve.engine.beam_driver import BeamDriver
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.engine_setup import build_cache, bytes_per_page, eos_token_ids
-from radixserve.engine.engine_stats import StepClock, check_engine, engine_stats
+from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
 from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
                                       TokenLogprob)
 from radixserve.engine.policy import make_policy
@@ -94,7 +94,8 @@ class Engine:
         cache = build_cache(self.loaded, page_size, num_pages=num_pages, kv_memory_gb=kv_memory_gb,
                             eviction_policy=eviction_policy, prefix_cache=enable_prefix_cache,
                             host_num_pages=host_num_pages, host_kv_memory_gb=host_kv_memory_gb,
-                            host_write_policy=host_write_policy, host_offload_min_priority=host_offload_min_priority)
+                            host_write_policy=host_write_policy,
+                            host_offload_min_priority=host_offload_min_priority)
         self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
         self.cache_events, self.reuse_history = cache.events, cache.reuse_history
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
@@ -112,16 +113,13 @@ class Engine:
         self._rng = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
         self._deltas = DeltaQueue()
-        self._counters = {"prompt_tokens": 0, "cached_tokens": 0, "host_cached_tokens": 0,
-                          "generated_tokens": 0, "requests_finished": 0, "requests_aborted": 0,
-                          "steps": 0, "prefill_tokens": 0}
+        self._counters = new_counters()
         self._step_clock = StepClock()
         self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
-        self.beams = BeamDriver(self.scheduler, finish=self._finish, fail=self._fail_request, retire=self._retire,
-                                new_beam=lambda req, tokens: self._new_sequence(req, 0, tokens, output=False),
-                                eos_token_ids=self.eos_token_ids, released=self._released,
-                                counters=self._counters)
+        self.beams = BeamDriver(self.scheduler, new_beam=self._new_beam, finish=self._finish,
+                                fail=self._fail_request, retire=self._retire, eos_token_ids=self.eos_token_ids,
+                                released=self._released, counters=self._counters)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -171,6 +169,9 @@ class Engine:
         if output:
             req.sequences.append(seq)
         return seq
+
+    def _new_beam(self, req: Request, token_ids: list[int]) -> Sequence:
+        return self._new_sequence(req, 0, token_ids, output=False)
 
     def abort(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its pages (computed full pages stay cached)."""
@@ -361,10 +362,7 @@ class Engine:
         if req.request_id not in self._requests:
             return
         del self._requests[req.request_id]
-        self._counters["requests_aborted" if req.aborted else "requests_finished"] += 1
-        self._counters["prompt_tokens"] += len(req.prompt_ids)
-        self._counters["cached_tokens"] += req.cached_tokens or 0
-        self._counters["host_cached_tokens"] += req.host_cached_tokens
+        count_retired(self._counters, req)
 
     # ------------------------------------------------------------------ offline API
     def generate(self, prompts: list[str] | list[list[int]],

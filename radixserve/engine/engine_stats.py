@@ -25,6 +25,20 @@ _HOST_KEYS = ("host_pages_total", "host_pages_free", "host_pages_used", "host_pa
               "kv_offload_seconds_total", "kv_load_seconds_total")
 
 
+def new_counters() -> dict[str, int]:
+    """The engine's cumulative counters, all zero; stats() reports each under its own name."""
+    return dict.fromkeys(("prompt_tokens", "cached_tokens", "host_cached_tokens", "generated_tokens",
+                          "requests_finished", "requests_aborted", "steps", "prefill_tokens"), 0)
+
+
+def count_retired(counters: dict[str, int], req: Request) -> None:
+    """Counts a request that left the engine (finished, or aborted / failed)."""
+    counters["requests_aborted" if req.aborted else "requests_finished"] += 1
+    counters["prompt_tokens"] += len(req.prompt_ids)
+    counters["cached_tokens"] += req.cached_tokens or 0
+    counters["host_cached_tokens"] += req.host_cached_tokens
+
+
 @dataclass
 class StepClock:
     """The engine's step times, in seconds: all steps, the last one, steps that prefilled."""

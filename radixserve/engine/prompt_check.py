@@ -26,9 +26,10 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: i
     beams = params.beam_width if params.beam_search else 1
     if beams * (math.ceil(total / page_size) + 1) > num_pages:
         what = f"{beams} beams of " if beams > 1 else ""
+        limit = max_sequence_len(max_context_len, num_pages, page_size)
         raise PromptTooLong(f"{what}prompt + max_tokens ({total} tokens) needs more KV pages than the "
                             f"pool holds ({num_pages} pages of {page_size} tokens)",
-                            param=_cause(len(prompt_ids), max_sequence_len(max_context_len, num_pages, page_size)))
+                            param=_cause(len(prompt_ids), limit))
     if beams > max_running:
         raise ValueError(f"beam_width: {beams} beams run at once, more than max_running ({max_running})")
 
