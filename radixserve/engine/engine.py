@@ -29,7 +29,7 @@ from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
-from radixserve.engine.sessions import SESSION_PRIORITY, Session, SessionTable
+from radixserve.engine.sessions import SessionTable
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
 from radixserve.models.loader import load_model
@@ -107,7 +107,7 @@ class Engine:
         self.max_queue = max_queue
         if max_session_tokens is None:
             max_session_tokens = self.pool.num_pages * page_size // 2
-        self.sessions = SessionTable(session_ttl_s, max_session_tokens, self._demote)
+        self.sessions = SessionTable.over(self.tree, session_ttl_s, max_session_tokens)
         self.debug_checks = debug_checks
         self.eos_token_ids = eos_token_ids(self.loaded)
         self._rng = torch.Generator().manual_seed(seed)
@@ -336,12 +336,8 @@ class Engine:
         seq.finish_reason = reason
         ranges = req.range_retention()
         in_session = req.session_id is not None and reason != "abort" and seq.index == 0
-        if in_session:
-            # The latest turn is kept ahead of ordinary cache for the TTL, on top of whatever
-            # retention its pages have for good; the turn before it no longer is. Sessions end
-            # first: what the new turn shares with them is raised again by the insert below.
-            self.sessions.reserve(req.session_id, seq.num_computed)
-            ranges.append((0, seq.num_computed, Retention(SESSION_PRIORITY, self.sessions.ttl_s)))
+        if in_session:  # the latest turn is kept ahead of ordinary cache for the TTL
+            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed))
         computed = seq.token_ids[: seq.num_computed]
         start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
@@ -349,9 +345,6 @@ class Engine:
         if in_session:
             self.sessions.add(req.session_id, computed, req.namespace)
         self._deltas.emit(seq)
-
-    def _demote(self, session: Session) -> None:
-        self.tree.end_retention(session.tokens, session.namespace, SESSION_PRIORITY)
 
     def close_session(self, session_id: str) -> bool:
         """Ends a session: its pages become ordinary cache. False if it was not open (or
