@@ -4,6 +4,7 @@ model's end tokens, from the loaded model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def build_cache(loaded: LoadedModel, page_size: int, *, num_pages: int | None, k
     return EngineCache(pool, host_tier, events, tree, reuse_history)
 
 
-def _page_shape(loaded: LoadedModel) -> dict:
+def _page_shape(loaded: LoadedModel) -> dict[str, Any]:
     cfg = loaded.model
     return dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 dtype=loaded.dtype)
