@@ -98,21 +98,26 @@ def write_tiny_checkpoint(name: str, directory: Path, seed: int = 0, *, window: 
     config.pad_token_id = config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if param_name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * noise)
-            elif param_name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            elif param_name.endswith("embed_tokens.weight"):
-                param.copy_(0.25 * noise)
-            else:
-                param.copy_(noise * param.shape[1] ** -0.5)
+    redraw_weights(model, seed)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def redraw_weights(model: torch.nn.Module, seed: int) -> None:
+    """Redraw an HF model's weights with O(1) activations (see write_tiny_checkpoint)."""
+    generator = torch.Generator().manual_seed(seed)
+    for param_name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=generator)
+        if param_name.endswith("norm.weight"):
+            param.copy_(1 + 0.1 * noise)
+        elif param_name.endswith(".bias"):
+            param.copy_(0.1 * noise)
+        elif param_name.endswith("embed_tokens.weight"):
+            param.copy_(0.25 * noise)
+        else:
+            param.copy_(noise * param.shape[1] ** -0.5)
 
 
 def load_reference(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
-from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # GGUF `general.architecture` -> model_type. Mistral is written as "llama" (see gguf_model_type).
@@ -237,5 +237,10 @@ def rope_frequency_divisors(reader: GGUFReader) -> torch.Tensor | None:
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer (and chat template) stored in the file, built by transformers offline."""
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    """The tokenizer (and chat template) stored in the file, built by transformers offline.
+
+    The fast-tokenizer class directly, not AutoTokenizer: AutoTokenizer first re-parses the
+    whole file (vocabulary included) with GGUFReader only to learn the model type, which costs
+    seconds, and then builds this same class.
+    """
+    return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)

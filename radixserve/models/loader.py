@@ -119,7 +119,7 @@ def load_gguf_model(
 
     causal_lm = empty_model(config, torch_dtype, torch_device)
     loaded: set[str] = set()
-    copy_tensors(causal_lm, gguf_tensors(reader, config), path, loaded)
+    copy_tensors(causal_lm, gguf_tensors(reader, config), path, loaded, adopt=True)
     check_complete(causal_lm, loaded, path)
     divisors = rope_frequency_divisors(reader)
     if divisors is not None:  # llama.cpp divides each frequency by its factor (Llama 3.1 scaling)
@@ -217,11 +217,16 @@ def load_weights(model: CausalLM, path: Path) -> None:
 
 @torch.no_grad()
 def copy_tensors(
-    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: Path, loaded: set[str]
+    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: Path, loaded: set[str],
+    *, adopt: bool = False,
 ) -> None:
     """Copy each (name, tensor) into the parameter of that name, casting dtype and device, and
     add the name to `loaded`. Raises ValueError naming `source` on an unknown tensor or a shape
-    mismatch; skips what is not a parameter of ours (an old RoPE table, a tied lm_head)."""
+    mismatch; skips what is not a parameter of ours (an old RoPE table, a tied lm_head).
+
+    adopt: the parameter takes over the (cast) tensor's storage instead of copying it, for
+    tensors made just for this model (dequantized ones): no second buffer to fill.
+    """
     params = dict(model.named_parameters())
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
@@ -233,7 +238,11 @@ def copy_tensors(
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
                 f"{tuple(params[name].shape)} ({source})"
             )
-        params[name].copy_(tensor)
+        param = params[name]
+        if adopt:
+            param.data = tensor.to(device=param.device, dtype=param.dtype)
+        else:
+            param.copy_(tensor)
         loaded.add(name)
 
 

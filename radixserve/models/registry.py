@@ -25,7 +25,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class ModelNotInstalledError(FileNotFoundError):
-    """A named model whose package is not installed; the message is the command that fixes it."""
+    """A named model whose package is not installed; the message ends with the pip command
+    that fixes it."""
 
 
 class HubUnavailableError(FileNotFoundError):
@@ -61,13 +62,14 @@ def named_model_path(name: str) -> Path:
     Raises ModelNotInstalledError (message: the pip command) when its package is missing.
     """
     named = NAMED_MODELS[name]
+    missing = ModelNotInstalledError(f"{name!r} is not installed: {named.install_command}")
     try:
         distribution = importlib.metadata.distribution(named.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise ModelNotInstalledError(named.install_command) from None
+        raise missing from None
     path = Path(str(distribution.locate_file(named.file)))
     if not path.is_file():
-        raise ModelNotInstalledError(named.install_command)
+        raise missing
     return path
 
 
