@@ -21,7 +21,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig, Qwen3Config
 
-from tests.model_helpers import redraw_weights
+from tests.model_helpers import save_random_checkpoint
 from radixserve.models.demo import build_tokenizer
 
 Q = GGMLQuantizationType
@@ -170,14 +170,7 @@ def write_custom_checkpoint(directory: Path, config_class: type[PretrainedConfig
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512) | shape
     config = config_class(vocab_size=len(tokenizer), rms_norm_eps=1e-6, tie_word_embeddings=True, **sizes)
-    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config.pad_token_id = config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    redraw_weights(model, seed)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_random_checkpoint(config, tokenizer, directory, seed)
 
 
 def write_wide_llama(directory: Path) -> Path:

@@ -18,6 +18,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -93,7 +94,13 @@ def write_tiny_checkpoint(name: str, directory: Path, seed: int = 0, *, window: 
     seed += names.index(name)
     tokenizer = build_tokenizer(TINY_VOCAB, max_length=512)
     configs = tiny_configs(len(tokenizer)) if window is None else windowed_configs(len(tokenizer), window)
-    config = configs[name]
+    return save_random_checkpoint(configs[name], tokenizer, directory, seed)
+
+
+def save_random_checkpoint(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast, directory: Path,
+                           seed: int) -> Path:
+    """Save a model of `config` with redrawn weights (see redraw_weights) and `tokenizer`, its
+    special-token ids set from the tokenizer's ChatML tokens, into `directory`."""
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config.pad_token_id = config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(seed)

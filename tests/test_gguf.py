@@ -97,7 +97,8 @@ def test_gguf_equals_transformers_reading_of_the_same_file(
     tiny_checkpoints: dict[str, Path], extra_checkpoints: dict[str, Path], gguf_dir: Path, name: str, qtype: Q
 ) -> None:
     pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate")
-    path = write_gguf(checkpoint(name, tiny_checkpoints, extra_checkpoints), gguf_dir / f"{name}-{qtype.name}.gguf", qtype)
+    source = checkpoint(name, tiny_checkpoints, extra_checkpoints)
+    path = write_gguf(source, gguf_dir / f"{name}-{qtype.name}.gguf", qtype)
     ours_vs(transformers_gguf(path), load_model(str(path), device="cpu"))
 
 
