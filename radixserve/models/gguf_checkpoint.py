@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
-from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # GGUF `general.architecture` -> model_type. Mistral is written as "llama" (see gguf_model_type).
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -154,7 +153,7 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]]) ->
         fields["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if model_type == "mistral":
         fields["sliding_window"] = key("attention.sliding_window")
-    return CONFIG_MAPPING[model_type](**fields)
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def _rope_parameters(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
