@@ -33,7 +33,6 @@ from radixserve.models.registry import (
     HubUnavailableError,
     ModelNotInstalledError,
     is_hub_id,
-    named_model_path,
 )
 
 ATOL = 1e-4
@@ -258,61 +257,3 @@ def test_hub_ids_are_strings_with_one_slash_that_are_not_paths(tmp_path: Path, m
     assert not is_hub_id("org/name")
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         load_model("./org/missing")
-
-
-# ---------------------------------------------------------------- the real SmolLM2-135M GGUF
-SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> tuple[Engine, torch.nn.Module]:
-    """Our engine on `--model smollm2` and transformers' reading of the same file, loaded once."""
-    try:
-        path = named_model_path("smollm2")
-    except ModelNotInstalledError as error:
-        pytest.skip(f"the SmolLM2 GGUF is not installed ({error})")
-    pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate")
-    engine = Engine(model="smollm2", device="cpu", num_pages=64, page_size=16)
-    reference = transformers_gguf(path)
-    # one token each first: the first steps pay one-off costs (kernel builds, allocator warm-up)
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0.0))
-    with torch.no_grad():
-        reference.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)
-    return engine, reference
-
-
-def test_smollm2_config_and_defaults(smollm2: tuple[Engine, torch.nn.Module]) -> None:
-    loaded = smollm2[0].loaded
-    config = loaded.config
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
-    assert config.tie_word_embeddings and loaded.model.lm_head is None
-    assert loaded.generation_defaults.stop_token_ids == (loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-
-
-@pytest.mark.parametrize("prompt", SMOLLM2_PROMPTS)
-def test_smollm2_greedy_equals_transformers(smollm2: tuple[Engine, torch.nn.Module], prompt: str) -> None:
-    engine, reference = smollm2
-    ids = engine.loaded.tokenizer(prompt).input_ids
-    out = engine.generate([ids], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert out.token_ids == expected[0, len(ids):].tolist()
-
-
-def test_smollm2_logits_close_to_transformers(smollm2: tuple[Engine, torch.nn.Module]) -> None:
-    engine, reference = smollm2
-    model = engine.loaded.model
-    ids = engine.loaded.tokenizer(SMOLLM2_PROMPTS[0]).input_ids
-    (logits,) = paged_step(model, PagedKV(model, 4, 16), [(Sequence(), ids)], all_logits=True)
-    torch.testing.assert_close(logits, reference_logits(reference, ids), atol=1e-3, rtol=1e-4)
-
-
-def test_smollm2_knows_the_capital_of_france(smollm2: tuple[Engine, torch.nn.Module]) -> None:
-    engine = smollm2[0]
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = engine.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert "You are a helpful AI assistant named SmolLM" in prompt  # the template's default system turn
-    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
-    assert "Paris" in out.text
-    assert out.finish_reason == "stop"

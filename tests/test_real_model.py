@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from server_util import running_server
+from tests.model_helpers import PagedKV, Sequence, paged_step, reference_logits
 
 from radixserve import AsyncEngine, Engine, SamplingParams
 from radixserve.models.registry import ModelNotInstalledError, named_model_path
@@ -54,8 +55,9 @@ def prompts(reference: tuple) -> list[list[int]]:
     """Prompts of real English text, cut to PROMPT_LENGTHS tokens, each from another offset."""
     _, tokenizer = reference
     ids = tokenizer.encode(CORPUS.read_text(), add_special_tokens=False)
-    assert len(ids) > 2 * max(PROMPT_LENGTHS)
-    return [ids[97 * i: 97 * i + length] for i, length in enumerate(PROMPT_LENGTHS)]
+    assert len(ids) > max(PROMPT_LENGTHS)
+    starts = [97 * i % (len(ids) - length) for i, length in enumerate(PROMPT_LENGTHS)]
+    return [ids[start: start + length] for start, length in zip(starts, PROMPT_LENGTHS)]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,23 @@ def test_greedy_equals_transformers_at_page_size_1(prompts: list[list[int]], exp
     _run_cold_then_warm(engine, prompts, expected)
 
 
+def test_config_and_generation_defaults_come_from_the_file(engine16: Engine) -> None:
+    loaded = engine16.loaded
+    config = loaded.config
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
+    assert config.tie_word_embeddings and loaded.model.lm_head is None
+    assert loaded.generation_defaults.stop_token_ids == (loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+def test_logits_close_to_transformers(engine16: Engine, reference: tuple, prompts: list[list[int]]) -> None:
+    model, _ = reference
+    ours = engine16.loaded.model
+    ids = prompts[3]
+    (logits,) = paged_step(ours, PagedKV(ours, 32, 16), [(Sequence(), ids)], all_logits=True)
+    torch.testing.assert_close(logits, reference_logits(model, ids), atol=1e-3, rtol=1e-4)
+
+
 def test_beam_search_equals_transformers(engine16: Engine, reference: tuple, prompts: list[list[int]]) -> None:
     model, _ = reference
     prompt = prompts[2]
@@ -118,6 +137,7 @@ def test_beam_search_equals_transformers(engine16: Engine, reference: tuple, pro
 def test_the_chat_answer_makes_sense(engine16: Engine) -> None:
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     text = engine16.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert "You are a helpful AI assistant named SmolLM" in text  # the template's default system turn
     ids = engine16.tokenizer.encode(text, add_special_tokens=False)
     answer = engine16.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"

@@ -19,7 +19,7 @@ from radixserve.cache.radix import Retention
 from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
 from radixserve.engine.beam_driver import BeamDriver
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from radixserve.engine.engine_setup import build_cache, bytes_per_page, eos_token_ids
+from radixserve.engine.engine_setup import build_cache, bytes_per_page, eos_token_ids, sampling_defaults
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
 from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
                                       TokenLogprob)
@@ -67,6 +67,9 @@ class Engine:
         host_offload_min_priority: device-only pages below this retention priority are
             dropped on eviction instead of copied to host (default 35: the default priority
             is offloaded).
+        generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
+            top_k (generation_config.json, or GGUF metadata) to requests without params;
+            "none" ignores them. Its stop tokens always end generation.
     """
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
@@ -79,7 +82,8 @@ class Engine:
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
                  backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
-                 host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY) -> None:
+                 host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
+                 generation_config: str = "auto") -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -110,6 +114,7 @@ class Engine:
         self.sessions = SessionTable.over(self.tree, session_ttl_s, max_session_tokens)
         self.debug_checks = debug_checks
         self.eos_token_ids = eos_token_ids(self.loaded)
+        self.sampling_defaults = sampling_defaults(self.loaded, generation_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
         self._deltas = DeltaQueue()
@@ -128,7 +133,7 @@ class Engine:
                     prefix_retention: tuple[int, Retention] | None = None,
                     session_id: str | None = None) -> str:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
             params = replace(params, beam_width=None, temperature=0.0)
@@ -155,6 +160,10 @@ class Engine:
         else:
             self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
+
+    def default_sampling_params(self, **fields: object) -> SamplingParams:
+        """SamplingParams with `fields`, and the checkpoint's sampling defaults where unset."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})
 
     @property
     def max_sequence_len(self) -> int:
@@ -366,7 +375,7 @@ class Engine:
                 raise ValueError("params: give one SamplingParams, or one per prompt")
             per_prompt = params
         else:
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or self.default_sampling_params()] * len(prompts)
         requests = []
         for prompt, p in zip(prompts, per_prompt):
             rid = self.add_request(prompt, p)

@@ -108,11 +108,28 @@ def bytes_per_page(loaded: LoadedModel, page_size: int) -> int:
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
-    """The model's end tokens: its config's, its generation config's and its tokenizer's."""
-    ids: set[int] = set()
+    """The model's end tokens: its config's, its generation config's (generation_config.json,
+    or a GGUF file's end-of-sequence/turn/message ids) and its tokenizer's."""
+    ids: set[int] = set(loaded.generation_defaults.stop_token_ids)
     for source in (loaded.config, getattr(loaded.model, "generation_config", None)):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         ids.add(loaded.tokenizer.eos_token_id)
     return ids
+
+
+GENERATION_CONFIG_MODES = ("auto", "none")
+_DEFAULTED_FIELDS = ("temperature", "top_p", "top_k")  # SamplingParams fields a checkpoint may set
+
+
+def sampling_defaults(loaded: LoadedModel, mode: str) -> dict[str, float | int]:
+    """The checkpoint's recommended temperature, top_p and top_k, for requests that leave them
+    unset ("auto", as vLLM's `--generation-config auto`), or none ("none"). A repetition
+    penalty it recommends is not applied: the sampler has none."""
+    if mode not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation_config: unknown {mode!r}, expected one of {list(GENERATION_CONFIG_MODES)}")
+    if mode == "none":
+        return {}
+    stated = loaded.generation_defaults
+    return {name: getattr(stated, name) for name in _DEFAULTED_FIELDS if getattr(stated, name) is not None}
