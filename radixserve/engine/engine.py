@@ -24,7 +24,7 @@ from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_tok
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
 from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
                                       TokenLogprob)
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
@@ -103,7 +103,7 @@ class Engine:
                             host_offload_min_priority=host_offload_min_priority)
         self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
         self.cache_events, self.reuse_history = cache.events, cache.reuse_history
-        self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
+        self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
                                    window=self.loaded.model.kv_window)

@@ -165,7 +165,7 @@ POLICIES: dict[str, type[SchedulePolicy]] = {
 }
 
 
-def make_policy(name: str, *, max_wait_s: float = 30.0) -> SchedulePolicy:
+def make_schedule_policy(name: str, *, max_wait_s: float = 30.0) -> SchedulePolicy:
     """Builds a scheduling policy by name: one of `POLICIES`."""
     try:
         return POLICIES[name](max_wait_s)
