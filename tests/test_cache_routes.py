@@ -191,7 +191,8 @@ def test_flush_answers_pages_freed_and_tokens_only_with_the_flag(tiny_llama_dir:
             (node,) = tree["root"]["children"][0]["children"]
             assert node["token_ids"] == prompt[:20] and node["text"] == engine.tokenizer.decode(prompt[:20])
             r = client.post("/v1/cache/flush")
-            assert r.json() == {"object": "cache.flush", "pages_freed": 5, "tiers": {"device": 5}}
+            # The 5 full pages and the partial page holding the 21st token; no host tier here.
+            assert r.json() == {"object": "cache.flush", "pages_freed": 6, "tiers": {"device": 6, "host": 0}}
             follower.wait_for_seq(2)
             assert follower.messages[-1] == {"type": "cleared", "seq": 2, "tier": None}
             assert client.post("/v1/cache/flush").json()["pages_freed"] == 0

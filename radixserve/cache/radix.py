@@ -310,18 +310,37 @@ class RadixTree:
                       priority: int) -> None:
         """Ends early the temporary retention at `priority` of the pages along `tokens`: they
         fall back to their floor (for example a closed session's pages). Pages retained
-        otherwise — a system prompt another request kept higher — are left as they are."""
+        otherwise — a system prompt another request kept higher — are left as they are.
+        Tokens past the last full page end the retention of the page holding them too (a
+        partial leaf, or the full page that superseded it): a partial leaf left raised would
+        keep every page above it from eviction."""
         size = self.page_size
         toks = as_tokens(tokens)
-        toks = toks[: len(toks) // size * size]
+        end = len(toks) // size * size
         now = self._clock()
+        root = self._roots.get(namespace)
         last: RadixNode | None = None
-        for last, full in along(self._roots.get(namespace), toks, size):
-            last.retention = PageRetention.ensure(last.retention, self._npages(last))
-            last.retention.end_temporary(priority, now, full)
+        full = covered = 0
+        for last, full in along(root, toks[:end], size):
+            self._end_temporary(last, priority, now, full)
+            covered += full
+        rest = toks[end:]
+        if len(rest) and root is not None and covered * size == end:
+            if last is None or full == self._npages(last):  # the rest starts a child's page
+                holder = key_extending(root if last is None else last, rest.tobytes())
+                if holder is not None and holder.pages:
+                    self._end_temporary(holder, priority, now, 1)
+                    last = holder
+            elif (last.tokens[full * size:full * size + len(rest)] == rest).all():  # inside the edge
+                self._end_temporary(last, priority, now, full + 1)
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
             self._requeue(last, now)
+
+    def _end_temporary(self, node: RadixNode, priority: int, now: float, num_pages: int) -> None:
+        """Ends the temporary retention at `priority` of `node`'s first `num_pages` pages."""
+        node.retention = PageRetention.ensure(node.retention, self._npages(node))
+        node.retention.end_temporary(priority, now, num_pages)
 
     def _requeue(self, node: RadixNode, now: float) -> None:
         """Queues `node` in each eviction queue it is a candidate of (with its current key)."""
