@@ -80,6 +80,12 @@ class ReferenceCache:
             if info.page == page and self.is_partial(key):
                 info.tick = self.tick
 
+    def holder_of_partial(self, key: Key):
+        """The cached page (full, or a longer partial one) under the same parent whose tokens
+        start with the partial `key`'s, if any."""
+        return next((info for k, info in self.pages.items() if len(k) >= len(key) and k[: len(key)] == key
+                     and self.parent_of(k) == self.parent_of(key)), None)
+
     def _drop_partial_prefix_of(self, key: Key) -> None:
         """Drops the partial page under `key`'s parent whose tokens `key`'s page starts with."""
         parent = self.parent_of(key)
@@ -127,8 +133,7 @@ class ReferenceCache:
             keys.append((namespace, *tokens))
         for i, key in enumerate(keys):
             if self.is_partial(key):
-                holder = next((info for k, info in self.pages.items() if len(k) >= len(key)
-                               and k[: len(key)] == key and self.parent_of(k) == self.parent_of(key)), None)
+                holder = self.holder_of_partial(key)
                 if holder is not None:  # a page holding these tokens from its start: left as it is
                     duplicates += [pages[i]] if holder.page != pages[i] else []
                     continue
@@ -149,6 +154,8 @@ class ReferenceCache:
         return duplicates
 
     def _locked(self, key: Key, locks: list[Key]) -> bool:
+        if self.is_partial(key):  # nothing locks a partial page
+            return False
         return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
 
     def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> tuple[int, list[Key]]:
