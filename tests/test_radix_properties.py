@@ -235,7 +235,13 @@ class TreeMachine(RuleBasedStateMachine):
                    trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
         fresh = st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
                           st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
-        return st.one_of(fresh, st.sampled_from(self.seen)) if self.seen else fresh
+        if not self.seen:
+            return fresh
+        # A conversation's next turn: an earlier prompt and a few more tokens (a longer partial
+        # page over a shorter one, or full pages over a partial one).
+        continued = st.builds(lambda p, tail: (p + tail)[:n], st.sampled_from(self.seen),
+                              st.lists(st.integers(0, 2), min_size=1, max_size=3))
+        return st.one_of(fresh, st.sampled_from(self.seen), continued)
 
     def draw_tokens(self, data) -> list[int]:
         tokens = data.draw(self.tokens())
@@ -251,6 +257,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     def on_event(self, event: CacheEvent) -> None:
         self.events.append(event)
+        assert not isinstance(event, (BlockStored, BlockRemoved)) or event.hashes, "an event naming no page"
         if isinstance(event, BlockStored):
             self.indexed.update((event.namespace, h) for h in event.hashes)
         elif isinstance(event, BlockRemoved):

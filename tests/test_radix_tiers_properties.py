@@ -257,6 +257,7 @@ class TieredTreeMachine(TreeMachine):
 
     def on_event(self, event: CacheEvent) -> None:
         self.events.append(event)
+        assert not isinstance(event, (BlockStored, BlockRemoved)) or event.hashes, "an event naming no page"
         if isinstance(event, BlockStored):
             self.indexed[event.tier].update((event.namespace, h) for h in event.hashes)
         elif isinstance(event, BlockRemoved):
