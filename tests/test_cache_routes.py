@@ -199,6 +199,20 @@ def test_flush_answers_pages_freed_and_tokens_only_with_the_flag(tiny_llama_dir:
         follower.close()
 
 
+def test_flush_answers_the_pages_freed_on_each_tier(tiny_llama_dir: Path) -> None:
+    engine = Engine(model=str(tiny_llama_dir), page_size=PAGE_SIZE, num_pages=16, host_num_pages=64)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(21)] for _ in range(6)]
+    engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))  # pushes pages to host
+    device, host = engine.tree.cached_pages, engine.tree.host_cached_pages
+    assert device > 0 and host > 0
+    with running_server(create_app(AsyncEngine(engine))) as url, httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/cache/flush")
+        assert r.json() == {"object": "cache.flush", "pages_freed": device, "tiers": {"device": device, "host": host}}
+        assert engine.tree.cached_pages == engine.tree.host_cached_pages == 0
+        assert client.post("/v1/cache/flush").json()["tiers"] == {"device": 0, "host": 0}
+
+
 def test_a_reader_that_falls_behind_gets_a_reset_then_a_snapshot(tiny_llama_dir: Path) -> None:
     """The engine produces more events than the ring holds while the reader does not read
     (they are all made inside one engine-thread command), so the outcome is certain."""
