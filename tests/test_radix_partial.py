@@ -15,16 +15,9 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixNode, RadixTree, Retention
 from radixserve.cache.tiers import HostTier
 from radixserve.cache.transfer import PageCopier
+from tests.test_radix import FakeClock
 
 P = 4
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(num_pages: int = 32, host_pages: int = 0, page_size: int = P) -> tuple[PagePool, RadixTree, list[CacheEvent]]:
@@ -36,7 +29,7 @@ def make(num_pages: int = 32, host_pages: int = 0, page_size: int = P) -> tuple[
     if host_pages:
         host_pool = PagePool(host_pages, page_size)
         host = HostTier(host_pool, PageCopier(pool, host_pool))
-    return pool, RadixTree(pool, clock=Clock(), events=hub, host=host), events
+    return pool, RadixTree(pool, clock=FakeClock(), events=hub, host=host), events
 
 
 def finish(pool: PagePool, tree: RadixTree, tokens: list[int], **kw) -> tuple[list[int], list[int]]:

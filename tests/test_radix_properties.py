@@ -80,6 +80,21 @@ class ReferenceCache:
             if info.page == page and self.is_partial(key):
                 info.tick = self.tick
 
+    def insert_keys(self, namespace, tokens, partial: bool) -> list[Key]:
+        """The keys of the pages an insert caches: its full pages, then its partial one."""
+        keys = self._keys(namespace, tokens, len(tokens) // self.size)
+        if partial and len(tokens) % self.size:
+            keys.append((namespace, *tokens))
+        return keys
+
+    def held_elsewhere(self, key: Key, page: int, duplicates: list[int]) -> bool:
+        """Whether the tokens of the partial `key` are held from a page's start already (then
+        that page is left as it is, and `page` is a duplicate unless it is that page)."""
+        holder = self.holder_of_partial(key)
+        if holder is not None and holder.page != page:
+            duplicates.append(page)
+        return holder is not None
+
     def holder_of_partial(self, key: Key):
         """The cached page (full, or a longer partial one) under the same parent whose tokens
         start with the partial `key`'s, if any."""
@@ -128,15 +143,9 @@ class ReferenceCache:
         self.tick += 1
         duplicates = []
         retention = retention or Retention()
-        keys = self._keys(namespace, tokens, len(tokens) // self.size)
-        if partial and len(tokens) % self.size:
-            keys.append((namespace, *tokens))
-        for i, key in enumerate(keys):
-            if self.is_partial(key):
-                holder = self.holder_of_partial(key)
-                if holder is not None:  # a page holding these tokens from its start: left as it is
-                    duplicates += [pages[i]] if holder.page != pages[i] else []
-                    continue
+        for i, key in enumerate(self.insert_keys(namespace, tokens, partial)):
+            if self.is_partial(key) and self.held_elsewhere(key, pages[i], duplicates):
+                continue
             if key in self.pages:
                 info = self.pages[key]
                 if info.page != pages[i]:

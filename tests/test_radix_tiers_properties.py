@@ -155,15 +155,9 @@ class TieredModel(ReferenceCache):
         self.tick += 1
         duplicates = []
         retention = retention or Retention()
-        keys = self._keys(namespace, tokens, len(tokens) // self.size)
-        if partial and len(tokens) % self.size:
-            keys.append((namespace, *tokens))
-        for i, key in enumerate(keys):
-            if self.is_partial(key):
-                holder = self.holder_of_partial(key)
-                if holder is not None:  # a page holding these tokens from its start: left as it is
-                    duplicates += [pages[i]] if holder.page != pages[i] else []
-                    continue
+        for i, key in enumerate(self.insert_keys(namespace, tokens, partial)):
+            if self.is_partial(key) and self.held_elsewhere(key, pages[i], duplicates):
+                continue
             page = self.pages.get(key)
             if page is None:
                 self._drop_partial_prefix_of(key)
