@@ -33,7 +33,8 @@ from radixserve.cache.transfer import LoadHandle
 
 
 class RadixNode:
-    """One edge of the tree: page-aligned tokens and the pages holding their K/V.
+    """One edge of the tree: page-aligned tokens and the pages holding their K/V (a partial
+    leaf: fewer than a page of tokens in one device page; see the module docstring).
 
     Doubles as the lock handle returned by `RadixTree.match`. Read-only outside the tree.
     A root has `key is None` and no pages; a node removed from the tree has `parent is None`.

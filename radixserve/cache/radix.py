@@ -1,9 +1,11 @@
 """The prefix cache: a radix tree from token-id sequences to chains of KV pages.
 
 Each node's edge holds a whole number of pages of tokens and, per tier, the pages holding
-their K/V (node.py says how; walk.py how a query walks down the edges). Recency is a counter
-(`tick`) bumped by every match/insert and stamped on each node it touches, so LRU order is
-exact even when the clock does not move. A match or insert that ends inside an edge splits it
+their K/V (node.py says how; walk.py how a query walks down the edges) — except a partial
+leaf, a finished request's last, partly filled page (`insert(partial=True)`): device only,
+never locked, never named in events, matched token-deep and superseded by longer inserts.
+Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
+touches, so LRU order is exact even when the clock does not move. A match or insert that ends inside an edge splits it
 at the page boundary, so every page of a node shares one tick and one hit count.
 
 Tiers (only with a host tier, `host=`): every page is on the device, the host or both,
