@@ -191,11 +191,26 @@ def test_flush_answers_pages_freed_and_tokens_only_with_the_flag(tiny_llama_dir:
             (node,) = tree["root"]["children"][0]["children"]
             assert node["token_ids"] == prompt[:20] and node["text"] == engine.tokenizer.decode(prompt[:20])
             r = client.post("/v1/cache/flush")
-            assert r.json() == {"object": "cache.flush", "pages_freed": 5, "tiers": {"device": 5}}
+            # The 5 full pages and the partial page holding the 21st token; no host tier here.
+            assert r.json() == {"object": "cache.flush", "pages_freed": 6, "tiers": {"device": 6, "host": 0}}
             follower.wait_for_seq(2)
             assert follower.messages[-1] == {"type": "cleared", "seq": 2, "tier": None}
             assert client.post("/v1/cache/flush").json()["pages_freed"] == 0
         follower.close()
+
+
+def test_flush_answers_the_pages_freed_on_each_tier(tiny_llama_dir: Path) -> None:
+    engine = Engine(model=str(tiny_llama_dir), page_size=PAGE_SIZE, num_pages=16, host_num_pages=64)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(21)] for _ in range(6)]
+    engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))  # pushes pages to host
+    device, host = engine.tree.cached_pages, engine.tree.host_cached_pages
+    assert device > 0 and host > 0
+    with running_server(create_app(AsyncEngine(engine))) as url, httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/cache/flush")
+        assert r.json() == {"object": "cache.flush", "pages_freed": device, "tiers": {"device": device, "host": host}}
+        assert engine.tree.cached_pages == engine.tree.host_cached_pages == 0
+        assert client.post("/v1/cache/flush").json()["tiers"] == {"device": 0, "host": 0}
 
 
 def test_a_reader_that_falls_behind_gets_a_reset_then_a_snapshot(tiny_llama_dir: Path) -> None:

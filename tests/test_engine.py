@@ -78,14 +78,16 @@ def test_cache_hit_path_equals_transformers_and_stored_kv_is_factual(ckpt: Path)
     assert verify_cached_kv(model, engine.pool.k_cache, engine.pool.v_cache, system, match.pages, 4) is None
 
 
-def test_multi_turn_reports_previous_conversation_cached(ckpt: Path) -> None:
-    engine = make_engine(ckpt, page_size=4)
+@pytest.mark.parametrize("partial", [True, False])
+def test_multi_turn_reports_previous_conversation_cached(ckpt: Path, partial: bool) -> None:
+    engine = make_engine(ckpt, page_size=4, cache_partial_pages=partial)
     conversation = list(range(100, 131))
     for turn in range(4):
         out = engine.generate([conversation], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
         if turn > 0:
-            # Everything computed last turn (all but its final token) in whole pages is a hit.
-            assert out.cached_tokens == (previous_computed // 4) * 4
+            # Everything computed last turn (all but its final token) is a hit: with partial
+            # pages cached, its last, partly filled page too; without, whole pages only.
+            assert out.cached_tokens == (previous_computed if partial else (previous_computed // 4) * 4)
         previous_computed = len(conversation) + len(out.token_ids) - 1
         conversation = conversation + out.token_ids + [290 + turn, 291 + turn, 292 + turn]
 

@@ -2,7 +2,9 @@
 
 The reference keeps every cached page under the full token prefix it ends (namespace
 included), with its recency tick and retention, and evicts by scanning every unlocked
-leaf page. After every step the tree must hold exactly the reference's pages and pass
+leaf page. A finished request may cache its last, partly filled page too (a partial leaf:
+its key is a prefix whose length is not a whole number of pages); partial pages are never
+named in events. After every step the tree must hold exactly the reference's pages and pass
 `check_invariants`; every eviction must take the reference's pages in the reference's order
 (read from the tree's cache events); and an indexer fed only by those events must hold
 exactly the tree's page hashes.
@@ -37,7 +39,8 @@ class RefPage:
 
 
 def page_keys(tree: RadixTree) -> Iterator[tuple[object, Key, int]]:
-    """(node, the full prefix its i-th page ends, i) for every page of every node."""
+    """(node, the full prefix its i-th page ends, i) for every page of every node (a partial
+    leaf's one page ends its whole path)."""
     for node, _ in tree.nodes():
         if node.is_root:
             continue
@@ -46,6 +49,8 @@ def page_keys(tree: RadixTree) -> Iterator[tuple[object, Key, int]]:
             path[:0] = up.tokens.tolist()
             up = up.parent
         start = len(path) - len(node.tokens)
+        if node.partial:
+            yield node, (node.namespace, *path), 0
         for i in range(len(node.tokens) // tree.page_size):
             yield node, (node.namespace, *path[: start + (i + 1) * tree.page_size]), i
 
@@ -62,6 +67,47 @@ class ReferenceCache:
     def _keys(self, namespace, tokens, num_pages: int) -> list[Key]:
         return [(namespace, *tokens[: (i + 1) * self.size]) for i in range(num_pages)]
 
+    def is_partial(self, key: Key) -> bool:
+        return (len(key) - 1) % self.size != 0
+
+    def parent_of(self, key: Key) -> Key:
+        """The prefix of whole pages a page's key continues."""
+        return key[: 1 + (len(key) - 2) // self.size * self.size]
+
+    def touch_partial(self, page: int | None) -> None:
+        """A counted match used a partial leaf's page: it is as recent as the match."""
+        for key, info in self.pages.items():
+            if info.page == page and self.is_partial(key):
+                info.tick = self.tick
+
+    def insert_keys(self, namespace, tokens, partial: bool) -> list[Key]:
+        """The keys of the pages an insert caches: its full pages, then its partial one."""
+        keys = self._keys(namespace, tokens, len(tokens) // self.size)
+        if partial and len(tokens) % self.size:
+            keys.append((namespace, *tokens))
+        return keys
+
+    def held_elsewhere(self, key: Key, page: int, duplicates: list[int]) -> bool:
+        """Whether the tokens of the partial `key` are held from a page's start already (then
+        that page is left as it is, and `page` is a duplicate unless it is that page)."""
+        holder = self.holder_of_partial(key)
+        if holder is not None and holder.page != page:
+            duplicates.append(page)
+        return holder is not None
+
+    def holder_of_partial(self, key: Key):
+        """The cached page (full, or a longer partial one) under the same parent whose tokens
+        start with the partial `key`'s, if any."""
+        return next((info for k, info in self.pages.items() if len(k) >= len(key) and k[: len(key)] == key
+                     and self.parent_of(k) == self.parent_of(key)), None)
+
+    def _drop_partial_prefix_of(self, key: Key) -> None:
+        """Drops the partial page under `key`'s parent whose tokens `key`'s page starts with."""
+        parent = self.parent_of(key)
+        for other in [k for k in self.pages if self.is_partial(k) and len(parent) < len(k) < len(key)]:
+            if self.parent_of(other) == parent and key[: len(other)] == other:
+                del self.pages[other]
+
     def match(self, namespace, tokens, touch: bool) -> tuple[list[int], set[int], int]:
         """Full pages; the pages that could serve as the partial page; partial tokens."""
         if touch:
@@ -77,7 +123,7 @@ class ReferenceCache:
         rest = tuple(tokens[start:start + self.size])
         best, candidates = 0, set()
         for key, info in self.pages.items():
-            if len(key) - 1 == start + self.size and key[: start + 1] == (namespace, *tokens[:start]):
+            if self.parent_of(key) == (namespace, *tokens[:start]) and len(key) - 1 > start:
                 tail = key[start + 1:]
                 common = next((i for i, (a, b) in enumerate(zip(tail, rest)) if a != b), min(len(tail), len(rest)))
                 if common > best:
@@ -93,11 +139,13 @@ class ReferenceCache:
         new = (r.priority, now + r.duration_s if r.duration_s else math.inf)
         info.priority, info.expiry = max(current, new)
 
-    def insert(self, namespace, tokens, pages, retention, ranges, now) -> list[int]:
+    def insert(self, namespace, tokens, pages, retention, ranges, now, partial: bool = False) -> list[int]:
         self.tick += 1
         duplicates = []
         retention = retention or Retention()
-        for i, key in enumerate(self._keys(namespace, tokens, len(tokens) // self.size)):
+        for i, key in enumerate(self.insert_keys(namespace, tokens, partial)):
+            if self.is_partial(key) and self.held_elsewhere(key, pages[i], duplicates):
+                continue
             if key in self.pages:
                 info = self.pages[key]
                 if info.page != pages[i]:
@@ -105,6 +153,7 @@ class ReferenceCache:
                 info.tick = self.tick
                 self._raise(info, retention, now)
             else:
+                self._drop_partial_prefix_of(key)
                 info = self.pages[key] = RefPage(pages[i], self.tick, retention.priority,
                                                  now + retention.duration_s if retention.duration_s else math.inf,
                                                  DEFAULT_PRIORITY if retention.duration_s else retention.priority)
@@ -114,6 +163,8 @@ class ReferenceCache:
         return duplicates
 
     def _locked(self, key: Key, locks: list[Key]) -> bool:
+        if self.is_partial(key):  # nothing locks a partial page
+            return False
         return any(len(lock) >= len(key) and lock[: len(key)] == key for lock in locks)
 
     def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> tuple[int, list[Key]]:
@@ -121,7 +172,7 @@ class ReferenceCache:
         freed = 0
         evicted: list[Key] = []
         while freed < n:
-            parents = {key[:-self.size] for key in self.pages}
+            parents = {self.parent_of(key) for key in self.pages}
             leaves = [k for k in self.pages if k not in parents and not self._locked(k, locks)]
             if not leaves:
                 break
@@ -193,7 +244,13 @@ class TreeMachine(RuleBasedStateMachine):
                    trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
         fresh = st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
                           st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
-        return st.one_of(fresh, st.sampled_from(self.seen)) if self.seen else fresh
+        if not self.seen:
+            return fresh
+        # A conversation's next turn: an earlier prompt and a few more tokens (a longer partial
+        # page over a shorter one, or full pages over a partial one).
+        continued = st.builds(lambda p, tail: (p + tail)[:n], st.sampled_from(self.seen),
+                              st.lists(st.integers(0, 2), min_size=1, max_size=3))
+        return st.one_of(fresh, st.sampled_from(self.seen), continued)
 
     def draw_tokens(self, data) -> list[int]:
         tokens = data.draw(self.tokens())
@@ -209,6 +266,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     def on_event(self, event: CacheEvent) -> None:
         self.events.append(event)
+        assert not isinstance(event, (BlockStored, BlockRemoved)) or event.hashes, "an event naming no page"
         if isinstance(event, BlockStored):
             self.indexed.update((event.namespace, h) for h in event.hashes)
         elif isinstance(event, BlockRemoved):
@@ -221,12 +279,16 @@ class TreeMachine(RuleBasedStateMachine):
         self.events.clear()
         assert self.tree.evict(n) == expect
         # Each removal event lists a leaf's tail in path order; eviction took it from the end.
+        # Partial pages are never named in events; which ones went is checked by contents.
         order = [(e.namespace, h) for e in self.events if isinstance(e, BlockRemoved) for h in reversed(e.hashes)]
-        assert order == [self.ref.hash_of(key) for key in keys], "pages evicted out of order"
+        assert order == [self.ref.hash_of(key) for key in keys if not self.ref.is_partial(key)], \
+            "pages evicted out of order"
 
     def _match(self, namespace, tokens, update: bool):
         m = self.tree.match(tokens, namespace, update=update)
         pages, candidates, partial = self.ref.match(namespace, tokens, touch=update)
+        if update:
+            self.ref.touch_partial(m.partial_page)
         assert m.pages == pages
         assert m.partial_tokens == partial
         assert (m.partial_page is None) if not partial else (m.partial_page in candidates)
@@ -266,18 +328,19 @@ class TreeMachine(RuleBasedStateMachine):
     def serve(self, data, namespace, retention) -> None:
         """A request arrives and finishes before anything else happens."""
         if self._admit(data, namespace):
-            self._finish(self.live.pop(), retention, data.draw(st.booleans()))
+            self._finish(self.live.pop(), retention, data.draw(st.booleans()), data.draw(st.booleans()))
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), retention=st.sampled_from(RETENTIONS), ranged=st.booleans())
-    def finish(self, data, retention, ranged) -> None:
-        """A request finishes: its full pages go to the tree, then it lets go."""
-        self._finish(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))), retention, ranged)
+    @rule(data=st.data(), retention=st.sampled_from(RETENTIONS), ranged=st.booleans(), partial=st.booleans())
+    def finish(self, data, retention, ranged, partial) -> None:
+        """A request finishes: its full pages go to the tree (with `partial`, its last, partly
+        filled page too), then it lets go."""
+        self._finish(self.live.pop(data.draw(st.integers(0, len(self.live) - 1))), retention, ranged, partial)
 
-    def _finish(self, seq: Live, retention: Retention | None, ranged: bool) -> None:
+    def _finish(self, seq: Live, retention: Retention | None, ranged: bool, partial: bool = False) -> None:
         ranges = [(0, self.page_size + 1, Retention(90, 3.0))] if ranged else []
-        dups = self.tree.insert(seq.tokens, seq.table, seq.namespace, retention, ranges)
-        assert dups == self.ref.insert(seq.namespace, seq.tokens, seq.table, retention, ranges, self.now)
+        dups = self.tree.insert(seq.tokens, seq.table, seq.namespace, retention, ranges, partial=partial)
+        assert dups == self.ref.insert(seq.namespace, seq.tokens, seq.table, retention, ranges, self.now, partial)
         self._release(seq)
 
     @precondition(lambda self: self.live)
@@ -315,7 +378,7 @@ class TreeMachine(RuleBasedStateMachine):
         check_invariants(self.pool, self.tree,
                          [SequenceView(s.table, len(s.tokens)) for s in self.live], released)
         assert self.tree_contents() == {k: v.page for k, v in self.ref.pages.items()}
-        expected = {self.ref.hash_of(key) for key in self.ref.pages}
+        expected = {self.ref.hash_of(key) for key in self.ref.pages if not self.ref.is_partial(key)}
         assert self.tree.cached_page_hashes() == expected
         assert self.indexed == expected, "the event indexer disagrees with the tree"
 

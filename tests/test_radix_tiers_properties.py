@@ -12,7 +12,9 @@ applies the rules of radix.py page by page with full scans:
   reach the offload floor (the others are dropped with everything below them); host room
   comes from free pages, then from evicting host-only leaves outside S, then from S itself;
 - load-back copies the host continuation into free device pages; insert over a host-only
-  page makes the inserted page its device copy; flush keeps only locked pages, on the device.
+  page makes the inserted page its device copy; flush keeps only locked pages, on the device;
+- a partial page (a finished request's last, partly filled one) lives on the device only:
+  device eviction drops it, it is never offloaded nor named in events.
 
 After every step the tree must hold exactly the model's pages on each tier, pass
 `check_invariants` (host tier included), evict device pages in the model's order, and an
@@ -67,7 +69,7 @@ class TieredModel(ReferenceCache):
         return [k for k in self.pages if len(k) > len(key) and k[: len(key)] == key]
 
     def has_child(self, key: Key, on_device: bool = False) -> bool:
-        return any(len(k) == len(key) + self.size and k[: len(key)] == key
+        return any(self.parent_of(k) == key and len(k) > len(key)
                    and (not on_device or p.page is not None) for k, p in self.pages.items())
 
     def effective(self, page: Page, now: float) -> int:
@@ -129,7 +131,7 @@ class TieredModel(ReferenceCache):
         if not host_keys:
             rest = tuple(tokens[start:start + self.size])
             for key, page in self.pages.items():
-                if len(key) - 1 == start + self.size and key[: start + 1] == (namespace, *tokens[:start]):
+                if self.parent_of(key) == (namespace, *tokens[:start]) and len(key) - 1 > start:
                     tail = key[start + 1:]
                     common = next((i for i, (a, b) in enumerate(zip(tail, rest)) if a != b), min(len(tail), len(rest)))
                     if common > best:
@@ -149,13 +151,16 @@ class TieredModel(ReferenceCache):
                     page.host = True
         return [self.pages[k].page for k in on_device], host_keys, device_best, best, host_best
 
-    def insert(self, namespace, tokens, pages, retention, ranges, now) -> list[int]:
+    def insert(self, namespace, tokens, pages, retention, ranges, now, partial: bool = False) -> list[int]:
         self.tick += 1
         duplicates = []
         retention = retention or Retention()
-        for i, key in enumerate(self._keys(namespace, tokens, len(tokens) // self.size)):
+        for i, key in enumerate(self.insert_keys(namespace, tokens, partial)):
+            if self.is_partial(key) and self.held_elsewhere(key, pages[i], duplicates):
+                continue
             page = self.pages.get(key)
             if page is None:
+                self._drop_partial_prefix_of(key)
                 page = self.pages[key] = Page(pages[i], False, self.tick, retention.priority,
                                               now + retention.duration_s if retention.duration_s else math.inf,
                                               DEFAULT_PRIORITY if retention.duration_s else retention.priority)
@@ -187,13 +192,17 @@ class TieredModel(ReferenceCache):
             key = self.first(leaves, now)
             page = self.pages[key]
             freed += page.page not in held
-            page.page = None
             taken.append(key)
-        for key in sorted(taken, key=len):  # top down: a dropped page takes everything below
+            if self.is_partial(key):  # device only: dropped, never offloaded
+                del self.pages[key]
+                continue
+            page.page = None
+        taken_full = [k for k in taken if not self.is_partial(k)]
+        for key in sorted(taken_full, key=len):  # top down: a dropped page takes everything below
             page = self.pages.get(key)
             if page is not None and not page.host and self.effective(page, now) < self.floor:
                 self.drop(key)
-        going = [k for k in taken if k in self.pages and not self.pages[k].host]
+        going = [k for k in taken_full if k in self.pages and not self.pages[k].host]
         short = len(going) - (self.host_pages - self.host_used())
         if short > 0:
             short -= self.evict_host(short, now, locks, set(taken))
@@ -242,6 +251,7 @@ class TieredTreeMachine(TreeMachine):
 
     def on_event(self, event: CacheEvent) -> None:
         self.events.append(event)
+        assert not isinstance(event, (BlockStored, BlockRemoved)) or event.hashes, "an event naming no page"
         if isinstance(event, BlockStored):
             self.indexed[event.tier].update((event.namespace, h) for h in event.hashes)
         elif isinstance(event, BlockRemoved):
@@ -256,12 +266,15 @@ class TieredTreeMachine(TreeMachine):
         assert self.tree.evict(n) == expect
         order = [(e.namespace, h) for e in self.events
                  if isinstance(e, BlockRemoved) and e.tier == DEVICE for h in reversed(e.hashes)]
-        assert order == [self.ref.hash_of(key) for key in keys], "device pages evicted out of order"
+        assert order == [self.ref.hash_of(key) for key in keys if not self.ref.is_partial(key)], \
+            "device pages evicted out of order"
 
     def _match(self, namespace, tokens, update: bool):
         m = self.tree.match(tokens, namespace, update=update)
         pages, host_keys, device_best, best, host_best = self.ref.match(namespace, tokens, update, self.now,
                                                                         self._locks())
+        if update:
+            self.ref.touch_partial(m.partial_page)
         assert m.pages == pages
         assert len(m.host_pages) == len(host_keys) and m.host_tokens == len(host_keys) * self.page_size
         if m.partial_tokens:
@@ -308,9 +321,11 @@ class TieredTreeMachine(TreeMachine):
     @rule()
     def flush(self) -> None:
         before = {p.page for p in self.ref.pages.values() if p.page is not None}
+        host_before = self.ref.host_used()
         self.ref.reset(self._locks())
         dropped = before - {p.page for p in self.ref.pages.values()}
-        assert self.tree.reset() == len(dropped - self._held())
+        freed = self.tree.reset()
+        assert freed == len(dropped - self._held()) and freed.host == host_before - self.ref.host_used()
         assert self.tree.host.pool.num_free == self.tree.host.pool.num_pages - self.ref.host_used()
 
     def tree_contents(self) -> tuple[dict[Key, int], set[Key]]:
@@ -332,7 +347,7 @@ class TieredTreeMachine(TreeMachine):
         assert host == {k for k, p in self.ref.pages.items() if p.host}
         assert set(device) | host == set(self.ref.pages), "a cached page on no tier"
         for tier, keys in ((DEVICE, device), (HOST, host)):
-            expected = {self.ref.hash_of(key) for key in keys}
+            expected = {self.ref.hash_of(key) for key in keys if not self.ref.is_partial(key)}
             assert self.tree.cached_page_hashes(tier) == expected
             assert self.indexed[tier] == expected, f"the {tier} event indexer disagrees with the tree"
 

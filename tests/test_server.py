@@ -57,10 +57,11 @@ def prompt_len(server: SimpleNamespace, messages: list[dict[str, str]]) -> int:
 def cached_on_repeat(prompt_tokens: int, max_tokens: int) -> int:
     """cached_tokens of a request repeating an earlier one exactly (same namespace).
 
-    The earlier one computed its prompt and all but its last generated token, and left its
-    full pages cached; a repeat matches at most prompt - 1 tokens (one must be computed)."""
+    The earlier one computed its prompt and all but its last generated token, and left them
+    cached (its last, partly filled page too: the engine caches partial pages); a repeat
+    matches at most prompt - 1 tokens (one must be computed)."""
     computed = prompt_tokens + max_tokens - 1
-    return min(prompt_tokens - 1, computed // PAGE_SIZE * PAGE_SIZE)
+    return min(prompt_tokens - 1, computed)
 
 
 def assert_idle(server: SimpleNamespace) -> None:
@@ -229,11 +230,11 @@ def test_shared_system_prompt_hits_cache_unless_salted(client: httpx.Client, ser
         return server.tokenizer.encode(text, add_special_tokens=False)
 
     def hit(earlier: str, later: str) -> int:
-        """What `later` finds of `earlier`: their common prefix, as far as `earlier`'s computed
-        tokens filled whole pages (a partial page is never cached)."""
+        """What `later` finds of `earlier`: their common prefix, as far as `earlier` computed
+        (its last, partly filled page is cached too)."""
         a, b = ids(earlier), ids(later)[:-1]
         shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return min(shared, (len(a) + EARLIER_TOKENS - 1) // PAGE_SIZE * PAGE_SIZE)
+        return min(shared, len(a) + EARLIER_TOKENS - 1)
 
     EARLIER, EARLIER_TOKENS = ("first question", "third question", "sixth question"), 16
 

@@ -138,9 +138,22 @@ def test_multi_turn_chat_is_cached_through_the_previous_answer(stream: bool) -> 
     assert any(c < e for c, e in zip(cached, expected))
 
 
-def _conversation(stream: bool, *, memory: bool, turns: int = 4) -> tuple[list[int], list[int]]:
+@pytest.mark.parametrize("partial", [True, False])
+def test_multi_turn_chat_at_page_size_16_is_cached_through_the_partial_page(partial: bool) -> None:
+    """At page size 16 a turn's last, partly filled page is cached too (cache_partial_pages),
+    so the next turn still finds all but the previous answer's last token; without it, only
+    the whole pages of that."""
+    cached, expected = _conversation(False, memory=True, page_size=16, partial=partial)
+    if partial:
+        assert cached == expected
+    else:
+        assert cached == [e // 16 * 16 for e in expected] and cached != expected
+
+
+def _conversation(stream: bool, *, memory: bool, turns: int = 4, page_size: int = 1,
+                  partial: bool = True) -> tuple[list[int], list[int]]:
     """(cached tokens of turns 2.., previous prompt + completion - 1 for each of them)."""
-    engine = Engine(model="demo", page_size=1, num_pages=4096)
+    engine = Engine(model="demo", page_size=page_size, num_pages=4096 // page_size, cache_partial_pages=partial)
     app = create_app(AsyncEngine(engine), turn_memory_tokens=4096 if memory else 0)
     history = [{"role": "system", "content": "You answer questions about caches."}]
     cached, expected = [], []

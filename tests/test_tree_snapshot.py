@@ -165,3 +165,17 @@ def test_hashes_name_each_node_like_cache_events() -> None:
         assert v.hash == str(int(hashes[-1])) and v.namespace == namespace_id(namespace)
     assert {(v.namespace, int(v.hash)) for v in nodes} <= tree.cached_page_hashes()
     assert snap(tree).root.children[0].children[0].hash is None  # only when asked
+
+
+def test_a_partial_leaf_is_drawn_as_one_page_holding_its_tokens_with_no_hash() -> None:
+    pool, tree = make_tree()
+    pages = pool.allocate(3)
+    tree.insert(list(range(10)), pages, partial=True)  # 2 full pages, then a page holding 2 tokens
+    pool.decref(pages)
+    view = snap(tree, include_tokens=True, include_hashes=True)
+    (full,) = [v for v in flat(view.root) if v.kind == "node" and not v.partial]
+    (partial,) = [v for v in flat(view.root) if v.partial]
+    assert (full.pages, full.tokens, full.prefix_tokens, full.subtree_pages) == (2, 8, 8, 3)
+    assert (partial.pages, partial.tokens, partial.prefix_tokens, partial.token_ids) == (1, 2, 10, [8, 9])
+    assert partial.hash is None and full.hash is not None  # events name full pages only
+    assert view.pages_total == 3

@@ -62,6 +62,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=None, metavar="N",
                    help="simulate a model with a sliding window of N tokens on every layer (pages that "
                         "leave the window are released), next to the same model with full attention")
+    p.add_argument("--cache-partial-pages", action="store_true",
+                   help="also cache a finished request's last, partly filled page, as the engine does "
+                        "(default: full pages only, as in the published tables)")
     p.add_argument("--no-baselines", action="store_true", help="run the main configuration only")
     p.add_argument("--study", action="store_true", help="also run every retention rule (eviction study)")
     p.add_argument("--max-running", type=int, default=64,
@@ -120,7 +123,8 @@ def simulate_command(args: argparse.Namespace) -> int:
                      prefill_tokens_per_s=args.prefill_tokens_per_s, decode_step_s=args.decode_step_ms / 1000,
                      host_write_policy=args.host_write_policy,
                      host_offload_min_priority=args.host_offload_min_priority,
-                     load_tokens_per_s=args.load_tokens_per_s, window=args.window)
+                     load_tokens_per_s=args.load_tokens_per_s, window=args.window,
+                     cache_partial_pages=args.cache_partial_pages)
     if args.window is not None and args.window < 1:
         say("error: --window must be >= 1")
         return 2

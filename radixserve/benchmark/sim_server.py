@@ -56,6 +56,7 @@ class ServerSpec:
     host_offload_min_priority: int = 35
     load_s_per_page: float = 0.0  # 0: a load from the host is instant
     window: int | None = None  # sliding window of every layer (None: full attention)
+    cache_partial_pages: bool = False  # also cache a finished request's last, partly filled page
 
 
 class _SimLoad:
@@ -157,7 +158,8 @@ class SimServer:
                               events=events)
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(spec.schedule_policy, max_wait_s=spec.max_wait_s),
                                    max_running=spec.max_running, max_batch_tokens=spec.max_batch_tokens,
-                                   clock=self.clock, prefix_cache=spec.use_cache, window=spec.window)
+                                   clock=self.clock, prefix_cache=spec.use_cache, window=spec.window,
+                                   cache_partial_pages=spec.cache_partial_pages)
         self.held_pages_sum = 0   # pages running sequences keep from being freed, summed over steps
         self.held_pages_peak = 0
         self.steps = 0

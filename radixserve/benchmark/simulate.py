@@ -59,6 +59,9 @@ class SimConfig:
     load_tokens_per_s: float = 1_000_000.0
     tag: str = ""  # appended to the label (a variant of the main configuration)
     window: int | None = None  # a model with this sliding window on every layer
+    # Also cache a finished request's last, partly filled page (the engine's default); off by
+    # default here so that simulated tables stay comparable with the ones already published.
+    cache_partial_pages: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -81,6 +84,8 @@ class SimConfig:
             label += f" {self.host_write_policy}"
         if self.window:
             label += f", window {self.window}"
+        if self.cache_partial_pages:
+            label += ", partial pages"
         return label + (f", {self.tag}" if self.tag else "")
 
     def server_spec(self) -> ServerSpec:
@@ -98,6 +103,7 @@ class SimConfig:
             host_num_pages=self.host_num_pages, host_write_policy=self.host_write_policy,
             host_offload_min_priority=self.host_offload_min_priority,
             load_s_per_page=0.0 if sequential else self.page_size / self.load_tokens_per_s,
+            cache_partial_pages=self.cache_partial_pages,
             window=self.window)
 
 

@@ -2,7 +2,8 @@
 its eviction queue, and the moves that put a node's pages on the device or take them off.
 
 `DeviceTier` is held by the tree (radix.py), which calls it where a node's device pages
-change: a new leaf, a lock, device eviction without a host tier (`evict_tail`), a drop. The
+change: a new leaf, a lock, device eviction without a host tier or of a partial leaf
+(`evict_tail`), a drop. The
 host tier (placement.py) reaches it through the tree's `TreeOps` (`gain_device`,
 `lose_device`) when pages are loaded back or leave the device for the host.
 """
@@ -89,8 +90,9 @@ class DeviceTier:
 
     def evict_tail(self, node: RadixNode, count: int, now: float,
                    detach: Callable[[RadixNode, float], None]) -> int:
-        """Without a host tier: drops the last `count` pages of a leaf (`detach` removes it
-        once empty); returns device pages freed."""
+        """Without a host tier (with one, for a partial leaf only: it never goes to host):
+        drops the last `count` pages of a leaf (`detach` removes it once empty); returns
+        device pages freed."""
         keep = len(node.pages) - count
         if self._reporter.active:
             self._reporter.removed(node, keep, DEVICE)

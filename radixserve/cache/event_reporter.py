@@ -4,6 +4,9 @@
 `TreeEventReporter` is held by the tree and by its host tier (placement.py); both call it
 where pages are stored on or removed from a tier. It reads nodes only (their tokens, parent
 links and hash-chain state) and owns the namespace-id cache.
+
+Events name full pages only: a partial leaf (node.py) is never reported, nor counted among
+the page hashes an indexer should hold, so routers and indexers index whole pages as before.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ class TreeEventReporter:
         return self.events is not None and self.events.active
 
     def stored(self, node: RadixNode, first: int, tier: str) -> None:
-        """Reports `node`'s pages from index `first` on as stored in `tier`."""
+        """Reports `node`'s pages from index `first` on as stored in `tier` (none for a
+        partial leaf)."""
+        if node.partial:
+            return
         parent_hash, hashes = self._hashes(node)
         if first:
             parent_hash = hashes[first - 1]
@@ -37,7 +43,10 @@ class TreeEventReporter:
         self.events.stored(self._namespace(node.namespace)[0], tier, parent_hash, hashes[first:], tokens)
 
     def removed(self, node: RadixNode, first: int, tier: str) -> None:
-        """Reports `node`'s pages from index `first` on as removed from `tier`."""
+        """Reports `node`'s pages from index `first` on as removed from `tier` (none for a
+        partial leaf)."""
+        if node.partial:
+            return
         _, hashes = self._hashes(node)
         self.events.removed(self._namespace(node.namespace)[0], tier, hashes[first:])
 
@@ -65,7 +74,7 @@ class TreeEventReporter:
         None: on either)."""
         out: set[tuple[str, int]] = set()
         for node in nodes:
-            if node.is_root:
+            if node.is_root or node.partial:
                 continue
             if tier is None or (node.pages if tier == DEVICE else node.host is not None):
                 ns_id = self._namespace(node.namespace)[0]
@@ -84,7 +93,7 @@ class TreeEventReporter:
             seed = self._namespace(path[0].namespace)[1]
             for step in reversed(path):
                 _, state = page_hashes(step.tokens, self.page_size, seed, state, depth)
-                depth += len(step.tokens) // self.page_size
+                depth += step.num_pages(self.page_size)
                 step.chain = (state, depth)
         return state, depth
 
@@ -94,7 +103,7 @@ class TreeEventReporter:
         parent = node.parent
         state, depth = self._chain_end(parent)
         hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
-        node.chain = (end, depth + len(node.tokens) // self.page_size)
+        node.chain = (end, depth + node.num_pages(self.page_size))
         return (None if parent.is_root else state_hash(state, seed)), hashes.tolist()
 
     def _namespace(self, namespace: Hashable) -> tuple[str, int]:

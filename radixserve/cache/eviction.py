@@ -99,7 +99,7 @@ class EvictionOrder:
     def effective(self, node: RadixNode, now: float) -> np.ndarray:
         """The effective retention priority of each of `node`'s pages at `now`."""
         if node.retention is None:
-            return np.full(len(node.tokens) // self.page_size, DEFAULT_PRIORITY, dtype=np.int16)
+            return np.full(node.num_pages(self.page_size), DEFAULT_PRIORITY, dtype=np.int16)
         return node.retention.effective(now)
 
     def tail_run(self, node: RadixNode, now: float, bound: EvictionKey | None) -> int:

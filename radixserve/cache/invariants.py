@@ -9,6 +9,7 @@ or node at fault.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,9 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
     - tree shape: every child links back to its parent under the key of its first page; an
       edge is a whole number (>= 1) of pages; per-page retention arrays match the page count;
       a node's namespace is its parent's; sorted child keys match the children;
+    - partial leaves (node.py): exactly the nodes with fewer than page_size tokens; each holds
+      one device page and 1..page_size-1 tokens, has no children, no host copy and no lock,
+      and its tokens are a prefix of no sibling's key;
     - locks: `lock_ref(node) = locks taken on node + sum of lock_ref(children)`, so
       `lock_ref(node) >= sum(lock_ref(child)) >= 0`;
     - counters: cached / locked / evictable pages and the node count equal a recount, and
@@ -171,6 +175,9 @@ def _check_links(node: RadixNode, size: int, where: str) -> None:
         _fail("sorted-keys", f"{where}: sorted child keys differ from the children")
     if node.is_root:
         return
+    if node.partial or len(node.tokens) < size:
+        _check_partial_leaf(node, size, where)
+        return
     num_pages = len(node.tokens) // size  # device pages: all of them, or none (on the host only)
     if num_pages == 0 or len(node.tokens) % size or len(node.pages) not in (0, num_pages):
         _fail("edge-length", f"{where}: {len(node.tokens)} tokens for {len(node.pages)} pages of {size}")
@@ -179,6 +186,27 @@ def _check_links(node: RadixNode, size: int, where: str) -> None:
     kept = node.retention
     if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == num_pages):
         _fail("retention-arrays", f"{where}: retention arrays do not match {num_pages} pages")
+
+
+def _check_partial_leaf(node: RadixNode, size: int, where: str) -> None:
+    """A node with fewer than `size` tokens: a well-formed partial leaf (see check_invariants)."""
+    if not node.partial:
+        _fail("partial-leaf", f"{where}: {len(node.tokens)} tokens (< page size {size}) but not a partial leaf")
+    if not 0 < len(node.tokens) < size or len(node.pages) != 1:
+        _fail("partial-leaf", f"{where}: a partial leaf with {len(node.tokens)} tokens in {len(node.pages)} "
+              f"device pages (page size {size})")
+    if node.children or node.host is not None or node.lock_ref:
+        _fail("partial-leaf", f"{where}: a partial leaf with {len(node.children)} children, host pages "
+              f"{node.host}, lock_ref {node.lock_ref}")
+    if node.key != node.tokens.tobytes():
+        _fail("child-key", f"{where}: a partial leaf's key is not its tokens")
+    kept = node.retention
+    if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == 1):
+        _fail("retention-arrays", f"{where}: retention arrays of a partial leaf do not have one page")
+    keys = node.parent.sorted_keys  # checked against the children already: keys extending it follow it
+    after = bisect_right(keys, node.key)
+    if after < len(keys) and keys[after].startswith(node.key):
+        _fail("partial-leaf-prefix", f"{where}: its tokens begin a sibling's key too")
 
 
 def _check_host_tier(tree: RadixTree) -> None:

@@ -10,6 +10,14 @@ are found by a dict keyed by the raw bytes of their first page, so a walk does o
 lookup per node and compares the rest of the edge as one numpy slice compare. For
 token-deep partial matches each node also keeps its children's keys sorted: the child
 sharing the longest prefix with a query page is next to the query's insertion point.
+
+Partial leaves. The one exception to whole pages: a *partial leaf* holds the last, partly
+filled page of a finished sequence — `tokens` has 1..page_size-1 entries, `pages` one device
+page. It never has children, never goes to the host, is never locked and is never named in
+cache events; its key (its tokens' bytes) is shorter than a page's, so a walk by full-page
+keys never finds it and only the token-deep partial search does. No partial leaf's tokens
+are a prefix of a sibling's key (an insert that would break this drops or skips it), so at
+most one partial leaf is a prefix of any query page: the key just before its insertion point.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from radixserve.cache.transfer import LoadHandle
 
 
 class RadixNode:
-    """One edge of the tree: page-aligned tokens and the pages holding their K/V.
+    """One edge of the tree: page-aligned tokens and the pages holding their K/V (a partial
+    leaf: fewer than a page of tokens in one device page; see the module docstring).
 
     Doubles as the lock handle returned by `RadixTree.match`. Read-only outside the tree.
     A root has `key is None` and no pages; a node removed from the tree has `parent is None`.
@@ -35,7 +44,7 @@ class RadixNode:
 
     __slots__ = ("parent", "children", "key", "tokens", "_pages", "_page_array", "host", "retention",
                  "lock_ref", "tick", "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys",
-                 "namespace", "chain", "device_children", "loading", "left_device_in")
+                 "namespace", "chain", "device_children", "loading", "left_device_in", "partial")
 
     def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
                  pages: list[int], sorted_children: bool, page_array: np.ndarray | None = None) -> None:
@@ -61,6 +70,7 @@ class RadixNode:
         self.device_children = 0           # children with pages on the device
         self.loading: LoadHandle | None = None  # an unfinished copy of host pages into `pages`
         self.left_device_in = -1            # the eviction call that took its pages off the device
+        self.partial = False                # a partial leaf: one page, fewer than page_size tokens
 
     @property
     def pages(self) -> list[int]:
@@ -71,6 +81,10 @@ class RadixNode:
     def pages(self, pages: list[int]) -> None:
         self._pages = pages
         self._page_array = None
+
+    def num_pages(self, page_size: int) -> int:
+        """Pages of the edge on either tier (a partial leaf's one page included)."""
+        return 1 if self.partial else len(self.tokens) // page_size
 
     @property
     def page_array(self) -> np.ndarray:

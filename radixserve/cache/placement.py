@@ -141,7 +141,7 @@ class HostPlacement:
         them.
         """
         tree = self._tree
-        keep = len(node.tokens) // tree.page_size - count
+        keep = node.num_pages(tree.page_size) - count
         if keep:
             tree.split(node, keep)  # `node` keeps the run, its new parent the rest
         self._stats.evicted(count, now - node.inserted_at, node.hits)
@@ -181,7 +181,7 @@ class HostPlacement:
         """Copies the device-only pages that left the device in `call` to host pages, making
         room as `leave_device` says."""
         size = self._tree.page_size
-        need = sum(len(node.tokens) // size for node, _ in call.leaving if node.parent is not None)
+        need = sum(node.num_pages(size) for node, _ in call.leaving if node.parent is not None)
         short = need - self.pool.num_free
         if short > 0:
             short -= self._evict(short, now)
@@ -194,7 +194,7 @@ class HostPlacement:
         for node, device_pages in call.leaving:
             if node.parent is None:
                 continue  # dropped since
-            count = len(node.tokens) // size
+            count = node.num_pages(size)
             host_pages = self.pool.allocate(count)
             self.tier.copier.offload(device_pages[:count], host_pages)
             self._host_only += count
@@ -217,7 +217,7 @@ class HostPlacement:
         return self._queue.drain(num_pages, now, self._tree.order.tail_run, self._evict_tail)
 
     def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
-        keep = len(node.tokens) // self._tree.page_size - count
+        keep = node.num_pages(self._tree.page_size) - count
         if node.host is None:  # on its way to host (this eviction call): dropped instead
             self._stats.dropped(count)
         else:
@@ -256,7 +256,7 @@ class HostPlacement:
         for step in reversed(chain):
             if budget == 0:
                 break
-            count = len(step.tokens) // size
+            count = step.num_pages(size)
             if count > budget:
                 step = self._tree.split(step, budget)
                 count = budget
@@ -302,10 +302,10 @@ class HostPlacement:
         for node in reversed(path):
             if node.host is not None or not self.tier.writes_through(node.hits):
                 continue
-            got = self._allocate(len(node.tokens) // size)
+            got = self._allocate(node.num_pages(size))
             if not got:
                 break
-            if len(got) < len(node.tokens) // size:
+            if len(got) < node.num_pages(size):
                 node = self._tree.split(node, len(got))
             self.tier.copier.offload(node.pages, got)
             self._gain_host(node, got)

@@ -1,9 +1,11 @@
 """The prefix cache: a radix tree from token-id sequences to chains of KV pages.
 
 Each node's edge holds a whole number of pages of tokens and, per tier, the pages holding
-their K/V (node.py says how; walk.py how a query walks down the edges). Recency is a counter
-(`tick`) bumped by every match/insert and stamped on each node it touches, so LRU order is
-exact even when the clock does not move. A match or insert that ends inside an edge splits it
+their K/V (node.py says how; walk.py how a query walks down the edges) — except a partial
+leaf, a finished request's last, partly filled page (`insert(partial=True)`): device only,
+never locked, never named in events, matched token-deep and superseded by longer inserts.
+Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
+touches, so LRU order is exact even when the clock does not move. A match or insert that ends inside an edge splits it
 at the page boundary, so every page of a node shares one tick and one hit count.
 
 Tiers (only with a host tier, `host=`): every page is on the device, the host or both,
@@ -30,7 +32,7 @@ import numpy as np
 
 from radixserve.cache.device_tier import DeviceTier
 from radixserve.cache.event_reporter import TreeEventReporter
-from radixserve.cache.events import DEVICE, CacheEventHub
+from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.eviction import EvictionOrder, make_policy
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
@@ -38,11 +40,28 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRange, PageRetention, Retention, page_ranges, raise_retention
 from radixserve.cache.stats import CacheStats, Histogram
 from radixserve.cache.tiers import HostTier
-from radixserve.cache.walk import GivenPages, MatchWalk, along, as_tokens, best_partial, common_length
+from radixserve.cache.walk import (GivenPages, MatchWalk, along, as_tokens, best_partial, common_length, key_extending,
+                                   partial_prefix_of)
 
-__all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
+__all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "PagesFreed", "RadixNode", "RadixTree", "Retention"]
 
 RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
+
+
+class PagesFreed(int):
+    """What a flush freed: the device pages, as the plain int `reset` has always returned,
+    with `host` the host-tier pages freed too (0 without a host tier)."""
+
+    host: int
+
+    def __new__(cls, device: int, host: int = 0) -> PagesFreed:
+        freed = super().__new__(cls, device)
+        freed.host = host
+        return freed
+
+    def tiers(self) -> dict[str, int]:
+        """Pages freed per tier, by tier name."""
+        return {DEVICE: int(self), HOST: self.host}
 
 
 class RadixTree:
@@ -111,7 +130,7 @@ class RadixTree:
         return 0 if self._host_tier is None else self._host_tier.host_only_pages
 
     def _npages(self, node: RadixNode) -> int:
-        return len(node.tokens) // self.page_size
+        return node.num_pages(self.page_size)
 
     # ------------------------------------------------------------------ match
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *,
@@ -145,7 +164,11 @@ class RadixTree:
             child = at.children.get(toks[pos:pos + size].tobytes()) if rest >= size else None
             if child is None:
                 if walk.host_node is None:
-                    partial_page, partial_tokens = best_partial(at, toks[pos:pos + size])
+                    best, partial_tokens = best_partial(at, toks[pos:pos + size])
+                    if best is not None:
+                        partial_page = best.pages[0]
+                        if update and best.partial:  # a partial leaf is used like any leaf
+                            self._touch(best, tick, now)
                 break
             edge_len = len(child.tokens)
             matched = common_length(child.tokens, toks[pos:pos + min(edge_len, rest)])
@@ -182,10 +205,16 @@ class RadixTree:
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int] | np.ndarray,
                namespace: Hashable = None, retention: Retention | None = None,
-               range_retention: RangeRetention = ()) -> list[int]:
+               range_retention: RangeRetention = (), *, partial: bool = False) -> list[int]:
         """Caches the `len(tokens) // page_size` full pages of `tokens` (`pages[i]` holds
         tokens `[i*P, (i+1)*P)`; extra pages are ignored) and returns the given pages that
         were not adopted because the tree already held those tokens in other device pages.
+
+        With `partial`, the last, partly filled page (`pages[len(tokens) // P]`, holding the
+        `len(tokens) % P` tokens left over) is cached too, as a partial leaf (node.py) —
+        unless the tree already holds those tokens at the start of a page (then the page is
+        returned as not adopted). A shorter partial leaf it extends, or one the full pages
+        extend, is dropped: the new page holds its tokens too.
 
         Adopted pages gain the tree's reference; where the tree held tokens on the host
         only, the given pages become their device copy. Each page's retention becomes the max
@@ -196,10 +225,10 @@ class RadixTree:
         size = self.page_size
         toks = as_tokens(tokens)
         num_full = len(toks) // size
-        given = GivenPages(pages, num_full)
-        if num_full == 0:
+        with_partial = partial and len(toks) > num_full * size
+        given = GivenPages(pages, num_full + with_partial)
+        if num_full == 0 and not with_partial:
             return []
-        toks = toks[: num_full * size]
         retention = retention or Retention()
         ranges = page_ranges(range_retention, size)
         now = self._clock()
@@ -207,16 +236,18 @@ class RadixTree:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = self._new_root(namespace)
-        node, pos = root, 0
+        node, pos, end = root, 0, num_full * size
         duplicates: list[int] = []
-        while pos < len(toks):
+        while pos < end:
             first = pos // size
             key = toks[pos:pos + size].tobytes()
             child = node.children.get(key)
             if child is None:
-                self._add_leaf(node, key, toks[pos:], given.leaf(first), retention, ranges, first, now)
+                self._supersede_partial(node, key)
+                node = self._add_leaf(node, key, toks[pos:end], given.leaf(first, num_full), retention, ranges,
+                                      first, now)
                 break
-            matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
+            matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), end - pos)])
             full = matched // size
             if full < self._npages(child):
                 child = self._split(child, full)
@@ -229,13 +260,37 @@ class RadixTree:
                 self._schedule_expiries(child, now)
             child.tick = self._tick
             node, pos = child, pos + full * size
+        if with_partial:
+            duplicates += self._insert_partial(node, toks[end:], given.span(num_full, 1), retention, ranges,
+                                               num_full, now)
         return duplicates
+
+    def _insert_partial(self, parent: RadixNode, tokens: np.ndarray, page: list[int], retention: Retention,
+                        ranges: list[PageRange], first_page: int, now: float) -> list[int]:
+        """Caches `page`, holding the fewer than page_size `tokens` after `parent`'s edge, as
+        a partial leaf; returns it if the tree already holds those tokens in another page."""
+        key = tokens.tobytes()
+        holder = key_extending(parent, key)
+        if holder is not None:  # a full page or a longer partial leaf starts with these tokens
+            return [] if holder.pages[:1] == page else page
+        self._supersede_partial(parent, key)
+        self._add_leaf(parent, key, tokens, (page, None), retention, ranges, first_page, now, partial=True)
+        return []
+
+    def _supersede_partial(self, parent: RadixNode, key: bytes) -> None:
+        """Drops the partial leaf below `parent` whose tokens the new child under `key` starts
+        with: the new page holds them too. (Nothing locks a partial leaf: a match copies its
+        page at once and locks only the full pages above it.)"""
+        old = partial_prefix_of(parent, key)
+        if old is not None:
+            self._drop(old, report=False)
 
     def _add_leaf(self, parent: RadixNode, key: bytes, tokens: np.ndarray,
                   given: tuple[list[int], np.ndarray | None], retention: Retention,
-                  ranges: list[PageRange], first_page: int, now: float) -> None:
+                  ranges: list[PageRange], first_page: int, now: float, *, partial: bool = False) -> RadixNode:
         pages, page_array = given
         leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1, page_array)
+        leaf.partial = partial
         leaf.tick, leaf.inserted_at = self._tick, now
         if not retention.is_default:
             leaf.retention = PageRetention.of(len(pages), retention, now)
@@ -245,6 +300,7 @@ class RadixTree:
         if leaf.retention is not None:
             self._schedule_expiries(leaf, now)
         self._device.add_leaf(leaf, now)
+        return leaf
 
     def _schedule_expiries(self, node: RadixNode, now: float) -> None:
         times = node.retention.pending_expiries(now)
@@ -256,18 +312,37 @@ class RadixTree:
                       priority: int) -> None:
         """Ends early the temporary retention at `priority` of the pages along `tokens`: they
         fall back to their floor (for example a closed session's pages). Pages retained
-        otherwise — a system prompt another request kept higher — are left as they are."""
+        otherwise — a system prompt another request kept higher — are left as they are.
+        Tokens past the last full page end the retention of the page holding them too (a
+        partial leaf, or the full page that superseded it): a partial leaf left raised would
+        keep every page above it from eviction."""
         size = self.page_size
         toks = as_tokens(tokens)
-        toks = toks[: len(toks) // size * size]
+        end = len(toks) // size * size
         now = self._clock()
+        root = self._roots.get(namespace)
         last: RadixNode | None = None
-        for last, full in along(self._roots.get(namespace), toks, size):
-            last.retention = PageRetention.ensure(last.retention, self._npages(last))
-            last.retention.end_temporary(priority, now, full)
+        full = covered = 0
+        for last, full in along(root, toks[:end], size):
+            self._end_temporary(last, priority, now, full)
+            covered += full
+        rest = toks[end:]
+        if len(rest) and root is not None and covered * size == end:
+            if last is None or full == self._npages(last):  # the rest starts a child's page
+                holder = key_extending(root if last is None else last, rest.tobytes())
+                if holder is not None and holder.pages:
+                    self._end_temporary(holder, priority, now, 1)
+                    last = holder
+            elif (last.tokens[full * size:full * size + len(rest)] == rest).all():  # inside the edge
+                self._end_temporary(last, priority, now, full + 1)
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
             self._requeue(last, now)
+
+    def _end_temporary(self, node: RadixNode, priority: int, now: float, num_pages: int) -> None:
+        """Ends the temporary retention at `priority` of `node`'s first `num_pages` pages."""
+        node.retention = PageRetention.ensure(node.retention, self._npages(node))
+        node.retention.end_temporary(priority, now, num_pages)
 
     def _requeue(self, node: RadixNode, now: float) -> None:
         """Queues `node` in each eviction queue it is a candidate of (with its current key)."""
@@ -316,9 +391,16 @@ class RadixTree:
         tier = self._host_tier
         call = tier.begin_eviction()
         freed = self._queue.drain(num_pages, now, self._order.tail_run,
-                                  lambda node, count, at: tier.leave_device(call, node, count, at))
+                                  lambda node, count, at: self._evict_partial(node, at) if node.partial
+                                  else tier.leave_device(call, node, count, at))
         tier.end_eviction(call, now)
         return freed
+
+    def _evict_partial(self, leaf: RadixNode, now: float) -> int:
+        """With a host tier: a partial leaf leaving the device is dropped, never offloaded
+        (the host tier holds whole pages only)."""
+        self._stats.dropped(1)
+        return self._device.evict_tail(leaf, 1, now, self._detach)
 
     def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
         """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
@@ -350,13 +432,15 @@ class RadixTree:
         return self._device.release(device)
 
     # ------------------------------------------------------------------ flush
-    def reset(self) -> int:
+    def reset(self) -> PagesFreed:
         """Drops every unlocked cached page on both tiers, and the host copies of the locked
-        ones (flush); returns the device pages freed.
+        ones (flush); returns the device pages freed (an int), with the host pages freed as
+        its `host`.
 
         Events: one "cleared", then "stored" for the pages that stayed because they are in use.
         """
         free_before = self.pool.num_free
+        host_free_before = 0 if self.host is None else self.host.pool.num_free
         for namespace, root in list(self._roots.items()):
             stack = [root]
             while stack:
@@ -374,7 +458,8 @@ class RadixTree:
         self._queue.forget(lambda node: node.parent is not None)
         if self._reporter.active:
             self._reporter.flushed(node for node, _ in self.nodes())
-        return self.pool.num_free - free_before
+        host_freed = 0 if self.host is None else self.host.pool.num_free - host_free_before
+        return PagesFreed(self.pool.num_free - free_before, host_freed)
 
     # ------------------------------------------------------------------ shape
     def _new_root(self, namespace: Hashable) -> RadixNode:

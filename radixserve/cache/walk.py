@@ -29,24 +29,57 @@ def common_length(edge: np.ndarray, query: np.ndarray) -> int:
     return first if differs[first] else len(query)
 
 
-def best_partial(node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
-    """The device child page of `node` sharing the longest (< page_size) prefix with `query`,
-    and that prefix's length; (None, 0) when none does or the best child is on the host only."""
+def shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two non-empty token arrays of any lengths (a partial
+    leaf's edge may be shorter than the query page it is compared with)."""
+    n = min(len(a), len(b))
+    return common_length(a[:n], b[:n])
+
+
+def best_partial(node: RadixNode, query: np.ndarray) -> tuple[RadixNode | None, int]:
+    """The device child of `node` whose first page shares the longest (< page_size) prefix
+    with `query` (a full child or a partial leaf), and that prefix's length; (None, 0) when
+    none does or the best child is on the host only."""
     keys = node.sorted_keys
     if not keys or not len(query):
         return None, 0
     i = bisect_left(keys, query.tobytes())
     best, best_common = None, 0
-    # In sorted order the longest common prefix is with a neighbour of the insertion point.
+    # In sorted order the longest common prefix is with a neighbour of the insertion point
+    # (keys of any lengths: lexicographic order keeps that property).
     for j in (i - 1, i):
         if 0 <= j < len(keys):
             child = node.children[keys[j]]
-            common = common_length(child.tokens, query)
+            common = shared_length(child.tokens, query)
             if common > best_common:
                 best, best_common = child, common
     if best is None or not best.pages:  # none, or the best one is on the host only
         return None, 0
-    return best.pages[0], best_common
+    return best, best_common
+
+
+def partial_prefix_of(node: RadixNode, key: bytes) -> RadixNode | None:
+    """The partial leaf below `node` whose tokens are a prefix of `key` (the bytes of a page
+    or of a shorter run of tokens), if any: with no partial leaf a prefix of a sibling's key
+    there is at most one, and it sorts just before `key`."""
+    keys = node.sorted_keys
+    if not keys:
+        return None
+    i = bisect_left(keys, key)
+    if i and key.startswith(keys[i - 1]) and keys[i - 1] != key:
+        child = node.children[keys[i - 1]]
+        return child if child.partial else None
+    return None
+
+
+def key_extending(node: RadixNode, key: bytes) -> RadixNode | None:
+    """A child of `node` whose key starts with `key` (equal included), if any: such keys sort
+    from `key`'s insertion point on."""
+    keys = node.sorted_keys
+    if not keys:
+        return None
+    i = bisect_left(keys, key)
+    return node.children[keys[i]] if i < len(keys) and keys[i].startswith(key) else None
 
 
 def along(node: RadixNode | None, tokens: np.ndarray, page_size: int) -> Iterator[tuple[RadixNode, int]]:
@@ -116,11 +149,11 @@ class GivenPages:
         if len(pages[:num_full]) < num_full:
             raise ValueError(f"insert: {num_full} full pages of tokens but only {len(pages)} pages")
 
-    def leaf(self, first: int) -> tuple[list[int], np.ndarray | None]:
-        """The pages from `first` on, for a new leaf (as a list, and an array if given one)."""
+    def leaf(self, first: int, end: int) -> tuple[list[int], np.ndarray | None]:
+        """The pages `first:end`, for a new leaf (as a list, and an array if given one)."""
         if self.array is None:
-            return self.list[first:], None
-        array = self.array[first:].copy()
+            return self.list[first:end], None
+        array = self.array[first:end].copy()
         return array.tolist(), array
 
     def span(self, first: int, count: int) -> list[int]:

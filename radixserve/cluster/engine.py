@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from radixserve.cache.radix import Retention
+from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.cluster.routing import prompt_pages
@@ -166,9 +166,10 @@ class ClusterEngine:
         results = await self._on_every_replica("close_session", session_id)
         return any(r is True for r in results)
 
-    async def flush_cache(self) -> int:
-        """Flushes every replica; returns the pages freed in all."""
-        return sum(r for r in await self._on_every_replica("flush") if isinstance(r, int))
+    async def flush_cache(self) -> PagesFreed:
+        """Flushes every replica; returns the pages freed in all (device, with `host`)."""
+        freed = [r for r in await self._on_every_replica("flush") if isinstance(r, int)]
+        return PagesFreed(sum(freed), sum(getattr(r, "host", 0) for r in freed))
 
     async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
         calls = [self._call_pinned(method, r, *args) for r in sorted(self.view.replicas)]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from radixserve.cache.radix import PagesFreed
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.protocol import Accepted, EventBatch, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.engine.async_engine import AsyncEngine
@@ -84,7 +85,7 @@ class EngineReplica:
         self._check_pin(replica)
         return await self.async_engine.close_session(session_id)
 
-    async def flush(self, replica: str) -> int:
+    async def flush(self, replica: str) -> PagesFreed:
         self._check_pin(replica)
         return await self.async_engine.flush_cache()
 

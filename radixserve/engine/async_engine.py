@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from radixserve.cache.radix import Retention
+from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import SamplingParams, StreamDelta
 
@@ -212,7 +212,7 @@ class AsyncEngine:
     async def close_session(self, session_id: str) -> bool:
         return await self._call(lambda: self.engine.close_session(session_id))
 
-    async def flush_cache(self) -> int:
+    async def flush_cache(self) -> PagesFreed:
         return await self._call(self.engine.flush_cache)
 
     def call(self, fn: Callable[[], _R]) -> asyncio.Future[_R]:

@@ -15,7 +15,7 @@ import torch
 
 from radixserve.attention.base import create_backend
 from radixserve.cache.events import CacheEvent
-from radixserve.cache.radix import Retention
+from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
 from radixserve.engine.beam_driver import BeamDriver
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -59,6 +59,8 @@ class Engine:
             cache; past it the least recently active sessions end early (default: half the
             device pool).
         enable_prefix_cache: False computes every prompt in full (a baseline).
+        cache_partial_pages: also cache a finished request's last, partly filled page, so a
+            conversation's next turn recomputes only its new tokens (False: full pages only).
         debug_checks: run the structural invariant checker after every step.
         host_num_pages / host_kv_memory_gb: size of the host tier, a second KV pool in host
             memory (pinned on CUDA) that pages evicted from the device go to and are loaded
@@ -84,7 +86,7 @@ class Engine:
                  backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
-                 generation_config: str = "auto") -> None:
+                 generation_config: str = "auto", cache_partial_pages: bool = True) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -106,7 +108,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
-                                   window=self.loaded.model.kv_window)
+                                   window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages)
         attention = create_backend(backend, self.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
         self.max_queue = max_queue
@@ -410,8 +412,9 @@ class Engine:
         """
         check_engine(self.scheduler, self.tree, self.beams, list(self._requests.values()), self._released)
 
-    def flush_cache(self) -> int:
-        """Drops every unlocked cached page; returns how many pages were freed."""
+    def flush_cache(self) -> PagesFreed:
+        """Drops every unlocked cached page; returns how many device pages were freed (an
+        int), with the host-tier pages freed as its `host`."""
         return self.tree.reset()
 
     def subscribe_events(self, callback: Callable[[CacheEvent], None], *,

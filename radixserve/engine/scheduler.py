@@ -49,7 +49,7 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
-                 prefix_cache: bool = True, window: int | None = None) -> None:
+                 prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -59,6 +59,9 @@ class Scheduler:
         self.clock = clock
         self.prefix_cache = prefix_cache  # False: nothing is matched or cached (a baseline)
         self.window = window  # sliding window of every layer, or None (some layer sees all)
+        # True: a released sequence's last, partly filled page is cached too (a partial leaf),
+        # so the next turn of a conversation recomputes only its new tokens at any page size.
+        self.cache_partial_pages = cache_partial_pages
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -318,12 +321,14 @@ class Scheduler:
     def _release_pages(self, seq: Sequence, cache: bool,
                        retention: Retention | None = None,
                        range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
-        """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree
-        (none once it has dropped pages: they would have no path from the root)."""
+        """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree,
+        and with `cache_partial_pages` its last, partly filled page too (none once it has
+        dropped pages: they would have no path from the root). Only a released sequence's
+        partial page is cached: a running one still writes into it."""
         if cache and self.prefix_cache and not seq.dropped_pages:
-            self.tree.insert(seq.token_ids[: (seq.num_computed // self.page_size) * self.page_size],
-                             seq.block_table[: seq.num_computed // self.page_size],
-                             seq.namespace, retention, list(range_retention))
+            computed = seq.num_computed if self.cache_partial_pages else seq.num_computed // self.page_size * self.page_size
+            self.tree.insert(seq.token_ids[:computed], seq.block_table[: -(-computed // self.page_size)],
+                             seq.namespace, retention, list(range_retention), partial=self.cache_partial_pages)
         released = seq.block_table[seq.dropped_pages:]
         self.pool.decref(released)
         if seq.lock_node is not None:
@@ -399,7 +404,7 @@ class Scheduler:
                range_retention: list[tuple[int, int, Retention]] = (), *, cache: bool = True) -> list[int]:
         """Releases a finished or aborted sequence wherever it is; returns the pages it let go.
 
-        With `cache`, its computed full pages stay in the tree."""
+        With `cache`, its computed pages stay in the tree (see `_release_pages`)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

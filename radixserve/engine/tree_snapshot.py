@@ -48,7 +48,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     id: int
     kind: str
     pages: int                      # pages on this edge (aggregate: in everything it stands for)
-    tokens: int                     # pages * page_size
+    tokens: int                     # pages * page_size (a partial leaf: the tokens its page holds)
     prefix_tokens: int              # tokens from the namespace root to the end of this edge
     subtree_pages: int              # this edge and everything below it
     subtree_nodes: int              # nodes in the subtree, this one included (not for "cache")
@@ -65,6 +65,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     hash: str | None = None
     token_ids: list[int] | None = None  # the edge's tokens, only with --expose-cache-tokens
     text: str | None = None             # the edge decoded, only with --expose-cache-tokens
+    partial: bool = False           # a partial leaf: one page, fewer than page_size tokens, no hash
     children: list[TreeNodeView] = []
 
 
@@ -146,7 +147,7 @@ class _Facts:
         self.index[None] = -1
         n = len(self.nodes)
         self.parent = [self.index[node.parent] for node in self.nodes]
-        self.pages = [len(node.tokens) // tree.page_size for node in self.nodes]  # on either tier
+        self.pages = [node.num_pages(tree.page_size) for node in self.nodes]  # on either tier
         self.depth = [0] * n
         self.prefix_pages = [0] * n
         for i, p in enumerate(self.parent):
@@ -275,14 +276,14 @@ class _Builder:
         last_hash, state = self._last_hash(node, parent_state)
         token_ids = node.tokens.tolist() if self.options.include_tokens else None
         view = TreeNodeView(
-            id=self._id(), kind="node", pages=f.pages[i], tokens=f.pages[i] * size,
-            prefix_tokens=f.prefix_pages[i] * size, subtree_pages=f.subtree_pages[i],
+            id=self._id(), kind="node", pages=f.pages[i], tokens=len(node.tokens),
+            prefix_tokens=(f.prefix_pages[i] - f.pages[i]) * size + len(node.tokens), subtree_pages=f.subtree_pages[i],
             subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits, tier=_tier(node),
             priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
             priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
             namespace=self._namespace(node.namespace), hash=last_hash,
-            token_ids=token_ids,
+            token_ids=token_ids, partial=node.partial,
             text=self.decode(token_ids) if self.decode is not None and token_ids is not None else None)
         self.views[i] = view
         self.nodes_shown += 1
@@ -291,7 +292,7 @@ class _Builder:
     def _last_hash(self, node: RadixNode, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
         """The page hash of the edge's last page (what cache events call it) and the chain
         state for the children; computed here, not read from the tree's own cache of it."""
-        if not self.options.include_hashes or not node.pages:
+        if not self.options.include_hashes or not node.pages or node.partial:  # events name full pages only
             return None, parent_state
         state, depth = parent_state
         ns_id = self._namespace(node.namespace)

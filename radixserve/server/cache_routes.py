@@ -124,7 +124,9 @@ class CacheRoutes:
         """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`)."""
         self.authorize(request)
         freed = await self.engine.flush_cache()
-        return _json({"object": "cache.flush", "pages_freed": freed, "tiers": {"device": freed}})
+        # `pages_freed` stays the device count (what it always was); "tiers" names both.
+        tiers = {"device": int(freed), "host": getattr(freed, "host", 0)}
+        return _json({"object": "cache.flush", "pages_freed": int(freed), "tiers": tiers})
 
     async def events(self, request: Request) -> Response:
         """GET /v1/cache/events: SSE, `data: <json>` per message (docs/server.md)."""
