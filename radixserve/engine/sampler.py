@@ -16,6 +16,11 @@ On the CPU (float32 logits) one call of the fused C sampler (`radixserve.native.
 this for every row when it is built, with the same semantics; the torch code below is the
 path everywhere else.
 
+Constrained rows (a request with a grammar: radixserve/grammar) come with a TokenMask: the
+logits of the tokens their grammar forbids are set to -inf in place before either sampler
+runs, so greedy, temperature, top-k, top-p and min-p all choose among the allowed tokens only,
+and rows without a mask are not touched (nor is any work done for them).
+
 Top-p without a full sort: the kept set is read off the `TOP_P_CANDIDATES` most likely
 tokens (`topk`), and only rows whose kept set is larger fall back to sorting their whole
 vocabulary. The top token is always kept (a `top_p` that rounds to zero, or a distribution
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 
 from radixserve.engine.params import SamplingParams, TokenLogprob
+from radixserve.grammar import TokenMask
 from radixserve.native import sampling as native_sampling
 
 TOP_P_CANDIDATES = 256
@@ -156,10 +162,13 @@ def _param_tensors(params: list[SamplingParams], device: torch.device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],
-           steps: list[int]) -> list[int]:
+           steps: list[int], mask: TokenMask | None = None) -> list[int]:
     """One token per row of `logits` [B, vocab] (float32). Row b uses `params[b]`; a sampled
     (non-greedy) row draws with `seeds[b]` at position `steps[b]` (the tokens its sample
-    generated before this one)."""
+    generated before this one). `mask` restricts its rows to their allowed tokens: it writes
+    -inf into `logits` (so logprobs computed afterwards are the constrained distribution's)."""
+    if mask is not None:
+        mask.apply(logits)
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return torch.argmax(logits, dim=-1).tolist()
@@ -230,6 +239,7 @@ def compute_logprobs(logits: torch.Tensor, tokens: list[int], top_ks: list[int |
     top_ids_rows, top_values_rows, chosen_rows = top_ids.tolist(), top_values.tolist(), chosen[:, 0].tolist()
     for row, i in enumerate(wanted):
         k = top_ks[i] or 0
-        top = list(zip(top_ids_rows[row][:k], top_values_rows[row][:k]))
+        # A constrained row's forbidden tokens (-inf) are no alternatives.
+        top = [(t, v) for t, v in zip(top_ids_rows[row][:k], top_values_rows[row][:k]) if v != float("-inf")]
         out[i] = TokenLogprob(tokens[i], chosen_rows[row], top)
     return out

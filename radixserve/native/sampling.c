@@ -309,3 +309,23 @@ int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows,
 void radixserve_exp_nonpositive(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = exp_nonpositive(x[i]);
 }
+
+/* A grammar's token mask, applied in place before sampling: logits[rows[i]][t] becomes -inf
+ * for every token t whose bit is clear in the i-th bitmask row (int32 words, bit t % 32 of
+ * word t / 32: xgrammar's layout, `words` per row). A word with every bit set (the common case
+ * inside a JSON string) is skipped; the others select without a branch, so the loop vectorises.
+ * radixserve/native/checks.py: token_mask_arguments has checked the rows and sizes. */
+void radixserve_apply_token_mask(float *logits, int64_t row_stride, int64_t vocab, const int64_t *rows,
+                                 int64_t num_rows, const uint32_t *bitmask, int64_t words) {
+    for (int64_t i = 0; i < num_rows; ++i) {
+        float *x = logits + rows[i] * row_stride;
+        const uint32_t *mask = bitmask + i * words;
+        for (int64_t w = 0; w * 32 < vocab; ++w) {
+            uint32_t word = mask[w];
+            if (word == 0xFFFFFFFFu) continue;
+            float *y = x + w * 32;
+            int64_t n = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
+            for (int64_t b = 0; b < n; ++b) y[b] = (word >> b) & 1u ? y[b] : -INFINITY;
+        }
+    }
+}

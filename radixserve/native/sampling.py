@@ -34,6 +34,27 @@ def load() -> ctypes.CDLL | None:
     ])
 
 
+@functools.cache
+def load_mask() -> ctypes.CDLL | None:
+    """The same library with the token-mask function declared; None when it cannot be built."""
+    return build.load_declared(NAME, "radixserve_apply_token_mask", None, [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # logits, stride, vocab
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # rows, count, bitmask, words
+    ])
+
+
+def apply_token_mask(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
+    """Sets to -inf, in place, the logits of row `rows[i]` whose bit is clear in `bitmask[i]`
+    (int32 words, xgrammar's layout). Raises ValueError, before any C runs, on arguments the
+    kernel cannot read (`checks.token_mask_arguments`); RuntimeError when not built."""
+    library = load_mask()
+    if library is None:
+        raise RuntimeError(f"the CPU sampler is unavailable: {build.unavailable_reason(NAME)}")
+    indices, words = checks.token_mask_arguments(logits, rows, bitmask)
+    library.radixserve_apply_token_mask(logits.data_ptr(), logits.stride(0), logits.shape[1], indices.ctypes.data,
+                                        len(indices), words.ctypes.data, words.shape[1])
+
+
 def usable(logits: Tensor) -> bool:
     """Whether these logits can be sampled here (CPU, float32, rows of unit stride)."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
