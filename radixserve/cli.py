@@ -43,6 +43,18 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help="TCP port to listen on (default: %(default)s)")
+    _add_cache_args(serve)
+    _add_host_tier_args(serve)
+    _add_scheduling_args(serve)
+    _add_api_args(serve)
+    _add_model_args(serve)
+    _add_cluster_args(serve)
+    _add_process_args(serve)
+    serve.set_defaults(handler=serve_command)
+
+
+def _add_cache_args(serve: argparse.ArgumentParser) -> None:
+    """The KV pool's size and page size."""
     serve.add_argument("--page-size", type=int, default=16,
                        help="tokens per KV page, a power of two (default: %(default)s)")
     pool = serve.add_mutually_exclusive_group()
@@ -50,6 +62,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="size of the KV pool in pages (default: sized by --kv-memory-gb)")
     pool.add_argument("--kv-memory-gb", type=float, default=None,
                       help="size of the KV pool in GiB (default: 0.5 on CPU, 80%% of free memory on CUDA)")
+
+
+def _add_host_tier_args(serve: argparse.ArgumentParser) -> None:
+    """The host tier: its size and when pages go there."""
     host = serve.add_mutually_exclusive_group()
     host.add_argument("--host-kv-memory-gb", type=float, default=None,
                       help="size of the host tier in GiB: a second KV pool in host memory (pinned on "
@@ -64,6 +80,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host-offload-min-priority", type=int, default=35,
                        help="device-only pages below this retention priority are dropped on eviction "
                             "instead of copied to the host tier (default: %(default)s)")
+
+
+def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
+    """Scheduling and eviction: policies and batch limits."""
     serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                        help="order of waiting requests: longest cached prefix first, DFS over "
                             "shared prefixes, or arrival order (default: %(default)s)")
@@ -80,6 +100,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=2048,
                        help="tokens per forward step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
+
+
+def _add_api_args(serve: argparse.ArgumentParser) -> None:
+    """What the HTTP API requires and exposes."""
     serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes "
                             "(default: $RADIXSERVE_API_KEY, else no key)")
@@ -89,6 +113,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--cache-event-buffer", type=int, default=4096,
                        help="events a /v1/cache/events reader may fall behind before it gets a reset "
                             "and a fresh snapshot (default: %(default)s)")
+
+
+def _add_model_args(serve: argparse.ArgumentParser) -> None:
+    """How the model is loaded and named."""
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and KV dtype; auto: the checkpoint's on CUDA, float32 on CPU "
                             "(default: %(default)s)")
@@ -96,6 +124,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name listed by /v1/models (default: the model's own name)")
+
+
+def _add_cluster_args(serve: argparse.ArgumentParser) -> None:
+    """Scale-out on Ray Serve."""
     cluster = serve.add_argument_group("scale-out (Ray Serve; pip install -e '.[cluster]')")
     cluster.add_argument("--replicas", type=int, default=None, metavar="N",
                          help="serve N engine replicas on Ray Serve behind one API, each request routed "
@@ -110,6 +142,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                               "(default: %(default)s)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0,
                          help="Ray CPUs reserved per replica (default: %(default)s)")
+
+
+def _add_process_args(serve: argparse.ArgumentParser) -> None:
+    """The server process: logging, the watchdog, shutdown."""
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
     serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
@@ -122,7 +158,6 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--debug-stall-engine", action="store_true",
                        help="debugging: hold the engine thread inside its first step for good, to see the "
                             "watchdog (/health 503) and the bounded shutdown at work")
-    serve.set_defaults(handler=serve_command)
 
 
 def _add_bench_parser_if_present(subparsers: argparse._SubParsersAction) -> None:

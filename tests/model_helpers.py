@@ -18,6 +18,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -93,26 +94,37 @@ def write_tiny_checkpoint(name: str, directory: Path, seed: int = 0, *, window: 
     seed += names.index(name)
     tokenizer = build_tokenizer(TINY_VOCAB, max_length=512)
     configs = tiny_configs(len(tokenizer)) if window is None else windowed_configs(len(tokenizer), window)
-    config = configs[name]
+    return save_random_checkpoint(configs[name], tokenizer, directory, seed)
+
+
+def save_random_checkpoint(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast, directory: Path,
+                           seed: int) -> Path:
+    """Save a model of `config` with redrawn weights (see redraw_weights) and `tokenizer`, its
+    special-token ids set from the tokenizer's ChatML tokens, into `directory`."""
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config.pad_token_id = config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if param_name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * noise)
-            elif param_name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            elif param_name.endswith("embed_tokens.weight"):
-                param.copy_(0.25 * noise)
-            else:
-                param.copy_(noise * param.shape[1] ** -0.5)
+    redraw_weights(model, seed)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def redraw_weights(model: torch.nn.Module, seed: int) -> None:
+    """Redraw an HF model's weights with O(1) activations (see write_tiny_checkpoint)."""
+    generator = torch.Generator().manual_seed(seed)
+    for param_name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=generator)
+        if param_name.endswith("norm.weight"):
+            param.copy_(1 + 0.1 * noise)
+        elif param_name.endswith(".bias"):
+            param.copy_(0.1 * noise)
+        elif param_name.endswith("embed_tokens.weight"):
+            param.copy_(0.25 * noise)
+        else:
+            param.copy_(noise * param.shape[1] ** -0.5)
 
 
 def load_reference(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

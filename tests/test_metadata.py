@@ -22,7 +22,7 @@ def assert_same(a: AttentionMetadata, b: AttentionMetadata) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), name
     assert a.is_decode == b.is_decode and a.page_size == b.page_size
     for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "qo_lens"):
-        assert np.array_equal(getattr(a.host, name), getattr(b.host, name)), name
+        assert np.array_equal(getattr(a.cpu, name), getattr(b.cpu, name)), name
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -147,8 +147,8 @@ def test_released_pages_leave_the_metadata_and_windowed_attention_is_unchanged(p
     whole = AttentionMetadata.build(tables, kv_lens, num_new, page_size, "cpu")
     assert torch.equal(meta.positions, whole.positions)
     assert torch.equal(meta.slot_mapping, whole.slot_mapping)
-    assert meta.host.kv_lens.tolist() == [kv - d * page_size for kv, d in zip(kv_lens, dropped)]
-    assert (meta.host.kv_indices >= 0).all()
+    assert meta.cpu.kv_lens.tolist() == [kv - d * page_size for kv, d in zip(kv_lens, dropped)]
+    assert (meta.cpu.kv_indices >= 0).all()
     backend = TorchBackend()
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, windows=[window])
     out = backend.forward(q, k_cache, v_cache, sm_scale=0.3, window=window)

@@ -37,18 +37,18 @@ def kernel_output(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tenso
 def rows_of(meta: AttentionMetadata, kv_indices: torch.Tensor | np.ndarray | None = None
             ) -> paged_attention.PagedRows:
     """Every sequence of a decode-only `meta` as kernel rows over all its keys."""
-    host = meta.host
-    return paged_attention.PagedRows(host.kv_indices if kv_indices is None else kv_indices,
-                                     host.qo_indptr[:-1], host.kv_indptr[:-1], np.zeros(len(host.kv_lens), np.int64),
-                                     host.kv_lens, page_size=meta.page_size)
+    cpu = meta.cpu
+    return paged_attention.PagedRows(cpu.kv_indices if kv_indices is None else kv_indices,
+                                     cpu.qo_indptr[:-1], cpu.kv_indptr[:-1], np.zeros(len(cpu.kv_lens), np.int64),
+                                     cpu.kv_lens, page_size=meta.page_size)
 
 
 def with_page(meta: AttentionMetadata, sequence: int, page: int) -> AttentionMetadata:
     """`meta` with the first page of `sequence` replaced by `page` (a copy)."""
-    kv = meta.host.kv_indices.astype(np.int64)
-    kv[meta.host.kv_indptr[sequence]] = page
-    host = dataclasses.replace(meta.host, kv_indices=kv)
-    return dataclasses.replace(meta, kv_indices=torch.from_numpy(kv), host=host)
+    kv = meta.cpu.kv_indices.astype(np.int64)
+    kv[meta.cpu.kv_indptr[sequence]] = page
+    cpu = dataclasses.replace(meta.cpu, kv_indices=kv)
+    return dataclasses.replace(meta, kv_indices=torch.from_numpy(kv), cpu=cpu)
 
 
 @pytest.mark.parametrize("past", [0, 1, 2**30, 2**31 - 1 - 40, 2**40])
@@ -70,12 +70,12 @@ def test_only_the_pages_the_rows_read_are_checked() -> None:
     """A page a row lists but never reads (beyond its keys, or before its window) may be
     anything: the engine's tables hold spare pages."""
     _, _, _, k_cache, v_cache, q, meta = decode_batch()
-    host = meta.host
-    kv = host.kv_indices.astype(np.int64)
+    cpu = meta.cpu
+    kv = cpu.kv_indices.astype(np.int64)
     # Sequence 0 has 20 keys (pages 0-4 of its table); read only keys 8 .. 19: its first two
     # pages are not read.
-    kv[host.kv_indptr[0]] = 10**6
-    rows = paged_attention.PagedRows(kv, host.qo_indptr[:1], host.kv_indptr[:1], [8], [20], page_size=4)
+    kv[cpu.kv_indptr[0]] = 10**6
+    rows = paged_attention.PagedRows(kv, cpu.qo_indptr[:1], cpu.kv_indptr[:1], [8], [20], page_size=4)
     assert rows.checked.max_page < k_cache.shape[0]
     out = torch.zeros_like(q)
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)
@@ -94,7 +94,7 @@ def test_int64_kv_indices_give_the_int32_result(dtype: torch.dtype) -> None:
 def test_index_arrays_that_are_not_integers_are_refused() -> None:
     _, _, _, _, _, _, meta = decode_batch()
     with pytest.raises(ValueError, match="kv_indices must be a 1-D integer array, got float32"):
-        rows_of(meta, meta.host.kv_indices.astype(np.float32))
+        rows_of(meta, meta.cpu.kv_indices.astype(np.float32))
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -107,11 +107,11 @@ def test_index_arrays_that_are_not_integers_are_refused() -> None:
 ])
 def test_rows_out_of_bounds_are_refused(change: dict, message: str) -> None:
     _, _, _, _, _, _, meta = decode_batch()
-    host = meta.host
-    arguments = dict(rows=host.qo_indptr[:-1], page_start=host.kv_indptr[:-1], lo=[0, 0, 0], hi=host.kv_lens)
+    cpu = meta.cpu
+    arguments = dict(rows=cpu.qo_indptr[:-1], page_start=cpu.kv_indptr[:-1], lo=[0, 0, 0], hi=cpu.kv_lens)
     arguments.update(change)
     with pytest.raises(ValueError, match=message):
-        paged_attention.PagedRows(host.kv_indices, page_size=4, **arguments)
+        paged_attention.PagedRows(cpu.kv_indices, page_size=4, **arguments)
 
 
 def test_calls_that_do_not_fit_the_rows_are_refused() -> None:

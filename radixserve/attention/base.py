@@ -31,11 +31,11 @@ from torch import Tensor
 
 
 @dataclass
-class HostIndices:
-    """The step's index arrays on the host (numpy), for whatever plans on the CPU.
+class CpuIndices:
+    """The step's index arrays in CPU memory (numpy), for whatever plans on the CPU.
 
     Backends plan from these rather than from the device tensors: on a GPU, reading a device
-    tensor back would stall the host until the device catches up.
+    tensor back would stall the CPU until the device catches up.
     """
 
     qo_indptr: np.ndarray  # int32 [B+1]
@@ -52,8 +52,8 @@ class AttentionMetadata:
     """Where a step's tokens come from and go to; built once per step, shared by all layers.
 
     Index tensors follow FlashInfer's paged-KV conventions and are int32; `positions` and
-    `slot_mapping` are int64 (they index tensors directly). `host` holds the same indices as
-    numpy arrays on the host.
+    `slot_mapping` are int64 (they index tensors directly). `cpu` holds the same indices as
+    numpy arrays in CPU memory.
     """
 
     qo_indptr: Tensor  # int32 [B+1]: sequence b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
@@ -64,7 +64,7 @@ class AttentionMetadata:
     slot_mapping: Tensor  # int64 [T]: page * page_size + offset where its K/V are written
     page_size: int
     is_decode: bool  # every sequence has exactly one new token
-    host: HostIndices
+    cpu: CpuIndices
 
     @property
     def batch_size(self) -> int:
@@ -125,7 +125,7 @@ class AttentionMetadata:
         kv_offsets: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """The metadata of sequences whose used pages are given as int32 arrays, exactly
-        ceil(kv_len / page_size) each; vectorised over the batch (numpy on the host, one copy
+        ceil(kv_len / page_size) each; vectorised over the batch (numpy on the CPU, one copy
         per tensor to the device).
 
         `kv_offsets[b]` (a multiple of page_size; default 0) counts sequence b's tokens
@@ -162,7 +162,7 @@ class AttentionMetadata:
         if kv_offsets is not None:
             positions = positions + kv_offsets.reshape(-1)[seq_of_token]
 
-        host = HostIndices(
+        cpu = CpuIndices(
             qo_indptr=qo_indptr.astype(np.int32), kv_indptr=kv_indptr.astype(np.int32),
             kv_indices=kv_indices.astype(np.int32, copy=False),
             kv_last_page_len=last_page_len.astype(np.int32), kv_lens=kv_lens.astype(np.int64),
@@ -174,15 +174,15 @@ class AttentionMetadata:
             return torch.from_numpy(array).to(device)
 
         return cls(
-            qo_indptr=on_device(host.qo_indptr),
-            kv_indptr=on_device(host.kv_indptr),
-            kv_indices=on_device(host.kv_indices),
-            kv_last_page_len=on_device(host.kv_last_page_len),
+            qo_indptr=on_device(cpu.qo_indptr),
+            kv_indptr=on_device(cpu.kv_indptr),
+            kv_indices=on_device(cpu.kv_indices),
+            kv_last_page_len=on_device(cpu.kv_last_page_len),
             positions=on_device(np.ascontiguousarray(positions, dtype=np.int64)),
             slot_mapping=on_device(slot_mapping),
             page_size=page_size,
             is_decode=is_decode,
-            host=host,
+            cpu=cpu,
         )
 
 

@@ -6,10 +6,10 @@ the planned kernel on its own caches. FlashInfer is imported lazily, so this mod
 on machines without it.
 
 Host tensors. FlashInfer's `plan` builds its schedule on the CPU: it copies the index
-pointers and last-page lengths to the host (`.to("cpu")`) and the page indices to the
+pointers and last-page lengths in CPU memory (`.to("cpu")`) and the page indices to the
 device. Handing it device tensors would make each step copy them back, a device-to-host
 copy that waits for every kernel queued before it. So the indptrs and last-page lengths come
-from the metadata's host arrays (`meta.host`, int32 CPU tensors sharing their memory) and
+from the metadata's CPU arrays (`meta.cpu`, int32 CPU tensors sharing their memory) and
 only `kv_indices` is a device tensor.
 
 Tensor cores for decode. FlashInfer's decode kernels run on CUDA cores; with
@@ -90,9 +90,9 @@ class FlashInferBackend(AttentionBackend):
         # The softmax scale is fixed at plan time in FlashInfer but given per forward in our
         # interface: plan with the usual 1/sqrt(d) and rescale q in forward if it differs.
         self._planned_scale = 1.0 / math.sqrt(head_dim)
-        host = meta.host
-        kv_indptr = torch.from_numpy(host.kv_indptr)  # int32, CPU: see the module docstring
-        last_page_len = torch.from_numpy(host.kv_last_page_len)
+        cpu = meta.cpu
+        kv_indptr = torch.from_numpy(cpu.kv_indptr)  # int32, CPU: see the module docstring
+        last_page_len = torch.from_numpy(cpu.kv_last_page_len)
         tensor_cores = decode_uses_tensor_cores(num_qo_heads, num_kv_heads)
         self._planned = {}
         for window in dict.fromkeys(windows):
@@ -106,7 +106,7 @@ class FlashInferBackend(AttentionBackend):
                 wrapper.plan(kv_indptr, meta.kv_indices, last_page_len, num_qo_heads, num_kv_heads,
                              head_dim, meta.page_size, **common)
             else:
-                wrapper.plan(torch.from_numpy(host.qo_indptr), kv_indptr, meta.kv_indices, last_page_len,
+                wrapper.plan(torch.from_numpy(cpu.qo_indptr), kv_indptr, meta.kv_indices, last_page_len,
                              num_qo_heads, num_kv_heads, head_dim, meta.page_size, causal=True, **common)
             self._planned[window] = wrapper
 

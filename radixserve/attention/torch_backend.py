@@ -28,8 +28,8 @@ around that:
 
 Padding keys re-read their sequence's last written key and padding queries repeat its last
 query; both are masked or dropped, and no never-written slot is ever read (the tests fill
-caches with NaN, which would poison even a masked softmax). `plan` runs on the host from
-`meta.host`, once per step; each layer's `forward` is one gather and one SDPA per group.
+caches with NaN, which would poison even a masked softmax). `plan` runs on the CPU from
+`meta.cpu`, once per step; each layer's `forward` is one gather and one SDPA per group.
 
 Sliding windows. `plan` builds one set of groups per window the layers use. A windowed set
 gathers, per sequence, only the keys its first new query can see (from position
@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata, HostIndices
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, CpuIndices
 from radixserve.native import paged_attention
 
 MAX_PADDING = 0.125  # a group's padded attention area may exceed its real area by this much
@@ -96,14 +96,14 @@ class TorchBackend(AttentionBackend):
     ) -> None:
         """Group the sequences and build their gather indices and masks for this step, once
         per window in `windows`."""
-        host = meta.host
+        cpu = meta.cpu
         row_elements = num_kv_heads * head_dim
         device = meta.positions.device
         kernel = (self.use_kernel and device.type == "cpu" and dtype == torch.float32
                   and paged_attention.load() is not None)
         groups: dict[int | None, list[_Group]] = {}
         kernel_rows: dict[int | None, paged_attention.PagedRows] = {}
-        longest = int(host.kv_lens.max(initial=0))
+        longest = int(cpu.kv_lens.max(initial=0))
         for window in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
             if window is not None and window < 1:
                 raise ValueError(f"a sliding window must be >= 1 token, got {window}")
@@ -112,7 +112,7 @@ class TorchBackend(AttentionBackend):
                 if None in kernel_rows:
                     kernel_rows[window] = kernel_rows[None]
                 continue
-            groups[window], rows = _plan_window(host, meta.page_size, device, row_elements, window, kernel)
+            groups[window], rows = _plan_window(cpu, meta.page_size, device, row_elements, window, kernel)
             if rows is not None:
                 kernel_rows[window] = rows
         self._groups = groups
@@ -170,15 +170,15 @@ class TorchBackend(AttentionBackend):
         return ws[:elements], ws[elements: 2 * elements]
 
 
-def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_elements: int,
+def _plan_window(cpu: CpuIndices, page_size: int, device: torch.device, row_elements: int,
                  window: int | None, kernel: bool) -> tuple[list[_Group], paged_attention.PagedRows | None]:
     """The groups of one window (None: full attention) over the sequences with new tokens;
     with `kernel`, decoding sequences are left out of them and returned as kernel rows."""
-    qo_lens, kv_lens = host.qo_lens, host.kv_lens
+    qo_lens, kv_lens = cpu.qo_lens, cpu.kv_lens
     # Each sequence's first key any of its queries sees, counted from its first held page
     # (full attention: position 0, before the released pages if there are any).
-    first_seen = -host.kv_offsets if window is None else kv_lens - qo_lens - window + 1
-    short = np.flatnonzero((first_seen < 0) & (host.kv_offsets > 0) & (qo_lens > 0))
+    first_seen = -cpu.kv_offsets if window is None else kv_lens - qo_lens - window + 1
+    short = np.flatnonzero((first_seen < 0) & (cpu.kv_offsets > 0) & (qo_lens > 0))
     if short.size:  # a released page is needed: the scheduler's window rule and this disagree
         b = int(short[0])
         raise ValueError(f"sequence {b}: a {'full' if window is None else f'window of {window}'} attention "
@@ -196,12 +196,12 @@ def _plan_window(host: HostIndices, page_size: int, device: torch.device, row_el
     rows = None
     if kernel and decoding.size:
         # A decode's one query sees keys key_start .. kv_len - 1 of its held pages.
-        rows = paged_attention.PagedRows(host.kv_indices, host.qo_indptr[decoding], host.kv_indptr[decoding],
+        rows = paged_attention.PagedRows(cpu.kv_indices, cpu.qo_indptr[decoding], cpu.kv_indptr[decoding],
                                          key_start[decoding], kv_lens[decoding], page_size=page_size)
         decoding = decoding[:0]
     # Sequences without new tokens need no attention and belong to no group.
     groups = [
-        _build_group(members, host, key_start, page_size, device, window)
+        _build_group(members, cpu, key_start, page_size, device, window)
         for seqs in (decoding, prefilling, *by_length)
         for members in _split(seqs, kv_lens - key_start, qo_lens, row_elements)
     ]
@@ -233,22 +233,22 @@ def _split(seqs: np.ndarray, num_keys: np.ndarray, qo_lens: np.ndarray, row_elem
     return groups
 
 
-def _build_group(seqs: np.ndarray, host: HostIndices, key_start: np.ndarray, page_size: int,
+def _build_group(seqs: np.ndarray, cpu: CpuIndices, key_start: np.ndarray, page_size: int,
                  device: torch.device, window: int | None) -> _Group:
     """Gather indices, query rows and mask of sequences that each have >= 1 new token; each
     gathers its keys from `key_start` on, and with `window` each query sees its last
     `window` keys only."""
-    kv_lens = host.kv_lens[seqs]
-    q_lens = host.qo_lens[seqs]
+    kv_lens = cpu.kv_lens[seqs]
+    q_lens = cpu.qo_lens[seqs]
     first_key = key_start[seqs]
     num_keys = kv_lens - first_key
-    q_start = host.qo_indptr[seqs].astype(np.int64)
-    page_start = host.kv_indptr[seqs].astype(np.int64)
+    q_start = cpu.qo_indptr[seqs].astype(np.int64)
+    page_start = cpu.kv_indptr[seqs].astype(np.int64)
     n, num_k, num_q = len(seqs), int(num_keys.max()), int(q_lens.max())
     key_slot = np.arange(num_k)
     # Padding keys re-read their sequence's last key: it was written, so it is finite.
     key_pos = first_key[:, None] + np.minimum(key_slot, num_keys[:, None] - 1)  # [n, K]
-    pages = host.kv_indices[page_start[:, None] + key_pos // page_size].astype(np.int64)
+    pages = cpu.kv_indices[page_start[:, None] + key_pos // page_size].astype(np.int64)
     kv_slots = pages * page_size + key_pos % page_size
     # Padding queries repeat their sequence's last query; their outputs are dropped.
     q_offset = np.arange(num_q)

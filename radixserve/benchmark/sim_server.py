@@ -8,7 +8,7 @@ copy channel, overlapping the steps, as on CUDA; the sequence waits for it). Gen
 are the workload's known reply followed by an end token, or unique filler tokens where the
 reply is unknown, so what the tree caches is what the engine would cache. With `window` (a
 model whose every layer has that sliding window) running sequences release the pages that
-leave it, as the engine does (`Scheduler.trim_window`).
+leave it, as the engine does: both run `Scheduler.advance` after a step.
 
 The driver (simulate.py) owns arrivals and time between requests; a server only advances
 its own clock (`now`), so several servers can run side by side.
@@ -206,16 +206,10 @@ class SimServer:
         prefilled = sum(c.num_new for c in chunks if c.num_new > 1)
         self.now += self.spec.decode_step_s + prefilled / self.spec.prefill_tokens_per_s
         finished: list[SimRequest] = []
-        for chunk in chunks:  # what Engine._process does, minus the model
-            seq = chunk.seq
-            needs_token = chunk.needs_logits
-            seq.num_computed += chunk.num_new
+
+        def take_token(seq: Sequence) -> None:
+            """The model's next token is the reply's; the last one ends the request."""
             req: SimRequest = seq.request
-            if chunk.num_new > 1:
-                self.scheduler.cache_computed(seq, None, req.range_retention())
-            self.scheduler.trim_window(seq)
-            if not needs_token:
-                continue
             if req.first_token_at is None:
                 req.first_token_at = self.now
             token = int(req.reply[len(seq.output_ids)])
@@ -226,6 +220,8 @@ class SimServer:
                 self.scheduler.finish(seq, None, req.range_retention())
                 req.finished_at = self.now
                 finished.append(req)
+
+        self.scheduler.advance(chunks, take_token)  # the engine's bookkeeping, minus the model
         self._count_held_pages()
         return True, finished
 

@@ -2,7 +2,8 @@
 
 Eviction takes pages from the tail of unlocked leaves. An `EvictionPolicy` turns a leaf's
 tail-page retention priority (see retention.py) and its recency into a sort key, smallest
-evicted first; an `EvictionQueue` keeps the leaves in that order.
+evicted first; `EvictionOrder` applies it to tree nodes; an `EvictionQueue` keeps the leaves
+in that order and drains them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from collections.abc import Callable, Iterator
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
+
+from radixserve.cache.node import RadixNode
+from radixserve.cache.retention import DEFAULT_PRIORITY
 
 EvictionKey = tuple[int, ...]
 
@@ -77,6 +81,30 @@ def make_policy(name: str) -> EvictionPolicy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"eviction_policy: unknown {name!r}, expected one of {sorted(POLICIES)}") from None
+
+
+class EvictionOrder:
+    """A tree's eviction order over its nodes, shared by both tiers' queues: a leaf's key,
+    its pages' effective priorities, and how many of its tail pages go before the next leaf."""
+
+    def __init__(self, policy: EvictionPolicy, page_size: int) -> None:
+        self.policy = policy
+        self.page_size = page_size
+
+    def key(self, node: RadixNode, now: float) -> EvictionKey:
+        """The policy's key of `node` as a leaf (its tail page's priority, its recency)."""
+        priority = DEFAULT_PRIORITY if node.retention is None else node.retention.tail_priority(now)
+        return self.policy.key(priority, node.tick)
+
+    def effective(self, node: RadixNode, now: float) -> np.ndarray:
+        """The effective retention priority of each of `node`'s pages at `now`."""
+        if node.retention is None:
+            return np.full(len(node.tokens) // self.page_size, DEFAULT_PRIORITY, dtype=np.int16)
+        return node.retention.effective(now)
+
+    def tail_run(self, node: RadixNode, now: float, bound: EvictionKey | None) -> int:
+        """How many tail pages of a popped leaf sort before `bound`, the next leaf's key."""
+        return self.policy.tail_run(self.effective(node, now), node.tick, bound)
 
 
 class Queueable(Protocol):
@@ -155,6 +183,20 @@ class EvictionQueue(Generic[N]):
                 continue
             return node, key, heap[0][0] if heap else None
         return None
+
+    def drain(self, num_pages: int, now: float, tail_run: Callable[[N, float, EvictionKey | None], int],
+              take: Callable[[N, int, float], int]) -> int:
+        """Pops leaves in order and lets `take(node, count, now)` remove the run of tail pages
+        that sort before the next leaf (`tail_run(node, now, next key)` pages), until `take`
+        has counted `num_pages`; returns the count."""
+        done = 0
+        while done < num_pages:
+            popped = self.pop(now)
+            if popped is None:
+                break
+            node, _, bound = popped
+            done += take(node, min(tail_run(node, now, bound), num_pages - done), now)
+        return done
 
     def forget(self, keep: Callable[[N], bool]) -> None:
         """Drops every entry (nodes left must be re-pushed when they become candidates) and

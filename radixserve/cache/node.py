@@ -1,8 +1,20 @@
 """The radix tree's node (an edge and the pages of its tokens on each tier) and the result
-of a match. Shared by the tree's modules; read-only outside the tree."""
+of a match. Shared by the tree's modules; read-only outside the tree.
+
+Layout. Each node's edge holds a whole number of pages: `tokens` (int64 array, page-aligned)
+and, per tier, the pages holding their K/V: `pages` on the device (a list, one page per
+`page_size` tokens, or empty when the edge lives on the host only; also kept as the int64
+`page_array` for the pool, made once per node: at page size 1 converting page lists on every
+incref/decref cost more than the tree) and `host` (the host tier's pages, or None). Children
+are found by a dict keyed by the raw bytes of their first page, so a walk does one dict
+lookup per node and compares the rest of the edge as one numpy slice compare. For
+token-deep partial matches each node also keeps its children's keys sorted: the child
+sharing the longest prefix with a query page is next to the query's insertion point.
+"""
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -82,6 +94,73 @@ class RadixNode:
         self._pages = self._pages[num_pages:]
         self._page_array = None if array is None else array[num_pages:]
         return head, None if array is None else array[:num_pages]
+
+    def cut_tail(self, keep: int, page_size: int) -> None:
+        """Keeps the edge's first `keep` pages of tokens and retention (eviction from the
+        tail, on whichever tier held them); the hash chain ends elsewhere now."""
+        self.tokens = self.tokens[: keep * page_size]
+        self.chain = None
+        if self.retention is not None:
+            self.retention.truncate(keep)
+
+    def subtree(self) -> list[RadixNode]:
+        """This node and every node below it."""
+        nodes, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            nodes.append(node)
+        return nodes
+
+    def attach(self, child: RadixNode) -> None:
+        """Links `child` below this node (under its key)."""
+        child.parent = self
+        self.children[child.key] = child
+        if child.pages:
+            self.device_children += 1
+        if self.sorted_keys is not None:
+            insort(self.sorted_keys, child.key)
+
+    def unlink(self, key: bytes) -> RadixNode:
+        """Removes the child under `key` from this node's children; returns it."""
+        child = self.children.pop(key)
+        if child.pages:
+            self.device_children -= 1
+        if self.sorted_keys is not None:
+            del self.sorted_keys[bisect_left(self.sorted_keys, key)]
+        return child
+
+    def split(self, num_pages: int, page_size: int) -> RadixNode:
+        """Cuts this node after `num_pages` pages and returns the new upper node, linked in
+        its place.
+
+        This node keeps the lower part, so a lock handle held on it still covers the same
+        path (and its hash-chain state, which describes the end of the same path). Both parts
+        keep the node's tiers, locks, recency, hits and loading state.
+        """
+        cut = num_pages * page_size
+        head, head_array = self.split_pages(num_pages)
+        top = RadixNode(self.namespace, self.key, self.tokens[:cut].copy(), head, self.sorted_keys is not None,
+                        head_array)
+        self.tokens = self.tokens[cut:].copy()
+        if self.host is not None:
+            top.host, self.host = self.host[:num_pages], self.host[num_pages:]
+        if self.retention is not None:
+            top.retention, self.retention = self.retention.split(num_pages)
+        top.lock_ref, top.tick, top.inserted_at, top.hits = self.lock_ref, self.tick, self.inserted_at, self.hits
+        top.loading, top.left_device_in = self.loading, self.left_device_in
+        parent = self.parent
+        top.parent = parent
+        parent.children[top.key] = top  # same first page, same key, same tier: parent unchanged
+        self.key = self.tokens[:page_size].tobytes()
+        top.attach(self)
+        return top
+
+    def unfinished_load(self) -> LoadHandle | None:
+        """The copy from the host into `pages` while it is unfinished (forgotten once done)."""
+        if self.loading is not None and self.loading.done():
+            self.loading = None
+        return self.loading
 
     @property
     def is_root(self) -> bool:

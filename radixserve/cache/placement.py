@@ -1,224 +1,246 @@
-"""Tier placement: how the radix tree moves pages between the device and the host tier.
+"""The host tier at work: how the radix tree's pages move between the device and the host.
 
-The rules are in tiers.py (what may move) and `_leave_device` (what one eviction call does);
-the data moves through the host tier's `KVCopier` (transfer.py). `TierPlacement` is mixed into
-`RadixTree`: it works on the tree's nodes through the shape operations and counters its
-annotations list, and the tree calls it where pages change tier — device eviction, host
-eviction, load-back, write-through, insert over host-only pages.
+`HostPlacement` owns everything of the host tier that changes while the cache runs: the host
+pool's pages held for the tree, the host eviction queue, the counters (host pages held, pages
+on the host only), the shielding of the pages one device eviction takes, and the placement
+operations — offload on device eviction (`leave_device`, `end_eviction`), host eviction,
+load-back, write-through, adopting a caller's pages over host-only ones, and fencing
+unfinished loads (`settle`). What may move is the rule of its `HostTier` (tiers.py:
+`offloads`, `writes_through`); the data moves through the tier's `KVCopier` (transfer.py).
+
+The seam. The tree (radix.py) holds one `HostPlacement` (None without a host tier) and calls
+it where pages change tier: device eviction (`begin_eviction`, `leave_device` for each run
+the device queue hands out, `end_eviction`), `load_back`, `write_through` after a match,
+`adopt` when insert covers host-only pages, `release` when it drops nodes, `reset` on a
+flush, and `requeue` / `schedule_expiries` to keep the host queue current. The host tier in
+turn works on the tree only through `TreeOps`, the operations the tree hands it at
+construction (split a node, drop or detach one, tidy a parent, requeue, the eviction order,
+put pages on or take them off the device — the `DeviceTier`'s moves — and lock). It reads
+and writes nodes (node.py) but never the tree's own fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
-import numpy as np
-
-from radixserve.cache.eviction import EvictionQueue
-from radixserve.cache.events import DEVICE, HOST, CacheEventHub
+from radixserve.cache.event_reporter import TreeEventReporter
+from radixserve.cache.events import HOST
+from radixserve.cache.eviction import EvictionOrder, EvictionQueue
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.pool import PagePool
 from radixserve.cache.stats import CacheStats
 from radixserve.cache.tiers import HostTier
 
 
-class TierPlacement:
-    """Offload, host eviction, load-back and write-through over the tree's two tiers."""
+@dataclass(frozen=True)
+class TreeOps:
+    """What the host tier may ask of the tree (the tree's own operations, handed in)."""
 
-    # What the tree provides: pools, policy, queues, counters, events and shape operations.
-    pool: PagePool
-    host: HostTier | None
+    pool: PagePool                                    # the device pool
     page_size: int
-    events: CacheEventHub | None
-    _queue: EvictionQueue[RadixNode]
-    _host_queue: EvictionQueue[RadixNode]
-    _stats: CacheStats
-    _cached: int
-    _locked: int
-    _host_cached: int
-    _host_only: int
-    _eviction_call: int
-    _shielded: int | None
-    _clock: Callable[[], float]
-    _npages: Callable[[RadixNode], int]
-    _split: Callable[[RadixNode, int], RadixNode]
-    _drain: Callable[..., int]
-    _drop: Callable[..., int]
-    _detach: Callable[[RadixNode, float], None]
-    _after_removal: Callable[[RadixNode, float], None]
-    _requeue: Callable[[RadixNode, float], None]
-    _effective: Callable[[RadixNode, float], np.ndarray]
-    _report_stored: Callable[[RadixNode, int, str], None]
-    _report_removed: Callable[[RadixNode, int, str], None]
+    order: EvictionOrder                              # keys and priorities (both tiers' order)
+    num_nodes: Callable[[], int]                      # nodes in the tree (bounds the queue)
+    split: Callable[[RadixNode, int], RadixNode]      # cut after n pages; returns the upper node
+    drop: Callable[[RadixNode], int]                  # remove a subtree (reported); device pages freed
+    detach: Callable[[RadixNode, float], None]        # remove an emptied leaf
+    after_removal: Callable[[RadixNode, float], None]  # a child of this node left the tree
+    requeue: Callable[[RadixNode, float], None]       # queue a node where it is a candidate
+    gain_device: Callable[[RadixNode, list[int]], None]  # a host-only node's device pages arrived
+    lose_device: Callable[[RadixNode], int]           # free a node's device pages; pages freed
     lock: Callable[[RadixNode], None]
     unlock: Callable[[RadixNode], None]
 
-    def _write_through(self, match: MatchResult) -> None:
-        """Write-through-selective: copies the matched device pages hit often enough to the
-        host, top down, as far as host room can be made (the matched path is locked meanwhile,
-        so making room never takes its host pages)."""
-        handle = match.host_node or match.node
-        path: list[RadixNode] = []
-        up: RadixNode | None = match.node
-        while up is not None and not up.is_root:
-            path.append(up)
-            up = up.parent
-        self.lock(handle)
-        for node in reversed(path):
-            if node.host is not None or not self.host.writes_through(node.hits):
-                continue
-            got = self._host_alloc(self._npages(node))
-            if not got:
-                break
-            if len(got) < self._npages(node):
-                node = self._split(node, len(got))
-            self.host.copier.offload(node.pages, got)
-            self._gain_host(node, got)
-            self._stats.written_through(len(got))
-        self.unlock(handle)
 
-    def _adopt(self, node: RadixNode, pages: list[int]) -> None:
-        """The host-only `node` gets `pages` as its device copy (their holder adds the tree)."""
-        self.pool.incref(pages)
-        self._gain_device(node, list(pages))
+class EvictionCall:
+    """One device eviction under way: its number (host eviction may not take the pages it
+    takes off the device until they compete among themselves), the device-only runs leaving
+    for host with their device pages, and every node that left the device."""
 
-    def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
-        """Host-only `node` now also lives in the device `pages` (already held for the tree)."""
-        node.pages = pages
-        node.parent.device_children += 1
-        self._cached += len(pages)
-        self._host_only -= len(pages)
-        if node.lock_ref:
-            self._locked += len(pages)
-        if node.device_children == 0 and node.lock_ref == 0:
-            self._queue.push(node, self._clock())
-        if self.events is not None and self.events.active:
-            self._report_stored(node, 0, DEVICE)
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.leaving: list[tuple[RadixNode, list[int]]] = []
+        self.left: list[RadixNode] = []
 
-    def _gain_host(self, node: RadixNode, host_pages: list[int]) -> None:
-        """Device `node` now also lives in `host_pages` (copied, held for the tree)."""
-        node.host = host_pages
-        self._host_cached += len(host_pages)
-        if self.events is not None and self.events.active:
-            self._report_stored(node, 0, HOST)
 
-    def _leave_device(self, node: RadixNode, count: int, now: float,
-                      leaving: list[tuple[RadixNode, list[int]]], left: list[RadixNode]) -> int:
+class HostPlacement:
+    """The host tier of one radix tree: its pages, eviction queue, counters and placement."""
+
+    def __init__(self, tier: HostTier, tree: TreeOps, reporter: TreeEventReporter, stats: CacheStats,
+                 clock: Callable[[], float]) -> None:
+        if tier.pool.page_size != tree.page_size:
+            raise ValueError(f"host pool: page size {tier.pool.page_size} != device page size {tree.page_size}")
+        self.tier = tier
+        self.pool = tier.pool
+        self._tree = tree
+        self._reporter = reporter
+        self._stats = stats
+        self._clock = clock
+        self._queue: EvictionQueue[RadixNode] = EvictionQueue(tree.order.key, self.is_candidate, tree.num_nodes,
+                                                              slot="host_heap_seq")
+        self._cached = 0     # host pages held
+        self._host_only = 0  # pages held on the host only
+        self._calls = 0      # numbers device-eviction calls (see `leave_device`)
+        self._shielded: int | None = None  # the call whose pages host eviction may not take yet
+
+    # ------------------------------------------------------------------ state
+    @property
+    def cached_pages(self) -> int:
+        """Host pages held (host-only pages and host copies of device pages)."""
+        return self._cached
+
+    @property
+    def host_only_pages(self) -> int:
+        """Cached pages that live on the host only."""
+        return self._host_only
+
+    def stats(self) -> dict[str, int]:
+        """The host tier's page counts, for the tree's `stats`."""
+        return dict(host_cached_pages=self._cached, host_only_pages=self._host_only,
+                    host_free_pages=self.pool.num_free)
+
+    def is_candidate(self, node: RadixNode) -> bool:
+        """A host eviction candidate: an unlocked host-only leaf, unless it left the device
+        in the eviction call under way (see `leave_device`)."""
+        return (node.parent is not None and not node.pages and not node.children and node.lock_ref == 0
+                and node.left_device_in != self._shielded)
+
+    def requeue(self, node: RadixNode, now: float) -> None:
+        """Queues `node` for host eviction if it is a candidate (with its current key)."""
+        if self.is_candidate(node):
+            self._queue.push(node, now)
+
+    def schedule_expiries(self, node: RadixNode, times: list[float]) -> None:
+        """Remembers that `node`'s key may drop at each of `times`."""
+        self._queue.schedule_expiries(node, times)
+
+    def queued(self) -> Iterator[RadixNode]:
+        """Nodes with a live entry in the host eviction queue (for checkers)."""
+        return self._queue.queued()
+
+    # ------------------------------------------------------------------ device eviction
+    def begin_eviction(self) -> EvictionCall:
+        """Opens a device eviction call: what it takes off the device is shielded from host
+        eviction until `end_eviction`."""
+        self._calls += 1
+        self._shielded = self._calls
+        return EvictionCall(self._calls)
+
+    def leave_device(self, call: EvictionCall, node: RadixNode, count: int, now: float) -> int:
         """Takes the last `count` pages of `node` off the device; returns device pages freed.
 
         The rule, per eviction call (all pages it takes off the device, S):
         - a page with a host copy just loses its device copy;
-        - a device-only page goes to host if its priority reaches the offload floor and so
-          does every page above it in S; the others are dropped, with everything below them;
+        - a device-only page goes to host if the tier offloads its priority and every page
+          above it in S; the others are dropped, with everything below them;
         - host room for those pages is made from free host pages, then by host eviction of
           pages outside S; if that is not enough, the pages of S compete among themselves
           by the same order (host eviction, leaf first) and the losers are dropped.
         The split makes the run a node of its own; its device pages are freed now and
-        copied to host at the end of the call (`_place_on_host`), before anything can reuse
+        copied to host at the end of the call (`end_eviction`), before anything can reuse
         them.
         """
-        keep = self._npages(node) - count
+        tree = self._tree
+        keep = len(node.tokens) // tree.page_size - count
         if keep:
-            self._split(node, keep)  # `node` keeps the run, its new parent the rest
+            tree.split(node, keep)  # `node` keeps the run, its new parent the rest
         self._stats.evicted(count, now - node.inserted_at, node.hits)
         freed = 0
         if node.host is None:
-            qualifies = self._effective(node, now) >= self.host.offload_min_priority
+            qualifies = self.tier.offloads(tree.order.effective(node, now))
             head = count if qualifies.all() else int(qualifies.argmin())
             if head < count:
-                top = self._split(node, head) if head else None
+                top = tree.split(node, head) if head else None
                 parent = node.parent
                 self._stats.dropped(count - head)
-                freed += self._drop(node, report=True)
+                freed += tree.drop(node)
                 if top is None:
-                    self._after_removal(parent, now)
+                    tree.after_removal(parent, now)
                     return freed
                 node = top
-            leaving.append((node, node.pages))
+            call.leaving.append((node, node.pages))
         else:
             self._host_only += count
-            self._settle(node)
-        if self.events is not None and self.events.active:
-            self._report_removed(node, 0, DEVICE)
-        freed += len(self.pool.decref(node.pages))
-        self._cached -= len(node.pages)
-        node.pages = []
-        node.parent.device_children -= 1
-        node.left_device_in = self._eviction_call
-        left.append(node)
-        self._requeue(node.parent, now)  # it may have no child on the device now
+            self.settle(node)
+        freed += tree.lose_device(node)
+        node.left_device_in = call.number
+        call.left.append(node)
+        tree.requeue(node.parent, now)  # it may have no child on the device now
         return freed
 
-    def _place_on_host(self, leaving: list[tuple[RadixNode, list[int]]], left: list[RadixNode],
-                       now: float) -> None:
-        """Copies the device-only pages that left the device in this call to host pages,
-        making room as `_leave_device` says."""
-        need = sum(self._npages(node) for node, _ in leaving if node.parent is not None)
-        short = need - self.host.pool.num_free
+    def end_eviction(self, call: EvictionCall, now: float) -> None:
+        """Closes `call`: copies its leaving pages to host, then lifts the shield."""
+        if call.leaving:
+            self._place_on_host(call, now)
+        self._shielded = None
+        for node in call.left:
+            if node.parent is not None:
+                self._tree.requeue(node, now)
+
+    def _place_on_host(self, call: EvictionCall, now: float) -> None:
+        """Copies the device-only pages that left the device in `call` to host pages, making
+        room as `leave_device` says."""
+        size = self._tree.page_size
+        need = sum(len(node.tokens) // size for node, _ in call.leaving if node.parent is not None)
+        short = need - self.pool.num_free
         if short > 0:
-            short -= self._evict_host(short, now)
+            short -= self._evict(short, now)
         if short > 0:  # the pages of this call compete among themselves now
             self._shielded = None
-            for node in left:
-                if node.parent is not None and self._is_host_leaf(node):
-                    self._host_queue.push(node, now)
-            self._evict_host(short, now)
-        for node, device_pages in leaving:
+            for node in call.left:
+                if node.parent is not None and self.is_candidate(node):
+                    self._queue.push(node, now)
+            self._evict(short, now)
+        for node, device_pages in call.leaving:
             if node.parent is None:
                 continue  # dropped since
-            count = self._npages(node)
-            host_pages = self.host.pool.allocate(count)
-            self.host.copier.offload(device_pages[:count], host_pages)
+            count = len(node.tokens) // size
+            host_pages = self.pool.allocate(count)
+            self.tier.copier.offload(device_pages[:count], host_pages)
             self._host_only += count
             self._stats.offloaded(count)
             self._gain_host(node, host_pages)
 
-    def _host_alloc(self, num_pages: int) -> list[int]:
+    # ------------------------------------------------------------------ host eviction
+    def _allocate(self, num_pages: int) -> list[int]:
         """Up to `num_pages` host pages, evicting from the host to make room."""
-        short = num_pages - self.host.pool.num_free
+        short = num_pages - self.pool.num_free
         if short > 0:
-            self._evict_host(short, self._clock())
-        return self.host.pool.allocate(min(num_pages, self.host.pool.num_free))
+            self._evict(short, self._clock())
+        return self.pool.allocate(min(num_pages, self.pool.num_free))
 
-    def _evict_host(self, num_pages: int, now: float) -> int:
+    def _evict(self, num_pages: int, now: float) -> int:
         """Takes up to `num_pages` pages off the host, from the tail of unlocked host-only
         leaves in the policy's order; returns how many (host pages freed, plus pages that
         were on their way to host and are dropped instead)."""
-        self._host_queue.requeue_expired(now)
-        return self._drain(self._host_queue, num_pages, now, self._evict_host_tail)
+        self._queue.requeue_expired(now)
+        return self._queue.drain(num_pages, now, self._tree.order.tail_run, self._evict_tail)
 
-    def _evict_host_tail(self, node: RadixNode, count: int, now: float) -> int:
-        keep = self._npages(node) - count
+    def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
+        keep = len(node.tokens) // self._tree.page_size - count
         if node.host is None:  # on its way to host (this eviction call): dropped instead
             self._stats.dropped(count)
         else:
-            if self.events is not None and self.events.active:
-                self._report_removed(node, keep, HOST)
-            self._settle(node)
+            if self._reporter.active:
+                self._reporter.removed(node, keep, HOST)
+            self.settle(node)
             evicted = node.host[keep:]
             del node.host[keep:]
-            self._host_cached -= count
+            self._cached -= count
             self._host_only -= count
             self._stats.host_evicted(count)
-            self.host.pool.decref(evicted)
-        node.tokens = node.tokens[: keep * self.page_size]
-        node.chain = None
-        if node.retention is not None:
-            node.retention.truncate(keep)
+            self.pool.decref(evicted)
+        node.cut_tail(keep, self._tree.page_size)
         if keep:
-            self._host_queue.push(node, now)
+            self._queue.push(node, now)
         else:
-            self._detach(node, now)
+            self._tree.detach(node, now)
         return count
 
+    # ------------------------------------------------------------------ copies to the device
     def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
-        """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
-        at most the free device pages: the caller makes room first) into fresh device pages,
-        which the tree holds from now on; returns the match as it stands after the copy.
-
-        `match` must come from `match(update=True)`, with `match.host_node` locked by the
-        caller (so making room evicts nothing on the path). On CUDA the copy may still be in
-        flight: its handle is in the result's `loads`.
-        """
+        """Copies the leading pages of `match`'s host continuation into fresh device pages
+        (see `RadixTree.load_back`); returns the match as it stands after the copy."""
         if not match.host_pages:
             return match
         chain: list[RadixNode] = []
@@ -226,19 +248,20 @@ class TierPlacement:
         while up is not match.node:
             chain.append(up)
             up = up.parent
-        budget = min(len(match.host_pages), self.pool.num_free)
+        device_pool, size = self._tree.pool, self._tree.page_size
+        budget = min(len(match.host_pages), device_pool.num_free)
         if max_pages is not None:
             budget = min(budget, max_pages)
         pages, loads, node = list(match.pages), list(match.loads), match.node
         for step in reversed(chain):
             if budget == 0:
                 break
-            count = self._npages(step)
+            count = len(step.tokens) // size
             if count > budget:
-                step = self._split(step, budget)
+                step = self._tree.split(step, budget)
                 count = budget
-            device = self.pool.allocate(count)
-            handle = self.host.copier.load(step.host, device)
+            device = device_pool.allocate(count)
+            handle = self.tier.copier.load(step.host, device)
             self._gain_device(step, device)
             if handle is not None:
                 step.loading = handle
@@ -248,18 +271,82 @@ class TierPlacement:
             node = step
             budget -= count
         rest = match.host_pages[len(pages) - len(match.pages):]
-        return MatchResult(len(pages) * self.page_size, pages, node, None, 0, rest,
-                           match.host_node if rest else None, len(rest) * self.page_size, loads)
+        return MatchResult(len(pages) * size, pages, node, None, 0, rest,
+                           match.host_node if rest else None, len(rest) * size, loads)
 
-    def _settle(self, node: RadixNode) -> None:
+    def adopt(self, node: RadixNode, pages: list[int]) -> None:
+        """The host-only `node` gets `pages` as its device copy (their holder adds the tree)."""
+        self._tree.pool.incref(pages)
+        self._gain_device(node, list(pages))
+
+    def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
+        """Host-only `node` now also lives in the device `pages` (already held for the tree)."""
+        self._host_only -= len(pages)
+        self._tree.gain_device(node, pages)
+
+    # ------------------------------------------------------------------ copies to the host
+    def write_through(self, match: MatchResult) -> None:
+        """After a match, under write-through-selective: copies the matched device pages hit
+        often enough to the host, top down, as far as host room can be made (the matched path
+        is locked meanwhile, so making room never takes its host pages)."""
+        if not self.tier.copies_on_hit:
+            return
+        handle = match.host_node or match.node
+        path: list[RadixNode] = []
+        up: RadixNode | None = match.node
+        while up is not None and not up.is_root:
+            path.append(up)
+            up = up.parent
+        size = self._tree.page_size
+        self._tree.lock(handle)
+        for node in reversed(path):
+            if node.host is not None or not self.tier.writes_through(node.hits):
+                continue
+            got = self._allocate(len(node.tokens) // size)
+            if not got:
+                break
+            if len(got) < len(node.tokens) // size:
+                node = self._tree.split(node, len(got))
+            self.tier.copier.offload(node.pages, got)
+            self._gain_host(node, got)
+            self._stats.written_through(len(got))
+        self._tree.unlock(handle)
+
+    def _gain_host(self, node: RadixNode, host_pages: list[int]) -> None:
+        """Device `node` now also lives in `host_pages` (copied, held for the tree)."""
+        node.host = host_pages
+        self._cached += len(host_pages)
+        if self._reporter.active:
+            self._reporter.stored(node, 0, HOST)
+
+    # ------------------------------------------------------------------ removal
+    def settle(self, node: RadixNode) -> None:
         """Before pages of `node` are freed: an unfinished load into it is fenced."""
         if node.loading is not None:
             if not node.loading.done():
-                self.host.copier.fence(node.loading)
+                self.tier.copier.fence(node.loading)
             node.loading = None
 
-    def _is_host_leaf(self, node: RadixNode) -> bool:
-        """A host eviction candidate: an unlocked host-only leaf, unless it left the device
-        in the eviction call under way (see `_leave_device`)."""
-        return (node.parent is not None and not node.pages and not node.children and node.lock_ref == 0
-                and node.left_device_in != self._shielded)
+    def release(self, nodes: Iterable[RadixNode]) -> None:
+        """The tree drops `nodes` (on both tiers): fences their loads, frees their host pages."""
+        host: list[int] = []
+        for node in nodes:
+            self.settle(node)
+            if node.host is not None:
+                host += node.host
+                if not node.pages:
+                    self._host_only -= len(node.host)
+        if host:
+            self._cached -= len(host)
+            self.pool.decref(host)
+
+    def reset(self, nodes: Iterable[RadixNode]) -> None:
+        """A flush left only locked `nodes`: drops the host copies of their device pages and
+        every queued entry (unlock re-queues a node)."""
+        for node in nodes:
+            if node.pages and node.host is not None:
+                self.settle(node)
+                self._cached -= len(node.host)
+                self.pool.decref(node.host)
+                node.host = None
+        self._queue.forget(lambda node: node.parent is not None)

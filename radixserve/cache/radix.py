@@ -1,78 +1,51 @@
 """The prefix cache: a radix tree from token-id sequences to chains of KV pages.
 
-Layout. Each node's edge holds a whole number of pages: `tokens` (int64 array, page-aligned)
-and, per tier, the pages holding their K/V: `pages` on the device (a list, one page per
-`page_size` tokens, or empty when the edge lives on the host only; also kept as the int64
-`page_array` for the pool, made once per node: at page size 1 converting page lists on every
-incref/decref cost more than the tree) and `host` (the host tier's pages, or None). Children are found by a dict keyed by the raw bytes of their first page, so
-the walk does one dict lookup per node and compares the rest of the edge as one numpy slice
-compare; it drops to page arithmetic only where the slices differ. For token-deep partial
-matches each node also keeps its children's keys sorted: the child sharing the longest prefix
-with a query page is next to the query's insertion point.
+Each node's edge holds a whole number of pages of tokens and, per tier, the pages holding
+their K/V (node.py says how; walk.py how a query walks down the edges). Recency is a counter
+(`tick`) bumped by every match/insert and stamped on each node it touches, so LRU order is
+exact even when the clock does not move. A match or insert that ends inside an edge splits it
+at the page boundary, so every page of a node shares one tick and one hit count.
 
-Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
-touches, so LRU order is exact even when the clock does not move. A match or insert that ends
-inside an edge splits it at the page boundary, so every page of a node shares one tick and one
-hit count.
+Tiers (only with a host tier, `host=`): every page is on the device, the host or both,
+uniformly per node (nodes split where that changes). The shape rule: **device pages are
+prefix-closed** — a node on the device has its parent on the device — so a match reads
+device pages first, then the continuation that lives on the host only. Without a host tier
+everything is on the device and the tree behaves exactly as a single-tier cache.
 
-Tiers (only with a host tier, `host=`): every page is on the device (D), the host (H) or both
-(DH), uniformly per node (nodes split where that changes). The shape rule: **device pages are
-prefix-closed** — a node on the device has its parent on the device — so a match reads device
-pages first, then the continuation that lives on the host only. Device eviction takes the
-tail of an unlocked node with no child on the device; its pages that have no host copy go to
-host if their priority reaches the offload floor and host room can be made, otherwise they
-are dropped with everything below them (see `_leave_device`). Host eviction takes host-only
-leaves by the same (priority, recency) order. Without a host tier everything is on the device
-and the tree behaves exactly as a single-tier cache.
-
-The jobs around the shape live in their own modules: the node and match result (node.py),
-per-page retention priorities (retention.py), the eviction order and its queue (eviction.py),
-counters and histograms (stats.py), tier placement — offload, host eviction, load-back,
-write-through (placement.py) — under the host tier's pool and rules (tiers.py) and copies
-(transfer.py), and the events that tell subscribers what the cache holds (tree_events.py,
-events.py, named by page_hash.py).
+This module keeps the shape (match, insert, split, lock, drop, flush) and composes the jobs
+around it, each an object or module of its own: the device tier's pages, counters and queue
+(device_tier.py), the host tier's (placement.py: offload, host eviction, load-back,
+write-through, under the rules of tiers.py and the copies of transfer.py; it works on the
+tree through the `TreeOps` the tree hands it), the eviction order and queues (eviction.py),
+per-page retention (retention.py), counters and histograms (stats.py), and the events that
+tell subscribers what the cache holds (event_reporter.py, events.py, named by page_hash.py).
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
-from radixserve.cache.events import DEVICE, HOST, CacheEventHub
-from radixserve.cache.eviction import EvictionKey, EvictionQueue, make_policy
+from radixserve.cache.device_tier import DeviceTier
+from radixserve.cache.event_reporter import TreeEventReporter
+from radixserve.cache.events import DEVICE, CacheEventHub
+from radixserve.cache.eviction import EvictionOrder, make_policy
 from radixserve.cache.node import MatchResult, RadixNode
-from radixserve.cache.placement import TierPlacement
-from radixserve.cache.pool import PagePool, as_int64
-from radixserve.cache.retention import DEFAULT_PRIORITY, PageRetention, Retention
+from radixserve.cache.placement import HostPlacement, TreeOps
+from radixserve.cache.pool import PagePool
+from radixserve.cache.retention import DEFAULT_PRIORITY, PageRange, PageRetention, Retention, page_ranges, raise_retention
 from radixserve.cache.stats import CacheStats, Histogram
 from radixserve.cache.tiers import HostTier
-from radixserve.cache.transfer import LoadHandle
-from radixserve.cache.tree_events import TreeEvents
+from radixserve.cache.walk import GivenPages, MatchWalk, along, as_tokens, best_partial, common_length
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "RadixNode", "RadixTree", "Retention"]
 
 RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
 
 
-def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Tokens as a 1-D int64 array (no copy when they already are one)."""
-    arr = as_int64(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
-    return arr
-
-
-def _common_length(edge: np.ndarray, query: np.ndarray) -> int:
-    """Length of the common prefix of `edge` and a non-empty `query` no longer than it."""
-    differs = edge[: len(query)] != query
-    first = int(differs.argmax())
-    return first if differs[first] else len(query)
-
-
-class RadixTree(TierPlacement, TreeEvents):
+class RadixTree:
     """Maps token prefixes to chains of pages in `pool` (and `host.pool`); see the module
     docstring.
 
@@ -88,56 +61,57 @@ class RadixTree(TierPlacement, TreeEvents):
         self.pool = pool
         self.page_size: int = pool.page_size
         self.policy = make_policy(eviction_policy)
+        self._order = EvictionOrder(self.policy, self.page_size)
         self.events = events
         self.host = host
-        if host is not None and host.pool.page_size != pool.page_size:
-            raise ValueError(f"host pool: page size {host.pool.page_size} != device page size {pool.page_size}")
         self._clock = clock
         self._roots: dict[Hashable, RadixNode] = {}
-        self._queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_evictable_leaf,
-                                                              lambda: self._num_nodes)
-        self._host_queue: EvictionQueue[RadixNode] = EvictionQueue(self._key, self._is_host_leaf,
-                                                                   lambda: self._num_nodes, slot="host_heap_seq")
         self._tick = 0
         self._num_nodes = 0
-        self._cached = 0       # device pages held
-        self._locked = 0       # device pages in locked nodes
-        self._host_cached = 0  # host pages held
-        self._host_only = 0    # pages held on the host only
         self._stats = CacheStats()
-        self._namespace_ids: dict[Hashable, tuple[str, int]] = {}
-        self._eviction_call = 0     # numbers device-eviction calls (see _leave_device)
-        self._shielded: int | None = None  # the call whose pages host eviction may not take yet
+        self._reporter = TreeEventReporter(events, self.page_size)
+        self._device = DeviceTier(pool, self._order, self._reporter, self._stats, clock, lambda: self._num_nodes)
+        self._queue = self._device.queue  # the device eviction queue
+        self._host_tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,
+                                                              self._stats, clock)
+
+    def _tier_ops(self) -> TreeOps:
+        """The operations the host tier may use (placement.py's seam)."""
+        return TreeOps(pool=self.pool, page_size=self.page_size, order=self._order,
+                       num_nodes=lambda: self._num_nodes, split=self._split,
+                       drop=lambda node: self._drop(node, report=True), detach=self._detach,
+                       after_removal=self._after_removal, requeue=self._requeue,
+                       gain_device=self._device.gain, lose_device=self._device.lose,
+                       lock=self.lock, unlock=self.unlock)
 
     # ------------------------------------------------------------------ counters
     @property
     def cached_pages(self) -> int:
         """Device pages held by the tree."""
-        return self._cached
+        return self._device.cached_pages
 
     @property
     def locked_pages(self) -> int:
         """Cached device pages in locked nodes (in use by some sequence)."""
-        return self._locked
+        return self._device.locked_pages
 
     @property
     def evictable_pages(self) -> int:
         """Cached device pages that repeated device eviction can free."""
-        return self._cached - self._locked
+        return self._device.cached_pages - self._device.locked_pages
 
     @property
     def host_cached_pages(self) -> int:
         """Host pages held by the tree (host-only pages and host copies of device pages)."""
-        return self._host_cached
+        return 0 if self._host_tier is None else self._host_tier.cached_pages
 
     @property
     def host_only_pages(self) -> int:
         """Cached pages that live on the host only."""
-        return self._host_only
+        return 0 if self._host_tier is None else self._host_tier.host_only_pages
 
     def _npages(self, node: RadixNode) -> int:
         return len(node.tokens) // self.page_size
-
 
     # ------------------------------------------------------------------ match
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *,
@@ -152,7 +126,7 @@ class RadixTree(TierPlacement, TreeEvents):
         changes, and `node` / `host_node` are then the deepest nodes whose edges matched in
         full, which may cover fewer pages. A partial page is only taken from the device.
         """
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         size = self.page_size
         n = len(toks)
         root = self._roots.get(namespace)
@@ -162,100 +136,43 @@ class RadixTree(TierPlacement, TreeEvents):
         if root is None:
             return MatchResult(0, [], self._new_root(namespace), None, 0)
         tick, now = self._tick, self._clock()
-        node = at = root  # node: the deepest device node matched; at: where the walk is
-        pos = 0
-        pages: list[int] = []
-        chunks: list[np.ndarray] = []  # the same pages as the nodes' arrays
-        host_pages: list[int] = []
-        host_node: RadixNode | None = None
-        loads: list[LoadHandle] = []
+        walk = MatchWalk(root)
+        at, pos = root, 0  # where the walk is
         partial_page: int | None = None
         partial_tokens = 0
         while True:
             rest = n - pos
             child = at.children.get(toks[pos:pos + size].tobytes()) if rest >= size else None
             if child is None:
-                if host_node is None:
-                    partial_page, partial_tokens = self._best_partial(at, toks[pos:pos + size])
+                if walk.host_node is None:
+                    partial_page, partial_tokens = best_partial(at, toks[pos:pos + size])
                 break
             edge_len = len(child.tokens)
-            matched = _common_length(child.tokens, toks[pos:pos + min(edge_len, rest)])
-            on_device = bool(child.pages)
+            matched = common_length(child.tokens, toks[pos:pos + min(edge_len, rest)])
             if matched == edge_len:
                 if update:
                     self._touch(child, tick, now)
-                if on_device:
-                    pages += child.pages
-                    chunks.append(child.page_array)
-                    self._pending_load(child, loads)
-                    node = child
-                else:
-                    host_pages += child.host
-                    host_node = child
+                walk.take(child)
                 at, pos = child, pos + edge_len
                 continue
             full = matched // size
             if update:
                 child = self._split(child, full)  # now covers exactly the matched pages
                 self._touch(child, tick, now)
+                walk.take(child)
                 source, index = next(iter(child.children.values())), 0  # holds the partial page
-                if on_device:
-                    pages += child.pages
-                    chunks.append(child.page_array)
-                    node = child
-                else:
-                    host_pages += child.host
-                    host_node = child
             else:
+                walk.take(child, full)
                 source, index = child, full
-                if on_device:
-                    pages += child.pages[:full]
-                    chunks.append(child.page_array[:full])
-                else:
-                    host_pages += child.host[:full]
-            if on_device:
-                self._pending_load(child, loads)
-                if matched > full * size:  # partial reuse, from the device only
-                    partial_page, partial_tokens = source.pages[index], matched - full * size
+            if child.pages and matched > full * size:  # partial reuse, from the device only
+                partial_page, partial_tokens = source.pages[index], matched - full * size
             break
-        num_tokens = len(pages) * size + partial_tokens
-        host_tokens = len(host_pages) * size
-        if host_pages and host_node is None:  # a peek that ended inside the first host edge
-            host_node = node
-        result = MatchResult(num_tokens, pages, node, partial_page, partial_tokens, host_pages,
-                             host_node if host_pages else None, host_tokens, loads, chunks)
+        result = walk.result(size, partial_page, partial_tokens)
         if update:
-            self._stats.hit(num_tokens, host_tokens)
-            if self.host is not None and self.host.write_policy != "write-back":
-                self._write_through(result)
+            self._stats.hit(result.num_tokens, result.host_tokens)
+            if self._host_tier is not None:
+                self._host_tier.write_through(result)
         return result
-
-    @staticmethod
-    def _pending_load(node: RadixNode, loads: list[LoadHandle]) -> None:
-        """Adds `node`'s copy from the host to `loads` while it is unfinished."""
-        if node.loading is not None:
-            if node.loading.done():
-                node.loading = None
-            else:
-                loads.append(node.loading)
-
-    def _best_partial(self, node: RadixNode, query: np.ndarray) -> tuple[int | None, int]:
-        """The device child page sharing the longest (< page_size) prefix with `query`."""
-        keys = node.sorted_keys
-        if not keys or not len(query):
-            return None, 0
-        i = bisect_left(keys, query.tobytes())
-        best, best_common = None, 0
-        # In sorted order the longest common prefix is with a neighbour of the insertion point.
-        for j in (i - 1, i):
-            if 0 <= j < len(keys):
-                child = node.children[keys[j]]
-                common = _common_length(child.tokens, query)
-                if common > best_common:
-                    best, best_common = child, common
-        if best is None or not best.pages:  # none, or the best one is on the host only
-            return None, 0
-        return best.pages[0], best_common
 
     def _touch(self, node: RadixNode, tick: int, now: float) -> None:
         node.tick = tick
@@ -277,17 +194,14 @@ class RadixTree(TierPlacement, TreeEvents):
         array are converted to Python ints only where a new leaf adopts them.
         """
         size = self.page_size
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         num_full = len(toks) // size
-        page_array = as_int64(pages[:num_full]) if isinstance(pages, np.ndarray) else None
-        page_list = list(pages[:num_full]) if page_array is None else None
-        if len(pages[:num_full]) < num_full:
-            raise ValueError(f"insert: {num_full} full pages of tokens but only {len(pages)} pages")
+        given = GivenPages(pages, num_full)
         if num_full == 0:
             return []
         toks = toks[: num_full * size]
         retention = retention or Retention()
-        ranges = [(start // size, -(-end // size), r) for start, end, r in range_retention if end > start]
+        ranges = page_ranges(range_retention, size)
         now = self._clock()
         self._tick += 1
         root = self._roots.get(namespace)
@@ -300,78 +214,43 @@ class RadixTree(TierPlacement, TreeEvents):
             key = toks[pos:pos + size].tobytes()
             child = node.children.get(key)
             if child is None:
-                if page_array is None:
-                    leaf_pages, leaf_array = page_list[first:], None
-                else:
-                    leaf_array = page_array[first:].copy()
-                    leaf_pages = leaf_array.tolist()
-                self._add_leaf(node, key, toks[pos:], leaf_pages, retention, ranges, first, now, leaf_array)
+                self._add_leaf(node, key, toks[pos:], given.leaf(first), retention, ranges, first, now)
                 break
-            matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
+            matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
             full = matched // size
             if full < self._npages(child):
                 child = self._split(child, full)
-            if page_list is not None:
-                given = page_list[first:first + full]
-                if not child.pages:
-                    self._adopt(child, given)
-                elif given != child.pages:  # C-speed compare; the loop runs only on duplicates
-                    duplicates += [g for g, c in zip(given, child.pages) if g != c]
-            else:
-                given_array = page_array[first:first + full]
-                if not child.pages:
-                    self._adopt(child, given_array.tolist())
-                else:
-                    differs = given_array != child.page_array
-                    if differs.any():
-                        duplicates += given_array[differs].tolist()
-            if self._retain(child, first, retention, ranges, now):
+            if child.pages:
+                duplicates += given.duplicates(first, child)
+            else:  # on the host only: the given pages become its device copy
+                self._host_tier.adopt(child, given.span(first, full))
+            child.retention, changed = raise_retention(child.retention, full, first, retention, ranges, now)
+            if changed:
                 self._schedule_expiries(child, now)
             child.tick = self._tick
             node, pos = child, pos + full * size
         return duplicates
 
-    def _add_leaf(self, parent: RadixNode, key: bytes, tokens: np.ndarray, pages: list[int],
-                  retention: Retention, ranges: list[tuple[int, int, Retention]],
-                  first_page: int, now: float, page_array: np.ndarray | None = None) -> None:
+    def _add_leaf(self, parent: RadixNode, key: bytes, tokens: np.ndarray,
+                  given: tuple[list[int], np.ndarray | None], retention: Retention,
+                  ranges: list[PageRange], first_page: int, now: float) -> None:
+        pages, page_array = given
         leaf = RadixNode(parent.namespace, key, tokens.copy(), pages, self.page_size > 1, page_array)
-        self.pool.incref(leaf.page_array)
         leaf.tick, leaf.inserted_at = self._tick, now
         if not retention.is_default:
             leaf.retention = PageRetention.of(len(pages), retention, now)
-        self._attach(parent, leaf)
+        parent.attach(leaf)
         self._num_nodes += 1
-        self._cached += len(pages)
-        self._retain(leaf, first_page, None, ranges, now)
+        leaf.retention, _ = raise_retention(leaf.retention, len(pages), first_page, None, ranges, now)
         if leaf.retention is not None:
             self._schedule_expiries(leaf, now)
-        self._queue.push(leaf, now)
-        if self.events is not None and self.events.active:
-            self._report_stored(leaf, 0, DEVICE)
-
-    def _retain(self, node: RadixNode, first_page: int, retention: Retention | None,
-                ranges: list[tuple[int, int, Retention]], now: float) -> bool:
-        """Raises the node's page retentions (`first_page`: index of its first page in the
-        inserted sequence); returns whether any changed."""
-        changed = False
-        if retention is not None and (node.retention is not None or not retention.is_default):
-            changed = self._retention_of(node).raise_to(retention, now)
-        for start, end, r in ranges:
-            lo, hi = max(start - first_page, 0), min(end - first_page, self._npages(node))
-            if lo < hi:
-                changed |= self._retention_of(node).raise_to(r, now, lo, hi)
-        return changed
-
-    def _retention_of(self, node: RadixNode) -> PageRetention:
-        if node.retention is None:
-            node.retention = PageRetention.default(self._npages(node))
-        return node.retention
+        self._device.add_leaf(leaf, now)
 
     def _schedule_expiries(self, node: RadixNode, now: float) -> None:
         times = node.retention.pending_expiries(now)
         self._queue.schedule_expiries(node, times)
-        if self.host is not None:
-            self._host_queue.schedule_expiries(node, times)
+        if self._host_tier is not None:
+            self._host_tier.schedule_expiries(node, times)
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
                       priority: int) -> None:
@@ -379,33 +258,22 @@ class RadixTree(TierPlacement, TreeEvents):
         fall back to their floor (for example a closed session's pages). Pages retained
         otherwise — a system prompt another request kept higher — are left as they are."""
         size = self.page_size
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         toks = toks[: len(toks) // size * size]
-        node = self._roots.get(namespace)
         now = self._clock()
         last: RadixNode | None = None
-        pos = 0
-        while node is not None and pos < len(toks):
-            child = node.children.get(toks[pos:pos + size].tobytes())
-            if child is None:
-                break
-            matched = _common_length(child.tokens, toks[pos:pos + min(len(child.tokens), len(toks) - pos)])
-            full = matched // size
-            self._retention_of(child).end_temporary(priority, now, full)
-            last = child
-            if full < self._npages(child):
-                break
-            node, pos = child, pos + full * size
+        for last, full in along(self._roots.get(namespace), toks, size):
+            last.retention = PageRetention.ensure(last.retention, self._npages(last))
+            last.retention.end_temporary(priority, now, full)
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
             self._requeue(last, now)
 
     def _requeue(self, node: RadixNode, now: float) -> None:
         """Queues `node` in each eviction queue it is a candidate of (with its current key)."""
-        if self._is_evictable_leaf(node):
-            self._queue.push(node, now)
-        if self.host is not None and self._is_host_leaf(node):
-            self._host_queue.push(node, now)
+        self._device.requeue(node, now)
+        if self._host_tier is not None:
+            self._host_tier.requeue(node, now)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode) -> None:
@@ -414,7 +282,7 @@ class RadixTree(TierPlacement, TreeEvents):
             raise ValueError("lock: the node was evicted (lock it right after match)")
         while node is not None:
             if node.lock_ref == 0:
-                self._locked += len(node.pages)
+                self._device.locking(node, True)
             node.lock_ref += 1
             node = node.parent
 
@@ -426,104 +294,60 @@ class RadixTree(TierPlacement, TreeEvents):
         while node is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._locked -= len(node.pages)
-                if self._is_evictable_leaf(node) or (self.host is not None and self._is_host_leaf(node)):
+                self._device.locking(node, False)
+                if self._device.is_candidate(node) or (self._host_tier is not None and self._host_tier.is_candidate(node)):
                     now = self._clock() if now is None else now
                     self._requeue(node, now)
             node = node.parent
 
-    # ------------------------------------------------------------------ device eviction
+    # ------------------------------------------------------------------ eviction
     def evict(self, num_pages: int) -> int:
         """Frees up to `num_pages` device pages from unlocked nodes with no child on the
         device, page by page from the tail of the edge, in the policy's order. With a host
-        tier the pages leave the device as `_leave_device` says. Returns the pages actually
-        freed in the device pool."""
+        tier the pages leave the device as `HostPlacement.leave_device` says. Returns the
+        pages actually freed in the device pool."""
         if num_pages <= 0:
             return 0
         now = self._clock()
         self._queue.requeue_expired(now)
-        if self.host is None:
-            return self._drain(self._queue, num_pages, now, self._evict_tail)
-        self._eviction_call += 1
-        self._shielded = self._eviction_call
-        leaving: list[tuple[RadixNode, list[int]]] = []
-        left: list[RadixNode] = []
-        freed = self._drain(self._queue, num_pages, now,
-                            lambda node, count, at: self._leave_device(node, count, at, leaving, left))
-        if leaving:
-            self._place_on_host(leaving, left, now)
-        self._shielded = None
-        for node in left:
-            if node.parent is not None:
-                self._requeue(node, now)
+        if self._host_tier is None:
+            return self._queue.drain(num_pages, now, self._order.tail_run,
+                                     lambda node, count, at: self._device.evict_tail(node, count, at, self._detach))
+        tier = self._host_tier
+        call = tier.begin_eviction()
+        freed = self._queue.drain(num_pages, now, self._order.tail_run,
+                                  lambda node, count, at: tier.leave_device(call, node, count, at))
+        tier.end_eviction(call, now)
         return freed
 
-    def _drain(self, queue: EvictionQueue[RadixNode], num_pages: int, now: float,
-               take: Callable[[RadixNode, int, float], int]) -> int:
-        """Pops leaves from `queue` in order and lets `take(node, count, now)` remove the run
-        of tail pages that sort before the next leaf, until `take` has counted `num_pages`."""
-        done = 0
-        while done < num_pages:
-            popped = queue.pop(now)
-            if popped is None:
-                break
-            node, _, bound = popped
-            run = self.policy.tail_run(self._effective(node, now), node.tick, bound)
-            done += take(node, min(run, num_pages - done), now)
-        return done
+    def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
+        """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
+        at most the free device pages: the caller makes room first) into fresh device pages,
+        which the tree holds from now on; returns the match as it stands after the copy.
 
-    def _evict_tail(self, node: RadixNode, count: int, now: float) -> int:
-        """Without a host tier: drops the last `count` pages of a leaf."""
-        keep = len(node.pages) - count
-        if self.events is not None and self.events.active:
-            self._report_removed(node, keep, DEVICE)
-        evicted = node.page_array[keep:]
-        node.truncate_pages(keep)
-        node.tokens = node.tokens[: keep * self.page_size]
-        node.chain = None  # its edge ends elsewhere now
-        if node.retention is not None:
-            node.retention.truncate(keep)
-        self._cached -= count
-        self._stats.evicted(count, now - node.inserted_at, node.hits)
-        freed = self.pool.decref_count(evicted, distinct=True)  # a node lists a page once
-        if keep:
-            self._queue.push(node, now)
-        else:
-            node.parent.device_children -= 1  # its pages are gone: it no longer counts as on the device
-            self._detach(node, now)
-        return freed
+        `match` must come from `match(update=True)`, with `match.host_node` locked by the
+        caller (so making room evicts nothing on the path). On CUDA the copy may still be in
+        flight: its handle is in the result's `loads`.
+        """
+        if self._host_tier is None:
+            return match
+        return self._host_tier.load_back(match, max_pages)
 
     def _drop(self, top: RadixNode, *, report: bool) -> int:
         """Removes `top` and everything below it from the tree, on both tiers (the caller
         tidies its parent); returns the device pages freed."""
-        self._unlink(top.parent, top.key)
-        nodes, stack = [], [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            nodes.append(node)
-        if report and self.events is not None and self.events.active:
-            for node in nodes:  # before the links go: a page's hash walks up to the root
-                if node.pages:
-                    self._report_removed(node, 0, DEVICE)
-                if node.host is not None:
-                    self._report_removed(node, 0, HOST)
+        top.parent.unlink(top.key)
+        nodes = top.subtree()
+        if report and self._reporter.active:
+            self._reporter.dropped(nodes)
+        if self._host_tier is not None:
+            self._host_tier.release(nodes)
         device: list[int] = []
-        host: list[int] = []
         for node in nodes:
-            self._settle(node)
             device += node.pages
-            if node.host is not None:
-                host += node.host
-                if not node.pages:
-                    self._host_only -= len(node.host)
             node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
         self._num_nodes -= len(nodes)
-        self._cached -= len(device)
-        if host:
-            self._host_cached -= len(host)
-            self.host.pool.decref(host)
-        return len(self.pool.decref(device))
+        return self._device.release(device)
 
     # ------------------------------------------------------------------ flush
     def reset(self) -> int:
@@ -544,64 +368,22 @@ class RadixTree(TierPlacement, TreeEvents):
                         self._drop(child, report=False)
             if not root.children and not root.lock_ref:
                 del self._roots[namespace]
-        if self.host is not None:
-            for node, _ in self.nodes():
-                if node.pages and node.host is not None:
-                    self._settle(node)
-                    self._host_cached -= len(node.host)
-                    self.host.pool.decref(node.host)
-                    node.host = None
+        if self._host_tier is not None:
+            self._host_tier.reset(node for node, _ in self.nodes())
         # Every node left is locked; unlock re-queues it.
         self._queue.forget(lambda node: node.parent is not None)
-        self._host_queue.forget(lambda node: node.parent is not None)
-        if self.events is not None and self.events.active:
-            self.events.cleared()
-            for node, _ in self.nodes():
-                if not node.is_root:
-                    if node.pages:
-                        self._report_stored(node, 0, DEVICE)
-                    if node.host is not None:
-                        self._report_stored(node, 0, HOST)
+        if self._reporter.active:
+            self._reporter.flushed(node for node, _ in self.nodes())
         return self.pool.num_free - free_before
-
-    # ------------------------------------------------------------------ eviction order
-    def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        """A device eviction candidate: unlocked, on the device, no child on the device."""
-        return (node.parent is not None and node.device_children == 0 and node.lock_ref == 0
-                and len(node.pages) > 0)
-
-    def _effective(self, node: RadixNode, now: float) -> np.ndarray:
-        if node.retention is None:
-            return np.full(self._npages(node), DEFAULT_PRIORITY, dtype=np.int16)
-        return node.retention.effective(now)
-
-    def _key(self, node: RadixNode, now: float) -> EvictionKey:
-        priority = DEFAULT_PRIORITY if node.retention is None else node.retention.tail_priority(now)
-        return self.policy.key(priority, node.tick)
 
     # ------------------------------------------------------------------ shape
     def _new_root(self, namespace: Hashable) -> RadixNode:
         return RadixNode(namespace, None, np.empty(0, dtype=np.int64), [], self.page_size > 1)
 
-    def _attach(self, parent: RadixNode, child: RadixNode) -> None:
-        child.parent = parent
-        parent.children[child.key] = child
-        if child.pages:
-            parent.device_children += 1
-        if parent.sorted_keys is not None:
-            insort(parent.sorted_keys, child.key)
-
-    def _unlink(self, parent: RadixNode, key: bytes) -> None:
-        child = parent.children.pop(key)
-        if child.pages:
-            parent.device_children -= 1
-        if parent.sorted_keys is not None:
-            del parent.sorted_keys[bisect_left(parent.sorted_keys, key)]
-
     def _detach(self, node: RadixNode, now: float) -> None:
         """Removes an emptied leaf; its parent may become an eviction candidate."""
         parent = node.parent
-        self._unlink(parent, node.key)
+        parent.unlink(node.key)
         node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
         self._num_nodes -= 1
         self._after_removal(parent, now)
@@ -615,27 +397,8 @@ class RadixTree(TierPlacement, TreeEvents):
             self._requeue(parent, now)
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
-        """Cuts `node` after `num_pages` pages; returns the new upper node.
-
-        `node` keeps the lower part, so a lock handle held on it still covers the same path
-        (and its hash-chain state, which describes the end of the same path). Both parts
-        keep the node's tiers.
-        """
-        cut = num_pages * self.page_size
-        head, head_array = node.split_pages(num_pages)
-        top = RadixNode(node.namespace, node.key, node.tokens[:cut].copy(), head, self.page_size > 1, head_array)
-        node.tokens = node.tokens[cut:].copy()
-        if node.host is not None:
-            top.host, node.host = node.host[:num_pages], node.host[num_pages:]
-        if node.retention is not None:
-            top.retention, node.retention = node.retention.split(num_pages)
-        top.lock_ref, top.tick, top.inserted_at, top.hits = node.lock_ref, node.tick, node.inserted_at, node.hits
-        top.loading, top.left_device_in = node.loading, node.left_device_in
-        parent = node.parent
-        top.parent = parent
-        parent.children[top.key] = top  # same first page, same key, same tier: parent unchanged
-        node.key = node.tokens[: self.page_size].tobytes()
-        self._attach(top, node)
+        """Cuts `node` after `num_pages` pages (`RadixNode.split`); returns the new upper node."""
+        top = node.split(num_pages, self.page_size)
         self._num_nodes += 1
         if top.retention is not None:
             self._schedule_expiries(top, self._clock())
@@ -657,7 +420,12 @@ class RadixTree(TierPlacement, TreeEvents):
 
     def host_queued_nodes(self) -> list[RadixNode]:
         """Nodes with a live entry in the host eviction queue (for checkers)."""
-        return list(self._host_queue.queued())
+        return [] if self._host_tier is None else list(self._host_tier.queued())
+
+    def cached_page_hashes(self, tier: str | None = DEVICE) -> set[tuple[str, int]]:
+        """(namespace id, page hash) of every cached page on `tier` ("device", the default;
+        "host"; None: on either): what an indexer of that tier's events should hold."""
+        return self._reporter.page_hashes((node for node, _ in self.nodes()), tier)
 
     def histograms(self) -> dict[str, Histogram]:
         """Age of cached KV when hit and when evicted (seconds since insertion, one
@@ -668,9 +436,8 @@ class RadixTree(TierPlacement, TreeEvents):
         """Counters for metrics: lookups, tokens looked up and hit (per tier), page counts,
         evictions and host-tier traffic, and the sums/counts of the histograms."""
         out = self._stats.as_dict()
-        out.update(cached_pages=self._cached, evictable_pages=self.evictable_pages,
-                   locked_pages=self._locked, free_pages=self.pool.num_free, nodes=self._num_nodes)
-        if self.host is not None:
-            out.update(host_cached_pages=self._host_cached, host_only_pages=self._host_only,
-                       host_free_pages=self.host.pool.num_free)
+        out.update(cached_pages=self.cached_pages, evictable_pages=self.evictable_pages,
+                   locked_pages=self.locked_pages, free_pages=self.pool.num_free, nodes=self._num_nodes)
+        if self._host_tier is not None:
+            out.update(self._host_tier.stats())
         return out

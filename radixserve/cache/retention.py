@@ -9,6 +9,7 @@ default 35. `PageRetention` keeps those three arrays for the pages of one tree n
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,11 @@ class PageRetention:
         return cls(np.full(num_pages, retention.priority, dtype=np.int16),
                    np.full(num_pages, retention.expiry(now)), np.full(num_pages, permanent, dtype=np.int16))
 
+    @classmethod
+    def ensure(cls, current: PageRetention | None, num_pages: int) -> PageRetention:
+        """`current`, or default retention for `num_pages` pages where there is none yet."""
+        return cls.default(num_pages) if current is None else current
+
     def __len__(self) -> int:
         return len(self.priority)
 
@@ -124,3 +130,28 @@ class PageRetention:
         """The distinct future times at which some page's temporary retention decays."""
         pending = self.expiry[(self.expiry > now) & (self.expiry < NEVER)]
         return np.unique(pending).tolist()
+
+
+PageRange = tuple[int, int, Retention]  # (first page, end page, retention)
+
+
+def page_ranges(token_ranges: Iterable[tuple[int, int, Retention]], page_size: int) -> list[PageRange]:
+    """Token ranges `[start, end)` as the ranges of pages they overlap (empty ones left out)."""
+    return [(start // page_size, -(-end // page_size), r) for start, end, r in token_ranges if end > start]
+
+
+def raise_retention(current: PageRetention | None, num_pages: int, first_page: int, retention: Retention | None,
+                    ranges: list[PageRange], now: float) -> tuple[PageRetention | None, bool]:
+    """A node's page retention after an insert raised it (`first_page`: index of the node's
+    first page in the inserted sequence), and whether any page changed. A node left at the
+    default keeps no arrays (`current` None) until something raises it."""
+    changed = False
+    if retention is not None and (current is not None or not retention.is_default):
+        current = PageRetention.ensure(current, num_pages)
+        changed = current.raise_to(retention, now)
+    for start, end, r in ranges:
+        lo, hi = max(start - first_page, 0), min(end - first_page, num_pages)
+        if lo < hi:
+            current = PageRetention.ensure(current, num_pages)
+            changed |= current.raise_to(r, now, lo, hi)
+    return current, changed

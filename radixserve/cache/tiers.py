@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from radixserve.cache.pool import PagePool
 from radixserve.cache.retention import DEFAULT_PRIORITY
 from radixserve.cache.transfer import KVCopier, PageCopier
@@ -56,10 +58,16 @@ class HostTier:
         per_page = sum(t[0].numel() * t.element_size() for t in (*host_pool.k_cache, *host_pool.v_cache))
         return cls(host_pool, PageCopier(device_pool, host_pool), bytes_per_page=per_page, **rules)
 
-    def offloads(self, priority: int) -> bool:
-        """Whether a device-only page at this effective priority goes to host on eviction."""
+    def offloads(self, priority: int | np.ndarray) -> bool | np.ndarray:
+        """Whether a device-only page at this effective priority goes to host on eviction
+        (elementwise for an array of priorities)."""
         return priority >= self.offload_min_priority
+
+    @property
+    def copies_on_hit(self) -> bool:
+        """Whether matches may copy device pages to host (write-through-selective)."""
+        return self.write_policy == WRITE_THROUGH_SELECTIVE
 
     def writes_through(self, hits: int) -> bool:
         """Whether a device-only page hit `hits` times is copied to host now."""
-        return self.write_policy == WRITE_THROUGH_SELECTIVE and hits >= self.write_through_hits
+        return self.copies_on_hit and hits >= self.write_through_hits

@@ -73,6 +73,7 @@ class ReplicaInfo:
     max_sequence_len: int
     page_size: int
     tokenizer: Any
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class WrongReplica(RuntimeError):

@@ -41,7 +41,8 @@ class EngineReplica:
     def info(self) -> ReplicaInfo:
         """The model's name, limits, page size and tokenizer."""
         return ReplicaInfo(self.engine.model_name, self.engine.max_context_len,
-                           self.engine.max_sequence_len, self.engine.page_size, self.engine.tokenizer)
+                           self.engine.max_sequence_len, self.engine.page_size, self.engine.tokenizer,
+                           self.engine.sampling_defaults)
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Accepted | Refused | StreamDelta]:
         """Accepted (or Refused, then nothing), then the request's deltas. Cancelling the

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 import time
 import uuid
 from dataclasses import replace
@@ -14,32 +14,27 @@ import numpy as np
 import torch
 
 from radixserve.attention.base import create_backend
-from radixserve.cache.events import CacheEvent, CacheEventHub
-from radixserve.cache.invariants import InvariantError, SequenceView, check_invariants
-from radixserve.cache.pool import PagePool
-from radixserve.cache.radix import RadixTree, Retention
-from radixserve.cache.reuse import ReuseHistory
-from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK, HostTier
-from radixserve.engine.beam import BeamGroup, Candidate, Hypothesis
+from radixserve.cache.events import CacheEvent
+from radixserve.cache.radix import Retention
+from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
+from radixserve.engine.beam_driver import BeamDriver
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from radixserve.engine.params import (PromptTooLong, QueueFull, RequestOutput, SamplingParams,
-                                      StreamDelta, TokenLogprob)
+from radixserve.engine.engine_setup import build_cache, bytes_per_page, eos_token_ids, sampling_defaults
+from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
+from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
+                                      TokenLogprob)
 from radixserve.engine.policy import make_policy
+from radixserve.engine.prompt_check import check_prompt, max_sequence_len
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
-from radixserve.engine.sampler import compute_logprobs, sample, sampling_seed
+from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
-from radixserve.engine.sessions import SESSION_PRIORITY, Session, SessionTable
+from radixserve.engine.sessions import SessionTable
 from radixserve.engine.timing import StepTimings
+from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
 from radixserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-_TREE_PAGE_COUNTS = frozenset({"cached_pages", "evictable_pages", "locked_pages", "free_pages",
-                               "host_cached_pages", "host_only_pages", "host_free_pages"})
-REUSE_WINDOW = 16  # reuse history length, in multiples of the cache's pages, both tiers (measured best)
-DEFAULT_CPU_KV_GB = 0.5
-DEFAULT_GPU_KV_FRACTION = 0.8
 
 
 class Engine:
@@ -72,6 +67,9 @@ class Engine:
         host_offload_min_priority: device-only pages below this retention priority are
             dropped on eviction instead of copied to host (default 35: the default priority
             is offloaded).
+        generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
+            top_k (generation_config.json, or GGUF metadata) to requests without params;
+            "none" ignores them. Its stop tokens always end generation.
     """
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
@@ -84,7 +82,8 @@ class Engine:
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
                  backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
-                 host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY) -> None:
+                 host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
+                 generation_config: str = "auto") -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -96,16 +95,13 @@ class Engine:
         self.max_context_len = self.loaded.max_context_len
         self.device = self.loaded.device
         self.page_size = page_size
-        self.pool = self._make_pool(num_pages, kv_memory_gb)
-        self.host_tier = self._make_host_tier(host_num_pages, host_kv_memory_gb, host_write_policy,
-                                              host_offload_min_priority) if enable_prefix_cache else None
-        reuse_boost = eviction_policy == "reuse-boost"
-        self.cache_events = CacheEventHub(page_size)
-        self.tree = RadixTree(self.pool, eviction_policy="priority" if reuse_boost else eviction_policy,
-                              events=self.cache_events, host=self.host_tier)
-        cache_pages = self.pool.num_pages + (self.host_tier.pool.num_pages if self.host_tier else 0)
-        self.reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * cache_pages)
-                              if reuse_boost and enable_prefix_cache else None)
+        cache = build_cache(self.loaded, page_size, num_pages=num_pages, kv_memory_gb=kv_memory_gb,
+                            eviction_policy=eviction_policy, prefix_cache=enable_prefix_cache,
+                            host_num_pages=host_num_pages, host_kv_memory_gb=host_kv_memory_gb,
+                            host_write_policy=host_write_policy,
+                            host_offload_min_priority=host_offload_min_priority)
+        self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
+        self.cache_events, self.reuse_history = cache.events, cache.reuse_history
         self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
@@ -115,71 +111,20 @@ class Engine:
         self.max_queue = max_queue
         if max_session_tokens is None:
             max_session_tokens = self.pool.num_pages * page_size // 2
-        self.sessions = SessionTable(session_ttl_s, max_session_tokens, self._demote)
+        self.sessions = SessionTable.over(self.tree, session_ttl_s, max_session_tokens)
         self.debug_checks = debug_checks
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.loaded)
+        self.sampling_defaults = sampling_defaults(self.loaded, generation_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
-        self._pending: dict[str, list[StreamDelta]] = {}
-        self._counters = {"prompt_tokens": 0, "cached_tokens": 0, "host_cached_tokens": 0,
-                          "generated_tokens": 0, "requests_finished": 0, "requests_aborted": 0,
-                          "steps": 0, "prefill_tokens": 0}
-        self._prefill_step_s = 0.0
-        self._step_time_s = 0.0
-        self._last_step_s = 0.0
+        self._deltas = DeltaQueue()
+        self._counters = new_counters()
+        self._step_clock = StepClock()
         self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
-
-    # ------------------------------------------------------------------ set-up
-    def _make_pool(self, num_pages: int | None, kv_memory_gb: float | None) -> PagePool:
-        cfg = self.loaded.model
-        shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     dtype=self.loaded.dtype, device=self.device)
-        if num_pages is not None and kv_memory_gb is not None:
-            raise ValueError("give num_pages or kv_memory_gb, not both")
-        if num_pages is not None:
-            if num_pages < 1:
-                raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
-            return PagePool(num_pages, self.page_size, **shape)
-        if kv_memory_gb is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * DEFAULT_GPU_KV_FRACTION)
-            else:
-                budget = int(DEFAULT_CPU_KV_GB * 2**30)
-        else:
-            budget = int(kv_memory_gb * 2**30)
-        return PagePool.from_memory_budget(budget, self.page_size, **shape)
-
-    def _make_host_tier(self, num_pages: int | None, memory_gb: float | None, write_policy: str,
-                        offload_min_priority: int) -> HostTier | None:
-        """The host tier's pool (same page shape, in host memory, pinned on CUDA); None when
-        neither size is given or it is zero."""
-        if num_pages is not None and memory_gb is not None:
-            raise ValueError("give host_num_pages or host_kv_memory_gb, not both")
-        for name, value in (("host_num_pages", num_pages), ("host_kv_memory_gb", memory_gb)):
-            if value is not None and value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value}")
-        if not num_pages and not memory_gb:
-            return None
-        cfg = self.loaded.model
-        shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     dtype=self.loaded.dtype, device="cpu", pin_memory=self.device.type == "cuda")
-        if num_pages:
-            host_pool = PagePool(num_pages, self.page_size, **shape)
-        else:
-            host_pool = PagePool.from_memory_budget(int(memory_gb * 2**30), self.page_size, **shape)
-        return HostTier.over(self.pool, host_pool, write_policy=write_policy,
-                             offload_min_priority=offload_min_priority)
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.loaded.config, getattr(self.loaded.model, "generation_config", None)):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        self.beams = BeamDriver(self.scheduler, new_beam=self._new_beam, finish=self._finish,
+                                fail=self._fail_request, retire=self._retire, eos_token_ids=self.eos_token_ids,
+                                released=self._released, counters=self._counters)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -188,12 +133,14 @@ class Engine:
                     prefix_retention: tuple[int, Retention] | None = None,
                     session_id: str | None = None) -> str:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
             params = replace(params, beam_width=None, temperature=0.0)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(prompt_ids, params)
+        check_prompt(prompt_ids, params, vocab_size=self.loaded.model.vocab_size,
+                     max_context_len=self.max_context_len, num_pages=self.pool.num_pages,
+                     page_size=self.page_size, max_running=self.scheduler.max_running)
         queued = sum(1 for s in self.scheduler.waiting if s.request.cached_tokens is None)
         if self.max_queue is not None and queued >= self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
@@ -207,44 +154,21 @@ class Engine:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
         self._requests[request_id] = req
-        self._pending[request_id] = []
+        self._deltas.open(request_id)
         if params.beam_search:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            req.beam = BeamGroup.for_request(req, stops)
-            req.beam.running.append(self._new_sequence(req, 0, list(prompt_ids), output=False))
-            self.scheduler.waiting.append(req.beam.running[0])
+            self.scheduler.waiting.append(self.beams.start(req))
         else:
             self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
 
+    def default_sampling_params(self, **fields: object) -> SamplingParams:
+        """SamplingParams with `fields`, and the checkpoint's sampling defaults where unset."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})
+
     @property
     def max_sequence_len(self) -> int:
         """The longest prompt + output one sample can have: the context, or the pool if smaller."""
-        return min(self.max_context_len, (self.pool.num_pages - 1) * self.page_size)
-
-    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.loaded.model.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_context_len:
-            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                f"exceeds the model's context of {self.max_context_len} tokens",
-                                param=_cause(len(prompt_ids), self.max_context_len))
-        # Every sample must fit the pool on its own, or preemption could never make room; the
-        # beams of a group run together, so all of them must (counted without sharing: a
-        # group resumed after its cached pages were evicted recomputes each beam in full).
-        beams = params.beam_width if params.beam_search else 1
-        if beams * (math.ceil(total / self.page_size) + 1) > self.pool.num_pages:
-            what = f"{beams} beams of " if beams > 1 else ""
-            raise PromptTooLong(f"{what}prompt + max_tokens ({total} tokens) needs more KV pages than the "
-                                f"pool holds ({self.pool.num_pages} pages of {self.page_size} tokens)",
-                                param=_cause(len(prompt_ids), self.max_sequence_len))
-        if beams > self.scheduler.max_running:
-            raise ValueError(f"beam_width: {beams} beams run at once, more than max_running "
-                             f"({self.scheduler.max_running})")
+        return max_sequence_len(self.max_context_len, self.pool.num_pages, self.page_size)
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int], *, output: bool = True) -> Sequence:
         """A sequence of `req`; `output`: one of the request's samples (not a beam)."""
@@ -255,21 +179,36 @@ class Engine:
             req.sequences.append(seq)
         return seq
 
+    def _new_beam(self, req: Request, token_ids: list[int]) -> Sequence:
+        return self._new_sequence(req, 0, token_ids, output=False)
+
     def abort(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its pages (computed full pages stay cached)."""
         req = self._requests.get(request_id)
         if req is None:
             return
+        self._end_request(req, "abort")
+
+    def _end_request(self, req: Request, reason: str) -> None:
+        """Ends `req` and its unfinished samples: "abort" keeps their computed full pages cached;
+        "error" (a step that raised) frees them uncached: they may hold half-written K/V."""
         req.aborted = True
         for seq in req.sequences:
-            if not seq.finished:
-                self._finish(seq, "abort")
+            if seq.finished:
+                continue
+            if reason == "abort":
+                self._finish(seq, reason)
+            else:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq, cache=False)
+                self._deltas.emit(seq)
         if req.beam is not None:
-            self._release_beams(req.beam, "abort")
-        for index in range(len(req.sequences), req.params.n):  # samples not forked yet
-            self._pending[request_id].append(StreamDelta(index, [], "", None, "abort", len(req.prompt_ids),
-                                                         req.cached_tokens or 0))
+            self.beams.release(req.beam, reason)
+        self._deltas.end_unforked(req, reason)
         self._retire(req)
+
+    def _fail_request(self, req: Request) -> None:  # the engine and the other requests carry on
+        self._end_request(req, "error")
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -290,15 +229,12 @@ class Engine:
             self._timings.steps += 1
             self._run(chunks)
         self._counters["steps"] += 1
-        self._last_step_s = time.perf_counter() - start
         prefilled = sum(c.num_new for c in chunks if c.num_new > 1)
-        if prefilled:  # for prefill time per token (vs. a host-tier copy's)
-            self._counters["prefill_tokens"] += prefilled
-            self._prefill_step_s += self._last_step_s
-        self._step_time_s += self._last_step_s
+        self._counters["prefill_tokens"] += prefilled  # for prefill time per token (vs. a copy's)
+        self._step_clock.record(time.perf_counter() - start, prefilled=prefilled > 0)
         if self.debug_checks:
             self.check_invariants()
-        self._released = []
+        self._released.clear()  # in place: the beam driver appends to this list too
         return self.take_deltas()
 
     def _run(self, chunks: list[ScheduledChunk]) -> None:
@@ -324,7 +260,7 @@ class Engine:
             if len(chunks) == 1:
                 logger.exception("forward pass failed for request %s; it ends with finish_reason "
                                  "'error'", chunks[0].seq.request.request_id)
-                self._fail({chunks[0].seq.request})
+                self._fail_request(chunks[0].seq.request)
                 return
             middle = len(chunks) // 2
             self._run(chunks[:middle])
@@ -334,44 +270,37 @@ class Engine:
 
     def take_deltas(self) -> dict[str, list[StreamDelta]]:
         """What is new per request id since the last call (step() returns it too)."""
-        out, self._pending = self._pending, {rid: [] for rid in self._pending if rid in self._requests}
-        return {rid: deltas for rid, deltas in out.items() if deltas}
+        return self._deltas.take(self._requests)
 
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         clock, timings = time.perf_counter, self._timings
         ready: list[tuple[Sequence, int]] = []  # (sequence, logits row)
         beams: list[tuple[Sequence, int]] = []  # beam-search beams: their rows go to their group
-        row = 0
-        t0 = clock()
-        for chunk in chunks:
-            seq = chunk.seq
-            needs_logits = chunk.needs_logits
-            seq.num_computed += chunk.num_new
-            req = seq.request
-            if chunk.num_new > 1:  # a prefill chunk: share its pages now (decodes cache at the end)
-                self.scheduler.cache_computed(seq, req.retention, req.range_retention())
-            self._released.extend(self.scheduler.trim_window(seq))
-            if not needs_logits:
-                continue
-            if req.beam is not None:
+        next_row = itertools.count()  # the k-th sequence that needs a token has the k-th logits row
+
+        def take_row(seq: Sequence) -> None:
+            row = next(next_row)
+            if seq.request.beam is not None:
                 beams.append((seq, row))
-                row += 1
-                continue
+                return
             ready.append((seq, row))
+            req = seq.request
             if len(req.sequences) < req.params.n and seq.index == 0:
                 ready.extend((child, row) for child in self._fork(seq))
-            row += 1
+
+        t0 = clock()
+        self._released.extend(self.scheduler.advance(chunks, take_row))
         t1 = clock()
         timings.add("tree", t1 - t0)
         if beams:  # scored with the sampling
-            self._deliver_beams(beams, logits)
+            self.beams.deliver(beams, logits)
         if not ready:
             return
         seqs = [s for s, _ in ready]
         rows = [r for _, r in ready]
         # A decode step samples every row in order: no copy of the logits then.
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        tokens, logprobs = self._sample(picked, seqs)
+        tokens, logprobs = sample_rows(picked, seqs, fail=self._fail_request)
         t2 = clock()
         timings.add("sampling", t2 - t1)
         tree_before = timings.seconds["tree"]
@@ -383,152 +312,9 @@ class Engine:
             except Exception:
                 logger.exception("post-processing a token of request %s failed; it ends with "
                                  "finish_reason 'error'", seq.request.request_id)
-                self._fail({seq.request})
+                self._fail_request(seq.request)
         finishing = timings.seconds["tree"] - tree_before  # _finish's share, counted there
         timings.add("detokenize", clock() - t2 - finishing)
-
-    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One token (and logprobs if asked) per row; the batch at once, or row by row if the
-        batch fails, so a request whose sampling fails ends alone (with a dummy token here)."""
-        params = [s.request.params for s in seqs]
-        seeds = [s.sampling_seed for s in seqs]
-        steps = [len(s.output_ids) for s in seqs]  # token t of a sample is drawn from (seed, t)
-        try:
-            tokens = sample(rows, params, seeds, steps)
-            return tokens, compute_logprobs(rows, tokens, [p.logprobs for p in params])
-        except Exception:
-            logger.exception("batched sampling failed; sampling row by row")
-        tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
-        for i, seq in enumerate(seqs):
-            try:
-                (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1])
-                (logprobs[i],) = compute_logprobs(rows[i:i + 1], tokens[i:i + 1], [params[i].logprobs])
-            except Exception:
-                logger.exception("sampling failed for request %s; it ends with finish_reason 'error'",
-                                 seq.request.request_id)
-                self._fail({seq.request})
-        return tokens, logprobs
-
-    def _fail(self, requests: set[Request]) -> None:
-        """Ends the requests of a step that raised; their pages may hold half-written K/V,
-        so they are freed, never cached. The engine and every other request carry on."""
-        for req in requests:
-            for seq in req.sequences:
-                if not seq.finished:
-                    seq.finish_reason = "error"
-                    self.scheduler.finish(seq, cache=False)
-                    self._emit(seq)
-            if req.beam is not None:
-                self._release_beams(req.beam, "error")
-            for index in range(len(req.sequences), req.params.n):
-                self._pending[req.request_id].append(StreamDelta(index, [], "", None, "error",
-                                                                 len(req.prompt_ids), req.cached_tokens or 0))
-            req.aborted = True
-            self._retire(req)
-
-    # ------------------------------------------------------------------ beam search
-    def _deliver_beams(self, beams: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        """Hands each beam its logits row; a group whose beams have all delivered steps."""
-        groups: dict[int, BeamGroup] = {}
-        for seq, row in beams:
-            group = seq.request.beam
-            if group is not None and not group.done:
-                group.deliver(seq, logits[row])
-                groups[id(group)] = group
-        for group in groups.values():
-            if not group.ready:
-                continue
-            try:
-                self._beam_step(group)
-            except Exception:
-                logger.exception("a beam search step of request %s failed; it ends with finish_reason "
-                                 "'error'", group.request.request_id)
-                self._fail({group.request})
-
-    def _beam_step(self, group: BeamGroup) -> None:
-        """One beam-search step over the paged cache.
-
-        New hypotheses hold their parent's full pages; a beam no candidate continues releases
-        its pages; a parent's first surviving child is the parent itself (it keeps its pages,
-        last page included), every further child shares the parent's full pages and copies
-        its partly filled last page. Beams that die free exactly as many partial pages as the
-        extra children copy, so only the first step (one prompt, W children) needs free
-        pages: if they cannot be had, the group is preempted and recomputes from the cache.
-        """
-        req = group.request
-        parents = list(group.running)
-        result = group.step()
-        fresh = []
-        for entry in result.finished:
-            if isinstance(entry, Candidate):
-                parent = parents[entry.parent]
-                seq = self._new_sequence(req, 0, parent.token_ids + [entry.token], output=False)
-                seq.output_ids = parent.output_ids + [entry.token]
-                if not parent.dropped_pages:  # else it could never be cached: it holds nothing
-                    self.scheduler.share_full_pages(parent, seq)
-                entry = Hypothesis(entry.score, seq)
-            fresh.append(entry)
-        for dropped in group.keep(fresh):
-            self._released.extend(self.scheduler.finish(dropped.seq, cache=False))
-        if result.done:
-            self._finish_beams(group)
-            return
-        children: dict[int, list[int]] = {}  # parent position -> ranks of its children
-        for rank, cand in enumerate(result.running):
-            children.setdefault(cand.parent, []).append(rank)
-        for i, parent in enumerate(parents):
-            if i not in children:
-                parent.finish_reason = "pruned"
-                self._released.extend(self.scheduler.finish(parent, cache=False))
-        extra = len(result.running) - len(children)
-        copies = extra if parents[0].num_computed % self.page_size else 0
-        fits = (len(self.scheduler.running) + extra <= self.scheduler.max_running
-                and self.scheduler.ensure_free(copies))
-        running: list[Sequence] = [parents[0]] * len(result.running)
-        for i, ranks in children.items():
-            parent = parents[i]
-            for rank in ranks[1:]:
-                child = self._new_sequence(req, 0, list(parent.token_ids), output=False)
-                child.output_ids = list(parent.output_ids)
-                if not (fits and self.scheduler.fork(parent, child)):
-                    self.scheduler.waiting.append(child)
-                running[rank] = child
-            running[ranks[0]] = parent
-        for rank, cand in enumerate(result.running):
-            running[rank].token_ids.append(cand.token)
-            running[rank].output_ids.append(cand.token)
-            self._counters["generated_tokens"] += 1
-        group.running = running
-        if not fits:  # all of the group waits, and is admitted again as a whole
-            self.scheduler.preempt_unit(running)
-
-    def _finish_beams(self, group: BeamGroup) -> None:
-        """Ends a search: the n best hypotheses become the request's outputs (their pages are
-        cached like any finished sample's); everything else the group holds is released."""
-        req = group.request
-        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids)
-        if len(group.hypotheses) < req.params.n:  # the scorer always keeps W: a bug, not input
-            raise RuntimeError(f"beam search ended with {len(group.hypotheses)} hypotheses, n={req.params.n}")
-        best, rest = group.hypotheses[: req.params.n], group.hypotheses[req.params.n:]
-        group.hypotheses = rest
-        self._release_beams(group, None)
-        for rank, hyp in enumerate(best):
-            seq = hyp.seq
-            seq.index, seq.beam_score = rank, hyp.score
-            seq.text = "".join(seq.detokenizer.push(t) for t in seq.output_ids) + seq.detokenizer.flush()
-            req.sequences.append(seq)
-            self._finish(seq, "stop" if seq.output_ids[-1] in stops else "length")
-        self._retire(req)
-
-    def _release_beams(self, group: BeamGroup, reason: str | None) -> None:
-        """Releases every running beam and kept hypothesis of `group` (no caching) and ends
-        the search; `reason` marks the beams (so chunks of this step skip them)."""
-        for seq in group.running + [h.seq for h in group.hypotheses]:
-            seq.finish_reason = reason or "pruned"
-            self._released.extend(self.scheduler.finish(seq, cache=False))
-        group.running, group.hypotheses = [], []
-        group.logits.clear()
-        group.done = True
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of a request start from sample 0's computed prompt pages."""
@@ -543,31 +329,13 @@ class Engine:
                 self.scheduler.waiting.append(child)
         return children
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
-        params = seq.request.params
-        seq.token_ids.append(token)
-        seq.output_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         self._counters["generated_tokens"] += 1
-        text, hit_stop = seq.stop_matcher.feed(seq.detokenizer.push(token))
-        seq.text += text
-        if hit_stop or token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_context_len:
-            reason = "length"
-        else:
-            reason = None
-        if reason is not None and not hit_stop:
-            # The end releases held-back text (an unfinished character): it may hold a stop.
-            tail, hit_stop = seq.stop_matcher.feed(seq.detokenizer.flush())
-            seq.text += tail if hit_stop else tail + seq.stop_matcher.flush()
-            if hit_stop:
-                reason = "stop"
+        reason = push_token(seq, token, logprob, self.eos_token_ids, self.max_context_len)
         if reason is not None:
             self._finish(seq, reason)
         else:
-            self._emit(seq)
+            self._deltas.emit(seq)
         if seq.request.finished:
             self._retire(seq.request)
 
@@ -577,47 +345,26 @@ class Engine:
         seq.finish_reason = reason
         ranges = req.range_retention()
         in_session = req.session_id is not None and reason != "abort" and seq.index == 0
-        if in_session:
-            # The latest turn is kept ahead of ordinary cache for the TTL, on top of whatever
-            # retention its pages have for good; the turn before it no longer is. Sessions end
-            # first: what the new turn shares with them is raised again by the insert below.
-            self.sessions.reserve(req.session_id, seq.num_computed)
-            ranges.append((0, seq.num_computed, Retention(SESSION_PRIORITY, self.sessions.ttl_s)))
+        if in_session:  # the latest turn is kept ahead of ordinary cache for the TTL
+            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed))
         computed = seq.token_ids[: seq.num_computed]
         start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         self._timings.add("tree", time.perf_counter() - start)
         if in_session:
             self.sessions.add(req.session_id, computed, req.namespace)
-        self._emit(seq)
-
-    def _demote(self, session: Session) -> None:
-        self.tree.end_retention(session.tokens, session.namespace, SESSION_PRIORITY)
+        self._deltas.emit(seq)
 
     def close_session(self, session_id: str) -> bool:
         """Ends a session: its pages become ordinary cache. False if it was not open (or
         expired: idle past the TTL)."""
         return self.sessions.close(session_id)
 
-    def _emit(self, seq: Sequence) -> None:
-        req = seq.request
-        if req.request_id not in self._pending:
-            return
-        new_logprobs = seq.logprobs[seq.emitted_logprobs:] if req.params.logprobs is not None else None
-        delta = StreamDelta(seq.index, seq.output_ids[seq.emitted_tokens:], seq.text[seq.emitted_text:],
-                            new_logprobs, seq.finish_reason, len(req.prompt_ids), req.cached_tokens or 0)
-        seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), len(seq.text)
-        seq.emitted_logprobs = len(seq.logprobs)
-        self._pending[req.request_id].append(delta)
-
     def _retire(self, req: Request) -> None:
         if req.request_id not in self._requests:
             return
         del self._requests[req.request_id]
-        self._counters["requests_aborted" if req.aborted else "requests_finished"] += 1
-        self._counters["prompt_tokens"] += len(req.prompt_ids)
-        self._counters["cached_tokens"] += req.cached_tokens or 0
-        self._counters["host_cached_tokens"] += req.host_cached_tokens
+        count_retired(self._counters, req)
 
     # ------------------------------------------------------------------ offline API
     def generate(self, prompts: list[str] | list[list[int]],
@@ -628,7 +375,7 @@ class Engine:
                 raise ValueError("params: give one SamplingParams, or one per prompt")
             per_prompt = params
         else:
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or self.default_sampling_params()] * len(prompts)
         requests = []
         for prompt, p in zip(prompts, per_prompt):
             rid = self.add_request(prompt, p)
@@ -669,54 +416,10 @@ class Engine:
         "step_breakdown_s": cumulative seconds per section of step() (schedule, metadata,
         model, sampling, detokenize, tree; see engine/timing.py) and "steps" that ran a batch.
         """
-        c = self._counters
-        out: dict[str, Any] = dict(c)
-        out["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
-        out.update(
-            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-            preemptions=self.scheduler.counters.preemptions, admissions=self.scheduler.counters.admitted,
-            shrunk_chunks=self.scheduler.counters.shrunk_chunks,
-            deferred_for_sharing=self.scheduler.counters.deferred_for_sharing,
-            step_time_s_total=self._step_time_s, last_step_s=self._last_step_s,
-            step_breakdown_s=self._timings.snapshot(),
-            pages_total=self.pool.num_pages, pages_free=self.pool.num_free, pages_used=self.pool.num_used,
-            pages_cached=self.tree.cached_pages, pages_evictable=self.tree.evictable_pages,
-            pages_locked=self.tree.locked_pages, page_size=self.page_size,
-            kv_tokens_capacity=self.pool.num_pages * self.page_size,
-            kv_bytes=self.pool.num_pages * self._bytes_per_page(), sessions_open=len(self.sessions),
-        )
-        out["device_cached_tokens"] = c["cached_tokens"] - c["host_cached_tokens"]
-        out["prefill_step_s_total"] = self._prefill_step_s
-        out.update(self._host_stats())
-        # The tree's page counts are reported as pages_* / host_*; its counters come prefixed.
-        out.update({f"cache_{k}": v for k, v in self.tree.stats().items() if k not in _TREE_PAGE_COUNTS})
-        # Prometheus-style cumulative buckets: [(upper bound, count <= bound), ...] ending at +inf.
-        out["histograms"] = {name: {"buckets": h.cumulative(), "sum": h.sum, "count": h.count}
-                             for name, h in self.tree.histograms().items()}
-        return out
-
-    def _host_stats(self) -> dict[str, float]:
-        host = self.host_tier
-        if host is None:
-            return dict.fromkeys(("host_pages_total", "host_pages_free", "host_pages_used", "host_pages_cached",
-                                  "host_only_pages", "host_kv_bytes", "kv_offloaded_bytes", "kv_loaded_bytes",
-                                  "kv_offload_seconds_total", "kv_load_seconds_total"), 0)
-        tree = self.tree.stats()
-        per_page = host.bytes_per_page
-        return {
-            "host_pages_total": host.pool.num_pages, "host_pages_free": host.pool.num_free,
-            "host_pages_used": host.pool.num_used, "host_pages_cached": self.tree.host_cached_pages,
-            "host_only_pages": self.tree.host_only_pages, "host_kv_bytes": host.pool.num_pages * per_page,
-            "kv_offloaded_bytes": (tree["offloaded_pages"] + tree["written_through_pages"]) * per_page,
-            "kv_loaded_bytes": tree["loaded_pages"] * per_page,
-            "kv_offload_seconds_total": host.copier.offload_seconds,
-            "kv_load_seconds_total": host.copier.load_seconds,
-        }
-
-    def _bytes_per_page(self) -> int:
-        m = self.loaded.model
-        return PagePool.bytes_per_page(self.page_size, m.num_layers, m.num_kv_heads, m.head_dim,
-                                       self.loaded.dtype)
+        return engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
+                            clock=self._step_clock, timings=self._timings,
+                            bytes_per_page=bytes_per_page(self.loaded, self.page_size),
+                            sessions_open=len(self.sessions))
 
     def check_invariants(self) -> None:
         """The structural checker over the pool, the tree and every live block table.
@@ -724,25 +427,7 @@ class Engine:
         Pages that finished sequences let go in the last step must be free unless the tree
         or another live sequence still holds them.
         """
-        holders = list(self.scheduler.running)
-        for req in self._requests.values():
-            if req.beam is not None:  # finished hypotheses keep their full pages until the end
-                holders.extend(h.seq for h in req.beam.hypotheses)
-                self._check_beam_group(req.beam)
-        window = self.scheduler.window
-        views = [SequenceView(s.block_table, s.num_computed, window) for s in holders]
-        held = {p for s in holders for p in s.block_table[s.dropped_pages:]}
-        held.update(p for _, pages in self.tree.nodes() for p in pages)
-        released = [p for p in self._released if p not in held]
-        check_invariants(self.pool, self.tree, views, released_pages=released)
-
-    def _check_beam_group(self, group: BeamGroup) -> None:
-        """A beam group is scheduled as a whole: its beams all run or all wait."""
-        running = [s in self.scheduler.running for s in group.running]
-        waiting = [s in self.scheduler.waiting for s in group.running]
-        if not (all(running) or all(waiting)):
-            raise InvariantError(f"[beam-group-split] request {group.request.request_id}: beams running "
-                                 f"{running}, waiting {waiting}")
+        check_engine(self.scheduler, self.tree, self.beams, list(self._requests.values()), self._released)
 
     def flush_cache(self) -> int:
         """Drops every unlocked cached page; returns how many pages were freed."""
@@ -763,7 +448,3 @@ class Engine:
         "host"; None: either): what an indexer of that tier's events holds."""
         return self.tree.cached_page_hashes(tier)
 
-
-def _cause(prompt_len: int, limit: int) -> str:
-    """What PromptTooLong blames: the prompt if it leaves no room for one token, else max_tokens."""
-    return "prompt" if prompt_len + 1 > limit else "max_tokens"

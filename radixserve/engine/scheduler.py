@@ -31,7 +31,6 @@ before the match point is always there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -40,30 +39,9 @@ from radixserve.cache.pool import DROPPED_PAGE, PagePool
 from radixserve.cache.radix import MatchResult, RadixTree, Retention
 from radixserve.engine.policy import SchedulePolicy, common_prefix_len
 from radixserve.engine.request import Sequence
+from radixserve.engine.scheduled import ScheduledChunk, SchedulerCounters
 
-
-@dataclass
-class ScheduledChunk:
-    """`num_new` tokens of `seq`, from `seq.num_computed` on, to run in this step."""
-
-    seq: Sequence
-    num_new: int
-
-    @property
-    def needs_logits(self) -> bool:
-        """Only a chunk that reaches the sequence's last token yields a next token."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerCounters:
-    """Cumulative scheduler events, for stats."""
-
-    preemptions: int = 0
-    shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
-    deferred_for_sharing: int = 0
-    admitted: int = 0
-    loaded_tokens: int = 0  # prompt tokens copied back from the host tier instead of recomputed
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerCounters"]
 
 
 class Scheduler:
@@ -372,6 +350,31 @@ class Scheduler:
         # A new list, not a change in place: block tables are only ever appended to in place.
         seq.block_table = [DROPPED_PAGE] * out_of_window + seq.block_table[out_of_window:]
         seq.dropped_pages = out_of_window
+        return released
+
+    # ------------------------------------------------------------------ after a step
+    def advance(self, chunks: list[ScheduledChunk], on_last_token: Callable[[Sequence], None]) -> list[int]:
+        """The bookkeeping after a forward pass over `chunks` (the engine's and the simulator's).
+
+        Chunk by chunk, in order: the sequence counts the chunk's tokens as computed; a prefill
+        chunk (more than one token) puts its computed full pages into the tree with its
+        request's retention (`cache_computed`; decode tokens are cached when the sequence
+        ends); pages that left the sliding window are released (`trim_window`). Then, if the
+        chunk reached the sequence's last token, `on_last_token(seq)` is called: the k-th call
+        is for the k-th logits row. It runs before the next chunk's bookkeeping, so what the
+        caller does there (fork a sample, finish a sequence) sees the cache as that chunk left it.
+        Returns the pages the window released.
+        """
+        released: list[int] = []
+        for chunk in chunks:
+            seq, last = chunk.seq, chunk.needs_logits  # needs_logits reads num_computed: first
+            seq.num_computed += chunk.num_new
+            if chunk.num_new > 1:
+                req = seq.request
+                self.cache_computed(seq, req.retention, req.range_retention())
+            released.extend(self.trim_window(seq))
+            if last:
+                on_last_token(seq)
         return released
 
     # ------------------------------------------------------------------ lifecycle

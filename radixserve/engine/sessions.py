@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cache.radix import RadixTree, Retention
+
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
 SESSION_SWEEP_S = 1.0  # how often idle sessions are looked for
 
@@ -45,6 +47,12 @@ class SessionTable:
         self._tokens = 0
         self.last_sweep = clock()
 
+    @classmethod
+    def over(cls, tree: RadixTree, ttl_s: float, max_tokens: int) -> SessionTable:
+        """The engine's table: a session that ends has its turn's raised retention in `tree` ended."""
+        return cls(ttl_s, max_tokens,
+                   lambda session: tree.end_retention(session.tokens, session.namespace, SESSION_PRIORITY))
+
     def __len__(self) -> int:
         return len(self._open)
 
@@ -61,6 +69,15 @@ class SessionTable:
         self._end(session_id)
         while self._open and self._tokens + num_tokens > self.max_tokens:
             self._end(next(iter(self._open)))
+
+    def begin_turn(self, session_id: str, num_tokens: int) -> tuple[int, int, Retention]:
+        """Makes room for a new latest turn of `num_tokens` computed tokens (`reserve`); returns
+        the token range and retention to insert it with: ahead of ordinary cache for the TTL,
+        on top of whatever retention its pages have for good (the turn before no longer is).
+        Sessions end first, so what the new turn shares with them is raised again by that
+        insert. `add` the turn once inserted."""
+        self.reserve(session_id, num_tokens)
+        return 0, num_tokens, Retention(SESSION_PRIORITY, self.ttl_s)
 
     def add(self, session_id: str, tokens: list[int], namespace: Any) -> None:
         """The turn `reserve` made room for is raised: it is the session's latest turn."""

@@ -1,21 +1,36 @@
-"""Local HF checkpoint directory (or "demo") -> model, tokenizer and config, ready to serve.
+"""A `--model` string -> model, tokenizer, config and generation defaults, ready to serve.
 
-Nothing is downloaded: `model` is a directory holding config.json, the weights
-(model.safetensors, or shards listed in model.safetensors.index.json) and the tokenizer files.
+`model` is resolved by models/registry.py ("demo", a named model such as "smollm2", a local
+path, or a Hub id downloaded once). A checkpoint directory holds config.json, the weights
+(model.safetensors, or shards listed in model.safetensors.index.json) and the tokenizer files;
+a GGUF file holds all of it and is translated by models/gguf_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.models.generation_defaults import GenerationDefaults
+from radixserve.models.gguf_checkpoint import (
+    gguf_config,
+    gguf_metadata,
+    gguf_tensors,
+    is_gguf_file,
+    load_gguf_tokenizer,
+    open_gguf,
+    rope_frequency_divisors,
+    tensor_shapes,
+)
 from radixserve.models.llama import CausalLM
+from radixserve.models.registry import resolve_model
+from radixserve.models.rope import RotaryEmbedding, inverse_frequencies
 
 # Architecture name (config.architectures) -> model_type, for configs that lack one or the other.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -44,19 +59,26 @@ class LoadedModel:
     max_context_len: int
     dtype: torch.dtype
     device: torch.device
+    # stop token ids and sampling defaults stated by the checkpoint (for the engine to apply)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def load_model(
     model: str = "demo", *, dtype: str | torch.dtype | None = None, device: str | None = None
 ) -> LoadedModel:
-    """Load `model`: "demo" (the built-in random-weight model) or a local checkpoint directory.
+    """Load `model`: "demo" (the built-in random-weight model), a named model ("smollm2", see
+    models/registry.py), a local checkpoint directory, a local .gguf file or a Hub id "org/name".
 
     dtype: "float32", "bfloat16", "float16", "auto" or None (= "auto": the checkpoint's dtype
-    on CUDA, float32 on CPU), or a torch.dtype. device: None picks CUDA when available.
-    Raises FileNotFoundError naming the missing path, ValueError for an unsupported
-    architecture (listing the supported ones) or a bad dtype.
+    on CUDA, float32 on CPU), or a torch.dtype; GGUF weights are dequantized to it.
+    device: None picks CUDA when available.
+    Raises FileNotFoundError naming the missing path (ModelNotInstalledError /
+    HubUnavailableError for a named model or Hub id that cannot be had), ValueError for an
+    unsupported architecture (listing the supported ones), GGUF storage type or dtype.
     """
-    path = demo_checkpoint_dir() if model == "demo" else Path(model).expanduser()
+    path = resolve_model(model)
+    if is_gguf_file(path):
+        return load_gguf_model(path, name=model, dtype=dtype, device=device)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path}")
     if not (path / "config.json").is_file():
@@ -67,9 +89,7 @@ def load_model(
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, config, torch_device)
 
-    with torch.device("meta"):
-        causal_lm = CausalLM(config)
-    causal_lm = causal_lm.to(torch_dtype).to_empty(device=torch_device)
+    causal_lm = empty_model(config, torch_dtype, torch_device)
     load_weights(causal_lm, path)
     causal_lm.eval().requires_grad_(False)
 
@@ -81,7 +101,49 @@ def load_model(
         max_context_len=max_context_len(config),
         dtype=torch_dtype,
         device=torch_device,
+        generation_defaults=GenerationDefaults.from_checkpoint_dir(path, config),
     )
+
+
+def load_gguf_model(
+    path: Path, *, name: str, dtype: str | torch.dtype | None = None, device: str | None = None
+) -> LoadedModel:
+    """Load the GGUF file `path` (see load_model for dtype and device; "auto" on CUDA is
+    bfloat16, since a GGUF's block formats are no serving dtype)."""
+    reader = open_gguf(path)
+    metadata = gguf_metadata(reader)
+    config = gguf_config(metadata, tensor_shapes(reader))
+    check_architecture(config)
+    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = resolve_dtype(dtype, config, torch_device)
+
+    causal_lm = empty_model(config, torch_dtype, torch_device)
+    loaded: set[str] = set()
+    copy_tensors(causal_lm, gguf_tensors(reader, config), path, loaded, adopt=True)
+    check_complete(causal_lm, loaded, path)
+    divisors = rope_frequency_divisors(reader)
+    if divisors is not None:  # llama.cpp divides each frequency by its factor (Llama 3.1 scaling)
+        causal_lm.rotary = RotaryEmbedding(inverse_frequencies(config, causal_lm.head_dim) / divisors)
+    causal_lm.eval().requires_grad_(False)
+
+    return LoadedModel(
+        model=causal_lm,
+        tokenizer=load_gguf_tokenizer(path),
+        config=config,
+        name=name,
+        max_context_len=max_context_len(config),
+        dtype=torch_dtype,
+        device=torch_device,
+        generation_defaults=GenerationDefaults.from_gguf_metadata(metadata),
+    )
+
+
+def empty_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """A CausalLM for `config` with uninitialised parameters of `dtype` on `device` (built on
+    the meta device, so nothing is computed that the weights overwrite)."""
+    with torch.device("meta"):
+        causal_lm = CausalLM(config)
+    return causal_lm.to(dtype).to_empty(device=device)
 
 
 def check_architecture(config: PretrainedConfig) -> str:
@@ -140,34 +202,55 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-@torch.no_grad()
 def load_weights(model: CausalLM, path: Path) -> None:
     """Copy the checkpoint's tensors into the parameters of the same name (casting dtype).
 
     Raises ValueError on a missing parameter, an unknown tensor or a shape mismatch.
     """
-    params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith(_IGNORED_SUFFIXES) or (
-                    name == "lm_head.weight" and model.tie_word_embeddings
-                ):
-                    continue
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {file}")
-                tensor = tensors.get_tensor(name)
-                if tensor.shape != params[name].shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                        f"{tuple(params[name].shape)} ({file})"
-                    )
-                params[name].copy_(tensor)
-                loaded.add(name)
-    missing = sorted(set(params) - loaded)
+            names = list(tensors.keys())  # safe_open is not a mapping
+            copy_tensors(model, ((name, tensors.get_tensor(name)) for name in names), file, loaded)
+    check_complete(model, loaded, path)
+
+
+@torch.no_grad()
+def copy_tensors(
+    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: Path, loaded: set[str],
+    *, adopt: bool = False,
+) -> None:
+    """Copy each (name, tensor) into the parameter of that name, casting dtype and device, and
+    add the name to `loaded`. Raises ValueError naming `source` on an unknown tensor or a shape
+    mismatch; skips what is not a parameter of ours (an old RoPE table, a tied lm_head).
+
+    adopt: the parameter takes over the (cast) tensor's storage instead of copying it, for
+    tensors made just for this model (dequantized ones): no second buffer to fill.
+    """
+    params = dict(model.named_parameters())
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        if name not in params:
+            raise ValueError(f"unexpected tensor {name!r} in {source}")
+        if tensor.shape != params[name].shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                f"{tuple(params[name].shape)} ({source})"
+            )
+        param = params[name]
+        if adopt:
+            param.data = tensor.to(device=param.device, dtype=param.dtype)
+        else:
+            param.copy_(tensor)
+        loaded.add(name)
+
+
+def check_complete(model: CausalLM, loaded: set[str], source: Path) -> None:
+    """ValueError when some parameter of `model` is not in `loaded`."""
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint {source} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

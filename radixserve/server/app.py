@@ -87,6 +87,7 @@ class OpenAIServer:
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self.max_context_len = engine.engine.max_context_len
         self.max_sequence_len = engine.engine.max_sequence_len
+        self.sampling_defaults = engine.engine.sampling_defaults  # the checkpoint's, for unset fields
         self.model_name = served_model_name or engine.engine.model_name
         self.accepted_model_names = {self.model_name, engine.engine.model_name}
         self.api_key = api_key
@@ -142,7 +143,8 @@ class OpenAIServer:
         # thread keeps the event loop (and /health) responsive meanwhile.
         scope = body.cache_salt or None  # the engine's cache namespace: "" is no salt
         prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope)
-        call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len)
+        call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
+                         self.sampling_defaults)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -161,7 +163,8 @@ class OpenAIServer:
         tokenizer = self.tokenizer
         prompt_ids = await anyio.to_thread.run_sync(
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
-        calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param)
+        calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param,
+                                 self.sampling_defaults)
                  for ids, param in zip(prompt_ids, params)]
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))

@@ -6,7 +6,9 @@ that names the request field at fault.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from radixserve import Retention, SamplingParams
 from radixserve.server.errors import APIError, error_from_value_error
@@ -14,6 +16,8 @@ from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest,
 
 # Completions default to OpenAI's 16 new tokens; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+SamplingDefaults = Mapping[str, float | int]  # Engine.sampling_defaults: the checkpoint's recommendations
+NO_DEFAULTS: SamplingDefaults = MappingProxyType({})
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request (docs/server.md)
 
 
@@ -31,8 +35,10 @@ class EngineCall:
 
 
 def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
-              max_context_len: int, max_sequence_len: int | None = None) -> EngineCall:
-    """The engine call for a chat request whose messages rendered to `prompt_ids`."""
+              max_context_len: int, max_sequence_len: int | None = None,
+              defaults: SamplingDefaults = NO_DEFAULTS) -> EngineCall:
+    """The engine call for a chat request whose messages rendered to `prompt_ids`; sampling
+    fields it leaves unset take `defaults` (the model's recommendations) first."""
     _refuse_unsupported(request)
     if request.tools:
         raise _unsupported("tools")
@@ -49,7 +55,7 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
                                   request.system_retention_duration_s, "system_retention")
     if system_retention is not None and system_tokens > 0:
         prefix_retention = (system_tokens, system_retention)
-    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention)
+    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention, defaults)
 
 
 def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]], bool]:
@@ -71,7 +77,8 @@ def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]
 
 
 def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int,
-                    max_sequence_len: int | None = None, prompt_param: str = "prompt") -> EngineCall:
+                    max_sequence_len: int | None = None, prompt_param: str = "prompt",
+                    defaults: SamplingDefaults = NO_DEFAULTS) -> EngineCall:
     """The engine call for a completions request (or one prompt of its batch, named
     `prompt_param` in errors) whose prompt is `prompt_ids`."""
     _refuse_unsupported(request)
@@ -84,17 +91,18 @@ def completion_call(request: CompletionRequest, prompt_ids: list[int], max_conte
     max_tokens = _fit_context(len(prompt_ids), request.max_tokens, max_context_len, prompt_param,
                               "max_tokens", default=COMPLETIONS_DEFAULT_MAX_TOKENS,
                               max_sequence_len=max_sequence_len)
-    return _call(request, prompt_ids, max_tokens, request.logprobs, None)
+    return _call(request, prompt_ids, max_tokens, request.logprobs, None, defaults)
 
 
 def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
-          logprobs: int | None, prefix_retention: tuple[int, Retention] | None) -> EngineCall:
+          logprobs: int | None, prefix_retention: tuple[int, Retention] | None,
+          defaults: SamplingDefaults) -> EngineCall:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=max(request.top_k or 0, 0),
+        temperature=_or_default(request.temperature, defaults, "temperature", 1.0),
+        top_p=_or_default(request.top_p, defaults, "top_p", 1.0),
+        top_k=max(_or_default(request.top_k, defaults, "top_k", 0), 0),
         min_p=request.min_p or 0.0,
         seed=request.seed,
         stop=stop,
@@ -117,6 +125,12 @@ def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
         prefix_retention=prefix_retention,
         session_id=request.session_id,
     )
+
+
+def _or_default(value: float | int | None, defaults: SamplingDefaults, name: str,
+                default: float | int) -> float | int:
+    """The request's value, else the model's recommended one, else OpenAI's default."""
+    return value if value is not None else defaults.get(name, default)
 
 
 def _beam_search(request: GenerationRequest) -> dict[str, object]:

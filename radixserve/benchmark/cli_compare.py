@@ -1,0 +1,173 @@
+"""`radixserve bench compare` and `radixserve bench tiers`: comparisons that run the bench model,
+their arguments and commands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from radixserve.benchmark.cli_common import parse_workload_args, say, write_json
+from radixserve.benchmark.lengths import LENGTH_DISTRIBUTIONS
+from radixserve.benchmark.report import plot_ttft_cdf, serve_table
+from radixserve.benchmark.workloads import WORKLOADS, Workload, make_workload
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="cache on vs off vs transformers generate, on a random bench Llama")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp",
+                   help="synthetic workload (default: %(default)s)")
+    p.add_argument("--workload-args", default="num_groups=4,prompts_per_group=8,system_len=512,"
+                                              "question_len=64,output_len=16",
+                   help="generator overrides (default: a CPU-sized gsp)")
+    p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
+                   help="bench model directory, built if missing (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight against each server (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="transformers static batch size")
+    p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated "
+                                                     "(--dtype and --page-size apply in process too)")
+    p.add_argument("--mode", choices=["both", "in-process", "http"], default="both",
+                   help="the engine in this process (no HTTP), the server over HTTP, or both "
+                        "(default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of every run, in process and servers (default: torch's choice)")
+    p.add_argument("--vary-output", action="store_true",
+                   help="redraw output lengths around the workload's (same total; see --length-dist)")
+    p.add_argument("--vary-prompt", action="store_true",
+                   help="redraw the unique part of every prompt (gsp/fewshot's question) around the "
+                        "workload's length, shared prefixes kept (same total; see --length-dist)")
+    p.add_argument("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform",
+                   help="distribution of varied lengths of mean m: uniform (about 1 .. 2m-1) or "
+                        "lognormal (sigma 1, a ShareGPT-like long tail) (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every run; figures are medians, ratios are taken within a round "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
+    _add_run_outputs(p)
+    p.set_defaults(handler=compare_command)
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """`radixserve bench compare`."""
+    from radixserve.benchmark.compare import MODES, run_comparison
+    from radixserve.benchmark.lengths import with_varied_output_lengths, with_varied_prompt_lengths
+    from radixserve.benchmark.inprocess import breakdown_table
+
+    model_dir, workload, params = _bench_model_and_workload(args)
+    if args.vary_prompt:
+        workload = with_varied_prompt_lengths(workload, params["vocab_size"], args.seed, args.length_dist)
+    if args.vary_output:
+        workload = with_varied_output_lengths(workload, args.seed, args.length_dist)
+    result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
+                            server_args=args.server_args.split(),
+                            modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
+                            log_dir=args.json.parent if args.json else None, progress=not args.no_progress,
+                            threads=args.threads)
+    rows = {f"radixserve {label}": summary for label, summary in result["runs"].items()}
+    rows["transformers generate, static batches"] = result["hf_static_batches"]
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} rounds; ratios taken within each round, then the median\n")
+    print(serve_table(rows))
+    hf = result["hf_static_batches"]
+    useful = hf["prompt_tokens"] + hf["completion_tokens"]
+    print(f"transformers ran {hf['computed_tokens']:.0f} token positions for {useful:.0f} useful tokens "
+          f"({hf['computed_tokens'] / useful - 1:.0%} padding and tokens past a request's own length)\n")
+    print("\n".join(f"{name}: {value:.2f}x" for name, value in result["ratios"].items()))
+    in_process = {label: s for label, s in result["runs"].items() if label.startswith("in-process")}
+    if in_process:
+        print("\nEngine step time per batch step (in process), by section:\n")
+        print(breakdown_table(in_process))
+    failed = _report_failures(result)
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: prefix cache on vs off")
+    if args.json:
+        write_json(args.json, result)
+    return 1 if failed else 0
+
+
+def _add_tiers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tiers", help="multi-turn chat on a device pool too small for it, with and without "
+                                     "the host tier, on a random bench Llama")
+    p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn",
+                   help="the conversation workload (default: %(default)s)")
+    p.add_argument("--workload-args", default="num_clients=16,num_turns=6,num_system_prompts=2,system_len=128,"
+                                              "message_len=48,output_len=24",
+                   help="generator overrides (default: a CPU-sized multiturn)")
+    p.add_argument("--device-fraction", type=float, default=0.25,
+                   help="device pool as a fraction of the working set (default: %(default)s)")
+    p.add_argument("--host-factor", type=float, default=2.0,
+                   help="host tier as a multiple of the working set (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
+                   help="bench model directory, built if missing (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="conversations in flight at once (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each server, alternating; medians are reported (default: %(default)s)")
+    p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    _add_run_outputs(p)
+    p.set_defaults(handler=tiers_command)
+
+
+def tiers_command(args: argparse.Namespace) -> int:
+    """`radixserve bench tiers`."""
+    from radixserve.benchmark.host_tier import run_host_tier_comparison
+
+    model_dir, workload, _ = _bench_model_and_workload(args)
+    result = run_host_tier_comparison(workload, model_dir, page_size=args.page_size,
+                                      device_fraction=args.device_fraction, host_factor=args.host_factor,
+                                      concurrency=args.concurrency, repeat=args.repeat,
+                                      server_args=args.server_args.split(),
+                                      log_dir=args.json.parent if args.json else None,
+                                      progress=not args.no_progress)
+    say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
+         f"host tier {result['host_pages']} pages of {args.page_size}")
+    print(serve_table(result["servers"]))  # medians of the runs
+    for name, value in result.get("ratios", {}).items():
+        if value is not None:
+            print(f"{name}: {value:.2f}x")
+    if "identical_outputs" in result:
+        print(f"identical outputs: {result['identical_outputs']} ({result['mismatched_requests']} differ)")
+        copy, prefill = result["copy_s_per_token"], result["prefill_s_per_token"]
+        if copy and prefill:
+            print(f"copy from host: {1e6 * copy:.2f} us/token; prefill: {1e6 * prefill:.2f} us/token")
+    failed = _report_failures(result)
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_ttft_cdf(result["ttft_s"], args.plot, title=f"TTFT, {workload.name}: device pool "
+                                                         f"{args.device_fraction:g} of the working set")
+    if args.json:
+        write_json(args.json, result)
+    return 1 if failed else 0
+
+
+def _report_failures(result: dict) -> bool:
+    """Says on stderr which server runs failed and which runs did other work than
+    transformers (compare only); True if any did."""
+    for label, reason in result["server_failures"].items():
+        say(f"server run '{label}' failed: {reason}")
+    mismatches = result.get("token_mismatches", {})
+    for label, reason in mismatches.items():
+        say(f"run '{label}' did not do the same work as transformers: {reason}")
+    return bool(result["server_failures"] or mismatches)
+
+
+def _add_run_outputs(p: argparse.ArgumentParser) -> None:
+    """The output flags compare and tiers share."""
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _bench_model_and_workload(args: argparse.Namespace) -> tuple[Path, Workload, dict[str, Any]]:
+    """The bench model (built if missing), the workload over its vocabulary, and the
+    workload's parameters."""
+    from radixserve.benchmark.compare import build_bench_model, model_vocab_size
+
+    model_dir = build_bench_model(args.model_dir)
+    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
+              **parse_workload_args(args.workload_args)}
+    return model_dir, make_workload(args.workload, **params), params

@@ -1,0 +1,56 @@
+"""`radixserve bench serve`: its arguments and the command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from radixserve.benchmark.cli_common import add_workload_args, load_workload, say, write_json
+from radixserve.benchmark.report import serve_table
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="drive a running server over HTTP (/v1/completions, token ids)")
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    add_workload_args(p)
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="requests in flight (closed loop; default: %(default)s)")
+    p.add_argument("--open-loop", action="store_true",
+                   help="send each request at its arrival time (trace timestamps or --request-rate)")
+    p.add_argument("--model", default=None, help="model name to put in requests")
+    p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY, else none)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="keep token ids below the model's vocabulary size (synthetic default: 32000; "
+                        "trace ids are rehashed into it)")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="per-request timeout in seconds (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=serve_command)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`radixserve bench serve`."""
+    from radixserve.benchmark.serve import run_serve_benchmark
+
+    extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None and args.workload else {}
+    workload = load_workload(args, **extra)
+    result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
+                                             open_loop=args.open_loop, model=args.model,
+                                             timeout_s=args.timeout_s, progress=not args.no_progress,
+                                             api_key=args.api_key))
+    summary = result.summary()
+    if summary["completed"]:
+        print(serve_table({workload.name: summary}))
+    if args.json:
+        write_json(args.json, summary | {"error_messages": dict(result.errors())})
+    if summary["errors"]:
+        say(f"FAILED: {summary['errors']} of {summary['requests']} requests failed"
+             + ("" if summary["completed"] else " (none completed: no table)") + "; errors:")
+        for message, count in result.errors()[:5]:
+            say(f"  {count} x {message}")
+        return 1
+    return 0

@@ -1,0 +1,31 @@
+"""What the scheduler hands out each step (chunks of work) and counts (its events)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.engine.request import Sequence
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new` tokens of `seq`, from `seq.num_computed` on, to run in this step."""
+
+    seq: Sequence
+    num_new: int
+
+    @property
+    def needs_logits(self) -> bool:
+        """Only a chunk that reaches the sequence's last token yields a next token."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative scheduler events, for stats."""
+
+    preemptions: int = 0
+    shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
+    deferred_for_sharing: int = 0
+    admitted: int = 0
+    loaded_tokens: int = 0  # prompt tokens copied back from the host tier instead of recomputed

@@ -1,0 +1,99 @@
+"""What a step writes out for the samples it ran: their sampled tokens, the text and stop
+checks a token brings, and the StreamDeltas callers take."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Container
+
+import torch
+
+from radixserve.engine.params import StreamDelta, TokenLogprob
+from radixserve.engine.request import Request, Sequence
+from radixserve.engine.sampler import compute_logprobs, sample
+
+logger = logging.getLogger(__name__)
+
+
+def sample_rows(rows: torch.Tensor, seqs: list[Sequence],
+                fail: Callable[[Request], None]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token (and logprobs if asked) per row; the batch at once, or row by row if the
+    batch fails, so a request whose sampling fails ends alone (`fail`; a dummy token here)."""
+    params = [s.request.params for s in seqs]
+    seeds = [s.sampling_seed for s in seqs]
+    steps = [len(s.output_ids) for s in seqs]  # token t of a sample is drawn from (seed, t)
+    try:
+        tokens = sample(rows, params, seeds, steps)
+        return tokens, compute_logprobs(rows, tokens, [p.logprobs for p in params])
+    except Exception:
+        logger.exception("batched sampling failed; sampling row by row")
+    tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
+    for i, seq in enumerate(seqs):
+        try:
+            (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1])
+            (logprobs[i],) = compute_logprobs(rows[i:i + 1], tokens[i:i + 1], [params[i].logprobs])
+        except Exception:
+            logger.exception("sampling failed for request %s; it ends with finish_reason 'error'",
+                             seq.request.request_id)
+            fail(seq.request)
+    return tokens, logprobs
+
+
+def push_token(seq: Sequence, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
+               max_context_len: int) -> str | None:
+    """Appends a sampled token to `seq` (ids, logprob, text past stop strings); returns why the
+    sample ends with it ("stop", "length") or None if it goes on."""
+    params = seq.request.params
+    seq.token_ids.append(token)
+    seq.output_ids.append(token)
+    if logprob is not None:
+        seq.logprobs.append(logprob)
+    text, hit_stop = seq.stop_matcher.feed(seq.detokenizer.push(token))
+    seq.text += text
+    if hit_stop or token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+        reason = "stop"
+    elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= max_context_len:
+        reason = "length"
+    else:
+        reason = None
+    if reason is not None and not hit_stop:
+        # The end releases held-back text (an unfinished character): it may hold a stop.
+        tail, hit_stop = seq.stop_matcher.feed(seq.detokenizer.flush())
+        seq.text += tail if hit_stop else tail + seq.stop_matcher.flush()
+        if hit_stop:
+            reason = "stop"
+    return reason
+
+
+class DeltaQueue:
+    """The StreamDeltas of open requests that no caller has taken yet, per request id."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[StreamDelta]] = {}
+
+    def open(self, request_id: str) -> None:
+        """Starts collecting deltas for a new request."""
+        self._pending[request_id] = []
+
+    def emit(self, seq: Sequence) -> None:
+        """Queues what is new in `seq` since its last delta (and its finish reason, if any)."""
+        req = seq.request
+        if req.request_id not in self._pending:
+            return
+        new_logprobs = seq.logprobs[seq.emitted_logprobs:] if req.params.logprobs is not None else None
+        delta = StreamDelta(seq.index, seq.output_ids[seq.emitted_tokens:], seq.text[seq.emitted_text:],
+                            new_logprobs, seq.finish_reason, len(req.prompt_ids), req.cached_tokens or 0)
+        seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), len(seq.text)
+        seq.emitted_logprobs = len(seq.logprobs)
+        self._pending[req.request_id].append(delta)
+
+    def end_unforked(self, req: Request, reason: str) -> None:
+        """Ends the samples of `req` not forked yet (an abort or error before they started)."""
+        for index in range(len(req.sequences), req.params.n):
+            self._pending[req.request_id].append(StreamDelta(index, [], "", None, reason, len(req.prompt_ids),
+                                                             req.cached_tokens or 0))
+
+    def take(self, live: Container[str]) -> dict[str, list[StreamDelta]]:
+        """The deltas queued since the last call, per request id; only `live` requests stay open."""
+        out, self._pending = self._pending, {rid: [] for rid in self._pending if rid in live}
+        return {rid: deltas for rid, deltas in out.items() if deltas}

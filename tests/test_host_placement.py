@@ -1,0 +1,87 @@
+"""The host tier's write-through rule at work, with exact values: under
+write-through-selective a matched device page is copied to host on the match that brings its
+hits to `write_through_hits`, not before, and only once; write-back never copies on a hit.
+(The slow stateful property test checks the same against a model; these run in a blink.)"""
+
+from collections.abc import Sequence
+
+import pytest
+
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree
+from radixserve.cache.tiers import WRITE_BACK, WRITE_THROUGH_SELECTIVE, HostTier
+from radixserve.cache.transfer import KVCopier, LoadHandle
+
+PAGE_SIZE = 2
+TOKENS = [1, 2, 3, 4, 5, 6]  # three pages
+
+
+class RecordingCopier(KVCopier):
+    """Copies nothing; records each offload as (device pages, host pages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offloads: list[tuple[list[int], list[int]]] = []
+
+    def offload(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self.offloads.append((list(device_pages), list(host_pages)))
+
+    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadHandle | None:
+        return None
+
+
+def make(write_policy: str, hits: int, host_pages: int = 8) -> tuple[RadixTree, RecordingCopier, list[int]]:
+    """A tree over a host tier holding TOKENS on the device; returns it, its copier and the
+    device pages of TOKENS."""
+    pool = PagePool(16, PAGE_SIZE)
+    copier = RecordingCopier()
+    tier = HostTier(PagePool(host_pages, PAGE_SIZE), copier, write_policy=write_policy, write_through_hits=hits)
+    tree = RadixTree(pool, clock=lambda: 0.0, host=tier)
+    pages = pool.allocate(3)
+    tree.insert(TOKENS, pages)
+    pool.decref(pages)
+    return tree, copier, pages
+
+
+def test_the_rule_is_hits_at_least_the_threshold_under_write_through_only() -> None:
+    through = HostTier(PagePool(1, 1), RecordingCopier(), write_policy=WRITE_THROUGH_SELECTIVE, write_through_hits=2)
+    back = HostTier(PagePool(1, 1), RecordingCopier(), write_policy=WRITE_BACK, write_through_hits=2)
+    assert [through.writes_through(h) for h in range(5)] == [False, False, True, True, True]
+    assert [back.writes_through(h) for h in range(5)] == [False] * 5
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_a_page_is_copied_on_the_match_that_brings_its_hits_to_the_threshold(threshold: int) -> None:
+    tree, copier, pages = make(WRITE_THROUGH_SELECTIVE, threshold)
+    for _ in range(threshold - 1):  # fewer hits than the threshold: nothing moves
+        tree.match(TOKENS)
+    assert copier.offloads == []
+    assert (tree.host_cached_pages, tree.stats()["written_through_pages"]) == (0, 0)
+    tree.match(TOKENS)  # hit number `threshold`
+    assert copier.offloads == [(pages, [0, 1, 2])]
+    assert (tree.host_cached_pages, tree.host_only_pages, tree.stats()["written_through_pages"]) == (3, 0, 3)
+    tree.match(TOKENS)  # already on the host: not copied again
+    assert len(copier.offloads) == 1 and tree.host_cached_pages == 3
+
+
+def test_only_the_pages_hit_often_enough_are_copied() -> None:
+    tree, copier, pages = make(WRITE_THROUGH_SELECTIVE, 2)
+    tree.match(TOKENS)           # all three pages: 1 hit
+    tree.match(TOKENS[:4])       # the first two: 2 hits (the edge splits there)
+    assert copier.offloads == [(pages[:2], [0, 1])]
+    assert (tree.host_cached_pages, tree.stats()["written_through_pages"]) == (2, 2)
+
+
+def test_write_through_copies_as_far_as_host_room_goes() -> None:
+    tree, copier, pages = make(WRITE_THROUGH_SELECTIVE, 1, host_pages=2)
+    tree.match(TOKENS)
+    assert copier.offloads == [(pages[:2], [0, 1])]
+    assert (tree.host_cached_pages, tree.stats()["written_through_pages"]) == (2, 2)
+
+
+def test_write_back_never_copies_on_a_hit() -> None:
+    tree, copier, _ = make(WRITE_BACK, 1)
+    for _ in range(4):
+        tree.match(TOKENS)
+    assert copier.offloads == []
+    assert (tree.host_cached_pages, tree.stats()["written_through_pages"]) == (0, 0)
