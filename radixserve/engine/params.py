@@ -70,6 +70,12 @@ class SamplingParams:
         ]
         if self.beam_width is not None:
             checks += self._beam_checks()
+        if self.grammar is not None:
+            checks += [
+                (not self.ignore_eos, "ignore_eos: not supported with structured outputs (the end token "
+                                      "closes a complete output)"),
+                (not self.beam_search, "use_beam_search: not supported with structured outputs"),
+            ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

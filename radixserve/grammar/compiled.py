@@ -20,6 +20,11 @@ from radixserve.grammar.matcher import Matcher
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 
 CACHE_ENTRIES = 256
+# xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as any character
+# but quote, backslash, CR and LF: raw control characters would get through, and JSON forbids
+# them (its unbounded strings already exclude them). Swapped in the grammar's text.
+_LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
+_JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
 COMPILE_THREADS = 2
 
 
@@ -59,7 +64,8 @@ class Grammars:
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json_schema":
             # No free whitespace: a small model left to choose it may indent until max_tokens.
-            return self._compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            grammar = str(xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True))
+            return self._compiler.compile_grammar(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_CHARACTER))
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.source)
         if spec.kind == "choice":
