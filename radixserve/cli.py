@@ -113,6 +113,8 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--cache-event-buffer", type=int, default=4096,
                        help="events a /v1/cache/events reader may fall behind before it gets a reset "
                             "and a fresh snapshot (default: %(default)s)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3"],
+                       help="how the model writes tool calls (default: chosen from its chat template)")
 
 
 def _add_model_args(serve: argparse.ArgumentParser) -> None:
@@ -209,7 +211,8 @@ def serve_command(args: argparse.Namespace) -> int:
     step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
     app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook),
                      served_model_name=args.served_model_name, api_key=args.api_key,
-                     expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer)
+                     expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
+                     tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     _say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
