@@ -65,15 +65,18 @@ class TokenMask:
         """Sets the logits of disallowed tokens to -inf, in place, in the masked rows only.
 
         CPU float32 logits go to the C sampler's library (radixserve/native/sampling.c,
-        beside the sampler it feeds), where it is built; everything else (a GPU, other
-        dtypes, no C compiler) to xgrammar's own kernels."""
+        beside the sampler it feeds), where it is built; everything else (a GPU, other dtypes,
+        no C compiler) to a few torch ops on the logits' device."""
         if native_sampling.usable(logits):
             native_sampling.apply_token_mask(logits, self.rows, self.bitmask)
-        else:  # xgrammar indexes logits and bitmask alike: the masked rows take their places
-            full = torch.full((logits.shape[0], self.bitmask.shape[1]), -1, dtype=torch.int32)
-            full[self.rows] = self.bitmask
-            xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
-                                                 indices=self.rows)
+            return
+        device = logits.device
+        bits = torch.arange(32, dtype=torch.int32, device=device)
+        words = self.bitmask.to(device, non_blocking=True)
+        allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(len(self.rows), -1)[:, : logits.shape[-1]]
+        rows = torch.tensor(self.rows, dtype=torch.int64, device=device)
+        with torch.inference_mode():  # the model's logits are inference tensors: written in that mode
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
     def select(self, row: int) -> TokenMask | None:
         """This mask for logits row `row` alone, as row 0 of a one-row batch (None if `row`
