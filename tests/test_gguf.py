@@ -255,5 +255,5 @@ def test_hub_ids_are_strings_with_one_slash_that_are_not_paths(tmp_path: Path, m
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert not is_hub_id("org/name")
-    with pytest.raises(FileNotFoundError, match="model directory not found"):
+    with pytest.raises(FileNotFoundError, match="model not found"):
         load_model("./org/missing")

@@ -165,7 +165,7 @@ def test_attention_reads_the_thread_count_once_for_scratch_and_call(monkeypatch:
     _, _, _, k_cache, v_cache, q, meta = decode_batch()
     rows = rows_of(meta)
     expected = kernel_output(meta, q, k_cache, v_cache)
-    received = spy(monkeypatch, paged_attention.load(), "radixserve_paged_attention", -1)
+    received = spy(monkeypatch, paged_attention.library(), "radixserve_paged_attention", -1)
     reads = count_thread_reads(monkeypatch)
     out = torch.empty_like(q)
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)
@@ -183,7 +183,7 @@ def test_sampling_reads_the_thread_count_once_for_scratch_and_call(monkeypatch: 
     ones = np.ones(6)
     arguments = (logits, ones, np.zeros(6, np.int64), ones * 0.9, ones * 0.0, ones * 0.5)
     expected, _ = sampling.run(*arguments)
-    received = spy(monkeypatch, sampling.load(), "radixserve_sample", -1)
+    received = spy(monkeypatch, sampling.library(), "radixserve_sample", -1)
     reads = count_thread_reads(monkeypatch)
     for call in (1, 2):
         tokens, _ = sampling.run(*arguments)
@@ -220,7 +220,7 @@ def test_a_corrupt_page_table_fails_its_request_and_the_engine_carries_on(
     "error", and its batch-mates get what they get alone."""
     alone = run(Engine(model=str(tiny_llama_dir), page_size=4, num_pages=128), INNOCENT)
     engine = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=128)
-    assert isinstance(engine.runner.backend, TorchBackend) and paged_attention.load() is not None
+    assert isinstance(engine.runner.backend, TorchBackend) and paged_attention.library() is not None
     build = engine.runner.metadata.build
 
     def corrupting_build(seq_ids: list[int], tables: list, kv_lens: list[int], num_new: list[int],

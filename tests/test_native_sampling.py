@@ -133,7 +133,7 @@ def test_top_p_edges_as_hand_computed(top_p: float, kept: int) -> None:
 def test_the_vectorised_exponential_is_within_two_ulp_of_exp() -> None:
     """Both kernels' softmax rests on it: 10^6 points over [-110, 0], denormals and the
     underflow to 0 included."""
-    library = native_sampling.load()
+    library = native_sampling.library()
     assert library is not None
     x = np.concatenate([-np.random.default_rng(0).random(1_000_000, dtype=np.float32) * 110,
                         np.array([0.0, -1e-30, -87.3, -103.9, -104.0, -105.0, -np.inf], np.float32)])
@@ -152,7 +152,7 @@ def test_the_vectorised_exponential_is_within_two_ulp_of_exp() -> None:
 def test_the_vectorised_exponential_keeps_nan() -> None:
     """e^NaN is NaN, as expf's: the attention kernel's softmax relies on it to give NaN where
     SDPA does (the clamp below -104 must not catch NaN)."""
-    library = native_sampling.load()
+    library = native_sampling.library()
     assert library is not None
     x = np.array([np.nan, -np.nan, 0.0, -np.inf], np.float32)
     out = np.empty_like(x)

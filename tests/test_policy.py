@@ -10,7 +10,7 @@ import pytest
 
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
-from radixserve.engine.policy import LongestPrefixMatch, make_policy
+from radixserve.engine.policy import LongestPrefixMatch, make_schedule_policy
 
 
 @dataclass(eq=False)
@@ -47,24 +47,24 @@ def names(items: list[Waiting]) -> list[str]:
 
 def test_fcfs_is_arrival_order(tree: RadixTree) -> None:
     waiting = [req("b", [9, 9, 9], 2.0), req("a", [1, 2, 3], 1.0), req("c", [1, 2, 3, 4, 5], 3.0)]
-    assert names(make_policy("fcfs").order(waiting, tree, now=4.0)) == ["a", "b", "c"]
+    assert names(make_schedule_policy("fcfs").order(waiting, tree, now=4.0)) == ["a", "b", "c"]
 
 
 def test_lpm_orders_by_cached_prefix(tree: RadixTree) -> None:
     waiting = [req("none", [9, 9, 9], 1.0), req("short", [1, 2, 3], 2.0),
                req("long", [1, 2, 3, 4, 5, 6, 0], 3.0)]
-    assert names(make_policy("lpm").order(waiting, tree, now=4.0)) == ["long", "short", "none"]
+    assert names(make_schedule_policy("lpm").order(waiting, tree, now=4.0)) == ["long", "short", "none"]
 
 
 def test_dfs_weight_visits_heavier_groups_first_and_keeps_groups_together(tree: RadixTree) -> None:
     waiting = [req("x1", [50, 1, 1], 1.0), req("y1", [60, 1, 1], 2.0), req("y2", [60, 2, 2], 3.0),
                req("x2", [50, 2, 2], 4.0), req("y3", [60, 3, 3], 5.0), req("z", [70, 0], 6.0)]
-    order = names(make_policy("dfs-weight").order(waiting, tree, now=7.0))
+    order = names(make_schedule_policy("dfs-weight").order(waiting, tree, now=7.0))
     assert order[:3] == ["y1", "y2", "y3"] and set(order[3:5]) == {"x1", "x2"} and order[5] == "z"
 
 
 def test_priority_then_aging(tree: RadixTree) -> None:
-    policy = make_policy("lpm", max_wait_s=10.0)
+    policy = make_schedule_policy("lpm", max_wait_s=10.0)
     waiting = [req("cached", [1, 2, 3, 4, 5], 95.0), req("urgent", [9, 9], 96.0, priority=5),
                req("starving", [8, 8], 80.0)]
     assert names(policy.order(waiting, tree, now=100.0)) == ["starving", "urgent", "cached"]
@@ -72,13 +72,13 @@ def test_priority_then_aging(tree: RadixTree) -> None:
 
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown schedule policy 'best'"):
-        make_policy("best")
+        make_schedule_policy("best")
 
 
 def test_dfs_weight_prefers_a_cached_subtree_to_a_heavier_uncached_one(tree: RadixTree) -> None:
     waiting = [req("y1", [60, 1, 1], 1.0), req("y2", [60, 2, 2], 2.0), req("y3", [60, 3, 3], 3.0),
                req("cached", [1, 2, 3, 4, 5, 9], 4.0)]
-    assert names(make_policy("dfs-weight").order(waiting, tree, now=5.0)) == ["cached", "y1", "y2", "y3"]
+    assert names(make_schedule_policy("dfs-weight").order(waiting, tree, now=5.0)) == ["cached", "y1", "y2", "y3"]
 
 
 class CountingTree(RadixTree):

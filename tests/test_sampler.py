@@ -22,7 +22,7 @@ def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param == "torch":
         monkeypatch.setattr(native_sampling, "usable", lambda logits: False)
     else:
-        assert native_sampling.load() is not None, "the C sampler must build where the tests run"
+        assert native_sampling.library() is not None, "the C sampler must build where the tests run"
     return request.param
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from radixserve.cache.pool import DROPPED_PAGE, PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.engine.params import SamplingParams
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.scheduler import Scheduler
 
@@ -15,7 +15,7 @@ PAGE = 4
 
 def make_scheduler(max_batch_tokens: int = 64, window: int | None = None) -> Scheduler:
     pool = PagePool(16, PAGE)
-    return Scheduler(pool, RadixTree(pool), make_policy("fcfs"), max_running=8,
+    return Scheduler(pool, RadixTree(pool), make_schedule_policy("fcfs"), max_running=8,
                      max_batch_tokens=max_batch_tokens, clock=lambda: 0.0, window=window)
 
 

@@ -14,7 +14,7 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.tiers import HostTier
 from radixserve.engine.params import SamplingParams
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.scheduler import Scheduler
 
@@ -34,7 +34,7 @@ def make(num_pages: int, load_s_per_page: float = 0.0):
     pool = PagePool(num_pages, P)
     tier = HostTier(PagePool(64, P), SimulatedCopier(clock, load_s_per_page))
     tree = RadixTree(pool, clock=clock, host=tier)
-    scheduler = Scheduler(pool, tree, make_policy("fcfs"), max_running=8, max_batch_tokens=256, clock=clock)
+    scheduler = Scheduler(pool, tree, make_schedule_policy("fcfs"), max_running=8, max_batch_tokens=256, clock=clock)
     return clock, pool, tree, scheduler
 
 

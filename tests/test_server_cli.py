@@ -128,6 +128,8 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
     assert "KV pool: 32 pages x 16 tokens = 512 tokens, 2.0 MiB" in stderr
     assert "host tier: 64 pages = 1024 tokens" in stderr
     assert f"serving cli-demo at http://127.0.0.1:{port}/v1" in stderr
+    # What runs: CI builds the CPU kernels, so they must be in use (the torch path is a fallback).
+    assert "device cpu, dtype float32, attention backend TorchBackend, CPU kernels in use" in stderr
     assert "radixserve: stopped" in stderr
 
 
@@ -208,3 +210,64 @@ def test_bench_serve_sends_the_key_and_fails_loudly_without_it(monkeypatch: pyte
         assert "FAILED" not in err and "| gsp |" in out
         assert main([*args, "--api-key", "wrong"]) == 1
         assert "3 x HTTP 401" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- first-use rough edges (issue 21)
+
+
+def test_version_and_deprecated_host_tier_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("radixserve ")
+    old = build_parser().parse_args(["serve", "--host-num-pages", "8", "--host-write-policy",
+                                     "write-through-selective", "--host-offload-min-priority", "40"])
+    new = build_parser().parse_args(["serve", "--host-tier-pages", "8", "--host-tier-write-policy",
+                                     "write-through-selective", "--host-tier-min-priority", "40"])
+    assert vars(old) == vars(new)
+    with pytest.raises(SystemExit):
+        main(["serve", "--host-num-pages=8", "--help"])
+    assert "warning: --host-num-pages is deprecated; use --host-tier-pages" in capsys.readouterr().err
+
+
+def run_serve(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", str(free_port()), *flags],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num-pages", "100000000"], "--num-pages: a KV cache of 100000000 pages"),
+    (["--kv-memory-gb", "100000"], "--kv-memory-gb: a KV cache of 100000 GiB"),
+    (["--host-tier-pages", "100000000"], "--host-tier-pages: a KV cache of 100000000 pages"),
+    (["--model", "no-such-model"], "model not found: 'no-such-model'"),
+])
+def test_impossible_settings_are_one_line_errors(flags: list[str], says: str) -> None:
+    done = run_serve(*flags)
+    assert done.returncode == 2, done.stderr
+    error = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(error) == 1 and says in error[0] and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_cuda_on_a_cpu_only_torch_names_what_is_available() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = run_serve("--device", "cuda")
+    assert done.returncode == 2
+    assert "--device: 'cuda' is not available" in done.stderr and "available: cpu" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_busy_port_is_found_before_torch_is_imported() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        script = ("import sys, radixserve.cli as cli; code = cli.main(['serve', '--port', sys.argv[1]]); "
+                  "print('torch' in sys.modules); sys.exit(code)")
+        done = subprocess.run([sys.executable, "-c", script, str(port)], capture_output=True, text=True,
+                              cwd=REPO_ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 1 and "cannot listen" in done.stderr
+    assert done.stdout.strip() == "False"

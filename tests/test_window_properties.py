@@ -26,7 +26,7 @@ from radixserve.cache.invariants import SequenceView, check_invariants
 from radixserve.cache.pool import DROPPED_PAGE, PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.engine.params import SamplingParams
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.scheduler import Scheduler
 
@@ -48,7 +48,7 @@ class TokenPool(PagePool):
 
 def make_scheduler(num_pages: int, page_size: int, window: int, max_batch_tokens: int = 16) -> Scheduler:
     pool = TokenPool(num_pages, page_size)
-    return Scheduler(pool, RadixTree(pool), make_policy("lpm"), max_running=4,
+    return Scheduler(pool, RadixTree(pool), make_schedule_policy("lpm"), max_running=4,
                      max_batch_tokens=max_batch_tokens, clock=lambda: 0.0, window=window)
 
 

@@ -100,7 +100,7 @@ class TorchBackend(AttentionBackend):
         row_elements = num_kv_heads * head_dim
         device = meta.positions.device
         kernel = (self.use_kernel and device.type == "cpu" and dtype == torch.float32
-                  and paged_attention.load() is not None)
+                  and paged_attention.library() is not None)
         groups: dict[int | None, list[_Group]] = {}
         kernel_rows: dict[int | None, paged_attention.PagedRows] = {}
         longest = int(cpu.kv_lens.max(initial=0))

@@ -63,7 +63,7 @@ def compare_command(args: argparse.Namespace) -> int:
                             server_args=args.server_args.split(),
                             modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
                             log_dir=args.json.parent if args.json else None, progress=not args.no_progress,
-                            threads=args.threads)
+                            threads=args.threads, port=args.port)
     rows = {f"radixserve {label}": summary for label, summary in result["runs"].items()}
     rows["transformers generate, static batches"] = result["hf_static_batches"]
     if args.repeat > 1:
@@ -122,7 +122,7 @@ def tiers_command(args: argparse.Namespace) -> int:
                                       concurrency=args.concurrency, repeat=args.repeat,
                                       server_args=args.server_args.split(),
                                       log_dir=args.json.parent if args.json else None,
-                                      progress=not args.no_progress)
+                                      progress=not args.no_progress, port=args.port)
     say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
          f"host tier {result['host_pages']} pages of {args.page_size}")
     print(serve_table(result["servers"]))  # medians of the runs
@@ -160,6 +160,8 @@ def _add_run_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--port", type=int, default=None,
+                   help="local port the benchmark's servers listen on, one at a time (default: a free one)")
 
 
 def _bench_model_and_workload(args: argparse.Namespace) -> tuple[Path, Workload, dict[str, Any]]:

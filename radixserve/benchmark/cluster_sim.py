@@ -33,7 +33,7 @@ from radixserve.cluster.routing import (
     ClusterState,
     ReplicaReport,
     RouteRequest,
-    make_policy,
+    make_routing_policy,
     prompt_pages,
     replica_imbalance,
 )
@@ -109,7 +109,7 @@ class ClusterSimulator:
         self.config = config
         self.router = router
         self.state = ClusterState()
-        self.policy = make_policy(router, self.state, page_size=config.page_size, seed=seed, config=routing)
+        self.policy = make_routing_policy(router, self.state, page_size=config.page_size, seed=seed, config=routing)
         self.sims: dict[str, Simulator] = {}
         for i in range(replicas):
             key = f"replica-{i}"

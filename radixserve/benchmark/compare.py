@@ -89,10 +89,11 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Path | None = None,
-                  threads: int | None = None) -> Iterator[str]:
-    """Runs `radixserve serve` on a free local port until the block exits; yields its URL.
-    `threads`: the server's CPU threads (OMP_NUM_THREADS), default torch's choice."""
-    port = _free_port()
+                  threads: int | None = None, port: int | None = None) -> Iterator[str]:
+    """Runs `radixserve serve` on local `port` (default: a free one) until the block exits;
+    yields its URL. `threads`: the server's CPU threads (OMP_NUM_THREADS), default torch's
+    choice."""
+    port = port or _free_port()
     cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir),
            "--port", str(port), "--log-level", "warning", *extra_args]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
@@ -204,7 +205,8 @@ MODES = ("in-process", "http")
 def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: int = 8,
                    batch_size: int = 8, server_args: list[str] | None = None,
                    modes: tuple[str, ...] = MODES, repeat: int = 1, log_dir: Path | None = None,
-                   progress: bool = False, threads: int | None = None) -> dict[str, object]:
+                   progress: bool = False, threads: int | None = None,
+                   port: int | None = None) -> dict[str, object]:
     """Runs `workload` on `model_dir` three ways (prefix cache on; off; on but every request
     under its own cache_salt, i.e. caching's overhead at 0% hits) in each of `modes`
     ("in-process": `Engine` in this process, no HTTP; "http": `radixserve serve` in a
@@ -242,7 +244,7 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                 name = f"http, {label}"
                 log_path = log_dir / f"server-{_slug(label)}.log" if log_dir else None
                 try:
-                    with launch_server(model_dir, flags, log_path=log_path, threads=threads) as url:
+                    with launch_server(model_dir, flags, log_path=log_path, threads=threads, port=port) as url:
                         result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency,
                                                                  isolate=isolate, progress=progress))
                 except (RuntimeError, TimeoutError) as exc:

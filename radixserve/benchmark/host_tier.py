@@ -60,7 +60,8 @@ def scrape_counters(url: str) -> dict[str, float]:
 def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_size: int = 16,
                              device_fraction: float = 0.25, host_factor: float = 2.0, concurrency: int = 4,
                              repeat: int = 1, server_args: list[str] | None = None,
-                             log_dir: Path | None = None, progress: bool = False) -> dict[str, object]:
+                             log_dir: Path | None = None, progress: bool = False,
+                             port: int | None = None) -> dict[str, object]:
     """Serves `workload` on `model_dir` with a small device pool, without and with a host
     tier, `repeat` times in alternation; returns the median summaries, the ratios of the
     medians, whether every run's outputs agree, and copy vs prefill time per token. A server
@@ -78,7 +79,7 @@ def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_
         for label, flags in runs:
             log_path = log_dir / f"server-{label.replace(' ', '-').replace('+', 'plus')}.log" if log_dir else None
             try:
-                with launch_server(model_dir, flags, log_path=log_path) as url:
+                with launch_server(model_dir, flags, log_path=log_path, port=port) as url:
                     result = asyncio.run(run_serve_benchmark(url, workload, concurrency=concurrency,
                                                              progress=progress))
                     counters = scrape_counters(url)

@@ -30,7 +30,7 @@ from radixserve.cache.radix import RadixTree, Retention
 from radixserve.cache.tiers import HostTier
 from radixserve.cache.transfer import KVCopier, LoadHandle
 from radixserve.engine.params import SamplingParams
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.scheduler import Scheduler
 
@@ -155,7 +155,7 @@ class SimServer:
                             offload_min_priority=spec.host_offload_min_priority)
         self.tree = RadixTree(self.pool, eviction_policy=spec.eviction_policy, clock=self.clock, host=host,
                               events=events)
-        self.scheduler = Scheduler(self.pool, self.tree, make_policy(spec.schedule_policy, max_wait_s=spec.max_wait_s),
+        self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(spec.schedule_policy, max_wait_s=spec.max_wait_s),
                                    max_running=spec.max_running, max_batch_tokens=spec.max_batch_tokens,
                                    clock=self.clock, prefix_cache=spec.use_cache, window=spec.window)
         self.held_pages_sum = 0   # pages running sequences keep from being freed, summed over steps

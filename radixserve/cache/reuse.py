@@ -3,9 +3,7 @@
 A tree-local hit counter forgets a page when it is evicted, so a document that is reused
 only after its first copy was evicted looks new again. This history (a ghost list, as in
 2Q/ARC, per page prefix) keeps 64-bit hashes of recently seen page prefixes — metadata only,
-about 16 bytes per page — so the second arrival is recognised and can be retained longer.
-On the Mooncake trace that lifts LRU from 31/39/48/63% to 33/41/53/68% of the offline
-optimum at 0.5M/1M/2M/4M tokens (docs/benchmark.md).
+about 16 bytes per page — so the second arrival is recognised and can be retained longer (its effect on hit rates: docs/benchmark.md).
 """
 
 from __future__ import annotations

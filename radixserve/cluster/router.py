@@ -90,7 +90,7 @@ class _ClusterHooks:
 
 class CacheAwareRouter(_ClusterHooks, RequestRouter):
     """Ranks replicas by radixserve's cache-aware rule (routing.CacheAwarePolicy): session,
-    balance guard, longest prefix really cached, load and free pages. Its thresholds come
+    balance guard, longest prefix really cached, requests in flight and free pages. Its thresholds come
     from `request_router_kwargs` (CacheAwareConfig's fields)."""
 
     def initialize_state(self, **config: Any) -> None:
@@ -106,7 +106,7 @@ class CacheAwareRouter(_ClusterHooks, RequestRouter):
             return [candidate_replicas]
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = self.view.rank(request, list(by_key))
-        # Reserved now, so that the next request of a burst sees this one's load and prefix
+        # Reserved now, so that the next request of a burst sees this one in flight and its prefix
         # (Serve confirms or moves it in on_request_routed once the replica accepted).
         self.view.routed(request, ranked[0])
         return [[by_key[key]] for key in ranked]

@@ -135,7 +135,7 @@ class ClusterState:
             self.sessions[request.session_id] = replica
 
     def finished(self, request_id: str) -> None:
-        """The request ended (done, failed or cancelled): its replica's load drops; its
+        """The request ended (done, failed or cancelled): its replica's requests in flight drop by one; its
         prompt stays in flight until the replica settles it, or for SETTLE_GRACE_BATCHES of
         the replica's event batches (a request cancelled before the replica ran it is never
         settled). Ray Serve may report a short request's completion before its routing:
@@ -156,7 +156,11 @@ class ClusterState:
         for key in keys:
             if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
                 self.index.end_in_flight(key)
-            self._unsettled.pop(key, None)
+            # Only this replica's own wait ends: a late settle from a replica the request
+            # was moved away from must not cancel the grace of the one that holds it now.
+            pending = self._unsettled.get(key)
+            if pending is not None and pending[0] == replica:
+                del self._unsettled[key]
 
     def batch_applied(self, replica: str) -> None:
         """One more event batch of `replica` was applied: requests it finished long ago and
@@ -169,7 +173,7 @@ class ClusterState:
                 self.index.end_in_flight(key)
 
     def _release(self, request_id: str) -> tuple[str, str, bool] | None:
-        """Forgets where a request was placed and drops its replica's load; returns
+        """Forgets where a request was placed and drops it from its replica's requests in flight; returns
         (replica, settle key, whether it started a conversation), or None if it was not placed."""
         placed = self._placed.pop(request_id, None)
         if placed is not None and placed[0] in self.in_flight:
@@ -189,7 +193,7 @@ class ClusterState:
         self.index.end_in_flight(key)
 
     def remove(self, replica: str) -> None:
-        """A replica died or left: forget its cache, its load and its sessions."""
+        """A replica died or left: forget its cache, its requests in flight and its sessions."""
         self.index.forget(replica)
         self.in_flight.pop(replica, None)
         self.starts.pop(replica, None)
@@ -202,7 +206,8 @@ class ClusterState:
         for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
             del self._unsettled[key]
 
-    def load(self, replica: str) -> int:
+    def requests_in_flight(self, replica: str) -> int:
+        """Requests routed to `replica` and not yet ended."""
         return self.in_flight.get(replica, 0)
 
     def share(self, replica: str) -> float:
@@ -276,7 +281,7 @@ def parse_routing_config(text: str) -> CacheAwareConfig:
 
 class CacheAwarePolicy(RoutingPolicy):
     """Sessions, then the longest prefix a replica holds within the balance and conversation
-    guards, then load (the rule in the module docstring)."""
+    guards, then requests in flight (the rule in the module docstring)."""
 
     name = "cache-aware"
 
@@ -287,7 +292,7 @@ class CacheAwarePolicy(RoutingPolicy):
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
         state, cfg = self.state, self.config
         sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
-        least = min(state.load(r) for r in replicas)
+        least = min(state.requests_in_flight(r) for r in replicas)
         relative = int(cfg.balance_rel * least)
         least_share = min(state.share(r) for r in replicas)
         share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
@@ -302,7 +307,7 @@ class CacheAwarePolicy(RoutingPolicy):
             # A conversation's next turn (its cached prefix runs through an earlier prompt
             # routed there) within the loosest: moving it recomputes the whole conversation,
             # where a spilled request of a shared prefix computes that prefix once for many.
-            over = state.load(replica) - least
+            over = state.requests_in_flight(replica) - least
             if over <= max(cfg.balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes)
             elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
@@ -326,8 +331,8 @@ class CacheAwarePolicy(RoutingPolicy):
         def key(replica: str) -> tuple:
             # Conversations started count after a queue past the cached slack: where nothing
             # held draws the request, a short queue goes before a conversation fewer.
-            queued = state.load(replica) - least > max(cfg.cached_balance_abs, relative)
-            return (replica != sticky, -useful[replica], queued, replica in ahead, state.load(replica),
+            queued = state.requests_in_flight(replica) - least > max(cfg.cached_balance_abs, relative)
+            return (replica != sticky, -useful[replica], queued, replica in ahead, state.requests_in_flight(replica),
                     -state.free_pages(replica), index.cached_pages(replica))
 
         return sorted(replicas, key=key)
@@ -345,12 +350,12 @@ class PowerOfTwoPolicy(RoutingPolicy):
 
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
         picked = self.rng.sample(list(replicas), min(2, len(replicas)))
-        picked.sort(key=self.state.load)
+        picked.sort(key=self.state.requests_in_flight)
         return picked + [r for r in replicas if r not in picked]
 
 
 class RoundRobinPolicy(RoutingPolicy):
-    """Each replica in turn, ignoring cache and load."""
+    """Each replica in turn, ignoring cache and requests in flight."""
 
     name = "round-robin"
 
@@ -393,7 +398,7 @@ class PrefixAffinityPolicy(RoutingPolicy):
         self._fallback = PowerOfTwoPolicy(state)
 
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
-        loads = [self.state.load(r) for r in replicas]
+        loads = [self.state.requests_in_flight(r) for r in replicas]
         if max(loads) - min(loads) > self.imbalanced_threshold:
             return self._fallback.rank(request, replicas)
         matched = {r: self._matched(r, request) for r in replicas}
@@ -403,7 +408,7 @@ class PrefixAffinityPolicy(RoutingPolicy):
             chosen = [r for r in replicas if sizes[r] == min(sizes.values())]
         else:
             chosen = [r for r in replicas if matched[r] == best]
-        chosen.sort(key=self.state.load)
+        chosen.sort(key=self.state.requests_in_flight)
         ranked = chosen + [r for r in replicas if r not in chosen]
         return ranked
 
@@ -422,7 +427,7 @@ class PrefixAffinityPolicy(RoutingPolicy):
         return matched
 
 
-def make_policy(name: str, state: ClusterState, *, page_size: int = 16, seed: int = 0,
+def make_routing_policy(name: str, state: ClusterState, *, page_size: int = 16, seed: int = 0,
                 config: CacheAwareConfig | None = None) -> RoutingPolicy:
     """A routing policy by name (`ROUTERS`)."""
     if name == "cache-aware":

@@ -19,7 +19,7 @@ from radixserve.cluster.routing import (
     ReplicaReport,
     RouteRequest,
     RoutingPolicy,
-    make_policy,
+    make_routing_policy,
 )
 
 
@@ -30,7 +30,7 @@ class ClusterView:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.state = ClusterState()
-        self._policy: RoutingPolicy = make_policy("cache-aware", self.state)
+        self._policy: RoutingPolicy = make_routing_policy("cache-aware", self.state)
         self._replicas: frozenset[str] = frozenset()
         self._stats: dict[str, dict[str, Any]] = {}
         self._listener: Callable[[], None] | None = None
@@ -38,7 +38,7 @@ class ClusterView:
     def configure(self, config: CacheAwareConfig) -> None:
         """The cache-aware rule's thresholds (from the router's request_router_kwargs)."""
         with self._lock:
-            self._policy = make_policy("cache-aware", self.state, config=config)
+            self._policy = make_routing_policy("cache-aware", self.state, config=config)
 
     # ------------------------------------------------------------------ the replica set
     def set_replicas(self, replicas: Sequence[str]) -> None:

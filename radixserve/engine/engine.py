@@ -20,11 +20,12 @@ from radixserve.cache.radix import Retention
 from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
 from radixserve.engine.beam_driver import BeamDriver
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from radixserve.engine.engine_setup import build_cache, bytes_per_page, eos_token_ids, sampling_defaults
+from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_token_ids, runtime_summary,
+                                            sampling_defaults)
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
 from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
                                       TokenLogprob)
-from radixserve.engine.policy import make_policy
+from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.runner import ModelRunner
@@ -104,7 +105,7 @@ class Engine:
                             host_offload_min_priority=host_offload_min_priority)
         self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
         self.cache_events, self.reuse_history = cache.events, cache.reuse_history
-        self.scheduler = Scheduler(self.pool, self.tree, make_policy(schedule_policy, max_wait_s=max_wait_s),
+        self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
                                    window=self.loaded.model.kv_window)
@@ -164,6 +165,10 @@ class Engine:
         else:
             self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
+
+    def describe(self) -> str:
+        """Device, dtype, attention backend and CPU kernels in one line (builds the kernels)."""
+        return runtime_summary(self.loaded, self.runner.backend)
 
     def default_sampling_params(self, **fields: object) -> SamplingParams:
         """SamplingParams with `fields`, and the checkpoint's sampling defaults where unset."""
@@ -401,32 +406,8 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges: the keys below are stable (the server's /metrics maps them).
-
-        prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
-        requests_finished, requests_aborted, waiting, running, preemptions, admissions,
-        shrunk_chunks (prefill chunks cut to the pages available rather than preempting),
-        deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
-        step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
-        pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
-        the tree's counters prefixed "cache_" (cache_evicted_pages, cache_lookups, ...), and
-        the host tier's (zero without one): host_cached_tokens / device_cached_tokens (the
-        part of cached_tokens loaded back from the host / found on the device),
-        host_pages_total, host_pages_free, host_pages_used, host_pages_cached (host copies the
-        tree holds), host_only_pages (cached pages on the host only), host_kv_bytes,
-        cache_offloaded_pages / cache_written_through_pages (copied to host on eviction / by
-        write-through), cache_dropped_pages (left the device without a host copy),
-        cache_loaded_pages, cache_host_evicted_pages, cache_device_hit_tokens /
-        cache_host_hit_tokens (lookups), kv_offloaded_bytes, kv_loaded_bytes,
-        kv_offload_seconds_total / kv_load_seconds_total (time spent issuing the copies),
-        prefill_tokens and prefill_step_s_total (steps that prefilled: prefill time per
-        token, to compare with a copy's), and
-        "histograms": {"hit_age_seconds" | "evict_age_seconds" | "evict_reuse":
-        {"buckets": [(le, cumulative count), ...], "sum", "count"}} — the age of cached KV
-        when it is hit and when it is evicted, and how often each evicted page had been hit.
-        "step_breakdown_s": cumulative seconds per section of step() (schedule, metadata,
-        model, sampling, detokenize, tree; see engine/timing.py) and "steps" that ran a batch.
-        """
+        """Counters and gauges under stable keys (the server's /metrics maps them); the keys
+        and their meaning: `engine_stats.engine_stats`."""
         return engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
                             clock=self._step_clock, timings=self._timings,
                             bytes_per_page=bytes_per_page(self.loaded, self.page_size),

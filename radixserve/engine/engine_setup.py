@@ -67,6 +67,7 @@ def make_pool(loaded: LoadedModel, page_size: int, num_pages: int | None,
     if num_pages is not None:
         if num_pages < 1:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
+        check_fits(num_pages * bytes_per_page(loaded, page_size), loaded.device, "num_pages", f"{num_pages} pages")
         return PagePool(num_pages, page_size, **shape)
     if kv_memory_gb is None:
         if loaded.device.type == "cuda":
@@ -75,8 +76,34 @@ def make_pool(loaded: LoadedModel, page_size: int, num_pages: int | None,
         else:
             budget = int(DEFAULT_CPU_KV_GB * 2**30)
     else:
+        if kv_memory_gb <= 0:
+            raise ValueError(f"kv_memory_gb: must be > 0, got {kv_memory_gb}")
         budget = int(kv_memory_gb * 2**30)
+        check_fits(budget, loaded.device, "kv_memory_gb", f"{kv_memory_gb:g} GiB")
     return PagePool.from_memory_budget(budget, page_size, **shape)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device` (free GPU memory; on the CPU the
+    kernel's MemAvailable), or None where that cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(num_bytes: int, device: torch.device, name: str, asked: str) -> None:
+    """Raises ValueError naming the flag when a pool of `num_bytes` cannot fit `device`'s
+    available memory: better a one-line refusal than an allocator's traceback or a swap storm."""
+    available = available_memory(device)
+    if available is not None and num_bytes > available:
+        raise ValueError(f"{name}: a KV cache of {asked} ({num_bytes / 2**30:.1f} GiB) does not fit in the "
+                         f"{available / 2**30:.1f} GiB of {device.type} memory available")
 
 
 def make_host_tier(loaded: LoadedModel, device_pool: PagePool, num_pages: int | None,
@@ -93,9 +120,12 @@ def make_host_tier(loaded: LoadedModel, device_pool: PagePool, num_pages: int | 
         return None
     shape = dict(_page_shape(loaded), device="cpu", pin_memory=loaded.device.type == "cuda")
     page_size = device_pool.page_size
+    cpu = torch.device("cpu")
     if num_pages:
+        check_fits(num_pages * bytes_per_page(loaded, page_size), cpu, "host_num_pages", f"{num_pages} pages")
         host_pool = PagePool(num_pages, page_size, **shape)
     else:
+        check_fits(int(memory_gb * 2**30), cpu, "host_kv_memory_gb", f"{memory_gb:g} GiB")
         host_pool = PagePool.from_memory_budget(int(memory_gb * 2**30), page_size, **shape)
     return HostTier.over(device_pool, host_pool, write_policy=write_policy,
                          offload_min_priority=offload_min_priority)
@@ -133,3 +163,22 @@ def sampling_defaults(loaded: LoadedModel, mode: str) -> dict[str, float | int]:
         return {}
     stated = loaded.generation_defaults
     return {name: getattr(stated, name) for name in _DEFAULTED_FIELDS if getattr(stated, name) is not None}
+
+
+def runtime_summary(loaded: LoadedModel, attention: object) -> str:
+    """One line for the start-up log: device, dtype, attention backend and, on the CPU,
+    whether the C kernels run. Building them (a second or so the first time) happens here,
+    so that the first request does not wait for the compiler."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    parts = [f"device {loaded.device}", f"dtype {dtype}", f"attention backend {type(attention).__name__}"]
+    if loaded.device.type == "cpu":
+        from radixserve.native import build, paged_attention, sampling
+
+        missing = {name: build.unavailable_reason(name) for name in (paged_attention.NAME, sampling.NAME)}
+        missing = {name: why for name, why in missing.items() if why}
+        if missing:
+            parts.append("CPU kernels unavailable, torch path instead: "
+                         + "; ".join(f"{name} ({why})" for name, why in missing.items()))
+        else:
+            parts.append(f"CPU kernels in use (paged attention, sampling; built in {build.kernel_dir()})")
+    return ", ".join(parts)

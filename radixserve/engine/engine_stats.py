@@ -58,7 +58,33 @@ class StepClock:
 def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree, pool: PagePool,
                  host: HostTier | None, *, clock: StepClock, timings: StepTimings,
                  bytes_per_page: int, sessions_open: int) -> dict[str, Any]:
-    """The dict Engine.stats() returns, from the parts of the engine it reads."""
+    """The dict Engine.stats() returns, from the parts of the engine it reads: counters and
+    gauges under stable keys (the server's /metrics maps them):
+
+    prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
+    requests_finished, requests_aborted, waiting, running, preemptions, admissions,
+    shrunk_chunks (prefill chunks cut to the pages available rather than preempting),
+    deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
+    step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
+    pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
+    the tree's counters prefixed "cache_" (cache_evicted_pages, cache_lookups, ...), and
+    the host tier's (zero without one): host_cached_tokens / device_cached_tokens (the
+    part of cached_tokens loaded back from the host / found on the device),
+    host_pages_total, host_pages_free, host_pages_used, host_pages_cached (host copies the
+    tree holds), host_only_pages (cached pages on the host only), host_kv_bytes,
+    cache_offloaded_pages / cache_written_through_pages (copied to host on eviction / by
+    write-through), cache_dropped_pages (left the device without a host copy),
+    cache_loaded_pages, cache_host_evicted_pages, cache_device_hit_tokens /
+    cache_host_hit_tokens (lookups), kv_offloaded_bytes, kv_loaded_bytes,
+    kv_offload_seconds_total / kv_load_seconds_total (time spent issuing the copies),
+    prefill_tokens and prefill_step_s_total (steps that prefilled: prefill time per
+    token, to compare with a copy's), and
+    "histograms": {"hit_age_seconds" | "evict_age_seconds" | "evict_reuse":
+    {"buckets": [(le, cumulative count), ...], "sum", "count"}} — the age of cached KV
+    when it is hit and when it is evicted, and how often each evicted page had been hit.
+    "step_breakdown_s": cumulative seconds per section of step() (schedule, metadata,
+    model, sampling, detokenize, tree; see engine/timing.py) and "steps" that ran a batch.
+    """
     c = counters
     out: dict[str, Any] = dict(c)
     out["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0

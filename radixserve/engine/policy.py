@@ -69,8 +69,8 @@ LPM_MATCH_BUDGET = 128  # tree lookups per ordering, whatever the queue length
 class LongestPrefixMatch(SchedulePolicy):
     """Longest cached prefix first (SGLang's `lpm`); arrival order among equals.
 
-    A lookup costs about 10 µs for a 2k-token prompt, and the queue is ordered every step,
-    so matching every waiting request would cost 20 ms a step at 2,048 waiting. Up to
+    A lookup walks the prompt through the tree and the queue is ordered every step, so
+    matching every waiting request costs a step time in proportion to the queue. Up to
     `match_budget` waiting requests every request is looked up each time (exact LPM). Beyond
     it each ordering looks up `match_budget` of them — requests never looked up first, oldest
     first, then those whose value is stalest — and orders the rest by the value they had when
@@ -109,8 +109,8 @@ class DFSWeight(SchedulePolicy):
     part and the rest hit it. A subtree whose prefix is already cached goes first (it costs
     least and would otherwise risk eviction before its turn); among equally cached subtrees
     the heavier one goes first, because it amortises more. Ordering by weight alone jumps to
-    an uncached group as soon as one request of the current group is admitted (measured on
-    gsp at 50k/100k tokens: 33.5/64.5% hit rate, against 57.5/82.0% in this order). Lexicographic
+    an uncached group as soon as one request of the current group is admitted (the hit rates
+    of both orders: docs/benchmark.md). Lexicographic
     order of the prompts is a DFS order of their trie, and the longest common prefix of
     neighbours in that order gives the trie's branching points without building it.
     """
@@ -165,7 +165,7 @@ POLICIES: dict[str, type[SchedulePolicy]] = {
 }
 
 
-def make_policy(name: str, *, max_wait_s: float = 30.0) -> SchedulePolicy:
+def make_schedule_policy(name: str, *, max_wait_s: float = 30.0) -> SchedulePolicy:
     """Builds a scheduling policy by name: one of `POLICIES`."""
     try:
         return POLICIES[name](max_wait_s)

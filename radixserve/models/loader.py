@@ -29,7 +29,7 @@ from radixserve.models.gguf_checkpoint import (
     tensor_shapes,
 )
 from radixserve.models.llama import CausalLM
-from radixserve.models.registry import resolve_model
+from radixserve.models.registry import NAMED_MODELS, resolve_model
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies
 
 # Architecture name (config.architectures) -> model_type, for configs that lack one or the other.
@@ -80,13 +80,14 @@ def load_model(
     if is_gguf_file(path):
         return load_gguf_model(path, name=model, dtype=dtype, device=device)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path}")
+        raise FileNotFoundError(f"model not found: {str(path)!r} is no checkpoint directory, .gguf file, "
+                                f"Hub id (org/name) or named model ({', '.join(['demo', *NAMED_MODELS])})")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_architecture(config)
     tokenizer = load_tokenizer(path)
-    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
 
     causal_lm = empty_model(config, torch_dtype, torch_device)
@@ -105,6 +106,24 @@ def load_model(
     )
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """`device` as a torch.device (None: CUDA when present, else the CPU). Raises ValueError
+    naming the devices this torch has when `device` is not one of them."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+    available = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if resolved.type == "cuda" and (not torch.cuda.is_available() or (resolved.index or 0) >= torch.cuda.device_count()):
+        built = "this torch has no CUDA support" if torch.version.cuda is None else "no such GPU is visible"
+        raise ValueError(f"device: {device!r} is not available ({built}); available: {', '.join(available)}")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} is not supported; available: {', '.join(available)}")
+    return resolved
+
+
 def load_gguf_model(
     path: Path, *, name: str, dtype: str | torch.dtype | None = None, device: str | None = None
 ) -> LoadedModel:
@@ -114,7 +133,7 @@ def load_gguf_model(
     metadata = gguf_metadata(reader)
     config = gguf_config(metadata, tensor_shapes(reader))
     check_architecture(config)
-    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
 
     causal_lm = empty_model(config, torch_dtype, torch_device)

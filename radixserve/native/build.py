@@ -1,11 +1,11 @@
 """Compiling and loading the C kernels of this package, once per process.
 
-`load(name)` builds `<name>.c` with the C compiler (`$CC`, else `cc`) into
+`library(name)` builds `<name>.c` with the C compiler (`$CC`, else `cc`) into
 `$RADIXSERVE_KERNEL_DIR` (default `~/.cache/radixserve/kernels`), under a name that hashes the
 source and the headers beside it, the flags and the CPU, so a changed source or another CPU
 builds afresh; later processes load the built file. With no compiler, or with
-`RADIXSERVE_CPU_KERNEL=0`, `load` returns None and callers keep their torch path;
-`unavailable_reason(name)` says why. `load_declared` adds the one function's C signature.
+`RADIXSERVE_CPU_KERNEL=0`, `library` returns None and callers keep their torch path;
+`unavailable_reason(name)` says why. `declared_library` adds the one function's C signature.
 Nothing here calls a kernel: the bindings do, through `checks`.
 """
 
@@ -86,7 +86,7 @@ def _build(source: Path, compiler: str) -> Path | None:
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
+def library(name: str) -> ctypes.CDLL | None:
     """The library built from `<name>.c` in this package; None when it cannot be built."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         _unavailable[name] = f"{DISABLE_ENV}=0"
@@ -107,18 +107,18 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
-def load_declared(name: str, function: str, restype: type, argtypes: list[type]) -> ctypes.CDLL | None:
-    """`load(name)` with `function`'s C signature declared (ctypes would otherwise guess int
+def declared_library(name: str, function: str, restype: type, argtypes: list[type]) -> ctypes.CDLL | None:
+    """`library(name)` with `function`'s C signature declared (ctypes would otherwise guess int
     arguments and result); None when the library cannot be built."""
-    library = load(name)
-    if library is not None:
-        declared = getattr(library, function)
+    loaded = library(name)
+    if loaded is not None:
+        declared = getattr(loaded, function)
         declared.restype = restype
         declared.argtypes = argtypes
-    return library
+    return loaded
 
 
 def unavailable_reason(name: str) -> str | None:
-    """Why `load(name)` returned None, or None when the kernel is loaded."""
-    load(name)
+    """Why `library(name)` returned None, or None when the kernel is loaded."""
+    library(name)
     return _unavailable.get(name)

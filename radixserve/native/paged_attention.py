@@ -2,7 +2,7 @@
 
 Torch has no paged attention for the CPU, so the torch backend would otherwise gather every
 key and value a query sees into a dense copy before SDPA. This kernel reads them in place
-from the pages. It is built at first use (see `build`); when it cannot be, `load()` returns
+from the pages. It is built at first use (see `build`); when it cannot be, `library()` returns
 None and the torch backend gathers as before.
 
 Two steps, both through `checks`: `PagedRows` checks a step's decode rows once, when the
@@ -25,9 +25,9 @@ NAME = "paged_attention"
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """The kernel's library with its signature declared; None when it cannot be built."""
-    return build.load_declared(NAME, "radixserve_paged_attention", ctypes.c_int, [
+    return build.declared_library(NAME, "radixserve_paged_attention", ctypes.c_int, [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # q, k, v, kv_indices
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # rows, page_start, lo, hi
         ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # rows, Hq, Hkv, D, S
@@ -37,7 +37,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def unavailable_reason() -> str | None:
-    """Why `load()` returned None, or None when the kernel is loaded."""
+    """Why `library()` returned None, or None when the kernel is loaded."""
     return build.unavailable_reason(NAME)
 
 
@@ -66,13 +66,13 @@ def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: PagedRows, out: Tenso
     """Writes attention for `rows` of q ([T, Hq, D]) into the same rows of out, reading K/V
     from the caches ([pages, page_size, Hkv, D]). Raises ValueError, before any C runs, on
     tensors or rows the kernel cannot read (see `checks.attention_call`)."""
-    library = load()
-    if library is None:
+    loaded = library()
+    if loaded is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
     checks.attention_call(q, k_cache, v_cache, out, rows.checked, rows.page_size)
     _, num_qo_heads, head_dim = q.shape
     threads, scratch = threads_and_scratch(NAME, scratch_floats_per_thread(rows, num_qo_heads, head_dim))
-    status = library.radixserve_paged_attention(
+    status = loaded.radixserve_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rows._pointers,
         len(rows), num_qo_heads, k_cache.shape[2], head_dim, rows.page_size, scale, rows.max_keys,
         out.data_ptr(), scratch.ctypes.data, threads,

@@ -24,9 +24,9 @@ SCRATCH_PER_VOCAB = 6  # floats per token per thread: probabilities, selection, 
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """The sampler's library with its signature declared; None when it cannot be built."""
-    return build.load_declared(NAME, "radixserve_sample", ctypes.c_int64, [
+    return build.declared_library(NAME, "radixserve_sample", ctypes.c_int64, [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # logits, stride, rows, vocab
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # T, top_k, top_p, min_p
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # u, tokens, probs
@@ -58,7 +58,7 @@ def apply_token_mask(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
 def usable(logits: Tensor) -> bool:
     """Whether these logits can be sampled here (CPU, float32, rows of unit stride)."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(1) == 1 and load() is not None)
+            and logits.stride(1) == 1 and library() is not None)
 
 
 def run(logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -69,15 +69,15 @@ def run(logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.nd
     temperature 0 is greedy; the parameter arrays hold one entry per row (converted to
     float32, int64 for top_k, float64 for u). Raises ValueError, before any C runs, on
     arguments the kernel cannot read (see `checks.sampling_arguments`)."""
-    library = load()
-    if library is None:
+    loaded = library()
+    if loaded is None:
         raise RuntimeError(f"the CPU sampler is unavailable: {build.unavailable_reason(NAME)}")
     arrays = checks.sampling_arguments(logits, temperature, top_k, top_p, min_p, u)
     rows, vocab = logits.shape
     threads, scratch = threads_and_scratch(NAME, SCRATCH_PER_VOCAB * vocab)
     tokens = np.empty(rows, dtype=np.int64)
     probs = np.zeros((rows, vocab), dtype=np.float32) if want_probs else None
-    library.radixserve_sample(
+    loaded.radixserve_sample(
         logits.data_ptr(), logits.stride(0), rows, vocab, *(a.ctypes.data for a in arrays),
         tokens.ctypes.data, None if probs is None else probs.ctypes.data, scratch.ctypes.data, threads)
     return tokens, probs
