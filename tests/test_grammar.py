@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -122,7 +123,7 @@ def test_length_bounded_strings_exclude_control_characters(tokenizer: PreTrained
 @pytest.mark.parametrize("vocab", [2048, 1000, 33])
 def test_token_mask_sets_exactly_the_forbidden_logits(native: bool, vocab: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    if native and native_sampling.load_mask() is None:
+    if native and native_sampling.mask_library() is None:
         pytest.skip("the C sampler is not built here")
     if not native:
         monkeypatch.setattr(matcher_module.native_sampling, "usable", lambda logits: False)
@@ -140,7 +141,7 @@ def test_token_mask_sets_exactly_the_forbidden_logits(native: bool, vocab: int,
 
 
 def test_token_mask_arguments_are_checked_before_c() -> None:
-    if native_sampling.load_mask() is None:
+    if native_sampling.mask_library() is None:
         pytest.skip("the C sampler is not built here")
     logits = torch.zeros(2, 64)
     with pytest.raises(ValueError, match="masked rows"):
@@ -159,3 +160,21 @@ def test_choice_and_regex_specs(grammars: Grammars, tokenizer: PreTrainedTokeniz
     with pytest.raises(GrammarError):
         GrammarSpec.choice([], "guided_choice")
     assert json.loads(GrammarSpec.choice(["a", "b"], "x").source) == ["a", "b"]
+
+
+def test_the_c_sampler_masks_rows_as_it_samples_them() -> None:
+    if native_sampling.library() is None:
+        pytest.skip("the C sampler is not built here")
+    generator = torch.Generator().manual_seed(5)
+    vocab, rows = 1000, [3, 0]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    premasked = reference_mask(logits, bitmask, rows)
+    ones = np.ones(4)
+    params = (ones * [1.0, 0.8, 1.2, 0.0], np.zeros(4, np.int64), ones * 0.95, ones * 0.0, ones * 0.37)
+    expected, _ = native_sampling.run(premasked, *params)
+    tokens, _ = native_sampling.run(logits, *params, mask_rows=rows, mask=bitmask)
+    assert torch.equal(logits, premasked)  # masked in place, the other rows untouched
+    assert tokens.tolist() == expected.tolist()
+    for i, row in enumerate(rows):
+        assert (int(bitmask[i, tokens[row] // 32]) >> (tokens[row] % 32)) & 1

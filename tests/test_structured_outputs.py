@@ -56,7 +56,7 @@ def assert_valid(outputs: list[Any], schema: dict[str, Any]) -> None:
 @pytest.mark.parametrize("native", [True, False], ids=["c-sampler", "torch-sampler"])
 def test_every_sampled_output_validates(engine: Engine, schema: dict[str, Any], native: bool,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    if native and native_sampling.load() is None:
+    if native and native_sampling.library() is None:
         pytest.skip("the C sampler is not built here")
     if not native:
         monkeypatch.setattr(sampler_module.native_sampling, "usable", lambda logits: False)
