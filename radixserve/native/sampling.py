@@ -4,7 +4,9 @@
 C call filters and draws every row (see the C file for the method), instead of many torch and
 numpy passes over [rows, vocab]. Semantics, seeds and errors are the torch path's; the two may
 differ only where float rounding puts a token on the edge of top-p or of the draw. Every call
-is checked first (`checks.sampling_arguments`).
+is checked first (`checks.sampling_arguments`, and `checks.token_mask_arguments` for a
+grammar's token mask, which the sampler applies to a row just before sampling it, or which
+`apply_token_mask` applies alone).
 """
 
 from __future__ import annotations
