@@ -20,12 +20,12 @@ from radixserve.grammar.matcher import Matcher
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 
 CACHE_ENTRIES = 256
+COMPILE_THREADS = 2
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as any character
 # but quote, backslash, CR and LF: raw control characters would get through, and JSON forbids
 # them (its unbounded strings already exclude them). Swapped in the grammar's text.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
 _JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
-COMPILE_THREADS = 2
 
 
 class Grammars:
