@@ -130,6 +130,8 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
                        help="token ids of recent chat answers kept, so that a later turn sending an answer "
                             "back is tokenized as generated and its cache match runs through it "
                             "(0: off; default: %(default)s)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3"],
+                       help="how the model writes tool calls (default: chosen from its chat template)")
 
 
 def _add_model_args(serve: argparse.ArgumentParser) -> None:
@@ -241,7 +243,8 @@ def serve_command(args: argparse.Namespace) -> int:
     app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook),
                      served_model_name=args.served_model_name, api_key=args.api_key,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
-                     turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s)
+                     turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
+                     tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)

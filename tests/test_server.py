@@ -304,7 +304,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": USER, "user": "u" * 257}, 400, "user"),
     (CHAT, {"messages": USER, "model": "m" * 257}, 400, "model"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "name": "n" * 257}]}, 400, "messages[0].name"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format.type"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"messages": USER, "response_format": {}}, 400, "response_format.type"),
     (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "messages[0]"),
     (CHAT, b'{"x": ' + b'{"a": ' * 1200 + b"1" + b"}" * 1200 + b', "messages": []}', 400, None),
@@ -406,7 +406,7 @@ def test_response_format_text_is_the_default(client: httpx.Client) -> None:
     r = client.post(CHAT, json={**body, "response_format": {"type": "text"}})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
     r = client.post(CHAT, json={**body, "response_format": {"type": "json_schema", "json_schema": {}}})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema"
     assert "json_schema" in r.json()["error"]["message"]
 
 

@@ -95,7 +95,7 @@ def test_completion_default_max_tokens_is_16_or_what_fits() -> None:
     ({"max_completion_tokens": 61}, 40, "max_completion_tokens"),
     ({"frequency_penalty": 1.0}, 4, "frequency_penalty"),
     ({"logit_bias": {"5": 1.0}}, 4, "logit_bias"),
-    ({"tools": [{"type": "function"}]}, 4, "tools"),
+    ({"response_format": {"type": "xml"}}, 4, "response_format.type"),
     ({"system_retention_duration_s": 3.0}, 4, "system_retention_duration_s"),
 ])
 def test_chat_call_refusals_name_the_field(fields: dict[str, object], prompt_len: int, param: str) -> None:

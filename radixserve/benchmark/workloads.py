@@ -139,6 +139,49 @@ def agent_loop(num_agents: int = 16, num_steps: int = 10, system_len: int = 2048
         tool_len=tool_len, output_len=output_len, seed=seed))
 
 
+def tool_agents(num_agents: int = 16, num_steps: int = 8, num_toolsets: int = 2, system_len: int = 512,
+                tools_len: int = 1024, task_len: int = 128, call_len: int = 48, result_len: int = 256, *,
+                stable_tools: bool = True, seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
+    """Agents calling tools (issue 25): a system prompt all agents share, then the definitions
+    of their toolset (`num_toolsets` sets; agent a uses set a % num_toolsets), the agent's
+    task, and per step the model's tool call (its reply, `call_len` tokens) and the tool's
+    result. Steps are round-robin across agents.
+
+    The tool definitions are rendered into the prompt on every step; a server renders them
+    byte-stable, so a step's prompt extends the previous one. `stable_tools=False` models a
+    rendering that changes between steps (a timestamp or an unordered dict in the tool
+    block): every step then gets a fresh tool block and shares only the system prompt.
+    """
+    src = _TokenSource(seed, vocab_size)
+    (system,) = src.siblings(1, system_len)
+    toolsets = src.siblings(num_toolsets, tools_len)
+    tasks = src.siblings(num_agents, task_len)
+    previous: dict[int, BenchRequest] = {}
+    requests: list[BenchRequest] = []
+    for step in range(num_steps):
+        for agent in range(num_agents):
+            tools = toolsets[agent % num_toolsets]
+            if not stable_tools and step > 0:
+                tools = np.concatenate([src.siblings(1, 1)[0], tools[1:]])  # changed on every step
+            history = np.zeros(0, np.int32)
+            if step > 0:
+                last = previous[agent]
+                start = system_len + tools_len
+                history = np.concatenate([last.prompt_ids[start:], last.output_ids, src.tokens(result_len)])
+            prompt = np.concatenate([system, tools, tasks[agent]]) if step == 0 else np.concatenate(
+                [system, tools, history])
+            request = BenchRequest(index=len(requests), prompt_ids=prompt, output_len=call_len,
+                                   group_id=agent % num_toolsets, client_id=agent, output_ids=src.tokens(call_len),
+                                   parent=previous[agent].index if step > 0 else None,
+                                   shared_len=system_len + tools_len)
+            previous[agent] = request
+            requests.append(request)
+    return Workload("tools", requests, dict(
+        num_agents=num_agents, num_steps=num_steps, num_toolsets=num_toolsets, system_len=system_len,
+        tools_len=tools_len, task_len=task_len, call_len=call_len, result_len=result_len,
+        stable_tools=stable_tools, seed=seed))
+
+
 def few_shot(num_tasks: int = 4, num_examples: int = 8, example_len: int = 256,
              questions_per_task: int = 64, question_len: int = 64, output_len: int = 16, *,
              shuffle: bool = True, seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
@@ -208,6 +251,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "gsp": generated_shared_prefix,
     "multiturn": multi_turn,
     "agent": agent_loop,
+    "tools": tool_agents,
     "fewshot": few_shot,
 }
 

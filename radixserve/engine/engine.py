@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -33,6 +34,7 @@ from radixserve.engine.scheduler import ScheduledChunk, Scheduler
 from radixserve.engine.sessions import SessionTable
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
+from radixserve.grammar import Grammars
 from radixserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -141,6 +143,8 @@ class Engine:
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
             params = replace(params, beam_width=None, temperature=0.0)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.grammar is not None:  # GrammarError (a ValueError) for one that cannot compile
+            self.grammars.compile(params.grammar, "grammar")
         check_prompt(prompt_ids, params, vocab_size=self.loaded.model.vocab_size,
                      max_context_len=self.max_context_len, num_pages=self.pool.num_pages,
                      page_size=self.page_size, max_running=self.scheduler.max_running)
@@ -172,6 +176,11 @@ class Engine:
         """SamplingParams with `fields`, and the checkpoint's sampling defaults where unset."""
         return SamplingParams(**{**self.sampling_defaults, **fields})
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The grammar engine of this model's tokenizer and logits (built on first use)."""
+        return Grammars(self.tokenizer, self.loaded.model.vocab_size, self.eos_token_ids)
+
     @property
     def max_sequence_len(self) -> int:
         """The longest prompt + output one sample can have: the context, or the pool if smaller."""
@@ -182,6 +191,8 @@ class Engine:
         seed = None if req.params.beam_search else sampling_seed(req.params, index, self._rng)
         seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                        StopStringMatcher(list(req.params.stop)), seed)
+        if req.params.grammar is not None:
+            seq.grammar = self.grammars.matcher(req.params.grammar)
         if output:
             req.sequences.append(seq)
         return seq

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from radixserve.grammar.spec import GrammarSpec
+
 MIN_TEMPERATURE = 1e-5
 # Bounds on what one request may ask of the engine's per-token work (docs/server.md).
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -20,6 +22,10 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 switch those filters off.
     `logprobs` None returns none; k >= 0 returns the sampled token's logprob and its top-k
     alternatives. With `seed`, the same request gives the same tokens every time.
+
+    `grammar` constrains the output to a JSON Schema, a regex, a choice or an EBNF grammar
+    (radixserve/grammar): every token is drawn from the tokens it allows, and the end of
+    sequence only once the grammar is complete.
 
     Beam search: `beam_width` W >= 2 keeps the W best hypotheses at every step and returns the
     `n` <= W best finished ones, best first, scored as transformers' beam search scores them
@@ -43,6 +49,7 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
         """Raises ValueError("<field>: why") on the first bad value."""
@@ -63,6 +70,12 @@ class SamplingParams:
         ]
         if self.beam_width is not None:
             checks += self._beam_checks()
+        if self.grammar is not None:
+            checks += [
+                (not self.ignore_eos, "ignore_eos: not supported with structured outputs (the end token "
+                                      "closes a complete output)"),
+                (not self.beam_search, "use_beam_search: not supported with structured outputs"),
+            ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

@@ -12,6 +12,7 @@ from radixserve.cache.radix import RadixNode, Retention
 from radixserve.cache.transfer import LoadHandle
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import SamplingParams, TokenLogprob
+from radixserve.grammar import Matcher
 
 if TYPE_CHECKING:
     from radixserve.engine.beam import BeamGroup
@@ -77,6 +78,9 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     sampling_seed: int | None  # None: greedy (engine/sampler.py draws token t from (seed, t))
+    # The request's grammar state after output_ids (None: unconstrained). Preemption keeps the
+    # generated tokens, so it keeps this too: resumption continues from the same state.
+    grammar: Matcher | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)  # appended to in place, else replaced

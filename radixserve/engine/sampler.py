@@ -16,6 +16,12 @@ On the CPU (float32 logits) one call of the fused C sampler (`radixserve.native.
 this for every row when it is built, with the same semantics; the torch code below is the
 path everywhere else.
 
+Constrained rows (a request with a grammar: radixserve/grammar) come with a TokenMask: the
+logits of the tokens their grammar forbids are set to -inf in place before they are sampled
+(by the C sampler itself, row by row, when it runs; by TokenMask.apply otherwise), so greedy,
+temperature, top-k, top-p and min-p all choose among the allowed tokens only, and rows
+without a mask are not touched (nor is any work done for them).
+
 Top-p without a full sort: the kept set is read off the `TOP_P_CANDIDATES` most likely
 tokens (`topk`), and only rows whose kept set is larger fall back to sorting their whole
 vocabulary. The top token is always kept (a `top_p` that rounds to zero, or a distribution
@@ -32,6 +38,7 @@ import numpy as np
 import torch
 
 from radixserve.engine.params import SamplingParams, TokenLogprob
+from radixserve.grammar import TokenMask
 from radixserve.native import sampling as native_sampling
 
 TOP_P_CANDIDATES = 256
@@ -157,17 +164,21 @@ def _param_tensors(params: list[SamplingParams], device: torch.device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],
-           steps: list[int]) -> list[int]:
+           steps: list[int], mask: TokenMask | None = None) -> list[int]:
     """One token per row of `logits` [B, vocab] (float32). Row b uses `params[b]`; a sampled
     (non-greedy) row draws with `seeds[b]` at position `steps[b]` (the tokens its sample
-    generated before this one)."""
+    generated before this one). `mask` restricts its rows to their allowed tokens: it writes
+    -inf into `logits` (so logprobs computed afterwards are the constrained distribution's)."""
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
+    native = bool(random_rows) and native_sampling.usable(logits)
+    if mask is not None and not native:  # the C sampler masks each row as it samples it
+        mask.apply(logits)
     if not random_rows:
         tokens = torch.argmax(logits, dim=-1)
         _check_greedy(logits, tokens, range(len(params)))
         return tokens.tolist()
-    if native_sampling.usable(logits):
-        tokens = _sample_native(logits, params, seeds, steps, random_rows)
+    if native:
+        tokens = _sample_native(logits, params, seeds, steps, random_rows, mask)
         _check_greedy(logits, torch.tensor(tokens), [b for b, p in enumerate(params) if p.greedy])
         return tokens
     device = logits.device
@@ -201,14 +212,16 @@ def _check_greedy(logits: torch.Tensor, tokens: torch.Tensor, rows: Iterable[int
 
 
 def _sample_native(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],
-                   steps: list[int], random_rows: list[int]) -> list[int]:
-    """`sample` in one call of the C sampler (greedy rows have temperature 0 there)."""
+                   steps: list[int], random_rows: list[int], mask: TokenMask | None) -> list[int]:
+    """`sample` in one call of the C sampler (greedy rows have temperature 0 there), which
+    applies the mask's rows as it goes."""
     values = np.array([(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
                       dtype=np.float64)
     u = np.zeros(len(params))
     u[random_rows] = seeded_uniforms([seeds[b] for b in random_rows], [steps[b] for b in random_rows])  # type: ignore[misc]
     tokens, _ = native_sampling.run(logits, values[:, 0], values[:, 1].astype(np.int64), values[:, 2],
-                                    values[:, 3], u)
+                                    values[:, 3], u, mask_rows=None if mask is None else mask.rows,
+                                    mask=None if mask is None else mask.bitmask)
     bad = np.flatnonzero(tokens < 0)
     if bad.size:
         raise ValueError(f"cannot sample rows {bad.tolist()}: their logits are not finite")
@@ -249,6 +262,7 @@ def compute_logprobs(logits: torch.Tensor, tokens: list[int], top_ks: list[int |
     top_ids_rows, top_values_rows, chosen_rows = top_ids.tolist(), top_values.tolist(), chosen[:, 0].tolist()
     for row, i in enumerate(wanted):
         k = top_ks[i] or 0
-        top = list(zip(top_ids_rows[row][:k], top_values_rows[row][:k]))
+        # A constrained row's forbidden tokens (-inf) are no alternatives.
+        top = [(t, v) for t, v in zip(top_ids_rows[row][:k], top_values_rows[row][:k]) if v != float("-inf")]
         out[i] = TokenLogprob(tokens[i], chosen_rows[row], top)
     return out

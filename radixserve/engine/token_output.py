@@ -11,6 +11,7 @@ import torch
 from radixserve.engine.params import StreamDelta, TokenLogprob
 from radixserve.engine.request import Request, Sequence
 from radixserve.engine.sampler import compute_logprobs, sample
+from radixserve.grammar import TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +23,18 @@ def sample_rows(rows: torch.Tensor, seqs: list[Sequence],
     params = [s.request.params for s in seqs]
     seeds = [s.sampling_seed for s in seqs]
     steps = [len(s.output_ids) for s in seqs]  # token t of a sample is drawn from (seed, t)
+    mask = None
     try:
-        tokens = sample(rows, params, seeds, steps)
+        mask = grammar_mask(seqs, rows.shape[-1])
+        tokens = sample(rows, params, seeds, steps, mask)
         return tokens, compute_logprobs(rows, tokens, [p.logprobs for p in params])
     except Exception:
         logger.exception("batched sampling failed; sampling row by row")
     tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
     for i, seq in enumerate(seqs):
         try:
-            (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1])
+            alone = mask.select(i) if mask is not None else grammar_mask(seqs[i:i + 1], rows.shape[-1])
+            (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1], alone)
             (logprobs[i],) = compute_logprobs(rows[i:i + 1], tokens[i:i + 1], [params[i].logprobs])
         except Exception:
             logger.exception("sampling failed for request %s; it ends with finish_reason 'error'",
@@ -39,11 +43,20 @@ def sample_rows(rows: torch.Tensor, seqs: list[Sequence],
     return tokens, logprobs
 
 
+def grammar_mask(seqs: list[Sequence], vocab_size: int) -> TokenMask | None:
+    """The allowed tokens of the constrained sequences' rows; None (no work at all) when no
+    sequence of the step has a grammar."""
+    constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+    return TokenMask.for_rows(constrained, vocab_size) if constrained else None  # type: ignore[arg-type]
+
+
 def push_token(seq: Sequence, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
                max_context_len: int) -> str | None:
     """Appends a sampled token to `seq` (ids, logprob, text past stop strings); returns why the
     sample ends with it ("stop", "length") or None if it goes on."""
     params = seq.request.params
+    if seq.grammar is not None and not seq.grammar.accept(token):  # the mask allowed it: a bug
+        raise RuntimeError(f"token {token} is not allowed by the request's grammar")
     seq.token_ids.append(token)
     seq.output_ids.append(token)
     if logprob is not None:

@@ -21,6 +21,8 @@ What each kernel trusts, and where it is checked:
 - sampling, every call (`sampling_arguments`): float32 logits on the CPU with rows of unit
   stride and 1 <= vocab < 2^31 (token ids are int32 in C); one entry per row in every
   parameter array, converted to the dtype C reads; temperature >= 0 (not NaN); u in [0, 1].
+- token mask, every call (`token_mask_arguments`): the same logits; an int32 bitmask of one
+  row per masked row and ceil(vocab / 32) words; each masked row index in [0, rows).
 
 NaN is not checked here (that would be a pass over every key read, on every layer): the
 attention kernel propagates it instead (a NaN key makes the heads that read it NaN, as in
@@ -173,3 +175,20 @@ def sampling_arguments(logits: Tensor, temperature: np.ndarray, top_k: np.ndarra
     _require_all(temperature_ >= 0, "temperature must be >= 0 (0: greedy)", temperature_)
     _require_all((u_ >= 0) & (u_ <= 1), "u must lie in [0, 1]", u_)
     return arrays
+
+
+def token_mask_arguments(logits: Tensor, rows: list[int], bitmask: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Checks one token-mask call; returns the row indices (int64) and the bitmask (int32,
+    contiguous) as C reads them."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or (
+            logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError("the token mask needs 2-D float32 logits on the CPU with rows of unit stride, got "
+                         f"{logits.dtype} on {logits.device}, shape {tuple(logits.shape)}")
+    num_rows, vocab = logits.shape
+    indices = np.asarray(rows, dtype=np.int64)
+    words = (vocab + 31) // 32
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or tuple(bitmask.shape) != (len(indices), words):
+        raise ValueError(f"the token mask must be int32 [{len(indices)}, {words}] on the CPU, got "
+                         f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+    _require_all((indices >= 0) & (indices < num_rows), f"masked rows must lie in [0, {num_rows})", indices)
+    return indices, np.ascontiguousarray(bitmask.numpy())

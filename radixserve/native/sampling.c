@@ -273,19 +273,38 @@ static int64_t draw(const float *p, int64_t vocab, const Candidate *kept, int64_
     return last;
 }
 
+/* A grammar's token mask on one row, in place: x[t] becomes -inf for every token t whose bit is
+ * clear in mask (int32 words, bit t % 32 of word t / 32: xgrammar's layout). A word with every
+ * bit set (the common case inside a JSON string) is skipped; the others select without a
+ * branch, so the loop vectorises. */
+static void mask_row(float *x, int64_t vocab, const uint32_t *mask) {
+    for (int64_t w = 0; w * 32 < vocab; ++w) {
+        uint32_t word = mask[w];
+        if (word == 0xFFFFFFFFu) continue;
+        float *y = x + w * 32;
+        int64_t n = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
+        for (int64_t b = 0; b < n; ++b) y[b] = (word >> b) & 1u ? y[b] : -INFINITY;
+    }
+}
+
 /* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows.
  * temperature[r] == 0 is greedy. probs, when not NULL, receives each sampled row's filtered
  * probabilities ([rows, vocab]). scratch: num_threads * 6 * vocab floats (thread t uses slice
  * t: p, the selection's work, then the kept and temp candidate lists of 2 * vocab floats each),
- * so num_threads must be the count the scratch was sized for. */
-int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows, int64_t vocab,
+ * so num_threads must be the count the scratch was sized for. With a grammar mask (mask not
+ * NULL), a row r with mask_index[r] >= 0 first gets mask row mask_index[r] (mask_words words
+ * each) applied to its logits in place, by the thread that samples it: the row is then in
+ * that core's cache for the passes that follow, instead of being read twice. */
+int64_t radixserve_sample(float *logits, int64_t row_stride, int64_t rows, int64_t vocab,
                           const float *temperature, const int64_t *top_k, const float *top_p,
                           const float *min_p, const double *u, int64_t *tokens, float *probs,
+                          const uint32_t *mask, const int64_t *mask_index, int64_t mask_words,
                           float *scratch, int num_threads) {
     int64_t failed = 0;
 #pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if (num_threads > 1) reduction(+ : failed)
     for (int64_t r = 0; r < rows; ++r) {
-        const float *row = logits + r * row_stride;
+        float *row = logits + r * row_stride;
+        if (mask != NULL && mask_index[r] >= 0) mask_row(row, vocab, mask + mask_index[r] * mask_words);
         if (temperature[r] == 0.0f) {
             tokens[r] = argmax(row, vocab);
             continue;
@@ -308,4 +327,11 @@ int64_t radixserve_sample(const float *logits, int64_t row_stride, int64_t rows,
 /* exp_nonpositive over an array (the tests check it against float64 exp). */
 void radixserve_exp_nonpositive(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = exp_nonpositive(x[i]);
+}
+
+/* The grammar mask alone (for rows sampled elsewhere): logits[rows[i]] gets mask row i.
+ * radixserve/native/checks.py: token_mask_arguments has checked the rows and sizes. */
+void radixserve_apply_token_mask(float *logits, int64_t row_stride, int64_t vocab, const int64_t *rows,
+                                 int64_t num_rows, const uint32_t *bitmask, int64_t words) {
+    for (int64_t i = 0; i < num_rows; ++i) mask_row(logits + rows[i] * row_stride, vocab, bitmask + i * words);
 }

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from radixserve import AsyncEngine, StreamDelta
 from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
+from radixserve.grammar import GrammarError
 from radixserve.server.cache_routes import CacheRoutes
 from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
@@ -57,6 +58,9 @@ from radixserve.server.protocol import (
     ModelList,
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
+from radixserve.server.structured import grammar_error
+from radixserve.server.tool_parsers import parser_for_template
+from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
 from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, GeneratedTurns
 
@@ -80,10 +84,12 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+                 turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.body_timeout_s = body_timeout_s
         self.tokenizer = engine.engine.tokenizer
+        self.tool_call_parser = tool_call_parser or parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self.turns = GeneratedTurns(turn_memory_tokens) if turn_memory_tokens else None
         self.renderer = ChatRenderer(self.tokenizer, self.turns)
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
@@ -144,11 +150,14 @@ class OpenAIServer:
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
         scope = body.cache_salt or None  # the engine's cache namespace: "" is no salt
-        prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope)
+        tools = plan_tools(body, self.tool_call_parser)
+        prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
+                                                                   tools.tools)
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
-                         self.sampling_defaults)
+                         self.sampling_defaults, tools.grammar)
+        await self._compile_grammar(call)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
-                                  TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
+                                  TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         remember = (lambda result: self._remember_turn(scope, result)) if self.turns is not None else None
         return await self._generate(request, [call], formatter, body.stream, ["messages"], max_tokens_param,
@@ -168,9 +177,23 @@ class OpenAIServer:
         calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param,
                                  self.sampling_defaults)
                  for ids, param in zip(prompt_ids, params)]
+        await self._compile_grammar(calls[0])  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, body.stream, params, "max_tokens", timer)
+
+    async def _compile_grammar(self, call: EngineCall) -> None:
+        """Compiles the call's grammar (cached by spec) in a worker thread, so that a large
+        schema neither holds the event loop nor stalls the engine's step; a 400 naming the
+        field when it cannot be compiled."""
+        spec = call.params.grammar
+        if spec is None:
+            return
+        grammars = self.engine.engine.grammars
+        try:
+            await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format")
+        except GrammarError as exc:
+            raise grammar_error(exc) from exc
 
     async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
                         stream: bool, prompt_params: list[str], max_tokens_param: str,
@@ -249,8 +272,7 @@ class OpenAIServer:
                 usage.add(delta)
                 if results is not None:
                     results[delta.index].add(delta)
-                chunk = formatter.chunk(delta)
-                if chunk is not None:
+                for chunk in formatter.chunks(delta):
                     yield _event(chunk)
             else:
                 timer.finish()
@@ -327,7 +349,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                max_body_bytes: int = MAX_BODY_BYTES, expose_cache_tokens: bool = False,
                cache_event_buffer: int = DEFAULT_CAPACITY,
                engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S,
-               turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
+               turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
+               tool_call_parser: str | None = None) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -339,11 +362,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     step is left behind (`app.state.engine_stopped` is then False). `turn_memory_tokens`
     bounds the token ids of generated turns kept for later turns' prompts (0: none; turns.py).
     A request body must arrive within `body_timeout_s` (else 408); the request head's
-    deadline is the connection's (connections.py, given to uvicorn).
+    deadline is the connection's (connections.py, given to uvicorn). `tool_call_parser` names
+    the model's tool-call format (tool_parsers.py; default: chosen from the chat template).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
-                          body_timeout_s=body_timeout_s)
+                          body_timeout_s=body_timeout_s, tool_call_parser=tool_call_parser)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
                         event_buffer=cache_event_buffer)
 

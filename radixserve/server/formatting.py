@@ -21,11 +21,16 @@ from radixserve.server.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from radixserve.server.tool_parsers import StreamEvent, ToolCallParser, ToolCallStream
 
 
 @dataclass
@@ -110,6 +115,9 @@ class ResponseFormatter(Protocol):
     def chunk(self, delta: StreamDelta) -> Struct | None:
         """The chunk for one delta, or None when it carries nothing to send."""
 
+    def chunks(self, delta: StreamDelta) -> list[Struct]:
+        """The chunks for one delta (a tool call's name and arguments are two)."""
+
     def usage_chunk(self, usage: Usage) -> Struct:
         """The last chunk with stream_options.include_usage: usage and no choices."""
 
@@ -118,11 +126,15 @@ class ResponseFormatter(Protocol):
 
 
 class ChatFormatter:
-    """`chat.completion` and `chat.completion.chunk` objects."""
+    """`chat.completion` and `chat.completion.chunk` objects; with a tool-call parser, the
+    reply's tool calls become `message.tool_calls` (finish_reason "tool_calls"), or, streaming,
+    OpenAI's tool-call deltas: each call's id and name first, then its arguments."""
 
-    def __init__(self, identity: ResponseIdentity, namer: TokenNamer) -> None:
+    def __init__(self, identity: ResponseIdentity, namer: TokenNamer, tool_parser: ToolCallParser | None = None) -> None:
         self.identity = identity
         self.namer = namer
+        self.tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index → its parser state
 
     def opening_chunks(self, n: int) -> list[Struct]:
         return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -137,6 +149,25 @@ class ChatFormatter:
                                  finish_reason=delta.finish_reason, logprobs=logprobs)
         return self._chunk([choice])
 
+    def chunks(self, delta: StreamDelta) -> list[Struct]:
+        if self.tool_parser is None:
+            plain = self.chunk(delta)
+            return [] if plain is None else [plain]
+        stream = self._tool_streams.setdefault(delta.index, self.tool_parser.stream())
+        events = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += stream.finish()
+        out: list[Struct] = []
+        logprobs = self._logprobs(delta.logprobs)
+        for event in events:
+            out += [self._chunk([ChatChunkChoice(index=delta.index, delta=message)]) for message in _tool_messages(event)]
+        if logprobs is not None:
+            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)]))
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if stream.calls_sent and delta.finish_reason == "stop" else delta.finish_reason
+            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)]))
+        return out
+
     def usage_chunk(self, usage: Usage) -> Struct:
         return ChatCompletionChunk(id=self.identity.id, created=self.identity.created,
                                    model=self.identity.model, choices=[], usage=usage)
@@ -144,11 +175,21 @@ class ChatFormatter:
     def response(self, choices: list[ChoiceResult], usage: Usage) -> Struct:
         return ChatCompletion(
             id=self.identity.id, created=self.identity.created, model=self.identity.model,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                                finish_reason=c.finish_reason,
-                                logprobs=self._logprobs(c.logprobs))
-                     for i, c in enumerate(choices)],
-            usage=usage)
+            choices=[self._choice(i, c) for i, c in enumerate(choices)], usage=usage)
+
+    def _choice(self, index: int, result: ChoiceResult) -> ChatChoice:
+        logprobs = self._logprobs(result.logprobs)
+        if self.tool_parser is None:
+            return ChatChoice(index=index, message=AssistantMessage(content=result.text),
+                              finish_reason=result.finish_reason, logprobs=logprobs)
+        content, calls = self.tool_parser.parse(result.text)
+        if not calls:
+            return ChatChoice(index=index, message=AssistantMessage(content=content),
+                              finish_reason=result.finish_reason, logprobs=logprobs)
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        reason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls),
+                          finish_reason=reason, logprobs=logprobs)
 
     def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.identity.id, created=self.identity.created,
@@ -165,6 +206,23 @@ class ChatFormatter:
                                                       bytes=list(alt.encode()))
                                            for t, lp in e.top])
             for e in entries])
+
+
+def _tool_messages(event: StreamEvent) -> list[DeltaMessage]:
+    """The chunk deltas of one stream event: content, a call's header then its arguments, or
+    a fragment of arguments."""
+    if event.call is not None:
+        header = DeltaToolCall(index=event.index, id=event.call.id, type="function",
+                               function=DeltaFunctionCall(name=event.call.name, arguments=""))
+        messages = [DeltaMessage(tool_calls=[header])]
+        if event.call.arguments:
+            messages.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=event.index, function=DeltaFunctionCall(arguments=event.call.arguments))]))
+        return messages
+    if event.arguments:
+        return [DeltaMessage(tool_calls=[DeltaToolCall(index=event.index,
+                                                       function=DeltaFunctionCall(arguments=event.arguments))])]
+    return [DeltaMessage(content=event.content)] if event.content else []
 
 
 class CompletionFormatter:
@@ -187,6 +245,10 @@ class CompletionFormatter:
         return Completion(id=self.identity.id, created=self.identity.created,
                           model=self.identity.model, choices=[choice],
                           usage=None if self.identity.include_usage else UNSET)
+
+    def chunks(self, delta: StreamDelta) -> list[Struct]:
+        plain = self.chunk(delta)
+        return [] if plain is None else [plain]
 
     def usage_chunk(self, usage: Usage) -> Struct:
         return Completion(id=self.identity.id, created=self.identity.created,

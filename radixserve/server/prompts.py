@@ -6,18 +6,23 @@ Two things make the ids cache well across the turns of a conversation:
 - a template that injects a default system prompt when the messages have none (SmolLM2's,
   Qwen's) has that injected block counted as system prompt, so `system_retention_priority`
   protects it as it protects one the client sent.
+
+A request's tools go to the template as its `tools` variable, or, for a template that ignores
+them, into the system message (tools.py says how).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Hashable
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatMessage
+from radixserve.server.tools import conversation_message, template_renders_tools, with_tool_block
 from radixserve.server.turns import GeneratedTurns
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -25,7 +30,8 @@ _SYSTEM_ROLES = ("system", "developer")
 _PROBE_USER, _PROBE_SYSTEM = "\ue000", "\ue001"
 _MARK_OPEN, _MARK_CLOSE = "\ue002", "\ue003"
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None
 
 
 class ChatRenderer:
@@ -35,8 +41,10 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.turns = turns
 
-    def render(self, messages: list[ChatMessage], scope: Hashable = None) -> tuple[list[int], int]:
-        """Renders `messages` with the chat template and a generation prompt.
+    def render(self, messages: list[ChatMessage], scope: Hashable = None,
+               tools: Tools = None) -> tuple[list[int], int]:
+        """Renders `messages` (and `tools`, OpenAI's function tools) with the chat template and
+        a generation prompt.
 
         Returns the prompt's token ids and the number of leading tokens that the system
         message(s) alone render to — or, without one, the system block the template injects
@@ -46,14 +54,19 @@ class ChatRenderer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "This model has no chat template; use /v1/completions instead.",
                            param="messages", code="no_chat_template")
-        conversation = [_as_dict(message, i) for i, message in enumerate(messages)]
-        text = _render(self.tokenizer, conversation, add_generation_prompt=True)
-        prompt_ids = self._encode_turns(conversation, text, scope)
+        native = bool(tools) and template_renders_tools(self.tokenizer)
+        conversation = [_as_dict(message, i, native) for i, message in enumerate(messages)]
+        if tools and not native:
+            conversation = with_tool_block(conversation, tools)
+        tools = tools if native else None
+        text = _render(self.tokenizer, conversation, add_generation_prompt=True, tools=tools)
+        prompt_ids = self._encode_turns(conversation, text, scope, tools)
         num_system = 0
         while num_system < len(conversation) and conversation[num_system]["role"] == "system":
             num_system += 1
         if num_system:
-            system_text = _render(self.tokenizer, conversation[:num_system], add_generation_prompt=False)
+            system_text = _render(self.tokenizer, conversation[:num_system], add_generation_prompt=False,
+                                  tools=tools)
         else:
             system_text = injected_system_text(self.tokenizer)
             if not system_text or not text.startswith(system_text):
@@ -66,7 +79,7 @@ class ChatRenderer:
         # The template already wrote BOS and friends: no special tokens added here.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _encode_turns(self, conversation: Conversation, text: str, scope: Hashable) -> list[int]:
+    def _encode_turns(self, conversation: Conversation, text: str, scope: Hashable, tools: Tools) -> list[int]:
         """`text` encoded, with the ids of generated turns spliced in where the assistant
         messages hold their exact text; plain encoding when the template does not render
         those messages verbatim."""
@@ -82,7 +95,7 @@ class ChatRenderer:
             return self._encode(text)
         marks = {i: f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in known}
         marked = [dict(m, content=marks[i]) if i in known else m for i, m in enumerate(conversation)]
-        marked_text = _render(self.tokenizer, marked, add_generation_prompt=True)
+        marked_text = _render(self.tokenizer, marked, add_generation_prompt=True, tools=tools)
         pieces: list[str] = []
         rest = marked_text
         for i in known:
@@ -149,19 +162,22 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return shared
 
 
-def _as_dict(message: ChatMessage, position: int) -> dict[str, str]:
+def _as_dict(message: ChatMessage, position: int, native_tools: bool = False) -> dict[str, Any]:
     if message.content is None and message.role != "assistant":
         raise APIError(400, f"messages[{position}].content is required for role {message.role!r}",
                        param=f"messages[{position}].content", code="missing_field")
     # OpenAI's "developer" role is the newer name of "system"; templates know only the latter.
     role = "system" if message.role in _SYSTEM_ROLES else message.role
+    if message.tool_calls or message.role == "tool":
+        return conversation_message(message, message.text(), role, native_tools)
     return {"role": role, "content": message.text()}
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, *, add_generation_prompt: bool) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, *, add_generation_prompt: bool,
+            tools: Tools = None) -> str:
     # Render to text, then encode apart: transformers 5.x returns a BatchEncoding from tokenize=True.
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
+        return tokenizer.apply_chat_template(conversation, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt)
     except TemplateError as exc:  # templates reject some conversations (e.g. role order)
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",

@@ -47,12 +47,60 @@ class TextPart(Struct, tag_field="type", tag="text"):
     text: str
 
 
+class FunctionCall(Struct, kw_only=True):
+    """The function a tool call invokes: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(Struct, kw_only=True):
+    """One tool call of an assistant message (in a request's history or a response)."""
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    """A function the model may call: `parameters` is a JSON Schema of its arguments."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    """An entry of `tools`: only function tools exist."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, kw_only=True):
+    """The `function` of a named tool_choice."""
+
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    """`tool_choice` {"type": "function", "function": {"name": ...}}: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Struct, kw_only=True):
-    """One message of a conversation; content is text or a list of text parts."""
+    """One message of a conversation; content is text or a list of text parts. An assistant
+    message may carry `tool_calls` (then content may be null); a tool message answers the call
+    named by `tool_call_id`."""
 
     role: Role
     content: str | list[TextPart] | None = None
     name: Name | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Name | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -63,10 +111,31 @@ class ChatMessage(Struct, kw_only=True):
         return "".join(part.text for part in self.content)
 
 
+class JSONSchemaFormat(Struct, kw_only=True):
+    """`response_format.json_schema`: the schema the output must match (`strict` is accepted
+    either way: the output is always constrained to the schema)."""
+
+    name: Name = "response"
+    description: str | None = None
+    schema: dict | bool | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(Struct, kw_only=True):
-    """`response_format`: only {"type": "text"} (plain text, the default) is implemented."""
+    """`response_format`: "text" (the default), "json_object" (any JSON object) or
+    "json_schema" (a value valid under `json_schema.schema`)."""
 
     type: Name
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True):
+    """vLLM's `structured_outputs` extension: one of a schema, a regex, choices or a grammar."""
+
+    json: dict | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class GenerationRequest(Struct, kw_only=True):
@@ -94,6 +163,12 @@ class GenerationRequest(Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False
+    # Structured-output extensions as vLLM names them (also as one `structured_outputs` object).
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # radixserve extensions: scheduling, cache isolation and retention.
     priority: int = 0
     cache_salt: Identifier | None = None
@@ -116,7 +191,9 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     top_logprobs: NumLogprobs | None = None
     system_retention_priority: RetentionPriority | None = None
     system_retention_duration_s: Duration | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
@@ -180,10 +257,11 @@ class CompletionLogprobs(Struct, kw_only=True):
 
 
 class AssistantMessage(Struct, kw_only=True):
-    """The message of a non-streaming chat choice."""
+    """The message of a non-streaming chat choice; content is null when it only calls tools."""
 
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -206,11 +284,28 @@ class ChatCompletion(Struct, kw_only=True):
     usage: Usage
 
 
+class DeltaFunctionCall(Struct, kw_only=True, omit_defaults=True):
+    """A tool call's function in a chunk: the name once, then fragments of the arguments."""
+
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct, kw_only=True, omit_defaults=True):
+    """A fragment of the `index`-th tool call of a choice (id and type come with its name)."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(Struct, kw_only=True):
     """What a chat chunk adds to its choice; unset fields are left out of the JSON."""
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct, kw_only=True):

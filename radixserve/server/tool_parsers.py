@@ -1,0 +1,287 @@
+"""The model's tool-call text → OpenAI tool calls, whole (non-streaming) or as it streams.
+
+One parser per output format, chosen from the chat template (`parser_for_template`) unless
+`--tool-call-parser` names one:
+
+- "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, any number
+  (Hermes, Qwen2.5/Qwen3, and the block radixserve injects for templates without tools);
+- "llama3": the whole reply is `{"name": ..., "parameters": {...}}` (optionally after
+  `<|python_tag|>`), several separated by ";" (Llama 3.1/3.2's JSON tool calling).
+
+Streaming and non-streaming agree: `content` is the text before the first call's opening
+(None when that is only whitespace), or the whole text when no call parses; a call is emitted
+as soon as it is complete (its name with its id, then its arguments), so the deltas of a
+stream assemble to the non-streaming message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+PARSERS = ("hermes", "llama3")
+
+
+@dataclass
+class ParsedCall:
+    """One tool call the model made: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class StreamEvent:
+    """What a stream adds: content text, the `index`-th tool call (its name and id, with the
+    arguments known so far), or a further fragment of that call's arguments."""
+
+    content: str = ""
+    call: ParsedCall | None = None
+    index: int = 0
+    arguments: str = ""
+
+
+class ToolCallParser(Protocol):
+    """One output format of tool calls."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """The content and the tool calls of a whole reply."""
+
+    def stream(self) -> ToolCallStream:
+        """A fresh incremental parser for one choice."""
+
+
+def _call_from_json(text: str, arguments_key: str) -> ParsedCall | None:
+    """A call from `{"name": ..., "<arguments_key>": {...}}`; None if the text is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", {}))
+    return ParsedCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+class ToolCallStream:
+    """Incremental parsing of one choice: text in, StreamEvents out, in the order of the text.
+
+    Content before the first opening marker streams as it comes (held back while it is only
+    whitespace, or while its end could be the start of a marker); from the marker on, text is
+    held until a call completes (`_complete_calls`) or the reply ends (`finish`).
+    """
+
+    def __init__(self, parser: ToolCallParser, opening: str) -> None:
+        self.parser = parser
+        self.opening = opening
+        self.text = ""
+        self.content_sent = 0  # characters of content already streamed
+        self.calls_sent = 0
+        self.in_calls = False
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """Events for `text`, the next piece of the reply."""
+        self.text += text
+        if not self.in_calls:
+            at = self.text.find(self.opening)
+            if at < 0:
+                keep = _partial_marker(self.text, self.opening)
+                visible = self.text[: len(self.text) - keep]
+                if not visible.strip():
+                    return []
+                return self._content(visible)
+            self.in_calls = True
+        return self._complete_calls(final=False)
+
+    def finish(self) -> list[StreamEvent]:
+        """Events for what was held back when the reply ends."""
+        content, calls = self.parser.parse(self.text)
+        if not calls:  # nothing parsed: the whole reply is content
+            return self._content(self.text) if self.text.strip() or self.content_sent else []
+        events = self._content(content or "") if not self.calls_sent else []
+        return events + self._calls(calls)
+
+    def _content(self, upto: str) -> list[StreamEvent]:
+        new = upto[self.content_sent:]
+        self.content_sent = max(self.content_sent, len(upto))
+        return [StreamEvent(content=new)] if new else []
+
+    def _calls(self, calls: list[ParsedCall]) -> list[StreamEvent]:
+        events = [StreamEvent(call=call, index=i) for i, call in enumerate(calls) if i >= self.calls_sent]
+        self.calls_sent = max(self.calls_sent, len(calls))
+        return events
+
+    def _complete_calls(self, final: bool) -> list[StreamEvent]:
+        """Calls that are complete before the reply ends (none in formats known only at the end)."""
+        return []
+
+
+class HermesParser:
+    """`<tool_call>{...}</tool_call>` blocks."""
+
+    OPENING, CLOSING = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        at = text.find(self.OPENING)
+        if at < 0:
+            return text, []
+        calls = [call for block in self._BLOCK.findall(text[at:])
+                 if (call := _call_from_json(block.strip(), "arguments")) is not None]
+        if not calls:
+            return text, []
+        content = text[:at]
+        return (content if content.strip() else None), calls
+
+    def stream(self) -> ToolCallStream:
+        return _HermesStream(self, self.OPENING)
+
+
+class _HermesStream(ToolCallStream):
+    """Hermes blocks are complete at their closing tag: each call is emitted then."""
+
+    def _complete_calls(self, final: bool) -> list[StreamEvent]:
+        end = self.text.rfind(HermesParser.CLOSING)
+        if end < 0:
+            return []
+        content, calls = self.parser.parse(self.text[: end + len(HermesParser.CLOSING)])
+        if not calls:
+            return []
+        events = self._content(content or "") if not self.calls_sent else []
+        return events + self._calls(calls)
+
+
+class Llama3Parser:
+    """Llama 3's JSON tool calls: the reply is one or more `{"name", "parameters"}` objects."""
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip()
+        if body.startswith(self.PYTHON_TAG):
+            body = body[len(self.PYTHON_TAG):].strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _json_objects(body):
+            call = _call_from_json(part, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+
+    def stream(self) -> ToolCallStream:
+        return _Llama3Stream(self, self.PYTHON_TAG)
+
+
+class _Llama3Stream(ToolCallStream):
+    """A reply is a call when it opens with "{" or the python tag: held to the end then."""
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        self.text += text
+        body = self.text.lstrip()
+        if self.in_calls or body.startswith("{") or body.startswith(Llama3Parser.PYTHON_TAG):
+            self.in_calls = True
+            return []
+        if not body or Llama3Parser.PYTHON_TAG.startswith(body):
+            return []
+        return self._content(self.text)
+
+
+class NamedCallParser:
+    """tool_choice naming a function: the reply, constrained to the function's parameters
+    schema, is that call's arguments; they stream as they are generated."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        return None, [ParsedCall(self.name, text)]
+
+    def stream(self) -> ToolCallStream:
+        return _NamedStream(self, "")
+
+
+class _NamedStream(ToolCallStream):
+    def feed(self, text: str) -> list[StreamEvent]:
+        events = [] if self.calls_sent else [StreamEvent(call=ParsedCall(self.parser.name, ""))]  # type: ignore[attr-defined]
+        self.calls_sent = 1
+        return events + ([StreamEvent(arguments=text)] if text else [])
+
+    def finish(self) -> list[StreamEvent]:
+        return self.feed("") if not self.calls_sent else []
+
+
+class RequiredCallsParser:
+    """tool_choice "required": the reply, constrained to a JSON array of
+    `{"name": ..., "arguments": {...}}` objects (tools.required_calls_schema), is the calls."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut short by max_tokens: the text as it is
+        calls = [ParsedCall(item["name"], json.dumps(item.get("arguments", {})))
+                 for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)]
+        return (None, calls) if calls else (text, [])
+
+    def stream(self) -> ToolCallStream:
+        return _HeldStream(self, "")
+
+
+class _HeldStream(ToolCallStream):
+    """Everything is held to the end of the reply."""
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        self.text += text
+        return []
+
+
+def _json_objects(text: str) -> list[str]:
+    """Top-level JSON values of `text` separated by ";" or whitespace."""
+    decoder = json.JSONDecoder()
+    parts, at = [], 0
+    while at < len(text):
+        while at < len(text) and text[at] in " \t\r\n;":
+            at += 1
+        if at >= len(text):
+            break
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return [text]  # not a sequence of values: the caller's parse fails on it
+        parts.append(text[at:end])
+        at = end
+    return parts
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def make_parser(name: str) -> ToolCallParser:
+    """The parser called `name` (one of PARSERS)."""
+    if name == "hermes":
+        return HermesParser()
+    if name == "llama3":
+        return Llama3Parser()
+    raise ValueError(f"tool-call parser: one of {', '.join(PARSERS)}, got {name!r}")
+
+
+def parser_for_template(template: str | None) -> str:
+    """The parser for a chat template's tool-call format: Llama 3's JSON when the template
+    speaks ipython, Hermes blocks otherwise (those are also what radixserve injects)."""
+    if template and ("<|python_tag|>" in template or "Environment: ipython" in template):
+        return "llama3"
+    return "hermes"

@@ -1,0 +1,200 @@
+"""A chat request's tools: checked, put into the prompt, and turned into a constraint and a
+parser of the reply (ToolPlan).
+
+Into the prompt. Tools reach the model through its chat template, which receives them as the
+`tools` variable (transformers' convention), and assistant tool calls and tool results as
+message fields. A template that ignores `tools` (SmolLM2's ChatML, the demo model's) gets
+them as vLLM and SGLang give them to such models: a Hermes-style block (`TOOL_BLOCK`) at the
+end of the system message, or as the system message when there is none; assistant tool calls
+become `<tool_call>` blocks in the message text and tool results `<tool_response>` blocks.
+Both renderings are functions of the request alone (no date, no ids of the server's own), so
+an agent that sends the same tools every step gets the same prompt prefix every step, and the
+prefix cache serves it.
+
+Out of the reply. tool_choice "auto" parses the reply with the model's format
+(tool_parsers.py); "none" leaves it as content (the tools stay in the prompt, so the prefix
+still matches the agent's other steps); "required" constrains the reply to a JSON array of
+calls and a named choice to the function's arguments (radixserve/grammar), so the call is
+well-formed whatever the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from radixserve.grammar import GrammarError, GrammarSpec
+from radixserve.server.errors import APIError
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from radixserve.server.tool_parsers import (
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolCallParser,
+    make_parser,
+)
+
+TOOL_BLOCK = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_PROBE_TOOL = [{"type": "function", "function": {"name": "\ue004", "description": "",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools mean: `tools` for the template (None: no tools), the parser
+    of its reply (None: plain content), and the constraint tool_choice puts on the reply."""
+
+    tools: list[dict[str, Any]] | None = None
+    parser: ToolCallParser | None = None
+    grammar: tuple[GrammarSpec, str] | None = None
+
+
+def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
+    """Checks `tools`, `tool_choice` and the history's tool messages; 400s name the field."""
+    check_tool_messages(request.messages)
+    choice = request.tool_choice
+    if not request.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "tool_choice: needs tools", param="tool_choice", code="invalid_value")
+        return ToolPlan()
+    names = [tool.function.name for tool in request.tools]
+    if len(set(names)) < len(names):
+        raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")
+    schemas = [_parameters(tool, i) for i, tool in enumerate(request.tools)]
+    plan = ToolPlan(tools=[_template_tool(tool) for tool in request.tools])
+    if choice is None or choice == "auto":
+        plan.parser = make_parser(parser_name)
+    elif choice == "required":
+        plan.parser = RequiredCallsParser()
+        schema = required_calls_schema(names, schemas, request.parallel_tool_calls)
+        plan.grammar = (GrammarSpec.json_schema(schema, "tools"), "tools")
+    elif isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(400, f"tool_choice: no tool is named {choice.function.name[:64]!r}",
+                           param="tool_choice.function.name", code="invalid_value")
+        position = names.index(choice.function.name)
+        plan.parser = NamedCallParser(choice.function.name)
+        param = f"tools[{position}].function.parameters"
+        plan.grammar = (GrammarSpec.json_schema(schemas[position], param), param)
+    return plan
+
+
+def required_calls_schema(names: list[str], schemas: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more (one only, unless `parallel`) calls of the given tools."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+              "required": ["name", "arguments"]} for name, schema in zip(names, schemas)]
+    array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                             "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return array
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """Every tool message answers a call an earlier assistant message made."""
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise APIError(400, f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                               param=f"messages[{i}].tool_calls", code="invalid_value")
+            called.update(call.id for call in message.tool_calls)
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise APIError(400, f"messages[{i}].tool_call_id is required for role 'tool'",
+                               param=f"messages[{i}].tool_call_id", code="missing_field")
+            if message.tool_call_id not in called:
+                raise APIError(400, f"messages[{i}].tool_call_id: no earlier assistant message made a tool "
+                                    f"call with id {message.tool_call_id[:64]!r}",
+                               param=f"messages[{i}].tool_call_id", code="invalid_value")
+
+
+def _parameters(tool: Tool, position: int) -> dict[str, Any]:
+    """The tool's parameters schema, checked (the grammar engine compiles it only when a
+    tool_choice constrains the reply to it)."""
+    schema = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
+    param = f"tools[{position}].function.parameters"
+    try:
+        GrammarSpec.json_schema(schema, param)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    return schema
+
+
+def _template_tool(tool: Tool) -> dict[str, Any]:
+    """A tool as templates read it (OpenAI's shape, unset fields left out)."""
+    function: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description is not None:
+        function["description"] = tool.function.description
+    function["parameters"] = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
+    return {"type": "function", "function": function}
+
+
+# ---------------------------------------------------------------- the prompt
+
+
+@functools.lru_cache(maxsize=8)
+def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template writes the `tools` it is given (rendering with and without
+    a probe tool differ)."""
+    user = [{"role": "user", "content": "\ue000"}]
+    try:
+        with_tools = tokenizer.apply_chat_template(user, tools=_PROBE_TOOL, tokenize=False)
+        without = tokenizer.apply_chat_template(user, tokenize=False)
+    except Exception:  # a template that fails on tools cannot render them either
+        return False
+    return with_tools != without
+
+
+def tool_block(tools: list[dict[str, Any]]) -> str:
+    """The Hermes-style system text that gives `tools` to a template that ignores them."""
+    return TOOL_BLOCK.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
+
+
+def conversation_message(message: ChatMessage, text: str, role: str, native: bool) -> dict[str, Any]:
+    """One message for the template: tool calls and tool results as the template's own
+    fields (`native`), or written into the text as Hermes blocks."""
+    if native:
+        entry: dict[str, Any] = {"role": role, "content": text}
+        if message.tool_calls:
+            entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                    "function": {"name": call.function.name,
+                                                 "arguments": _arguments(call.function.arguments)}}
+                                   for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        return entry
+    if message.tool_calls:
+        blocks = [f"<tool_call>\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)}, ensure_ascii=False)}\n</tool_call>"
+                  for c in message.tool_calls]
+        text = "\n".join(([text] if text else []) + blocks)
+    elif role == "tool":
+        text = f"<tool_response>\n{text}\n</tool_response>"
+    return {"role": role, "content": text}
+
+
+def with_tool_block(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with the tool block closing its system message (or as one)."""
+    block = tool_block(tools)
+    if conversation and conversation[0]["role"] == "system":
+        first = dict(conversation[0], content=f"{conversation[0]['content']}\n\n{block}")
+        return [first, *conversation[1:]]
+    return [{"role": "system", "content": block}, *conversation]
+
+
+def _arguments(arguments: str) -> Any:
+    """Arguments as templates expect them (an object); text that is not JSON stays text."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments

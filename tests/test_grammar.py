@@ -1,0 +1,180 @@
+"""radixserve/grammar: specs are checked, compiled once, matched per sequence, and the token
+mask reaches the logits exactly (the C function and the fallback kernel agree with a plain
+reference)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from radixserve.grammar import GrammarError, Grammars, GrammarSpec, TokenMask
+from radixserve.grammar import matcher as matcher_module
+from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.native import sampling as native_sampling
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(demo_checkpoint_dir()))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer: PreTrainedTokenizerBase) -> Grammars:
+    return Grammars(tokenizer, 2048, [tokenizer.eos_token_id])
+
+
+def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The masked logits, bit by bit in plain torch."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                out[row, token] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize(("schema", "fragment"), [
+    ({"type": "nonsense"}, "invalid JSON Schema"),
+    ({"type": "object", "properties": {"a": {"minimum": "x"}}}, "['properties']['a']['minimum']"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "properties.a.not"),
+    ({"if": {"type": "string"}}, "at if"),
+    (False, "accepts no value"),
+    ([1, 2], "must be an object"),
+])
+def test_bad_schemas_are_refused_naming_the_field(schema: object, fragment: str) -> None:
+    with pytest.raises(GrammarError) as caught:
+        GrammarSpec.json_schema(schema, "response_format.json_schema.schema")
+    assert caught.value.param == "response_format.json_schema.schema"
+    assert fragment in str(caught.value)
+
+
+def test_keyword_names_as_property_names_are_not_keywords() -> None:
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"not": {"type": "string"}, "if": {}}},
+                                   "x")
+    assert spec.kind == "json_schema"
+
+
+def test_compiled_grammars_are_cached_by_spec(grammars: Grammars) -> None:
+    first = grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "x"))
+    again = grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "x"))
+    other = grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"b": {"type": "integer"}}}, "x"))
+    assert first is again and other is not first
+
+
+def test_a_grammar_that_does_not_compile_names_the_field(grammars: Grammars) -> None:
+    with pytest.raises(GrammarError) as caught:
+        grammars.compile(GrammarSpec.ebnf("root ::= undefined_rule", "guided_grammar"), "guided_grammar")
+    assert caught.value.param == "guided_grammar"
+    with pytest.raises(GrammarError):
+        grammars.compile(GrammarSpec.json_schema({"$ref": "#/$defs/missing"}, "x"), "x")
+
+
+def allowed_tokens(grammars: Grammars, matcher: object) -> set[int]:
+    mask = TokenMask.for_rows([(0, matcher)], grammars.vocab_size)  # type: ignore[list-item]
+    logits = torch.zeros(1, grammars.vocab_size)
+    mask.apply(logits)
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def test_matcher_follows_a_document_and_then_allows_only_the_end(tokenizer: PreTrainedTokenizerBase,
+                                                                 grammars: Grammars) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    matcher = grammars.matcher(GrammarSpec.json_schema(schema, "x"))
+    ids = tokenizer.encode('{"n": 7}', add_special_tokens=False)
+    for token in ids:
+        assert token in allowed_tokens(grammars, matcher)
+        assert matcher.accept(token)
+    assert allowed_tokens(grammars, matcher) == {tokenizer.eos_token_id}
+    assert not matcher.accept(ids[0])  # refused, state unchanged
+    assert matcher.accept(tokenizer.eos_token_id) and matcher.terminated
+
+
+def test_fork_and_rollback_keep_states_apart(tokenizer: PreTrainedTokenizerBase, grammars: Grammars) -> None:
+    matcher = grammars.matcher(GrammarSpec.choice(["yes", "no"], "guided_choice"))
+    start = allowed_tokens(grammars, matcher)
+    fork = matcher.fork()
+    (first, *_) = tokenizer.encode("yes", add_special_tokens=False)
+    assert fork.accept(first)
+    assert allowed_tokens(grammars, matcher) == start  # the original did not move
+    fork.rollback(1)
+    assert allowed_tokens(grammars, fork) == start
+
+
+def test_length_bounded_strings_exclude_control_characters(tokenizer: PreTrainedTokenizerBase,
+                                                           grammars: Grammars) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    matcher = grammars.matcher(GrammarSpec.json_schema(schema, "x"))
+    for token in tokenizer.encode('{"s": "', add_special_tokens=False):
+        assert matcher.accept(token)
+    allowed = allowed_tokens(grammars, matcher)
+    texts = {t: tokenizer.decode([t]) for t in allowed}
+    assert not [t for t, text in texts.items() if any(ord(c) < 0x20 for c in text)]
+    assert any(text == "a" for text in texts.values())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
+@pytest.mark.parametrize("vocab", [2048, 1000, 33])
+def test_token_mask_sets_exactly_the_forbidden_logits(native: bool, vocab: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if native and native_sampling.mask_library() is None:
+        pytest.skip("the C sampler is not built here")
+    if not native:
+        monkeypatch.setattr(matcher_module.native_sampling, "usable", lambda logits: False)
+    generator = torch.Generator().manual_seed(vocab)
+    rows = [5, 0, 3]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32,
+                            generator=generator)
+    bitmask[0, 0] = -1  # a word with every token allowed
+    bitmask[1, -1] = 0  # and one with none
+    logits = torch.randn(6, vocab, generator=generator)
+    expected = reference_mask(logits, bitmask, rows)
+    TokenMask(bitmask, rows).apply(logits)
+    assert torch.equal(logits, expected)
+    assert TokenMask(bitmask, rows).select(3).rows == [0] and TokenMask(bitmask, rows).select(1) is None
+
+
+def test_token_mask_arguments_are_checked_before_c() -> None:
+    if native_sampling.mask_library() is None:
+        pytest.skip("the C sampler is not built here")
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="masked rows"):
+        native_sampling.apply_token_mask(logits, [2], torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        native_sampling.apply_token_mask(logits, [0], torch.zeros(1, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        native_sampling.apply_token_mask(logits, [0], torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_choice_and_regex_specs(grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    matcher = grammars.matcher(GrammarSpec.regex("[0-9]{3}", "guided_regex"))
+    for token in tokenizer.encode("123", add_special_tokens=False):
+        assert matcher.accept(token)
+    assert allowed_tokens(grammars, matcher) == {tokenizer.eos_token_id}
+    with pytest.raises(GrammarError):
+        GrammarSpec.choice([], "guided_choice")
+    assert json.loads(GrammarSpec.choice(["a", "b"], "x").source) == ["a", "b"]
+
+
+def test_the_c_sampler_masks_rows_as_it_samples_them() -> None:
+    if native_sampling.library() is None:
+        pytest.skip("the C sampler is not built here")
+    generator = torch.Generator().manual_seed(5)
+    vocab, rows = 1000, [3, 0]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    premasked = reference_mask(logits, bitmask, rows)
+    ones = np.ones(4)
+    params = (ones * [1.0, 0.8, 1.2, 0.0], np.zeros(4, np.int64), ones * 0.95, ones * 0.0, ones * 0.37)
+    expected, _ = native_sampling.run(premasked, *params)
+    tokens, _ = native_sampling.run(logits, *params, mask_rows=rows, mask=bitmask)
+    assert torch.equal(logits, premasked)  # masked in place, the other rows untouched
+    assert tokens.tolist() == expected.tolist()
+    for i, row in enumerate(rows):
+        assert (int(bitmask[i, tokens[row] // 32]) >> (tokens[row] % 32)) & 1

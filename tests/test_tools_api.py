@@ -1,0 +1,202 @@
+"""Tools and structured outputs through the official `openai` client against a real uvicorn
+server on the demo model: tool calls whole and streamed (the deltas assemble to the whole
+answer), tool_choice each way, a tool result sent back, response_format and vLLM's guided
+fields, and the 400s that name the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine
+from radixserve.server import create_app
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Adds two small numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                    "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                   "required": ["a", "b"]}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+USER = [{"role": "system", "content": "You are a helpful assistant with tools."},
+        {"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+# A grammar that makes the random model write a Hermes tool call, so that "auto" parsing is
+# exercised end to end (a real model writes these by itself).
+HERMES_GRAMMAR = ('root ::= "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": " [1-9] '
+                  '", \\"b\\": " [1-9] "}}\\n</tool_call>"')
+COMMON: dict[str, Any] = {"model": "demo", "max_tokens": 300}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    engine = Engine(model="demo", page_size=16, num_pages=1024)
+    app = create_app(AsyncEngine(engine))
+    with running_server(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    engine.check_invariants()
+
+
+def assembled(stream: Iterator[Any]) -> list[dict[str, Any]]:
+    """Each choice of a stream, put together from its deltas: content, tool calls, finish."""
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            entry = choices.setdefault(choice.index, {"content": None, "tool_calls": {}, "finish_reason": None})
+            delta = choice.delta
+            if delta.content:
+                entry["content"] = (entry["content"] or "") + delta.content
+            for call in delta.tool_calls or ():
+                slot = entry["tool_calls"].setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+                if call.id:
+                    assert slot["id"] is None and call.function.name, "id and name come first, once"
+                    slot["id"], slot["name"] = call.id, call.function.name
+                else:
+                    assert slot["id"] is not None, "arguments before the call's name"
+                slot["arguments"] += call.function.arguments or ""
+            entry["finish_reason"] = choice.finish_reason or entry["finish_reason"]
+    return [{"content": c["content"], "finish_reason": c["finish_reason"],
+             "tool_calls": [(t["name"], t["arguments"]) for _, t in sorted(c["tool_calls"].items())]}
+            for _, c in sorted(choices.items())]
+
+
+def whole(response: Any) -> list[dict[str, Any]]:
+    return [{"content": c.message.content or None, "finish_reason": c.finish_reason,
+             "tool_calls": [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()]}
+            for c in response.choices]
+
+
+def both(client: openai.OpenAI, **request: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The same seeded request, non-streaming and streaming."""
+    request = {**COMMON, "messages": USER, **request}
+    return whole(client.chat.completions.create(**request)), assembled(client.chat.completions.create(**request, stream=True))
+
+
+def assert_valid_calls(choices: list[dict[str, Any]]) -> None:
+    for choice in choices:
+        assert choice["finish_reason"] == "tool_calls" and choice["tool_calls"], choice
+        for name, arguments in choice["tool_calls"]:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_required_tool_calls_whole_and_streamed(client: openai.OpenAI) -> None:
+    plain, streamed = both(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=5, n=4)
+    assert plain == streamed
+    assert_valid_calls(plain)
+    assert all(c["content"] is None for c in plain)
+    one, _ = both(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=6)
+    assert len(one[0]["tool_calls"]) == 1
+
+
+def test_named_tool_choice_whole_and_streamed(client: openai.OpenAI) -> None:
+    plain, streamed = both(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                           temperature=0.8, seed=2, n=2)
+    assert plain == streamed
+    assert_valid_calls(plain)
+    assert {name for c in plain for name, _ in c["tool_calls"]} == {"get_weather"}
+
+
+def test_auto_parses_the_models_hermes_call(client: openai.OpenAI) -> None:
+    plain, streamed = both(client, tools=TOOLS, temperature=1.0, seed=3, extra_body={"guided_grammar": HERMES_GRAMMAR})
+    assert plain == streamed
+    assert_valid_calls(plain)
+    assert plain[0]["tool_calls"][0][0] == "add"
+
+
+def test_auto_without_a_call_and_none_are_content(client: openai.OpenAI) -> None:
+    for choice in ("auto", "none"):
+        plain, streamed = both(client, tools=TOOLS, tool_choice=choice, temperature=0.0, seed=0)
+        assert plain == streamed
+        assert plain[0]["tool_calls"] == [] and plain[0]["content"] and plain[0]["finish_reason"] in ("stop", "length")
+    # "none" on a reply in the model's call format: still only content.
+    text = client.chat.completions.create(**COMMON, messages=USER, tools=TOOLS, tool_choice="none", temperature=0.0,
+                                          extra_body={"guided_grammar": HERMES_GRAMMAR}).choices[0]
+    assert text.message.tool_calls is None and text.message.content.startswith("<tool_call>")
+
+
+def test_a_tool_result_goes_back_and_the_prefix_is_cached(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(**COMMON, messages=USER, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0.0)
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    history = USER + [message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": "sunny, 21 C"})}]
+    second = client.chat.completions.create(**{**COMMON, "max_tokens": 8}, messages=history, tools=TOOLS,
+                                            temperature=0.0)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    # The system prompt and tool block, then the user turn, are the prompt the first step had.
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "height": {"type": "number", "minimum": 0.5, "maximum": 2.5},
+    "pets": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+        "kind": {"enum": ["cat", "dog", "fish"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+        "required": ["kind", "legs"]}}},
+    "required": ["name", "age", "height", "pets"]}
+
+
+def test_json_schema_response_format_validates(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    plain, streamed = both(client, response_format=fmt, temperature=1.0, seed=9, n=4)
+    assert plain == streamed
+    for choice in plain:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["content"]), PERSON)
+
+
+def test_json_object_and_vllm_extensions(client: openai.OpenAI) -> None:
+    obj = client.chat.completions.create(**COMMON, messages=USER, temperature=0.0,
+                                         response_format={"type": "json_object"}).choices[0]
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
+    regex = client.chat.completions.create(**COMMON, messages=USER, temperature=1.0, seed=1, n=3,
+                                           extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    assert all(len(c.message.content) == 6 and c.message.content[3] == "-" for c in regex.choices)
+    picked = client.completions.create(model="demo", prompt="Pick one:", max_tokens=20, temperature=1.0, seed=4, n=4,
+                                       extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert {c.text for c in picked.choices} <= {"alpha", "beta"}
+
+
+def test_a_schema_that_cannot_fit_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    choice = client.chat.completions.create(**{**COMMON, "max_tokens": 5}, messages=USER, response_format=fmt,
+                                            temperature=1.0, seed=1).choices[0]
+    assert choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("request_fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER + [{"role": "tool", "tool_call_id": "call_x", "content": "42"}]}, "messages[2].tool_call_id"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"extra_body": {"guided_grammar": "root ::= missing_rule"}}, "guided_grammar"),
+    ({"extra_body": {"guided_regex": "[0-9]+", "guided_choice": ["a"]}}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
+])
+def test_errors_are_400s_naming_the_field(client: openai.OpenAI, request_fields: dict[str, Any], param: str) -> None:
+    request = {**COMMON, "messages": USER, **request_fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**request)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param, error
+    assert error["type"] == "invalid_request_error" and error["message"]
