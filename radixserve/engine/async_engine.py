@@ -259,7 +259,12 @@ class AsyncEngine:
         logger.warning("request %s is aborted: its client read nothing for %g s", request_id,
                        self.stream_read_timeout_s)
         self._read_timeouts += 1
-        self.abort(request_id)
+
+        def abort_and_tell() -> None:  # its reader may come back: the end must reach it now,
+            self.engine.abort(request_id)  # not with a next step that may never come
+            self._deliver(self.engine.take_deltas())
+
+        self._command(abort_and_tell)
 
     def run_sliced(self, make_work: Callable[[], SlicedGenerator]) -> asyncio.Future[Any]:
         """Runs the generator `make_work()` makes on the engine thread, a piece between steps
