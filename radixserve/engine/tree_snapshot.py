@@ -7,24 +7,25 @@ prefixes) with their ancestors. Every node left out is folded into one "aggregat
 shown parent that carries the pages and node counts of what it stands for, so page totals stay
 exact at every level and an icicle drawn from the view has the true proportions.
 
-It reads the tree through its inspection API (`RadixTree.nodes()` and the read-only node
-fields) and must run on the thread that owns the engine (`AsyncEngine.call`), so it never sees
-a step half done. One pass over every node plus a little work per shown node: see
-docs/server.md for its cost on a 100k-node tree.
+It is built from a `TreeCopy` (tree_copy.py), which the engine thread takes in small
+slices between steps; the view itself is built from the copy anywhere (the server does it in
+a worker thread), so neither a large tree nor many distinct views hold up the engine. One
+pass over every copied node plus a little work per shown node: see docs/benchmark.md for
+the costs on large trees.
 """
 
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import msgspec
 
 from radixserve.cache.page_hash import namespace_seed, page_hashes
-from radixserve.cache.radix import RadixNode, RadixTree
+from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import DEFAULT_PRIORITY
+from radixserve.engine.tree_copy import NodeCopy, TreeCopy, copy_tree, run_to_end
 
 DEFAULT_MAX_NODES = 2000
 DEFAULT_MAX_DEPTH = 64
@@ -33,11 +34,11 @@ DEVICE_TIER = "device"
 HOST_TIER = "host"
 
 
-def _tier(node: RadixNode) -> str:
+def _tier(node: NodeCopy) -> str:
     """Where a node's pages live: "device", "host", or "device+host" (a copy on each)."""
-    if not node.pages:
+    if not node.device_pages:
         return HOST_TIER
-    return DEVICE_TIER if node.host is None else f"{DEVICE_TIER}+{HOST_TIER}"
+    return DEVICE_TIER if not node.on_host else f"{DEVICE_TIER}+{HOST_TIER}"
 
 
 class TreeNodeView(msgspec.Struct, omit_defaults=True):
@@ -96,7 +97,7 @@ class TreeSnapshot(msgspec.Struct):
     recency_tick: int         # the largest tick in the tree: "now" for `tick`
     root: TreeNodeView
     top_prefixes: list[TopPrefix]
-    took_ms: float            # time spent on the engine thread building it
+    took_ms: float            # time spent on the engine thread copying the tree for it
 
 
 class SnapshotOptions(msgspec.Struct, frozen=True):
@@ -113,40 +114,44 @@ def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
                   namespace_id: Callable[[Hashable], str],
                   decode: Callable[[list[int]], str] | None = None,
                   now: float | None = None) -> TreeSnapshot:
-    """The bounded view of `tree` described in the module docstring.
+    """The bounded view of `tree` described in the module docstring, copied all at once
+    (on the thread that owns the tree); see `view_of_copy`. `now` is the tree's clock
+    (time.monotonic by default)."""
+    return view_of_copy(run_to_end(copy_tree(tree, now)), options, namespace_id=namespace_id, decode=decode)
+
+
+def view_of_copy(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callable[[Hashable], str],
+                 decode: Callable[[list[int]], str] | None = None) -> TreeSnapshot:
+    """The bounded view of a tree copy; on any thread (the copy is the caller's alone).
 
     `namespace_id` turns a namespace into its opaque id (the one its page hashes are seeded
     with, page_hash.py). `decode` turns token ids into text; it is used only with
-    `options.include_tokens`. `now` is the tree's clock (time.monotonic by default).
+    `options.include_tokens`. Ages are counted to the time the copy began.
     """
-    started = time.perf_counter()
-    now = time.monotonic() if now is None else now
-    facts = _Facts(tree)
+    facts = _Facts(copy)
     _choose_shown(facts, options)
-    builder = _Builder(tree.page_size, options, facts, namespace_id, decode, now)
+    builder = _Builder(copy.page_size, options, facts, namespace_id, decode, copy.copied_at)
     top = builder.build()
-    snapshot = TreeSnapshot(
-        object="cache.tree", page_size=tree.page_size, tiers=[DEVICE_TIER] if tree.host is None else [DEVICE_TIER, HOST_TIER],
+    return TreeSnapshot(
+        object="cache.tree", page_size=copy.page_size,
+        tiers=[DEVICE_TIER, HOST_TIER] if copy.has_host_tier else [DEVICE_TIER],
         nodes_total=len(facts.nodes) - len(facts.roots), pages_total=sum(facts.pages),
-        locked_pages=tree.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
+        locked_pages=copy.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
         max_nodes=options.max_nodes, max_depth=options.max_depth,
         recency_tick=max((node.tick for node in facts.nodes), default=0), root=top,
-        top_prefixes=builder.top_prefixes(_hottest(facts, options.top_k)), took_ms=0.0)
-    snapshot.took_ms = round((time.perf_counter() - started) * 1e3, 3)
-    return snapshot
+        top_prefixes=builder.top_prefixes(_hottest(facts, options.top_k)), took_ms=round(copy.engine_ms, 3))
 
 
 class _Facts:
     """Per-node facts from one pass, in lists indexed by the node's pre-order position (lists
     of ints, not an object per node: this pass touches every node of a 100k-node tree)."""
 
-    def __init__(self, tree: RadixTree) -> None:
-        self.nodes: list[RadixNode] = [node for node, _ in tree.nodes()]  # parents first
-        self.index: dict[RadixNode | None, int] = {node: i for i, node in enumerate(self.nodes)}
-        self.index[None] = -1
+    def __init__(self, copy: TreeCopy) -> None:
+        self.nodes: list[NodeCopy] = copy.nodes  # parents first
         n = len(self.nodes)
-        self.parent = [self.index[node.parent] for node in self.nodes]
-        self.pages = [len(node.tokens) // tree.page_size for node in self.nodes]  # on either tier
+        self.parent = [node.parent for node in self.nodes]
+        self.kids = copy.children()
+        self.pages = [len(node.tokens) // copy.page_size for node in self.nodes]  # on either tier
         self.depth = [0] * n
         self.prefix_pages = [0] * n
         for i, p in enumerate(self.parent):
@@ -165,10 +170,7 @@ class _Facts:
 
     def children(self, i: int) -> list[int]:
         """Indices of the children of node `i`, largest subtree first."""
-        index = self.index
-        kids = [index[c] for c in self.nodes[i].children.values()]
-        kids.sort(key=self.subtree_pages.__getitem__, reverse=True)
-        return kids
+        return sorted(self.kids[i], key=self.subtree_pages.__getitem__, reverse=True)
 
 
 def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
@@ -270,16 +272,14 @@ class _Builder:
         f = self.facts
         node = f.nodes[i]
         size = self.page_size
-        priorities = (node.retention.effective(self.now)
-                      if node.retention is not None and len(node.tokens) else None)
         last_hash, state = self._last_hash(node, parent_state)
         token_ids = node.tokens.tolist() if self.options.include_tokens else None
         view = TreeNodeView(
             id=self._id(), kind="node", pages=f.pages[i], tokens=f.pages[i] * size,
             prefix_tokens=f.prefix_pages[i] * size, subtree_pages=f.subtree_pages[i],
             subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits, tier=_tier(node),
-            priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
-            priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
+            priority=DEFAULT_PRIORITY if node.priority is None else node.priority,
+            priority_max=DEFAULT_PRIORITY if node.priority_max is None else node.priority_max,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
             namespace=self._namespace(node.namespace), hash=last_hash,
             token_ids=token_ids,
@@ -288,10 +288,10 @@ class _Builder:
         self.nodes_shown += 1
         return view, state
 
-    def _last_hash(self, node: RadixNode, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
+    def _last_hash(self, node: NodeCopy, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
         """The page hash of the edge's last page (what cache events call it) and the chain
         state for the children; computed here, not read from the tree's own cache of it."""
-        if not self.options.include_hashes or not node.pages:
+        if not self.options.include_hashes or not node.device_pages:
             return None, parent_state
         state, depth = parent_state
         ns_id = self._namespace(node.namespace)
@@ -299,7 +299,7 @@ class _Builder:
         if seed is None:
             seed = self._seeds[ns_id] = namespace_seed(ns_id)
         hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
-        return str(int(hashes[-1])), (end, depth + len(node.pages))
+        return str(int(hashes[-1])), (end, depth + node.device_pages)
 
     def _aggregate(self, hidden: list[int], parent: int) -> TreeNodeView:
         f = self.facts
@@ -320,16 +320,16 @@ class _Builder:
                 continue
             out.append(TopPrefix(id=view.id, hits=view.hits, prefix_tokens=view.prefix_tokens,
                                  pages=view.pages, namespace=view.namespace or "", hash=view.hash,
-                                 text=self._prefix_text(self.facts.nodes[i])))
+                                 text=self._prefix_text(i)))
         return out
 
-    def _prefix_text(self, node: RadixNode | None) -> str | None:
+    def _prefix_text(self, i: int) -> str | None:
         if self.decode is None:
             return None
         parts = []
-        while node is not None and not node.is_root:
-            parts.append(node.tokens.tolist())
-            node = node.parent
+        while i >= 0 and not self.facts.nodes[i].is_root:
+            parts.append(self.facts.nodes[i].tokens.tolist())
+            i = self.facts.parent[i]
         return self.decode([t for part in reversed(parts) for t in part])
 
     def _namespace(self, namespace: Hashable) -> str:
