@@ -15,9 +15,9 @@ event with a larger seq" is exactly the cache's history. The snapshot comes from
 they come: a reader joining a hub that already listens costs the engine thread nothing, and
 readers that join at the same `seq` share one encoded message. The mirror is built from a
 copy of the tree only when there is none (the first reader, or a burst of events larger than
-the ring): the engine thread copies the tree in slices between its steps (tree_copy.py,
-`AsyncEngine.run_sliced`), having subscribed and noted the ring's end in the first slice; a
-worker thread hashes the copy; the events of the copying time, applied on top, make it exact
+the ring): the engine thread copies the tree and hashes the copy in slices between its steps
+(tree_copy.py, `AsyncEngine.run_sliced`), having subscribed and noted the ring's end in the
+first slice; the events of the copying time, applied on top, make it exact
 (a set of pages ends as its last event left it, and a page with no event was the same
 throughout). Concurrent first readers share one build, which stops when they all leave.
 
@@ -40,9 +40,10 @@ import msgspec
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
 from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.async_engine import AsyncEngine
-from radixserve.engine.tree_copy import TreeCopy, copy_tree, device_page_hashes
+from radixserve.engine.tree_copy import copy_tree, device_page_hashes
 
 DEFAULT_CAPACITY = 4096
+SERVER_LINGER_S = 5.0  # the server's hub keeps listening this long after its last reader left
 DEVICE_TIER = "device"
 
 
@@ -75,15 +76,18 @@ class StreamReset(msgspec.Struct, tag="reset", tag_field="type"):
 class CacheEventHub:
     """Fans an engine's cache events out to any number of asyncio readers; see the module
     docstring. `include_token_ids` asks the engine for the pages' token ids (the operator's
-    --expose-cache-tokens)."""
+    --expose-cache-tokens). With `linger_s`, the hub keeps listening (and its mirror current)
+    that long after its last reader left, so readers that come and go do not each cost a copy
+    of the tree; 0 unsubscribes at once."""
 
     def __init__(self, engine: AsyncEngine, *, capacity: int = DEFAULT_CAPACITY,
-                 include_token_ids: bool = False) -> None:
+                 include_token_ids: bool = False, linger_s: float = 0.0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.engine = engine
         self.capacity = capacity
         self.include_token_ids = include_token_ids
+        self.linger_s = linger_s
         self._ring: deque[tuple[int, bytes, Any]] = deque(maxlen=capacity)  # (seq, encoded, event)
         self._end = 0          # ring position of the next event (events ever appended)
         self._last_seq = 0     # seq of the newest event appended
@@ -98,6 +102,7 @@ class CacheEventHub:
         self._building: asyncio.Task[PageMirror] | None = None
         self._waiting = 0      # openers waiting for `_building`
         self.builds = 0        # mirrors built from a copy of the tree (for stats and tests)
+        self._linger_timer: asyncio.TimerHandle | None = None
         self.closed = False
 
     # ------------------------------------------------------------------ engine thread
@@ -111,9 +116,10 @@ class CacheEventHub:
             self._wake_pending = True
             self._loop.call_soon_threadsafe(self._wake)
 
-    def _copy_work(self) -> Generator[None, None, tuple[tuple[int, int, int], TreeCopy]]:
+    def _copy_work(self) -> Generator[None, None, tuple[tuple[int, int, int], dict[str, set[int]]]]:
         """Sliced work: subscribes (if no one has), notes where the ring ends, then copies the
-        tree; every event from that point on is in the ring (or known lost)."""
+        tree and hashes its device pages; every event from that point on is in the ring (or
+        known lost)."""
         engine = self.engine.engine
         if self._unsubscribe is None:
             self._unsubscribe = engine.subscribe_events(self._on_event, include_token_ids=self.include_token_ids)
@@ -123,7 +129,8 @@ class CacheEventHub:
         with self._lock:
             start = (self._end, self._last_seq, self._generation)
         copy = yield from copy_tree(engine.tree)
-        return start, copy
+        pages = yield from device_page_hashes(copy, namespace_id)
+        return start, pages
 
     def _unsubscribe_if_idle(self) -> None:
         """On the engine thread: the last reader left, so stop listening (no hashes computed)."""
@@ -135,6 +142,18 @@ class CacheEventHub:
                 self._generation += 1
 
     # ------------------------------------------------------------------ event loop
+    def _linger(self) -> None:
+        """Unsubscribes `linger_s` after the last reader left unless one came meanwhile."""
+        if self._readers or self.closed or self._loop is None or self._linger_timer is not None:
+            return
+
+        def check() -> None:
+            self._linger_timer = None
+            if not self._readers and not self.closed and self._unsubscribe is not None:
+                self.engine._command(self._unsubscribe_if_idle)
+
+        self._linger_timer = self._loop.call_later(self.linger_s, check)
+
     def _wake(self) -> None:
         self._wake_pending = False
         if self._mirror is not None and not self._advance(self._mirror):
@@ -158,6 +177,8 @@ class CacheEventHub:
     def close(self) -> None:
         """Ends every reader's stream (the server is stopping)."""
         self.closed = True
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         if self._building is not None:
             self._building.cancel()
         for reader in self._readers.copy():
@@ -207,8 +228,7 @@ class CacheEventHub:
     async def _build(self) -> PageMirror:
         page_size = self.engine.engine.page_size
         while True:
-            (cursor, seq, generation), copy = await self.engine.run_sliced(self._copy_work)
-            pages = await anyio.to_thread.run_sync(device_page_hashes, copy, namespace_id)
+            (cursor, seq, generation), pages = await self.engine.run_sliced(self._copy_work)
             mirror = PageMirror(pages, seq=seq, cursor=cursor, generation=generation, page_size=page_size)
             self.builds += 1
             if self._advance(mirror):
@@ -308,7 +328,10 @@ class EventReader:
                 return []
 
     async def close(self) -> None:
-        """Leaves the hub; the last reader out unsubscribes it (on the engine thread)."""
+        """Leaves the hub; the last reader out unsubscribes it (on the engine thread), at
+        once or, with the hub's `linger_s`, if no reader has come by then."""
         self.hub._readers.discard(self)
-        if not self.hub.closed and not self.hub._readers:
+        if self.hub.linger_s:
+            self.hub._linger()
+        elif not self.hub.closed and not self.hub._readers:
             await self.hub.engine.call(self.hub._unsubscribe_if_idle)

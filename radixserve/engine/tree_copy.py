@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from radixserve.cache.page_hash import namespace_seed, page_hashes
 from radixserve.cache.radix import RadixNode, RadixTree
 
 NODES_PER_PIECE = 64  # nodes copied per piece: well under the engine's per-step view budget
+_R = TypeVar("_R")
 
 
 @dataclass(slots=True)
@@ -118,7 +120,7 @@ def _copy_node(node: RadixNode, parent: int, now: float) -> NodeCopy:
                     priority, priority_max, node.lock_ref, node.hits, node.tick, node.inserted_at)
 
 
-def run_to_end(work: Generator[None, None, TreeCopy]) -> TreeCopy:
+def run_to_end(work: Generator[None, None, _R]) -> _R:
     """Runs every piece of `work` at once (a caller that owns the tree's thread)."""
     while True:
         try:
@@ -127,9 +129,10 @@ def run_to_end(work: Generator[None, None, TreeCopy]) -> TreeCopy:
             return stop.value
 
 
-def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]) -> dict[str, set[int]]:
+def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]
+                       ) -> Generator[None, None, dict[str, set[int]]]:
     """The page hash (page_hash.py, as cache events name pages) of every device page of the
-    copy, per namespace id; off the engine thread."""
+    copy, per namespace id; sliced work like the copy (it yields every NODES_PER_PIECE nodes)."""
     out: dict[str, set[int]] = {}
     seeds: dict[Hashable, tuple[str, int]] = {}
     chain: list[tuple[int, int]] = [(0, 0)] * len(copy.nodes)  # (state, pages) at each edge's end
@@ -146,4 +149,6 @@ def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]) 
         chain[i] = (end, depth + len(node.tokens) // copy.page_size)
         if node.device_pages:
             out.setdefault(known[0], set()).update(hashes.tolist())
+        if i % NODES_PER_PIECE == 0:
+            yield
     return out

@@ -17,7 +17,7 @@ the costs on large trees.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 from typing import Any
 
 import msgspec
@@ -25,13 +25,14 @@ import msgspec
 from radixserve.cache.page_hash import namespace_seed, page_hashes
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import DEFAULT_PRIORITY
-from radixserve.engine.tree_copy import NodeCopy, TreeCopy, copy_tree, run_to_end
+from radixserve.engine.tree_copy import NODES_PER_PIECE, NodeCopy, TreeCopy, copy_tree, run_to_end
 
 DEFAULT_MAX_NODES = 2000
 DEFAULT_MAX_DEPTH = 64
 DEFAULT_TOP_K = 10
 DEVICE_TIER = "device"
 HOST_TIER = "host"
+ITEMS_PER_PIECE = 2048  # list entries a piece of a pass over every node handles
 
 
 def _tier(node: NodeCopy) -> str:
@@ -117,21 +118,27 @@ def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
     """The bounded view of `tree` described in the module docstring, copied all at once
     (on the thread that owns the tree); see `view_of_copy`. `now` is the tree's clock
     (time.monotonic by default)."""
-    return view_of_copy(run_to_end(copy_tree(tree, now)), options, namespace_id=namespace_id, decode=decode)
+    return run_to_end(build_view(run_to_end(copy_tree(tree, now)), options, namespace_id=namespace_id,
+                                 decode=decode))
 
 
-def view_of_copy(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callable[[Hashable], str],
-                 decode: Callable[[list[int]], str] | None = None) -> TreeSnapshot:
-    """The bounded view of a tree copy; on any thread (the copy is the caller's alone).
+def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callable[[Hashable], str],
+               decode: Callable[[list[int]], str] | None = None) -> Generator[None, None, TreeSnapshot]:
+    """The bounded view of a tree copy, as sliced work (sliced_work.py): it yields every few
+    hundred nodes, so the engine thread can build it between steps. (Built in another thread
+    instead, its Python work would hold the interpreter lock against the engine's.)
 
     `namespace_id` turns a namespace into its opaque id (the one its page hashes are seeded
     with, page_hash.py). `decode` turns token ids into text; it is used only with
     `options.include_tokens`. Ages are counted to the time the copy began.
     """
     facts = _Facts(copy)
-    _choose_shown(facts, options)
+    yield from facts.compute()
+    yield from _choose_shown(facts, options)
     builder = _Builder(copy.page_size, options, facts, namespace_id, decode, copy.copied_at)
-    top = builder.build()
+    top = yield from builder.build()
+    hottest = _hottest(facts, options.top_k)
+    yield
     return TreeSnapshot(
         object="cache.tree", page_size=copy.page_size,
         tiers=[DEVICE_TIER, HOST_TIER] if copy.has_host_tier else [DEVICE_TIER],
@@ -139,7 +146,7 @@ def view_of_copy(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Call
         locked_pages=copy.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
         max_nodes=options.max_nodes, max_depth=options.max_depth,
         recency_tick=max((node.tick for node in facts.nodes), default=0), root=top,
-        top_prefixes=builder.top_prefixes(_hottest(facts, options.top_k)), took_ms=round(copy.engine_ms, 3))
+        top_prefixes=builder.top_prefixes(hottest), took_ms=round(copy.engine_ms, 3))
 
 
 class _Facts:
@@ -147,17 +154,25 @@ class _Facts:
     of ints, not an object per node: this pass touches every node of a 100k-node tree)."""
 
     def __init__(self, copy: TreeCopy) -> None:
+        self.copy = copy
         self.nodes: list[NodeCopy] = copy.nodes  # parents first
+
+    def compute(self) -> Generator[None, None, None]:
+        """The passes over every node, a piece at a time."""
         n = len(self.nodes)
         self.parent = [node.parent for node in self.nodes]
-        self.kids = copy.children()
-        self.pages = [len(node.tokens) // copy.page_size for node in self.nodes]  # on either tier
+        self.kids = self.copy.children()
+        yield
+        self.pages = [len(node.tokens) // self.copy.page_size for node in self.nodes]  # on either tier
         self.depth = [0] * n
         self.prefix_pages = [0] * n
+        yield
         for i, p in enumerate(self.parent):
             if p >= 0:
                 self.depth[i] = self.depth[p] + 1
                 self.prefix_pages[i] = self.prefix_pages[p] + self.pages[i]
+            if i % ITEMS_PER_PIECE == 0:
+                yield
         self.subtree_pages = list(self.pages)
         self.subtree_nodes = [1] * n
         for i in range(n - 1, -1, -1):  # descendants come before their ancestors
@@ -165,6 +180,8 @@ class _Facts:
             if p >= 0:
                 self.subtree_pages[p] += self.subtree_pages[i]
                 self.subtree_nodes[p] += self.subtree_nodes[i]
+            if i % ITEMS_PER_PIECE == 0:
+                yield
         self.roots = [i for i, p in enumerate(self.parent) if p < 0]
         self.shown = [False] * n
 
@@ -173,7 +190,7 @@ class _Facts:
         return sorted(self.kids[i], key=self.subtree_pages.__getitem__, reverse=True)
 
 
-def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
+def _choose_shown(facts: _Facts, options: SnapshotOptions) -> Generator[None, None, None]:
     """Marks the nodes to show: largest subtrees first within the limits, then the hottest.
 
     A best-first search over (node, next sibling) cursors: each node's children are sorted
@@ -198,6 +215,8 @@ def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
         offer(siblings, position + 1)
         if facts.depth[i] < options.max_depth:
             offer(facts.children(i), 0)
+        if budget % NODES_PER_PIECE == 0:
+            yield
     # The hottest prefixes are drawn whatever their size: the dashboard lists and marks them.
     for i in _hottest(facts, options.top_k):
         if facts.depth[i] <= options.max_depth:
@@ -232,7 +251,7 @@ class _Builder:
         self._namespace_ids: dict[Hashable, str] = {}
         self._seeds: dict[str, int] = {}
 
-    def build(self) -> TreeNodeView:
+    def build(self) -> Generator[None, None, TreeNodeView]:
         f = self.facts
         roots = sorted(f.roots, key=f.subtree_pages.__getitem__, reverse=True)
         top = TreeNodeView(id=self._id(), kind="cache", pages=0, tokens=0, prefix_tokens=0,
@@ -245,10 +264,10 @@ class _Builder:
                                 lock_count=f.nodes[root].lock_ref, hits=0, tier=DEVICE_TIER,
                                 namespace=self._namespace(f.nodes[root].namespace))
             top.children.append(view)
-            self._fill(root, view)
+            yield from self._fill(root, view)
         return top
 
-    def _fill(self, root: int, root_view: TreeNodeView) -> None:
+    def _fill(self, root: int, root_view: TreeNodeView) -> Generator[None, None, None]:
         """Fills the views below a namespace root, depth first and iteratively (a tree can be
         deeper than Python's stack), so ids follow pre-order. The state handed down is the
         page-hash chain's (state, pages so far) at the end of the parent's edge."""
@@ -267,6 +286,8 @@ class _Builder:
                 self.truncated = True
                 view.children.append(self._aggregate(hidden, i))
             stack.extend(reversed(pending))
+            if len(pending) and self.nodes_shown % NODES_PER_PIECE < len(pending):
+                yield
 
     def _node(self, i: int, parent_state: tuple[int, int]) -> tuple[TreeNodeView, Any]:
         f = self.facts

@@ -9,10 +9,10 @@ All need the API key when one is set. No token id or text leaves the server unle
 started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids.
 
 Views stay off the engine's critical path: the tree is copied in slices between steps
-(tree_copy.py, at most the engine's view budget per step), one copy shared by every tree
-request that arrives while it is taken or while the cache has not changed since, and each
-view is built from it in a worker thread, one at a time; a request whose client left stops
-waiting, and a copy no one waits for stops. An event stream that has sent no event for
+(tree_copy.py, at most the engine's view budget per step, all views together), one copy
+shared by every tree request that arrives while it is taken or while the cache has not
+changed since, and each view is built from it in slices too; a request whose client left
+stops waiting, and a copy no one waits for stops. An event stream that has sent no event for
 `events_idle_timeout_s` (or cannot send one for that long: a client that does not read) is
 closed; its client reconnects for a fresh snapshot.
 """
@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from radixserve import AsyncEngine
 from radixserve.cache.page_hash import namespace_id
-from radixserve.engine.event_stream import DEFAULT_CAPACITY, CacheEventHub, EventReader
+from radixserve.engine.event_stream import DEFAULT_CAPACITY, SERVER_LINGER_S, CacheEventHub, EventReader
 from radixserve.engine.tree_copy import TreeCopy, copy_tree
 from radixserve.engine.tree_snapshot import (
     DEFAULT_MAX_DEPTH,
@@ -40,7 +40,7 @@ from radixserve.engine.tree_snapshot import (
     DEFAULT_TOP_K,
     SnapshotOptions,
     TreeSnapshot,
-    view_of_copy,
+    build_view,
 )
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
@@ -75,13 +75,13 @@ class CacheRoutes:
         self.metrics = metrics
         self.authorize = authorize
         self.expose_tokens = expose_tokens
-        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens)
+        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
+                                 linger_s=SERVER_LINGER_S)
         self._readers = 0
         self._inflight: dict[SnapshotOptions, asyncio.Future[TreeSnapshot]] = {}
         self._copy: tuple[tuple[Any, ...], float, TreeCopy] | None = None  # (version, when, copy)
         self._copying: asyncio.Future[TreeCopy] | None = None
         self._copy_waiters = 0
-        self._view_limiter: anyio.CapacityLimiter | None = None
         self.tree_copies = 0  # copies taken (for stats and tests)
         self.idle_closed = 0  # event streams closed for idleness
 
@@ -208,13 +208,8 @@ class CacheRoutes:
         copy = await self._tree_copy()
         engine = self.engine.engine
         decode = engine.tokenizer.decode if options.include_tokens and engine.tokenizer else None
-        if self._view_limiter is None:
-            self._view_limiter = anyio.CapacityLimiter(1)  # views share the CPU with serving
-
-        def build() -> TreeSnapshot:
-            return view_of_copy(copy, options, namespace_id=namespace_id, decode=decode)
-
-        return await anyio.to_thread.run_sync(build, limiter=self._view_limiter)
+        return await self.engine.run_sliced(lambda: build_view(copy, options, namespace_id=namespace_id,
+                                                               decode=decode))
 
     async def _tree_copy(self) -> TreeCopy:
         """A copy of the tree taken in slices between steps; one at a time, shared by every
