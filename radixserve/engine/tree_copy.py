@@ -64,14 +64,6 @@ class TreeCopy:
     locked_pages: int = 0
     engine_ms: float = 0.0
 
-    def children(self) -> list[list[int]]:
-        """The indices of each node's children."""
-        kids: list[list[int]] = [[] for _ in self.nodes]
-        for i, node in enumerate(self.nodes):
-            if node.parent >= 0:
-                kids[node.parent].append(i)
-        return kids
-
 
 def copy_tree(tree: RadixTree, now: float | None = None,
               nodes_per_piece: int = NODES_PER_PIECE) -> Generator[None, None, TreeCopy]:

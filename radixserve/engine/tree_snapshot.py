@@ -32,7 +32,7 @@ DEFAULT_MAX_DEPTH = 64
 DEFAULT_TOP_K = 10
 DEVICE_TIER = "device"
 HOST_TIER = "host"
-ITEMS_PER_PIECE = 2048  # list entries a piece of a pass over every node handles
+ITEMS_PER_PIECE = 512  # nodes a piece of a pass over every node handles
 
 
 def _tier(node: NodeCopy) -> str:
@@ -158,19 +158,25 @@ class _Facts:
         self.nodes: list[NodeCopy] = copy.nodes  # parents first
 
     def compute(self) -> Generator[None, None, None]:
-        """The passes over every node, a piece at a time."""
-        n = len(self.nodes)
-        self.parent = [node.parent for node in self.nodes]
-        self.kids = self.copy.children()
-        yield
-        self.pages = [len(node.tokens) // self.copy.page_size for node in self.nodes]  # on either tier
+        """The passes over every node, a piece of ITEMS_PER_PIECE nodes at a time."""
+        nodes, page_size = self.nodes, self.copy.page_size
+        n = len(nodes)
+        self.parent = [-1] * n
+        self.pages = [0] * n  # on either tier
         self.depth = [0] * n
         self.prefix_pages = [0] * n
+        self.kids: dict[int, list[int]] = {}  # only nodes with children: most have none
+        self.hit: list[int] = []  # nodes with a hit (top prefixes are chosen among them)
         yield
-        for i, p in enumerate(self.parent):
+        for i, node in enumerate(nodes):  # parents come before their children
+            p = self.parent[i] = node.parent
+            pages = self.pages[i] = len(node.tokens) // page_size
             if p >= 0:
+                self.kids.setdefault(p, []).append(i)
                 self.depth[i] = self.depth[p] + 1
-                self.prefix_pages[i] = self.prefix_pages[p] + self.pages[i]
+                self.prefix_pages[i] = self.prefix_pages[p] + pages
+                if node.hits > 0:
+                    self.hit.append(i)
             if i % ITEMS_PER_PIECE == 0:
                 yield
         self.subtree_pages = list(self.pages)
@@ -187,7 +193,7 @@ class _Facts:
 
     def children(self, i: int) -> list[int]:
         """Indices of the children of node `i`, largest subtree first."""
-        return sorted(self.kids[i], key=self.subtree_pages.__getitem__, reverse=True)
+        return sorted(self.kids.get(i, ()), key=self.subtree_pages.__getitem__, reverse=True)
 
 
 def _choose_shown(facts: _Facts, options: SnapshotOptions) -> Generator[None, None, None]:
@@ -227,9 +233,8 @@ def _choose_shown(facts: _Facts, options: SnapshotOptions) -> Generator[None, No
 
 def _hottest(facts: _Facts, k: int) -> list[int]:
     """The `k` most-hit nodes with at least one hit, deeper first among equals."""
-    hits = [node.hits for node in facts.nodes]
-    candidates = [i for i, h in enumerate(hits) if h > 0 and facts.parent[i] >= 0]
-    return heapq.nlargest(k, candidates, key=lambda i: (hits[i], facts.prefix_pages[i]))
+    nodes = facts.nodes
+    return heapq.nlargest(k, facts.hit, key=lambda i: (nodes[i].hits, facts.prefix_pages[i]))
 
 
 class _Builder:
@@ -282,12 +287,14 @@ class _Builder:
                     kid_view, kid_state = self._node(kid, state)
                     view.children.append(kid_view)
                     pending.append((kid, kid_view, kid_state))
+                    if self.nodes_shown % NODES_PER_PIECE == 0:
+                        yield
             if hidden:
                 self.truncated = True
                 view.children.append(self._aggregate(hidden, i))
+                if len(hidden) >= NODES_PER_PIECE:
+                    yield
             stack.extend(reversed(pending))
-            if len(pending) and self.nodes_shown % NODES_PER_PIECE < len(pending):
-                yield
 
     def _node(self, i: int, parent_state: tuple[int, int]) -> tuple[TreeNodeView, Any]:
         f = self.facts
