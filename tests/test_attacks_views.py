@@ -19,12 +19,17 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import running_server, wait_for
+from server_util import running_server
 
 from radixserve import AsyncEngine, Engine, SamplingParams
 from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.event_stream import PageMirror
-from radixserve.engine.tree_copy import NODES_PER_PIECE, copy_tree, device_page_hashes, run_to_end
+from radixserve.engine.tree_copy import (
+    NODES_PER_PIECE,
+    copy_tree,
+    device_page_hashes,
+    run_to_end,
+)
 from radixserve.server import create_app
 
 ATTACKERS = 8  # and as many benign clients in the comparison runs
@@ -55,15 +60,15 @@ def _innocent_run(url: str) -> tuple[str, float, float]:
     start = time.perf_counter()
     arrivals: list[float] = []
     text = []
-    with httpx.Client(base_url=url, timeout=300) as client:
-        with client.stream("POST", "/v1/completions", json=INNOCENT) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[len("data: "):])
-                    if chunk["choices"] and chunk["choices"][0]["text"]:
-                        arrivals.append(time.perf_counter())
-                        text.append(chunk["choices"][0]["text"])
+    with httpx.Client(base_url=url, timeout=300) as client, \
+            client.stream("POST", "/v1/completions", json=INNOCENT) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: "):])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    arrivals.append(time.perf_counter())
+                    text.append(chunk["choices"][0]["text"])
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return "".join(text), arrivals[0] - start, max(gaps)
 
@@ -199,11 +204,11 @@ def test_a_sliced_copy_corrected_by_its_events_is_exact(seed: int) -> None:
     the copy's page hashes with the events of that time applied equal the tree's pages."""
     engine = Engine(model="demo", page_size=1, num_pages=600)
     params = SamplingParams(max_tokens=2, temperature=0)
-    engine.generate(_branchy_prompts(120, 10, seed), params)
+    engine.generate(_branchy_prompts(60, 10, seed), params)
     events: list[Any] = []
     engine.subscribe_events(events.append)
     start_seq = engine.cache_events.seq
-    work = copy_tree(engine.tree, nodes_per_piece=3)
+    work = copy_tree(engine.tree, nodes_per_piece=4)
     rng = random.Random(seed)
     while True:
         try:

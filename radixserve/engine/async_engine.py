@@ -14,7 +14,12 @@ from radixserve.cache.radix import Retention
 from radixserve.engine.engine import Engine
 from radixserve.engine.output_buffer import OutputBuffer
 from radixserve.engine.params import SamplingParams, StreamDelta
-from radixserve.engine.sliced_work import DEFAULT_BUDGET_S, SlicedGenerator, SlicedTask, SlicedWork
+from radixserve.engine.sliced_work import (
+    DEFAULT_BUDGET_S,
+    SlicedGenerator,
+    SlicedTask,
+    SlicedWork,
+)
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")

@@ -40,6 +40,7 @@ import msgspec
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
 from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.shared_work import SharedWork
 from radixserve.engine.tree_copy import copy_tree, device_page_hashes
 
 DEFAULT_CAPACITY = 4096
@@ -99,8 +100,7 @@ class CacheEventHub:
         self._wake_pending = False
         self._encoder = msgspec.json.Encoder()
         self._mirror: PageMirror | None = None  # event loop only
-        self._building: asyncio.Task[PageMirror] | None = None
-        self._waiting = 0      # openers waiting for `_building`
+        self._building: SharedWork[PageMirror] | None = None
         self.builds = 0        # mirrors built from a copy of the tree (for stats and tests)
         self._linger_timer: asyncio.TimerHandle | None = None
         self.closed = False
@@ -180,7 +180,7 @@ class CacheEventHub:
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         if self._building is not None:
-            self._building.cancel()
+            self._building.future.cancel()
         for reader in self._readers.copy():
             reader.ready.set()
 
@@ -214,16 +214,10 @@ class CacheEventHub:
             return mirror
         self._mirror = None
         if self._building is None:
-            self._building = asyncio.ensure_future(self._build())
-            self._building.add_done_callback(self._built)
-        building = self._building
-        self._waiting += 1
-        try:
-            return await asyncio.shield(building)
-        finally:
-            self._waiting -= 1
-            if not self._waiting and not building.done():
-                building.cancel()  # no one waits: the copy stops before its next piece
+            build = asyncio.ensure_future(self._build())
+            build.add_done_callback(self._built)
+            self._building = SharedWork(build)
+        return await self._building.wait()
 
     async def _build(self) -> PageMirror:
         page_size = self.engine.engine.page_size
@@ -235,8 +229,8 @@ class CacheEventHub:
                 return mirror
             # More events than the ring holds came while copying: copy again.
 
-    def _built(self, task: asyncio.Task[PageMirror]) -> None:
-        if self._building is task:
+    def _built(self, task: asyncio.Future[PageMirror]) -> None:
+        if self._building is not None and self._building.future is task:
             self._building = None
         if not task.cancelled() and task.exception() is None:
             self._mirror = task.result()

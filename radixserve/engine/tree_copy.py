@@ -28,6 +28,7 @@ from radixserve.cache.page_hash import namespace_seed, page_hashes
 from radixserve.cache.radix import RadixNode, RadixTree
 
 NODES_PER_PIECE = 64  # nodes copied per piece: well under the engine's per-step view budget
+HASHED_NODES_PER_PIECE = 16  # nodes hashed per piece (a hash call costs more than a copy)
 _R = TypeVar("_R")
 
 
@@ -124,7 +125,7 @@ def run_to_end(work: Generator[None, None, _R]) -> _R:
 def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]
                        ) -> Generator[None, None, dict[str, set[int]]]:
     """The page hash (page_hash.py, as cache events name pages) of every device page of the
-    copy, per namespace id; sliced work like the copy (it yields every NODES_PER_PIECE nodes)."""
+    copy, per namespace id; sliced work like the copy (it yields every HASHED_NODES_PER_PIECE nodes)."""
     out: dict[str, set[int]] = {}
     seeds: dict[Hashable, tuple[str, int]] = {}
     chain: list[tuple[int, int]] = [(0, 0)] * len(copy.nodes)  # (state, pages) at each edge's end
@@ -141,6 +142,6 @@ def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]
         chain[i] = (end, depth + len(node.tokens) // copy.page_size)
         if node.device_pages:
             out.setdefault(known[0], set()).update(hashes.tolist())
-        if i % NODES_PER_PIECE == 0:
+        if i % HASHED_NODES_PER_PIECE == 0:
             yield
     return out

@@ -25,7 +25,13 @@ import msgspec
 from radixserve.cache.page_hash import namespace_seed, page_hashes
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import DEFAULT_PRIORITY
-from radixserve.engine.tree_copy import NODES_PER_PIECE, NodeCopy, TreeCopy, copy_tree, run_to_end
+from radixserve.engine.tree_copy import (
+    NODES_PER_PIECE,
+    NodeCopy,
+    TreeCopy,
+    copy_tree,
+    run_to_end,
+)
 
 DEFAULT_MAX_NODES = 2000
 DEFAULT_MAX_DEPTH = 64

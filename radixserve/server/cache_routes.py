@@ -32,7 +32,13 @@ from starlette.routing import Route
 
 from radixserve import AsyncEngine
 from radixserve.cache.page_hash import namespace_id
-from radixserve.engine.event_stream import DEFAULT_CAPACITY, SERVER_LINGER_S, CacheEventHub, EventReader
+from radixserve.engine.event_stream import (
+    DEFAULT_CAPACITY,
+    SERVER_LINGER_S,
+    CacheEventHub,
+    EventReader,
+)
+from radixserve.engine.shared_work import SharedWork
 from radixserve.engine.tree_copy import TreeCopy, copy_tree
 from radixserve.engine.tree_snapshot import (
     DEFAULT_MAX_DEPTH,
@@ -80,8 +86,7 @@ class CacheRoutes:
         self._readers = 0
         self._inflight: dict[SnapshotOptions, asyncio.Future[TreeSnapshot]] = {}
         self._copy: tuple[tuple[Any, ...], float, TreeCopy] | None = None  # (version, when, copy)
-        self._copying: asyncio.Future[TreeCopy] | None = None
-        self._copy_waiters = 0
+        self._copying: SharedWork[TreeCopy] | None = None
         self.tree_copies = 0  # copies taken (for stats and tests)
         self.idle_closed = 0  # event streams closed for idleness
 
@@ -222,24 +227,18 @@ class CacheRoutes:
             return self._copy[2]
         if self._copying is None:
             tree = self.engine.engine.tree
-            copying = self._copying = self.engine.run_sliced(lambda: copy_tree(tree))
+            copying = self.engine.run_sliced(lambda: copy_tree(tree))
+            self._copying = SharedWork(copying)
             self.tree_copies += 1
 
             def done(future: asyncio.Future[TreeCopy]) -> None:
-                if self._copying is future:
+                if self._copying is not None and self._copying.future is future:
                     self._copying = None
                 if not future.cancelled() and future.exception() is None:
                     self._copy = (version, loop.time(), future.result())
 
             copying.add_done_callback(done)
-        copying = self._copying
-        self._copy_waiters += 1
-        try:
-            return await asyncio.shield(copying)
-        finally:
-            self._copy_waiters -= 1
-            if not self._copy_waiters and not copying.done():
-                copying.cancel()  # no one waits for it any more: the engine drops it
+        return await self._copying.wait()
 
     def _tokens_param(self, request: Request) -> bool:
         wanted = _bool_param(request, "tokens")
