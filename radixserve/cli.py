@@ -18,6 +18,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_STALL_TIMEOUT_S = 120.0  # as AsyncEngine's (not imported: --help must not load torch)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+DEFAULT_HEAD_TIMEOUT_S = 10.0  # as server/connections.py's
+DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
+DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
@@ -176,6 +179,14 @@ def _add_process_args(serve: argparse.ArgumentParser) -> None:
     """The server process: logging, the watchdog, shutdown."""
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
+    serve.add_argument("--head-timeout-s", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                       help="close a connection whose request head is not complete this long after it "
+                            "opened or after its previous response (slow clients; default: %(default)s)")
+    serve.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       help="answer 408 to a request whose body has not arrived this long after its "
+                            "head (default: %(default)s)")
+    serve.add_argument("--keep-alive-timeout-s", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                       help="close an idle kept-alive connection after this long (default: %(default)s)")
     serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                        help="watchdog: /health answers 503 once work has waited this long for an engine "
                             "step (default: %(default)s)")
@@ -201,7 +212,7 @@ def _add_bench_parser_if_present(subparsers: argparse._SubParsersAction) -> None
 
 def serve_command(args: argparse.Namespace) -> int:
     """`radixserve serve`: bind, load, report the KV pool, serve until Ctrl-C or SIGTERM."""
-    for flag in ("stall_timeout_s", "shutdown_timeout_s"):
+    for flag in ("stall_timeout_s", "shutdown_timeout_s", "head_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
         if getattr(args, flag) <= 0:
             _say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
@@ -219,6 +230,7 @@ def serve_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     from radixserve import AsyncEngine, Engine  # torch loads here, after the port is ours
     from radixserve.server import create_app
+    from radixserve.server.connections import uvicorn_options
 
     try:
         engine = Engine(**engine_options(args))
@@ -242,8 +254,9 @@ def serve_command(args: argparse.Namespace) -> int:
                      served_model_name=args.served_model_name, api_key=args.api_key,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
                      cache_events_idle_timeout_s=args.cache_events_idle_timeout,
-                     turn_memory_tokens=args.turn_memory_tokens)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                     turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     _say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")

@@ -226,3 +226,30 @@ def test_extreme_length_penalties_still_return_the_best_beams(tiny_llama_dir: Pa
     assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
     assert all(math.isfinite(o.score) for o in outs) and outs[0].score >= outs[1].score
     assert not engine.has_work() and engine.stats()["pages_locked"] == 0
+
+
+# ---------------------------------------------------------------- the scorer on its own
+
+
+def test_scorer_finishes_only_stop_candidates_ranked_below_the_width() -> None:
+    """A stop candidate ranked exactly `width` (0-based) must not join the finished set;
+    one ranked below it does, with score sum(log p) / length ** length_penalty."""
+    from radixserve.engine.beam import BeamScorer
+
+    stop = 3
+    # One running beam (the prompt): tokens 0 > 1 > stop(3) > 2 > 4 by log-probability.
+    logprobs = torch.log_softmax(torch.tensor([[4.0, 3.0, 1.0, 2.0, 0.0]]), dim=-1)
+    scorer = BeamScorer(width=2, length_penalty=1.0, early_stopping=False, max_new_tokens=10,
+                        stop_token_ids={stop})
+    result = scorer.step(logprobs)
+    assert result.finished == [] and not bool(scorer.slot_finished.any())
+    assert [(c.parent, c.token) for c in result.running] == [(0, 0), (0, 1)]
+    # The stop token ranked 1st of the non-best: it finishes, normalised by length 1.
+    logprobs = torch.log_softmax(torch.tensor([[4.0, 1.0, 2.0, 3.0, 0.0]]), dim=-1)
+    scorer = BeamScorer(width=2, length_penalty=1.0, early_stopping=False, max_new_tokens=10,
+                        stop_token_ids={stop})
+    result = scorer.step(logprobs)
+    (finished,) = result.finished
+    assert (finished.parent, finished.token) == (0, stop)
+    assert finished.score == pytest.approx(float(logprobs[0, stop]), abs=1e-6)
+    assert [(c.parent, c.token) for c in result.running] == [(0, 0), (0, 2)]

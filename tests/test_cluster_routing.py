@@ -365,6 +365,22 @@ def test_a_settle_may_come_before_the_completion_and_a_lost_one_expires() -> Non
     assert state._unsettled == {} and state._placed == {}
 
 
+def test_a_late_settle_from_the_first_replica_leaves_the_second_replica_s_grace() -> None:
+    """A request moved from a to b, finished on b before b settles it, then a's settle
+    arrives: the prompt stays in flight on b until b settles it or its grace ends (it was
+    in flight forever when a's settle ended b's wait)."""
+    state = cluster("a", "b")
+    state.routed(request(PROMPT, "r1"), "a")
+    state.routed(request(PROMPT, "r1"), "b")  # a retry moves it
+    state.finished("r1")
+    state.settled("a", ["r1"])
+    assert state.index.matched_pages("b", NS, hashes(PROMPT)) == 5
+    for _ in range(SETTLE_GRACE_BATCHES + 1):
+        state.batch_applied("b")
+    assert state.index.matched_pages("b", NS, hashes(PROMPT)) == 0
+    assert state._unsettled == {} and state.index.in_flight_on("r1") is None
+
+
 def test_routing_a_request_again_moves_it() -> None:
     """The router reserves a replica, Serve sends the request to another: it counts there."""
     state = cluster("a", "b")

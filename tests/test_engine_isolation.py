@@ -81,6 +81,20 @@ def test_a_failing_request_ends_alone_and_its_batch_mates_are_unaffected(tiny_ll
     assert engine.pool.num_free + engine.tree.cached_pages == engine.pool.num_pages
 
 
+@pytest.mark.parametrize("bad", [GREEDY, SamplingParams(max_tokens=8, beam_width=2, ignore_eos=True)],
+                         ids=["greedy", "beam"])
+def test_nan_logits_fail_a_greedy_or_beam_request_instead_of_returning_token_0(
+        tiny_llama_dir: Path, bad: SamplingParams) -> None:
+    """argmax of a NaN row returns the NaN's index (or 0): it must not pass for a token."""
+    alone = run(make_engine(tiny_llama_dir), INNOCENT)
+    engine = make_engine(tiny_llama_dir)
+    with poisoned(engine, "nan"):
+        mixed = run(engine, {**INNOCENT, "bad": ([5, 6, POISON, 7], bad)})
+    assert mixed.pop("bad") == [["error"], []]
+    assert mixed == alone
+    assert engine.tree.locked_pages == 0
+
+
 def test_a_request_that_fails_after_decoding_for_a_while_frees_its_pages(tiny_llama_dir: Path) -> None:
     engine = make_engine(tiny_llama_dir)
     prompt = list(range(40, 60))

@@ -338,3 +338,49 @@ def test_a_large_body_is_decoded_off_the_event_loop(server: SimpleNamespace, cli
     loop_thread = threads[0]
     assert threads[1] != loop_thread and len(threads) == 2
     assert isinstance(real, msgspec.json.Decoder)
+
+
+# ---------------------------------------------------------------- slow clients (issue 22, item 7)
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_slow_heads_are_cut_and_slow_bodies_get_408_while_others_are_served(parser: str) -> None:
+    import socket
+    import time
+
+    from radixserve.server.connections import with_head_deadline
+
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    app = create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=64)), body_timeout_s=1.0)
+    with running_server(app, http=with_head_deadline(base, 0.5)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        # A connection that sends half a head and stalls is closed by the server.
+        loris = socket.create_connection((host, int(port)))
+        loris.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        loris.settimeout(60)
+        started = time.monotonic()
+        assert loris.recv(1024) == b""  # closed, without an answer
+        loris.close()
+        # A body that stops halfway gets a 408 in OpenAI's error shape.
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        slow.settimeout(60)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        slow.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        # Others are served all along, and a client that keeps its connection idle between
+        # requests is not mistaken for a slow one while it sends promptly.
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for _ in range(2):
+                assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert time.monotonic() - started < 60

@@ -144,6 +144,7 @@ def _conversation(stream: bool, *, memory: bool, turns: int = 4) -> tuple[list[i
     app = create_app(AsyncEngine(engine), turn_memory_tokens=4096 if memory else 0)
     history = [{"role": "system", "content": "You answer questions about caches."}]
     cached, expected = [], []
+    previous = 0  # the previous turn's prompt + completion - 1
     with running_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
         for turn in range(turns):
             history.append({"role": "user", "content": f"Question number {turn}: what is a radix tree?"})

@@ -156,7 +156,11 @@ class ClusterState:
         for key in keys:
             if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
                 self.index.end_in_flight(key)
-            self._unsettled.pop(key, None)
+            # Only this replica's own wait ends: a late settle from a replica the request
+            # was moved away from must not cancel the grace of the one that holds it now.
+            pending = self._unsettled.get(key)
+            if pending is not None and pending[0] == replica:
+                del self._unsettled[key]
 
     def batch_applied(self, replica: str) -> None:
         """One more event batch of `replica` was applied: requests it finished long ago and

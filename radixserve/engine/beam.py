@@ -194,6 +194,11 @@ class BeamGroup:
         new hypotheses' sequences and calls `keep`)."""
         rows = torch.stack([self.logits[s.seq_id] for s in self.running])
         self.logits.clear()
+        # A NaN logit makes every log-probability of its row NaN, and all -inf leaves no
+        # token: either would rank garbage candidates as if they were scores.
+        best = rows.max(dim=-1).values
+        if not bool(torch.isfinite(best).all()):
+            raise ValueError(f"beam search of request {self.request.request_id}: a beam's logits are not finite")
         return self.scorer.step(rows)
 
     def keep(self, finished: list[int | Hypothesis]) -> list[Hypothesis]:

@@ -26,6 +26,7 @@ kept.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -162,9 +163,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     generated before this one)."""
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return torch.argmax(logits, dim=-1).tolist()
+        tokens = torch.argmax(logits, dim=-1)
+        _check_greedy(logits, tokens, range(len(params)))
+        return tokens.tolist()
     if native_sampling.usable(logits):
-        return _sample_native(logits, params, seeds, steps, random_rows)
+        tokens = _sample_native(logits, params, seeds, steps, random_rows)
+        _check_greedy(logits, torch.tensor(tokens), [b for b, p in enumerate(params) if p.greedy])
+        return tokens
     device = logits.device
     everyone = len(random_rows) == len(params)
     rows = torch.tensor(random_rows, dtype=torch.int64, device=device)
@@ -178,7 +183,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     tokens = torch.empty(len(params), dtype=torch.int64, device=device)
     tokens.index_copy_(0, rows, drawn)
     tokens.index_copy_(0, greedy_rows, torch.argmax(logits.index_select(0, greedy_rows), dim=-1))
+    _check_greedy(logits, tokens, greedy_rows.tolist())
     return tokens.tolist()
+
+
+def _check_greedy(logits: torch.Tensor, tokens: torch.Tensor, rows: Iterable[int]) -> None:
+    """Raises ValueError for greedy rows whose logits hold a NaN or only -inf, as sampled rows
+    do: argmax returns the first NaN (or 0), which would pass for a token. Reads one logit
+    per row (the chosen one is NaN exactly when the row has one), not the whole row."""
+    rows = torch.as_tensor(list(rows), dtype=torch.int64)
+    if not len(rows):
+        return
+    chosen = logits[rows.to(logits.device), tokens.to(logits.device)[rows.to(logits.device)]]
+    bad = ~(torch.isfinite(chosen) | (chosen == float("inf")))
+    if bool(bad.any()):
+        raise ValueError(f"cannot sample rows {rows[bad.cpu()].tolist()}: their logits are not finite")
 
 
 def _sample_native(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],

@@ -64,6 +64,7 @@ logger = logging.getLogger("radixserve.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 DECODE_IN_THREAD_BYTES = 64 * 2**10
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -79,8 +80,9 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 turn_memory_tokens: int = DEFAULT_TURN_TOKENS) -> None:
+                 turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.engine = engine
+        self.body_timeout_s = body_timeout_s
         self.tokenizer = engine.engine.tokenizer
         self.turns = GeneratedTurns(turn_memory_tokens) if turn_memory_tokens else None
         self.renderer = ChatRenderer(self.tokenizer, self.turns)
@@ -297,15 +299,22 @@ class OpenAIServer:
         return ModelCard(id=model_id, created=self.created, max_model_len=self.max_context_len)
 
     async def _read_body(self, request: Request) -> bytes:
+        """The whole body, within the size cap and the deadline (413, 408: a client that sends
+        its body slowly must not hold a connection and a handler for as long as it likes)."""
         too_large = APIError(413, f"Request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise too_large
         body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > self.max_body_bytes:
-                raise too_large
+        try:
+            with anyio.fail_after(self.body_timeout_s):
+                async for piece in request.stream():
+                    body += piece
+                    if len(body) > self.max_body_bytes:
+                        raise too_large
+        except TimeoutError:
+            raise APIError(408, f"The request body did not arrive within {self.body_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         return bytes(body)
 
     def _identity(self, prefix: str, stream: bool, stream_options: Any) -> ResponseIdentity:
@@ -319,7 +328,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                cache_event_buffer: int = DEFAULT_CAPACITY,
                cache_events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S,
                engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S,
-               turn_memory_tokens: int = DEFAULT_TURN_TOKENS) -> Starlette:
+               turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -331,9 +340,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     At shutdown the engine thread gets `engine_stop_timeout_s` to stop; a thread stuck in a
     step is left behind (`app.state.engine_stopped` is then False). `turn_memory_tokens`
     bounds the token ids of generated turns kept for later turns' prompts (0: none; turns.py).
+    A request body must arrive within `body_timeout_s` (else 408); the request head's
+    deadline is the connection's (connections.py, given to uvicorn).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
-                          max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens)
+                          max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
+                          body_timeout_s=body_timeout_s)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
                         event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s)
 

@@ -1,0 +1,82 @@
+"""Connection deadlines uvicorn lacks: a request head must arrive within a time limit.
+
+uvicorn closes a keep-alive connection that stays idle after a response, but a connection
+that sends part of a request head and then nothing ("slow loris") stays open for as long as
+its client likes, holding a socket and a file descriptor each. `with_head_deadline(base)`
+subclasses one of uvicorn's HTTP/1.1 protocols so that a connection whose request head is not
+complete `head_timeout_s` after it opened (or after its previous response) is closed. The
+body has its own deadline where the app reads it (app.py), answered with a 408.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+
+
+def with_head_deadline(base: type[asyncio.Protocol], head_timeout_s: float) -> type[asyncio.Protocol]:
+    """`base` (uvicorn's httptools or h11 protocol) with the request-head deadline."""
+
+    class HeadDeadline(base):  # type: ignore[valid-type, misc]
+        """uvicorn's protocol, closing connections whose request head is late."""
+
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_deadline()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()  # the next request's head, on a kept-alive connection
+
+        # httptools calls this when a head is complete.
+        def on_headers_complete(self) -> None:
+            self._disarm_head_deadline()
+            super().on_headers_complete()
+
+        # h11 has no such callback: a head is complete once the peer's state leaves IDLE.
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm_head_deadline()
+
+        def _arm_head_deadline(self) -> None:
+            self._disarm_head_deadline()
+            if not self.transport.is_closing():
+                self._head_deadline = self.loop.call_later(head_timeout_s, self._head_too_late)
+
+        def _disarm_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_too_late(self) -> None:
+            self._head_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    HeadDeadline.__name__ = HeadDeadline.__qualname__ = f"HeadDeadline{base.__name__}"
+    return HeadDeadline
+
+
+def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> type[asyncio.Protocol]:
+    """uvicorn's fastest available HTTP/1.1 protocol (httptools, else h11), with the deadline."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+    return with_head_deadline(base, head_timeout_s)
+
+
+def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s: float = 5.0) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments for the connection deadlines."""
+    return {"http": http_protocol(head_timeout_s), "timeout_keep_alive": keep_alive_s}
