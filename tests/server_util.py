@@ -17,15 +17,20 @@ STARTUP_TIMEOUT_S = 60.0
 
 
 @contextmanager
-def running_server(app: Starlette, *, log_level: str = "warning", **uvicorn_options: Any) -> Iterator[str]:
+def running_server(app: Starlette, *, log_level: str = "warning", send_buffer: int | None = None,
+                   **uvicorn_options: Any) -> Iterator[str]:
     """Serves `app` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL.
 
     The app's lifespan (engine start/stop) runs as in production; leaving the block shuts the
     server down and waits for it. `log_level` "info" turns uvicorn's access log on;
     `uvicorn_options` go to uvicorn.Config (the CLI's connection deadlines, say).
+    `send_buffer` sets the kernel send buffer (SO_SNDBUF) of every connection, so that a client
+    that does not read pushes back on the server after little output.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:  # accepted connections inherit it from the listening socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, lifespan="on", log_level=log_level, timeout_graceful_shutdown=5, **uvicorn_options)

@@ -12,7 +12,14 @@ from typing import Any, TypeVar
 
 from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.engine.engine import Engine
+from radixserve.engine.output_buffer import OutputBuffer
 from radixserve.engine.params import SamplingParams, StreamDelta
+from radixserve.engine.sliced_work import (
+    DEFAULT_BUDGET_S,
+    SlicedGenerator,
+    SlicedTask,
+    SlicedWork,
+)
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -21,6 +28,8 @@ DEFAULT_STALL_TIMEOUT_S = 120.0  # a step on a CPU with a large model may take t
 DEFAULT_STOP_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256
 IDLE_WAKEUP_S = 0.5
+DEFAULT_STREAM_BUFFER_TOKENS = 1024  # per request: delivered, not yet read by its client
+DEFAULT_STREAM_READ_TIMEOUT_S = 300.0  # a paused request whose client reads nothing is aborted
 
 
 class AsyncEngine:
@@ -38,18 +47,36 @@ class AsyncEngine:
     `step_hook`, if given, runs on the engine thread before every step: tests and debuggers
     use it to hold the loop inside a step. `pause()` / `resume()` stop and restart stepping
     while commands (new requests, aborts) are still taken.
+
+    Backpressure: each request's output waits for its reader in an OutputBuffer of
+    `stream_buffer_tokens` tokens; past it the request is paused (preempted and held,
+    engine/paused.py) until its reader catches up, and aborted if the reader takes nothing
+    for `stream_read_timeout_s` seconds (output_buffer.py).
+
+    Views of the cache run as sliced work (`run_sliced`): pieces between steps, at most
+    `view_budget_s` of engine-thread time per step for all of them together.
     """
 
     def __init__(self, engine: Engine, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                 step_hook: Callable[[], None] | None = None) -> None:
-        if stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s: must be > 0, got {stall_timeout_s}")
+                 step_hook: Callable[[], None] | None = None,
+                 stream_buffer_tokens: int = DEFAULT_STREAM_BUFFER_TOKENS,
+                 stream_read_timeout_s: float = DEFAULT_STREAM_READ_TIMEOUT_S,
+                 view_budget_s: float = DEFAULT_BUDGET_S) -> None:
+        for name, value in (("stall_timeout_s", stall_timeout_s), ("stream_buffer_tokens", stream_buffer_tokens),
+                            ("stream_read_timeout_s", stream_read_timeout_s), ("view_budget_s", view_budget_s)):
+            if value <= 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        self.stream_buffer_tokens = stream_buffer_tokens
+        self.stream_read_timeout_s = stream_read_timeout_s
+        self._sliced = SlicedWork(view_budget_s)
+        self._read_timeouts = 0
+        self._paused_streams: set[str] = set()  # ids of requests paused for their readers
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self.step_hook = step_hook
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[str, OutputBuffer] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -112,6 +139,12 @@ class AsyncEngine:
                 self._last_step_at = self._pending_since = time.monotonic()
                 self._deliver(deltas)
                 self._publish_stats()
+                if self._sliced:
+                    self._sliced.run()
+            elif self._sliced:  # no step to run: views take their pieces back to back
+                if not self.engine.has_work():
+                    self._pending_since = None
+                self._sliced.run()
             else:
                 if not self.engine.has_work():
                     self._pending_since = None  # idle: nothing is waiting for a step
@@ -137,7 +170,7 @@ class AsyncEngine:
         for request_id, items in deltas.items():
             stream = self._streams.get(request_id)
             if stream is not None:
-                self._loop.call_soon_threadsafe(stream.put_nowait, items)
+                self._loop.call_soon_threadsafe(stream.put, items)
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
@@ -178,7 +211,11 @@ class AsyncEngine:
             raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        stream: asyncio.Queue[Any] = asyncio.Queue()
+        assert self._loop is not None, "AsyncEngine.start() first"
+        stream = OutputBuffer(
+            self._loop, limit=self.stream_buffer_tokens, read_timeout_s=self.stream_read_timeout_s,
+            pause=lambda: self._pause_stream(request_id), resume=lambda: self._resume_stream(request_id),
+            on_timeout=lambda: self._read_timed_out(request_id))
         self._streams[request_id] = stream  # before the add: the first deltas may follow at once
         try:
             await self._call(lambda: self.engine.add_request(
@@ -200,14 +237,58 @@ class AsyncEngine:
                         open_samples -= 1
                     yield delta
         finally:
+            stream.close()
             self._streams.pop(request_id, None)
+            self._paused_streams.discard(request_id)
             if open_samples:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (a no-op if it already finished)."""
-        self._commands.put(lambda: self.engine.abort(request_id))
+        self._command(lambda: self.engine.abort(request_id))
+
+    def _command(self, command: Callable[[], Any]) -> None:
+        """Runs `command` on the engine thread, not waiting for it."""
+        self._commands.put(command)
         self._wakeup.set()
+
+    def _pause_stream(self, request_id: str) -> None:
+        self._paused_streams.add(request_id)
+        self._command(lambda: self.engine.pause_request(request_id))
+
+    def _resume_stream(self, request_id: str) -> None:
+        self._paused_streams.discard(request_id)
+        self._command(lambda: self.engine.resume_request(request_id))
+
+    def _read_timed_out(self, request_id: str) -> None:
+        logger.warning("request %s is aborted: its client read nothing for %g s", request_id,
+                       self.stream_read_timeout_s)
+        self._read_timeouts += 1
+
+        def abort_and_tell() -> None:  # its reader may come back: the end must reach it now,
+            self.engine.abort(request_id)  # not with a next step that may never come
+            self._deliver(self.engine.take_deltas())
+
+        self._command(abort_and_tell)
+
+    def run_sliced(self, make_work: Callable[[], SlicedGenerator]) -> asyncio.Future[Any]:
+        """Runs the generator `make_work()` makes on the engine thread, a piece between steps
+        (sliced_work.py); the future resolves with its return value or error. Cancelling the
+        future drops the work before its next piece."""
+        assert self._loop is not None, "AsyncEngine.start() first"
+        loop = self._loop
+        future: asyncio.Future[Any] = loop.create_future()
+        cancelled = threading.Event()
+        future.add_done_callback(lambda f: cancelled.set() if f.cancelled() else None)
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                loop.call_soon_threadsafe(_set_exception, future, error)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._command(lambda: self._sliced.add(SlicedTask(make_work(), done, cancelled.is_set)))
+        return future
 
     async def close_session(self, session_id: str) -> bool:
         return await self._call(lambda: self.engine.close_session(session_id))
@@ -239,6 +320,9 @@ class AsyncEngine:
             stats = dict(self._stats)
         stats["seconds_since_last_step"] = time.monotonic() - self._last_step_at
         stats["stalled"] = int(self._pending_for() > self.stall_timeout_s)
+        stats["streams_paused"] = len(self._paused_streams)
+        stats["stream_read_timeouts"] = self._read_timeouts
+        stats["view_pieces"] = self._sliced.pieces
         return stats
 
     def _pending_for(self) -> float:

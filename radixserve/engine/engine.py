@@ -25,6 +25,7 @@ from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_tok
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
 from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
                                       TokenLogprob)
+from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
 from radixserve.engine.request import Request, Sequence
@@ -127,6 +128,7 @@ class Engine:
         self._step_clock = StepClock()
         self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
+        self.paused = PausedRequests(self.scheduler)  # requests whose client stopped reading
         self.beams = BeamDriver(self.scheduler, new_beam=self._new_beam, finish=self._finish,
                                 fail=self._fail_request, retire=self._retire, eos_token_ids=self.eos_token_ids,
                                 released=self._released, counters=self._counters)
@@ -206,6 +208,16 @@ class Engine:
         if req is None:
             return
         self._end_request(req, "abort")
+
+    def pause_request(self, request_id: str) -> bool:
+        """Stops scheduling a request (its client is not reading): it is preempted and held
+        until `resume_request` (engine/paused.py). False if unknown, paused or a beam search."""
+        req = self._requests.get(request_id)
+        return req is not None and self.paused.pause(req)
+
+    def resume_request(self, request_id: str) -> None:
+        """Lets a paused request be scheduled again (a no-op if it is not paused)."""
+        self.paused.resume(request_id)
 
     def _end_request(self, req: Request, reason: str) -> None:
         """Ends `req` and its unfinished samples: "abort" keeps their computed full pages cached;
@@ -382,6 +394,7 @@ class Engine:
         if req.request_id not in self._requests:
             return
         del self._requests[req.request_id]
+        self.paused.forget(req.request_id)
         count_retired(self._counters, req)
 
     # ------------------------------------------------------------------ offline API
@@ -409,11 +422,14 @@ class Engine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         """Counters and gauges under stable keys (the server's /metrics maps them); the keys
-        and their meaning: `engine_stats.engine_stats`."""
-        return engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
-                            clock=self._step_clock, timings=self._timings,
-                            bytes_per_page=bytes_per_page(self.loaded, self.page_size),
-                            sessions_open=len(self.sessions))
+        and their meaning: `engine_stats.engine_stats`, plus `paused` (sequences held because
+        their client stopped reading) and `requests_paused` (pauses so far)."""
+        stats = engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
+                             clock=self._step_clock, timings=self._timings,
+                             bytes_per_page=bytes_per_page(self.loaded, self.page_size),
+                             sessions_open=len(self.sessions))
+        stats.update(paused=self.paused.num_sequences, requests_paused=self.paused.pauses)
+        return stats
 
     def check_invariants(self) -> None:
         """The structural checker over the pool, the tree and every live block table.

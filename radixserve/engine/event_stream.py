@@ -9,8 +9,17 @@ lost events, and gets a `StreamReset` followed by a fresh `StreamSnapshot` inste
 unbounded queue. Nothing else grows with a slow reader.
 
 A reader starts with a snapshot: the set of cached page hashes and the `seq` of the last event
-it reflects, taken on the engine thread in the same command that places its cursor, so
-"snapshot, then every event with a larger seq" is exactly the cache's history.
+it reflects, and its cursor is placed at the event right after it, so "snapshot, then every
+event with a larger seq" is exactly the cache's history. The snapshot comes from the hub's
+`PageMirror`, the cached device pages kept on the event loop by applying the ring's events as
+they come: a reader joining a hub that already listens costs the engine thread nothing, and
+readers that join at the same `seq` share one encoded message. The mirror is built from a
+copy of the tree only when there is none (the first reader, or a burst of events larger than
+the ring): the engine thread copies the tree and hashes the copy in slices between its steps
+(tree_copy.py, `AsyncEngine.run_sliced`), having subscribed and noted the ring's end in the
+first slice; the events of the copying time, applied on top, make it exact
+(a set of pages ends as its last event left it, and a page with no event was the same
+throughout). Concurrent first readers share one build, which stops when they all leave.
 
 The hub subscribes to the engine while it has readers and unsubscribes when the last one
 leaves (with no subscriber the tree computes no hashes at all).
@@ -21,15 +30,21 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from itertools import islice
 from typing import Any
 
+import anyio
 import msgspec
 
+from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
+from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.shared_work import SharedWork
+from radixserve.engine.tree_copy import copy_tree, device_page_hashes
 
 DEFAULT_CAPACITY = 4096
+SERVER_LINGER_S = 5.0  # the server's hub keeps listening this long after its last reader left
 DEVICE_TIER = "device"
 
 
@@ -62,59 +77,87 @@ class StreamReset(msgspec.Struct, tag="reset", tag_field="type"):
 class CacheEventHub:
     """Fans an engine's cache events out to any number of asyncio readers; see the module
     docstring. `include_token_ids` asks the engine for the pages' token ids (the operator's
-    --expose-cache-tokens)."""
+    --expose-cache-tokens). With `linger_s`, the hub keeps listening (and its mirror current)
+    that long after its last reader left, so readers that come and go do not each cost a copy
+    of the tree; 0 unsubscribes at once."""
 
     def __init__(self, engine: AsyncEngine, *, capacity: int = DEFAULT_CAPACITY,
-                 include_token_ids: bool = False) -> None:
+                 include_token_ids: bool = False, linger_s: float = 0.0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.engine = engine
         self.capacity = capacity
         self.include_token_ids = include_token_ids
-        self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)  # (seq, encoded event)
+        self.linger_s = linger_s
+        self._ring: deque[tuple[int, bytes, Any]] = deque(maxlen=capacity)  # (seq, encoded, event)
         self._end = 0          # ring position of the next event (events ever appended)
         self._last_seq = 0     # seq of the newest event appended
+        self._generation = 0   # bumped by every subscribe and unsubscribe
         self._lock = threading.Lock()  # ring vs readers' slices; held for O(1) or one copy
-        self._readers: set[EventReader] = set()
+        self._readers: set[EventReader] = set()  # event loop only
         self._unsubscribe: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_pending = False
         self._encoder = msgspec.json.Encoder()
+        self._mirror: PageMirror | None = None  # event loop only
+        self._building: SharedWork[PageMirror] | None = None
+        self.builds = 0        # mirrors built from a copy of the tree (for stats and tests)
+        self._linger_timer: asyncio.TimerHandle | None = None
         self.closed = False
 
     # ------------------------------------------------------------------ engine thread
     def _on_event(self, event: Any) -> None:
         data = self._encoder.encode(event)
         with self._lock:
-            self._ring.append((event.seq, data))
+            self._ring.append((event.seq, data, event))
             self._end += 1
             self._last_seq = event.seq
         if not self._wake_pending and self._loop is not None:
             self._wake_pending = True
             self._loop.call_soon_threadsafe(self._wake)
 
-    def _attach(self, reader: EventReader) -> tuple[int, int, set[tuple[str, int]]]:
-        """On the engine thread: subscribe if needed, place `reader` at the ring's end."""
+    def _copy_work(self) -> Generator[None, None, tuple[tuple[int, int, int], dict[str, set[int]]]]:
+        """Sliced work: subscribes (if no one has), notes where the ring ends, then copies the
+        tree and hashes its device pages; every event from that point on is in the ring (or
+        known lost)."""
+        engine = self.engine.engine
         if self._unsubscribe is None:
-            self._unsubscribe = self.engine.engine.subscribe_events(
-                self._on_event, include_token_ids=self.include_token_ids)
-            self._last_seq = self.engine.engine.cache_events.seq
-        self._readers.add(reader)
-        reader.cursor = self._end
-        return self._last_seq, self.engine.engine.page_size, self.engine.engine.cache_page_hashes()
+            self._unsubscribe = engine.subscribe_events(self._on_event, include_token_ids=self.include_token_ids)
+            with self._lock:
+                self._last_seq = engine.cache_events.seq
+                self._generation += 1
+        with self._lock:
+            start = (self._end, self._last_seq, self._generation)
+        copy = yield from copy_tree(engine.tree)
+        pages = yield from device_page_hashes(copy, namespace_id)
+        return start, pages
 
-    def _detach(self, reader: EventReader) -> None:
-        """On the engine thread: forget `reader`; the last one out unsubscribes."""
-        self._readers.discard(reader)
+    def _unsubscribe_if_idle(self) -> None:
+        """On the engine thread: the last reader left, so stop listening (no hashes computed)."""
         if not self._readers and self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
             with self._lock:
                 self._ring.clear()  # positions stay valid: _end only grows
+                self._generation += 1
 
     # ------------------------------------------------------------------ event loop
+    def _linger(self) -> None:
+        """Unsubscribes `linger_s` after the last reader left unless one came meanwhile."""
+        if self._readers or self.closed or self._loop is None or self._linger_timer is not None:
+            return
+
+        def check() -> None:
+            self._linger_timer = None
+            if not self._readers and not self.closed and self._unsubscribe is not None:
+                self.engine._command(self._unsubscribe_if_idle)
+
+        self._linger_timer = self._loop.call_later(self.linger_s, check)
+
     def _wake(self) -> None:
         self._wake_pending = False
+        if self._mirror is not None and not self._advance(self._mirror):
+            self._mirror = None  # it fell more than the ring behind: the next reader rebuilds it
         for reader in self._readers.copy():
             reader.ready.set()
 
@@ -122,12 +165,22 @@ class CacheEventHub:
         """A new reader; its first `next()` is the snapshot."""
         self._loop = asyncio.get_running_loop()
         reader = EventReader(self)
-        await reader.resync()
+        self._readers.add(reader)
+        try:
+            await reader.resync()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await reader.close()
+            raise
         return reader
 
     def close(self) -> None:
         """Ends every reader's stream (the server is stopping)."""
         self.closed = True
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        if self._building is not None:
+            self._building.future.cancel()
         for reader in self._readers.copy():
             reader.ready.set()
 
@@ -137,15 +190,92 @@ class CacheEventHub:
             start = self._end - len(self._ring)
             if cursor < start:
                 return None, cursor
-            return list(islice(self._ring, cursor - start, None)), self._end
+            return [(seq, data) for seq, data, _ in islice(self._ring, cursor - start, None)], self._end
 
-    def snapshot_message(self, seq: int, page_size: int, hashes: set[tuple[str, int]]) -> StreamSnapshot:
-        """Groups `cache_page_hashes()` by namespace (sorted, so equal states encode equally)."""
-        grouped: dict[str, list[int]] = {}
-        for namespace, page_hash in hashes:
-            grouped.setdefault(namespace, []).append(page_hash)
-        blocks = [SnapshotBlock(namespace=ns, tier=DEVICE_TIER, hashes=sorted(h)) for ns, h in sorted(grouped.items())]
-        return StreamSnapshot(seq=seq, page_size=page_size, blocks=blocks)
+    def _advance(self, mirror: PageMirror) -> bool:
+        """Applies the events `mirror` has not seen; False if it cannot (events were lost, or
+        the hub unsubscribed since it was made)."""
+        with self._lock:
+            start = self._end - len(self._ring)
+            if mirror.generation != self._generation or mirror.cursor < start:
+                return False
+            events = [event for _, _, event in islice(self._ring, mirror.cursor - start, None)]
+            mirror.cursor = self._end
+        mirror.apply(events)
+        return True
+
+    async def current_mirror(self) -> PageMirror:
+        """The device pages the cache holds and the ring position that follows them: kept
+        up to date from the events, built from a sliced copy of the tree only when there is
+        none (the first reader, or after events were lost). Concurrent callers share one build;
+        it is dropped when all of them have left."""
+        mirror = self._mirror
+        if mirror is not None and self._advance(mirror):
+            return mirror
+        self._mirror = None
+        if self._building is None:
+            build = asyncio.ensure_future(self._build())
+            build.add_done_callback(self._built)
+            self._building = SharedWork(build)
+        return await self._building.wait()
+
+    async def _build(self) -> PageMirror:
+        page_size = self.engine.engine.page_size
+        while True:
+            (cursor, seq, generation), pages = await self.engine.run_sliced(self._copy_work)
+            mirror = PageMirror(pages, seq=seq, cursor=cursor, generation=generation, page_size=page_size)
+            self.builds += 1
+            if self._advance(mirror):
+                return mirror
+            # More events than the ring holds came while copying: copy again.
+
+    def _built(self, task: asyncio.Future[PageMirror]) -> None:
+        if self._building is not None and self._building.future is task:
+            self._building = None
+        if not task.cancelled() and task.exception() is None:
+            self._mirror = task.result()
+
+
+class PageMirror:
+    """The device pages the cache held after event `seq`, per namespace id, and the ring
+    position of the next event; advanced on the event loop by applying events. Its snapshot
+    message is encoded once per `seq` and shared by every reader that starts there."""
+
+    def __init__(self, pages: dict[str, set[int]], *, seq: int, cursor: int, generation: int,
+                 page_size: int) -> None:
+        self.pages = pages
+        self.seq = seq
+        self.cursor = cursor
+        self.generation = generation
+        self.page_size = page_size
+        self._encoded: tuple[int, bytes] | None = None
+
+    def apply(self, events: list[Any]) -> None:
+        """Applies events in order: stored and removed device pages, and clears."""
+        for event in events:
+            if isinstance(event, AllCleared):
+                if event.tier in (None, DEVICE_TIER):
+                    self.pages.clear()
+            elif event.tier != DEVICE_TIER:
+                pass
+            elif isinstance(event, BlockStored):
+                self.pages.setdefault(event.namespace, set()).update(event.hashes)
+            elif isinstance(event, BlockRemoved):
+                held = self.pages.get(event.namespace)
+                if held is not None:
+                    held.difference_update(event.hashes)
+                    if not held:
+                        del self.pages[event.namespace]
+            self.seq = event.seq
+
+    def encoded(self, encoder: msgspec.json.Encoder) -> bytes:
+        """The snapshot message of the current state (sorted, so equal states encode equally)."""
+        if self._encoded is None or self._encoded[0] != self.seq:
+            blocks = [SnapshotBlock(namespace=ns, tier=DEVICE_TIER, hashes=sorted(hashes))
+                      for ns, hashes in sorted(self.pages.items()) if hashes]
+            message = StreamSnapshot(seq=self.seq, page_size=self.page_size, blocks=blocks)
+            self._encoded = (self.seq, encoder.encode(message))
+        return self._encoded[1]
 
 
 class EventReader:
@@ -160,10 +290,10 @@ class EventReader:
         self.resets = 0
 
     async def resync(self) -> None:
-        """Places the cursor at the ring's end and queues the snapshot that matches it."""
-        seq, page_size, hashes = await self.hub.engine.call(lambda: self.hub._attach(self))
-        self.last_seq = seq
-        self._pending = [self.hub._encoder.encode(self.hub.snapshot_message(seq, page_size, hashes))]
+        """Queues the current snapshot and places the cursor at the event that follows it."""
+        mirror = await self.hub.current_mirror()
+        self.cursor, self.last_seq = mirror.cursor, mirror.seq
+        self._pending = [mirror.encoded(self.hub._encoder)]
 
     async def next(self, timeout: float | None = None) -> list[bytes] | None:
         """The next messages (encoded JSON), waiting up to `timeout` seconds ([] when it
@@ -192,6 +322,10 @@ class EventReader:
                 return []
 
     async def close(self) -> None:
-        """Leaves the hub (on the engine thread, so the last reader out unsubscribes cleanly)."""
-        if not self.hub.closed:
-            await self.hub.engine.call(lambda: self.hub._detach(self))
+        """Leaves the hub; the last reader out unsubscribes it (on the engine thread), at
+        once or, with the hub's `linger_s`, if no reader has come by then."""
+        self.hub._readers.discard(self)
+        if self.hub.linger_s:
+            self.hub._linger()
+        elif not self.hub.closed and not self.hub._readers:
+            await self.hub.engine.call(self.hub._unsubscribe_if_idle)

@@ -7,37 +7,45 @@ prefixes) with their ancestors. Every node left out is folded into one "aggregat
 shown parent that carries the pages and node counts of what it stands for, so page totals stay
 exact at every level and an icicle drawn from the view has the true proportions.
 
-It reads the tree through its inspection API (`RadixTree.nodes()` and the read-only node
-fields) and must run on the thread that owns the engine (`AsyncEngine.call`), so it never sees
-a step half done. One pass over every node plus a little work per shown node: see
-docs/server.md for its cost on a 100k-node tree.
+It is built from a `TreeCopy` (tree_copy.py), which the engine thread takes in small
+slices between steps; the view itself is built from the copy anywhere (the server does it in
+a worker thread), so neither a large tree nor many distinct views hold up the engine. One
+pass over every copied node plus a little work per shown node: see docs/benchmark.md for
+the costs on large trees.
 """
 
 from __future__ import annotations
 
 import heapq
-import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 from typing import Any
 
 import msgspec
 
 from radixserve.cache.page_hash import namespace_seed, page_hashes
-from radixserve.cache.radix import RadixNode, RadixTree
+from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import DEFAULT_PRIORITY
+from radixserve.engine.tree_copy import (
+    NODES_PER_PIECE,
+    NodeCopy,
+    TreeCopy,
+    copy_tree,
+    run_to_end,
+)
 
 DEFAULT_MAX_NODES = 2000
 DEFAULT_MAX_DEPTH = 64
 DEFAULT_TOP_K = 10
 DEVICE_TIER = "device"
 HOST_TIER = "host"
+ITEMS_PER_PIECE = 512  # nodes a piece of a pass over every node handles
 
 
-def _tier(node: RadixNode) -> str:
+def _tier(node: NodeCopy) -> str:
     """Where a node's pages live: "device", "host", or "device+host" (a copy on each)."""
-    if not node.pages:
+    if not node.device_pages:
         return HOST_TIER
-    return DEVICE_TIER if node.host is None else f"{DEVICE_TIER}+{HOST_TIER}"
+    return DEVICE_TIER if not node.on_host else f"{DEVICE_TIER}+{HOST_TIER}"
 
 
 class TreeNodeView(msgspec.Struct, omit_defaults=True):
@@ -97,7 +105,7 @@ class TreeSnapshot(msgspec.Struct):
     recency_tick: int         # the largest tick in the tree: "now" for `tick`
     root: TreeNodeView
     top_prefixes: list[TopPrefix]
-    took_ms: float            # time spent on the engine thread building it
+    took_ms: float            # time spent on the engine thread copying the tree for it
 
 
 class SnapshotOptions(msgspec.Struct, frozen=True):
@@ -114,46 +122,70 @@ def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
                   namespace_id: Callable[[Hashable], str],
                   decode: Callable[[list[int]], str] | None = None,
                   now: float | None = None) -> TreeSnapshot:
-    """The bounded view of `tree` described in the module docstring.
+    """The bounded view of `tree` described in the module docstring, copied all at once
+    (on the thread that owns the tree); see `view_of_copy`. `now` is the tree's clock
+    (time.monotonic by default)."""
+    return run_to_end(build_view(run_to_end(copy_tree(tree, now)), options, namespace_id=namespace_id,
+                                 decode=decode))
+
+
+def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callable[[Hashable], str],
+               decode: Callable[[list[int]], str] | None = None) -> Generator[None, None, TreeSnapshot]:
+    """The bounded view of a tree copy, as sliced work (sliced_work.py): it yields every few
+    hundred nodes, so the engine thread can build it between steps. (Built in another thread
+    instead, its Python work would hold the interpreter lock against the engine's.)
 
     `namespace_id` turns a namespace into its opaque id (the one its page hashes are seeded
     with, page_hash.py). `decode` turns token ids into text; it is used only with
-    `options.include_tokens`. `now` is the tree's clock (time.monotonic by default).
+    `options.include_tokens`. Ages are counted to the time the copy began.
     """
-    started = time.perf_counter()
-    now = time.monotonic() if now is None else now
-    facts = _Facts(tree)
-    _choose_shown(facts, options)
-    builder = _Builder(tree.page_size, options, facts, namespace_id, decode, now)
-    top = builder.build()
-    snapshot = TreeSnapshot(
-        object="cache.tree", page_size=tree.page_size, tiers=[DEVICE_TIER] if tree.host is None else [DEVICE_TIER, HOST_TIER],
+    facts = _Facts(copy)
+    yield from facts.compute()
+    yield from _choose_shown(facts, options)
+    builder = _Builder(copy.page_size, options, facts, namespace_id, decode, copy.copied_at)
+    top = yield from builder.build()
+    hottest = _hottest(facts, options.top_k)
+    yield
+    return TreeSnapshot(
+        object="cache.tree", page_size=copy.page_size,
+        tiers=[DEVICE_TIER, HOST_TIER] if copy.has_host_tier else [DEVICE_TIER],
         nodes_total=len(facts.nodes) - len(facts.roots), pages_total=sum(facts.pages),
-        locked_pages=tree.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
+        locked_pages=copy.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
         max_nodes=options.max_nodes, max_depth=options.max_depth,
         recency_tick=max((node.tick for node in facts.nodes), default=0), root=top,
-        top_prefixes=builder.top_prefixes(_hottest(facts, options.top_k)), took_ms=0.0)
-    snapshot.took_ms = round((time.perf_counter() - started) * 1e3, 3)
-    return snapshot
+        top_prefixes=builder.top_prefixes(hottest), took_ms=round(copy.engine_ms, 3))
 
 
 class _Facts:
     """Per-node facts from one pass, in lists indexed by the node's pre-order position (lists
     of ints, not an object per node: this pass touches every node of a 100k-node tree)."""
 
-    def __init__(self, tree: RadixTree) -> None:
-        self.nodes: list[RadixNode] = [node for node, _ in tree.nodes()]  # parents first
-        self.index: dict[RadixNode | None, int] = {node: i for i, node in enumerate(self.nodes)}
-        self.index[None] = -1
-        n = len(self.nodes)
-        self.parent = [self.index[node.parent] for node in self.nodes]
-        self.pages = [node.num_pages(tree.page_size) for node in self.nodes]  # on either tier
+    def __init__(self, copy: TreeCopy) -> None:
+        self.copy = copy
+        self.nodes: list[NodeCopy] = copy.nodes  # parents first
+
+    def compute(self) -> Generator[None, None, None]:
+        """The passes over every node, a piece of ITEMS_PER_PIECE nodes at a time."""
+        nodes, page_size = self.nodes, self.copy.page_size
+        n = len(nodes)
+        self.parent = [-1] * n
+        self.pages = [0] * n  # on either tier
         self.depth = [0] * n
         self.prefix_pages = [0] * n
-        for i, p in enumerate(self.parent):
+        self.kids: dict[int, list[int]] = {}  # only nodes with children: most have none
+        self.hit: list[int] = []  # nodes with a hit (top prefixes are chosen among them)
+        yield
+        for i, node in enumerate(nodes):  # parents come before their children
+            p = self.parent[i] = node.parent
+            pages = self.pages[i] = 1 if node.partial else len(node.tokens) // page_size
             if p >= 0:
+                self.kids.setdefault(p, []).append(i)
                 self.depth[i] = self.depth[p] + 1
-                self.prefix_pages[i] = self.prefix_pages[p] + self.pages[i]
+                self.prefix_pages[i] = self.prefix_pages[p] + pages
+                if node.hits > 0:
+                    self.hit.append(i)
+            if i % ITEMS_PER_PIECE == 0:
+                yield
         self.subtree_pages = list(self.pages)
         self.subtree_nodes = [1] * n
         for i in range(n - 1, -1, -1):  # descendants come before their ancestors
@@ -161,18 +193,17 @@ class _Facts:
             if p >= 0:
                 self.subtree_pages[p] += self.subtree_pages[i]
                 self.subtree_nodes[p] += self.subtree_nodes[i]
+            if i % ITEMS_PER_PIECE == 0:
+                yield
         self.roots = [i for i, p in enumerate(self.parent) if p < 0]
         self.shown = [False] * n
 
     def children(self, i: int) -> list[int]:
         """Indices of the children of node `i`, largest subtree first."""
-        index = self.index
-        kids = [index[c] for c in self.nodes[i].children.values()]
-        kids.sort(key=self.subtree_pages.__getitem__, reverse=True)
-        return kids
+        return sorted(self.kids.get(i, ()), key=self.subtree_pages.__getitem__, reverse=True)
 
 
-def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
+def _choose_shown(facts: _Facts, options: SnapshotOptions) -> Generator[None, None, None]:
     """Marks the nodes to show: largest subtrees first within the limits, then the hottest.
 
     A best-first search over (node, next sibling) cursors: each node's children are sorted
@@ -197,6 +228,8 @@ def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
         offer(siblings, position + 1)
         if facts.depth[i] < options.max_depth:
             offer(facts.children(i), 0)
+        if budget % NODES_PER_PIECE == 0:
+            yield
     # The hottest prefixes are drawn whatever their size: the dashboard lists and marks them.
     for i in _hottest(facts, options.top_k):
         if facts.depth[i] <= options.max_depth:
@@ -207,9 +240,8 @@ def _choose_shown(facts: _Facts, options: SnapshotOptions) -> None:
 
 def _hottest(facts: _Facts, k: int) -> list[int]:
     """The `k` most-hit nodes with at least one hit, deeper first among equals."""
-    hits = [node.hits for node in facts.nodes]
-    candidates = [i for i, h in enumerate(hits) if h > 0 and facts.parent[i] >= 0]
-    return heapq.nlargest(k, candidates, key=lambda i: (hits[i], facts.prefix_pages[i]))
+    nodes = facts.nodes
+    return heapq.nlargest(k, facts.hit, key=lambda i: (nodes[i].hits, facts.prefix_pages[i]))
 
 
 class _Builder:
@@ -231,7 +263,7 @@ class _Builder:
         self._namespace_ids: dict[Hashable, str] = {}
         self._seeds: dict[str, int] = {}
 
-    def build(self) -> TreeNodeView:
+    def build(self) -> Generator[None, None, TreeNodeView]:
         f = self.facts
         roots = sorted(f.roots, key=f.subtree_pages.__getitem__, reverse=True)
         top = TreeNodeView(id=self._id(), kind="cache", pages=0, tokens=0, prefix_tokens=0,
@@ -244,10 +276,10 @@ class _Builder:
                                 lock_count=f.nodes[root].lock_ref, hits=0, tier=DEVICE_TIER,
                                 namespace=self._namespace(f.nodes[root].namespace))
             top.children.append(view)
-            self._fill(root, view)
+            yield from self._fill(root, view)
         return top
 
-    def _fill(self, root: int, root_view: TreeNodeView) -> None:
+    def _fill(self, root: int, root_view: TreeNodeView) -> Generator[None, None, None]:
         """Fills the views below a namespace root, depth first and iteratively (a tree can be
         deeper than Python's stack), so ids follow pre-order. The state handed down is the
         page-hash chain's (state, pages so far) at the end of the parent's edge."""
@@ -262,25 +294,27 @@ class _Builder:
                     kid_view, kid_state = self._node(kid, state)
                     view.children.append(kid_view)
                     pending.append((kid, kid_view, kid_state))
+                    if self.nodes_shown % NODES_PER_PIECE == 0:
+                        yield
             if hidden:
                 self.truncated = True
                 view.children.append(self._aggregate(hidden, i))
+                if len(hidden) >= NODES_PER_PIECE:
+                    yield
             stack.extend(reversed(pending))
 
     def _node(self, i: int, parent_state: tuple[int, int]) -> tuple[TreeNodeView, Any]:
         f = self.facts
         node = f.nodes[i]
         size = self.page_size
-        priorities = (node.retention.effective(self.now)
-                      if node.retention is not None and len(node.tokens) else None)
         last_hash, state = self._last_hash(node, parent_state)
         token_ids = node.tokens.tolist() if self.options.include_tokens else None
         view = TreeNodeView(
             id=self._id(), kind="node", pages=f.pages[i], tokens=len(node.tokens),
             prefix_tokens=(f.prefix_pages[i] - f.pages[i]) * size + len(node.tokens), subtree_pages=f.subtree_pages[i],
             subtree_nodes=f.subtree_nodes[i], lock_count=node.lock_ref, hits=node.hits, tier=_tier(node),
-            priority=int(priorities[-1]) if priorities is not None else DEFAULT_PRIORITY,
-            priority_max=int(priorities.max()) if priorities is not None else DEFAULT_PRIORITY,
+            priority=DEFAULT_PRIORITY if node.priority is None else node.priority,
+            priority_max=DEFAULT_PRIORITY if node.priority_max is None else node.priority_max,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
             namespace=self._namespace(node.namespace), hash=last_hash,
             token_ids=token_ids, partial=node.partial,
@@ -289,10 +323,10 @@ class _Builder:
         self.nodes_shown += 1
         return view, state
 
-    def _last_hash(self, node: RadixNode, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
+    def _last_hash(self, node: NodeCopy, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
         """The page hash of the edge's last page (what cache events call it) and the chain
         state for the children; computed here, not read from the tree's own cache of it."""
-        if not self.options.include_hashes or not node.pages or node.partial:  # events name full pages only
+        if not self.options.include_hashes or not node.device_pages or node.partial:  # events name full pages only
             return None, parent_state
         state, depth = parent_state
         ns_id = self._namespace(node.namespace)
@@ -300,7 +334,7 @@ class _Builder:
         if seed is None:
             seed = self._seeds[ns_id] = namespace_seed(ns_id)
         hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
-        return str(int(hashes[-1])), (end, depth + len(node.pages))
+        return str(int(hashes[-1])), (end, depth + node.device_pages)
 
     def _aggregate(self, hidden: list[int], parent: int) -> TreeNodeView:
         f = self.facts
@@ -321,16 +355,16 @@ class _Builder:
                 continue
             out.append(TopPrefix(id=view.id, hits=view.hits, prefix_tokens=view.prefix_tokens,
                                  pages=view.pages, namespace=view.namespace or "", hash=view.hash,
-                                 text=self._prefix_text(self.facts.nodes[i])))
+                                 text=self._prefix_text(i)))
         return out
 
-    def _prefix_text(self, node: RadixNode | None) -> str | None:
+    def _prefix_text(self, i: int) -> str | None:
         if self.decode is None:
             return None
         parts = []
-        while node is not None and not node.is_root:
-            parts.append(node.tokens.tolist())
-            node = node.parent
+        while i >= 0 and not self.facts.nodes[i].is_root:
+            parts.append(self.facts.nodes[i].tokens.tolist())
+            i = self.facts.parent[i]
         return self.decode([t for part in reversed(parts) for t in part])
 
     def _namespace(self, namespace: Hashable) -> str:

@@ -27,7 +27,7 @@ from radixserve import AsyncEngine, StreamDelta
 from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
 from radixserve.grammar import GrammarError
-from radixserve.server.cache_routes import CacheRoutes
+from radixserve.server.cache_routes import DEFAULT_EVENTS_IDLE_TIMEOUT_S, CacheRoutes
 from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
     APIError,
@@ -348,6 +348,7 @@ class OpenAIServer:
 def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, expose_cache_tokens: bool = False,
                cache_event_buffer: int = DEFAULT_CAPACITY,
+               cache_events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S,
                engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S,
                turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
                tool_call_parser: str | None = None) -> Starlette:
@@ -357,7 +358,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     are accepted in requests). With `api_key`, every /v1 route needs `Authorization: Bearer`.
     The /v1/cache routes and /dashboard come from cache_routes.py and dashboard.py;
     `expose_cache_tokens` lets their snapshots and events carry token ids and text, and
-    `cache_event_buffer` bounds how far (in events) a /v1/cache/events reader may fall behind.
+    `cache_event_buffer` bounds how far (in events) a /v1/cache/events reader may fall behind;
+    `cache_events_idle_timeout_s` closes an event stream that has sent no event for that long.
     At shutdown the engine thread gets `engine_stop_timeout_s` to stop; a thread stuck in a
     step is left behind (`app.state.engine_stopped` is then False). `turn_memory_tokens`
     bounds the token ids of generated turns kept for later turns' prompts (0: none; turns.py).
@@ -369,7 +371,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
                           body_timeout_s=body_timeout_s, tool_call_parser=tool_call_parser)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
-                        event_buffer=cache_event_buffer)
+                        event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -6,8 +6,15 @@
     GET  /v1/cache/events   Server-Sent Events: a snapshot, then every cache event, in order
 
 All need the API key when one is set. No token id or text leaves the server unless the operator
-started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids. Reading
-the tree runs on the engine thread between steps (`AsyncEngine.call`), so it never races one.
+started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids.
+
+Views stay off the engine's critical path: the tree is copied in slices between steps
+(tree_copy.py, at most the engine's view budget per step, all views together), one copy
+shared by every tree request that arrives while it is taken or while the cache has not
+changed since, and each view is built from it in slices too; a request whose client left
+stops waiting, and a copy no one waits for stops. An event stream that has sent no event for
+`events_idle_timeout_s` (or cannot send one for that long: a client that does not read) is
+closed; its client reconnects for a fresh snapshot.
 """
 
 from __future__ import annotations
@@ -25,23 +32,38 @@ from starlette.routing import Route
 
 from radixserve import AsyncEngine
 from radixserve.cache.page_hash import namespace_id
-from radixserve.engine.event_stream import DEFAULT_CAPACITY, CacheEventHub, EventReader
+from radixserve.engine.event_stream import (
+    DEFAULT_CAPACITY,
+    SERVER_LINGER_S,
+    CacheEventHub,
+    EventReader,
+)
+from radixserve.engine.shared_work import SharedWork
+from radixserve.engine.tree_copy import TreeCopy, copy_tree
 from radixserve.engine.tree_snapshot import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_NODES,
     DEFAULT_TOP_K,
     SnapshotOptions,
     TreeSnapshot,
-    snapshot_tree,
+    build_view,
 )
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.streams import unless_disconnected
 
 MAX_TREE_NODES = 100_000
 MAX_TREE_DEPTH = 256  # nesting deeper than this trips JSON libraries' recursion limits
 MAX_TOP_K = 100
 MAX_EVENT_READERS = 64
+CLIENT_CLOSED_REQUEST = 499  # as app.py answers a client that left (nobody reads it)
 KEEPALIVE_S = 15.0
+DEFAULT_EVENTS_IDLE_TIMEOUT_S = 300.0  # an event stream with no event sent for this long closes
+COPY_REUSE_S = 2.0  # a finished tree copy serves later views this long while the cache is unchanged
+# Published stats that move whenever the tree may have changed: a copy is reused only while
+# none of them has (lookups and hits, inserts at admission and finish, evictions, locks, flush).
+_TREE_VERSION_KEYS = ("cache_lookups", "pages_cached", "pages_locked", "host_pages_cached", "admissions",
+                      "requests_finished", "requests_aborted", "preemptions", "sessions_open")
 _ENCODER = msgspec.json.Encoder()
 _TTFT = "radixserve_time_to_first_token_seconds"
 
@@ -50,14 +72,23 @@ class CacheRoutes:
     """Handlers of the /v1/cache routes; `authorize` is the server's API-key check."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, authorize: Any, *,
-                 expose_tokens: bool = False, event_buffer: int = DEFAULT_CAPACITY) -> None:
+                 expose_tokens: bool = False, event_buffer: int = DEFAULT_CAPACITY,
+                 events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S) -> None:
+        if events_idle_timeout_s <= 0:
+            raise ValueError(f"events_idle_timeout_s: must be > 0, got {events_idle_timeout_s}")
+        self.events_idle_timeout_s = events_idle_timeout_s
         self.engine = engine
         self.metrics = metrics
         self.authorize = authorize
         self.expose_tokens = expose_tokens
-        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens)
+        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
+                                 linger_s=SERVER_LINGER_S)
         self._readers = 0
         self._inflight: dict[SnapshotOptions, asyncio.Future[TreeSnapshot]] = {}
+        self._copy: tuple[tuple[Any, ...], float, TreeCopy] | None = None  # (version, when, copy)
+        self._copying: SharedWork[TreeCopy] | None = None
+        self.tree_copies = 0  # copies taken (for stats and tests)
+        self.idle_closed = 0  # event streams closed for idleness
 
     def routes(self) -> list[Route]:
         """The routes to append to the app's."""
@@ -82,7 +113,8 @@ class CacheRoutes:
             top_k=_int_param(request, "top_k", DEFAULT_TOP_K, 0, MAX_TOP_K),
             include_hashes=_bool_param(request, "hashes"),
             include_tokens=self._tokens_param(request))
-        return _json(await self._snapshot(options))
+        snapshot = await unless_disconnected(request, self._snapshot(options))
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if snapshot is None else _json(snapshot)
 
     async def stats(self, request: Request) -> Response:
         """GET /v1/cache/stats: the published engine stats (never waits for a step)."""
@@ -115,7 +147,10 @@ class CacheRoutes:
             "ttft": {"count": registry.get_sample_value(f"{_TTFT}_count") or 0.0,
                      "sum": registry.get_sample_value(f"{_TTFT}_sum") or 0.0},
             "histograms": s["histograms"],
-            "events": {"readers": self._readers, "buffer": self.hub.capacity},
+            "events": {"readers": self._readers, "buffer": self.hub.capacity,
+                       "idle_timeout_s": self.events_idle_timeout_s, "idle_closed": self.idle_closed,
+                       "snapshot_builds": self.hub.builds},
+            "tree_copies": self.tree_copies,
             "expose_tokens": self.expose_tokens,
         }
         return _json(body)
@@ -134,8 +169,8 @@ class CacheRoutes:
         if self._readers >= MAX_EVENT_READERS:
             raise APIError(503, f"Too many cache-event readers (at most {MAX_EVENT_READERS})",
                            code="too_many_readers", headers={"Retry-After": "5"})
-        return StreamingResponse(self._sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SendTimeoutStreamingResponse(self._sse(), self.events_idle_timeout_s, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ------------------------------------------------------------------ helpers
     async def _sse(self) -> AsyncIterator[bytes]:
@@ -145,14 +180,21 @@ class CacheRoutes:
         reader: EventReader | None = None
         try:
             reader = await self.hub.open_reader()
+            loop = asyncio.get_running_loop()
+            last_sent = loop.time()
             while True:
-                batch = await reader.next(timeout=KEEPALIVE_S)
+                idle_left = last_sent + self.events_idle_timeout_s - loop.time()
+                if idle_left <= 0:
+                    self.idle_closed += 1
+                    return  # idle: the slot goes to someone else; a live client reconnects
+                batch = await reader.next(timeout=min(KEEPALIVE_S, idle_left))
                 if batch is None:
                     return
                 if not batch:
                     yield b": keepalive\n\n"  # an SSE comment: keeps proxies from closing us
                     continue
                 yield b"".join(b"data: " + data + b"\n\n" for data in batch)
+                last_sent = loop.time()
         finally:
             self._readers -= 1
             if reader is not None:
@@ -160,17 +202,45 @@ class CacheRoutes:
                     await reader.close()
 
     async def _snapshot(self, options: SnapshotOptions) -> TreeSnapshot:
-        """One engine-thread snapshot per distinct options at a time: concurrent requests for the
-        same view (several dashboards) share it instead of each stalling the engine."""
+        """One view per distinct options at a time, from the shared tree copy: concurrent
+        requests for the same view (several dashboards) share it."""
         pending = self._inflight.get(options)
         if pending is None:
-            engine = self.engine.engine
-            decode = engine.tokenizer.decode if options.include_tokens and engine.tokenizer else None
-            pending = self.engine.call(lambda: snapshot_tree(engine.tree, options, namespace_id=namespace_id,
-                                                             decode=decode))
+            pending = asyncio.ensure_future(self._build_view(options))
             self._inflight[options] = pending
             pending.add_done_callback(lambda _: self._inflight.pop(options, None))
         return await asyncio.shield(pending)
+
+    async def _build_view(self, options: SnapshotOptions) -> TreeSnapshot:
+        copy = await self._tree_copy()
+        engine = self.engine.engine
+        decode = engine.tokenizer.decode if options.include_tokens and engine.tokenizer else None
+        return await self.engine.run_sliced(lambda: build_view(copy, options, namespace_id=namespace_id,
+                                                               decode=decode))
+
+    async def _tree_copy(self) -> TreeCopy:
+        """A copy of the tree taken in slices between steps; one at a time, shared by every
+        caller that arrives meanwhile, and reused while the cache has not changed (for at most
+        COPY_REUSE_S). When every caller has left, the copy stops."""
+        stats = self.engine.stats()
+        version = tuple(stats.get(key) for key in _TREE_VERSION_KEYS)
+        loop = asyncio.get_running_loop()
+        if self._copy is not None and self._copy[0] == version and loop.time() - self._copy[1] < COPY_REUSE_S:
+            return self._copy[2]
+        if self._copying is None:
+            tree = self.engine.engine.tree
+            copying = self.engine.run_sliced(lambda: copy_tree(tree))
+            self._copying = SharedWork(copying)
+            self.tree_copies += 1
+
+            def done(future: asyncio.Future[TreeCopy]) -> None:
+                if self._copying is not None and self._copying.future is future:
+                    self._copying = None
+                if not future.cancelled() and future.exception() is None:
+                    self._copy = (version, loop.time(), future.result())
+
+            copying.add_done_callback(done)
+        return await self._copying.wait()
 
     def _tokens_param(self, request: Request) -> bool:
         wanted = _bool_param(request, "tokens")
@@ -203,3 +273,25 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
 
 def _json(value: Any) -> Response:
     return Response(_ENCODER.encode(value), media_type="application/json")
+
+
+class SendTimeoutStreamingResponse(StreamingResponse):
+    """A StreamingResponse that gives up on a client whose every send has stalled for
+    `send_timeout_s` (it does not read): the stream ends and its connection closes."""
+
+    def __init__(self, content: AsyncIterator[bytes], send_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send: Any) -> None:
+        async def timed_send(message: Any) -> None:
+            with anyio.fail_after(self.send_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed_send)
+        except TimeoutError:
+            pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from radixserve import StreamDelta
 
 _T = TypeVar("_T")
 _END = object()
+INBOX_ITEMS_PER_STREAM = 4  # deltas a batch's merged stream holds per request before pumps wait
 
 
 async def first_of_each(streams: list[AsyncIterator[_T]]) -> list[_T | BaseException]:
@@ -39,21 +40,24 @@ async def close(stream: AsyncIterator[object]) -> None:
 
 async def merge_batch(streams: list[AsyncIterator[StreamDelta]], n: int) -> AsyncIterator[StreamDelta]:
     """The deltas of a batch's requests as they come, choice `j` of prompt `i` renumbered
-    `i * n + j` (OpenAI's indices for a batch). Closing the merged stream closes every one."""
+    `i * n + j` (OpenAI's indices for a batch). Closing the merged stream closes every one.
+
+    The inbox is bounded, so a reader that stops reading stops the pumps too, and each
+    request's own output buffer then fills and pauses it (backpressure, output_buffer.py)."""
     if len(streams) == 1:
         async for delta in streams[0]:
             yield delta
         return
-    inbox: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    inbox: asyncio.Queue[tuple[int, object]] = asyncio.Queue(maxsize=INBOX_ITEMS_PER_STREAM * len(streams))
 
     async def pump(position: int, stream: AsyncIterator[StreamDelta]) -> None:
         try:
             async for delta in stream:
-                inbox.put_nowait((position, delta))
+                await inbox.put((position, delta))
         except Exception as exc:  # handed to the consumer, which raises it
-            inbox.put_nowait((position, exc))
+            await inbox.put((position, exc))
             return
-        inbox.put_nowait((position, _END))
+        await inbox.put((position, _END))
 
     pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:

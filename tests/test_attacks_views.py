@@ -1,0 +1,229 @@
+"""Cache views as an attack on a real server (issue 22, item 1): many concurrent event
+subscribes and tree requests with distinct max_nodes, over a tree of thousands of nodes, must
+not stall an innocent stream; idle event readers must time out; a view's work stops when its
+client leaves; and the sliced copy the views are built from, corrected by the events of its
+time, is exact however the tree changes in between."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine, SamplingParams
+from radixserve.cache.page_hash import namespace_id
+from radixserve.engine.event_stream import PageMirror
+from radixserve.engine.tree_copy import (
+    NODES_PER_PIECE,
+    copy_tree,
+    device_page_hashes,
+    run_to_end,
+)
+from radixserve.server import create_app
+
+ATTACKERS = 8  # and as many benign clients in the comparison runs
+REPETITIONS = 5
+INNOCENT = {"prompt": "an innocent question", "max_tokens": 24, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+
+
+def _branchy_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts over a 4-token alphabet: at page size 1 they branch everywhere (many nodes)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4) + 10 for _ in range(length)] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def big_tree_server() -> Iterator[tuple[AsyncEngine, str]]:
+    """A server whose cache holds thousands of nodes at page size 1."""
+    engine = Engine(model="demo", page_size=1, num_pages=40_000)
+    engine.generate(_branchy_prompts(1500, 14, seed=1), SamplingParams(max_tokens=1, temperature=0))
+    assert engine.stats()["cache_nodes"] > 2000
+    async_engine = AsyncEngine(engine)
+    with running_server(create_app(async_engine)) as url:
+        yield async_engine, url
+
+
+def _innocent_run(url: str) -> tuple[str, float, float]:
+    """The innocent stream's text, its time to first token and its longest gap between chunks."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    text = []
+    with httpx.Client(base_url=url, timeout=300) as client, \
+            client.stream("POST", "/v1/completions", json=INNOCENT) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: "):])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    arrivals.append(time.perf_counter())
+                    text.append(chunk["choices"][0]["text"])
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return "".join(text), arrivals[0] - start, max(gaps)
+
+
+CROWD_SCRIPT = """
+import sys, threading, httpx
+url, count, attack = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "attack"
+done = [0] * count
+
+def run(i):
+    with httpx.Client(base_url=url, timeout=300) as client:
+        round_ = 0
+        while True:
+            round_ += 1
+            if not attack:
+                client.get("/v1/cache/stats").raise_for_status()
+            elif i % 2:
+                max_nodes = 20 + (97 * i + round_) % 400  # a new value each time: no view to share
+                client.get(f"/v1/cache/tree?max_nodes={max_nodes}&hashes=true").raise_for_status()
+            else:
+                with client.stream("GET", "/v1/cache/events") as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            break  # the snapshot: then leave, and subscribe again
+            done[i] += 1
+            if done[i] == 1 and all(done):
+                print("ready", flush=True)
+
+for i in range(count):
+    threading.Thread(target=run, args=(i,), daemon=True).start()
+threading.Event().wait()
+"""
+
+
+class Crowd:
+    """`count` clients hitting the server in a loop, in a process of their own (so that their
+    own work does not compete with the server's threads inside this one): attackers (event
+    subscribes and tree views of distinct max_nodes) or benign clients (the stats route)."""
+
+    def __init__(self, url: str, count: int, attack: bool) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", CROWD_SCRIPT, url, str(count),
+                                         "attack" if attack else "benign"], stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "ready"  # every client has been served once
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait(60)
+
+
+def test_many_views_beside_an_innocent_stream_do_not_stall_it(big_tree_server: tuple[AsyncEngine, str]) -> None:
+    engine, url = big_tree_server
+    expected, _, _ = _innocent_run(url)
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for _ in range(REPETITIONS):
+        for attack in (False, True):  # alternated, so both see the same machine load
+            crowd = Crowd(url, ATTACKERS, attack)
+            text, ttft, gap = _innocent_run(url)
+            crowd.close()
+            assert text == expected
+            runs[attack].append((ttft, gap))
+    benign_ttft, benign_gap = (statistics.median(r[k] for r in runs[False]) for k in (0, 1))
+    attack_ttft, attack_gap = (statistics.median(r[k] for r in runs[True]) for k in (0, 1))
+    print(f"benign ttft {benign_ttft:.3f} gap {benign_gap:.3f}; attack ttft {attack_ttft:.3f} gap {attack_gap:.3f}")
+    assert attack_ttft <= 2 * benign_ttft, runs
+    assert attack_gap <= 2 * benign_gap, runs
+    # The attackers' views were real, and the events contract held: a reader now agrees with the tree.
+    stats = httpx.get(f"{url}/v1/cache/stats").json()
+    assert stats["tree_copies"] >= 1 and stats["events"]["snapshot_builds"] >= 1
+    # A copy of the tree takes the engine thread in many small pieces, never all at once.
+    pieces = engine.stats()["view_pieces"]
+    nodes = httpx.get(f"{url}/v1/cache/tree?max_nodes=3").json()["nodes_total"]
+    assert engine.stats()["view_pieces"] - pieces >= nodes // NODES_PER_PIECE > 10
+    with httpx.Client(base_url=url, timeout=300) as client:
+        with client.stream("GET", "/v1/cache/events") as response:
+            snapshot = next(json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: "))
+    pages = {(block["namespace"], h) for block in snapshot["blocks"] for h in block["hashes"]}
+    assert pages == engine.engine.cache_page_hashes()
+
+
+def test_idle_event_readers_time_out() -> None:
+    engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=64))
+    with running_server(create_app(engine, cache_events_idle_timeout_s=1.0)) as url:
+        ended: list[float] = []
+
+        def idle_reader() -> None:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                with client.stream("GET", "/v1/cache/events") as response:
+                    for _ in response.iter_lines():
+                        pass  # the snapshot, keep-alives, then the server closes the stream
+            ended.append(time.monotonic())
+
+        readers = [threading.Thread(target=idle_reader) for _ in range(3)]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join(60)
+        assert len(ended) == 3
+        events = httpx.get(f"{url}/v1/cache/stats").json()["events"]
+        assert events["readers"] == 0 and events["idle_closed"] == 3 and events["idle_timeout_s"] == 1.0
+
+
+def test_sliced_work_stops_when_its_caller_leaves() -> None:
+    """A view whose caller left (its future cancelled) runs no further piece."""
+    async def scenario() -> None:
+        engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=64))
+        await engine.start()
+        pieces = []
+
+        def endless() -> Iterator[None]:
+            while True:
+                pieces.append(1)
+                yield
+
+        try:
+            future = engine.run_sliced(endless)
+            while len(pieces) < 10:
+                await asyncio.sleep(0.01)
+            future.cancel()
+            await asyncio.sleep(0.1)
+            stopped_at = len(pieces)
+            await asyncio.sleep(0.3)
+            assert len(pieces) == stopped_at
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_sliced_copy_corrected_by_its_events_is_exact(seed: int) -> None:
+    """The tree changes between every few nodes copied (inserts, splits, evictions, flushes);
+    the copy's page hashes with the events of that time applied equal the tree's pages."""
+    engine = Engine(model="demo", page_size=1, num_pages=600)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine.generate(_branchy_prompts(60, 10, seed), params)
+    events: list[Any] = []
+    engine.subscribe_events(events.append)
+    start_seq = engine.cache_events.seq
+    work = copy_tree(engine.tree, nodes_per_piece=4)
+    rng = random.Random(seed)
+    while True:
+        try:
+            next(work)
+        except StopIteration as stop:
+            copy = stop.value
+            break
+        roll = rng.random()
+        if roll < 0.03:
+            engine.flush_cache()
+        elif roll < 0.6:
+            engine.generate(_branchy_prompts(rng.randrange(1, 4), rng.randrange(3, 30), rng.randrange(10**6)), params)
+    assert len(events) > 20 and any(e.seq > start_seq for e in events)
+    pages = run_to_end(device_page_hashes(copy, namespace_id))
+    mirror = PageMirror(pages, seq=start_seq, cursor=0, generation=0, page_size=1)
+    mirror.apply([e for e in events if e.seq > start_seq])
+    got = {(ns, h) for ns, hashes in mirror.pages.items() for h in hashes}
+    assert got == engine.cache_page_hashes()
