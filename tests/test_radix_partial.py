@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.cache.events import BlockRemoved, BlockStored, CacheEvent, CacheEventHub
+from radixserve.cache.events import BlockRemoved, CacheEvent, CacheEventHub
 from radixserve.cache.invariants import check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixNode, RadixTree, Retention

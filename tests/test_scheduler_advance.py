@@ -3,11 +3,11 @@ of no layers and a tree), checked value by value."""
 
 from __future__ import annotations
 
-from radixserve.cache.pool import DROPPED_PAGE, PagePool
+from radixserve.cache.pool import OUT_OF_WINDOW_PAGE, PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.policy import make_schedule_policy
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 
 PAGE = 4
@@ -19,9 +19,9 @@ def make_scheduler(max_batch_tokens: int = 64, window: int | None = None) -> Sch
                      max_batch_tokens=max_batch_tokens, clock=lambda: 0.0, window=window)
 
 
-def queue(scheduler: Scheduler, request_id: str, tokens: list[int]) -> Sequence:
+def queue(scheduler: Scheduler, request_id: str, tokens: list[int]) -> SequenceState:
     request = Request(request_id, list(tokens), SamplingParams(max_tokens=8), 0.0)
-    seq = Sequence(request, 0, list(tokens), None, None, None)  # type: ignore[arg-type]
+    seq = SequenceState(request, 0, list(tokens), None, None, None)  # type: ignore[arg-type]
     request.sequences.append(seq)
     scheduler.waiting.append(seq)
     return seq
@@ -33,9 +33,9 @@ def test_prefill_chunks_advance_cache_their_full_pages_and_ask_for_tokens_in_chu
     b = queue(scheduler, "b", [20, 21, 22])  # less than a page: nothing to cache
     chunks = scheduler.schedule()
     assert [(c.seq, c.num_new) for c in chunks] == [(a, 10), (b, 3)]
-    calls: list[tuple[Sequence, int, int]] = []
+    calls: list[tuple[SequenceState, int, int]] = []
 
-    def on_last_token(seq: Sequence) -> None:  # sees each chunk's bookkeeping before the next's
+    def on_last_token(seq: SequenceState) -> None:  # sees each chunk's bookkeeping before the next's
         calls.append((seq, a.num_computed, b.num_computed))
 
     released = scheduler.advance(chunks, on_last_token)
@@ -49,7 +49,7 @@ def test_prefill_chunks_advance_cache_their_full_pages_and_ask_for_tokens_in_chu
 def test_a_chunk_short_of_the_last_token_asks_for_none_and_a_decode_chunk_caches_nothing() -> None:
     scheduler = make_scheduler(max_batch_tokens=6)
     a = queue(scheduler, "a", list(range(1, 11)))
-    calls: list[Sequence] = []
+    calls: list[SequenceState] = []
     chunks = scheduler.schedule()
     assert [(c.seq, c.num_new) for c in chunks] == [(a, 6)]
     scheduler.advance(chunks, calls.append)
@@ -67,15 +67,15 @@ def test_a_chunk_short_of_the_last_token_asks_for_none_and_a_decode_chunk_caches
 def test_pages_that_leave_the_window_are_released_and_returned() -> None:
     scheduler = make_scheduler(window=PAGE)
     a = queue(scheduler, "a", [1, 2, 3])  # no full page: nothing locked in the tree
-    calls: list[Sequence] = []
+    calls: list[SequenceState] = []
     scheduler.advance(scheduler.schedule(), calls.append)
     released: list[int] = []
     for token in range(4, 9):  # positions 3..7: at 8 computed, page 0 is wholly out of the window
         a.token_ids.append(token)
         released += scheduler.advance(scheduler.schedule(), calls.append)
     first_page = released[0] if released else None
-    assert (a.num_computed, a.dropped_pages, len(released)) == (8, 1, 1)
-    assert a.block_table[0] == DROPPED_PAGE and first_page not in a.block_table
+    assert (a.num_computed, a.pages_out_of_window, len(released)) == (8, 1, 1)
+    assert a.block_table[0] == OUT_OF_WINDOW_PAGE and first_page not in a.block_table
     assert scheduler.pool.refcount(first_page) == 0
     assert calls == [a] * 6
 

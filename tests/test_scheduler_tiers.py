@@ -15,7 +15,7 @@ from radixserve.cache.radix import RadixTree
 from radixserve.cache.tiers import HostTier
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.policy import make_schedule_policy
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 
 P = 4
@@ -38,9 +38,9 @@ def make(num_pages: int, load_s_per_page: float = 0.0):
     return clock, pool, tree, scheduler
 
 
-def submit(scheduler: Scheduler, tokens: list[int], arrival: float = 0.0) -> Sequence:
+def submit(scheduler: Scheduler, tokens: list[int], arrival: float = 0.0) -> SequenceState:
     req = Request(str(len(scheduler.waiting) + len(scheduler.running)), tokens, SamplingParams(), arrival)
-    seq = Sequence(req, 0, list(tokens), None, None, None)
+    seq = SequenceState(req, 0, list(tokens), None, None, None)
     req.sequences.append(seq)
     scheduler.waiting.append(seq)
     return seq

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.engine.request import Sequence
+from radixserve.engine.request import SequenceState
 from tests.model_helpers import load_reference, write_tiny_checkpoint
 from tests.test_beam_search import assert_same_beams, beam_params, hf_beams
 from tests.test_engine import assert_cached_kv_is_factual
@@ -84,8 +84,8 @@ def assert_equals_transformers(reference: Reference, prompt: list[int], out) -> 
         assert [v for _, v in lp.top] == pytest.approx(row.topk(TOP).values.tolist(), abs=1e-4), f"step {step}"
 
 
-def held_pages(seq: Sequence) -> int:
-    return len(seq.block_table) - seq.dropped_pages
+def held_pages(seq: SequenceState) -> int:
+    return len(seq.block_table) - seq.pages_out_of_window
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixserve.cache.invariants import SequenceView, check_invariants
-from radixserve.cache.pool import DROPPED_PAGE, PagePool
+from radixserve.cache.pool import OUT_OF_WINDOW_PAGE, PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.policy import make_schedule_policy
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 
 PREFIXES = [[7] * 30, [7] * 12 + [8] * 18, [9, 10] * 15]
@@ -55,14 +55,14 @@ def make_scheduler(num_pages: int, page_size: int, window: int, max_batch_tokens
 _ids = itertools.count()
 
 
-def new_sequence(tokens: list[int], max_tokens: int) -> Sequence:
+def new_sequence(tokens: list[int], max_tokens: int) -> SequenceState:
     request = Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens), 0.0)
-    seq = Sequence(request, 0, list(tokens), None, None, None)  # type: ignore[arg-type]
+    seq = SequenceState(request, 0, list(tokens), None, None, None)  # type: ignore[arg-type]
     request.sequences.append(seq)
     return seq
 
 
-def run_step(scheduler: Scheduler, next_token) -> list[Sequence]:
+def run_step(scheduler: Scheduler, next_token) -> list[SequenceState]:
     """One step: every chunk reads its windows (checked) and writes its tokens; sequences
     that reach max_tokens finish (cached). Returns the finished ones."""
     pool: TokenPool = scheduler.pool  # type: ignore[assignment]
@@ -76,7 +76,7 @@ def run_step(scheduler: Scheduler, next_token) -> list[Sequence]:
         for query in range(start, start + chunk.num_new):
             for pos in range(max(0, query - window + 1), query + 1):
                 page = seq.block_table[pos // size]
-                assert page != DROPPED_PAGE, f"position {pos} in the window of {query} was released"
+                assert page != OUT_OF_WINDOW_PAGE, f"position {pos} in the window of {query} was released"
                 assert pool.slots[page, pos % size] == seq.token_ids[pos], f"page {page} holds another token"
         needs_logits = chunk.needs_logits
         seq.num_computed += chunk.num_new
@@ -103,8 +103,8 @@ def check_all(scheduler: Scheduler) -> None:
             continue
         assert (pool.slots[pages].reshape(-1) == np.asarray(node.tokens)).all(), "a cached page holds other tokens"
     for seq in scheduler.running:
-        if seq.dropped_pages:  # far past its cached prefix: the window's pages only
-            assert len(seq.block_table) - seq.dropped_pages <= math.ceil(window / size) + 1
+        if seq.pages_out_of_window:  # far past its cached prefix: the window's pages only
+            assert len(seq.block_table) - seq.pages_out_of_window <= math.ceil(window / size) + 1
 
 
 class WindowMachine(RuleBasedStateMachine):
@@ -177,7 +177,7 @@ def test_decoding_far_past_the_window_holds_only_the_window(page_size: int) -> N
         run_step(scheduler, lambda: next(counter))
         check_all(scheduler)
         if not seq.finished:
-            held.append((seq.num_computed, len(seq.block_table) - seq.dropped_pages))
+            held.append((seq.num_computed, len(seq.block_table) - seq.pages_out_of_window))
     # Once the window has left the cached prompt, it holds exactly the pages that overlap
     # positions n - window + 1 .. n - 1 (n tokens computed), never more than the bound.
     far = [(n, pages) for n, pages in held if n - window + 1 >= len(prompt)]

@@ -8,13 +8,13 @@ appended since the last step, so a step's host work is proportional to the batch
 the new pages; the rest is numpy over the batch (`AttentionMetadata.from_page_arrays`).
 
 The contract with whoever owns the tables (the scheduler): a sequence's block table list is
-only ever *appended to* in place; any other change (pages replaced, the table dropped)
+only ever *appended to* in place; any other change (pages replaced, the table out_of_window)
 assigns a new list. The mirror holds a reference to the list it copied, so a new list is
 always noticed. With `verify=True` (the engine's debug checks) every mirror is compared with
 its list each step, so a change in place that breaks the contract fails loudly in tests.
 
 Sliding window. A sequence that released its leading pages (they fell out of every layer's
-window) says how many (`dropped_pages`); their entries stay in its list as placeholders and
+window) says how many (`pages_out_of_window`); their entries stay in its list as placeholders and
 the metadata lists only the pages after them, with the tokens before as `kv_offsets`.
 """
 
@@ -60,7 +60,7 @@ class MetadataBuilder:
     """Builds each step's `AttentionMetadata` from (sequence id, block table, lengths).
 
     Keeps an array mirror of every recently seen sequence's block table (see the module
-    docstring for the contract); mirrors of sequences that stop appearing are dropped.
+    docstring for the contract); mirrors of sequences that stop appearing are out_of_window.
     """
 
     def __init__(self, page_size: int, device: str | torch.device, *, verify: bool = False) -> None:
@@ -73,7 +73,7 @@ class MetadataBuilder:
 
     def build(self, seq_ids: Sequence[int], block_tables: Sequence[Sequence[int]],
               kv_lens: Sequence[int], num_new_tokens: Sequence[int],
-              dropped_pages: Sequence[int] | None = None) -> AttentionMetadata:
+              pages_out_of_window: Sequence[int] | None = None) -> AttentionMetadata:
         """The metadata of one step; arguments as in `AttentionMetadata.build`, plus a stable
         id per sequence and, per sequence, how many leading pages of its table it released
         (sliding window; default none). Raises ValueError on inconsistent inputs."""
@@ -83,9 +83,9 @@ class MetadataBuilder:
         size = self.page_size
         kv = np.fromiter(kv_lens, dtype=np.int64, count=len(kv_lens))
         needed = (-(-kv // size)).tolist()
-        dropped = [0] * len(seq_ids) if dropped_pages is None else list(dropped_pages)
+        out_of_window = [0] * len(seq_ids) if pages_out_of_window is None else list(pages_out_of_window)
         tables: list[np.ndarray] = []
-        for seq_id, table, n, first in zip(seq_ids, block_tables, needed, dropped):
+        for seq_id, table, n, first in zip(seq_ids, block_tables, needed, out_of_window):
             mirror = self._mirrors.get(seq_id)
             if mirror is None:
                 mirror = self._mirrors[seq_id] = _TableMirror()
@@ -99,9 +99,9 @@ class MetadataBuilder:
             self._last_seen[seq_id] = self._step
         self._prune(len(seq_ids))
         qo = np.fromiter(num_new_tokens, dtype=np.int64, count=len(num_new_tokens))
-        if not any(dropped):
+        if not any(out_of_window):
             return AttentionMetadata.from_page_arrays(tables, kv, qo, size, self.device)
-        offsets = np.asarray(dropped, dtype=np.int64) * size
+        offsets = np.asarray(out_of_window, dtype=np.int64) * size
         return AttentionMetadata.from_page_arrays(tables, kv - offsets, qo, size, self.device, offsets)
 
     @staticmethod

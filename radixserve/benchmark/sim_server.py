@@ -31,7 +31,7 @@ from radixserve.cache.tiers import HostTier
 from radixserve.cache.transfer import KVCopier, LoadHandle
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.policy import make_schedule_policy
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 
 FILLER_TOKEN = 1 << 30  # generated tokens of unknown replies: FILLER_TOKEN + request index, unique
@@ -132,7 +132,7 @@ class SimRequest(Request):
         return self.rule.ranges(self.bench, self.cached_tokens or 0)
 
 
-class SimSequence(Sequence):
+class SimSequence(SequenceState):
     """A sequence whose tokens live in a `TokenBuffer`."""
 
     @property
@@ -209,7 +209,7 @@ class SimServer:
         self.now += self.spec.decode_step_s + prefilled / self.spec.prefill_tokens_per_s
         finished: list[SimRequest] = []
 
-        def take_token(seq: Sequence) -> None:
+        def take_token(seq: SequenceState) -> None:
             """The model's next token is the reply's; the last one ends the request."""
             req: SimRequest = seq.request
             if req.first_token_at is None:

@@ -75,7 +75,7 @@ class LRUPolicy(EvictionPolicy):
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (PriorityPolicy, LRUPolicy)}
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_eviction_policy(name: str) -> EvictionPolicy:
     """The eviction policy called `name` ("priority" or "lru")."""
     try:
         return POLICIES[name]()

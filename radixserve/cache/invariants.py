@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.cache.pool import DROPPED_PAGE, PagePool
+from radixserve.cache.pool import OUT_OF_WINDOW_PAGE, PagePool
 from radixserve.cache.radix import RadixNode, RadixTree
 
 
@@ -29,7 +29,7 @@ class SequenceView:
 
     block_table: Sequence[int]
     num_tokens: int   # tokens whose K/V are in the pages
-    window: int | None = None  # sliding window: leading pages before it may be DROPPED_PAGE
+    window: int | None = None  # sliding window: leading pages before it may be OUT_OF_WINDOW_PAGE
 
 
 def _fail(rule: str, message: str) -> None:
@@ -52,7 +52,7 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
       every unlocked leaf is queued for eviction;
     - no page is cached twice (namespaces never share pages);
     - block tables: `len(block_table) == ceil(num_tokens / page_size)`, no page listed twice;
-    - sliding window: DROPPED_PAGE entries only in a sequence with a window, only leading, and
+    - sliding window: OUT_OF_WINDOW_PAGE entries only in a sequence with a window, only leading, and
       exactly the pages wholly before the window of its next token (position num_tokens sees
       the `window` positions ending there), so it holds at most ceil(window / page_size) + 1;
     - copy-on-write: a sequence's next write slot, when it lies in a page it already has (the
@@ -75,10 +75,10 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
         if len(table) != expected:
             _fail("block-table-coverage", f"sequence {i}: {len(table)} pages for {seq.num_tokens} "
                   f"tokens, expected {expected} (page size {size})")
-        dropped = int(np.argmax(table != DROPPED_PAGE)) if (table != DROPPED_PAGE).any() else len(table)
-        if dropped:
-            _check_window(i, table, dropped, seq, size)
-            table = table[dropped:]
+        out_of_window = int(np.argmax(table != OUT_OF_WINDOW_PAGE)) if (table != OUT_OF_WINDOW_PAGE).any() else len(table)
+        if out_of_window:
+            _check_window(i, table, out_of_window, seq, size)
+            table = table[out_of_window:]
         if len(np.unique(table)) != len(table):
             _fail("block-table-duplicate", f"sequence {i}: block table {table.tolist()} lists a page twice")
         held.append(table)
@@ -118,15 +118,15 @@ def check_invariants(pool: PagePool, tree: RadixTree | None, sequences: Iterable
         _check_host_tier(tree)
 
 
-def _check_window(i: int, table: np.ndarray, dropped: int, seq: SequenceView, size: int) -> None:
-    """A sequence with `dropped` leading DROPPED_PAGE entries (see check_invariants)."""
+def _check_window(i: int, table: np.ndarray, out_of_window: int, seq: SequenceView, size: int) -> None:
+    """A sequence with `out_of_window` leading OUT_OF_WINDOW_PAGE entries (see check_invariants)."""
     if seq.window is None:
-        _fail("window-dropped", f"sequence {i}: {dropped} dropped pages but no sliding window")
-    if (table[dropped:] == DROPPED_PAGE).any():
-        _fail("window-dropped", f"sequence {i}: a dropped page after a held one: {table.tolist()}")
+        _fail("window-out_of_window", f"sequence {i}: {out_of_window} out_of_window pages but no sliding window")
+    if (table[out_of_window:] == OUT_OF_WINDOW_PAGE).any():
+        _fail("window-out_of_window", f"sequence {i}: a out_of_window page after a held one: {table.tolist()}")
     out_of_window = max(0, seq.num_tokens - seq.window + 1) // size
-    if dropped != out_of_window:
-        _fail("window-dropped", f"sequence {i}: {dropped} pages dropped, but {out_of_window} lie wholly "
+    if out_of_window != out_of_window:
+        _fail("window-out_of_window", f"sequence {i}: {out_of_window} pages out_of_window, but {out_of_window} lie wholly "
               f"before the window of {seq.window} ending at position {seq.num_tokens}")
 
 

@@ -5,7 +5,7 @@ pool's pages held for the tree, the host eviction queue, the counters (host page
 on the host only), the shielding of the pages one device eviction takes, and the placement
 operations — offload on device eviction (`leave_device`, `end_eviction`), host eviction,
 load-back, write-through, adopting a caller's pages over host-only ones, and fencing
-unfinished loads (`settle`). What may move is the rule of its `HostTier` (tiers.py:
+unfinished loads (`fence`). What may move is the rule of its `HostTier` (tiers.py:
 `offloads`, `writes_through`); the data moves through the tier's `KVCopier` (transfer.py).
 
 The seam. The tree (radix.py) holds one `HostPlacement` (None without a host tier) and calls
@@ -161,7 +161,7 @@ class HostPlacement:
             call.leaving.append((node, node.pages))
         else:
             self._host_only += count
-            self.settle(node)
+            self.fence(node)
         freed += tree.lose_device(node)
         node.left_device_in = call.number
         call.left.append(node)
@@ -223,7 +223,7 @@ class HostPlacement:
         else:
             if self._reporter.active:
                 self._reporter.removed(node, keep, HOST)
-            self.settle(node)
+            self.fence(node)
             evicted = node.host[keep:]
             del node.host[keep:]
             self._cached -= count
@@ -320,7 +320,7 @@ class HostPlacement:
             self._reporter.stored(node, 0, HOST)
 
     # ------------------------------------------------------------------ removal
-    def settle(self, node: RadixNode) -> None:
+    def fence(self, node: RadixNode) -> None:
         """Before pages of `node` are freed: an unfinished load into it is fenced."""
         if node.loading is not None:
             if not node.loading.done():
@@ -331,7 +331,7 @@ class HostPlacement:
         """The tree drops `nodes` (on both tiers): fences their loads, frees their host pages."""
         host: list[int] = []
         for node in nodes:
-            self.settle(node)
+            self.fence(node)
             if node.host is not None:
                 host += node.host
                 if not node.pages:
@@ -345,7 +345,7 @@ class HostPlacement:
         every queued entry (unlock re-queues a node)."""
         for node in nodes:
             if node.pages and node.host is not None:
-                self.settle(node)
+                self.fence(node)
                 self._cached -= len(node.host)
                 self.pool.decref(node.host)
                 node.host = None

@@ -26,7 +26,7 @@ def as_int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
 
 # A block-table entry whose page its sequence has released: the page lay wholly before the
 # sliding attention window (see engine/scheduler.py, Scheduler.trim_window). Never a page id.
-DROPPED_PAGE = -1
+OUT_OF_WINDOW_PAGE = -1
 
 
 class OutOfPages(RuntimeError):

@@ -33,7 +33,7 @@ import numpy as np
 from radixserve.cache.device_tier import DeviceTier
 from radixserve.cache.event_reporter import TreeEventReporter
 from radixserve.cache.events import DEVICE, HOST, CacheEventHub
-from radixserve.cache.eviction import EvictionOrder, make_policy
+from radixserve.cache.eviction import EvictionOrder, make_eviction_policy
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
 from radixserve.cache.pool import PagePool
@@ -79,7 +79,7 @@ class RadixTree:
                  events: CacheEventHub | None = None, host: HostTier | None = None) -> None:
         self.pool = pool
         self.page_size: int = pool.page_size
-        self.policy = make_policy(eviction_policy)
+        self.policy = make_eviction_policy(eviction_policy)
         self._order = EvictionOrder(self.policy, self.page_size)
         self.events = events
         self.host = host

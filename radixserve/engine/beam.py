@@ -17,7 +17,7 @@ float32 and with the same top-k calls, so ties and roundings fall the same way:
   or True), or reaches max_tokens when early_stopping is "never" and length_penalty > 0.
 
 `BeamGroup` binds a scorer to the sequences of one request: the running beams (each a
-`Sequence` holding pages), the logits they have delivered this step, and the finished
+`SequenceState` holding pages), the logits they have delivered this step, and the finished
 hypotheses (frozen sequences that keep their full pages, so the winners can be cached).
 The page mechanics (sharing, copy-on-write) are the scheduler's; the engine drives both.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.engine.params import SamplingParams
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 
 NEG_INF = -1.0e9  # transformers' "impossible" score; the same constant keeps ties identical
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -147,7 +147,7 @@ class Hypothesis:
     """A finished beam: its normalised score and a frozen sequence holding its full pages."""
 
     score: float
-    seq: Sequence
+    seq: SequenceState
 
 
 @dataclass(eq=False)
@@ -163,7 +163,7 @@ class BeamGroup:
 
     request: Request
     scorer: BeamScorer
-    running: list[Sequence] = field(default_factory=list)
+    running: list[SequenceState] = field(default_factory=list)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> log-probabilities
     hypotheses: list[Hypothesis] = field(default_factory=list)
     done: bool = False  # the search ended (or the request was aborted); nothing holds pages
@@ -176,7 +176,7 @@ class BeamGroup:
                             params.max_tokens, stop_token_ids)
         return cls(request, scorer)
 
-    def deliver(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def deliver(self, seq: SequenceState, logits: torch.Tensor) -> None:
         """Records a running beam's next-token logits (float32 [V])."""
         self.logits[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
 
@@ -185,7 +185,7 @@ class BeamGroup:
         """Every running beam has delivered its log-probabilities for this step."""
         return bool(self.running) and all(s.seq_id in self.logits for s in self.running)
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: SequenceState) -> None:
         """Drops what a beam delivered (it is preempted: it recomputes and delivers again)."""
         self.logits.pop(seq.seq_id, None)
 

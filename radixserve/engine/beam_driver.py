@@ -19,12 +19,12 @@ import torch
 from radixserve.cache.invariants import InvariantError
 from radixserve.engine.beam import BeamGroup, Candidate, Hypothesis
 from radixserve.engine.params import SamplingParams
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-NewBeam = Callable[[Request, list[int]], Sequence]  # a beam of the request over these tokens
+NewBeam = Callable[[Request, list[int]], SequenceState]  # a beam of the request over these tokens
 
 
 class BeamDriver:
@@ -42,7 +42,7 @@ class BeamDriver:
     """
 
     def __init__(self, scheduler: Scheduler, *, new_beam: NewBeam,
-                 finish: Callable[[Sequence, str], None], fail: Callable[[Request], None],
+                 finish: Callable[[SequenceState, str], None], fail: Callable[[Request], None],
                  retire: Callable[[Request], None], eos_token_ids: set[int],
                  released: list[int], counters: dict[str, int]) -> None:
         self.scheduler = scheduler
@@ -58,14 +58,14 @@ class BeamDriver:
         """The tokens that end a hypothesis of a request with `params`."""
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_token_ids)
 
-    def start(self, req: Request) -> Sequence:
+    def start(self, req: Request) -> SequenceState:
         """Gives `req` its beam group; returns the first beam (the prompt), to be queued."""
         req.beam = BeamGroup.for_request(req, self.stop_tokens(req.params))
         first = self._new_beam(req, list(req.prompt_ids))
         req.beam.running.append(first)
         return first
 
-    def deliver(self, beams: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+    def deliver(self, beams: list[tuple[SequenceState, int]], logits: torch.Tensor) -> None:
         """Hands each beam its logits row; a group whose beams have all delivered steps."""
         groups: dict[int, BeamGroup] = {}
         for seq, row in beams:
@@ -111,7 +111,7 @@ class BeamDriver:
         copies = extra if parents[0].num_computed % self.scheduler.page_size else 0
         fits = (len(self.scheduler.running) + extra <= self.scheduler.max_running
                 and self.scheduler.ensure_free(copies))
-        running: list[Sequence] = [parents[0]] * len(result.running)
+        running: list[SequenceState] = [parents[0]] * len(result.running)
         for i, ranks in children.items():
             parent = parents[i]
             for rank in ranks[1:]:
@@ -129,14 +129,14 @@ class BeamDriver:
         if not fits:  # all of the group waits, and is admitted again as a whole
             self.scheduler.preempt_unit(running)
 
-    def _hypothesis(self, entry: Candidate | Hypothesis, parents: list[Sequence]) -> Hypothesis:
+    def _hypothesis(self, entry: Candidate | Hypothesis, parents: list[SequenceState]) -> Hypothesis:
         """A finished candidate becomes a hypothesis frozen at its parent's pages plus its token."""
         if not isinstance(entry, Candidate):
             return entry
         parent = parents[entry.parent]
         seq = self._new_beam(parent.request, parent.token_ids + [entry.token])
         seq.output_ids = parent.output_ids + [entry.token]
-        if not parent.dropped_pages:  # else it could never be cached: it holds nothing
+        if not parent.pages_out_of_window:  # else it could never be cached: it holds nothing
             self.scheduler.share_full_pages(parent, seq)
         return Hypothesis(entry.score, seq)
 

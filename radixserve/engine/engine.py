@@ -28,7 +28,7 @@ from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, 
 from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -188,10 +188,10 @@ class Engine:
         """The longest prompt + output one sample can have: the context, or the pool if smaller."""
         return max_sequence_len(self.max_context_len, self.pool.num_pages, self.page_size)
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int], *, output: bool = True) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int], *, output: bool = True) -> SequenceState:
         """A sequence of `req`; `output`: one of the request's samples (not a beam)."""
         seed = None if req.params.beam_search else sampling_seed(req.params, index, self._rng)
-        seq = Sequence(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
+        seq = SequenceState(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                        StopStringMatcher(list(req.params.stop)), seed)
         if req.params.grammar is not None:
             seq.grammar = self.grammars.matcher(req.params.grammar)
@@ -199,7 +199,7 @@ class Engine:
             req.sequences.append(seq)
         return seq
 
-    def _new_beam(self, req: Request, token_ids: list[int]) -> Sequence:
+    def _new_beam(self, req: Request, token_ids: list[int]) -> SequenceState:
         return self._new_sequence(req, 0, token_ids, output=False)
 
     def abort(self, request_id: str) -> None:
@@ -304,11 +304,11 @@ class Engine:
 
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         clock, timings = time.perf_counter, self._timings
-        ready: list[tuple[Sequence, int]] = []  # (sequence, logits row)
-        beams: list[tuple[Sequence, int]] = []  # beam-search beams: their rows go to their group
+        ready: list[tuple[SequenceState, int]] = []  # (sequence, logits row)
+        beams: list[tuple[SequenceState, int]] = []  # beam-search beams: their rows go to their group
         next_row = itertools.count()  # the k-th sequence that needs a token has the k-th logits row
 
-        def take_row(seq: Sequence) -> None:
+        def take_row(seq: SequenceState) -> None:
             row = next(next_row)
             if seq.request.beam is not None:
                 beams.append((seq, row))
@@ -346,7 +346,7 @@ class Engine:
         finishing = timings.seconds["tree"] - tree_before  # _finish's share, counted there
         timings.add("detokenize", clock() - t2 - finishing)
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
+    def _fork(self, parent: SequenceState) -> list[SequenceState]:
         """Samples 1..n-1 of a request start from sample 0's computed prompt pages."""
         req = parent.request
         children = []
@@ -359,7 +359,7 @@ class Engine:
                 self.scheduler.waiting.append(child)
         return children
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+    def _append_token(self, seq: SequenceState, token: int, logprob: TokenLogprob | None) -> None:
         self._counters["generated_tokens"] += 1
         reason = push_token(seq, token, logprob, self.eos_token_ids, self.max_context_len)
         if reason is not None:
@@ -369,7 +369,7 @@ class Engine:
         if seq.request.finished:
             self._retire(seq.request)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: SequenceState, reason: str) -> None:
         """Ends a sample: its computed full pages stay cached with the request's retention."""
         req = seq.request
         seq.finish_reason = reason

@@ -138,6 +138,6 @@ def check_engine(scheduler: Scheduler, tree: RadixTree, beams: BeamDriver, reque
             holders.extend(h.seq for h in req.beam.hypotheses)
             beams.check(req.beam)
     views = [SequenceView(s.block_table, s.num_computed, scheduler.window) for s in holders]
-    held = {p for s in holders for p in s.block_table[s.dropped_pages:]}
+    held = {p for s in holders for p in s.block_table[s.pages_out_of_window:]}
     held.update(p for _, pages in tree.nodes() for p in pages)
     check_invariants(scheduler.pool, tree, views, released_pages=[p for p in released if p not in held])

@@ -12,7 +12,7 @@ simply forgotten: it holds nothing.
 
 from __future__ import annotations
 
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 
 
@@ -21,7 +21,7 @@ class PausedRequests:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self._held: dict[str, list[Sequence]] = {}
+        self._held: dict[str, list[SequenceState]] = {}
         self.pauses = 0  # requests paused so far (a counter for stats)
 
     def pause(self, req: Request) -> bool:
@@ -46,7 +46,7 @@ class PausedRequests:
         """Drops a request that ended while paused (its sequences hold no page)."""
         self._held.pop(request_id, None)
 
-    def holds(self, seq: Sequence) -> bool:
+    def holds(self, seq: SequenceState) -> bool:
         """Whether `seq` is held here."""
         return any(seq in held for held in self._held.values())
 

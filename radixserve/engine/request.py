@@ -39,7 +39,7 @@ class Request:
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
     reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[SequenceState] = field(default_factory=list)
     cached_tokens: int | None = None  # set when its first sequence is first admitted
     host_cached_tokens: int = 0  # how many of those were copied back from the host tier
     aborted: bool = False
@@ -63,7 +63,7 @@ class Request:
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sample: its tokens, the pages that hold their K/V, and its output state.
 
     `num_computed` tokens have their K/V in the pages of `block_table`; the rest of
@@ -88,7 +88,7 @@ class Sequence:
     locked_tokens: int = 0  # tokens covered by lock_node's path (whole pages in the tree)
     loaded_tokens: int = 0  # of num_computed, tokens copied back from the host at admission
     pending_loads: list[LoadHandle] = field(default_factory=list)  # copies not done yet: wait
-    dropped_pages: int = 0  # leading block-table entries released (out of a sliding window)
+    pages_out_of_window: int = 0  # leading block-table entries released (out of a sliding window)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -16,7 +16,7 @@ class ModelRunner:
 
     The seam below the scheduler: it sees token ids, block tables and lengths, never the
     tree or the queues. Block tables are mirrored as arrays between steps (keyed by
-    `Sequence.seq_id`, see `attention/metadata.py`), so preparing a step costs time in the
+    `SequenceState.seq_id`, see `attention/metadata.py`), so preparing a step costs time in the
     batch size and the new pages, not the whole context. `verify_tables` (the engine's debug
     checks) compares each mirror with its list every step.
     """
@@ -37,7 +37,7 @@ class ModelRunner:
         # One pass over the chunks (this runs for every sequence on every step).
         input_ids: list[int] = []
         logits_indices: list[int] = []
-        seq_ids, tables, kv_lens, num_new, dropped = [], [], [], [], []
+        seq_ids, tables, kv_lens, num_new, out_of_window = [], [], [], [], []
         for chunk in chunks:
             seq, new = chunk.seq, chunk.num_new
             start, end = seq.num_computed, seq.num_computed + new
@@ -52,8 +52,8 @@ class ModelRunner:
             tables.append(seq.block_table)
             kv_lens.append(end)
             num_new.append(new)
-            dropped.append(seq.dropped_pages)
-        meta = self.metadata.build(seq_ids, tables, kv_lens, num_new, dropped)
+            out_of_window.append(seq.pages_out_of_window)
+        meta = self.metadata.build(seq_ids, tables, kv_lens, num_new, out_of_window)
         self.model.plan_attention(self.backend, meta, self.dtype)
         return (meta, torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.tensor(logits_indices, dtype=torch.int64, device=self.device))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.engine.request import Sequence
+from radixserve.engine.request import SequenceState
 
 
 @dataclass
 class ScheduledChunk:
     """`num_new` tokens of `seq`, from `seq.num_computed` on, to run in this step."""
 
-    seq: Sequence
+    seq: SequenceState
     num_new: int
 
     @property

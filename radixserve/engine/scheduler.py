@@ -19,7 +19,7 @@ is copied when two beams would both write it (copy-on-write, `fork`).
 
 Sliding window (`window`: every layer of the model attends to at most that many tokens): a
 running sequence releases each page that lies wholly before the window of its next token
-(`trim_window`); its block table marks the page DROPPED_PAGE. The tree stays prefix-closed:
+(`trim_window`); its block table marks the page OUT_OF_WINDOW_PAGE. The tree stays prefix-closed:
 pages under the sequence's tree lock are released only once all of them have left the window
 (the lock is then dropped too, and the tree keeps them as ordinary, evictable cache), and a
 sequence with dropped pages caches nothing more when it ends (what it still holds has no
@@ -35,10 +35,10 @@ from typing import Callable
 
 import numpy as np
 
-from radixserve.cache.pool import DROPPED_PAGE, PagePool
+from radixserve.cache.pool import OUT_OF_WINDOW_PAGE, PagePool
 from radixserve.cache.radix import MatchResult, RadixTree, Retention
 from radixserve.engine.policy import SchedulePolicy, common_prefix_len
-from radixserve.engine.request import Sequence
+from radixserve.engine.request import SequenceState
 from radixserve.engine.scheduled import ScheduledChunk, SchedulerCounters
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerCounters"]
@@ -62,8 +62,8 @@ class Scheduler:
         # True: a released sequence's last, partly filled page is cached too (a partial leaf),
         # so the next turn of a conversation recomputes only its new tokens at any page size.
         self.cache_partial_pages = cache_partial_pages
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[SequenceState] = []
+        self.running: list[SequenceState] = []
         self.counters = SchedulerCounters()
 
     # ------------------------------------------------------------------ scheduling
@@ -101,9 +101,9 @@ class Scheduler:
             chunks.extend(self._admit(budget))
         return chunks
 
-    def _running_units(self) -> list[list[Sequence]]:
+    def _running_units(self) -> list[list[SequenceState]]:
         """The running sequences, one list per unit: a beam group's beams, else one sequence."""
-        units: list[list[Sequence]] = []
+        units: list[list[SequenceState]] = []
         groups: set[int] = set()
         for seq in self.running:
             group = seq.request.beam
@@ -115,7 +115,7 @@ class Scheduler:
         return units
 
     @staticmethod
-    def _next_chunks(unit: list[Sequence], budget: int) -> list[ScheduledChunk]:
+    def _next_chunks(unit: list[SequenceState], budget: int) -> list[ScheduledChunk]:
         """Each member's next chunk within `budget`; members with nothing to run get none."""
         work = []
         for seq in unit:
@@ -167,7 +167,7 @@ class Scheduler:
             budget -= sum(c.num_new for c in work)
         return chunks
 
-    def _take_unit(self, unit: list[Sequence], budget: int, reserve: int) -> list[ScheduledChunk] | None:
+    def _take_unit(self, unit: list[SequenceState], budget: int, reserve: int) -> list[ScheduledChunk] | None:
         """Takes each member's cached prefix and the pages of its first chunk, all or none
         (None: the pages could not be had; nothing is held then). A member whose prefix is
         still being copied from the host gets its pages when the copy is done."""
@@ -181,13 +181,13 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _loaded(seq: Sequence) -> bool:
+    def _loaded(seq: SequenceState) -> bool:
         """Whether every copy from the host into the sequence's pages has completed."""
         if seq.pending_loads:
             seq.pending_loads = [load for load in seq.pending_loads if not load.done()]
         return not seq.pending_loads
 
-    def _shares_prefill_in_flight(self, mine: np.ndarray, seq: Sequence, cached: int) -> bool:
+    def _shares_prefill_in_flight(self, mine: np.ndarray, seq: SequenceState, cached: int) -> bool:
         """In-batch sharing: wait while another sequence computes a prefix this one needs.
 
         Once that sequence's chunk has run, its pages are in the tree and this one hits them,
@@ -218,7 +218,7 @@ class Scheduler:
             needed += math.ceil((hit + num_new) / self.page_size) - (len(match.pages) if match else 0)
         return needed + reserve <= self.pool.num_free + self.tree.evictable_pages
 
-    def _take_cached_prefix(self, seq: Sequence) -> None:
+    def _take_cached_prefix(self, seq: SequenceState) -> None:
         """Locks the sequence's longest cached prefix and takes its pages.
 
         Full pages are shared; a match that ends inside a cached page is copied into a private
@@ -267,14 +267,14 @@ class Scheduler:
             self.tree.evict(short)
         return self.pool.num_free >= num_pages
 
-    def _tokens_that_fit(self, seq: Sequence, others: list[Sequence]) -> int:
+    def _tokens_that_fit(self, seq: SequenceState, others: list[SequenceState]) -> int:
         """How many tokens past `seq.num_computed` its pages plus the free and evictable pages
         could hold, keeping a page for each of `others` whose next token needs a new page."""
         needed_by_others = sum(1 for s in others if s.num_computed % self.page_size == 0)
         available = len(seq.block_table) + self.pool.num_free + self.tree.evictable_pages - needed_by_others
         return available * self.page_size - seq.num_computed
 
-    def _reserve(self, seq: Sequence, num_tokens: int, extra_free: int = 0) -> bool:
+    def _reserve(self, seq: SequenceState, num_tokens: int, extra_free: int = 0) -> bool:
         """Gives `seq` pages for its first `num_tokens` tokens, evicting cache if needed."""
         needed = math.ceil(num_tokens / self.page_size) - len(seq.block_table)
         if needed <= 0:
@@ -284,7 +284,7 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(needed))
         return True
 
-    def cache_computed(self, seq: Sequence, retention: Retention | None,
+    def cache_computed(self, seq: SequenceState, retention: Retention | None,
                        range_retention: list[tuple[int, int, Retention]]) -> None:
         """Puts the sequence's computed full pages into the tree and moves its lock there.
 
@@ -292,7 +292,7 @@ class Scheduler:
         the tree's pages and frees its own, so equal prefixes are stored once.
         """
         full = seq.num_computed // self.page_size
-        if full == 0 or not self.prefix_cache or seq.dropped_pages:
+        if full == 0 or not self.prefix_cache or seq.pages_out_of_window:
             return
         tokens = seq.token_ids[: full * self.page_size]
         if full * self.page_size > seq.locked_tokens:
@@ -318,47 +318,47 @@ class Scheduler:
         elif retention is not None or range_retention:
             self.tree.insert(tokens, seq.block_table[:full], seq.namespace, retention, range_retention)
 
-    def _release_pages(self, seq: Sequence, cache: bool,
+    def _release_pages(self, seq: SequenceState, cache: bool,
                        retention: Retention | None = None,
                        range_retention: list[tuple[int, int, Retention]] = ()) -> list[int]:
         """Drops everything `seq` holds; with `cache`, its computed full pages stay in the tree,
         and with `cache_partial_pages` its last, partly filled page too (none once it has
         dropped pages: they would have no path from the root). Only a released sequence's
         partial page is cached: a running one still writes into it."""
-        if cache and self.prefix_cache and not seq.dropped_pages:
+        if cache and self.prefix_cache and not seq.pages_out_of_window:
             computed = seq.num_computed if self.cache_partial_pages else seq.num_computed // self.page_size * self.page_size
             self.tree.insert(seq.token_ids[:computed], seq.block_table[: -(-computed // self.page_size)],
                              seq.namespace, retention, list(range_retention), partial=self.cache_partial_pages)
-        released = seq.block_table[seq.dropped_pages:]
+        released = seq.block_table[seq.pages_out_of_window:]
         self.pool.decref(released)
         if seq.lock_node is not None:
             self.tree.unlock(seq.lock_node)
         seq.block_table = []
         seq.lock_node = None
-        seq.num_computed = seq.locked_tokens = seq.dropped_pages = 0
+        seq.num_computed = seq.locked_tokens = seq.pages_out_of_window = 0
         return released
 
-    def trim_window(self, seq: Sequence) -> list[int]:
+    def trim_window(self, seq: SequenceState) -> list[int]:
         """Releases the pages of `seq` that lie wholly before the sliding window of its next
         token (position num_computed, which attends to the `window` positions ending there);
         returns them. Pages under its tree lock go only all at once, with the lock."""
         if self.window is None:
             return []
         out_of_window = max(0, seq.num_computed - self.window + 1) // self.page_size
-        if out_of_window <= seq.dropped_pages or seq.locked_tokens > out_of_window * self.page_size:
+        if out_of_window <= seq.pages_out_of_window or seq.locked_tokens > out_of_window * self.page_size:
             return []
         if seq.lock_node is not None:
             self.tree.unlock(seq.lock_node)
             seq.lock_node, seq.locked_tokens = None, 0
-        released = seq.block_table[seq.dropped_pages:out_of_window]
+        released = seq.block_table[seq.pages_out_of_window:out_of_window]
         self.pool.decref(released)
         # A new list, not a change in place: block tables are only ever appended to in place.
-        seq.block_table = [DROPPED_PAGE] * out_of_window + seq.block_table[out_of_window:]
-        seq.dropped_pages = out_of_window
+        seq.block_table = [OUT_OF_WINDOW_PAGE] * out_of_window + seq.block_table[out_of_window:]
+        seq.pages_out_of_window = out_of_window
         return released
 
     # ------------------------------------------------------------------ after a step
-    def advance(self, chunks: list[ScheduledChunk], on_last_token: Callable[[Sequence], None]) -> list[int]:
+    def advance(self, chunks: list[ScheduledChunk], on_last_token: Callable[[SequenceState], None]) -> list[int]:
         """The bookkeeping after a forward pass over `chunks` (the engine's and the simulator's).
 
         Chunk by chunk, in order: the sequence counts the chunk's tokens as computed; a prefill
@@ -383,7 +383,7 @@ class Scheduler:
         return released
 
     # ------------------------------------------------------------------ lifecycle
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: SequenceState) -> None:
         """Stops a running sequence; its computed pages go to the tree, it recomputes later."""
         req = seq.request
         self._release_pages(seq, cache=True, retention=req.retention,
@@ -394,13 +394,13 @@ class Scheduler:
         if req.beam is not None:
             req.beam.forget(seq)  # it recomputes its tokens and delivers its logits again
 
-    def preempt_unit(self, unit: list[Sequence]) -> None:
+    def preempt_unit(self, unit: list[SequenceState]) -> None:
         """Preempts a unit (a beam group's beams, or one sequence) wherever its members are."""
         for seq in unit:
             if seq in self.running:
                 self.preempt(seq)
 
-    def finish(self, seq: Sequence, retention: Retention | None = None,
+    def finish(self, seq: SequenceState, retention: Retention | None = None,
                range_retention: list[tuple[int, int, Retention]] = (), *, cache: bool = True) -> list[int]:
         """Releases a finished or aborted sequence wherever it is; returns the pages it let go.
 
@@ -411,7 +411,7 @@ class Scheduler:
             self.waiting.remove(seq)
         return self._release_pages(seq, cache=cache, retention=retention, range_retention=range_retention)
 
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
+    def fork(self, parent: SequenceState, child: SequenceState) -> bool:
         """Starts `child` running on the parent's computed tokens: full pages shared, the last,
         partly filled page copied (copy-on-write: the two would both write it next).
 
@@ -431,13 +431,13 @@ class Scheduler:
         self.running.append(child)
         return True
 
-    def share_full_pages(self, parent: Sequence, holder: Sequence) -> None:
+    def share_full_pages(self, parent: SequenceState, holder: SequenceState) -> None:
         """Makes `holder` hold the parent's computed full pages (increfs, and the parent's tree
         lock): a beam hypothesis frozen at the parent's state, or the start of a fork."""
         full = parent.num_computed // self.page_size
         holder.block_table = list(parent.block_table[:full])
-        holder.dropped_pages = min(parent.dropped_pages, full)
-        self.pool.incref(holder.block_table[holder.dropped_pages:])
+        holder.pages_out_of_window = min(parent.pages_out_of_window, full)
+        self.pool.incref(holder.block_table[holder.pages_out_of_window:])
         holder.num_computed = full * self.page_size
         holder.lock_node, holder.locked_tokens = parent.lock_node, parent.locked_tokens
         if holder.lock_node is not None:

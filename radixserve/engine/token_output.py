@@ -9,14 +9,14 @@ from collections.abc import Callable, Container
 import torch
 
 from radixserve.engine.params import StreamDelta, TokenLogprob
-from radixserve.engine.request import Request, Sequence
+from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.sampler import compute_logprobs, sample
 from radixserve.grammar import TokenMask
 
 logger = logging.getLogger(__name__)
 
 
-def sample_rows(rows: torch.Tensor, seqs: list[Sequence],
+def sample_rows(rows: torch.Tensor, seqs: list[SequenceState],
                 fail: Callable[[Request], None]) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token (and logprobs if asked) per row; the batch at once, or row by row if the
     batch fails, so a request whose sampling fails ends alone (`fail`; a dummy token here)."""
@@ -43,14 +43,14 @@ def sample_rows(rows: torch.Tensor, seqs: list[Sequence],
     return tokens, logprobs
 
 
-def grammar_mask(seqs: list[Sequence], vocab_size: int) -> TokenMask | None:
+def grammar_mask(seqs: list[SequenceState], vocab_size: int) -> TokenMask | None:
     """The allowed tokens of the constrained sequences' rows; None (no work at all) when no
     sequence of the step has a grammar."""
     constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
     return TokenMask.for_rows(constrained, vocab_size) if constrained else None  # type: ignore[arg-type]
 
 
-def push_token(seq: Sequence, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
+def push_token(seq: SequenceState, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
                max_context_len: int) -> str | None:
     """Appends a sampled token to `seq` (ids, logprob, text past stop strings); returns why the
     sample ends with it ("stop", "length") or None if it goes on."""
@@ -88,7 +88,7 @@ class DeltaQueue:
         """Starts collecting deltas for a new request."""
         self._pending[request_id] = []
 
-    def emit(self, seq: Sequence) -> None:
+    def emit(self, seq: SequenceState) -> None:
         """Queues what is new in `seq` since its last delta (and its finish reason, if any)."""
         req = seq.request
         if req.request_id not in self._pending:
