@@ -38,30 +38,14 @@ from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
 from radixserve.cache.pool import PagePool
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRange, PageRetention, Retention, page_ranges, raise_retention
-from radixserve.cache.stats import CacheStats, Histogram
+from radixserve.cache.stats import CacheStats, Histogram, PagesFreed
 from radixserve.cache.tiers import HostTier
-from radixserve.cache.walk import (GivenPages, MatchWalk, along, as_tokens, best_partial, common_length, key_extending,
-                                   partial_prefix_of)
+from radixserve.cache.walk import (GivenPages, MatchWalk, as_tokens, best_partial, common_length, key_extending,
+                                   partial_prefix_of, retention_path)
 
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "PagesFreed", "RadixNode", "RadixTree", "Retention"]
 
 RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
-
-
-class PagesFreed(int):
-    """What a flush freed: the device pages, as the plain int `reset` has always returned,
-    with `host` the host-tier pages freed too (0 without a host tier)."""
-
-    host: int
-
-    def __new__(cls, device: int, host: int = 0) -> PagesFreed:
-        freed = super().__new__(cls, device)
-        freed.host = host
-        return freed
-
-    def tiers(self) -> dict[str, int]:
-        """Pages freed per tier, by tier name."""
-        return {DEVICE: int(self), HOST: self.host}
 
 
 class RadixTree:
@@ -316,25 +300,10 @@ class RadixTree:
         Tokens past the last full page end the retention of the page holding them too (a
         partial leaf, or the full page that superseded it): a partial leaf left raised would
         keep every page above it from eviction."""
-        size = self.page_size
-        toks = as_tokens(tokens)
-        end = len(toks) // size * size
         now = self._clock()
-        root = self._roots.get(namespace)
         last: RadixNode | None = None
-        full = covered = 0
-        for last, full in along(root, toks[:end], size):
-            self._end_temporary(last, priority, now, full)
-            covered += full
-        rest = toks[end:]
-        if len(rest) and root is not None and covered * size == end:
-            if last is None or full == self._npages(last):  # the rest starts a child's page
-                holder = key_extending(root if last is None else last, rest.tobytes())
-                if holder is not None and holder.pages:
-                    self._end_temporary(holder, priority, now, 1)
-                    last = holder
-            elif (last.tokens[full * size:full * size + len(rest)] == rest).all():  # inside the edge
-                self._end_temporary(last, priority, now, full + 1)
+        for last, num_pages in retention_path(self._roots.get(namespace), as_tokens(tokens), self.page_size):
+            self._end_temporary(last, priority, now, num_pages)
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
             self._requeue(last, now)

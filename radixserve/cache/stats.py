@@ -9,6 +9,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from radixserve.cache.events import DEVICE, HOST
+
 AGE_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
 REUSE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 
@@ -135,3 +137,19 @@ class CacheStats:
             out[f"{name}_sum"] = hist.sum
             out[f"{name}_count"] = hist.count
         return out
+
+
+class PagesFreed(int):
+    """What a flush freed: the device pages, as the plain int `reset` has always returned,
+    with `host` the host-tier pages freed too (0 without a host tier)."""
+
+    host: int
+
+    def __new__(cls, device: int, host: int = 0) -> PagesFreed:
+        freed = super().__new__(cls, device)
+        freed.host = host
+        return freed
+
+    def tiers(self) -> dict[str, int]:
+        """Pages freed per tier, by tier name."""
+        return {DEVICE: int(self), HOST: self.host}

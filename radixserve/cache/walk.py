@@ -173,3 +173,25 @@ class GivenPages:
         given_array = self.array[first:first + len(node.pages)]
         differs = given_array != node.page_array
         return given_array[differs].tolist() if differs.any() else []
+
+
+def retention_path(root: RadixNode | None, tokens: np.ndarray, page_size: int) -> Iterator[tuple[RadixNode, int]]:
+    """The nodes whose pages hold `tokens` from `root` on, each with how many of its first
+    pages do (for `RadixTree.end_retention`). Tokens past the last full page name the page
+    holding them too (a partial leaf, or the full page that superseded it): a partial leaf
+    left raised would keep every page above it from eviction."""
+    end = len(tokens) // page_size * page_size
+    last: RadixNode | None = None
+    full = covered = 0
+    for last, full in along(root, tokens[:end], page_size):
+        yield last, full
+        covered += full
+    rest = tokens[end:]
+    if not len(rest) or root is None or covered * page_size != end:
+        return
+    if last is None or full == last.num_pages(page_size):  # the rest starts a child's page
+        holder = key_extending(root if last is None else last, rest.tobytes())
+        if holder is not None and holder.pages:
+            yield holder, 1
+    elif (last.tokens[full * page_size:full * page_size + len(rest)] == rest).all():  # inside the edge
+        yield last, full + 1
