@@ -141,7 +141,7 @@ def reference_logits(hf_model: torch.nn.Module, tokens: list[int]) -> Tensor:
 
 
 @dataclass
-class SequenceState:
+class Sequence:
     """A sequence in the paged runner: its tokens and the pages holding their K/V."""
 
     block_table: list[int] = field(default_factory=list)
@@ -174,7 +174,7 @@ class PagedKV:
         self.free = list(range(num_pages))
         random.Random(seed).shuffle(self.free)
 
-    def ensure_capacity(self, seq: SequenceState, num_tokens: int) -> None:
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
         """Append pages to `seq.block_table` until it covers `num_tokens` tokens."""
         while len(seq.block_table) * self.page_size < num_tokens:
             seq.block_table.append(self.free.pop())
@@ -183,7 +183,7 @@ class PagedKV:
 def paged_step(
     model: CausalLM,
     kv: PagedKV,
-    work: list[tuple[SequenceState, list[int]]],
+    work: list[tuple[Sequence, list[int]]],
     *,
     backend: AttentionBackend | None = None,
     all_logits: bool = False,
@@ -225,7 +225,7 @@ def paged_greedy(
     """Greedy generation: one prefill step, then one decode step per token."""
     kv = PagedKV(model, num_pages=(len(prompt) + max_new_tokens) // page_size + 2,
                  page_size=page_size, seed=seed)
-    seq = SequenceState()
+    seq = Sequence()
     (logits,) = paged_step(model, kv, [(seq, prompt)])
     generated = [int(logits.argmax())]
     while len(generated) < max_new_tokens:

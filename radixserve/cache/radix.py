@@ -32,7 +32,7 @@ import numpy as np
 
 from radixserve.cache.device_tier import DeviceTier
 from radixserve.cache.event_reporter import TreeEventReporter
-from radixserve.cache.events import DEVICE, HOST, CacheEventHub
+from radixserve.cache.events import DEVICE, CacheEventHub
 from radixserve.cache.eviction import EvictionOrder, make_eviction_policy
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps

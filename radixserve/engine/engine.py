@@ -192,7 +192,7 @@ class Engine:
         """A sequence of `req`; `output`: one of the request's samples (not a beam)."""
         seed = None if req.params.beam_search else sampling_seed(req.params, index, self._rng)
         seq = SequenceState(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
-                       StopStringMatcher(list(req.params.stop)), seed)
+                            StopStringMatcher(list(req.params.stop)), seed)
         if req.params.grammar is not None:
             seq.grammar = self.grammars.matcher(req.params.grammar)
         if output:
