@@ -1,26 +1,20 @@
 """The prefix cache: a radix tree from token-id sequences to chains of KV pages.
 
-Each node's edge holds a whole number of pages of tokens and, per tier, the pages holding
-their K/V (node.py says how; walk.py how a query walks down the edges) — except a partial
-leaf, a finished request's last, partly filled page (`insert(partial=True)`): device only,
-never locked, never named in events, matched token-deep and superseded by longer inserts.
-Recency is a counter (`tick`) bumped by every match/insert and stamped on each node it
-touches, so LRU order is exact even when the clock does not move. A match or insert that ends inside an edge splits it
-at the page boundary, so every page of a node shares one tick and one hit count.
+Edges hold whole pages of tokens and, per tier, the pages holding their K/V (node.py; walk.py
+says how a query walks the edges), except a partial leaf: a finished request's last, partly
+filled page, device only, never locked or named in events, matched token-deep, superseded by
+longer inserts. Recency is a counter (`tick`) stamped on each node a match or insert touches,
+so LRU order is exact even when the clock does not move; an operation that ends inside an
+edge splits it at a page boundary, so a node's pages share one tick and one hit count.
 
-Tiers (only with a host tier, `host=`): every page is on the device, the host or both,
-uniformly per node (nodes split where that changes). The shape rule: **device pages are
-prefix-closed** — a node on the device has its parent on the device — so a match reads
-device pages first, then the continuation that lives on the host only. Without a host tier
-everything is on the device and the tree behaves exactly as a single-tier cache.
-
-This module keeps the shape (match, insert, split, lock, drop, flush) and composes the jobs
-around it, each an object or module of its own: the device tier's pages, counters and queue
-(device_tier.py), the host tier's (placement.py: offload, host eviction, load-back,
-write-through, under the rules of tiers.py and the copies of transfer.py; it works on the
-tree through the `TreeOps` the tree hands it), the eviction order and queues (eviction.py),
-per-page retention (retention.py), counters and histograms (stats.py), and the events that
-tell subscribers what the cache holds (event_reporter.py, events.py, named by page_hash.py).
+With a host tier every page is on the device, the host or both, uniformly per node, and
+device pages are prefix-closed (a node on the device has its parent there), so a match reads
+device pages, then the continuation on the host only (ARCHITECTURE.md §2). This module keeps
+the shape (match, insert, split, lock, drop, flush); the jobs around it are objects and
+modules of their own: the namespace roots (forest.py), the device tier (device_tier.py), the
+host tier (placement.py, through the `TreeOps` seam, under tiers.py's rules and transfer.py's
+copies), the eviction order (eviction.py), retention (retention.py), counters (stats.py) and
+events (event_reporter.py, events.py, page_hash.py).
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from radixserve.cache.device_tier import DeviceTier
 from radixserve.cache.event_reporter import TreeEventReporter
 from radixserve.cache.events import DEVICE, CacheEventHub
 from radixserve.cache.eviction import EvictionOrder, make_eviction_policy
+from radixserve.cache.forest import Forest
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
 from radixserve.cache.pool import PagePool
@@ -49,8 +44,7 @@ RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token
 
 
 class RadixTree:
-    """Maps token prefixes to chains of pages in `pool` (and `host.pool`); see the module
-    docstring.
+    """Maps token prefixes to chains of pages in `pool` (and `host.pool`; module docstring).
 
     The tree holds one reference on every page it caches, on either tier. `match` changes no
     refcount: the caller increfs the device pages it keeps and locks `node` while it uses
@@ -68,12 +62,11 @@ class RadixTree:
         self.events = events
         self.host = host
         self._clock = clock
-        self._roots: dict[Hashable, RadixNode] = {}
         self._tick = 0
-        self._num_nodes = 0
+        self._forest = Forest(self.page_size)
         self._stats = CacheStats()
         self._reporter = TreeEventReporter(events, self.page_size)
-        self._device = DeviceTier(pool, self._order, self._reporter, self._stats, clock, lambda: self._num_nodes)
+        self._device = DeviceTier(pool, self._order, self._reporter, self._stats, clock, lambda: self._forest.num_nodes)
         self._queue = self._device.queue  # the device eviction queue
         self._host_tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,
                                                               self._stats, clock)
@@ -81,40 +74,22 @@ class RadixTree:
     def _tier_ops(self) -> TreeOps:
         """The operations the host tier may use (placement.py's seam)."""
         return TreeOps(pool=self.pool, page_size=self.page_size, order=self._order,
-                       num_nodes=lambda: self._num_nodes, split=self._split,
+                       num_nodes=lambda: self._forest.num_nodes, split=self._split,
                        drop=lambda node: self._drop(node, report=True), detach=self._detach,
                        after_removal=self._after_removal, requeue=self._requeue,
                        gain_device=self._device.gain, lose_device=self._device.lose,
                        lock=self.lock, unlock=self.unlock)
 
     # ------------------------------------------------------------------ counters
-    @property
-    def cached_pages(self) -> int:
-        """Device pages held by the tree."""
-        return self._device.cached_pages
-
-    @property
-    def locked_pages(self) -> int:
-        """Cached device pages in locked nodes (in use by some sequence)."""
-        return self._device.locked_pages
-
-    @property
-    def evictable_pages(self) -> int:
-        """Cached device pages that repeated device eviction can free."""
-        return self._device.cached_pages - self._device.locked_pages
-
-    @property
-    def host_cached_pages(self) -> int:
-        """Host pages held by the tree (host-only pages and host copies of device pages)."""
-        return 0 if self._host_tier is None else self._host_tier.cached_pages
-
-    @property
-    def host_only_pages(self) -> int:
-        """Cached pages that live on the host only."""
-        return 0 if self._host_tier is None else self._host_tier.host_only_pages
-
-    def _npages(self, node: RadixNode) -> int:
-        return node.num_pages(self.page_size)
+    cached_pages = property(lambda self: self._device.cached_pages, doc="Device pages held by the tree.")
+    locked_pages = property(lambda self: self._device.locked_pages,
+                            doc="Cached device pages in locked nodes (in use by some sequence).")
+    evictable_pages = property(lambda self: self._device.cached_pages - self._device.locked_pages,
+                               doc="Cached device pages that repeated device eviction can free.")
+    host_cached_pages = property(lambda self: 0 if self._host_tier is None else self._host_tier.cached_pages,
+                                 doc="Host pages held (host-only pages and host copies of device pages).")
+    host_only_pages = property(lambda self: 0 if self._host_tier is None else self._host_tier.host_only_pages,
+                               doc="Cached pages that live on the host only.")
 
     # ------------------------------------------------------------------ match
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *,
@@ -132,12 +107,12 @@ class RadixTree:
         toks = as_tokens(tokens)
         size = self.page_size
         n = len(toks)
-        root = self._roots.get(namespace)
+        root = self._forest.root(namespace)
         if update:
             self._tick += 1
             self._stats.lookup(n)
         if root is None:
-            return MatchResult(0, [], self._new_root(namespace), None, 0)
+            return MatchResult(0, [], self._forest.new_root(namespace), None, 0)
         tick, now = self._tick, self._clock()
         walk = MatchWalk(root)
         at, pos = root, 0  # where the walk is
@@ -184,27 +159,23 @@ class RadixTree:
     def _touch(self, node: RadixNode, tick: int, now: float) -> None:
         node.tick = tick
         node.hits += 1
-        self._stats.used(now - node.inserted_at, self._npages(node))
+        self._stats.used(now - node.inserted_at, node.num_pages(self.page_size))
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int] | np.ndarray,
                namespace: Hashable = None, retention: Retention | None = None,
                range_retention: RangeRetention = (), *, partial: bool = False) -> list[int]:
         """Caches the `len(tokens) // page_size` full pages of `tokens` (`pages[i]` holds
-        tokens `[i*P, (i+1)*P)`; extra pages are ignored) and returns the given pages that
-        were not adopted because the tree already held those tokens in other device pages.
+        tokens `[i*P, (i+1)*P)`); returns the given pages not adopted because the tree held
+        those tokens in other device pages already. With `partial`, the last, partly filled
+        page (`pages[len(tokens) // P]`) is cached too, as a partial leaf, unless a page
+        already starts with its tokens (then it is returned); a shorter partial leaf it or
+        the full pages extend is dropped.
 
-        With `partial`, the last, partly filled page (`pages[len(tokens) // P]`, holding the
-        `len(tokens) % P` tokens left over) is cached too, as a partial leaf (node.py) —
-        unless the tree already holds those tokens at the start of a page (then the page is
-        returned as not adopted). A shorter partial leaf it extends, or one the full pages
-        extend, is dropped: the new page holds its tokens too.
-
-        Adopted pages gain the tree's reference; where the tree held tokens on the host
-        only, the given pages become their device copy. Each page's retention becomes the max
-        of its current effective one and `retention`; pages overlapping `[start, end)` of a
-        `range_retention` entry get that entry's retention if higher. Pages given as an int
-        array are converted to Python ints only where a new leaf adopts them.
+        Adopted pages gain the tree's reference; over host-only tokens they become the device
+        copy. Each page's retention becomes the max of its effective one and `retention`, and
+        of a `range_retention` entry's for pages overlapping its `[start, end)`. Int arrays
+        of pages are converted to Python ints only where a new leaf adopts them.
         """
         size = self.page_size
         toks = as_tokens(tokens)
@@ -217,9 +188,7 @@ class RadixTree:
         ranges = page_ranges(range_retention, size)
         now = self._clock()
         self._tick += 1
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = self._new_root(namespace)
+        root = self._forest.root_for_insert(namespace)
         node, pos, end = root, 0, num_full * size
         duplicates: list[int] = []
         while pos < end:
@@ -233,7 +202,7 @@ class RadixTree:
                 break
             matched = common_length(child.tokens, toks[pos:pos + min(len(child.tokens), end - pos)])
             full = matched // size
-            if full < self._npages(child):
+            if full < child.num_pages(self.page_size):
                 child = self._split(child, full)
             if child.pages:
                 duplicates += given.duplicates(first, child)
@@ -279,7 +248,7 @@ class RadixTree:
         if not retention.is_default:
             leaf.retention = PageRetention.of(len(pages), retention, now)
         parent.attach(leaf)
-        self._num_nodes += 1
+        self._forest.num_nodes += 1
         leaf.retention, _ = raise_retention(leaf.retention, len(pages), first_page, None, ranges, now)
         if leaf.retention is not None:
             self._schedule_expiries(leaf, now)
@@ -302,7 +271,7 @@ class RadixTree:
         keep every page above it from eviction."""
         now = self._clock()
         last: RadixNode | None = None
-        for last, num_pages in retention_path(self._roots.get(namespace), as_tokens(tokens), self.page_size):
+        for last, num_pages in retention_path(self._forest.root(namespace), as_tokens(tokens), self.page_size):
             self._end_temporary(last, priority, now, num_pages)
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
@@ -310,7 +279,7 @@ class RadixTree:
 
     def _end_temporary(self, node: RadixNode, priority: int, now: float, num_pages: int) -> None:
         """Ends the temporary retention at `priority` of `node`'s first `num_pages` pages."""
-        node.retention = PageRetention.ensure(node.retention, self._npages(node))
+        node.retention = PageRetention.ensure(node.retention, node.num_pages(self.page_size))
         node.retention.end_temporary(priority, now, num_pages)
 
     def _requeue(self, node: RadixNode, now: float) -> None:
@@ -359,17 +328,16 @@ class RadixTree:
                                      lambda node, count, at: self._device.evict_tail(node, count, at, self._detach))
         tier = self._host_tier
         call = tier.begin_eviction()
-        freed = self._queue.drain(num_pages, now, self._order.tail_run,
-                                  lambda node, count, at: self._evict_partial(node, at) if node.partial
-                                  else tier.leave_device(call, node, count, at))
+
+        def leave(node: RadixNode, count: int, at: float) -> int:
+            if node.partial:  # dropped, never offloaded: the host tier holds whole pages only
+                self._stats.dropped(1)
+                return self._device.evict_tail(node, 1, at, self._detach)
+            return tier.leave_device(call, node, count, at)
+
+        freed = self._queue.drain(num_pages, now, self._order.tail_run, leave)
         tier.end_eviction(call, now)
         return freed
-
-    def _evict_partial(self, leaf: RadixNode, now: float) -> int:
-        """With a host tier: a partial leaf leaving the device is dropped, never offloaded
-        (the host tier holds whole pages only)."""
-        self._stats.dropped(1)
-        return self._device.evict_tail(leaf, 1, now, self._detach)
 
     def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
         """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and
@@ -397,7 +365,7 @@ class RadixTree:
         for node in nodes:
             device += node.pages
             node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
-        self._num_nodes -= len(nodes)
+        self._forest.num_nodes -= len(nodes)
         return self._device.release(device)
 
     # ------------------------------------------------------------------ flush
@@ -410,17 +378,9 @@ class RadixTree:
         """
         free_before = self.pool.num_free
         host_free_before = 0 if self.host is None else self.host.pool.num_free
-        for namespace, root in list(self._roots.items()):
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                for child in list(node.children.values()):
-                    if child.lock_ref:
-                        stack.append(child)
-                    else:  # an unlocked node has no locked descendant: drop its subtree
-                        self._drop(child, report=False)
-            if not root.children and not root.lock_ref:
-                del self._roots[namespace]
+        for top in self._forest.unlocked_subtrees():
+            self._drop(top, report=False)
+        self._forest.prune()
         if self._host_tier is not None:
             self._host_tier.reset(node for node, _ in self.nodes())
         # Every node left is locked; unlock re-queues it.
@@ -431,29 +391,25 @@ class RadixTree:
         return PagesFreed(self.pool.num_free - free_before, host_freed)
 
     # ------------------------------------------------------------------ shape
-    def _new_root(self, namespace: Hashable) -> RadixNode:
-        return RadixNode(namespace, None, np.empty(0, dtype=np.int64), [], self.page_size > 1)
-
     def _detach(self, node: RadixNode, now: float) -> None:
         """Removes an emptied leaf; its parent may become an eviction candidate."""
         parent = node.parent
         parent.unlink(node.key)
         node.parent, node.heap_seq, node.host_heap_seq = None, -1, -1
-        self._num_nodes -= 1
+        self._forest.num_nodes -= 1
         self._after_removal(parent, now)
 
     def _after_removal(self, parent: RadixNode, now: float) -> None:
         """A child of `parent` left the tree: an empty root goes, a node may be a candidate now."""
         if parent.is_root:
-            if not parent.children and not parent.lock_ref and self._roots.get(parent.namespace) is parent:
-                del self._roots[parent.namespace]
+            self._forest.forget_if_empty(parent)
         elif parent.lock_ref == 0:
             self._requeue(parent, now)
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cuts `node` after `num_pages` pages (`RadixNode.split`); returns the new upper node."""
         top = node.split(num_pages, self.page_size)
-        self._num_nodes += 1
+        self._forest.num_nodes += 1
         if top.retention is not None:
             self._schedule_expiries(top, self._clock())
         return top
@@ -462,11 +418,8 @@ class RadixTree:
     def nodes(self) -> Iterator[tuple[RadixNode, list[int]]]:
         """Every node (namespace roots included, with no pages) and its device pages, for
         checkers (`node.host`: its host pages)."""
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
+        for node in self._forest.nodes():
             yield node, list(node.pages)
-            stack.extend(node.children.values())
 
     def queued_nodes(self) -> list[RadixNode]:
         """Nodes with a live entry in the device eviction queue (for checkers)."""
@@ -491,7 +444,7 @@ class RadixTree:
         evictions and host-tier traffic, and the sums/counts of the histograms."""
         out = self._stats.as_dict()
         out.update(cached_pages=self.cached_pages, evictable_pages=self.evictable_pages,
-                   locked_pages=self.locked_pages, free_pages=self.pool.num_free, nodes=self._num_nodes)
+                   locked_pages=self.locked_pages, free_pages=self.pool.num_free, nodes=self._forest.num_nodes)
         if self._host_tier is not None:
             out.update(self._host_tier.stats())
         return out

@@ -23,8 +23,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatc
 from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_token_ids, runtime_summary,
                                             sampling_defaults)
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
-from radixserve.engine.params import (QueueFull, RequestOutput, SamplingParams, StreamDelta,
-                                      TokenLogprob)
+from radixserve.engine.params import QueueFull, RequestOutput, SamplingParams, StreamDelta, TokenLogprob
 from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
@@ -129,9 +128,9 @@ class Engine:
         self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
         self.paused = PausedRequests(self.scheduler)  # requests whose client stopped reading
-        self.beams = BeamDriver(self.scheduler, new_beam=self._new_beam, finish=self._finish,
-                                fail=self._fail_request, retire=self._retire, eos_token_ids=self.eos_token_ids,
-                                released=self._released, counters=self._counters)
+        self.beams = BeamDriver(self.scheduler, new_beam=lambda req, ids: self._new_sequence(req, 0, ids, output=False),
+                                finish=self._finish, fail=self._fail_request, retire=self._retire,
+                                eos_token_ids=self.eos_token_ids, released=self._released, counters=self._counters)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -198,9 +197,6 @@ class Engine:
         if output:
             req.sequences.append(seq)
         return seq
-
-    def _new_beam(self, req: Request, token_ids: list[int]) -> SequenceState:
-        return self._new_sequence(req, 0, token_ids, output=False)
 
     def abort(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its pages (computed full pages stay cached)."""
@@ -401,23 +397,13 @@ class Engine:
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Runs prompts to completion; returns one output per sample, in prompt order."""
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise ValueError("params: give one SamplingParams, or one per prompt")
-            per_prompt = params
-        else:
-            per_prompt = [params or self.default_sampling_params()] * len(prompts)
-        requests = []
-        for prompt, p in zip(prompts, per_prompt):
-            rid = self.add_request(prompt, p)
-            requests.append(self._requests[rid])
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError("params: give one SamplingParams, or one per prompt")
+        per_prompt = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
+        requests = [self._requests[self.add_request(prompt, p)] for prompt, p in zip(prompts, per_prompt)]
         while self.has_work():
             self.step()
-        return [RequestOutput(req.request_id, seq.index, len(req.prompt_ids), req.cached_tokens or 0,
-                              list(seq.output_ids), seq.text, seq.finish_reason,
-                              list(seq.logprobs) if req.params.logprobs is not None else None,
-                              seq.beam_score)
-                for req in requests for seq in sorted(req.sequences, key=lambda s: s.index)]
+        return [RequestOutput.of(seq) for req in requests for seq in sorted(req.sequences, key=lambda s: s.index)]
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

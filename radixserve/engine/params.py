@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from radixserve.grammar.spec import GrammarSpec
+
+if TYPE_CHECKING:  # request.py imports this module
+    from radixserve.engine.request import SequenceState
 
 MIN_TEMPERATURE = 1e-5
 # Bounds on what one request may ask of the engine's per-token work (docs/server.md).
@@ -127,6 +131,14 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
     score: float | None = None  # beam search: the beam's length-penalised log-probability
+
+    @classmethod
+    def of(cls, seq: SequenceState) -> RequestOutput:
+        """The output of a finished sample (or returned beam)."""
+        req = seq.request
+        return cls(req.request_id, seq.index, len(req.prompt_ids), req.cached_tokens or 0, list(seq.output_ids),
+                   seq.text, seq.finish_reason, list(seq.logprobs) if req.params.logprobs is not None else None,
+                   seq.beam_score)
 
 
 @dataclass
