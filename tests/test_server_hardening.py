@@ -384,3 +384,36 @@ def test_slow_heads_are_cut_and_slow_bodies_get_408_while_others_are_served(pars
             for _ in range(2):
                 assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_pipelined_requests_outlive_the_head_deadline(parser: str) -> None:
+    """A pipelined request sent its head with the first: it must not be cut by the deadline
+    while it runs longer than the deadline."""
+    import asyncio
+    import socket
+
+    from radixserve.server.connections import with_head_deadline
+
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    async def slow(request: Request) -> Response:
+        await asyncio.sleep(0.6)
+        return Response("done")
+
+    app = Starlette(routes=[Route("/slow", slow)])
+    with running_server(app, http=with_head_deadline(base, 0.2)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+            sock.settimeout(30)
+            received = b""
+            while received.count(b"done") < 2:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                received += chunk
+    assert received.count(b"HTTP/1.1 200") == 2, received

@@ -36,7 +36,19 @@ def with_head_deadline(base: type[asyncio.Protocol], head_timeout_s: float) -> t
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm_head_deadline()  # the next request's head, on a kept-alive connection
+            if self._awaiting_head():  # the next request's head, on a kept-alive connection
+                self._arm_head_deadline()
+
+        def _awaiting_head(self) -> bool:
+            """No request is under way or parsed and waiting (pipelined): the connection now
+            waits for a head. (A pipelined request already sent its head: no deadline.)"""
+            if getattr(self, "pipeline", None):  # httptools: parsed requests waiting their turn
+                return False
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                return False
+            their_state = getattr(getattr(self, "conn", None), "their_state", h11.IDLE)  # h11
+            return their_state is h11.IDLE
 
         # httptools calls this when a head is complete.
         def on_headers_complete(self) -> None:

@@ -131,7 +131,7 @@ def injected_system_text(tokenizer: PreTrainedTokenizerBase) -> str:
         alone = _render(tokenizer, [user], add_generation_prompt=False)
         both = _render(tokenizer, [system, user], add_generation_prompt=False)
         only = _render(tokenizer, [system], add_generation_prompt=False)
-    except APIError:
+    except Exception:  # any template failure on the probes: count no injected block
         return ""
     opening, _, between = both.partition(_PROBE_SYSTEM)  # between: closing + user opening
     between = between[: between.find(_PROBE_USER)]
