@@ -126,14 +126,14 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--cache-event-buffer", type=int, default=4096,
                        help="events a /v1/cache/events reader may fall behind before it gets a reset "
                             "and a fresh snapshot (default: %(default)s)")
-    serve.add_argument("--cache-events-idle-timeout", type=float, default=300.0,
+    serve.add_argument("--cache-events-idle-timeout-s", type=float, default=300.0,
                        help="seconds after which a /v1/cache/events stream that has sent no event (or "
                             "whose client reads nothing) is closed; clients reconnect for a fresh "
                             "snapshot (default: %(default)s)")
     serve.add_argument("--stream-buffer-tokens", type=int, default=1024,
                        help="tokens of a request's output that may wait for its client to read them; "
                             "past it the request is paused until the client reads (default: %(default)s)")
-    serve.add_argument("--stream-read-timeout", type=float, default=300.0,
+    serve.add_argument("--stream-read-timeout-s", type=float, default=300.0,
                        help="seconds a paused request waits for its client to read before it is "
                             "aborted and its pages freed (default: %(default)s)")
     serve.add_argument("--turn-memory-tokens", type=int, default=DEFAULT_TURN_MEMORY_TOKENS,
@@ -252,10 +252,10 @@ def serve_command(args: argparse.Namespace) -> int:
     step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
     app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook,
                                  stream_buffer_tokens=args.stream_buffer_tokens,
-                                 stream_read_timeout_s=args.stream_read_timeout),
+                                 stream_read_timeout_s=args.stream_read_timeout_s),
                      served_model_name=args.served_model_name, api_key=args.api_key,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
-                     cache_events_idle_timeout_s=args.cache_events_idle_timeout,
+                     cache_events_idle_timeout_s=args.cache_events_idle_timeout_s,
                      turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
                      tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

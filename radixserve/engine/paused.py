@@ -46,10 +46,6 @@ class PausedRequests:
         """Drops a request that ended while paused (its sequences hold no page)."""
         self._held.pop(request_id, None)
 
-    def holds(self, seq: SequenceState) -> bool:
-        """Whether `seq` is held here."""
-        return any(seq in held for held in self._held.values())
-
     @property
     def num_sequences(self) -> int:
         """Sequences held (what stats report as `paused`)."""
