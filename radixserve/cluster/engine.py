@@ -31,6 +31,7 @@ from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaR
 from radixserve.cluster.routing import prompt_pages
 from radixserve.cluster.view import ClusterView, cluster_view
 from radixserve.engine.params import PromptTooLong, QueueFull, SamplingParams, StreamDelta
+from radixserve.engine.request import namespace_of
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +125,13 @@ class ClusterEngine:
                        priority: int = 0, cache_salt: str | None = None,
                        retention: Retention | None = None,
                        prefix_retention: tuple[int, Retention] | None = None,
-                       session_id: str | None = None) -> AsyncIterator[StreamDelta]:
+                       session_id: str | None = None, tenant: str | None = None) -> AsyncIterator[StreamDelta]:
         """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
         item; closing the iterator early cancels the replica's stream, which aborts there."""
         namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
-                                         (self.engine.model_name, cache_salt or None))
+                                         namespace_of(self.engine.model_name, cache_salt, tenant))
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
-                                 prefix_retention, session_id, namespace, hashes)
+                                 prefix_retention, session_id, namespace, hashes, tenant)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream

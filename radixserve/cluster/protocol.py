@@ -24,6 +24,7 @@ class ReplicaRequest:
     session_id: str | None = None
     namespace: str = ""                                  # routing.prompt_pages: the namespace id
     page_hashes: list[int] = field(default_factory=list)  # ... and the prompt's page hashes
+    tenant: str | None = None
 
     @property
     def prompt(self) -> str:

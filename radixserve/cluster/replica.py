@@ -54,7 +54,8 @@ class EngineReplica:
         deltas = self.async_engine.generate(
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
-            prefix_retention=request.prefix_retention, session_id=request.session_id)
+            prefix_retention=request.prefix_retention, session_id=request.session_id,
+            tenant=request.tenant)
         try:
             async with aclosing(deltas):
                 try:

@@ -27,7 +27,7 @@ from radixserve.engine.params import QueueFull, RequestOutput, SamplingParams, S
 from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
-from radixserve.engine.request import Request, SequenceState
+from radixserve.engine.request import Request, SequenceState, namespace_of
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -137,7 +137,7 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                     retention: Retention | None = None,
                     prefix_retention: tuple[int, Retention] | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, tenant: str | None = None) -> str:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
         params = params or self.default_sampling_params()
         params.validate()
@@ -155,9 +155,9 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        namespace = (self.model_name, cache_salt or None)  # "" is no salt: one namespace, one id
+        namespace = namespace_of(self.model_name, cache_salt, tenant)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
-                      retention, prefix_retention, session_id)
+                      retention, prefix_retention, session_id, tenant)
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size

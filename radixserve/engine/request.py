@@ -21,6 +21,16 @@ _ids = itertools.count()
 REUSED_RETENTION = Retention(60)  # pages seen before outrank first-seen ones (default 35)
 
 
+def namespace_of(model_name: str, cache_salt: str | None, tenant: str | None = None) -> Hashable:
+    """The cache namespace a request's pages live in: requests share cached pages only within
+    one. A tenant (an API key of a multi-tenant server) gets namespaces of its own, and within
+    it each `cache_salt` another; `tenant=None` (the single-tenant server) keeps the plain
+    (model, salt) namespace. An empty salt is no salt: one namespace, one id."""
+    if tenant is None:
+        return (model_name, cache_salt or None)
+    return (model_name, tenant, cache_salt or None)
+
+
 @dataclass(eq=False)
 class Request:
     """One submitted prompt; it owns `params.n` sequences once its prompt is computed.
@@ -38,6 +48,7 @@ class Request:
     retention: Retention | None = None
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
+    tenant: str | None = None  # who sent it (None: the server's one tenant); see namespace_of
     reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
     sequences: list[SequenceState] = field(default_factory=list)
     cached_tokens: int | None = None  # set when its first sequence is first admitted

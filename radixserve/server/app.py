@@ -206,7 +206,7 @@ class OpenAIServer:
         streams = [self.engine.generate(
             call.prompt_ids, call.params, request_id=request_id if len(calls) == 1 else f"{request_id}-{i}",
             priority=call.priority, cache_salt=call.cache_salt, retention=call.retention,
-            prefix_retention=call.prefix_retention, session_id=call.session_id)
+            prefix_retention=call.prefix_retention, session_id=call.session_id, tenant=call.tenant)
             for i, call in enumerate(calls)]
         handed_over = False
         try:

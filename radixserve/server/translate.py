@@ -34,6 +34,7 @@ class EngineCall:
     retention: Retention | None
     prefix_retention: tuple[int, Retention] | None
     session_id: str | None
+    tenant: str | None = None  # set by the server from the request's API key
     grammar_param: str | None = None  # the request field params.grammar came from
 
 
