@@ -59,6 +59,7 @@ from radixserve.server.protocol import (
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
 from radixserve.server.structured import grammar_error
+from radixserve.server.tenancy import SINGLE_TENANT, Caller
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
@@ -143,7 +144,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ generation
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        self._authorize(request)
+        caller = self._authorize(request)
         timer = self.metrics.timer()
         body = await _decode(await self._read_body(request), _CHAT_DECODER)
         self._check_model(body.model)
@@ -155,6 +156,7 @@ class OpenAIServer:
                                                                    tools.tools)
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
                          self.sampling_defaults, tools.grammar)
+        call.tenant = caller.tenant
         await self._compile_grammar(call)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
@@ -165,7 +167,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions: one prompt, or a batch of them (n choices per prompt)."""
-        self._authorize(request)
+        caller = self._authorize(request)
         timer = self.metrics.timer()
         body = await _decode(await self._read_body(request), _COMPLETION_DECODER)
         self._check_model(body.model)
@@ -177,6 +179,8 @@ class OpenAIServer:
         calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param,
                                  self.sampling_defaults)
                  for ids, param in zip(prompt_ids, params)]
+        for call in calls:
+            call.tenant = caller.tenant
         await self._compile_grammar(calls[0])  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
@@ -303,13 +307,15 @@ class OpenAIServer:
             self.turns.remember(scope, result.text, ids[:end])
 
     # ------------------------------------------------------------------ checks
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> Caller:
+        """The request's caller, or a 401 when its key is missing or wrong."""
         if self.api_key is None:
-            return
+            return SINGLE_TENANT
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(401, "Missing or invalid API key (Authorization: Bearer <key>)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return SINGLE_TENANT
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
