@@ -4,8 +4,8 @@ The seam with the sampler: the engine builds a TokenMask for a step (one bitmask
 constrained logits row, filled by that row's Matcher), engine/sampler.py applies it to the
 logits before either sampler runs, and the engine then `accept`s the token drawn. A sequence
 keeps its Matcher across preemption (preemption keeps the generated tokens, so the grammar
-state is still exact on resumption). `fork` copies a state (for beams, which are not
-constrained yet: see docs/server.md).
+state is still exact on resumption). `fork` copies a state: each beam-search beam gets its own
+copy of its parent's (engine/beam_driver.py).
 """
 
 from __future__ import annotations
