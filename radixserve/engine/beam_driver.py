@@ -132,6 +132,8 @@ class BeamDriver:
             running[ranks[0]] = parent
         for rank, cand in enumerate(result.running):
             running[rank].grammar = grammars[rank]
+            if grammars[rank] is not None:  # the next step's mask, while the state is in the cache
+                grammars[rank].prepare()
             running[rank].token_ids.append(cand.token)
             running[rank].output_ids.append(cand.token)
             self._counters["generated_tokens"] += 1
