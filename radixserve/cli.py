@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -26,6 +27,17 @@ DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --he
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
                     "--host-write-policy": "--host-tier-write-policy",
                     "--host-offload-min-priority": "--host-tier-min-priority"}
+
+
+class _WarnIfDeprecated(argparse._StoreAction):
+    """Stores like "store", warning when the option was given by a deprecated name. argparse
+    passes the option string it resolved, so an abbreviation (`--host-num-p`) is caught too."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if option_string in DEPRECATED_FLAGS:
+            _say(f"warning: {option_string} is deprecated; use {DEPRECATED_FLAGS[option_string]}")
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,17 +91,17 @@ def _add_host_tier_args(serve: argparse.ArgumentParser) -> None:
     # The flags say "host-tier" (--host alone is the address to listen on); the older names
     # (--host-kv-memory-gb, ...) still work for one release, with a warning.
     host = serve.add_mutually_exclusive_group()
-    host.add_argument("--host-tier-memory-gb", "--host-kv-memory-gb", dest="host_kv_memory_gb", type=float,
+    host.add_argument("--host-tier-memory-gb", "--host-kv-memory-gb", action=_WarnIfDeprecated, dest="host_kv_memory_gb", type=float,
                       default=None, help="size of the host tier in GiB: a second KV pool in host memory "
                       "(pinned on CUDA) that pages evicted from the device go to and are loaded back from "
                       "(default: none)")
-    host.add_argument("--host-tier-pages", "--host-num-pages", dest="host_num_pages", type=int, default=None,
+    host.add_argument("--host-tier-pages", "--host-num-pages", action=_WarnIfDeprecated, dest="host_num_pages", type=int, default=None,
                       help="size of the host tier in pages (default: none)")
-    serve.add_argument("--host-tier-write-policy", "--host-write-policy", dest="host_write_policy",
+    serve.add_argument("--host-tier-write-policy", "--host-write-policy", action=_WarnIfDeprecated, dest="host_write_policy",
                        default="write-back", choices=["write-back", "write-through-selective"],
                        help="when pages go to the host tier: on device eviction, or also once hit "
                             "twice (default: %(default)s)")
-    serve.add_argument("--host-tier-min-priority", "--host-offload-min-priority", dest="host_offload_min_priority",
+    serve.add_argument("--host-tier-min-priority", "--host-offload-min-priority", action=_WarnIfDeprecated, dest="host_offload_min_priority",
                        type=int, default=35,
                        help="device-only pages below this retention priority are dropped on eviction "
                             "instead of copied to the host tier (default: %(default)s)")
@@ -338,9 +350,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `radixserve` console script."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    for old, new in DEPRECATED_FLAGS.items():
-        if any(arg == old or arg.startswith(old + "=") for arg in argv):
-            _say(f"warning: {old} is deprecated; use {new}")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from radixserve.grammar import GrammarError, Grammars, GrammarSpec, TokenMask
+from radixserve.grammar import GrammarError, Grammars, GrammarSpec, MaskBuffer, TokenMask
 from radixserve.grammar import matcher as matcher_module
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.native import sampling as native_sampling
@@ -105,6 +105,29 @@ def test_fork_and_rollback_keep_states_apart(tokenizer: PreTrainedTokenizerBase,
     assert allowed_tokens(grammars, matcher) == start  # the original did not move
     fork.rollback(1)
     assert allowed_tokens(grammars, fork) == start
+
+
+def test_prepared_masks_equal_fresh_fills_and_go_stale_when_the_state_moves(
+        tokenizer: PreTrainedTokenizerBase, grammars: Grammars) -> None:
+    """A prepared mask (filled ahead, right after the accept) is the fill of the state it was
+    prepared in; accept and rollback make it stale (a fresh fill is used then), and a step's
+    mask of several rows built in a reused buffer equals one built afresh."""
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "yz"]}},
+                                    "required": ["a"]}, "x")
+    prepared, fresh = grammars.matcher(spec), grammars.matcher(spec)
+    buffer = MaskBuffer()
+    for token in tokenizer.encode('{"a": "yz"}', add_special_tokens=False):
+        prepared.prepare()
+        assert allowed_tokens(grammars, prepared) == allowed_tokens(grammars, fresh)
+        pair = TokenMask.for_rows([(0, prepared), (1, fresh)], grammars.vocab_size, buffer)
+        assert torch.equal(pair.bitmask[0], pair.bitmask[1])
+        assert prepared.accept(token) and fresh.accept(token)  # not prepared again: must fill afresh
+        assert allowed_tokens(grammars, prepared) == allowed_tokens(grammars, fresh)
+    prepared.prepare()
+    before = allowed_tokens(grammars, prepared)
+    prepared.rollback(1)
+    fresh.rollback(1)
+    assert allowed_tokens(grammars, prepared) == allowed_tokens(grammars, fresh) != before
 
 
 def test_length_bounded_strings_exclude_control_characters(tokenizer: PreTrainedTokenizerBase,

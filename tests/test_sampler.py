@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.engine import sampler as sampler_module
 from radixserve.native import sampling as native_sampling
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import (TOP_P_CANDIDATES, _param_tensors, filter_logits, filter_probs,
@@ -200,3 +201,33 @@ def test_non_finite_logits_raise_instead_of_sampling_garbage() -> None:
     assert sample(logits[1:], params[1:], [2], [0])[0] in (0, 1, 2)
     with pytest.raises(ValueError, match="not finite"):
         sample(torch.tensor([[float("inf"), 0.0]]), params[:1], [1], [0])
+
+
+class _CountingTensor(torch.Tensor):
+    """Counts the reads that would copy a device tensor to the host (each a sync on CUDA)."""
+
+    host_reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.cpu,
+                    torch.Tensor.numpy):
+            cls.host_reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "nan-row"])
+def test_greedy_torch_path_reads_the_device_once(monkeypatch: pytest.MonkeyPatch, bad: bool) -> None:
+    """The greedy rows' NaN check rides on the tokens' one copy to the host (as the C
+    sampler's -1 does), so a GPU step syncs once, not twice; a NaN row still raises."""
+    monkeypatch.setattr(sampler_module.native_sampling, "usable", lambda logits: False)
+    logits = torch.tensor([[0.0, 1.0, 0.5], [2.0, 1.0, float("nan") if bad else 0.0]])
+    counting = logits.as_subclass(_CountingTensor)
+    _CountingTensor.host_reads = 0
+    params = [SamplingParams(temperature=0.0)] * 2
+    if bad:
+        with pytest.raises(ValueError, match=r"cannot sample rows \[1\]"):
+            sample(counting, params, [None, None], [0, 0])
+    else:
+        assert sample(counting, params, [None, None], [0, 0]) == [1, 0]
+    assert _CountingTensor.host_reads == 1

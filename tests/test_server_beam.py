@@ -7,10 +7,12 @@ server's beams must equal Engine.generate's on the same model and prompt.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
+import jsonschema
 import pytest
 from server_util import running_server, sse_chunks
 
@@ -92,3 +94,18 @@ def test_bad_beam_fields_are_a_400_naming_the_field(client: httpx.Client, extra:
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_beam_search_with_a_json_schema_returns_valid_documents(client: httpx.Client) -> None:
+    """response_format with use_beam_search (once refused with a 400): every beam validates."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
+              "required": ["ok", "size"]}
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello"}], "use_beam_search": True, "n": 2, "beam_width": 3,
+        "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)

@@ -229,6 +229,20 @@ def test_version_and_deprecated_host_tier_flags(capsys: pytest.CaptureFixture[st
     assert "warning: --host-num-pages is deprecated; use --host-tier-pages" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given,old,new", [
+    ("--host-num-p=8", "--host-num-pages", "--host-tier-pages"),  # an abbreviation argparse accepts
+    ("--host-kv-memory=1", "--host-kv-memory-gb", "--host-tier-memory-gb"),
+    ("--host-offload-min", "--host-offload-min-priority", "--host-tier-min-priority"),
+])
+def test_abbreviated_deprecated_flags_warn_too(capsys: pytest.CaptureFixture[str], given: str, old: str,
+                                                new: str) -> None:
+    argv = ["serve", given] + ([] if "=" in given else ["40"])
+    build_parser().parse_args(argv)
+    assert f"warning: {old} is deprecated; use {new}" in capsys.readouterr().err
+    build_parser().parse_args(["serve", "--host-tier-p=8", "--host-tier-min=3"])  # new names, abbreviated
+    assert "deprecated" not in capsys.readouterr().err
+
+
 def run_serve(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", str(free_port()), *flags],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=180,

@@ -125,9 +125,8 @@ def test_an_output_cut_by_max_tokens_says_length(engine: Engine) -> None:
         json.loads(out.text)
 
 
-def test_constraints_refuse_ignore_eos_and_beam_search(engine: Engine) -> None:
+def test_constraints_refuse_ignore_eos(engine: Engine) -> None:
+    """(Beam search with a grammar is supported: tests/test_beam_grammar.py.)"""
     spec = GrammarSpec.json_object()
     with pytest.raises(ValueError, match="ignore_eos"):
         engine.add_request("x", SamplingParams(grammar=spec, ignore_eos=True))
-    with pytest.raises(ValueError, match="use_beam_search"):
-        engine.add_request("x", SamplingParams(grammar=spec, beam_width=2, temperature=0.0))

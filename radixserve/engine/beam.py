@@ -30,6 +30,7 @@ import torch
 
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.request import Request, SequenceState
+from radixserve.grammar import TokenMask
 
 NEG_INF = -1.0e9  # transformers' "impossible" score; the same constant keeps ties identical
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -91,13 +92,19 @@ class BeamScorer:
         stops = torch.isin(tokens, self.stop_ids) | (self.generated + 1 >= self.max_new_tokens)
         tokens = tokens.tolist()
 
-        # The W best candidates that do not stop run on.
+        # The W best candidates that do not stop run on. A grammar's mask leaves -inf
+        # candidates (forbidden tokens); with fewer than W allowed ones, those and stopping
+        # ones would fill the rest of the W: they do not run (transformers runs them as dead
+        # beams that can never win), so fewer than W beams may run for a while.
         penalised = top_scores + stops.to(torch.float32) * NEG_INF
         run_scores, run_order = torch.topk(penalised, k=min(width, penalised.numel()))
+        alive = torch.isfinite(top_scores[run_order]) & ~stops[run_order]
+        if not bool(alive.all()):
+            run_scores, run_order = run_scores[alive], run_order[alive]
 
         # Candidates that stop, among the first W, join the finished slots if good enough.
         normalised = self._normalise(top_scores, self.generated + 1)
-        just_finished = stops & (torch.arange(len(tokens)) < width)
+        just_finished = stops & (torch.arange(len(tokens)) < width) & torch.isfinite(top_scores)
         if (bool(self.slot_finished.all()) and self.early_stopping is True) or not self.improvable:
             just_finished = torch.zeros_like(just_finished)
         # transformers adds -1e9 to the others; -inf keeps them below any finished score.
@@ -118,7 +125,7 @@ class BeamScorer:
         self.running_scores = run_scores
         self.improvable = self.improvable and self._improvement_possible()
         done = (not self.improvable or (bool(self.slot_finished.all()) and self.early_stopping is True)
-                or bool(stops.all()))
+                or bool(stops.all()) or not len(run_order))
         running = [] if done else [Candidate(parents[i], tokens[i], float(run_scores[r]))
                                    for r, i in enumerate(run_order.tolist())]
         return StepResult(running, finished, done)
@@ -133,6 +140,8 @@ class BeamScorer:
         return torch.nan_to_num(scores / divisor, nan=0.0, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
 
     def _improvement_possible(self) -> bool:
+        if not len(self.running_scores):  # a grammar allowed no running beam: nothing to improve
+            return False
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_length = self.max_new_tokens
         else:
@@ -177,8 +186,13 @@ class BeamGroup:
         return cls(request, scorer)
 
     def deliver(self, seq: SequenceState, logits: torch.Tensor) -> None:
-        """Records a running beam's next-token logits (float32 [V])."""
-        self.logits[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
+        """Records a running beam's next-token logits (float32 [V]). A constrained beam's
+        forbidden tokens get -inf after the log-softmax (the allowed ones keep the model's
+        log-probabilities, as transformers applies a logits processor to beam scores)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if seq.grammar is not None:
+            TokenMask.for_rows([(0, seq.grammar)], logprobs.shape[-1]).apply(logprobs[None])
+        self.logits[seq.seq_id] = logprobs
 
     @property
     def ready(self) -> bool:

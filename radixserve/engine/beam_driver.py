@@ -21,6 +21,7 @@ from radixserve.engine.beam import BeamGroup, Candidate, Hypothesis
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
+from radixserve.grammar import Matcher
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,15 @@ class BeamDriver:
         """
         parents = list(group.running)
         result = group.step()
-        for dropped in group.keep([self._hypothesis(entry, parents) for entry in result.finished]):
+        # Each candidate's grammar state, checked before any sequence or page changes: a beam
+        # gets its own copy of its parent's state (siblings never share one), advanced past
+        # its token; the parent's own state is left for its other children.
+        grammars = [_advanced(parents[cand.parent], cand.token) for cand in result.running]
+        finished_grammars = [_advanced(parents[entry.parent], entry.token) if isinstance(entry, Candidate) else None
+                             for entry in result.finished]
+        hypotheses = [self._hypothesis(entry, parents, grammar)
+                      for entry, grammar in zip(result.finished, finished_grammars)]
+        for dropped in group.keep(hypotheses):
             self._released.extend(self.scheduler.finish(dropped.seq, cache=False))
         if result.done:
             self._finish_search(group)
@@ -122,6 +131,9 @@ class BeamDriver:
                 running[rank] = child
             running[ranks[0]] = parent
         for rank, cand in enumerate(result.running):
+            running[rank].grammar = grammars[rank]
+            if grammars[rank] is not None:  # the next step's mask, while the state is in the cache
+                grammars[rank].prepare()
             running[rank].token_ids.append(cand.token)
             running[rank].output_ids.append(cand.token)
             self._counters["generated_tokens"] += 1
@@ -129,13 +141,16 @@ class BeamDriver:
         if not fits:  # all of the group waits, and is admitted again as a whole
             self.scheduler.preempt_unit(running)
 
-    def _hypothesis(self, entry: Candidate | Hypothesis, parents: list[SequenceState]) -> Hypothesis:
-        """A finished candidate becomes a hypothesis frozen at its parent's pages plus its token."""
+    def _hypothesis(self, entry: Candidate | Hypothesis, parents: list[SequenceState],
+                    grammar: Matcher | None) -> Hypothesis:
+        """A finished candidate becomes a hypothesis frozen at its parent's pages plus its token
+        (and `grammar`, its parent's state past that token)."""
         if not isinstance(entry, Candidate):
             return entry
         parent = parents[entry.parent]
         seq = self._new_beam(parent.request, parent.token_ids + [entry.token])
         seq.output_ids = parent.output_ids + [entry.token]
+        seq.grammar = grammar
         if not parent.pages_out_of_window:  # else it could never be cached: it holds nothing
             self.scheduler.share_full_pages(parent, seq)
         return Hypothesis(entry.score, seq)
@@ -145,8 +160,12 @@ class BeamDriver:
         cached like any finished sample's); everything else the group holds is released."""
         req = group.request
         stops = self.stop_tokens(req.params)
-        if len(group.hypotheses) < req.params.n:  # the scorer always keeps W: a bug, not input
-            raise RuntimeError(f"beam search ended with {len(group.hypotheses)} hypotheses, n={req.params.n}")
+        if len(group.hypotheses) < req.params.n:
+            # Unconstrained, the scorer always keeps W (a bug); a grammar may allow fewer
+            # distinct outputs than n within max_tokens: the request fails (finish_reason
+            # "error") rather than return fewer choices than asked or invalid ones.
+            raise ValueError(f"beam search ended with {len(group.hypotheses)} finished beams, fewer than "
+                             f"n={req.params.n}" + (" (the grammar allows no more)" if req.params.grammar else ""))
         best, rest = group.hypotheses[: req.params.n], group.hypotheses[req.params.n:]
         group.hypotheses = rest
         self.release(group, None)
@@ -175,3 +194,15 @@ class BeamDriver:
         if not (all(running) or all(waiting)):
             raise InvariantError(f"[beam-group-split] request {group.request.request_id}: beams running "
                                  f"{running}, waiting {waiting}")
+
+
+def _advanced(parent: SequenceState, token: int) -> Matcher | None:
+    """A copy of `parent`'s grammar state past `token` (None if unconstrained). The mask let
+    only allowed tokens be candidates, so a refusal is a bug: the step fails before any
+    sequence or page has changed."""
+    if parent.grammar is None:
+        return None
+    state = parent.grammar.fork()
+    if not state.accept(token):
+        raise RuntimeError(f"beam token {token} is not allowed by the request's grammar")
+    return state

@@ -34,7 +34,7 @@ from radixserve.engine.scheduler import ScheduledChunk, Scheduler
 from radixserve.engine.sessions import SessionTable
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
-from radixserve.grammar import Grammars
+from radixserve.grammar import Grammars, MaskBuffer
 from radixserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class Engine:
         self._timings = StepTimings()  # seconds per section of step(), for stats and bench
         self._released: list[int] = []  # pages let go in this step, for the debug checker
         self.paused = PausedRequests(self.scheduler)  # requests whose client stopped reading
+        self._grammar_masks = MaskBuffer()  # the step's grammar mask rows, reused step after step
         self.beams = BeamDriver(self.scheduler, new_beam=lambda req, ids: self._new_sequence(req, 0, ids, output=False),
                                 finish=self._finish, fail=self._fail_request, retire=self._retire,
                                 eos_token_ids=self.eos_token_ids, released=self._released, counters=self._counters)
@@ -326,7 +327,7 @@ class Engine:
         rows = [r for _, r in ready]
         # A decode step samples every row in order: no copy of the logits then.
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        tokens, logprobs = sample_rows(picked, seqs, fail=self._fail_request)
+        tokens, logprobs = sample_rows(picked, seqs, fail=self._fail_request, masks=self._grammar_masks)
         t2 = clock()
         timings.add("sampling", t2 - t1)
         tree_before = timings.seconds["tree"]

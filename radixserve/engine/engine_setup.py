@@ -13,6 +13,7 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.reuse import ReuseHistory
 from radixserve.cache.tiers import HostTier
+from radixserve.engine.cgroup_memory import cgroup_available
 from radixserve.models.loader import LoadedModel
 
 DEFAULT_CPU_KV_GB = 0.5
@@ -85,9 +86,15 @@ def make_pool(loaded: LoadedModel, page_size: int, num_pages: int | None,
 
 def available_memory(device: torch.device) -> int | None:
     """Bytes that can still be allocated on `device` (free GPU memory; on the CPU the
-    kernel's MemAvailable), or None where that cannot be read."""
+    kernel's MemAvailable, or what the process's cgroup limit leaves when that is lower), or
+    None where neither can be read."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    found = [x for x in (_mem_available(), cgroup_available()) if x is not None]
+    return min(found) if found else None
+
+
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

@@ -78,7 +78,6 @@ class SamplingParams:
             checks += [
                 (not self.ignore_eos, "ignore_eos: not supported with structured outputs (the end token "
                                       "closes a complete output)"),
-                (not self.beam_search, "use_beam_search: not supported with structured outputs"),
             ]
         for ok, message in checks:
             if not ok:

@@ -32,7 +32,6 @@ kept.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -174,13 +173,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     if mask is not None and not native:  # the C sampler masks each row as it samples it
         mask.apply(logits)
     if not random_rows:
-        tokens = torch.argmax(logits, dim=-1)
-        _check_greedy(logits, tokens, range(len(params)))
-        return tokens.tolist()
+        return _host_tokens(_flag_unsampleable(logits, torch.argmax(logits, dim=-1), None))
     if native:
         tokens = _sample_native(logits, params, seeds, steps, random_rows, mask)
-        _check_greedy(logits, torch.tensor(tokens), [b for b, p in enumerate(params) if p.greedy])
-        return tokens
+        greedy = torch.tensor([b for b, p in enumerate(params) if p.greedy], dtype=torch.int64)
+        return _host_tokens(_flag_unsampleable(logits, torch.tensor(tokens), greedy))
     device = logits.device
     everyone = len(random_rows) == len(params)
     rows = torch.tensor(random_rows, dtype=torch.int64, device=device)
@@ -194,21 +191,36 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     tokens = torch.empty(len(params), dtype=torch.int64, device=device)
     tokens.index_copy_(0, rows, drawn)
     tokens.index_copy_(0, greedy_rows, torch.argmax(logits.index_select(0, greedy_rows), dim=-1))
-    _check_greedy(logits, tokens, greedy_rows.tolist())
-    return tokens.tolist()
+    return _host_tokens(_flag_unsampleable(logits, tokens, greedy_rows))
 
 
-def _check_greedy(logits: torch.Tensor, tokens: torch.Tensor, rows: Iterable[int]) -> None:
-    """Raises ValueError for greedy rows whose logits hold a NaN or only -inf, as sampled rows
-    do: argmax returns the first NaN (or 0), which would pass for a token. Reads one logit
-    per row (the chosen one is NaN exactly when the row has one), not the whole row."""
-    rows = torch.as_tensor(list(rows), dtype=torch.int64)
+def _flag_unsampleable(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`tokens` with -1 at the greedy `rows` (None: every row) whose logits hold a NaN or only
+    -inf: argmax returns the first NaN (or 0) there, which would pass for a token. Reads one
+    logit per row (the chosen one is NaN exactly when the row has one), on the logits' device
+    and without waiting for it: the caller's one copy of the tokens to the host carries the
+    verdict (as the C sampler's -1 does), so a GPU step does not sync twice."""
+    device = logits.device
+    tokens = tokens.to(device)
+    if rows is None:
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.masked_fill(~(torch.isfinite(chosen) | (chosen == float("inf"))), -1)
     if not len(rows):
-        return
-    chosen = logits[rows.to(logits.device), tokens.to(logits.device)[rows.to(logits.device)]]
+        return tokens
+    rows = rows.to(device)
+    chosen = logits[rows, tokens[rows]]
     bad = ~(torch.isfinite(chosen) | (chosen == float("inf")))
-    if bool(bad.any()):
-        raise ValueError(f"cannot sample rows {rows[bad.cpu()].tolist()}: their logits are not finite")
+    return tokens.index_put((rows,), torch.where(bad, -1, tokens[rows]))
+
+
+def _host_tokens(tokens: torch.Tensor) -> list[int]:
+    """The tokens as a list (the step's one device-to-host copy); ValueError naming the rows
+    flagged -1 (their logits are not finite)."""
+    out = tokens.tolist()
+    bad = [row for row, token in enumerate(out) if token < 0]
+    if bad:
+        raise ValueError(f"cannot sample rows {bad}: their logits are not finite")
+    return out
 
 
 def _sample_native(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],

@@ -11,21 +11,22 @@ import torch
 from radixserve.engine.params import StreamDelta, TokenLogprob
 from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.sampler import compute_logprobs, sample
-from radixserve.grammar import TokenMask
+from radixserve.grammar import MaskBuffer, TokenMask
 
 logger = logging.getLogger(__name__)
 
 
-def sample_rows(rows: torch.Tensor, seqs: list[SequenceState],
-                fail: Callable[[Request], None]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample_rows(rows: torch.Tensor, seqs: list[SequenceState], fail: Callable[[Request], None],
+                masks: MaskBuffer | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token (and logprobs if asked) per row; the batch at once, or row by row if the
-    batch fails, so a request whose sampling fails ends alone (`fail`; a dummy token here)."""
+    batch fails, so a request whose sampling fails ends alone (`fail`; a dummy token here).
+    A step's grammar mask is built in `masks` (reused step after step) when given."""
     params = [s.request.params for s in seqs]
     seeds = [s.sampling_seed for s in seqs]
     steps = [len(s.output_ids) for s in seqs]  # token t of a sample is drawn from (seed, t)
     mask = None
     try:
-        mask = grammar_mask(seqs, rows.shape[-1])
+        mask = grammar_mask(seqs, rows.shape[-1], masks)
         tokens = sample(rows, params, seeds, steps, mask)
         return tokens, compute_logprobs(rows, tokens, [p.logprobs for p in params])
     except Exception:
@@ -43,11 +44,11 @@ def sample_rows(rows: torch.Tensor, seqs: list[SequenceState],
     return tokens, logprobs
 
 
-def grammar_mask(seqs: list[SequenceState], vocab_size: int) -> TokenMask | None:
-    """The allowed tokens of the constrained sequences' rows; None (no work at all) when no
-    sequence of the step has a grammar."""
+def grammar_mask(seqs: list[SequenceState], vocab_size: int, masks: MaskBuffer | None = None) -> TokenMask | None:
+    """The allowed tokens of the constrained sequences' rows (their prepared masks, see
+    push_token); None (no work at all) when no sequence of the step has a grammar."""
     constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
-    return TokenMask.for_rows(constrained, vocab_size) if constrained else None  # type: ignore[arg-type]
+    return TokenMask.for_rows(constrained, vocab_size, masks) if constrained else None  # type: ignore[arg-type]
 
 
 def push_token(seq: SequenceState, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
@@ -69,6 +70,10 @@ def push_token(seq: SequenceState, token: int, logprob: TokenLogprob | None, eos
         reason = "length"
     else:
         reason = None
+    if reason is None and seq.grammar is not None:
+        # The next step's mask, filled now while the matcher is in the cache (a fill after
+        # the next forward pass finds every cache cold): ready when the logits come.
+        seq.grammar.prepare()
     if reason is not None and not hit_stop:
         # The end releases held-back text (an unfinished character): it may hold a stop.
         tail, hit_stop = seq.stop_matcher.feed(seq.detokenizer.flush())

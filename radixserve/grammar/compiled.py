@@ -75,4 +75,5 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A matcher at the start of `spec`'s grammar; it accepts a stop token once complete."""
-        return Matcher(xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None))
+        return Matcher(xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None),
+                       self.vocab_size)
