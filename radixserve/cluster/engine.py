@@ -162,9 +162,9 @@ class ClusterEngine:
         if stream is not None:
             stream.cancel()
 
-    async def close_session(self, session_id: str) -> bool:
-        """Ends the session on whichever replica holds it; False if none did."""
-        results = await self._on_every_replica("close_session", session_id)
+    async def close_session(self, session_id: str, tenant: str | None = None) -> bool:
+        """Ends `tenant`'s session on whichever replica holds it; False if none did."""
+        results = await self._on_every_replica("close_session", session_id, tenant)
         return any(r is True for r in results)
 
     async def flush_cache(self) -> PagesFreed:

@@ -291,8 +291,9 @@ class AsyncEngine:
         self._command(lambda: self._sliced.add(SlicedTask(make_work(), done, cancelled.is_set)))
         return future
 
-    async def close_session(self, session_id: str) -> bool:
-        return await self._call(lambda: self.engine.close_session(session_id))
+    async def close_session(self, session_id: str, tenant: str | None = None) -> bool:
+        """Ends `tenant`'s session `session_id` (Engine.close_session)."""
+        return await self._call(lambda: self.engine.close_session(session_id, tenant))
 
     async def flush_cache(self) -> PagesFreed:
         return await self._call(self.engine.flush_cache)

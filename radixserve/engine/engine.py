@@ -58,8 +58,8 @@ class Engine:
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
         max_session_tokens: tokens all open sessions together may keep ahead of ordinary
-            cache; past it the least recently active sessions end early (default: half the
-            device pool).
+            cache, shared fairly between tenants; past it the least recently active sessions
+            of the tenant holding the most end early (default: half the device pool).
         enable_prefix_cache: False computes every prompt in full (a baseline).
         cache_partial_pages: also cache a finished request's last, partly filled page, so a
             conversation's next turn recomputes only its new tokens (False: full pages only).
@@ -372,19 +372,19 @@ class Engine:
         ranges = req.range_retention()
         in_session = req.session_id is not None and reason != "abort" and seq.index == 0
         if in_session:  # the latest turn is kept ahead of ordinary cache for the TTL
-            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed))
+            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed, req.tenant))
         computed = seq.token_ids[: seq.num_computed]
         start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         self._timings.add("tree", time.perf_counter() - start)
         if in_session:
-            self.sessions.add(req.session_id, computed, req.namespace)
+            self.sessions.add(req.session_id, computed, req.namespace, req.tenant)
         self._deltas.emit(seq)
 
-    def close_session(self, session_id: str) -> bool:
-        """Ends a session: its pages become ordinary cache. False if it was not open (or
-        expired: idle past the TTL)."""
-        return self.sessions.close(session_id)
+    def close_session(self, session_id: str, tenant: str | None = None) -> bool:
+        """Ends `tenant`'s session: its pages become ordinary cache. False if it was not open
+        (or expired: idle past the TTL), as for another tenant's session of that id."""
+        return self.sessions.close(session_id, tenant)
 
     def _retire(self, req: Request) -> None:
         if req.request_id not in self._requests:

@@ -118,13 +118,15 @@ class OpenAIServer:
         return _json(self._model_card(model_id))
 
     async def close_session(self, request: Request) -> Response:
-        """POST /v1/sessions/{session_id}/close: the session's pages become ordinary cache."""
-        self._authorize(request)
+        """POST /v1/sessions/{session_id}/close: the session's pages become ordinary cache.
+        Sessions are the caller's tenant's own: another tenant's session id is answered as
+        an unknown one (the same 404), so the route tells nobody which ids exist elsewhere."""
+        caller = self._authorize(request)
         session_id = request.path_params["session_id"]
         if len(session_id) > MAX_ID_CHARS:
             raise APIError(400, f"session_id: at most {MAX_ID_CHARS} characters", param="session_id",
                            code="invalid_value")
-        if not await self.engine.close_session(session_id):
+        if not await self.engine.close_session(session_id, caller.tenant):
             raise APIError(404, f"No open session {session_id!r}", param="session_id",
                            code="session_not_found")
         return JSONResponse({"id": session_id, "object": "session", "closed": True})
