@@ -23,6 +23,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatc
 from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_token_ids, runtime_summary,
                                             sampling_defaults)
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
+from radixserve.engine.fair_share import FairShare
 from radixserve.engine.params import QueueFull, RequestOutput, SamplingParams, StreamDelta, TokenLogprob
 from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
@@ -72,6 +73,9 @@ class Engine:
         host_offload_min_priority: device-only pages below this retention priority are
             dropped on eviction instead of copied to host (default 35: the default priority
             is offloaded).
+        fair_share: True (the default) shares the engine fairly between tenants (Request.tenant:
+            the Virtual Token Counter, engine/fair_share.py); False orders every tenant's
+            requests as one queue (a baseline). With one tenant the two are the same.
         generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
             top_k (generation_config.json, or GGUF metadata) to requests without params;
             "none" ignores them. Its stop tokens always end generation.
@@ -88,7 +92,8 @@ class Engine:
                  backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
-                 generation_config: str = "auto", cache_partial_pages: bool = True) -> None:
+                 generation_config: str = "auto", cache_partial_pages: bool = True,
+                 fair_share: bool = True) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -110,7 +115,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
-                                   window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages)
+                                   window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
+                                   fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))
         attention = create_backend(backend, self.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
         self.max_queue = max_queue
@@ -137,8 +143,14 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                     retention: Retention | None = None,
                     prefix_retention: tuple[int, Retention] | None = None,
-                    session_id: str | None = None, tenant: str | None = None) -> str:
-        """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
+                    session_id: str | None = None, tenant: str | None = None,
+                    priority_across_tenants: bool = False) -> str:
+        """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull.
+
+        `tenant` names who sends it (None: the single tenant): its cache namespaces and
+        sessions are its own, and tenants share the engine fairly (engine/fair_share.py).
+        `priority` orders it within its tenant, and across tenants too with
+        `priority_across_tenants` (an admin's request)."""
         params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
@@ -157,11 +169,12 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         namespace = namespace_of(self.model_name, cache_salt, tenant)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
-                      retention, prefix_retention, session_id, tenant)
+                      retention, prefix_retention, session_id, tenant, priority_across_tenants=priority_across_tenants)
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
         self._requests[request_id] = req
+        self.scheduler.fair.arrive(tenant)
         self._deltas.open(request_id)
         if params.beam_search:
             self.scheduler.waiting.append(self.beams.start(req))
@@ -390,6 +403,7 @@ class Engine:
         if req.request_id not in self._requests:
             return
         del self._requests[req.request_id]
+        self.scheduler.fair.leave(req.tenant)
         self.paused.forget(req.request_id)
         count_retired(self._counters, req)
 
@@ -409,12 +423,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters and gauges under stable keys (the server's /metrics maps them); the keys
         and their meaning: `engine_stats.engine_stats`, plus `paused` (sequences held because
-        their client stopped reading) and `requests_paused` (pauses so far)."""
+        their client stopped reading), `requests_paused` (pauses so far) and `fair_preemptions`
+        (sequences preempted for a tenant served less, engine/fair_share.py)."""
         stats = engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
                              clock=self._step_clock, timings=self._timings,
                              bytes_per_page=bytes_per_page(self.loaded, self.page_size),
                              sessions_open=len(self.sessions))
-        stats.update(paused=self.paused.num_sequences, requests_paused=self.paused.pauses)
+        stats.update(paused=self.paused.num_sequences, requests_paused=self.paused.pauses,
+                     fair_preemptions=self.scheduler.counters.fair_preemptions)
         return stats
 
     def check_invariants(self) -> None:
