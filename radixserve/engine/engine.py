@@ -73,9 +73,8 @@ class Engine:
         host_offload_min_priority: device-only pages below this retention priority are
             dropped on eviction instead of copied to host (default 35: the default priority
             is offloaded).
-        fair_share: True (the default) shares the engine fairly between tenants (Request.tenant:
-            the Virtual Token Counter, engine/fair_share.py); False orders every tenant's
-            requests as one queue (a baseline). With one tenant the two are the same.
+        fair_share: share the engine fairly between tenants (engine/fair_share.py; False: one
+            queue for all, a baseline). With one tenant the two are the same.
         generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
             top_k (generation_config.json, or GGUF metadata) to requests without params;
             "none" ignores them. Its stop tokens always end generation.
@@ -146,11 +145,8 @@ class Engine:
                     session_id: str | None = None, tenant: str | None = None,
                     priority_across_tenants: bool = False) -> str:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull.
-
-        `tenant` names who sends it (None: the single tenant): its cache namespaces and
-        sessions are its own, and tenants share the engine fairly (engine/fair_share.py).
-        `priority` orders it within its tenant, and across tenants too with
-        `priority_across_tenants` (an admin's request)."""
+        `priority` orders it within its `tenant` (None: the single tenant), and across tenants
+        too with `priority_across_tenants` (an admin's; engine/fair_share.py)."""
         params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers

@@ -109,11 +109,9 @@ class Scheduler:
         return chunks
 
     def _make_room_fairly(self) -> None:
-        """With several tenants: when the tenant served least waits for a slot or for pages
-        that another tenant, served well ahead of it (FairShare.claimant), holds, that
-        tenant's least important running units are preempted until the waiting tenant's
-        next sequence fits. Admission alone would leave a flood's long generations running
-        to their end; before this step's chunks are picked, so nothing scheduled is taken."""
+        """Preempts the least important running units of a tenant served well ahead of a
+        waiting one (FairShare.claimant) until the waiting tenant's next sequence fits: else
+        a flood's long generations would run to their end first. Runs before chunks are picked."""
         claim = self.fair.claimant(self.waiting, self.running)
         if claim is None:
             return
