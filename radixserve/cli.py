@@ -24,6 +24,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
 DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
+DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
                     "--host-write-policy": "--host-tier-write-policy",
                     "--host-offload-min-priority": "--host-tier-min-priority"}
@@ -125,6 +126,12 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=2048,
                        help="tokens per forward step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
+    serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
+                       help="generated tokens one request may ask for: prompts x n (or beam width) x "
+                            "max_tokens; past it a 400 (an unset max_tokens shrinks to fit) (default: %(default)s)")
+    serve.add_argument("--no-fair-share", action="store_true",
+                       help="order every tenant's requests as one queue instead of sharing the engine "
+                            "fairly between tenants (a baseline for benchmarks; one tenant: no difference)")
 
 
 def _add_api_args(serve: argparse.ArgumentParser) -> None:
@@ -269,7 +276,7 @@ def serve_command(args: argparse.Namespace) -> int:
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
                      cache_events_idle_timeout_s=args.cache_events_idle_timeout_s,
                      turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser, max_request_tokens=args.max_request_tokens)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
@@ -295,7 +302,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
                 max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache,
                 host_kv_memory_gb=args.host_kv_memory_gb, host_num_pages=args.host_num_pages,
                 host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority,
-                generation_config=args.generation_config)
+                generation_config=args.generation_config, fair_share=not args.no_fair_share)
 
 
 class BoundedServer(uvicorn.Server):

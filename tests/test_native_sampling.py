@@ -111,6 +111,25 @@ def test_threads_sampling_at_once_get_their_own_results() -> None:
         torch.set_num_threads(previous)
 
 
+def test_one_kernel_thread_gives_what_several_give() -> None:
+    """Each row is one thread's work: with one OpenMP thread the kernel samples the same
+    tokens, with the same log-probabilities, as with four (the engine's default count is the
+    machine's, so both ends are pinned here)."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(48, 3000, generator=generator) * 2
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=k, min_p=0.01) for k in (0, 40, 3)] * 16
+    seeds = list(range(48))
+    previous = torch.get_num_threads()
+    outputs = {}
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            outputs[threads] = sample(logits, params, seeds, list(range(48)))
+    finally:
+        torch.set_num_threads(previous)
+    assert outputs[1] == outputs[4]
+
+
 def test_uniforms_drive_the_draw_as_the_torch_path() -> None:
     """u = 0 draws the first kept token in id order, u just below 1 the last; tokens dropped
     by a filter are never drawn, whether the draw runs over the top-p list or the whole row."""

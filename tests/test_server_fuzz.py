@@ -40,7 +40,7 @@ EDGE_VALUES: dict[str, list[Any]] = {
     "seed": [0, -(2**63), 2**63 - 1, 10**30, -1],
     "n": [1, 2, 4],
     "max_tokens": [1, 2, 3, 4],
-    "priority": [-(10**30), -1, 0, 10**30],
+    "priority": [-100, -1, 0, 100],  # the documented range; outside it: a 400
     "stop": [["🙂"], ["\u0000"], ["a" * 512], ["a", "b", "c", "d"], "é", " "],
     "stop_token_ids": [[0], [1, 2, 3], list(range(256))],
     "ignore_eos": [True, False],

@@ -262,25 +262,33 @@ class RadixTree:
             self._host_tier.schedule_expiries(node, times)
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
-                      priority: int) -> None:
+                      priority: int, keep_pages: int = 0) -> None:
         """Ends early the temporary retention at `priority` of the pages along `tokens`: they
         fall back to their floor (for example a closed session's pages). Pages retained
-        otherwise — a system prompt another request kept higher — are left as they are.
-        Tokens past the last full page end the retention of the page holding them too (a
-        partial leaf, or the full page that superseded it): a partial leaf left raised would
-        keep every page above it from eviction."""
+        otherwise — a system prompt another request kept higher — are left as they are, and
+        so are the first `keep_pages` pages of the path (another holder still raises them at
+        that priority: an open session sharing the prefix). Tokens past the last full page
+        end the retention of the page holding them too (a partial leaf, or the full page
+        that superseded it): a partial leaf left raised would keep every page above it from
+        eviction."""
         now = self._clock()
         last: RadixNode | None = None
-        for last, num_pages in retention_path(self._forest.root(namespace), as_tokens(tokens), self.page_size):
-            self._end_temporary(last, priority, now, num_pages)
+        start = end = 0  # the path's page index of the node's first page, and past its last
+        for node, num_pages in retention_path(self._forest.root(namespace), as_tokens(tokens), self.page_size):
+            if node is not last:  # the path may name a node twice: its full pages, then one more
+                start = end
+            end = start + num_pages
+            if end > keep_pages:
+                self._end_temporary(node, priority, now, num_pages, max(0, keep_pages - start))
+            last = node
         # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
         if last is not None:
             self._requeue(last, now)
 
-    def _end_temporary(self, node: RadixNode, priority: int, now: float, num_pages: int) -> None:
-        """Ends the temporary retention at `priority` of `node`'s first `num_pages` pages."""
+    def _end_temporary(self, node: RadixNode, priority: int, now: float, num_pages: int, first: int) -> None:
+        """Ends the temporary retention at `priority` of `node`'s pages `first:num_pages`."""
         node.retention = PageRetention.ensure(node.retention, node.num_pages(self.page_size))
-        node.retention.end_temporary(priority, now, num_pages)
+        node.retention.end_temporary(priority, now, num_pages, first)
 
     def _requeue(self, node: RadixNode, now: float) -> None:
         """Queues `node` in each eviction queue it is a candidate of (with its current key)."""

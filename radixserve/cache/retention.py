@@ -118,10 +118,11 @@ class PageRetention:
             changed = True
         return changed
 
-    def end_temporary(self, priority: int, now: float, num_pages: int) -> None:
-        """Ends early, on the first `num_pages` pages, a temporary retention at `priority`:
-        they fall back to their floor. Other levels are left as they are."""
-        current, expiry, floor = self.priority[:num_pages], self.expiry[:num_pages], self.floor[:num_pages]
+    def end_temporary(self, priority: int, now: float, num_pages: int, first: int = 0) -> None:
+        """Ends early, on pages `first:num_pages`, a temporary retention at `priority`: they
+        fall back to their floor. Other levels are left as they are."""
+        span = slice(first, max(first, num_pages))
+        current, expiry, floor = self.priority[span], self.expiry[span], self.floor[span]
         ending = (expiry > now) & (expiry < NEVER) & (current == priority)
         current[ending] = floor[ending]
         expiry[ending] = NEVER

@@ -125,13 +125,15 @@ class ClusterEngine:
                        priority: int = 0, cache_salt: str | None = None,
                        retention: Retention | None = None,
                        prefix_retention: tuple[int, Retention] | None = None,
-                       session_id: str | None = None, tenant: str | None = None) -> AsyncIterator[StreamDelta]:
+                       session_id: str | None = None, tenant: str | None = None,
+                       priority_across_tenants: bool = False) -> AsyncIterator[StreamDelta]:
         """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
         item; closing the iterator early cancels the replica's stream, which aborts there."""
         namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
                                          namespace_of(self.engine.model_name, cache_salt, tenant))
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
-                                 prefix_retention, session_id, namespace, hashes, tenant)
+                                 prefix_retention, session_id, namespace, hashes, tenant,
+                                 priority_across_tenants)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream
@@ -162,9 +164,9 @@ class ClusterEngine:
         if stream is not None:
             stream.cancel()
 
-    async def close_session(self, session_id: str) -> bool:
-        """Ends the session on whichever replica holds it; False if none did."""
-        results = await self._on_every_replica("close_session", session_id)
+    async def close_session(self, session_id: str, tenant: str | None = None) -> bool:
+        """Ends `tenant`'s session on whichever replica holds it; False if none did."""
+        results = await self._on_every_replica("close_session", session_id, tenant)
         return any(r is True for r in results)
 
     async def flush_cache(self) -> PagesFreed:

@@ -25,6 +25,7 @@ class ReplicaRequest:
     namespace: str = ""                                  # routing.prompt_pages: the namespace id
     page_hashes: list[int] = field(default_factory=list)  # ... and the prompt's page hashes
     tenant: str | None = None
+    priority_across_tenants: bool = False  # an admin's priority (engine/fair_share.py)
 
     @property
     def prompt(self) -> str:

@@ -55,7 +55,7 @@ class EngineReplica:
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
             prefix_retention=request.prefix_retention, session_id=request.session_id,
-            tenant=request.tenant)
+            tenant=request.tenant, priority_across_tenants=request.priority_across_tenants)
         try:
             async with aclosing(deltas):
                 try:
@@ -82,9 +82,9 @@ class EngineReplica:
         async for batch in self.feed.subscribe():
             yield EventBatch(self.replica, batch.events, self.async_engine.stats(), batch.settled)
 
-    async def close_session(self, session_id: str, replica: str) -> bool:
+    async def close_session(self, session_id: str, tenant: str | None, replica: str) -> bool:
         self._check_pin(replica)
-        return await self.async_engine.close_session(session_id)
+        return await self.async_engine.close_session(session_id, tenant)
 
     async def flush(self, replica: str) -> PagesFreed:
         self._check_pin(replica)

@@ -201,7 +201,8 @@ class AsyncEngine:
                        priority: int = 0, cache_salt: str | None = None,
                        retention: Retention | None = None,
                        prefix_retention: tuple[int, Retention] | None = None,
-                       session_id: str | None = None, tenant: str | None = None) -> AsyncIterator[StreamDelta]:
+                       session_id: str | None = None, tenant: str | None = None,
+                       priority_across_tenants: bool = False) -> AsyncIterator[StreamDelta]:
         """Streams a request's deltas; raises QueueFull / PromptTooLong / ValueError up front.
 
         Closing the iterator early (a client that went away) aborts the request, which frees
@@ -221,7 +222,7 @@ class AsyncEngine:
             await self._call(lambda: self.engine.add_request(
                 prompt_ids, params, request_id=request_id, priority=priority, cache_salt=cache_salt,
                 retention=retention, prefix_retention=prefix_retention, session_id=session_id,
-                tenant=tenant))
+                tenant=tenant, priority_across_tenants=priority_across_tenants))
         except asyncio.CancelledError:
             # The caller left while the add was queued: it still runs, so abort it after.
             self._streams.pop(request_id, None)
@@ -291,8 +292,9 @@ class AsyncEngine:
         self._command(lambda: self._sliced.add(SlicedTask(make_work(), done, cancelled.is_set)))
         return future
 
-    async def close_session(self, session_id: str) -> bool:
-        return await self._call(lambda: self.engine.close_session(session_id))
+    async def close_session(self, session_id: str, tenant: str | None = None) -> bool:
+        """Ends `tenant`'s session `session_id` (Engine.close_session)."""
+        return await self._call(lambda: self.engine.close_session(session_id, tenant))
 
     async def flush_cache(self) -> PagesFreed:
         return await self._call(self.engine.flush_cache)

@@ -23,6 +23,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatc
 from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_token_ids, runtime_summary,
                                             sampling_defaults)
 from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
+from radixserve.engine.fair_share import FairShare
 from radixserve.engine.params import QueueFull, RequestOutput, SamplingParams, StreamDelta, TokenLogprob
 from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
@@ -58,8 +59,8 @@ class Engine:
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
         max_session_tokens: tokens all open sessions together may keep ahead of ordinary
-            cache; past it the least recently active sessions end early (default: half the
-            device pool).
+            cache, shared fairly between tenants; past it the least recently active sessions
+            of the tenant holding the most end early (default: half the device pool).
         enable_prefix_cache: False computes every prompt in full (a baseline).
         cache_partial_pages: also cache a finished request's last, partly filled page, so a
             conversation's next turn recomputes only its new tokens (False: full pages only).
@@ -72,6 +73,8 @@ class Engine:
         host_offload_min_priority: device-only pages below this retention priority are
             dropped on eviction instead of copied to host (default 35: the default priority
             is offloaded).
+        fair_share: share the engine fairly between tenants (engine/fair_share.py; False: one
+            queue for all, a baseline). With one tenant the two are the same.
         generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
             top_k (generation_config.json, or GGUF metadata) to requests without params;
             "none" ignores them. Its stop tokens always end generation.
@@ -88,7 +91,8 @@ class Engine:
                  backend: str | None = None, seed: int = 0, host_num_pages: int | None = None,
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
-                 generation_config: str = "auto", cache_partial_pages: bool = True) -> None:
+                 generation_config: str = "auto", cache_partial_pages: bool = True,
+                 fair_share: bool = True) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -110,7 +114,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
-                                   window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages)
+                                   window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
+                                   fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))
         attention = create_backend(backend, self.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
         self.max_queue = max_queue
@@ -138,8 +143,11 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                     retention: Retention | None = None,
                     prefix_retention: tuple[int, Retention] | None = None,
-                    session_id: str | None = None, tenant: str | None = None) -> str:
-        """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull."""
+                    session_id: str | None = None, tenant: str | None = None,
+                    priority_across_tenants: bool = False) -> str:
+        """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull.
+        `priority` orders it within its `tenant` (None: the single tenant), and across tenants
+        too with `priority_across_tenants` (an admin's; engine/fair_share.py)."""
         params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
@@ -158,11 +166,12 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         namespace = namespace_of(self.model_name, cache_salt, tenant)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
-                      retention, prefix_retention, session_id, tenant)
+                      retention, prefix_retention, session_id, tenant, priority_across_tenants=priority_across_tenants)
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
         self._requests[request_id] = req
+        self.scheduler.fair.arrive(tenant)
         self._deltas.open(request_id)
         if params.beam_search:
             self.scheduler.waiting.append(self.beams.start(req))
@@ -373,24 +382,25 @@ class Engine:
         ranges = req.range_retention()
         in_session = req.session_id is not None and reason != "abort" and seq.index == 0
         if in_session:  # the latest turn is kept ahead of ordinary cache for the TTL
-            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed))
+            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed, req.tenant))
         computed = seq.token_ids[: seq.num_computed]
         start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         self._timings.add("tree", time.perf_counter() - start)
         if in_session:
-            self.sessions.add(req.session_id, computed, req.namespace)
+            self.sessions.add(req.session_id, computed, req.namespace, req.tenant)
         self._deltas.emit(seq)
 
-    def close_session(self, session_id: str) -> bool:
-        """Ends a session: its pages become ordinary cache. False if it was not open (or
-        expired: idle past the TTL)."""
-        return self.sessions.close(session_id)
+    def close_session(self, session_id: str, tenant: str | None = None) -> bool:
+        """Ends `tenant`'s session: its pages become ordinary cache. False if it was not open
+        (or expired: idle past the TTL), as for another tenant's session of that id."""
+        return self.sessions.close(session_id, tenant)
 
     def _retire(self, req: Request) -> None:
         if req.request_id not in self._requests:
             return
         del self._requests[req.request_id]
+        self.scheduler.fair.leave(req.tenant)
         self.paused.forget(req.request_id)
         count_retired(self._counters, req)
 
@@ -410,12 +420,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters and gauges under stable keys (the server's /metrics maps them); the keys
         and their meaning: `engine_stats.engine_stats`, plus `paused` (sequences held because
-        their client stopped reading) and `requests_paused` (pauses so far)."""
+        their client stopped reading), `requests_paused` (pauses so far) and `fair_preemptions`
+        (sequences preempted for a tenant served less, engine/fair_share.py)."""
         stats = engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
                              clock=self._step_clock, timings=self._timings,
                              bytes_per_page=bytes_per_page(self.loaded, self.page_size),
                              sessions_open=len(self.sessions))
-        stats.update(paused=self.paused.num_sequences, requests_paused=self.paused.pauses)
+        stats.update(paused=self.paused.num_sequences, requests_paused=self.paused.pauses,
+                     fair_preemptions=self.scheduler.counters.fair_preemptions)
         return stats
 
     def check_invariants(self) -> None:

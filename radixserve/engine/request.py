@@ -49,6 +49,9 @@ class Request:
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
     tenant: str | None = None  # who sent it (None: the server's one tenant); see namespace_of
+    # `priority` orders it before other tenants' requests too (an admin's), not only its own
+    # tenant's (engine/fair_share.py).
+    priority_across_tenants: bool = False
     reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
     sequences: list[SequenceState] = field(default_factory=list)
     cached_tokens: int | None = None  # set when its first sequence is first admitted

@@ -25,6 +25,7 @@ class SchedulerCounters:
     """Cumulative scheduler events, for stats."""
 
     preemptions: int = 0
+    fair_preemptions: int = 0  # of those, for a tenant served less (engine/fair_share.py)
     shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
     deferred_for_sharing: int = 0
     admitted: int = 0

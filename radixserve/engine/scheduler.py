@@ -4,6 +4,9 @@ The scheduler owns the waiting and running queues and every page a sequence hold
 it (1) gives every running sequence its next chunk (one token when decoding), preempting the
 lowest-priority, latest-arrived sequences when pages run out, then (2) admits waiting
 sequences in the policy's order within the token budget, reusing their cached prefixes.
+With several tenants, both orders are fair_share.py's first: tenants are interleaved by
+the service they have had (so the tenant with the most is preempted first), and the order
+above holds within each tenant; with one tenant they are exactly the orders above.
 It knows nothing of the model: the runner turns its Batch into a forward pass.
 
 With a host tier under the tree, a prefix found on the host is loaded back into device pages
@@ -37,6 +40,7 @@ import numpy as np
 
 from radixserve.cache.pool import OUT_OF_WINDOW_PAGE, PagePool
 from radixserve.cache.radix import MatchResult, RadixTree, Retention
+from radixserve.engine.fair_share import FairShare
 from radixserve.engine.policy import SchedulePolicy, common_prefix_len
 from radixserve.engine.request import SequenceState
 from radixserve.engine.scheduled import ScheduledChunk, SchedulerCounters
@@ -49,7 +53,8 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
-                 prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False) -> None:
+                 prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False,
+                 fair_share: FairShare | None = None) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -65,13 +70,15 @@ class Scheduler:
         self.waiting: list[SequenceState] = []
         self.running: list[SequenceState] = []
         self.counters = SchedulerCounters()
+        self.fair = fair_share or FairShare()  # the order across tenants (engine/fair_share.py)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> list[ScheduledChunk]:
         """Picks the next step's chunks and makes sure their pages exist."""
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
-        ordered = sorted(self._running_units(), key=lambda u: (-u[0].priority, u[0].arrival_time, u[0].seq_id))
+        self._make_room_fairly()
+        ordered = self.fair.order_running(self._running_units(), lambda s: (-s.priority, s.arrival_time, s.seq_id))
         while ordered and budget > 0:
             unit = ordered.pop(0)
             if not all(self._loaded(seq) for seq in unit):
@@ -100,6 +107,32 @@ class Scheduler:
         if budget > 0:
             chunks.extend(self._admit(budget))
         return chunks
+
+    def _make_room_fairly(self) -> None:
+        """Preempts the least important running units of a tenant served well ahead of a
+        waiting one (FairShare.claimant) until the waiting tenant's next sequence fits: else
+        a flood's long generations would run to their end first. Runs before chunks are picked."""
+        claim = self.fair.claimant(self.waiting, self.running)
+        if claim is None:
+            return
+        waiting_tenant, victim_tenant = claim
+        now = self.clock()
+        head = self.policy.order([s for s in self.waiting if s.request.tenant == waiting_tenant], self.tree, now)[0]
+        unit = list(head.request.beam.running) if head.request.beam is not None else [head]
+        victims = [u for u in self._running_units() if u[0].request.tenant == victim_tenant]
+        victims.sort(key=lambda u: (-u[0].priority, u[0].arrival_time, u[0].seq_id))
+        while victims and not self._room_for(unit):
+            self.preempt_unit(victims.pop())
+            self.counters.fair_preemptions += 1
+
+    def _room_for(self, unit: list[SequenceState]) -> bool:
+        """Whether `unit` could be admitted now (a slot each, and its first chunks' pages)."""
+        if len(self.running) + len(unit) > self.max_running:
+            return False
+        reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
+        peeks = [self.tree.match(s.prompt_ids[: s.num_tokens - 1], s.namespace, update=False)
+                 if self.prefix_cache else None for s in unit]
+        return self._may_fit([s.num_tokens for s in unit], peeks, self.max_batch_tokens, reserve)
 
     def _running_units(self) -> list[list[SequenceState]]:
         """The running sequences, one list per unit: a beam group's beams, else one sequence."""
@@ -131,7 +164,7 @@ class Scheduler:
             return chunks
         now = self.clock()
         admitted: set[int] = set()  # beams admitted with an earlier member of their group
-        for seq in self.policy.order(self.waiting, self.tree, now):
+        for seq in self.fair.order_waiting(self.waiting, lambda group: self.policy.order(group, self.tree, now)):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             if seq.seq_id in admitted:
@@ -373,6 +406,7 @@ class Scheduler:
         released: list[int] = []
         for chunk in chunks:
             seq, last = chunk.seq, chunk.needs_logits  # needs_logits reads num_computed: first
+            self.fair.charge_chunk(seq, chunk.num_new)
             seq.num_computed += chunk.num_new
             if chunk.num_new > 1:
                 req = seq.request

@@ -64,6 +64,7 @@ from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
 from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, GeneratedTurns
+from radixserve.server.work_limit import DEFAULT_MAX_REQUEST_TOKENS, WorkLimit
 
 logger = logging.getLogger("radixserve.server")
 
@@ -86,8 +87,9 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
         self.engine = engine
+        self.max_request_tokens = max_request_tokens
         self.body_timeout_s = body_timeout_s
         self.tokenizer = engine.engine.tokenizer
         self.tool_call_parser = tool_call_parser or parser_for_template(getattr(self.tokenizer, "chat_template", None))
@@ -118,13 +120,15 @@ class OpenAIServer:
         return _json(self._model_card(model_id))
 
     async def close_session(self, request: Request) -> Response:
-        """POST /v1/sessions/{session_id}/close: the session's pages become ordinary cache."""
-        self._authorize(request)
+        """POST /v1/sessions/{session_id}/close: the session's pages become ordinary cache.
+        Sessions are the caller's tenant's own: another tenant's session id is answered as
+        an unknown one (the same 404), so the route tells nobody which ids exist elsewhere."""
+        caller = self._authorize(request)
         session_id = request.path_params["session_id"]
         if len(session_id) > MAX_ID_CHARS:
             raise APIError(400, f"session_id: at most {MAX_ID_CHARS} characters", param="session_id",
                            code="invalid_value")
-        if not await self.engine.close_session(session_id):
+        if not await self.engine.close_session(session_id, caller.tenant):
             raise APIError(404, f"No open session {session_id!r}", param="session_id",
                            code="session_not_found")
         return JSONResponse({"id": session_id, "object": "session", "closed": True})
@@ -155,8 +159,8 @@ class OpenAIServer:
         prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
                                                                    tools.tools)
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
-                         self.sampling_defaults, tools.grammar)
-        call.tenant = caller.tenant
+                         self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens))
+        call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
         await self._compile_grammar(call)
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
@@ -176,11 +180,12 @@ class OpenAIServer:
         tokenizer = self.tokenizer
         prompt_ids = await anyio.to_thread.run_sync(
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
+        limit = WorkLimit(self.max_request_tokens, len(prompts))
         calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param,
-                                 self.sampling_defaults)
+                                 self.sampling_defaults, limit)
                  for ids, param in zip(prompt_ids, params)]
         for call in calls:
-            call.tenant = caller.tenant
+            call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
         await self._compile_grammar(calls[0])  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
@@ -210,7 +215,8 @@ class OpenAIServer:
         streams = [self.engine.generate(
             call.prompt_ids, call.params, request_id=request_id if len(calls) == 1 else f"{request_id}-{i}",
             priority=call.priority, cache_salt=call.cache_salt, retention=call.retention,
-            prefix_retention=call.prefix_retention, session_id=call.session_id, tenant=call.tenant)
+            prefix_retention=call.prefix_retention, session_id=call.session_id, tenant=call.tenant,
+            priority_across_tenants=call.priority_across_tenants)
             for i, call in enumerate(calls)]
         handed_over = False
         try:
@@ -357,7 +363,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                cache_events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S,
                engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S,
                turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
-               tool_call_parser: str | None = None) -> Starlette:
+               tool_call_parser: str | None = None,
+               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -372,10 +379,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     A request body must arrive within `body_timeout_s` (else 408); the request head's
     deadline is the connection's (connections.py, given to uvicorn). `tool_call_parser` names
     the model's tool-call format (tool_parsers.py; default: chosen from the chat template).
+    `max_request_tokens` bounds the tokens one request may ask to generate (work_limit.py).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
-                          body_timeout_s=body_timeout_s, tool_call_parser=tool_call_parser)
+                          body_timeout_s=body_timeout_s, tool_call_parser=tool_call_parser,
+                          max_request_tokens=max_request_tokens)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
                         event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s)
 

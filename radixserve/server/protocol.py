@@ -14,6 +14,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 MAX_ID_CHARS = 256  # model, user, cache_salt, session_id, message name (docs/server.md)
 MAX_LOGIT_BIAS = 1024  # entries; like stop strings (engine/params.py), capped in the schema
+MIN_PRIORITY, MAX_PRIORITY = -100, 100  # a request's scheduling priority (docs/server.md)
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -23,6 +24,7 @@ MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 NumChoices = Annotated[int, Meta(ge=1, le=16)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 RetentionPriority = Annotated[int, Meta(ge=0, le=100)]
+SchedulingPriority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 Duration = Annotated[float, Meta(gt=0.0)]
 Identifier = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Name = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
@@ -170,7 +172,7 @@ class GenerationRequest(Struct, kw_only=True):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     # radixserve extensions: scheduling, cache isolation and retention.
-    priority: int = 0
+    priority: SchedulingPriority = 0  # higher first; across tenants only for an admin key
     cache_salt: Identifier | None = None
     retention_priority: RetentionPriority | None = None
     retention_duration_s: Duration | None = None

@@ -15,6 +15,7 @@ from radixserve.grammar import GrammarSpec
 from radixserve.server.errors import APIError, error_from_value_error
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from radixserve.server.structured import requested_grammar
+from radixserve.server.work_limit import WorkLimit
 
 # Completions default to OpenAI's 16 new tokens; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -35,16 +36,18 @@ class EngineCall:
     prefix_retention: tuple[int, Retention] | None
     session_id: str | None
     tenant: str | None = None  # set by the server from the request's API key
+    priority_across_tenants: bool = False  # an admin's priority orders other tenants' requests too
     grammar_param: str | None = None  # the request field params.grammar came from
 
 
 def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
               max_context_len: int, max_sequence_len: int | None = None,
               defaults: SamplingDefaults = NO_DEFAULTS,
-              tool_grammar: tuple[GrammarSpec, str] | None = None) -> EngineCall:
+              tool_grammar: tuple[GrammarSpec, str] | None = None, work_limit: WorkLimit | None = None) -> EngineCall:
     """The engine call for a chat request whose messages rendered to `prompt_ids`; sampling
     fields it leaves unset take `defaults` (the model's recommendations) first;
-    `tool_grammar` is the constraint its tool_choice puts on the reply (tools.plan_tools)."""
+    `tool_grammar` is the constraint its tool_choice puts on the reply (tools.plan_tools);
+    `work_limit` bounds its samples x max_tokens (work_limit.py)."""
     _refuse_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
@@ -53,6 +56,8 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     max_tokens = _fit_context(len(prompt_ids), requested, max_context_len, "messages", param,
                               max_sequence_len=max_sequence_len)
+    if work_limit is not None:
+        max_tokens = work_limit.bound(max_tokens, requested is not None, _width(request), param)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     prefix_retention = None
     system_retention = _retention(request.system_retention_priority,
@@ -82,9 +87,10 @@ def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]
 
 def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int,
                     max_sequence_len: int | None = None, prompt_param: str = "prompt",
-                    defaults: SamplingDefaults = NO_DEFAULTS) -> EngineCall:
+                    defaults: SamplingDefaults = NO_DEFAULTS, work_limit: WorkLimit | None = None) -> EngineCall:
     """The engine call for a completions request (or one prompt of its batch, named
-    `prompt_param` in errors) whose prompt is `prompt_ids`."""
+    `prompt_param` in errors) whose prompt is `prompt_ids`; `work_limit` bounds the whole
+    request's prompts x samples x max_tokens (work_limit.py)."""
     _refuse_unsupported(request)
     if request.echo:
         raise _unsupported("echo")
@@ -95,6 +101,8 @@ def completion_call(request: CompletionRequest, prompt_ids: list[int], max_conte
     max_tokens = _fit_context(len(prompt_ids), request.max_tokens, max_context_len, prompt_param,
                               "max_tokens", default=COMPLETIONS_DEFAULT_MAX_TOKENS,
                               max_sequence_len=max_sequence_len)
+    if work_limit is not None:
+        max_tokens = work_limit.bound(max_tokens, request.max_tokens is not None, _width(request), "max_tokens")
     return _call(request, prompt_ids, max_tokens, request.logprobs, None, defaults)
 
 
@@ -153,6 +161,12 @@ def _beam_search(request: GenerationRequest) -> dict[str, object]:
         return {}
     return dict(beam_width=request.beam_width or request.n or 1, length_penalty=request.length_penalty,
                 early_stopping=request.early_stopping)
+
+
+def _width(request: GenerationRequest) -> int:
+    """Sequences generating per prompt: n samples, or beam_width beams (each generates)."""
+    n = request.n or 1
+    return max(n, request.beam_width or n) if request.use_beam_search else n
 
 
 def _fit_context(prompt_len: int, requested: int | None, max_context_len: int,

@@ -1,0 +1,155 @@
+"""Fair share between tenants: the Virtual Token Counter (VTC) in front of the cache-aware order.
+
+VTC is the scheduler of "Fairness in Serving Large Language Models" (Sheng et al., OSDI 2024):
+each client has a counter of the service it has had, tokens weighted (input `input_weight`,
+output `output_weight`: an output token costs a decode step of its own); the next request
+admitted is the next one of the backlogged client with the least counter; and a client that
+becomes backlogged has its counter lifted to the least counter of the backlogged ones, so
+idling earns no credit to flood with later. It bounds the service gap between backlogged
+clients, whatever one of them sends.
+
+Here a client is a tenant (`Request.tenant`). Within a tenant the schedule policy's order
+(longest cached prefix first, with aging) is kept; across tenants the counters pick whose
+request comes next. Service is counted as computed: tokens the cache already held cost
+nothing. Running sequences are ordered the same way, so that when pages run out the tenant
+that has had the most service is preempted first. `priority` orders across tenants only
+where `Request.priority_across_tenants` (an admin's request); otherwise within its tenant.
+
+With one tenant none of this changes anything: every order is the policy's (and the
+running order is the scheduler's plain priority-then-arrival order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
+
+from radixserve.engine.request import SequenceState
+
+INPUT_WEIGHT = 1.0  # the paper's weights: an output token costs twice an input token
+OUTPUT_WEIGHT = 2.0
+# How far ahead (in weighted tokens) a running tenant must be of a waiting one before its
+# sequences are preempted for it: about a step's prefill, so two backlogged tenants do not
+# take turns preempting each other every step.
+PREEMPT_MARGIN = 2048.0
+
+T = TypeVar("T")
+
+
+class FairShare:
+    """Per-tenant virtual token counters and the orders they give (see the module docstring).
+
+    The engine calls `arrive` when a request is queued and `leave` when it ends; the
+    scheduler calls `charge` for every computed chunk and uses `order_waiting` and
+    `order_running`. `enabled=False` keeps the counters but orders as if there were one
+    tenant (a baseline for benchmarks).
+    """
+
+    def __init__(self, *, enabled: bool = True, input_weight: float = INPUT_WEIGHT,
+                 output_weight: float = OUTPUT_WEIGHT, preempt_margin: float = PREEMPT_MARGIN) -> None:
+        self.enabled = enabled
+        self.input_weight = input_weight
+        self.output_weight = output_weight
+        self.preempt_margin = preempt_margin
+        self.counters: dict[Hashable, float] = {}
+        self._backlog: dict[Hashable, int] = {}  # live requests per tenant (backlogged: > 0)
+
+    # ------------------------------------------------------------------ accounting
+    def arrive(self, tenant: Hashable) -> None:
+        """A request of `tenant` is queued. A tenant that was not backlogged has its counter
+        lifted to the least counter of the backlogged tenants (VTC's counter lift)."""
+        if not self._backlog.get(tenant):
+            others = [self.counters.get(t, 0.0) for t, live in self._backlog.items() if live and t != tenant]
+            if others:
+                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+        self._backlog[tenant] = self._backlog.get(tenant, 0) + 1
+
+    def leave(self, tenant: Hashable) -> None:
+        """A request of `tenant` ended (finished, aborted or failed)."""
+        live = self._backlog.get(tenant, 0) - 1
+        if live > 0:
+            self._backlog[tenant] = live
+        else:
+            self._backlog.pop(tenant, None)
+
+    def charge(self, tenant: Hashable, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Counts service `tenant` has had: tokens computed for it."""
+        self.counters[tenant] = (self.counters.get(tenant, 0.0) + self.input_weight * input_tokens
+                                 + self.output_weight * output_tokens)
+
+    def charge_chunk(self, seq: SequenceState, num_new: int) -> None:
+        """Charges a computed chunk of `seq` (its `num_new` tokens before num_computed moved):
+        a decode step is one output token; anything else (a prompt, a recomputation after
+        preemption) is input."""
+        decoding = num_new == 1 and seq.num_computed >= len(seq.request.prompt_ids)
+        if decoding:
+            self.charge(seq.request.tenant, output_tokens=1)
+        else:
+            self.charge(seq.request.tenant, input_tokens=num_new)
+
+    def claimant(self, waiting: Sequence[SequenceState],
+                 running: Sequence[SequenceState]) -> tuple[Hashable, Hashable] | None:
+        """(waiting tenant, running tenant) when the least-served tenant with a waiting
+        sequence is more than `preempt_margin` behind the most-served tenant with running
+        ones: the scheduler then preempts the latter's sequences to admit the former's
+        (admission alone would wait for a flood's generations to end). None otherwise, and
+        always with fewer than two backlogged tenants."""
+        if not self.enabled or len(self._backlog) < 2 or not waiting or not running:
+            return None
+        counter = self.counters.get
+        least = min({s.request.tenant for s in waiting}, key=lambda t: (counter(t, 0.0), _name(t)))
+        most = max({s.request.tenant for s in running}, key=lambda t: (counter(t, 0.0), _name(t)))
+        if most == least or counter(most, 0.0) - counter(least, 0.0) <= self.preempt_margin:
+            return None
+        return least, most
+
+    # ------------------------------------------------------------------ orders
+    def order_waiting(self, waiting: Sequence[SequenceState],
+                      policy_order: Callable[[list[SequenceState]], list[SequenceState]]) -> list[SequenceState]:
+        """The admission order: each tenant's waiting sequences in `policy_order`, merged by
+        taking next the head with the highest cross-tenant priority, then of the tenant with
+        the least counter (which grows, within this order, by each taken prompt's tokens)."""
+        groups = _by_tenant(waiting)
+        if len(groups) < 2 or not self.enabled:
+            return policy_order(list(waiting))
+        queues = {tenant: policy_order(group) for tenant, group in groups.items()}
+        virtual = {tenant: self.counters.get(tenant, 0.0) for tenant in queues}
+        heads = dict.fromkeys(queues, 0)
+        merged: list[SequenceState] = []
+        while queues:
+            tenant = min(queues, key=lambda t: (-_cross_priority(queues[t][heads[t]]), virtual[t], _name(t)))
+            seq = queues[tenant][heads[tenant]]
+            merged.append(seq)
+            virtual[tenant] += self.input_weight * seq.num_tokens
+            heads[tenant] += 1
+            if heads[tenant] == len(queues[tenant]):
+                del queues[tenant]
+        return merged
+
+    def order_running(self, units: list[list[SequenceState]],
+                      plain_key: Callable[[SequenceState], tuple]) -> list[list[SequenceState]]:
+        """Running units (a beam group, or one sequence) most deserving first: the least
+        preempted last. By cross-tenant priority, then the tenant's counter, then `plain_key`
+        (the scheduler's order within a tenant); with one tenant, by `plain_key` alone."""
+        if not self.enabled or len({unit[0].request.tenant for unit in units}) < 2:
+            return sorted(units, key=lambda u: plain_key(u[0]))
+        return sorted(units, key=lambda u: (-_cross_priority(u[0]), self.counters.get(u[0].request.tenant, 0.0),
+                                            plain_key(u[0])))
+
+
+def _by_tenant(seqs: Sequence[SequenceState]) -> dict[Hashable, list[SequenceState]]:
+    groups: dict[Hashable, list[SequenceState]] = {}
+    for seq in seqs:
+        groups.setdefault(seq.request.tenant, []).append(seq)
+    return groups
+
+
+def _cross_priority(seq: SequenceState) -> int:
+    """The priority that orders `seq` across tenants: its own where an admin set it, else 0."""
+    request = seq.request
+    return request.priority if request.priority_across_tenants else 0
+
+
+def _name(tenant: Hashable) -> str:
+    """A stable tie-break between tenants of equal counters (None: the single tenant)."""
+    return "" if tenant is None else str(tenant)

@@ -1,0 +1,146 @@
+"""Fair share between tenants (engine/fair_share.py): the Virtual Token Counter's accounting
+and orders on their own, then through the engine: a flooding tenant beside an innocent one.
+
+Latency is counted in engine steps, never in seconds.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.engine.fair_share import INPUT_WEIGHT, OUTPUT_WEIGHT, FairShare
+from radixserve.engine.params import SamplingParams as Params
+from radixserve.engine.request import Request, SequenceState
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def seq(tenant: str | None, arrival: float, num_tokens: int = 10, priority: int = 0,
+        admin: bool = False) -> SequenceState:
+    request = Request(f"{tenant}-{arrival}", list(range(num_tokens)), Params(), arrival, priority, tenant=tenant,
+                      priority_across_tenants=admin)
+    return SequenceState(request, 0, list(range(num_tokens)), None, None, None)  # type: ignore[arg-type]
+
+
+def by_arrival(group: list[SequenceState]) -> list[SequenceState]:
+    return sorted(group, key=lambda s: s.arrival_time)
+
+
+def test_one_tenant_keeps_the_policys_order_exactly() -> None:
+    fair = FairShare()
+    waiting = [seq(None, t, priority=p) for t, p in ((3, 0), (1, 5), (2, 0))]
+    policy = lambda group: sorted(group, key=lambda s: (-s.priority, -s.arrival_time))  # noqa: E731
+    assert fair.order_waiting(waiting, policy) == policy(waiting)
+    units = [[s] for s in waiting]
+    key = lambda s: (-s.priority, s.arrival_time, s.seq_id)  # noqa: E731
+    assert fair.order_running(units, key) == sorted(units, key=lambda u: key(u[0]))
+
+
+def test_the_tenant_with_the_least_service_goes_next() -> None:
+    fair = FairShare()
+    fair.charge("flood", input_tokens=100)
+    waiting = [seq("flood", t) for t in range(4)] + [seq("quiet", 10), seq("quiet", 11)]
+    order = [(s.request.tenant, s.arrival_time) for s in fair.order_waiting(waiting, by_arrival)]
+    # quiet is behind by 100 tokens: its two prompts of 10 go first, then the tenants alternate
+    # as each taken prompt adds its tokens to its tenant's counter.
+    assert order[:2] == [("quiet", 10), ("quiet", 11)]
+    assert [t for t, _ in order[2:]] == ["flood"] * 4
+    fair.charge("quiet", input_tokens=95)
+    order = [s.request.tenant for s in fair.order_waiting(waiting, by_arrival)]
+    assert order == ["quiet", "flood", "quiet", "flood", "flood", "flood"]
+    assert FairShare(enabled=False).order_waiting(waiting, by_arrival)[0].request.tenant == "flood"
+
+
+def test_a_newly_backlogged_tenant_is_lifted_to_the_least_active_counter() -> None:
+    fair = FairShare()
+    fair.arrive("a")
+    fair.arrive("b")
+    fair.charge("a", input_tokens=50)
+    fair.charge("b", input_tokens=30, output_tokens=10)
+    assert fair.counters["b"] == 30 * INPUT_WEIGHT + 10 * OUTPUT_WEIGHT
+    fair.arrive("idle")  # it saved no credit by idling
+    assert fair.counters["idle"] == min(fair.counters["a"], fair.counters["b"])
+    fair.leave("a")
+    fair.leave("b")
+    fair.leave("idle")
+    fair.charge("c", input_tokens=5)
+    fair.arrive("c")  # nobody else backlogged: nothing to lift to
+    assert fair.counters["c"] == 5 * INPUT_WEIGHT
+
+
+def test_priority_crosses_tenants_only_for_an_admin() -> None:
+    fair = FairShare()
+    fair.charge("a", input_tokens=1000)
+    mine = [seq("a", 1, priority=10), seq("a", 2, priority=50)]
+    other = [seq("b", 3)]
+    policy = lambda group: sorted(group, key=lambda s: -s.priority)  # noqa: E731
+    order = fair.order_waiting(mine + other, policy)
+    assert [s.request.tenant for s in order] == ["b", "a", "a"]  # a's priorities order only a's
+    assert order[1].priority == 50
+    admin = seq("a", 4, priority=60, admin=True)  # first in a's queue, and an admin's: first of all
+    assert fair.order_waiting(mine + other + [admin], policy)[0] is admin
+
+
+# ---------------------------------------------------------------- through the engine
+
+@pytest.fixture(scope="module")
+def engine_kwargs(tiny_llama_dir: Path) -> dict[str, object]:
+    return dict(model=str(tiny_llama_dir), page_size=4, num_pages=96, max_running=16, max_batch_tokens=128,
+                debug_checks=True)
+
+
+def flood(engine: Engine, tenant: str) -> None:
+    """The issue's attack scaled down: many prompts x n samples x many tokens at once."""
+    rng = random.Random(0)
+    for i in range(12):
+        engine.add_request([rng.randrange(3, 300) for _ in range(20)],
+                           SamplingParams(max_tokens=24, n=6, temperature=1.0, seed=i, ignore_eos=True),
+                           tenant=tenant)
+
+
+def innocent_run(engine: Engine, **kwargs: object) -> tuple[list[int], int, int]:
+    """The innocent request's tokens, the steps until its first token and until its last."""
+    request_id = engine.add_request(list(range(40, 60)), GREEDY, **kwargs)
+    tokens: list[int] = []
+    steps = first = last = 0
+    while engine.has_work():
+        deltas = engine.step()
+        steps += 1
+        for delta in deltas.get(request_id, []):
+            tokens += delta.token_ids
+            first = first or steps
+            if delta.finish_reason is not None:
+                last = steps
+    return tokens, first, last
+
+
+def test_a_flooding_tenant_neither_delays_nor_changes_an_innocent_one(engine_kwargs: dict[str, object]) -> None:
+    alone = innocent_run(Engine(**engine_kwargs), tenant="innocent")
+    runs = {}
+    for fair in (True, False):
+        engine = Engine(fair_share=fair, **engine_kwargs)
+        flood(engine, "flood")
+        engine.step()  # the flood is running when the innocent request arrives
+        runs[fair] = innocent_run(engine, tenant="innocent")
+    for tokens, _, _ in runs.values():
+        assert tokens == alone[0]
+    (_, first, last), (_, unfair_first, unfair_last) = runs[True], runs[False]
+    # It is admitted within a few steps, beside the flood: once the flood's counter is a
+    # step's prefill (the preemption margin, 128 tokens here) ahead of its own, which the
+    # flood's 16 running samples take 4 decode steps to reach; then a token a step.
+    assert first <= alone[1] + 5 and last - first <= alone[2] - alone[1] + 2, (runs, alone)
+    assert unfair_first > 4 * first  # without fair share it waits behind the flood
+
+
+def test_one_tenants_high_priority_does_not_jump_another_tenant(engine_kwargs: dict[str, object]) -> None:
+    engine = Engine(**engine_kwargs)
+    rng = random.Random(1)
+    for _ in range(24):
+        engine.add_request([rng.randrange(3, 300) for _ in range(20)], GREEDY, tenant="loud", priority=100)
+    engine.step()
+    _, first, _ = innocent_run(engine, tenant="quiet")
+    assert first <= 3
