@@ -6,7 +6,14 @@
     GET  /v1/cache/events   Server-Sent Events: a snapshot, then every cache event, in order
 
 All need the API key when one is set. No token id or text leaves the server unless the operator
-started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids.
+started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids, and
+page hashes and ids are keyed with the engine's secret when it has one (page_hash.py).
+
+Tenants (tenancy.py): an admin's key, or the single-tenant server's, sees the whole cache. A
+tenant's key sees only its own namespaces: the tree is built from a copy with the others left
+out, the event stream carries only its namespaces' pages, numbered by what it was shown, and
+its stats are counted over its own namespaces alone (no pool-wide counter, which would tell
+of the others' traffic). A tenant may not flush (403): a flush drops every tenant's pages.
 
 Views stay off the engine's critical path: the tree is copied in slices between steps
 (tree_copy.py, at most the engine's view budget per step, all views together), one copy
@@ -31,7 +38,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from radixserve import AsyncEngine
-from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.event_stream import (
     DEFAULT_CAPACITY,
     SERVER_LINGER_S,
@@ -39,7 +45,7 @@ from radixserve.engine.event_stream import (
     EventReader,
 )
 from radixserve.engine.shared_work import SharedWork
-from radixserve.engine.tree_copy import TreeCopy, copy_tree
+from radixserve.engine.tree_copy import TreeCopy, copy_tree, restrict
 from radixserve.engine.tree_snapshot import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_NODES,
@@ -51,6 +57,7 @@ from radixserve.engine.tree_snapshot import (
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.streams import unless_disconnected
+from radixserve.server.tenancy import Caller
 
 MAX_TREE_NODES = 100_000
 MAX_TREE_DEPTH = 256  # nesting deeper than this trips JSON libraries' recursion limits
@@ -84,7 +91,7 @@ class CacheRoutes:
         self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
                                  linger_s=SERVER_LINGER_S)
         self._readers = 0
-        self._inflight: dict[SnapshotOptions, asyncio.Future[TreeSnapshot]] = {}
+        self._inflight: dict[tuple[SnapshotOptions, Caller], asyncio.Future[TreeSnapshot]] = {}
         self._copy: tuple[tuple[Any, ...], float, TreeCopy] | None = None  # (version, when, copy)
         self._copying: SharedWork[TreeCopy] | None = None
         self.tree_copies = 0  # copies taken (for stats and tests)
@@ -106,19 +113,23 @@ class CacheRoutes:
     # ------------------------------------------------------------------ routes
     async def tree(self, request: Request) -> Response:
         """GET /v1/cache/tree?max_nodes=&max_depth=&top_k=&hashes=&tokens=: the bounded tree view."""
-        self.authorize(request)
+        caller = self.authorize(request)
         options = SnapshotOptions(
             max_nodes=_int_param(request, "max_nodes", DEFAULT_MAX_NODES, 1, MAX_TREE_NODES),
             max_depth=_int_param(request, "max_depth", DEFAULT_MAX_DEPTH, 1, MAX_TREE_DEPTH),
             top_k=_int_param(request, "top_k", DEFAULT_TOP_K, 0, MAX_TOP_K),
             include_hashes=_bool_param(request, "hashes"),
             include_tokens=self._tokens_param(request))
-        snapshot = await unless_disconnected(request, self._snapshot(options))
+        snapshot = await unless_disconnected(request, self._snapshot(options, caller))
         return Response(status_code=CLIENT_CLOSED_REQUEST) if snapshot is None else _json(snapshot)
 
     async def stats(self, request: Request) -> Response:
-        """GET /v1/cache/stats: the published engine stats (never waits for a step)."""
-        self.authorize(request)
+        """GET /v1/cache/stats: the published engine stats (never waits for a step); a
+        tenant's, counted over its own namespaces from a tree copy."""
+        caller = self.authorize(request)
+        if not caller.admin:
+            stats = await unless_disconnected(request, self._tenant_stats(caller))
+            return Response(status_code=CLIENT_CLOSED_REQUEST) if stats is None else _json(stats)
         s = self.engine.stats()
         registry = self.metrics.registry
         device = {
@@ -156,8 +167,11 @@ class CacheRoutes:
         return _json(body)
 
     async def flush(self, request: Request) -> Response:
-        """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`)."""
-        self.authorize(request)
+        """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`);
+        an admin's only."""
+        if not self.authorize(request).admin:
+            raise APIError(403, "Only an admin key may flush the cache (it drops every tenant's pages)",
+                           code="admin_only", error_type="permission_error")
         freed = await self.engine.flush_cache()
         # `pages_freed` stays the device count (what it always was); "tiers" names both.
         tiers = {"device": int(freed), "host": getattr(freed, "host", 0)}
@@ -165,21 +179,21 @@ class CacheRoutes:
 
     async def events(self, request: Request) -> Response:
         """GET /v1/cache/events: SSE, `data: <json>` per message (docs/server.md)."""
-        self.authorize(request)
+        caller = self.authorize(request)
         if self._readers >= MAX_EVENT_READERS:
             raise APIError(503, f"Too many cache-event readers (at most {MAX_EVENT_READERS})",
                            code="too_many_readers", headers={"Retry-After": "5"})
-        return SendTimeoutStreamingResponse(self._sse(), self.events_idle_timeout_s, media_type="text/event-stream",
+        return SendTimeoutStreamingResponse(self._sse(caller), self.events_idle_timeout_s, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ------------------------------------------------------------------ helpers
-    async def _sse(self) -> AsyncIterator[bytes]:
+    async def _sse(self, caller: Caller) -> AsyncIterator[bytes]:
         # The reader is opened here, not in the handler: a stream that never starts (the
         # client left at once) then leaves nothing subscribed behind.
         self._readers += 1
         reader: EventReader | None = None
         try:
-            reader = await self.hub.open_reader()
+            reader = await self.hub.open_reader(None if caller.admin else self._sees_id(caller))
             loop = asyncio.get_running_loop()
             last_sent = loop.time()
             while True:
@@ -201,22 +215,51 @@ class CacheRoutes:
                 with anyio.CancelScope(shield=True):
                     await reader.close()
 
-    async def _snapshot(self, options: SnapshotOptions) -> TreeSnapshot:
-        """One view per distinct options at a time, from the shared tree copy: concurrent
-        requests for the same view (several dashboards) share it."""
-        pending = self._inflight.get(options)
+    def _sees_id(self, caller: Caller) -> Any:
+        """The test of published namespace ids that `caller` may see (for its event stream)."""
+        hashing = self.engine.engine.hashing
+        return lambda ns_id: caller.sees(hashing.namespace_of_id(ns_id))
+
+    async def _snapshot(self, options: SnapshotOptions, caller: Caller) -> TreeSnapshot:
+        """One view per distinct options and caller at a time, from the shared tree copy:
+        concurrent requests for the same view (several dashboards) share it."""
+        key = (options, caller if not caller.admin else Caller(None, True))
+        pending = self._inflight.get(key)
         if pending is None:
-            pending = asyncio.ensure_future(self._build_view(options))
-            self._inflight[options] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(options, None))
+            pending = asyncio.ensure_future(self._build_view(options, caller))
+            self._inflight[key] = pending
+            pending.add_done_callback(lambda _: self._inflight.pop(key, None))
         return await asyncio.shield(pending)
 
-    async def _build_view(self, options: SnapshotOptions) -> TreeSnapshot:
+    async def _build_view(self, options: SnapshotOptions, caller: Caller) -> TreeSnapshot:
         copy = await self._tree_copy()
         engine = self.engine.engine
+        hashing = engine.hashing
         decode = engine.tokenizer.decode if options.include_tokens and engine.tokenizer else None
-        return await self.engine.run_sliced(lambda: build_view(copy, options, namespace_id=namespace_id,
-                                                               decode=decode))
+
+        def work() -> Any:
+            seen = copy if caller.admin else (yield from restrict(copy, caller.sees))
+            return (yield from build_view(seen, options, namespace_id=hashing.namespace_id, decode=decode,
+                                          hashing=hashing))
+
+        return await self.engine.run_sliced(work)
+
+    async def _tenant_stats(self, caller: Caller) -> dict[str, Any]:
+        """A tenant's /v1/cache/stats: its own namespaces' pages, nodes and hits, from the
+        shared tree copy (the pool-wide counters would tell of other tenants' traffic)."""
+        copy = await self._tree_copy()
+        seen = await self.engine.run_sliced(lambda: restrict(copy, caller.sees))
+        nodes = [node for node in seen.nodes if not node.is_root]
+        host = sum(len(node.tokens) // seen.page_size for node in nodes if node.on_host)
+        return {
+            "object": "cache.stats", "time": time.time(), "page_size": seen.page_size, "tenant": caller.tenant,
+            "tiers": {"device": {"pages_cached": sum(node.device_pages for node in nodes),
+                                 "pages_locked": seen.locked_pages},
+                      "host": {"pages_cached": host} if seen.has_host_tier else None},
+            "nodes": len(nodes), "hits": sum(node.hits for node in nodes),
+            "requests": None, "lookups": None, "ttft": None, "histograms": None, "hit_rate": None,
+            "expose_tokens": self.expose_tokens,
+        }
 
     async def _tree_copy(self) -> TreeCopy:
         """A copy of the tree taken in slices between steps; one at a time, shared by every
