@@ -15,11 +15,8 @@ out, the event stream carries only its namespaces' pages, numbered by what it wa
 its stats are counted over its own namespaces alone (no pool-wide counter, which would tell
 of the others' traffic). A tenant may not flush (403): a flush drops every tenant's pages.
 
-Views stay off the engine's critical path: the tree is copied in slices between steps
-(tree_copy.py, at most the engine's view budget per step, all views together), one copy
-shared by every tree request that arrives while it is taken or while the cache has not
-changed since, and each view is built from it in slices too; a request whose client left
-stops waiting, and a copy no one waits for stops. An event stream that has sent no event for
+Views stay off the engine's critical path (cache_views.py: one sliced copy of the tree shared
+by every view; a request whose client left stops waiting). An event stream that has sent no event for
 `events_idle_timeout_s` (or cannot send one for that long: a client that does not read) is
 closed; its client reconnects for a fresh snapshot.
 """
@@ -44,16 +41,8 @@ from radixserve.engine.event_stream import (
     CacheEventHub,
     EventReader,
 )
-from radixserve.engine.shared_work import SharedWork
-from radixserve.engine.tree_copy import TreeCopy, copy_tree, restrict
-from radixserve.engine.tree_snapshot import (
-    DEFAULT_MAX_DEPTH,
-    DEFAULT_MAX_NODES,
-    DEFAULT_TOP_K,
-    SnapshotOptions,
-    TreeSnapshot,
-    build_view,
-)
+from radixserve.engine.tree_snapshot import DEFAULT_MAX_DEPTH, DEFAULT_MAX_NODES, DEFAULT_TOP_K, SnapshotOptions
+from radixserve.server.cache_views import CacheViews
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.streams import unless_disconnected
@@ -66,11 +55,6 @@ MAX_EVENT_READERS = 64
 CLIENT_CLOSED_REQUEST = 499  # as app.py answers a client that left (nobody reads it)
 KEEPALIVE_S = 15.0
 DEFAULT_EVENTS_IDLE_TIMEOUT_S = 300.0  # an event stream with no event sent for this long closes
-COPY_REUSE_S = 2.0  # a finished tree copy serves later views this long while the cache is unchanged
-# Published stats that move whenever the tree may have changed: a copy is reused only while
-# none of them has (lookups and hits, inserts at admission and finish, evictions, locks, flush).
-_TREE_VERSION_KEYS = ("cache_lookups", "pages_cached", "pages_locked", "host_pages_cached", "admissions",
-                      "requests_finished", "requests_aborted", "preemptions", "sessions_open")
 _ENCODER = msgspec.json.Encoder()
 _TTFT = "radixserve_time_to_first_token_seconds"
 
@@ -91,10 +75,7 @@ class CacheRoutes:
         self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
                                  linger_s=SERVER_LINGER_S)
         self._readers = 0
-        self._inflight: dict[tuple[SnapshotOptions, Caller], asyncio.Future[TreeSnapshot]] = {}
-        self._copy: tuple[tuple[Any, ...], float, TreeCopy] | None = None  # (version, when, copy)
-        self._copying: SharedWork[TreeCopy] | None = None
-        self.tree_copies = 0  # copies taken (for stats and tests)
+        self.views = engine.cache_views() if hasattr(engine, "cache_views") else CacheViews(engine)
         self.idle_closed = 0  # event streams closed for idleness
 
     def routes(self) -> list[Route]:
@@ -120,7 +101,7 @@ class CacheRoutes:
             top_k=_int_param(request, "top_k", DEFAULT_TOP_K, 0, MAX_TOP_K),
             include_hashes=_bool_param(request, "hashes"),
             include_tokens=self._tokens_param(request))
-        snapshot = await unless_disconnected(request, self._snapshot(options, caller))
+        snapshot = await unless_disconnected(request, self.views.tree(options, caller))
         return Response(status_code=CLIENT_CLOSED_REQUEST) if snapshot is None else _json(snapshot)
 
     async def stats(self, request: Request) -> Response:
@@ -128,8 +109,13 @@ class CacheRoutes:
         tenant's, counted over its own namespaces from a tree copy."""
         caller = self.authorize(request)
         if not caller.admin:
-            stats = await unless_disconnected(request, self._tenant_stats(caller))
-            return Response(status_code=CLIENT_CLOSED_REQUEST) if stats is None else _json(stats)
+            stats = await unless_disconnected(request, self.views.tenant_stats(caller))
+            if stats is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            # No pool-wide counter: they would tell of the other tenants' traffic.
+            return _json({"object": "cache.stats", "time": time.time(), "tenant": caller.tenant, **stats,
+                          "requests": None, "lookups": None, "ttft": None, "histograms": None,
+                          "hit_rate": None, "expose_tokens": self.expose_tokens})
         s = self.engine.stats()
         registry = self.metrics.registry
         device = {
@@ -161,7 +147,7 @@ class CacheRoutes:
             "events": {"readers": self._readers, "buffer": self.hub.capacity,
                        "idle_timeout_s": self.events_idle_timeout_s, "idle_closed": self.idle_closed,
                        "snapshot_builds": self.hub.builds},
-            "tree_copies": self.tree_copies,
+            "tree_copies": self.views.tree_copies,
             "expose_tokens": self.expose_tokens,
         }
         return _json(body)
@@ -217,73 +203,8 @@ class CacheRoutes:
 
     def _sees_id(self, caller: Caller) -> Any:
         """The test of published namespace ids that `caller` may see (for its event stream)."""
-        hashing = self.engine.engine.hashing
+        hashing = self.views.hashing
         return lambda ns_id: caller.sees(hashing.namespace_of_id(ns_id))
-
-    async def _snapshot(self, options: SnapshotOptions, caller: Caller) -> TreeSnapshot:
-        """One view per distinct options and caller at a time, from the shared tree copy:
-        concurrent requests for the same view (several dashboards) share it."""
-        key = (options, caller if not caller.admin else Caller(None, True))
-        pending = self._inflight.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(self._build_view(options, caller))
-            self._inflight[key] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(key, None))
-        return await asyncio.shield(pending)
-
-    async def _build_view(self, options: SnapshotOptions, caller: Caller) -> TreeSnapshot:
-        copy = await self._tree_copy()
-        engine = self.engine.engine
-        hashing = engine.hashing
-        decode = engine.tokenizer.decode if options.include_tokens and engine.tokenizer else None
-
-        def work() -> Any:
-            seen = copy if caller.admin else (yield from restrict(copy, caller.sees))
-            return (yield from build_view(seen, options, namespace_id=hashing.namespace_id, decode=decode,
-                                          hashing=hashing))
-
-        return await self.engine.run_sliced(work)
-
-    async def _tenant_stats(self, caller: Caller) -> dict[str, Any]:
-        """A tenant's /v1/cache/stats: its own namespaces' pages, nodes and hits, from the
-        shared tree copy (the pool-wide counters would tell of other tenants' traffic)."""
-        copy = await self._tree_copy()
-        seen = await self.engine.run_sliced(lambda: restrict(copy, caller.sees))
-        nodes = [node for node in seen.nodes if not node.is_root]
-        host = sum(len(node.tokens) // seen.page_size for node in nodes if node.on_host)
-        return {
-            "object": "cache.stats", "time": time.time(), "page_size": seen.page_size, "tenant": caller.tenant,
-            "tiers": {"device": {"pages_cached": sum(node.device_pages for node in nodes),
-                                 "pages_locked": seen.locked_pages},
-                      "host": {"pages_cached": host} if seen.has_host_tier else None},
-            "nodes": len(nodes), "hits": sum(node.hits for node in nodes),
-            "requests": None, "lookups": None, "ttft": None, "histograms": None, "hit_rate": None,
-            "expose_tokens": self.expose_tokens,
-        }
-
-    async def _tree_copy(self) -> TreeCopy:
-        """A copy of the tree taken in slices between steps; one at a time, shared by every
-        caller that arrives meanwhile, and reused while the cache has not changed (for at most
-        COPY_REUSE_S). When every caller has left, the copy stops."""
-        stats = self.engine.stats()
-        version = tuple(stats.get(key) for key in _TREE_VERSION_KEYS)
-        loop = asyncio.get_running_loop()
-        if self._copy is not None and self._copy[0] == version and loop.time() - self._copy[1] < COPY_REUSE_S:
-            return self._copy[2]
-        if self._copying is None:
-            tree = self.engine.engine.tree
-            copying = self.engine.run_sliced(lambda: copy_tree(tree))
-            self._copying = SharedWork(copying)
-            self.tree_copies += 1
-
-            def done(future: asyncio.Future[TreeCopy]) -> None:
-                if self._copying is not None and self._copying.future is future:
-                    self._copying = None
-                if not future.cancelled() and future.exception() is None:
-                    self._copy = (version, loop.time(), future.result())
-
-            copying.add_done_callback(done)
-        return await self._copying.wait()
 
     def _tokens_param(self, request: Request) -> bool:
         wanted = _bool_param(request, "tokens")
