@@ -51,7 +51,8 @@ def _tier(node: NodeCopy) -> str:
 class TreeNodeView(msgspec.Struct, omit_defaults=True):
     """One drawn node. `kind`: "cache" (the top, one per snapshot), "namespace" (a tenant's
     root, `namespace` its opaque id), "node" (one edge of the tree) or "aggregate" (the
-    children of its parent that were left out, `subtree_nodes` of them)."""
+    children of its parent that were left out, `subtree_nodes` of them); a cluster's view
+    has a "replica" node per replica below the top, and every node names its `replica`."""
 
     id: int
     kind: str
@@ -74,6 +75,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] | None = None  # the edge's tokens, only with --expose-cache-tokens
     text: str | None = None             # the edge decoded, only with --expose-cache-tokens
     partial: bool = False           # a partial leaf: one page, fewer than page_size tokens, no hash
+    replica: str | None = None      # the replica whose cache holds it (a cluster's view only)
     children: list[TreeNodeView] = []
 
 
@@ -87,6 +89,7 @@ class TopPrefix(msgspec.Struct, omit_defaults=True):
     namespace: str
     hash: str | None = None  # as in TreeNodeView
     text: str | None = None  # the whole prefix decoded, only with --expose-cache-tokens
+    replica: str | None = None  # as in TreeNodeView
 
 
 class TreeSnapshot(msgspec.Struct):

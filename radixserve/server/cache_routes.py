@@ -46,7 +46,7 @@ from radixserve.server.cache_views import CacheViews
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.streams import unless_disconnected
-from radixserve.server.tenancy import Caller
+from radixserve.server.tenancy import Caller, admin_only
 
 MAX_TREE_NODES = 100_000
 MAX_TREE_DEPTH = 256  # nesting deeper than this trips JSON libraries' recursion limits
@@ -72,8 +72,10 @@ class CacheRoutes:
         self.metrics = metrics
         self.authorize = authorize
         self.expose_tokens = expose_tokens
-        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
-                                 linger_s=SERVER_LINGER_S)
+        # A cluster's engine (cluster/engine.py) serves its replicas' views and merged events.
+        self.hub = (engine.event_hub(capacity=event_buffer) if hasattr(engine, "event_hub") else
+                    CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
+                                  linger_s=SERVER_LINGER_S))
         self._readers = 0
         self.views = engine.cache_views() if hasattr(engine, "cache_views") else CacheViews(engine)
         self.idle_closed = 0  # event streams closed for idleness
@@ -155,9 +157,7 @@ class CacheRoutes:
     async def flush(self, request: Request) -> Response:
         """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`);
         an admin's only."""
-        if not self.authorize(request).admin:
-            raise APIError(403, "Only an admin key may flush the cache (it drops every tenant's pages)",
-                           code="admin_only", error_type="permission_error")
+        admin_only(self.authorize(request))  # a flush drops every tenant's pages
         freed = await self.engine.flush_cache()
         # `pages_freed` stays the device count (what it always was); "tiers" names both.
         tiers = {"device": int(freed), "host": getattr(freed, "host", 0)}

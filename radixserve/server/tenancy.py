@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radixserve.engine.request import tenant_of
+from radixserve.server.errors import APIError
 
 KEYS_ENV = "RADIXSERVE_API_KEYS"
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
@@ -48,6 +49,13 @@ class Caller:
 
 
 SINGLE_TENANT = Caller(tenant=None, admin=True)
+
+
+def admin_only(caller: Caller) -> Caller:
+    """`caller`, or a 403 when it is not an admin (what only an admin may see or do)."""
+    if not caller.admin:
+        raise APIError(403, "Only an admin key may do this", code="admin_only", error_type="permission_error")
+    return caller
 
 
 class ApiKeys:
