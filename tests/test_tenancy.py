@@ -23,7 +23,7 @@ def test_the_text_and_json_forms_name_the_same_tenants() -> None:
 
 @pytest.mark.parametrize("text", ["sk-a", "sk-a acme boss", "sk-a acme admin extra", "sk-a bad/name",
                                   '{"keys": [{"key": "sk-a"}]}', '{"keys": 3}', "{not json",
-                                  "sk-a acme\nsk-a globex"])
+                                  "sk-a acme\nsk-a globex", '[{"key": "", "tenant": "acme"}]'])
 def test_malformed_keys_are_refused_naming_the_source(text: str) -> None:
     with pytest.raises(ValueError, match="^keys.txt: "):
         parse_keys(text, "keys.txt")

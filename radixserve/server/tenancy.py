@@ -63,9 +63,6 @@ class ApiKeys:
     key against every one in constant time (no early exit, digests of equal length)."""
 
     def __init__(self, keys: dict[str, Caller]) -> None:
-        for key in keys:
-            if not key:
-                raise ValueError("an API key must not be empty")
         self._digests = [(_digest(key), caller) for key, caller in keys.items()]
 
     @classmethod
@@ -134,6 +131,8 @@ def parse_keys(text: str, source: str) -> dict[str, Caller]:
 def _callers(rows: Iterable[tuple[str, str, bool, str]], source: str) -> dict[str, Caller]:
     keys: dict[str, Caller] = {}
     for key, tenant, admin, where in rows:
+        if not key:
+            raise ValueError(f"{source}: {where}: an API key must not be empty")
         if not _TENANT_NAME.fullmatch(tenant):
             raise ValueError(f"{source}: {where}: a tenant name is 1-64 of A-Z a-z 0-9 . _ : @ -")
         try:
