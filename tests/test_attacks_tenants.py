@@ -237,8 +237,9 @@ def test_only_an_admin_may_flush_and_unknown_keys_get_401(keyed: tuple[Engine, s
 
 
 def test_an_innocent_tenants_output_is_unchanged_beside_an_attacker(keyed: tuple[Engine, str]) -> None:
-    """Mallory sends the victim's very prompt (trying to share or poison its cached pages),
-    reads every view and tries to flush; the victim's greedy answer is what it was alone."""
+    """Mallory sends the victim's very prompt, under the victim's salt and under none (trying
+    to hit, share or poison its cached pages), reads every view and tries to flush: it hits
+    nothing of the victim's, and the victim's greedy answer is what it was alone."""
     _, url = keyed
     request = {**_chat_body(1234), "max_tokens": 12, "temperature": 0, "cache_salt": "v-salt"}
     with _client(url, VICTIM) as victim:
@@ -250,6 +251,8 @@ def test_an_innocent_tenants_output_is_unchanged_beside_an_attacker(keyed: tuple
                 body.pop("cache_salt")
             response = mallory.post("/v1/chat/completions", json=body)
             assert response.status_code == 200, response.text
+            # Its own namespace: not one of the victim's pages is a hit (no timing side channel).
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         _published(mallory)
         assert mallory.post("/v1/cache/flush").status_code == 403
         beside = victim.post("/v1/chat/completions", json=request).json()
