@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -138,7 +139,21 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
     """What the HTTP API requires and exposes."""
     serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes "
-                            "(default: $RADIXSERVE_API_KEY, else no key)")
+                            "(default: $RADIXSERVE_API_KEY, else no key); its caller sees the whole cache")
+    serve.add_argument("--api-keys-file", default=None,
+                       help="API keys of tenants: JSON ({\"keys\": [{\"key\", \"tenant\", \"admin\"}]}) or "
+                            "lines 'key tenant [admin]'; more keys from $RADIXSERVE_API_KEYS (same lines, ';' "
+                            "between them). A tenant's cache is its own; its key sees only its own namespaces")
+    serve.add_argument("--admin-api-key", default=os.environ.get("RADIXSERVE_ADMIN_API_KEY"),
+                       help="a key that sees the whole cache and may flush it (default: "
+                            "$RADIXSERVE_ADMIN_API_KEY, else none)")
+    serve.add_argument("--cache-hash-secret", default=os.environ.get("RADIXSERVE_CACHE_HASH_SECRET"),
+                       help="key the page hashes and namespace ids that cache events and views publish "
+                            "with this secret, so none can be tested offline (default: "
+                            "$RADIXSERVE_CACHE_HASH_SECRET, else a random one per start)")
+    serve.add_argument("--public-cache-hashes", action="store_true",
+                       help="publish unkeyed page hashes (the public spec: anyone can compute them, "
+                            "and test guessed prompts against them); only for trusted readers")
     serve.add_argument("--expose-cache-tokens", action="store_true",
                        help="let /v1/cache/tree and /v1/cache/events include the cached prompts' token "
                             "ids and text (off: only page hashes and opaque namespace ids leave the server)")
@@ -237,6 +252,11 @@ def serve_command(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             _say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
+    try:
+        args.tenant_keys = tenant_keys(args)
+    except (OSError, ValueError) as exc:
+        _say(f"error: API keys: {exc}")
+        return 2
     if args.replicas is not None or args.ray_address is not None:
         from radixserve.cluster.cli import serve_cluster
 
@@ -273,6 +293,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                  stream_buffer_tokens=args.stream_buffer_tokens,
                                  stream_read_timeout_s=args.stream_read_timeout_s),
                      served_model_name=args.served_model_name, api_key=args.api_key,
+                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys,
                      expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
                      cache_events_idle_timeout_s=args.cache_events_idle_timeout_s,
                      turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
@@ -302,7 +323,23 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
                 max_batch_tokens=args.max_batch_tokens, enable_prefix_cache=not args.no_prefix_cache,
                 host_kv_memory_gb=args.host_kv_memory_gb, host_num_pages=args.host_num_pages,
                 host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority,
-                generation_config=args.generation_config, fair_share=not args.no_fair_share)
+                generation_config=args.generation_config, fair_share=not args.no_fair_share,
+                cache_hash_secret=cache_hash_secret(args))
+
+
+def cache_hash_secret(args: argparse.Namespace) -> str | None:
+    """The secret the engine (every replica of a cluster) keys published page hashes with:
+    --cache-hash-secret, else a random one; None with --public-cache-hashes."""
+    if args.public_cache_hashes:
+        return None
+    return args.cache_hash_secret or secrets.token_hex(32)
+
+
+def tenant_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The tenant keys of --api-keys-file and $RADIXSERVE_API_KEYS (tenancy.py's format)."""
+    from radixserve.server.tenancy import load_keys
+
+    return load_keys(args.api_keys_file, dict(os.environ))
 
 
 class BoundedServer(uvicorn.Server):

@@ -98,7 +98,8 @@ def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Pat
            "--port", str(port), "--log-level", "warning", *extra_args]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     # The benchmark's own servers take no API key, even where RADIXSERVE_API_KEY is set.
-    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RADIXSERVE_API_KEY", "RADIXSERVE_API_KEYS", "RADIXSERVE_ADMIN_API_KEY")}
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -3,7 +3,8 @@
 
 `TreeEventReporter` is held by the tree and by its host tier (placement.py); both call it
 where pages are stored on or removed from a tier. It reads nodes only (their tokens, parent
-links and hash-chain state) and owns the namespace-id cache.
+links and hash-chain state); pages and namespaces are named through the engine's
+`PageHashing` (public or keyed with the server's secret).
 
 Events name full pages only: a partial leaf (node.py) is never reported, nor counted among
 the page hashes an indexer should hold, so routers and indexers index whole pages as before.
@@ -15,16 +16,16 @@ from collections.abc import Hashable, Iterable
 
 from radixserve.cache.events import DEVICE, HOST, CacheEventHub
 from radixserve.cache.node import RadixNode
-from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes, state_hash
+from radixserve.cache.page_hash import PageHashing
 
 
 class TreeEventReporter:
     """Reports changes of the tree's pages to an event hub, naming pages by their hash."""
 
-    def __init__(self, events: CacheEventHub | None, page_size: int) -> None:
+    def __init__(self, events: CacheEventHub | None, page_size: int, hashing: PageHashing | None = None) -> None:
         self.events = events
         self.page_size = page_size
-        self._namespace_ids: dict[Hashable, tuple[str, int]] = {}
+        self.hashing = hashing or PageHashing()
 
     @property
     def active(self) -> bool:
@@ -92,7 +93,7 @@ class TreeEventReporter:
         if path:
             seed = self._namespace(path[0].namespace)[1]
             for step in reversed(path):
-                _, state = page_hashes(step.tokens, self.page_size, seed, state, depth)
+                _, state = self.hashing.page_hashes(step.tokens, self.page_size, seed, state, depth)
                 depth += step.num_pages(self.page_size)
                 step.chain = (state, depth)
         return state, depth
@@ -102,14 +103,10 @@ class TreeEventReporter:
         seed = self._namespace(node.namespace)[1]
         parent = node.parent
         state, depth = self._chain_end(parent)
-        hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
+        hashes, end = self.hashing.page_hashes(node.tokens, self.page_size, seed, state, depth)
         node.chain = (end, depth + node.num_pages(self.page_size))
-        return (None if parent.is_root else state_hash(state, seed)), hashes.tolist()
+        return (None if parent.is_root else self.hashing.state_hash(state, seed)), hashes.tolist()
 
     def _namespace(self, namespace: Hashable) -> tuple[str, int]:
         """The namespace's opaque id and hash seed (cached)."""
-        known = self._namespace_ids.get(namespace)
-        if known is None:
-            ns_id = namespace_id(namespace)
-            known = self._namespace_ids[namespace] = (ns_id, namespace_seed(ns_id))
-        return known
+        return self.hashing.named(namespace)

@@ -15,11 +15,20 @@ k = 1, 2, ... counted from the start of the sequence, tokens t[k, 1..P] of page 
 
 `seed` is 0 for the reuse history's unsalted use, and for cache events the namespace's seed:
 the little-endian integer of blake2b(namespace_id, digest_size=8).
+
+That is the *public* spec: anyone can hash candidate prompts and compare them with published
+hashes, and since `mix` is invertible even an unknown seed cancels out of the difference of
+two pages' hashes. A server that publishes hashes to clients it does not trust keys them with
+a secret instead (`PageHashing`, given a secret): namespace ids and seeds become
+blake2b(..., key=secret) and each published hash is h'_k = blake2b(le64(h_k), key=secret),
+a keyed PRF of the public hash (itself a bijection of the chain state S_k + seed), so a hash can be tested only by someone holding the secret
+(the server, and a cluster's router given the same one).
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Hashable
 
 import numpy as np
@@ -79,3 +88,82 @@ def namespace_id(namespace: Hashable) -> str:
 def namespace_seed(ns_id: str) -> int:
     """The hash seed of the namespace whose id is `ns_id`."""
     return int.from_bytes(hashlib.blake2b(ns_id.encode(), digest_size=8).digest(), "little")
+
+
+def secret_key(secret: str | bytes) -> bytes:
+    """The 32-byte blake2b key made from an operator's secret (any length, any text)."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hashlib.blake2b(raw, digest_size=32, person=b"radixserve-key").digest()
+
+
+class PageHashing:
+    """The names cache pages and namespaces are published under: the public spec above
+    (`secret=None`), or keyed with a server secret so that no published name can be tested
+    offline. One per engine; the tree's event reporter, the cache views and a cluster's router
+    all name pages through it (or through one with the same secret).
+
+    It remembers which namespace each id it handed out names (`namespace_of_id`), so that the
+    server can show a tenant only its own namespaces' events.
+    """
+
+    def __init__(self, secret: str | bytes | None = None) -> None:
+        self.keyed = secret is not None
+        key = secret_key(secret) if secret is not None else b""
+        self._ids_key = key
+        self._page_mac = hashlib.blake2b(key=key, digest_size=8, person=b"page") if self.keyed else None
+        self._named: dict[Hashable, tuple[str, int]] = {}
+        self._namespaces: dict[str, Hashable] = {}
+
+    @classmethod
+    def random(cls) -> PageHashing:
+        """Keyed with a fresh random secret (a server that shares its hashes with no one)."""
+        return cls(secrets.token_bytes(32))
+
+    def namespace_id(self, namespace: Hashable) -> str:
+        """The published id of `namespace` (16 hex digits)."""
+        return self.named(namespace)[0]
+
+    def named(self, namespace: Hashable) -> tuple[str, int]:
+        """`namespace`'s published id and hash seed (cached)."""
+        known = self._named.get(namespace)
+        if known is None:
+            if self.keyed:
+                parts = namespace if isinstance(namespace, tuple) else (namespace,)
+                text = "\x00".join("" if part is None else str(part) for part in parts)
+                ns_id = hashlib.blake2b(text.encode(), key=self._ids_key, digest_size=8, person=b"ns").hexdigest()
+            else:
+                ns_id = namespace_id(namespace)
+            known = self._named[namespace] = (ns_id, self.namespace_seed(ns_id))
+            self._namespaces[ns_id] = namespace
+        return known
+
+    def namespace_of_id(self, ns_id: str) -> Hashable | None:
+        """The namespace this object published as `ns_id` (None: none it has named)."""
+        return self._namespaces.get(ns_id)
+
+    def namespace_seed(self, ns_id: str) -> int:
+        """The hash seed of the namespace whose id is `ns_id`."""
+        if not self.keyed:
+            return namespace_seed(ns_id)
+        digest = hashlib.blake2b(ns_id.encode(), key=self._ids_key, digest_size=8, person=b"seed").digest()
+        return int.from_bytes(digest, "little")
+
+    def page_hashes(self, tokens: np.ndarray, page_size: int, seed: int = 0, state: int = 0,
+                    first_page: int = 0) -> tuple[np.ndarray, int]:
+        """As the module's `page_hashes`, each hash keyed when this object is."""
+        hashes, end = page_hashes(tokens, page_size, seed, state, first_page)
+        if not self.keyed or not len(hashes):
+            return hashes, end
+        # One keyed MAC per page: a Python loop, which for the few pages of an event costs
+        # less than any vectorised keyed function would in numpy's per-call overhead.
+        return np.fromiter((self._mac(int(h)) for h in hashes), dtype=np.uint64, count=len(hashes)), end
+
+    def state_hash(self, state: int, seed: int) -> int:
+        """As the module's `state_hash`, keyed when this object is."""
+        public = state_hash(state, seed)
+        return self._mac(public) if self.keyed else public
+
+    def _mac(self, value: int) -> int:
+        mac = self._page_mac.copy()
+        mac.update(value.to_bytes(8, "little"))
+        return int.from_bytes(mac.digest(), "little")

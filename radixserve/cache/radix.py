@@ -26,6 +26,7 @@ import numpy as np
 
 from radixserve.cache.device_tier import DeviceTier
 from radixserve.cache.event_reporter import TreeEventReporter
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.events import DEVICE, CacheEventHub
 from radixserve.cache.eviction import EvictionOrder, make_eviction_policy
 from radixserve.cache.forest import Forest
@@ -49,12 +50,14 @@ class RadixTree:
     The tree holds one reference on every page it caches, on either tier. `match` changes no
     refcount: the caller increfs the device pages it keeps and locks `node` while it uses
     them. Token arguments may be lists or int64 numpy arrays (arrays skip a conversion on
-    every call). With `events`, every change of the cached pages is reported to that hub.
+    every call). With `events`, every change of the cached pages is reported to that hub,
+    pages named through `hashing` (page_hash.py; default: the public spec).
     """
 
     def __init__(self, pool: PagePool, *, eviction_policy: str = "priority",
                  clock: Callable[[], float] = time.monotonic,
-                 events: CacheEventHub | None = None, host: HostTier | None = None) -> None:
+                 events: CacheEventHub | None = None, host: HostTier | None = None,
+                 hashing: PageHashing | None = None) -> None:
         self.pool = pool
         self.page_size: int = pool.page_size
         self.policy = make_eviction_policy(eviction_policy)
@@ -65,7 +68,8 @@ class RadixTree:
         self._tick = 0
         self._forest = Forest(self.page_size)
         self._stats = CacheStats()
-        self._reporter = TreeEventReporter(events, self.page_size)
+        self._reporter = TreeEventReporter(events, self.page_size, hashing)
+        self.hashing = self._reporter.hashing  # how its pages are named in events and views
         self._device = DeviceTier(pool, self._order, self._reporter, self._stats, clock, lambda: self._forest.num_nodes)
         self._queue = self._device.queue  # the device eviction queue
         self._host_tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,

@@ -29,7 +29,8 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
         return 2
     options = ClusterOptions(replicas=replicas, router=args.router, engine_options=engine_options,
                              replica_cpus=args.replica_cpus, served_model_name=args.served_model_name,
-                             api_key=args.api_key)
+                             api_key=args.api_key, admin_api_key=args.admin_api_key,
+                             tenant_keys=getattr(args, "tenant_keys", {}))
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
     local_cpus = max(os.cpu_count() or 1, int(replicas * args.replica_cpus + 0.999))
     start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)

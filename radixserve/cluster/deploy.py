@@ -29,6 +29,7 @@ from radixserve.cluster.engine import ClusterEngine
 from radixserve.cluster.replica import EngineReplica
 from radixserve.cluster.router import ROUTER_CLASSES
 from radixserve.server import create_app
+from radixserve.server.tenancy import Caller, admin_only
 
 APP_NAME = "radixserve"
 ENGINE_DEPLOYMENT = "EngineReplica"
@@ -52,24 +53,29 @@ class ClusterOptions:
     router_kwargs: dict[str, Any] = field(default_factory=dict)
     served_model_name: str | None = None
     api_key: str | None = None
+    admin_api_key: str | None = None
+    tenant_keys: dict[str, Caller] = field(default_factory=dict)  # tenancy.py: the keys file's
 
 
 class OpenAIIngress:
     """The ingress deployment: the single server's Starlette app over a ClusterEngine, plus
-    GET /cluster/replicas (requests routed per replica, and each replica's stats)."""
+    GET /cluster/replicas (requests routed per replica, and each replica's stats: an admin's
+    key's, when the server has keys)."""
 
-    async def __init__(self, engines: DeploymentHandle, served_model_name: str | None,
-                 api_key: str | None) -> None:
+    async def __init__(self, engines: DeploymentHandle, options: ClusterOptions) -> None:
         info = await engines.info.remote()
         self.engine = ClusterEngine(engines, info, app_name=serve.get_replica_context().app_name,
-                                    deployment=ENGINE_DEPLOYMENT)
-        self._app = create_app(self.engine, served_model_name=served_model_name, api_key=api_key)
+                                    deployment=ENGINE_DEPLOYMENT,
+                                    hash_secret=options.engine_options.get("cache_hash_secret"))
+        self._app = create_app(self.engine, served_model_name=options.served_model_name, api_key=options.api_key,
+                               admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys)
         self._app.router.routes.append(Route("/cluster/replicas", self._replicas, methods=["GET"]))
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
 
     async def _replicas(self, request: Request) -> JSONResponse:
+        admin_only(self._app.state.server._authorize(request))
         stats = self.engine.view.replica_stats()
         routed = self.engine.view.routed_counts()
         in_flight = self.engine.view.in_flight_counts()
@@ -110,7 +116,7 @@ def build_app(options: ClusterOptions) -> serve.Application:
         serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
         max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
-    ).bind(engines, options.served_model_name, options.api_key)
+    ).bind(engines, options)
     return ingress
 
 

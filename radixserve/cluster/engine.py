@@ -10,7 +10,12 @@ stream into the ClusterView the router reads (cache pages, stats), and
   it (an error event, or a 500);
 - answers `stats()` with the sum over the replicas' latest stats (hit rate recomputed), so
   /metrics covers the whole cluster;
-- closes a session and flushes the cache on every replica.
+- closes a session and flushes the cache on every replica;
+- serves the cache views over every replica (cache_views.py: the tree and a tenant's stats,
+  merged; event_hub.py: the merged, labelled event stream).
+
+Page hashes and namespace ids are named through `hashing`, which must hold the replicas'
+secret (Engine's `cache_hash_secret`), so that the router's hashes of a prompt are theirs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from ray.exceptions import RayActorError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from radixserve.cache.events import CacheEvent
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import PagesFreed, Retention
+from radixserve.cluster.cache_views import ClusterCacheViews
+from radixserve.cluster.event_hub import ClusterEventHub
 from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.cluster.routing import prompt_pages
@@ -55,9 +64,14 @@ class ClusterEngine:
     max_context_len, max_sequence_len (a ReplicaInfo from one replica; all are alike).
     """
 
-    def __init__(self, handle: DeploymentHandle, info: ReplicaInfo, *, app_name: str, deployment: str) -> None:
+    def __init__(self, handle: DeploymentHandle, info: ReplicaInfo, *, app_name: str, deployment: str,
+                 hash_secret: str | bytes | None = None) -> None:
         self.handle = handle
         self.engine = info
+        self.hashing = PageHashing(hash_secret)
+        # Told of every replica's cache events once the view has applied them, and of a
+        # replica that left (None): the merged /v1/cache/events stream (event_hub.py).
+        self.cache_listener: Callable[[str, list[CacheEvent] | None], None] | None = None
         self.view: ClusterView = cluster_view(app_name, deployment)
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._streams: dict[str, Any] = {}
@@ -95,6 +109,8 @@ class ClusterEngine:
         live = self.view.replicas
         for replica in set(self._followers) - live:
             self._followers.pop(replica).cancel()
+            if self.cache_listener is not None:
+                self.cache_listener(replica, None)
         for replica in live - set(self._followers):
             self._followers[replica] = asyncio.create_task(self._follow(replica))
 
@@ -105,6 +121,8 @@ class ClusterEngine:
             try:
                 async for batch in stream:
                     self.view.apply(batch)
+                    if self.cache_listener is not None and batch.events and replica in self.view.replicas:
+                        self.cache_listener(replica, batch.events)
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
@@ -130,7 +148,7 @@ class ClusterEngine:
         """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
         item; closing the iterator early cancels the replica's stream, which aborts there."""
         namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
-                                         namespace_of(self.engine.model_name, cache_salt, tenant))
+                                         namespace_of(self.engine.model_name, cache_salt, tenant), self.hashing)
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, hashes, tenant,
                                  priority_across_tenants)
@@ -173,6 +191,20 @@ class ClusterEngine:
         """Flushes every replica; returns the pages freed in all (device, with `host`)."""
         freed = [r for r in await self._on_every_replica("flush") if isinstance(r, int)]
         return PagesFreed(sum(freed), sum(getattr(r, "host", 0) for r in freed))
+
+    def cache_views(self) -> ClusterCacheViews:
+        """The cache routes' tree and tenant stats, over every replica."""
+        return ClusterCacheViews(self)
+
+    def event_hub(self, capacity: int) -> ClusterEventHub:
+        """The cache routes' event stream, merged over every replica."""
+        return ClusterEventHub(self, capacity=capacity)
+
+    async def on_every_replica(self, method: str, *args: Any) -> dict[str, Any]:
+        """`method(*args)` on every live replica: its result, or the exception it raised, by replica."""
+        replicas = sorted(self.view.replicas)
+        return dict(zip(replicas, await asyncio.gather(*(self._call_pinned(method, r, *args) for r in replicas),
+                                                       return_exceptions=True)))
 
     async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
         calls = [self._call_pinned(method, r, *args) for r in sorted(self.view.replicas)]

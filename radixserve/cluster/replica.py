@@ -2,7 +2,7 @@
 
 Its methods are what the ingress calls through a DeploymentHandle: `generate` (a stream:
 Accepted or Refused first, then StreamDelta items), `events` (its cache-event stream),
-`close_session`, `flush`, `info`. A call made with `replica=<id>` must run on that replica
+`cache_view` (its part of the cache tree or of a tenant's stats), `close_session`, `flush`, `info`. A call made with `replica=<id>` must run on that replica
 (the request router pins it there); if it reaches another one, the pinned replica is gone
 and the call raises WrongReplica.
 """
@@ -22,6 +22,9 @@ from radixserve.cluster.protocol import Accepted, EventBatch, Refused, ReplicaIn
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
+from radixserve.engine.tree_snapshot import SnapshotOptions, TreeSnapshot
+from radixserve.server.cache_views import CacheViews
+from radixserve.server.tenancy import Caller
 
 
 class EngineReplica:
@@ -37,6 +40,7 @@ class EngineReplica:
         # Subscribed before the engine thread starts: the feed sees every event.
         self._unsubscribe = self.engine.subscribe_events(self.feed.publish)
         self.async_engine = AsyncEngine(self.engine)
+        self.views = CacheViews(self.async_engine)
         await self.async_engine.start()
 
     def info(self) -> ReplicaInfo:
@@ -81,6 +85,15 @@ class EngineReplica:
         self._check_pin(replica)
         async for batch in self.feed.subscribe():
             yield EventBatch(self.replica, batch.events, self.async_engine.stats(), batch.settled)
+
+    async def cache_view(self, kind: str, options: SnapshotOptions | None, caller: Caller,
+                         replica: str) -> TreeSnapshot | dict[str, Any]:
+        """This replica's cache tree ("tree") or `caller`'s stats ("tenant_stats"), as
+        `caller` may see them (server/cache_views.py)."""
+        self._check_pin(replica)
+        if kind == "tree":
+            return await self.views.tree(options or SnapshotOptions(), caller)
+        return await self.views.tenant_stats(caller)
 
     async def close_session(self, session_id: str, tenant: str | None, replica: str) -> bool:
         self._check_pin(replica)

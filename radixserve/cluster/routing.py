@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cluster.index import CacheIndex
 
 ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
@@ -72,12 +72,14 @@ class RouteRequest:
 
 
 def prompt_pages(prompt_ids: Sequence[int] | np.ndarray, page_size: int,
-                 namespace: Hashable) -> tuple[str, list[int]]:
+                 namespace: Hashable, hashing: PageHashing | None = None) -> tuple[str, list[int]]:
     """The namespace's id and the prompt's page hashes, exactly as the cache names them in
-    its events (radixserve.cache.page_hash). The engine's namespace of a request is
-    (model name, cache_salt or None); the simulator's is None."""
-    ns_id = namespace_id(namespace)
-    hashes, _ = page_hashes(np.asarray(prompt_ids, dtype=np.int64), page_size, namespace_seed(ns_id))
+    its events (radixserve.cache.page_hash): through `hashing`, which must hold the replicas'
+    secret when they key their hashes (default: the public spec). The engine's namespace of
+    a request is `request.namespace_of`; the simulator's is None."""
+    hashing = hashing or PageHashing()
+    ns_id, seed = hashing.named(namespace)
+    hashes, _ = hashing.page_hashes(np.asarray(prompt_ids, dtype=np.int64), page_size, seed)
     return ns_id, hashes.tolist()
 
 

@@ -16,6 +16,7 @@ import torch
 
 from radixserve.attention.base import create_backend
 from radixserve.cache.events import CacheEvent
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
 from radixserve.engine.beam_driver import BeamDriver
@@ -75,6 +76,9 @@ class Engine:
             is offloaded).
         fair_share: share the engine fairly between tenants (engine/fair_share.py; False: one
             queue for all, a baseline). With one tenant the two are the same.
+        cache_hash_secret: keys the page hashes and namespace ids that cache events and views
+            publish (page_hash.py's PageHashing), so that none can be tested offline; None
+            publishes the public spec's (an indexer outside the server can compute them).
         generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
             top_k (generation_config.json, or GGUF metadata) to requests without params;
             "none" ignores them. Its stop tokens always end generation.
@@ -92,7 +96,7 @@ class Engine:
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
                  generation_config: str = "auto", cache_partial_pages: bool = True,
-                 fair_share: bool = True) -> None:
+                 fair_share: bool = True, cache_hash_secret: str | bytes | None = None) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -108,9 +112,11 @@ class Engine:
                             eviction_policy=eviction_policy, prefix_cache=enable_prefix_cache,
                             host_num_pages=host_num_pages, host_kv_memory_gb=host_kv_memory_gb,
                             host_write_policy=host_write_policy,
-                            host_offload_min_priority=host_offload_min_priority)
+                            host_offload_min_priority=host_offload_min_priority,
+                            hashing=PageHashing(cache_hash_secret))
         self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
         self.cache_events, self.reuse_history = cache.events, cache.reuse_history
+        self.hashing = self.tree.hashing
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.events import CacheEventHub
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.reuse import ReuseHistory
@@ -36,16 +37,16 @@ class EngineCache:
 def build_cache(loaded: LoadedModel, page_size: int, *, num_pages: int | None, kv_memory_gb: float | None,
                 eviction_policy: str, prefix_cache: bool, host_num_pages: int | None,
                 host_kv_memory_gb: float | None, host_write_policy: str,
-                host_offload_min_priority: int) -> EngineCache:
+                host_offload_min_priority: int, hashing: PageHashing | None = None) -> EngineCache:
     """The engine's cache as its arguments describe it (see Engine); without `prefix_cache`
-    there is no host tier and no reuse history."""
+    there is no host tier and no reuse history. `hashing` names pages in cache events."""
     pool = make_pool(loaded, page_size, num_pages, kv_memory_gb)
     host_tier = make_host_tier(loaded, pool, host_num_pages, host_kv_memory_gb, host_write_policy,
                                host_offload_min_priority) if prefix_cache else None
     reuse_boost = eviction_policy == "reuse-boost"
     events = CacheEventHub(page_size)
     tree = RadixTree(pool, eviction_policy="priority" if reuse_boost else eviction_policy,
-                     events=events, host=host_tier)
+                     events=events, host=host_tier, hashing=hashing)
     cache_pages = pool.num_pages + (host_tier.pool.num_pages if host_tier else 0)
     reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * cache_pages)
                      if reuse_boost and prefix_cache else None)

@@ -21,6 +21,11 @@ first slice; the events of the copying time, applied on top, make it exact
 (a set of pages ends as its last event left it, and a page with no event was the same
 throughout). Concurrent first readers share one build, which stops when they all leave.
 
+A reader may be given `visible`, a test of namespace ids (a tenant's reader sees only its own
+namespaces): its snapshot holds only those namespaces' pages, it receives only their events
+(and every `cleared`), and its messages are numbered by what it was shown, 1, 2, ..., so that
+neither gaps in `seq` nor ids tell it of anyone else's pages.
+
 The hub subscribes to the engine while it has readers and unsubscribes when the last one
 leaves (with no subscriber the tree computes no hashes at all).
 """
@@ -38,7 +43,6 @@ import anyio
 import msgspec
 
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
-from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.shared_work import SharedWork
 from radixserve.engine.tree_copy import copy_tree, device_page_hashes
@@ -129,7 +133,7 @@ class CacheEventHub:
         with self._lock:
             start = (self._end, self._last_seq, self._generation)
         copy = yield from copy_tree(engine.tree)
-        pages = yield from device_page_hashes(copy, namespace_id)
+        pages = yield from device_page_hashes(copy, hashing=engine.hashing)
         return start, pages
 
     def _unsubscribe_if_idle(self) -> None:
@@ -161,10 +165,11 @@ class CacheEventHub:
         for reader in self._readers.copy():
             reader.ready.set()
 
-    async def open_reader(self) -> EventReader:
-        """A new reader; its first `next()` is the snapshot."""
+    async def open_reader(self, visible: Callable[[str], bool] | None = None) -> EventReader:
+        """A new reader; its first `next()` is the snapshot. With `visible`, it sees only the
+        namespaces whose ids pass it (see the module docstring)."""
         self._loop = asyncio.get_running_loop()
-        reader = EventReader(self)
+        reader = EventReader(self, visible)
         self._readers.add(reader)
         try:
             await reader.resync()
@@ -184,13 +189,14 @@ class CacheEventHub:
         for reader in self._readers.copy():
             reader.ready.set()
 
-    def _take(self, cursor: int) -> tuple[list[tuple[int, bytes]] | None, int]:
-        """Events from ring position `cursor` on and the new cursor; None if some were lost."""
+    def _take(self, cursor: int) -> tuple[list[tuple[int, bytes, Any]] | None, int]:
+        """Events (seq, encoded, event) from ring position `cursor` on and the new cursor;
+        None if some were lost."""
         with self._lock:
             start = self._end - len(self._ring)
             if cursor < start:
                 return None, cursor
-            return [(seq, data) for seq, data, _ in islice(self._ring, cursor - start, None)], self._end
+            return list(islice(self._ring, cursor - start, None)), self._end
 
     def _advance(self, mirror: PageMirror) -> bool:
         """Applies the events `mirror` has not seen; False if it cannot (events were lost, or
@@ -271,20 +277,26 @@ class PageMirror:
     def encoded(self, encoder: msgspec.json.Encoder) -> bytes:
         """The snapshot message of the current state (sorted, so equal states encode equally)."""
         if self._encoded is None or self._encoded[0] != self.seq:
-            blocks = [SnapshotBlock(namespace=ns, tier=DEVICE_TIER, hashes=sorted(hashes))
-                      for ns, hashes in sorted(self.pages.items()) if hashes]
-            message = StreamSnapshot(seq=self.seq, page_size=self.page_size, blocks=blocks)
-            self._encoded = (self.seq, encoder.encode(message))
+            self._encoded = (self.seq, self.encoded_for(encoder, None, self.seq))
         return self._encoded[1]
+
+    def encoded_for(self, encoder: msgspec.json.Encoder, visible: Callable[[str], bool] | None,
+                    seq: int) -> bytes:
+        """The snapshot message of the namespaces that pass `visible` (None: all), numbered `seq`."""
+        blocks = [SnapshotBlock(namespace=ns, tier=DEVICE_TIER, hashes=sorted(hashes))
+                  for ns, hashes in sorted(self.pages.items()) if hashes and (visible is None or visible(ns))]
+        return encoder.encode(StreamSnapshot(seq=seq, page_size=self.page_size, blocks=blocks))
 
 
 class EventReader:
-    """One reader's position in the hub's ring. `next()` returns encoded messages in order."""
+    """One reader's position in the hub's ring. `next()` returns encoded messages in order;
+    with `visible`, only those of the namespaces it passes (module docstring)."""
 
-    def __init__(self, hub: CacheEventHub) -> None:
+    def __init__(self, hub: CacheEventHub, visible: Callable[[str], bool] | None = None) -> None:
         self.hub = hub
+        self.visible = visible
         self.cursor = 0
-        self.last_seq = 0
+        self.last_seq = 0  # the seq of the last message it was given (its own numbers, with `visible`)
         self.ready = asyncio.Event()
         self._pending: list[bytes] = []
         self.resets = 0
@@ -292,12 +304,18 @@ class EventReader:
     async def resync(self) -> None:
         """Queues the current snapshot and places the cursor at the event that follows it."""
         mirror = await self.hub.current_mirror()
-        self.cursor, self.last_seq = mirror.cursor, mirror.seq
-        self._pending = [mirror.encoded(self.hub._encoder)]
+        self.cursor = mirror.cursor
+        if self.visible is None:
+            self.last_seq = mirror.seq
+            self._pending = [mirror.encoded(self.hub._encoder)]
+        else:
+            self._pending = [mirror.encoded_for(self.hub._encoder, self.visible, self.last_seq)]
 
     async def next(self, timeout: float | None = None) -> list[bytes] | None:
         """The next messages (encoded JSON), waiting up to `timeout` seconds ([] when it
         passes). None once the hub is closed. After lost events: a reset, then a snapshot."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while True:
             if self._pending:
                 out, self._pending = self._pending, []
@@ -314,12 +332,26 @@ class EventReader:
                 continue
             if events:
                 self.cursor = cursor
-                self.last_seq = events[-1][0]
-                return [data for _, data in events]
+                shown = self._shown(events)
+                if shown:
+                    return shown
+                continue  # none it may see: wait on, as if nothing had happened
             try:
-                await asyncio.wait_for(self.ready.wait(), timeout)
+                await asyncio.wait_for(self.ready.wait(), None if deadline is None else max(0.0, deadline - loop.time()))
             except TimeoutError:
                 return []
+
+    def _shown(self, events: list[tuple[int, bytes, Any]]) -> list[bytes]:
+        """The messages of `events` this reader is given, renumbered with `visible`."""
+        if self.visible is None:
+            self.last_seq = events[-1][0]
+            return [data for _, data, _ in events]
+        out = []
+        for _, _, event in events:
+            if isinstance(event, AllCleared) or self.visible(event.namespace):
+                self.last_seq += 1
+                out.append(self.hub._encoder.encode(msgspec.structs.replace(event, seq=self.last_seq)))
+        return out
 
     async def close(self) -> None:
         """Leaves the hub; the last reader out unsubscribes it (on the engine thread), at

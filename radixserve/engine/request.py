@@ -31,6 +31,14 @@ def namespace_of(model_name: str, cache_salt: str | None, tenant: str | None = N
     return (model_name, tenant, cache_salt or None)
 
 
+def tenant_of(namespace: Hashable) -> str | None:
+    """The tenant whose namespace `namespace` is (`namespace_of`'s inverse); None for the
+    single-tenant server's namespaces and any other shape."""
+    if isinstance(namespace, tuple) and len(namespace) == 3:
+        return namespace[1]
+    return None
+
+
 @dataclass(eq=False)
 class Request:
     """One submitted prompt; it owns `params.n` sequences once its prompt is computed.

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
 
-from radixserve.cache.page_hash import namespace_seed, page_hashes
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import RadixNode, RadixTree
 
 NODES_PER_PIECE = 64  # nodes copied per piece: well under the engine's per-step view budget
@@ -123,10 +123,14 @@ def run_to_end(work: Generator[None, None, _R]) -> _R:
             return stop.value
 
 
-def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]
-                       ) -> Generator[None, None, dict[str, set[int]]]:
+def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str] | None = None, *,
+                       hashing: PageHashing | None = None) -> Generator[None, None, dict[str, set[int]]]:
     """The page hash (page_hash.py, as cache events name pages) of every device page of the
-    copy, per namespace id; sliced work like the copy (it yields every HASHED_NODES_PER_PIECE nodes)."""
+    copy, per namespace id; sliced work like the copy (it yields every HASHED_NODES_PER_PIECE nodes).
+    Pages are named through `hashing` (default: the public spec), namespaces by `namespace_id`
+    (default: `hashing`'s)."""
+    hashing = hashing or PageHashing()
+    namespace_id = namespace_id or hashing.namespace_id
     out: dict[str, set[int]] = {}
     seeds: dict[Hashable, tuple[str, int]] = {}
     chain: list[tuple[int, int]] = [(0, 0)] * len(copy.nodes)  # (state, pages) at each edge's end
@@ -136,15 +140,34 @@ def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str]
         known = seeds.get(node.namespace)
         if known is None:
             ns_id = namespace_id(node.namespace)
-            known = seeds[node.namespace] = (ns_id, namespace_seed(ns_id))
+            known = seeds[node.namespace] = (ns_id, hashing.namespace_seed(ns_id))
         if node.partial:  # a partial leaf: events name full pages only, and nothing hangs below it
             continue
         state, depth = chain[node.parent]
         # Host-only edges too: a fuzzy copy may hold a device node below one copied earlier.
-        hashes, end = page_hashes(node.tokens, copy.page_size, known[1], state, depth)
+        hashes, end = hashing.page_hashes(node.tokens, copy.page_size, known[1], state, depth)
         chain[i] = (end, depth + len(node.tokens) // copy.page_size)
         if node.device_pages:
             out.setdefault(known[0], set()).update(hashes.tolist())
         if i % HASHED_NODES_PER_PIECE == 0:
+            yield
+    return out
+
+
+def restrict(copy: TreeCopy, keep: Callable[[Hashable], bool]) -> Generator[None, None, TreeCopy]:
+    """The copy with only the namespaces `keep` passes (a tenant's view of the cache), as
+    sliced work; nothing of the others is left in it, not even in its totals."""
+    out = TreeCopy(copy.page_size, copy.has_host_tier, copy.copied_at, engine_ms=copy.engine_ms)
+    index: dict[int, int] = {}  # position in `copy` -> position in `out`
+    kept: dict[Hashable, bool] = {}
+    for i, node in enumerate(copy.nodes):
+        if node.namespace not in kept:
+            kept[node.namespace] = keep(node.namespace)
+        if kept[node.namespace] and (node.is_root or node.parent in index):
+            index[i] = len(out.nodes)
+            out.nodes.append(replace(node, parent=index[node.parent]) if not node.is_root else node)
+            if node.lock_ref and not node.is_root:  # the pages its locks hold, as the tree counts them
+                out.locked_pages += node.device_pages
+        if i % NODES_PER_PIECE == 0:
             yield
     return out

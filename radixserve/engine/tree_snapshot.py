@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from radixserve.cache.page_hash import namespace_seed, page_hashes
+from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import DEFAULT_PRIORITY
 from radixserve.engine.tree_copy import (
@@ -51,7 +51,8 @@ def _tier(node: NodeCopy) -> str:
 class TreeNodeView(msgspec.Struct, omit_defaults=True):
     """One drawn node. `kind`: "cache" (the top, one per snapshot), "namespace" (a tenant's
     root, `namespace` its opaque id), "node" (one edge of the tree) or "aggregate" (the
-    children of its parent that were left out, `subtree_nodes` of them)."""
+    children of its parent that were left out, `subtree_nodes` of them); a cluster's view
+    has a "replica" node per replica below the top, and every node names its `replica`."""
 
     id: int
     kind: str
@@ -74,6 +75,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] | None = None  # the edge's tokens, only with --expose-cache-tokens
     text: str | None = None             # the edge decoded, only with --expose-cache-tokens
     partial: bool = False           # a partial leaf: one page, fewer than page_size tokens, no hash
+    replica: str | None = None      # the replica whose cache holds it (a cluster's view only)
     children: list[TreeNodeView] = []
 
 
@@ -87,6 +89,7 @@ class TopPrefix(msgspec.Struct, omit_defaults=True):
     namespace: str
     hash: str | None = None  # as in TreeNodeView
     text: str | None = None  # the whole prefix decoded, only with --expose-cache-tokens
+    replica: str | None = None  # as in TreeNodeView
 
 
 class TreeSnapshot(msgspec.Struct):
@@ -130,19 +133,22 @@ def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
 
 
 def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callable[[Hashable], str],
-               decode: Callable[[list[int]], str] | None = None) -> Generator[None, None, TreeSnapshot]:
+               decode: Callable[[list[int]], str] | None = None,
+               hashing: PageHashing | None = None) -> Generator[None, None, TreeSnapshot]:
     """The bounded view of a tree copy, as sliced work (sliced_work.py): it yields every few
     hundred nodes, so the engine thread can build it between steps. (Built in another thread
     instead, its Python work would hold the interpreter lock against the engine's.)
 
     `namespace_id` turns a namespace into its opaque id (the one its page hashes are seeded
-    with, page_hash.py). `decode` turns token ids into text; it is used only with
+    with, page_hash.py); page hashes are named through `hashing` (default: the public
+    spec). `decode` turns token ids into text; it is used only with
     `options.include_tokens`. Ages are counted to the time the copy began.
     """
     facts = _Facts(copy)
     yield from facts.compute()
     yield from _choose_shown(facts, options)
-    builder = _Builder(copy.page_size, options, facts, namespace_id, decode, copy.copied_at)
+    builder = _Builder(copy.page_size, options, facts, namespace_id, decode, copy.copied_at,
+                       hashing or PageHashing())
     top = yield from builder.build()
     hottest = _hottest(facts, options.top_k)
     yield
@@ -249,8 +255,9 @@ class _Builder:
 
     def __init__(self, page_size: int, options: SnapshotOptions, facts: _Facts,
                  namespace_id: Callable[[Hashable], str],
-                 decode: Callable[[list[int]], str] | None, now: float) -> None:
+                 decode: Callable[[list[int]], str] | None, now: float, hashing: PageHashing) -> None:
         self.page_size = page_size
+        self.hashing = hashing
         self.options = options
         self.facts = facts
         self.namespace_id = namespace_id
@@ -332,8 +339,8 @@ class _Builder:
         ns_id = self._namespace(node.namespace)
         seed = self._seeds.get(ns_id)
         if seed is None:
-            seed = self._seeds[ns_id] = namespace_seed(ns_id)
-        hashes, end = page_hashes(node.tokens, self.page_size, seed, state, depth)
+            seed = self._seeds[ns_id] = self.hashing.namespace_seed(ns_id)
+        hashes, end = self.hashing.page_hashes(node.tokens, self.page_size, seed, state, depth)
         return str(int(hashes[-1])), (end, depth + node.device_pages)
 
     def _aggregate(self, hidden: list[int], parent: int) -> TreeNodeView:

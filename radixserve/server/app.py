@@ -6,7 +6,6 @@ forwards deltas: /health answers during the longest generation.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
@@ -59,7 +58,7 @@ from radixserve.server.protocol import (
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
 from radixserve.server.structured import grammar_error
-from radixserve.server.tenancy import SINGLE_TENANT, Caller
+from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
@@ -87,7 +86,8 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, *, served_model_name: str | None = None,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
-                 tool_call_parser: str | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
+                 tool_call_parser: str | None = None, keys: ApiKeys | None = None,
+                 max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
         self.engine = engine
         self.max_request_tokens = max_request_tokens
         self.body_timeout_s = body_timeout_s
@@ -102,6 +102,7 @@ class OpenAIServer:
         self.model_name = served_model_name or engine.engine.model_name
         self.accepted_model_names = {self.model_name, engine.engine.model_name}
         self.api_key = api_key
+        self.keys = keys if keys is not None else ApiKeys.of(api_key=api_key)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
@@ -314,14 +315,16 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> Caller:
-        """The request's caller, or a 401 when its key is missing or wrong."""
-        if self.api_key is None:
+        """The request's caller (the tenant its key names), or a 401 when its key is missing
+        or unknown. With no key configured every caller is the single tenant."""
+        if self.keys is None:
             return SINGLE_TENANT
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        caller = self.keys.caller(token.strip()) if scheme.lower() == "bearer" else None
+        if caller is None:
             raise APIError(401, "Missing or invalid API key (Authorization: Bearer <key>)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return SINGLE_TENANT
+        return caller
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
@@ -363,12 +366,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                cache_events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S,
                engine_stop_timeout_s: float | None = DEFAULT_STOP_TIMEOUT_S,
                turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
-               tool_call_parser: str | None = None,
+               tool_call_parser: str | None = None, admin_api_key: str | None = None,
+               tenant_keys: dict[str, Caller] | None = None,
                max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
     are accepted in requests). With `api_key`, every /v1 route needs `Authorization: Bearer`.
+    `tenant_keys` (tenancy.py: a keys file's) maps more keys to their tenants, and
+    `admin_api_key` is a key that sees the whole cache; with any key, every /v1 route needs one.
+    The single `api_key` is the single-tenant server's (it sees the whole cache, as an admin).
     The /v1/cache routes and /dashboard come from cache_routes.py and dashboard.py;
     `expose_cache_tokens` lets their snapshots and events carry token ids and text, and
     `cache_event_buffer` bounds how far (in events) a /v1/cache/events reader may fall behind;
@@ -384,6 +391,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
                           body_timeout_s=body_timeout_s, tool_call_parser=tool_call_parser,
+                          keys=ApiKeys.of(api_key=api_key, admin_api_key=admin_api_key, tenant_keys=tenant_keys),
                           max_request_tokens=max_request_tokens)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
                         event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s)

@@ -6,13 +6,17 @@
     GET  /v1/cache/events   Server-Sent Events: a snapshot, then every cache event, in order
 
 All need the API key when one is set. No token id or text leaves the server unless the operator
-started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids.
+started it with --expose-cache-tokens; namespaces (tenants) appear only as opaque ids, and
+page hashes and ids are keyed with the engine's secret when it has one (page_hash.py).
 
-Views stay off the engine's critical path: the tree is copied in slices between steps
-(tree_copy.py, at most the engine's view budget per step, all views together), one copy
-shared by every tree request that arrives while it is taken or while the cache has not
-changed since, and each view is built from it in slices too; a request whose client left
-stops waiting, and a copy no one waits for stops. An event stream that has sent no event for
+Tenants (tenancy.py): an admin's key, or the single-tenant server's, sees the whole cache. A
+tenant's key sees only its own namespaces: the tree is built from a copy with the others left
+out, the event stream carries only its namespaces' pages, numbered by what it was shown, and
+its stats are counted over its own namespaces alone (no pool-wide counter, which would tell
+of the others' traffic). A tenant may not flush (403): a flush drops every tenant's pages.
+
+Views stay off the engine's critical path (cache_views.py: one sliced copy of the tree shared
+by every view; a request whose client left stops waiting). An event stream that has sent no event for
 `events_idle_timeout_s` (or cannot send one for that long: a client that does not read) is
 closed; its client reconnects for a fresh snapshot.
 """
@@ -31,26 +35,18 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from radixserve import AsyncEngine
-from radixserve.cache.page_hash import namespace_id
 from radixserve.engine.event_stream import (
     DEFAULT_CAPACITY,
     SERVER_LINGER_S,
     CacheEventHub,
     EventReader,
 )
-from radixserve.engine.shared_work import SharedWork
-from radixserve.engine.tree_copy import TreeCopy, copy_tree
-from radixserve.engine.tree_snapshot import (
-    DEFAULT_MAX_DEPTH,
-    DEFAULT_MAX_NODES,
-    DEFAULT_TOP_K,
-    SnapshotOptions,
-    TreeSnapshot,
-    build_view,
-)
+from radixserve.engine.tree_snapshot import DEFAULT_MAX_DEPTH, DEFAULT_MAX_NODES, DEFAULT_TOP_K, SnapshotOptions
+from radixserve.server.cache_views import CacheViews
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.streams import unless_disconnected
+from radixserve.server.tenancy import Caller, admin_only
 
 MAX_TREE_NODES = 100_000
 MAX_TREE_DEPTH = 256  # nesting deeper than this trips JSON libraries' recursion limits
@@ -59,11 +55,6 @@ MAX_EVENT_READERS = 64
 CLIENT_CLOSED_REQUEST = 499  # as app.py answers a client that left (nobody reads it)
 KEEPALIVE_S = 15.0
 DEFAULT_EVENTS_IDLE_TIMEOUT_S = 300.0  # an event stream with no event sent for this long closes
-COPY_REUSE_S = 2.0  # a finished tree copy serves later views this long while the cache is unchanged
-# Published stats that move whenever the tree may have changed: a copy is reused only while
-# none of them has (lookups and hits, inserts at admission and finish, evictions, locks, flush).
-_TREE_VERSION_KEYS = ("cache_lookups", "pages_cached", "pages_locked", "host_pages_cached", "admissions",
-                      "requests_finished", "requests_aborted", "preemptions", "sessions_open")
 _ENCODER = msgspec.json.Encoder()
 _TTFT = "radixserve_time_to_first_token_seconds"
 
@@ -81,13 +72,12 @@ class CacheRoutes:
         self.metrics = metrics
         self.authorize = authorize
         self.expose_tokens = expose_tokens
-        self.hub = CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
-                                 linger_s=SERVER_LINGER_S)
+        # A cluster's engine (cluster/engine.py) serves its replicas' views and merged events.
+        self.hub = (engine.event_hub(capacity=event_buffer) if hasattr(engine, "event_hub") else
+                    CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
+                                  linger_s=SERVER_LINGER_S))
         self._readers = 0
-        self._inflight: dict[SnapshotOptions, asyncio.Future[TreeSnapshot]] = {}
-        self._copy: tuple[tuple[Any, ...], float, TreeCopy] | None = None  # (version, when, copy)
-        self._copying: SharedWork[TreeCopy] | None = None
-        self.tree_copies = 0  # copies taken (for stats and tests)
+        self.views = engine.cache_views() if hasattr(engine, "cache_views") else CacheViews(engine)
         self.idle_closed = 0  # event streams closed for idleness
 
     def routes(self) -> list[Route]:
@@ -106,19 +96,28 @@ class CacheRoutes:
     # ------------------------------------------------------------------ routes
     async def tree(self, request: Request) -> Response:
         """GET /v1/cache/tree?max_nodes=&max_depth=&top_k=&hashes=&tokens=: the bounded tree view."""
-        self.authorize(request)
+        caller = self.authorize(request)
         options = SnapshotOptions(
             max_nodes=_int_param(request, "max_nodes", DEFAULT_MAX_NODES, 1, MAX_TREE_NODES),
             max_depth=_int_param(request, "max_depth", DEFAULT_MAX_DEPTH, 1, MAX_TREE_DEPTH),
             top_k=_int_param(request, "top_k", DEFAULT_TOP_K, 0, MAX_TOP_K),
             include_hashes=_bool_param(request, "hashes"),
             include_tokens=self._tokens_param(request))
-        snapshot = await unless_disconnected(request, self._snapshot(options))
+        snapshot = await unless_disconnected(request, self.views.tree(options, caller))
         return Response(status_code=CLIENT_CLOSED_REQUEST) if snapshot is None else _json(snapshot)
 
     async def stats(self, request: Request) -> Response:
-        """GET /v1/cache/stats: the published engine stats (never waits for a step)."""
-        self.authorize(request)
+        """GET /v1/cache/stats: the published engine stats (never waits for a step); a
+        tenant's, counted over its own namespaces from a tree copy."""
+        caller = self.authorize(request)
+        if not caller.admin:
+            stats = await unless_disconnected(request, self.views.tenant_stats(caller))
+            if stats is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            # No pool-wide counter: they would tell of the other tenants' traffic.
+            return _json({"object": "cache.stats", "time": time.time(), "tenant": caller.tenant, **stats,
+                          "requests": None, "lookups": None, "ttft": None, "histograms": None,
+                          "hit_rate": None, "expose_tokens": self.expose_tokens})
         s = self.engine.stats()
         registry = self.metrics.registry
         device = {
@@ -150,14 +149,15 @@ class CacheRoutes:
             "events": {"readers": self._readers, "buffer": self.hub.capacity,
                        "idle_timeout_s": self.events_idle_timeout_s, "idle_closed": self.idle_closed,
                        "snapshot_builds": self.hub.builds},
-            "tree_copies": self.tree_copies,
+            "tree_copies": self.views.tree_copies,
             "expose_tokens": self.expose_tokens,
         }
         return _json(body)
 
     async def flush(self, request: Request) -> Response:
-        """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`)."""
-        self.authorize(request)
+        """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`);
+        an admin's only."""
+        admin_only(self.authorize(request))  # a flush drops every tenant's pages
         freed = await self.engine.flush_cache()
         # `pages_freed` stays the device count (what it always was); "tiers" names both.
         tiers = {"device": int(freed), "host": getattr(freed, "host", 0)}
@@ -165,21 +165,21 @@ class CacheRoutes:
 
     async def events(self, request: Request) -> Response:
         """GET /v1/cache/events: SSE, `data: <json>` per message (docs/server.md)."""
-        self.authorize(request)
+        caller = self.authorize(request)
         if self._readers >= MAX_EVENT_READERS:
             raise APIError(503, f"Too many cache-event readers (at most {MAX_EVENT_READERS})",
                            code="too_many_readers", headers={"Retry-After": "5"})
-        return SendTimeoutStreamingResponse(self._sse(), self.events_idle_timeout_s, media_type="text/event-stream",
+        return SendTimeoutStreamingResponse(self._sse(caller), self.events_idle_timeout_s, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ------------------------------------------------------------------ helpers
-    async def _sse(self) -> AsyncIterator[bytes]:
+    async def _sse(self, caller: Caller) -> AsyncIterator[bytes]:
         # The reader is opened here, not in the handler: a stream that never starts (the
         # client left at once) then leaves nothing subscribed behind.
         self._readers += 1
         reader: EventReader | None = None
         try:
-            reader = await self.hub.open_reader()
+            reader = await self.hub.open_reader(None if caller.admin else self._sees_id(caller))
             loop = asyncio.get_running_loop()
             last_sent = loop.time()
             while True:
@@ -201,46 +201,10 @@ class CacheRoutes:
                 with anyio.CancelScope(shield=True):
                     await reader.close()
 
-    async def _snapshot(self, options: SnapshotOptions) -> TreeSnapshot:
-        """One view per distinct options at a time, from the shared tree copy: concurrent
-        requests for the same view (several dashboards) share it."""
-        pending = self._inflight.get(options)
-        if pending is None:
-            pending = asyncio.ensure_future(self._build_view(options))
-            self._inflight[options] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(options, None))
-        return await asyncio.shield(pending)
-
-    async def _build_view(self, options: SnapshotOptions) -> TreeSnapshot:
-        copy = await self._tree_copy()
-        engine = self.engine.engine
-        decode = engine.tokenizer.decode if options.include_tokens and engine.tokenizer else None
-        return await self.engine.run_sliced(lambda: build_view(copy, options, namespace_id=namespace_id,
-                                                               decode=decode))
-
-    async def _tree_copy(self) -> TreeCopy:
-        """A copy of the tree taken in slices between steps; one at a time, shared by every
-        caller that arrives meanwhile, and reused while the cache has not changed (for at most
-        COPY_REUSE_S). When every caller has left, the copy stops."""
-        stats = self.engine.stats()
-        version = tuple(stats.get(key) for key in _TREE_VERSION_KEYS)
-        loop = asyncio.get_running_loop()
-        if self._copy is not None and self._copy[0] == version and loop.time() - self._copy[1] < COPY_REUSE_S:
-            return self._copy[2]
-        if self._copying is None:
-            tree = self.engine.engine.tree
-            copying = self.engine.run_sliced(lambda: copy_tree(tree))
-            self._copying = SharedWork(copying)
-            self.tree_copies += 1
-
-            def done(future: asyncio.Future[TreeCopy]) -> None:
-                if self._copying is not None and self._copying.future is future:
-                    self._copying = None
-                if not future.cancelled() and future.exception() is None:
-                    self._copy = (version, loop.time(), future.result())
-
-            copying.add_done_callback(done)
-        return await self._copying.wait()
+    def _sees_id(self, caller: Caller) -> Any:
+        """The test of published namespace ids that `caller` may see (for its event stream)."""
+        hashing = self.views.hashing
+        return lambda ns_id: caller.sees(hashing.namespace_of_id(ns_id))
 
     def _tokens_param(self, request: Request) -> bool:
         wanted = _bool_param(request, "tokens")

@@ -12,7 +12,7 @@
   const MAX_DEPTH = Number(query.get("max_depth")) || 32;
   const HISTORY = 120; // points kept in the time charts
   const COLOURS = { running: "#7b5cd6", locked: "#d9534f", evictable: "#4a7bd0", free: "#e6e8ee",
-                    host: "#e39a2d", namespace: "#8891a8", device: "#4a7bd0" };
+                    host: "#e39a2d", namespace: "#8891a8", device: "#4a7bd0", replica: "#5b6478" };
 
   // Everything the page knows, exposed for the browser tests and for curious operators.
   const state = {
@@ -117,7 +117,7 @@
     const before = state.previous;
     state.stats = stats;
     state.previous = stats;
-    if (!before) return;
+    if (!before || stats.requests === null) return; // a tenant's key: no pool-wide counters
     const delta = (get) => get(stats) - get(before);
     const prompt = delta((s) => s.requests.prompt_tokens);
     const lookups = delta((s) => s.lookups.tokens);
@@ -141,6 +141,7 @@
 
   function nodeColour(node, tree) {
     if (node.kind === "namespace") return COLOURS.namespace;
+    if (node.kind === "replica") return COLOURS.replica; // a cluster's view: one per replica
     if (node.kind === "aggregate") return "#c9ccd6";
     if (state.colour === "tier") return COLOURS[node.tier] || "#999";
     if (state.colour === "recency") {
@@ -313,8 +314,25 @@
   }
 
   // ------------------------------------------------------------------ stats panels
+  // A tenant's key sees only its own namespaces' pages (docs/server.md): no pool, no rates.
+  function renderTenantStats(s) {
+    const d = s.tiers.device;
+    const bar = $("#pool");
+    bar.replaceChildren();
+    const width = bar.clientWidth || 300;
+    const locked = (d.pages_locked / Math.max(1, d.pages_cached)) * width;
+    svg("rect", { x: 0, y: 0, width: locked, height: 26, fill: COLOURS.locked, "data-segment": "locked" }, bar);
+    svg("rect", { x: locked, y: 0, width: width - locked, height: 26, fill: COLOURS.evictable, "data-segment": "evictable" }, bar);
+    $("#pool-legend").textContent = `${d.pages_locked.toLocaleString()} locked of ${d.pages_cached.toLocaleString()} cached` +
+      (s.tiers.host ? `; host: ${s.tiers.host.pages_cached}` : "");
+    $("#pool-summary").textContent = `tenant ${s.tenant}: ${d.pages_cached.toLocaleString()} pages × ${s.page_size} tokens, ${s.nodes} nodes, ${s.hits} hits`;
+    $("#hit-now").textContent = "pool-wide rates are an admin's view";
+    $("#ttft-now").textContent = "";
+  }
+
   function renderStats() {
     const s = state.stats;
+    if (s.requests === null) return renderTenantStats(s);
     const d = s.tiers.device;
     const segments = [["running", d.pages_running, "held by running requests only"],
                       ["locked", d.pages_locked, "cached, locked"],
