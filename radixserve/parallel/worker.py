@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "-1"))
     if rendezvous is None or rank < 1:
         raise SystemExit("set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (>= 1), as torchrun does")
-    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = torch.device(args.device).type if args.device else ("cuda" if torch.cuda.is_available() else "cpu")
     run_worker(rank, WorkerSpec(args.model, args.dtype, device_type, args.backend, rendezvous, args.tp_timeout_s))
 
 
