@@ -85,8 +85,11 @@ class TensorParallelGroup:
         self.world_size = rendezvous.world_size
         self.device = device
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, rank == 0,
-                              timeout=timeout, wait_for_workers=False)
+        # Under torchrun its agent already hosts the store at MASTER_PORT: every rank is a client.
+        hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.PrefixStore("radixserve-tp", dist.TCPStore(
+            rendezvous.host, rendezvous.port, rendezvous.world_size, hosts_store,
+            timeout=timeout, wait_for_workers=False))
         store.set(f"joined/{rank}", "1")
         if rank == 0:
             _wait_for_ranks(store, self.world_size, timeout_s, peers_failed)
@@ -164,7 +167,7 @@ class TensorParallelGroup:
                 pass
 
 
-def _wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float,
+def _wait_for_ranks(store: dist.Store, world_size: int, timeout_s: float,
                     peers_failed: Callable[[], str | None]) -> None:
     """Rank 0: waits until every rank has joined the store; raises RuntimeError on a peer's
     failure or after `timeout_s`."""

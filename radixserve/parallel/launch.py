@@ -33,6 +33,7 @@ class TensorParallel:
     workers: WorkerProcesses
     loaded: LoadedModel
     backend: str | None
+    threads_before: int  # this process's torch threads before the group took its share
 
     @classmethod
     def start(cls, model: str, size: int, *, dtype: str | torch.dtype | None, device: str | None,
@@ -52,6 +53,7 @@ class TensorParallel:
         threads = max(1, (os.cpu_count() or 1) // size) if torch_device.type == "cpu" else None
         spec = WorkerSpec(model, dtype, torch_device.type, backend, rendezvous, timeout_s, threads)
         workers = WorkerProcesses() if external else WorkerProcesses.spawn(run_worker, size, spec)
+        threads_before = torch.get_num_threads()
         try:
             if threads is not None:
                 torch.set_num_threads(threads)
@@ -60,11 +62,13 @@ class TensorParallel:
             loaded = load_shard(model, group, dtype=dtype, device=torch_device)
         except BaseException:
             workers.stop(grace_s=0.0)
+            torch.set_num_threads(threads_before)
             raise
-        return cls(group, workers, loaded, backend)
+        return cls(group, workers, loaded, backend, threads_before)
 
     def runner(self, pool: PagePool, host_tier: HostTier | None, attention: AttentionBackend, *,
                verify_tables: bool) -> TensorParallelRunner:
         """Rank 0's runner over the engine's pool; sizes the workers' pools to match."""
         return TensorParallelRunner(self.loaded, pool, attention, self.group, self.workers, host_tier,
-                                    verify_tables=verify_tables)
+                                    verify_tables=verify_tables,
+                                    on_close=lambda: torch.set_num_threads(self.threads_before))

@@ -15,6 +15,7 @@ From then on every step raises at once, so the engine fails each request cleanly
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,8 +47,10 @@ class TensorParallelRunner(ModelRunner):
     """
 
     def __init__(self, loaded: LoadedModel, pool: PagePool, backend: AttentionBackend, group: TensorParallelGroup,
-                 workers: WorkerProcesses, host_tier: HostTier | None = None, *, verify_tables: bool = False) -> None:
+                 workers: WorkerProcesses, host_tier: HostTier | None = None, *, verify_tables: bool = False,
+                 on_close: Callable[[], None] | None = None) -> None:
         super().__init__(loaded, pool, backend, verify_tables=verify_tables)
+        self._on_close = on_close
         self.group = group
         self.workers = workers
         self.fault: str | None = None
@@ -99,6 +102,9 @@ class TensorParallelRunner(ModelRunner):
                 pass
         self.workers.stop()
         self.group.close()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
         if self.fault is None:
             self.fault = "the tensor-parallel group was shut down"
 
