@@ -243,3 +243,23 @@ def test_gguf_shards_then_a_killed_worker_fails_cleanly(tiny_llama_dir: Path, tm
     finally:
         tp.close()
     assert not any(p.is_alive() for p in tp.runner.workers.processes)
+
+
+def test_a_hung_worker_fails_the_engine_after_the_collective_timeout(tiny_llama_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXSERVE_TP_TIMEOUT_S", "5")
+    tp = Engine(str(tiny_llama_dir), page_size=4, num_pages=64, tensor_parallel_size=2)
+    worker = tp.runner.workers.processes[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        result: dict[str, object] = {}
+        runner = threading.Thread(target=lambda: result.update(outs=tp.generate([[5, 6, 7, 8]], mixed_params(1))),
+                                  daemon=True)
+        runner.start()
+        runner.join(HANG_GUARD_S)
+        assert not runner.is_alive(), "a hung worker hung the engine"
+        assert [o.finish_reason for o in result["outs"]] == ["error"]
+        assert tp.fault() is not None
+    finally:
+        tp.close()  # a stopped process is killed
+    assert not worker.is_alive()

@@ -27,6 +27,16 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer than this on a peer fails
+START_TIMEOUT_S = 1800.0  # ranks joining and loading their shards (polled: a dead worker fails it at once)
+TIMEOUT_ENV = "RADIXSERVE_TP_TIMEOUT_S"  # overrides it (a multi-node group on a slow network; tests)
+
+
+def collective_timeout_s() -> float:
+    """The collective timeout: $RADIXSERVE_TP_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
+    value = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}: must be > 0, got {value:g}")
+    return value
 _IDLE_WAIT = datetime.timedelta(days=365)  # a worker's wait for the next plan
 _HEADER_INTS = 1
 
@@ -90,9 +100,11 @@ class TensorParallelGroup:
         store = dist.PrefixStore("radixserve-tp", dist.TCPStore(
             rendezvous.host, rendezvous.port, rendezvous.world_size, hosts_store,
             timeout=timeout, wait_for_workers=False))
-        store.set(f"joined/{rank}", "1")
+        self._store = store
+        self.peers_failed = peers_failed
+        self.announce("joined")
         if rank == 0:
-            _wait_for_ranks(store, self.world_size, timeout_s, peers_failed)
+            self.wait_for_all("joined")
         self._control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, self.world_size, timeout)
         compute_store = dist.PrefixStore("compute", store)
         if device.type == "cuda":
@@ -100,6 +112,24 @@ class TensorParallelGroup:
             self._compute = dist.ProcessGroupNCCL(compute_store, rank, self.world_size)
         else:
             self._compute = dist.ProcessGroupGloo(compute_store, rank, self.world_size, timeout)
+
+    def announce(self, stage: str) -> None:
+        """Tells rank 0 that this rank has reached `stage` (start-up only)."""
+        self._store.set(f"{stage}/{self.rank}", "1")
+
+    def wait_for_all(self, stage: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Rank 0: waits until every rank has announced `stage`; RuntimeError at once when
+        `peers_failed` reports a failure, or after `timeout_s` (start-up: a worker importing
+        torch or loading a large shard may take minutes, longer than any collective should)."""
+        keys = [f"{stage}/{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not self._store.check(keys):
+            failed = self.peers_failed()
+            if failed is not None:
+                raise RuntimeError(f"tensor-parallel start-up ({stage}) failed: {failed}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel start-up: not every rank reached {stage!r} within {timeout_s:g} s")
+            time.sleep(0.05)
 
     @property
     def is_driver(self) -> bool:
@@ -167,16 +197,3 @@ class TensorParallelGroup:
                 pass
 
 
-def _wait_for_ranks(store: dist.Store, world_size: int, timeout_s: float,
-                    peers_failed: Callable[[], str | None]) -> None:
-    """Rank 0: waits until every rank has joined the store; raises RuntimeError on a peer's
-    failure or after `timeout_s`."""
-    keys = [f"joined/{rank}" for rank in range(world_size)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        failed = peers_failed()
-        if failed is not None:
-            raise RuntimeError(f"tensor-parallel start-up failed: {failed}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel start-up: not every rank joined within {timeout_s:g} s")
-        time.sleep(0.05)

@@ -12,7 +12,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.cache.pool import PagePool
 from radixserve.cache.tiers import HostTier
 from radixserve.models.loader import LoadedModel, resolve_device
-from radixserve.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous, TensorParallelGroup
+from radixserve.parallel.group import Rendezvous, TensorParallelGroup, collective_timeout_s
 from radixserve.parallel.loading import load_shard
 from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.runner import TensorParallelRunner
@@ -37,9 +37,11 @@ class TensorParallel:
 
     @classmethod
     def start(cls, model: str, size: int, *, dtype: str | torch.dtype | None, device: str | None,
-              backend: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
+              backend: str | None, timeout_s: float | None = None) -> TensorParallel:
         """Starts ranks 1..size-1 (unless launched externally), joins them as rank 0 and loads
-        rank 0's shard. On the CPU each rank gets an equal share of the cores."""
+        rank 0's shard. On the CPU each rank gets an equal share of the cores. `timeout_s`:
+        the collective timeout (default: `collective_timeout_s()`)."""
+        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         if size < 2:
             raise ValueError(f"tensor_parallel_size: must be >= 2 to start a group, got {size}")
         if model == "demo":
@@ -69,6 +71,12 @@ class TensorParallel:
     def runner(self, pool: PagePool, host_tier: HostTier | None, attention: AttentionBackend, *,
                verify_tables: bool) -> TensorParallelRunner:
         """Rank 0's runner over the engine's pool; sizes the workers' pools to match."""
-        return TensorParallelRunner(self.loaded, pool, attention, self.group, self.workers, host_tier,
-                                    verify_tables=verify_tables,
-                                    on_close=lambda: torch.set_num_threads(self.threads_before))
+        try:
+            return TensorParallelRunner(self.loaded, pool, attention, self.group, self.workers, host_tier,
+                                        verify_tables=verify_tables,
+                                        on_close=lambda: torch.set_num_threads(self.threads_before))
+        except BaseException:  # a worker failed to load or size its pool: end the rest
+            self.workers.stop(grace_s=1.0)
+            self.group.close()
+            torch.set_num_threads(self.threads_before)
+            raise

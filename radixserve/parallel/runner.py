@@ -29,7 +29,7 @@ from radixserve.models.loader import LoadedModel
 from radixserve.parallel.executor import PlanExecutor
 from radixserve.parallel.group import TensorParallelGroup
 from radixserve.parallel.plan import CHECK, SETUP, STOP, KvOpLog, PlanBuilder, StepPlan
-from radixserve.parallel.processes import WorkerProcesses
+from radixserve.parallel.processes import STOP_GRACE_S, WorkerProcesses
 from radixserve.parallel.recording import record_page_copies
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class TensorParallelRunner(ModelRunner):
         self.executor = PlanExecutor(self.model, pool, backend, self.dtype, self.metadata, host_pool)
         setup = [SETUP, pool.num_pages, pool.page_size, host_pool.num_pages if host_pool else 0, int(verify_tables)]
         self._send(np.asarray(setup, dtype=np.int32))
+        group.announce("ready")
+        group.wait_for_all("ready")  # every shard loaded and pool built, before any collective
         record_page_copies(pool, host_tier, kv_log)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
@@ -95,12 +97,13 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         """Tells the workers to stop, ends them if they do not, and closes the group."""
-        if self.fault is None:
+        healthy = self.fault is None
+        if healthy:
             try:
                 self._send(np.asarray([STOP], dtype=np.int32))
             except TensorParallelFault:
-                pass
-        self.workers.stop()
+                healthy = False
+        self.workers.stop(grace_s=STOP_GRACE_S if healthy else 1.0)  # a broken group's workers may never read STOP
         self.group.close()
         if self._on_close is not None:
             self._on_close()

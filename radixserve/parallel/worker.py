@@ -21,7 +21,7 @@ from radixserve.attention.metadata import MetadataBuilder
 from radixserve.cache.pool import PagePool
 from radixserve.models.kv_check import verify_cached_kv
 from radixserve.parallel.executor import PlanExecutor
-from radixserve.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous, TensorParallelGroup
+from radixserve.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous, TensorParallelGroup, collective_timeout_s
 from radixserve.parallel.loading import load_shard
 from radixserve.parallel.plan import CHECK, SETUP, STEP, STOP, StepPlan
 
@@ -71,6 +71,7 @@ def run_worker(rank: int, spec: WorkerSpec) -> None:
         backend = create_backend(spec.backend, device, loaded.dtype)
         executor = PlanExecutor(loaded.model, pool, backend, loaded.dtype,
                                 MetadataBuilder(page_size, device, verify=bool(verify)), host_pool)
+        group.announce("ready")
         serve_plans(executor, group)
     finally:
         group.close()
@@ -120,14 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--backend", default=None)
-    parser.add_argument("--tp-timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--tp-timeout-s", type=float, default=None,
+                        help="collective timeout (default: $RADIXSERVE_TP_TIMEOUT_S, else 120)")
     args = parser.parse_args(argv)
     rendezvous = Rendezvous.from_env(args.tensor_parallel_size)
     rank = int(os.environ.get("RANK", "-1"))
     if rendezvous is None or rank < 1:
         raise SystemExit("set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (>= 1), as torchrun does")
     device_type = torch.device(args.device).type if args.device else ("cuda" if torch.cuda.is_available() else "cpu")
-    run_worker(rank, WorkerSpec(args.model, args.dtype, device_type, args.backend, rendezvous, args.tp_timeout_s))
+    timeout_s = args.tp_timeout_s if args.tp_timeout_s is not None else collective_timeout_s()
+    run_worker(rank, WorkerSpec(args.model, args.dtype, device_type, args.backend, rendezvous, timeout_s))
 
 
 if __name__ == "__main__":
