@@ -53,7 +53,7 @@ class TensorParallelRunner(ModelRunner):
         self._on_close = on_close
         self.group = group
         self.workers = workers
-        self.fault: str | None = None
+        self._fault: str | None = None
         self.control_bytes = 0
         self.control_messages = 0
         self.last_plan_bytes = 0
@@ -66,6 +66,12 @@ class TensorParallelRunner(ModelRunner):
         group.announce("ready")
         group.wait_for_all("ready")  # every shard loaded and pool built, before any collective
         record_page_copies(pool, host_tier, kv_log)
+
+    @property
+    def fault(self) -> str | None:
+        """Why the group cannot run steps (None while it can); a worker process that has
+        exited counts at once, before any step notices."""
+        return self._fault or self.workers.first_dead()
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Sends the step's plan to every worker, then builds rank 0's inputs from it."""
@@ -108,8 +114,8 @@ class TensorParallelRunner(ModelRunner):
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
-        if self.fault is None:
-            self.fault = "the tensor-parallel group was shut down"
+        if self._fault is None:
+            self._fault = "the tensor-parallel group was shut down"
 
     def _send(self, message: np.ndarray) -> int:
         try:
@@ -121,16 +127,12 @@ class TensorParallelRunner(ModelRunner):
         return sent
 
     def _check_healthy(self) -> None:
-        if self.fault is None:
-            dead = self.workers.first_dead()
-            if dead is not None:
-                self._fail(dead)
-        if self.fault is not None:
-            raise TensorParallelFault(self.fault)
+        fault = self.fault
+        if fault is not None:
+            raise self._fail(fault)
 
     def _fail(self, reason: str) -> TensorParallelFault:
-        if self.fault is None:
-            dead = self.workers.first_dead()
-            self.fault = dead or reason
-            logger.error("tensor parallelism failed: %s; every request from now on ends with an error", self.fault)
-        return TensorParallelFault(self.fault)
+        if self._fault is None:
+            self._fault = self.workers.first_dead() or reason
+            logger.error("tensor parallelism failed: %s; every request from now on ends with an error", self._fault)
+        return TensorParallelFault(self._fault)
