@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from radixserve import Engine, SamplingParams
+from radixserve.parallel.sharding import parameter_bytes
 
 PAGE_SIZE = 16
 CORES = os.cpu_count() or 1
@@ -87,22 +88,10 @@ def control_traffic(root: Path, contexts: list[int], batch: int) -> None:
         engine.close()
 
 
-def parameter_bytes(engine: Engine) -> tuple[int, int]:
-    """(sharded, replicated) parameter bytes of this process's model (norms are replicated)."""
-    sharded = replicated = 0
-    for name, param in engine.loaded.model.named_parameters():
-        size = param.numel() * param.element_size()
-        if name.endswith("norm.weight"):
-            replicated += size
-        else:
-            sharded += size
-    return sharded, replicated
-
-
-def step_seconds(engine: Engine, batch: int, context: int, new_tokens: int) -> tuple[float, float]:
-    """(median decode step seconds, all-reduce seconds per step on this rank) of one run, with
-    every core at TP=1 and an equal share per rank at TP=2 (as the engine sets its workers)."""
-    torch.set_num_threads(max(1, CORES // engine.runner.group.world_size) if hasattr(engine.runner, "group") else CORES)
+def step_seconds(engine: Engine, batch: int, context: int, new_tokens: int, threads: int) -> tuple[float, float]:
+    """(median decode step seconds, all-reduce seconds per step on this rank) of one run with
+    `threads` torch threads in this process (rank 0; the workers keep the engine's share)."""
+    torch.set_num_threads(threads)
     group = getattr(engine.runner, "group", None)
     reduced = [0.0]
     if group is not None:
@@ -142,8 +131,8 @@ def speed_and_memory(root: Path, runs: int, batch: int) -> None:
     single = Engine(str(ckpt), page_size=PAGE_SIZE, num_pages=512)
     tp = Engine(str(ckpt), page_size=PAGE_SIZE, num_pages=512, tensor_parallel_size=2)
     try:
-        s_sharded, s_rep = parameter_bytes(single)
-        t_sharded, t_rep = parameter_bytes(tp)
+        s_sharded, s_rep = parameter_bytes(single.loaded.model)
+        t_sharded, t_rep = parameter_bytes(tp.loaded.model)
         kv1 = single.stats()["kv_bytes"] // single.pool.num_pages
         kv2 = tp.stats()["kv_bytes"] // tp.pool.num_pages
         print("memory per rank (rank 0 at TP=2 vs TP=1):")
@@ -152,18 +141,23 @@ def speed_and_memory(root: Path, runs: int, batch: int) -> None:
         print(f"  replicated (norms)   {t_rep / 2**10:8.2f} KiB vs {s_rep / 2**10:8.2f} KiB")
         print(f"  all parameters       ratio {(t_sharded + t_rep) / (s_sharded + s_rep):.4f}")
         print(f"  KV bytes per page    {kv2} vs {kv1} (ratio {kv2 / kv1:.4f})")
-        one, two, shares = [], [], []
-        for _ in range(runs):  # alternating, so a busy moment hurts both
-            one.append(step_seconds(single, batch, 256, 32)[0])
-            seconds, reduce_s = step_seconds(tp, batch, 256, 32)
-            two.append(seconds)
-            shares.append(reduce_s / seconds)
-        print(f"decode step, batch {batch}, context 256, float32, {CORES} threads at TP=1 "
-              f"({max(1, CORES // 2)} per rank at TP=2), medians of {runs} runs:")
-        print(f"  TP=1 {statistics.median(one) * 1e3:7.2f} ms   runs {[round(t * 1e3, 1) for t in one]}")
-        print(f"  TP=2 {statistics.median(two) * 1e3:7.2f} ms   runs {[round(t * 1e3, 1) for t in two]}")
-        print(f"  TP=2 / TP=1 {statistics.median(two) / statistics.median(one):.2f}; all-reduce share of "
-              f"rank 0's TP=2 step {statistics.median(shares):.0%} (waiting for the peer included)")
+        per_rank = max(1, CORES // 2)
+        cases = {f"TP=1, {per_rank} thread(s)": (single, per_rank), f"TP=1, {CORES} thread(s)": (single, CORES),
+                 f"TP=2, {per_rank} thread(s) per rank": (tp, per_rank)}
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        shares: list[float] = []
+        for _ in range(runs):  # alternating, so a busy moment hurts every case
+            for name, (engine, threads) in cases.items():
+                seconds, reduce_s = step_seconds(engine, batch, 256, 32, threads)
+                times[name].append(seconds)
+                if engine is tp:
+                    shares.append(reduce_s / seconds)
+        torch.set_num_threads(CORES)
+        print(f"decode step, batch {batch}, context 256, float32, medians of {runs} alternating runs:")
+        for name, values in times.items():
+            print(f"  {name:<28} {statistics.median(values) * 1e3:8.2f} ms   runs {[round(t * 1e3, 1) for t in values]}")
+        print(f"  all-reduce share of rank 0's TP=2 step: {statistics.median(shares):.0%} "
+              f"(runs {[f'{x:.0%}' for x in shares]}; waiting for the peer included)")
     finally:
         tp.close()
 

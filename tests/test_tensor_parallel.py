@@ -16,7 +16,6 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -27,7 +26,8 @@ from radixserve.engine.engine_setup import bytes_per_page
 from radixserve.models.demo import build_tokenizer
 from radixserve.parallel.layers import vocab_rows
 from radixserve.parallel.plan import STEP, KvOpLog, PlanBuilder, StepPlan, TableReplica
-from radixserve.parallel.sharding import HeadLayout
+from radixserve.parallel.sharding import HeadLayout, parameter_bytes
+from tests.engine_util import cached_paths
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import load_reference, save_random_checkpoint
 from tests.test_beam_search import beam_params
@@ -133,18 +133,8 @@ def test_every_rank_holds_its_heads_of_every_cached_page_under_the_same_ids(engi
     engine = engines.tp
     engine.generate(random_prompts(12, seed=13), mixed_params(12))
     engine.check_invariants()  # the structural checker, rank 0
-    offset = engine.pool.num_pages
     checked = 0
-    for leaf, _ in engine.tree.nodes():
-        if leaf.children or leaf.is_root:
-            continue
-        path, node = [], leaf
-        while not node.is_root:
-            path.insert(0, node)
-            node = node.parent
-        toks = [t for n in path for t in n.tokens.tolist()]
-        device_first = [p for n in path for p in (n.pages or [offset + h for h in n.host])]
-        host_first = [p for n in path for p in ([offset + h for h in n.host] if n.host is not None else n.pages)]
+    for toks, device_first, host_first in cached_paths(engine):
         for pages in (device_first, host_first):
             assert engine.runner.check_kv(toks, pages) == [None, None], f"pages {pages} of {toks}"
             checked += 1
@@ -162,18 +152,8 @@ def test_greedy_equals_transformers(engines) -> None:
 
 
 def test_each_rank_holds_half_the_weights_and_half_the_kv(engines) -> None:
-    def param_bytes(model) -> tuple[int, int]:
-        sharded = replicated = 0
-        for name, p in model.named_parameters():
-            size = p.numel() * p.element_size()
-            if name.endswith("norm.weight"):
-                replicated += size
-            else:
-                sharded += size
-        return sharded, replicated
-
-    full_sharded, full_replicated = param_bytes(engines.single.loaded.model)
-    rank_sharded, rank_replicated = param_bytes(engines.tp.loaded.model)
+    full_sharded, full_replicated = parameter_bytes(engines.single.loaded.model)
+    rank_sharded, rank_replicated = parameter_bytes(engines.tp.loaded.model)
     assert rank_replicated == full_replicated
     assert rank_sharded * 2 == full_sharded
     assert bytes_per_page(engines.tp.loaded, 4) * 2 == bytes_per_page(engines.single.loaded, 4)

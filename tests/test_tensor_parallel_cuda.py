@@ -22,10 +22,14 @@ pytestmark = [
                        reason="tensor parallelism on CUDA needs two GPUs (NCCL: one rank per GPU)"),
 ]
 
-from radixserve import Engine, SamplingParams  # noqa: E402
-from radixserve.models.demo import demo_checkpoint_dir  # noqa: E402
-from tests.test_flashinfer_engine import assert_equal_until_a_near_tie, random_prompts  # noqa: E402
-from tests.test_flashinfer_engine import reference  # noqa: E402,F401 (a fixture)
+from radixserve import Engine, SamplingParams
+from radixserve.models.demo import demo_checkpoint_dir
+from tests.engine_util import cached_paths
+from tests.test_flashinfer_engine import (
+    assert_equal_until_a_near_tie,
+    random_prompts,
+    reference,  # noqa: F401 (a fixture)
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +52,7 @@ def test_tp2_through_flashinfer_equals_tp1_under_eviction_and_the_host_tier(demo
         exact = [assert_equal_until_a_near_tie(reference, p, a.token_ids, b.token_ids)
                  for p, a, b in zip(prompts, got, expected)]
         assert sum(exact) >= 0.95 * len(exact), f"{len(exact) - sum(exact)} near-ties in {len(exact)}"
-        offset = tp.pool.num_pages
-        for leaf, _ in tp.tree.nodes():
-            if leaf.children or leaf.is_root:
-                continue
-            path, node = [], leaf
-            while not node.is_root:
-                path.insert(0, node)
-                node = node.parent
-            tokens = [t for n in path for t in n.tokens.tolist()]
-            pages = [p for n in path for p in (n.pages or [offset + h for h in n.host])]
-            assert tp.runner.check_kv(tokens, pages) == [None, None]
+        for tokens, device_first, _ in cached_paths(tp):
+            assert tp.runner.check_kv(tokens, device_first) == [None, None]
     finally:
         tp.close()

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from cluster_util import STARTUP_TIMEOUT_S, require_ray
+
 from radixserve import Engine, SamplingParams
 from tests.server_util import wait_for
 from tests.test_server_cli import free_port, start_serve, stop

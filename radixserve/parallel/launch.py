@@ -12,7 +12,11 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.cache.pool import PagePool
 from radixserve.cache.tiers import HostTier
 from radixserve.models.loader import LoadedModel, resolve_device
-from radixserve.parallel.group import Rendezvous, TensorParallelGroup, collective_timeout_s
+from radixserve.parallel.group import (
+    Rendezvous,
+    TensorParallelGroup,
+    collective_timeout_s,
+)
 from radixserve.parallel.loading import load_shard
 from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.runner import TensorParallelRunner

@@ -15,11 +15,26 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from radixserve.models.generation_defaults import GenerationDefaults
-from radixserve.models.gguf_checkpoint import (gguf_config, gguf_metadata, gguf_tensors, is_gguf_file,
-                                               load_gguf_tokenizer, open_gguf, rope_frequency_divisors,
-                                               tensor_shapes)
-from radixserve.models.loader import (LoadedModel, check_architecture, check_complete, copy_tensors,
-                                      load_tokenizer, max_context_len, resolve_dtype, weight_files)
+from radixserve.models.gguf_checkpoint import (
+    gguf_config,
+    gguf_metadata,
+    gguf_tensors,
+    is_gguf_file,
+    load_gguf_tokenizer,
+    open_gguf,
+    rope_frequency_divisors,
+    tensor_shapes,
+)
+from radixserve.models.loader import (
+    LoadedModel,
+    check_architecture,
+    check_complete,
+    copy_tensors,
+    load_tokenizer,
+    max_context_len,
+    resolve_dtype,
+    weight_files,
+)
 from radixserve.models.registry import resolve_model
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies
 from radixserve.parallel.group import TensorParallelGroup

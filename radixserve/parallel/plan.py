@@ -85,7 +85,7 @@ class KvOpLog:
 class _SentTable:
     """What the replicas hold of one sequence's block table."""
 
-    __slots__ = ("source", "pages", "last_step")
+    __slots__ = ("last_step", "pages", "source")
 
     def __init__(self) -> None:
         self.source: list[int] | None = None

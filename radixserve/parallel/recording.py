@@ -20,7 +20,7 @@ from radixserve.parallel.plan import COPY_PAGE, LOAD, OFFLOAD, KvOpLog
 class RecordingCopier(KVCopier):
     """A KVCopier that copies through `inner` and logs each copy into `log`."""
 
-    def __init__(self, inner: KVCopier, log: KvOpLog) -> None:  # noqa: D107 (no super: timers are inner's)
+    def __init__(self, inner: KVCopier, log: KvOpLog) -> None:
         self.inner = inner
         self.log = log
 

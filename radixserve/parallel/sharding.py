@@ -13,14 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from radixserve.models.llama import Attention, CausalLM
 from radixserve.models.layers import GatedMLP
+from radixserve.models.llama import Attention, CausalLM
 from radixserve.parallel.group import TensorParallelGroup
-from radixserve.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
-                                        even_split, vocab_rows)
+from radixserve.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    even_split,
+    vocab_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -112,3 +118,17 @@ def _shard_mlp(mlp: GatedMLP, rows: ShardSpec, hidden: int, group: TensorParalle
     mlp.up_proj = ColumnParallelLinear(hidden, rows, bias)
     mlp.down_proj = RowParallelLinear(rows, hidden, bias, group)
 
+
+
+def parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the parameters tensor parallelism splits, bytes of those every rank holds
+    whole: the norms) of `model`, a CausalLM or one rank's TensorParallelLM (for measuring
+    the per-rank memory). Row-parallel biases, also whole, are counted with the split ones."""
+    split = whole = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if name.endswith("norm.weight"):
+            whole += size
+        else:
+            split += size
+    return split, whole

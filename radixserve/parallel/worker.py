@@ -13,7 +13,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from radixserve.attention.base import create_backend
@@ -21,7 +20,12 @@ from radixserve.attention.metadata import MetadataBuilder
 from radixserve.cache.pool import PagePool
 from radixserve.models.kv_check import verify_cached_kv
 from radixserve.parallel.executor import PlanExecutor
-from radixserve.parallel.group import DEFAULT_TIMEOUT_S, Rendezvous, TensorParallelGroup, collective_timeout_s
+from radixserve.parallel.group import (
+    DEFAULT_TIMEOUT_S,
+    Rendezvous,
+    TensorParallelGroup,
+    collective_timeout_s,
+)
 from radixserve.parallel.loading import load_shard
 from radixserve.parallel.plan import CHECK, SETUP, STEP, STOP, StepPlan
 
