@@ -14,7 +14,9 @@ from radixserve.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.attention.metadata import MetadataBuilder
 from radixserve.cache.pool import PagePool
 from radixserve.cache.transfer import PageCopier
+from radixserve.models.kv_check import verify_cached_kv
 from radixserve.models.llama import CausalLM
+from radixserve.parallel.group import TensorParallelGroup
 from radixserve.parallel.plan import COPY_PAGE, LOAD, OFFLOAD, StepPlan, TableReplica
 
 
@@ -72,3 +74,16 @@ class PlanExecutor:
             else:
                 raise ValueError(f"unknown KV op {kind}")
             start = stop
+
+    def check_pages(self, group: TensorParallelGroup, tokens: list[int], pages: list[int]) -> list[int | None]:
+        """This rank's `verify_cached_kv` of `tokens` against `pages` (host page h as
+        pool.num_pages + h), gathered from every rank (TensorParallelRunner.check_kv; every
+        rank calls it together: the fresh computation runs the sharded model)."""
+        pool, host = self.pool, self.copier.host_pool if self.copier is not None else None
+        k_caches, v_caches = pool.k_cache, pool.v_cache
+        if host is not None:
+            k_caches = [torch.cat([d, h.to(d.device)]) for d, h in zip(k_caches, host.k_cache)]
+            v_caches = [torch.cat([d, h.to(d.device)]) for d, h in zip(v_caches, host.v_cache)]
+        bad = verify_cached_kv(self.model, k_caches, v_caches, tokens, pages, pool.page_size)
+        results = group.gather_ints([-1 if bad is None else bad])
+        return [None if r[0] < 0 else r[0] for r in results]

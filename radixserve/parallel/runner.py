@@ -93,13 +93,11 @@ class TensorParallelRunner(ModelRunner):
         """Per rank, `verify_cached_kv` of `tokens` against `pages` of that rank's pool (host
         page h as pool.num_pages + h): None where every page holds that rank's heads of those
         tokens, else the index of the first page that does not. Every rank runs it together."""
-        from radixserve.parallel.worker import check_pages
-
         self._check_healthy()
         plan = StepPlan(CHECK, tails=np.asarray(pages, dtype=np.int32), input_ids=np.asarray(tokens, dtype=np.int32),
                         kv_ops=self.builder.kv_log.drain())
         self._send(plan.encode())
-        return check_pages(self.executor, self.group, tokens, pages)
+        return self.executor.check_pages(self.group, tokens, pages)
 
     def close(self) -> None:
         """Tells the workers to stop, ends them if they do not, and closes the group."""

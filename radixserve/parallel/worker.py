@@ -18,7 +18,6 @@ import torch
 from radixserve.attention.base import create_backend
 from radixserve.attention.metadata import MetadataBuilder
 from radixserve.cache.pool import PagePool
-from radixserve.models.kv_check import verify_cached_kv
 from radixserve.parallel.executor import PlanExecutor
 from radixserve.parallel.group import (
     DEFAULT_TIMEOUT_S,
@@ -91,7 +90,7 @@ def serve_plans(executor: PlanExecutor, group: TensorParallelGroup) -> None:
         plan = StepPlan.decode(message)
         executor.apply_kv_ops(plan.kv_ops)
         if kind == CHECK:
-            check_pages(executor, group, plan.input_ids.tolist(), plan.tails.tolist())
+            executor.check_pages(group, plan.input_ids.tolist(), plan.tails.tolist())
             continue
         if kind != STEP:
             raise ValueError(f"unknown plan kind {kind}")
@@ -101,20 +100,6 @@ def serve_plans(executor: PlanExecutor, group: TensorParallelGroup) -> None:
             logger.exception("a plan could not be prepared; rank 0 skips it too")
             continue
         executor.forward(*prepared)
-
-
-def check_pages(executor: PlanExecutor, group: TensorParallelGroup, tokens: list[int],
-                pages: list[int]) -> list[int | None]:
-    """This rank's `verify_cached_kv` of `tokens` against `pages` (host page h as
-    pool.num_pages + h), gathered from every rank (see TensorParallelRunner.check_kv)."""
-    pool, host = executor.pool, executor.copier.host_pool if executor.copier is not None else None
-    k_caches, v_caches = pool.k_cache, pool.v_cache
-    if host is not None:
-        k_caches = [torch.cat([d, h.to(d.device)]) for d, h in zip(k_caches, host.k_cache)]
-        v_caches = [torch.cat([d, h.to(d.device)]) for d, h in zip(v_caches, host.v_cache)]
-    bad = verify_cached_kv(executor.model, k_caches, v_caches, tokens, pages, pool.page_size)
-    results = group.gather_ints([-1 if bad is None else bad])
-    return [None if r[0] < 0 else r[0] for r in results]
 
 
 def main(argv: list[str] | None = None) -> None:
