@@ -29,7 +29,7 @@ from radixserve.parallel.plan import STEP, KvOpLog, PlanBuilder, StepPlan, Table
 from radixserve.parallel.sharding import HeadLayout, parameter_bytes
 from tests.engine_util import cached_paths
 from tests.gguf_helpers import write_gguf
-from tests.model_helpers import load_reference, save_random_checkpoint
+from tests.model_helpers import load_reference, save_random_checkpoint, write_tiny_checkpoint
 from tests.test_beam_search import beam_params
 from tests.test_engine import random_prompts
 
@@ -77,6 +77,15 @@ def test_plans_carry_table_changes_only_and_replicas_follow() -> None:
     assert (builder.plan([_chunk(2, short, 1, 1, 2)]).encode().nbytes
             == builder.plan([_chunk(1, replaced, 1200, 1, 1201)]).encode().nbytes)  # independent of context
     assert len(short_decode.tails) == 1
+
+
+def test_debug_checks_catch_a_block_table_changed_in_place() -> None:
+    builder = PlanBuilder(KvOpLog(), verify=True)
+    table = [3, 4, 5]
+    builder.plan([_chunk(1, table, 0, 12, 12)])
+    table[1] = 9  # breaks the contract: only appends may change a list in place
+    with pytest.raises(AssertionError, match="changed in place"):
+        builder.plan([_chunk(1, table, 12, 1, 13)])
 
 
 def test_head_layout_replicates_kv_heads_and_pads_the_vocabulary() -> None:
@@ -187,6 +196,22 @@ def test_replicated_kv_heads_and_padded_vocabulary_equal_tp1_and_transformers(tm
     reference = load_reference(ckpt)
     hf = reference.generate(torch.tensor([prompts[0]]), max_new_tokens=params[0].max_tokens, do_sample=False)
     assert expected[0].token_ids == hf[0, len(prompts[0]):].tolist()
+
+
+def test_sliding_window_model_equals_tp1(tmp_path: Path) -> None:
+    """Mistral with every layer windowed: leading pages are released (out of window) while
+    sequences decode, and their block tables change as new lists."""
+    ckpt = write_tiny_checkpoint("mistral_window", tmp_path / "window", window=10)
+    prompts = [p + p for p in random_prompts(6, seed=8)]  # past the window
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(page_size=4, num_pages=96, max_batch_tokens=16, debug_checks=True)
+    expected = Engine(str(ckpt), **options).generate(prompts, params)
+    tp = Engine(str(ckpt), tensor_parallel_size=2, **options)
+    try:
+        assert tokens(tp.generate(prompts, params)) == tokens(expected)
+        assert tokens(tp.generate(prompts, params)) == tokens(expected)  # warm
+    finally:
+        tp.close()
 
 
 # ---------------------------------------------------------------- GGUF, then a killed worker

@@ -102,8 +102,9 @@ class PlanBuilder:
     the first that differs.
     """
 
-    def __init__(self, kv_log: KvOpLog) -> None:
+    def __init__(self, kv_log: KvOpLog, *, verify: bool = False) -> None:
         self.kv_log = kv_log
+        self.verify = verify  # debug checks: what the replicas hold equals every table, every step
         self._sent: dict[int, _SentTable] = {}
         self._step = 0
 
@@ -144,6 +145,9 @@ class PlanBuilder:
         tail = np.asarray(table[keep:], dtype=np.int32)
         sent.source = table
         sent.pages = np.concatenate([sent.pages[:keep], tail])
+        if self.verify and not np.array_equal(sent.pages, np.asarray(table, dtype=np.int32)):
+            raise AssertionError(f"sequence {seq_id}: its block table changed in place; "
+                                 "assign a new list instead (see attention/metadata.py)")
         return keep, tail
 
     def _forget(self, batch_size: int) -> np.ndarray:

@@ -58,7 +58,7 @@ class TensorParallelRunner(ModelRunner):
         self.control_messages = 0
         self.last_plan_bytes = 0
         kv_log = KvOpLog()
-        self.builder = PlanBuilder(kv_log)
+        self.builder = PlanBuilder(kv_log, verify=verify_tables)  # the scheduler's tables, as ModelRunner checks them
         host_pool = host_tier.pool if host_tier is not None else None
         self.executor = PlanExecutor(self.model, pool, backend, self.dtype, self.metadata, host_pool)
         setup = [SETUP, pool.num_pages, pool.page_size, host_pool.num_pages if host_pool else 0, int(verify_tables)]
