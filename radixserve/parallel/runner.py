@@ -78,7 +78,7 @@ class TensorParallelRunner(ModelRunner):
         self._check_healthy()
         plan = self.builder.plan(chunks)
         self.last_plan_bytes = self._send(plan.encode())
-        return self.executor.prepare(plan)  # a ValueError here is raised on every rank alike
+        return self.executor.prepare(plan)  # an error here is raised on every rank alike
 
     @torch.inference_mode()
     def forward(self, meta: AttentionMetadata, input_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

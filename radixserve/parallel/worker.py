@@ -96,7 +96,8 @@ def serve_plans(executor: PlanExecutor, group: TensorParallelGroup) -> None:
             raise ValueError(f"unknown plan kind {kind}")
         try:
             prepared = executor.prepare(plan)
-        except ValueError:  # rank 0 raised the same on the same plan and runs no forward
+        except Exception:  # rank 0 raised the same on the same plan (the engine fails those
+            # requests and retries the rest) and runs no forward: neither does this rank
             logger.exception("a plan could not be prepared; rank 0 skips it too")
             continue
         executor.forward(*prepared)
