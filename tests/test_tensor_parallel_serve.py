@@ -29,6 +29,14 @@ def expected_tokens(ckpt: Path) -> list[int]:
     return Engine(str(ckpt), page_size=16, num_pages=32).generate([PROMPT], params)[0].token_ids
 
 
+def health_status(url: str) -> int | None:
+    """GET /health's status, or None while it does not answer (a server still starting)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=30).status_code
+    except httpx.HTTPError:
+        return None
+
+
 def post_completion(url: str, model: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", timeout=120, json={
         "model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -54,7 +62,7 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
         rank1 = next(p for p in children if "spawn_main" in " ".join(p.cmdline()))
         rank1.kill()  # a zombie until the server reaps it: wait for /health, not for the pid
-        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, EXIT_GUARD_S)
+        assert wait_for(lambda: health_status(url) == 503, EXIT_GUARD_S)
         assert "rank 1" in httpx.get(f"{url}/health", timeout=30).json()["reason"]
         failed = post_completion(url, str(tiny_llama_dir))  # ends at once, as an engine error
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
@@ -76,7 +84,7 @@ def test_one_ray_serve_replica_is_one_tp_group(tiny_llama_dir: Path) -> None:
                           "--replicas", "1", "--page-size", "16")
     try:
         url = f"http://127.0.0.1:{port}"
-        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, STARTUP_TIMEOUT_S)
+        assert wait_for(lambda: health_status(url) == 200, STARTUP_TIMEOUT_S)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
         process.send_signal(signal.SIGINT)
         process.wait(EXIT_GUARD_S)  # Ray Serve tears the replica (rank 0) and its worker down
