@@ -11,7 +11,10 @@
 #      the host tier's CUDA path (pinned host pool, side-stream load-back:
 #      tests/test_host_tier_cuda.py);
 #   3. the serving comparison in bfloat16, in process and over HTTP, against transformers on
-#      the same GPU, with the engine's step-time breakdown.
+#      the same GPU, with the engine's step-time breakdown;
+#   4. tensor parallelism at TP=2 (NCCL, FlashInfer on each rank) against TP=1, with eviction,
+#      preemption, the host tier and the per-rank KV check (tests/test_tensor_parallel_cuda.py;
+#      needs two GPUs: skipped on one, NCCL puts one rank per GPU).
 # Needs radixserve installed with its gpu and test extras: pip install -e '.[gpu,test]'.
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -euo pipefail
@@ -38,6 +41,10 @@ stage "serving comparison, bfloat16 (in process and over HTTP)"
 python -m radixserve bench compare --no-progress --mode both --server-args "--dtype bfloat16" \
   --json "$OUT/compare-gpu.json" --plot "$OUT/compare-gpu-ttft.png" 2>&1 | tee "$OUT/compare-gpu.log" \
   || status=1
+
+stage "tensor parallelism: TP=2 over NCCL with FlashInfer vs TP=1 (two GPUs)"
+python -m pytest -q -p no:cacheprovider -rs tests/test_tensor_parallel_cuda.py 2>&1 \
+  | tee "$OUT/gpu-tensor-parallel.log" || status=1
 
 stage "done (status $status)"
 # FlashInfer compiles each kernel variant on first use unless an ahead-of-time build is

@@ -187,6 +187,9 @@ def _add_model_args(serve: argparse.ArgumentParser) -> None:
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name listed by /v1/models (default: the model's own name)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="split the model over N ranks (N-1 worker processes spawned here; under torchrun, "
+                            "ranks >= 1 become workers): for a model larger than one device (default: %(default)s)")
     serve.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                        help="auto: requests that leave temperature, top_p or top_k unset get the "
                             "checkpoint's recommended values (generation_config.json or GGUF metadata); "
@@ -257,6 +260,15 @@ def serve_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         _say(f"error: API keys: {exc}")
         return 2
+    if args.tensor_parallel_size < 1:
+        _say(f"error: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+        return 2
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:  # torchrun: a worker rank
+        from radixserve.parallel.worker import main as worker_main
+
+        worker_main(["--model", args.model, "--tensor-parallel-size", str(args.tensor_parallel_size),
+                     "--dtype", args.dtype, *(["--device", args.device] if args.device else [])])
+        return 0
     if args.replicas is not None or args.ray_address is not None:
         from radixserve.cluster.cli import serve_cluster
 
@@ -307,6 +319,7 @@ def serve_command(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    engine.close()  # ends tensor-parallel workers, if any
     if app.state.engine_stopped is False:
         _say("the engine thread did not stop (a step is stuck); exiting anyway")
         _exit_now(1)
@@ -324,7 +337,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
                 host_kv_memory_gb=args.host_kv_memory_gb, host_num_pages=args.host_num_pages,
                 host_write_policy=args.host_write_policy, host_offload_min_priority=args.host_offload_min_priority,
                 generation_config=args.generation_config, fair_share=not args.no_fair_share,
-                cache_hash_secret=cache_hash_secret(args))
+                cache_hash_secret=cache_hash_secret(args),
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cache_hash_secret(args: argparse.Namespace) -> str | None:

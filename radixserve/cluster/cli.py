@@ -32,7 +32,8 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
                              api_key=args.api_key, admin_api_key=args.admin_api_key,
                              tenant_keys=getattr(args, "tenant_keys", {}))
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
-    local_cpus = max(os.cpu_count() or 1, int(replicas * args.replica_cpus + 0.999))
+    group = max(1, args.tensor_parallel_size)  # a replica reserves a bundle per tensor-parallel rank
+    local_cpus = max(os.cpu_count() or 1, int(replicas * group * args.replica_cpus + 0.999))
     start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
     _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
          f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")

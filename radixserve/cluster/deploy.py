@@ -108,6 +108,7 @@ def build_app(options: ClusterOptions) -> serve.Application:
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
+        **tensor_parallel_placement(options),
         graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=router_config,
@@ -118,6 +119,18 @@ def build_app(options: ClusterOptions) -> serve.Application:
         graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
     ).bind(engines, options)
     return ingress
+
+
+def tensor_parallel_placement(options: ClusterOptions) -> dict[str, Any]:
+    """Deployment options that reserve a whole TP group per replica: a placement group of N
+    bundles (the replica actor takes the first; its N-1 worker processes, spawned by the
+    engine, run on the others' reservation), packed on one node, since the workers are local
+    processes (multi-node groups: torchrun, README). None for tensor_parallel_size 1."""
+    size = int(options.engine_options.get("tensor_parallel_size", 1))
+    if size <= 1:
+        return {}
+    bundle = {"CPU": options.replica_cpus, **({"GPU": options.replica_gpus} if options.replica_gpus else {})}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(size)], "placement_group_strategy": "STRICT_PACK"}
 
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:

@@ -115,3 +115,4 @@ class EngineReplica:
     async def __del__(self) -> None:
         self._unsubscribe()
         await self.async_engine.shutdown()
+        self.engine.close()  # a tensor-parallel replica's worker processes end with it

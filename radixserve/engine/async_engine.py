@@ -309,6 +309,9 @@ class AsyncEngine:
         thread = self._thread
         if thread is None or not thread.is_alive():
             return "the engine thread is not running"
+        fault = self.engine.fault()
+        if fault is not None:
+            return fault
         waited = self._pending_for()
         if waited > self.stall_timeout_s:
             return (f"the engine loop has not completed a step for {waited:.1f} s while work is "

@@ -38,6 +38,7 @@ from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
 from radixserve.grammar import Grammars, MaskBuffer
 from radixserve.models.loader import load_model
+from radixserve.parallel.launch import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Engine:
         generation_config: "auto" applies the checkpoint's recommended temperature, top_p and
             top_k (generation_config.json, or GGUF metadata) to requests without params;
             "none" ignores them. Its stop tokens always end generation.
+        tensor_parallel_size: split the model over this many ranks (radixserve/parallel:
+            this process is rank 0, the others are spawned worker processes); 1: no split.
     """
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
@@ -96,13 +99,20 @@ class Engine:
                  host_kv_memory_gb: float | None = None, host_write_policy: str = WRITE_BACK,
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
                  generation_config: str = "auto", cache_partial_pages: bool = True,
-                 fair_share: bool = True, cache_hash_secret: str | bytes | None = None) -> None:
+                 fair_share: bool = True, cache_hash_secret: str | bytes | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
-        self.loaded = load_model(model, dtype=dtype, device=device)
+        self.tensor_parallel: TensorParallel | None = None
+        if tensor_parallel_size > 1:
+            self.tensor_parallel = TensorParallel.start(model, tensor_parallel_size, dtype=dtype, device=device,
+                                                        backend=backend)
+            self.loaded = self.tensor_parallel.loaded
+        else:
+            self.loaded = load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         self.max_context_len = self.loaded.max_context_len
@@ -123,7 +133,9 @@ class Engine:
                                    window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
                                    fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))
         attention = create_backend(backend, self.device, self.loaded.dtype)
-        self.runner = ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
+        self.runner = (ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
+                       if self.tensor_parallel is None else
+                       self.tensor_parallel.runner(self.pool, self.host_tier, attention, verify_tables=debug_checks))
         self.max_queue = max_queue
         if max_session_tokens is None:
             max_session_tokens = self.pool.num_pages * page_size // 2
@@ -254,6 +266,16 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def fault(self) -> str | None:
+        """Why the engine cannot run steps any more (a tensor-parallel worker died or hangs),
+        or None: what the server's /health reports."""
+        return getattr(self.runner, "fault", None)
+
+    def close(self) -> None:
+        """Ends the tensor-parallel workers, if any (a no-op otherwise)."""
+        if self.tensor_parallel is not None:
+            self.runner.close()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, list[StreamDelta]]:

@@ -230,6 +230,10 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
             x = layer(x, cos, sin, meta, backend, k_cache, v_cache)
-        x = self.model.norm(x[logits_indices])
+        return self.compute_logits(self.model.norm(x[logits_indices]))
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """The LM head: normed hidden states [n, hidden] -> float32 logits [n, vocab] (the
+        seam where tensor parallelism gathers its vocabulary shards, radixserve/parallel)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,48 @@
+"""The worker processes rank 0 starts on its own host, and how they end."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.process
+from collections.abc import Callable
+from typing import Any
+
+STOP_GRACE_S = 10.0  # a worker told to stop gets this long before it is terminated
+
+
+class WorkerProcesses:
+    """Ranks 1..N-1 as spawned processes (none when another launcher, e.g. torchrun, starts
+    them: `first_dead` then knows nothing and relies on the collectives failing)."""
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess] | None = None) -> None:
+        self.processes = processes or []
+
+    @classmethod
+    def spawn(cls, target: Callable[..., Any], world_size: int, *args: Any) -> WorkerProcesses:
+        """Starts `target(rank, *args)` for ranks 1..world_size-1 (spawned: CUDA-safe),
+        as daemons, so that they cannot outlive rank 0's process."""
+        context = multiprocessing.get_context("spawn")
+        processes = [context.Process(target=target, args=(rank, *args), name=f"radixserve-tp-rank{rank}",
+                                     daemon=True) for rank in range(1, world_size)]
+        for process in processes:
+            process.start()
+        return cls(processes)
+
+    def first_dead(self) -> str | None:
+        """Why the first worker that has exited did, or None while all run."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                return f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Waits up to `grace_s` for the workers to exit, then terminates (and kills) the rest."""
+        for process in self.processes:
+            process.join(grace_s)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)

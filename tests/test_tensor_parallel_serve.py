@@ -1,0 +1,92 @@
+"""`radixserve serve --tensor-parallel-size 2`: the server over a TP group, alone and on Ray Serve.
+
+The server's tokens equal a TP=1 engine's; a killed worker turns /health to 503 with the
+reason and requests end with an error; Ctrl-C ends the server and every worker. On Ray Serve
+(marked `cluster`), one replica is one TP group of two ranks.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from cluster_util import STARTUP_TIMEOUT_S, require_ray
+
+from radixserve import Engine, SamplingParams
+from tests.server_util import wait_for
+from tests.test_server_cli import free_port, start_serve, stop
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+MAX_TOKENS = 6
+EXIT_GUARD_S = 120.0  # generous: turns a hang into a failure
+
+
+def expected_tokens(ckpt: Path) -> list[int]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return Engine(str(ckpt), page_size=16, num_pages=32).generate([PROMPT], params)[0].token_ids
+
+
+def health_status(url: str) -> int | None:
+    """GET /health's status, or None while it does not answer (a server still starting)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=30).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def post_completion(url: str, model: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, "return_tokens_as_token_ids": True})
+
+
+def completion(url: str, model: str) -> tuple[list[int], str]:
+    """(the generated token ids, finish_reason) of a greedy completion of PROMPT."""
+    r = post_completion(url, model)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    tokens = (choice.get("logprobs") or {}).get("tokens") or []
+    return [int(t.removeprefix("token_id:")) for t in tokens], choice["finish_reason"]
+
+
+def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: Path) -> None:
+    expected = expected_tokens(tiny_llama_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_serve(port, "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2")
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)  # rank 1, spawn's resource tracker
+        assert completion(url, str(tiny_llama_dir)) == (expected, "length")
+        rank1 = next(p for p in children if "spawn_main" in " ".join(p.cmdline()))
+        rank1.kill()  # a zombie until the server reaps it: wait for /health, not for the pid
+        assert wait_for(lambda: health_status(url) == 503, EXIT_GUARD_S)
+        assert "rank 1" in httpx.get(f"{url}/health", timeout=30).json()["reason"]
+        failed = post_completion(url, str(tiny_llama_dir))  # ends at once, as an engine error
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        process.send_signal(signal.SIGINT)
+        process.wait(EXIT_GUARD_S)
+        assert process.returncode == 0
+        _, alive = psutil.wait_procs(children, timeout=EXIT_GUARD_S)
+        assert not alive
+    finally:
+        stop(process)
+
+
+@pytest.mark.cluster
+def test_one_ray_serve_replica_is_one_tp_group(tiny_llama_dir: Path) -> None:
+    require_ray()
+    expected = expected_tokens(tiny_llama_dir)
+    port = free_port()
+    process = start_serve(port, "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2",
+                          "--replicas", "1", "--page-size", "16")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: health_status(url) == 200, STARTUP_TIMEOUT_S)
+        assert completion(url, str(tiny_llama_dir)) == (expected, "length")
+        process.send_signal(signal.SIGINT)
+        process.wait(EXIT_GUARD_S)  # Ray Serve tears the replica (rank 0) and its worker down
+    finally:
+        stop(process)
