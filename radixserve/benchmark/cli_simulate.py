@@ -141,7 +141,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                         on_result=(lambda _: bar.update(1)) if bar else None)
         sweep.append(obj)
         say(f"{format_capacity(capacity, host)}: " + ", ".join(
-            f"{e['label']} {percent(e['hit_rate'])}" for e in obj["runs"])
+            f"{e['label']} {percent(e['hit_rate'])}{_recomputed(e)}" for e in obj["runs"])
             + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}",
             bar)
     if bar:
@@ -177,6 +177,13 @@ def simulate_command(args: argparse.Namespace) -> int:
             plot_hit_rate_vs_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs capacity "
                                                               f"(page size {args.page_size})")
     return 0
+
+
+def _recomputed(run: dict[str, Any]) -> str:
+    """", recomputed x%" for a run that recomputed tokens after preemptions, else nothing."""
+    if not run.get("recomputed_tokens"):
+        return ""
+    return f" (recomputed {percent(run['recomputed_share'])} of computed tokens)"
 
 
 def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: list[int]) -> int:
