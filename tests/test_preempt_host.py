@@ -63,3 +63,33 @@ def test_a_host_tier_keeps_the_recomputed_share_under_pressure_small() -> None:
     assert plain_share > 0.05
     assert tiered_share < 0.02
     assert tiered.to_dict()["recomputed_share"] == tiered_share
+
+
+def test_a_preempted_sequence_leaves_its_decoded_pages_to_the_tiers_and_gets_them_back(tiny_llama_dir: Path) -> None:
+    """Preempted mid-decode (paused: Scheduler.preempt), then its device pages pushed to the
+    host tier by other work: its resumption loads every full page it had computed, prompt
+    and decoded tokens alike, and recomputes less than a page."""
+    prompt = list(range(120, 142))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = make_engine(tiny_llama_dir).generate([prompt], params)[0].token_ids
+    engine = make_engine(tiny_llama_dir, num_pages=24, max_running=1, host_num_pages=256)
+    rid = engine.add_request(prompt, params)
+    out: list[int] = []
+    while len(out) < 25:
+        out += [t for d in engine.step().get(rid, []) for t in d.token_ids]
+    (seq,) = engine._requests[rid].sequences
+    computed = seq.num_computed
+    assert engine.pause_request(rid)
+    full = computed // engine.page_size * engine.page_size
+    held = engine.tree.match(seq.token_ids[:full], seq.namespace, update=False)
+    assert len(held.pages) * engine.page_size == full  # decoded pages too, not only the prompt's
+    engine.generate([list(range(200 + 30 * i, 230 + 30 * i)) for i in range(3)],
+                    SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert engine.stats()["host_only_pages"] > 0
+    engine.resume_request(rid)
+    while engine.has_work():
+        out += [t for d in engine.step().get(rid, []) for t in d.token_ids]
+    assert out == expected
+    stats = engine.stats()
+    assert stats["cache_loaded_pages"] >= full // engine.page_size - len(prompt) // engine.page_size
+    assert stats["recomputed_tokens"] < engine.page_size
