@@ -22,12 +22,23 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    only if it saves `share_keep_pages` of prefill over every replica not ahead, and its
    cached slack is `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
    not the conversations a replica holds, whose later turns all follow them.
-4. Among the replicas a held prefix draws, the longest prefix (cached pages from its
-   events, or pages of a request in flight there), if at least `min_match_pages` pages;
-   ties go as in 5.
-5. Otherwise (nothing useful held anywhere): a replica within the cached slack of the least
-   loaded, then one not ahead, the least loaded, the one with the most free pages (least
-   cache to evict), then the fewest cached pages.
+4. Balance over time: requests in flight say nothing of conversations whose turns arrive
+   minutes apart (between turns nothing is in flight, yet every turn follows its
+   conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
+   each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
+   of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
+   every replica not busy. Past `recent_hard_rel`, what it holds draws nothing: even a
+   conversation's next turn moves (recomputed once elsewhere) rather than pile up.
+5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
+   events, or pages of a request in flight there; pages continuing them in the replica's
+   host tier count `host_credit` each, as NVIDIA Dynamo's router does: loaded back, not
+   recomputed, but not free), if at least `min_match_pages` pages; ties go as in 6.
+6. Otherwise (nothing useful held anywhere): a replica within the cached slack of the least
+   loaded, then one not busy, not ahead, the least loaded, the one with the most free pages
+   (least cache to evict), then the fewest requests lately and the fewest cached pages.
+
+`cache-aware-inflight` is the same rule without 4 and without host credit (the rule before
+them), kept for comparison.
 
 Baselines (for benchmarks): `power-of-two` (two random replicas, the less loaded: Ray
 Serve's default), `round-robin`, and `prefix-affinity` — a re-implementation of Ray Serve
