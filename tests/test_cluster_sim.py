@@ -83,7 +83,7 @@ SLOW_HALF = [1.0, 0.5, 1.0, 0.5]
 
 def test_conversation_guard_balances_replicas_of_unequal_speed() -> None:
     """Served-like: 32 chats at 16 in flight over 4 replicas of which two run at half speed.
-    Placed by requests in flight alone (no conversation guard, cached slack 3), the slow
+    Placed by requests in flight alone (no conversation guard, no time-decayed balance, cached slack 3), the slow
     replicas' clients advance slower, the fast ones look free and start more conversations,
     whose turns all follow them: 36 to 60 requests per replica (1.67). Balancing the
     conversations started gives 48 each, at the ideal's hit rate."""
@@ -93,7 +93,8 @@ def test_conversation_guard_balances_replicas_of_unequal_speed() -> None:
     assert result["runs"][0]["replica_requests"] == [48, 48, 48, 48]
     assert result["hit_rate"] >= 0.99 * result["ideal_hit_rate"]
     unguarded = simulate_cluster(workload, cfg, 4, "cache-aware", concurrency=16, speeds=SLOW_HALF,
-                                 routing=CacheAwareConfig(share_abs=float("inf"), cached_balance_abs=3))
+                                 routing=CacheAwareConfig(share_abs=float("inf"), cached_balance_abs=3,
+                                                          recent_abs=float("inf")))
     assert unguarded.replica_imbalance > 1.5
 
 

@@ -109,10 +109,10 @@ def simulate_command(args: argparse.Namespace) -> int:
     points = [(device, host) for device in capacities for host in host_capacities]
     workload = load_workload(args)
     if args.replicas is not None:
-        if host_capacities != [0]:
-            say("error: --host-capacity-tokens is not simulated with --replicas yet")
+        if len(host_capacities) != 1:
+            say("error: --replicas takes one --host-capacity-tokens (per replica)")
             return 2
-        return _simulate_cluster(args, workload, capacities)
+        return _simulate_cluster(args, workload, capacities, host_capacities[0])
     if args.concurrency is not None or args.replica_speeds is not None or args.router_kwargs:
         say("error: --concurrency, --replica-speeds and --router-kwargs go with --replicas")
         return 2
@@ -141,7 +141,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                         on_result=(lambda _: bar.update(1)) if bar else None)
         sweep.append(obj)
         say(f"{format_capacity(capacity, host)}: " + ", ".join(
-            f"{e['label']} {percent(e['hit_rate'])}" for e in obj["runs"])
+            f"{e['label']} {percent(e['hit_rate'])}{_recomputed(e)}" for e in obj["runs"])
             + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}",
             bar)
     if bar:
@@ -179,8 +179,16 @@ def simulate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: list[int]) -> int:
-    """`bench simulate --replicas N --router R`: N simulated replicas behind the router."""
+def _recomputed(run: dict[str, Any]) -> str:
+    """", recomputed x%" for a run that recomputed tokens after preemptions, else nothing."""
+    if not run.get("recomputed_tokens"):
+        return ""
+    return f" (recomputed {percent(run['recomputed_share'])} of computed tokens)"
+
+
+def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: list[int], host_capacity: int) -> int:
+    """`bench simulate --replicas N --router R`: N simulated replicas behind the router, each
+    with `host_capacity` tokens of host tier (0: none)."""
     from radixserve.benchmark.cluster_sim import cluster_table, run_cluster_suite
     from radixserve.benchmark.simulate import SimConfig
     from radixserve.cluster.routing import ROUTERS, parse_routing_config
@@ -211,12 +219,16 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
         config = SimConfig(capacity, page_size=args.page_size, schedule_policy=args.schedule_policy,
                            eviction_policy=eviction, max_running=args.max_running,
                            max_batch_tokens=args.max_batch_tokens, prefill_tokens_per_s=args.prefill_tokens_per_s,
-                           decode_step_s=args.decode_step_ms / 1000)
+                           decode_step_s=args.decode_step_ms / 1000, host_capacity_tokens=host_capacity,
+                           host_write_policy=args.host_write_policy,
+                           host_offload_min_priority=args.host_offload_min_priority,
+                           load_tokens_per_s=args.load_tokens_per_s)
         result = run_cluster_suite(workload, config, args.replicas, routers, retention=retention, seed=args.seed,
                                    concurrency=args.concurrency, speeds=speeds, routing=routing)
         results.append(result)
         say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
-            f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f})" for r in result["runs"])
+            f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f}, "
+            f"per {r['imbalance_window']} {r['windowed_imbalance']:.2f})" for r in result["runs"])
             + f"; one replica with {args.replicas}x memory {percent(result['ideal_hit_rate'])}")
     table = cluster_table(results)
     print(table)

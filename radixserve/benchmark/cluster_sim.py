@@ -39,13 +39,37 @@ from radixserve.cluster.routing import (
 )
 
 
+IMBALANCE_WINDOW = 1000  # requests, in routing order, per window of `windowed_imbalance`
+
+
+def windowed_imbalance(assignment: Sequence[int], replicas: int, window: int = IMBALANCE_WINDOW) -> float:
+    """The worst request imbalance (max / min per replica) over every run of `window`
+    consecutive routings (`assignment`: the replica number of each request, in routing
+    order); the whole run when it is shorter. Balance over the run alone can hide a
+    replica that took most of the traffic for an hour and little after."""
+    if not len(assignment):
+        return float("nan")
+    onehot = np.zeros((len(assignment) + 1, replicas), dtype=np.int64)
+    onehot[np.arange(1, len(assignment) + 1), np.asarray(assignment)] = 1
+    cumulative = np.cumsum(onehot, axis=0)
+    width = min(window, len(assignment))
+    counts = cumulative[width:] - cumulative[: len(cumulative) - width]
+    lows = counts.min(axis=1)
+    if (lows == 0).any():
+        return float("inf")
+    return float((counts.max(axis=1) / lows).max())
+
+
 @dataclass
 class ClusterSimResult:
-    """The aggregate over replicas (hits, TTFT) plus how the router spread the requests."""
+    """The aggregate over replicas (hits, TTFT) plus how the router spread the requests and
+    how well it predicted what each replica would find cached."""
 
     result: SimResult
     router: str
     replica_requests: list[int]
+    windowed_imbalance: float = float("nan")  # worst max/min over IMBALANCE_WINDOW routings
+    predicted_within_page: float = float("nan")  # share of requests whose predicted cached tokens were within a page
 
     @property
     def replica_imbalance(self) -> float:
@@ -54,7 +78,9 @@ class ClusterSimResult:
     def to_dict(self) -> dict[str, object]:
         out = self.result.to_dict()
         out.update(replicas=len(self.replica_requests), router=self.router,
-                   replica_requests=self.replica_requests, replica_imbalance=self.replica_imbalance)
+                   replica_requests=self.replica_requests, replica_imbalance=self.replica_imbalance,
+                   windowed_imbalance=self.windowed_imbalance, imbalance_window=IMBALANCE_WINDOW,
+                   predicted_within_page=self.predicted_within_page)
         return out
 
 
@@ -108,7 +134,8 @@ class ClusterSimulator:
         self.workload = workload
         self.config = config
         self.router = router
-        self.state = ClusterState()
+        self.now = 0.0  # the latest release: the router's clock (ClusterState.recent_requests)
+        self.state = ClusterState(clock=lambda: self.now)
         self.policy = make_routing_policy(router, self.state, page_size=config.page_size, seed=seed, config=routing)
         self.sims: dict[str, Simulator] = {}
         for i in range(replicas):
@@ -122,6 +149,8 @@ class ClusterSimulator:
             self.sims[key] = Simulator(workload, replace(config, retention=rule, **timing), events=hub)
             self.state.index.apply(key, [])
         self.served_by: dict[int, str] = {}
+        self.order: list[int] = []  # replica number of each request, in routing order
+        self.predicted: dict[int, int] = {}  # request index → cached tokens the router predicted
         self.closed_loop = ClosedLoop(workload, concurrency) if concurrency is not None else None
 
     def run(self) -> ClusterSimResult:
@@ -161,25 +190,42 @@ class ClusterSimulator:
                                                     waiting=len(sim.waiting), running=len(sim.running))
         namespace, hashes = prompt_pages(request.prompt_ids, self.config.page_size, None)
         route = RouteRequest(str(request.index), namespace, hashes, request.prompt_len)
+        self.now = released_at
+        # What each replica would report as cached, as its events say before routing: device
+        # pages, those continuing them on its host tier (loaded back), and the pages of
+        # requests routed there earlier that it is still computing (it waits for them).
+        predicted = {key: sum(self.state.index.tiered_pages(key, namespace, hashes, in_flight=True))
+                     for key in self.sims}
         key = self.policy.choose(route, list(self.sims))
         self.served_by[request.index] = key
+        self.order.append(list(self.sims).index(key))
+        self.predicted[request.index] = predicted[key] * self.config.page_size
         self.sims[key].release(request, released_at)
 
     def _result(self, wall_s: float) -> ClusterSimResult:
         sims = list(self.sims.values())
         n = len(self.workload.requests)
         hits = np.zeros(n, dtype=np.int64)
+        host_hits = np.zeros(n, dtype=np.int64)
         ttft = np.full(n, np.nan)
         for key, sim in self.sims.items():
             mine = [i for i, k in self.served_by.items() if k == key]
             hits[mine] = sim.hits[mine]
+            host_hits[mine] = sim.host_hits[mine]
             ttft[mine] = sim.ttft[mine]
         result = SimResult(f"{self.config.label()} x{len(sims)} {self.router}", self.config, n,
                            self.workload.prompt_tokens, int(hits.sum()), sum(s.skipped for s in sims),
                            sum(int(s.tree.stats()["evicted_pages"]) for s in sims), max(s.now for s in sims),
                            ttft, hits, wall_s)
+        result.host_hit_tokens = int(host_hits.sum())
+        result.computed_tokens = sum(s.server.scheduler.counters.computed_tokens for s in sims)
+        result.recomputed_tokens = sum(s.server.scheduler.counters.recomputed_tokens for s in sims)
+        result.preemptions = sum(s.server.scheduler.counters.preemptions for s in sims)
         counts = [sum(1 for k in self.served_by.values() if k == key) for key in self.sims]
-        return ClusterSimResult(result, self.router, counts)
+        served = [i for i in self.predicted if not np.isnan(ttft[i])]  # skipped requests report nothing
+        within = sum(abs(self.predicted[i] - int(hits[i])) <= self.config.page_size for i in served)
+        return ClusterSimResult(result, self.router, counts, windowed_imbalance(self.order, len(sims)),
+                                within / len(served) if served else float("nan"))
 
 
 def simulate_cluster(workload: Workload, config: SimConfig, replicas: int, router: str, *,
@@ -202,7 +248,8 @@ def run_cluster_suite(workload: Workload, config: SimConfig, replicas: int, rout
     `replica_imbalance`), every router in `runs`, and the ideal — one replica holding N
     times the memory, at speed 1, released the same way — as `ideal_hit_rate`. `routing`:
     the cache-aware rule's thresholds (default CacheAwareConfig())."""
-    big = replace(config, capacity_tokens=config.capacity_tokens * replicas)
+    big = replace(config, capacity_tokens=config.capacity_tokens * replicas,
+                  host_capacity_tokens=config.host_capacity_tokens * replicas)
     if concurrency is None:
         rule = make_retention(retention, page_size=config.page_size, capacity_tokens=big.capacity_tokens)
         ideal = simulate(workload, replace(big, retention=rule))
@@ -214,22 +261,32 @@ def run_cluster_suite(workload: Workload, config: SimConfig, replicas: int, rout
     main = runs[0]
     return {"workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
             "prompt_tokens": workload.prompt_tokens, "page_size": config.page_size,
-            "capacity_tokens": config.capacity_tokens, "replicas": replicas, "router": main["router"],
+            "capacity_tokens": config.capacity_tokens, "host_capacity_tokens": config.host_capacity_tokens,
+            "replicas": replicas, "router": main["router"],
             "concurrency": concurrency, "replica_speeds": list(speeds) if speeds is not None else None,
             "hit_rate": main["hit_rate"], "replica_imbalance": main["replica_imbalance"],
+            "windowed_imbalance": main["windowed_imbalance"], "predicted_within_page": main["predicted_within_page"],
             "ideal_hit_rate": ideal.hit_rate, "ideal": ideal.to_dict(), "runs": runs}
 
 
 def cluster_table(results: list[dict[str, object]]) -> str:
-    """Markdown: hit rate and imbalance per router, per capacity, next to the ideal."""
-    lines = ["| capacity per replica | router | hit rate | of ideal | imbalance | TTFT mean (sim) |",
-             "|---|---|---|---|---|---|"]
+    """Markdown: hit rate, imbalance (whole run and worst window of IMBALANCE_WINDOW
+    requests), the share of requests whose predicted cached tokens were within a page of
+    the replica's, and the recomputed share, per router, per capacity, next to the ideal."""
+    lines = ["| capacity per replica | router | hit rate | of ideal | imbalance | imbalance per "
+             f"{IMBALANCE_WINDOW:,} | predicted within a page | recomputed | TTFT mean (sim) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         ideal = result["ideal_hit_rate"]
-        lines.append(f"| {result['capacity_tokens']:,} | 1 replica, {result['replicas']}x memory (ideal) | "
-                     f"{ideal:.1%} | 100% | – | {result['ideal']['sim_ttft_mean_s']:.2f} s |")
+        capacity = f"{result['capacity_tokens']:,}" + (f" + host {result['host_capacity_tokens']:,}"
+                                                       if result.get("host_capacity_tokens") else "")
+        lines.append(f"| {capacity} | 1 replica, {result['replicas']}x memory (ideal) | "
+                     f"{ideal:.1%} | 100% | – | – | – | {result['ideal']['recomputed_share']:.1%} | "
+                     f"{result['ideal']['sim_ttft_mean_s']:.2f} s |")
         for run in result["runs"]:
-            lines.append(f"| {result['capacity_tokens']:,} | {result['replicas']} x {run['router']} | "
+            lines.append(f"| {capacity} | {result['replicas']} x {run['router']} | "
                          f"{run['hit_rate']:.1%} | {run['hit_rate'] / ideal:.0%} | "
-                         f"{run['replica_imbalance']:.2f} | {run['sim_ttft_mean_s']:.2f} s |")
+                         f"{run['replica_imbalance']:.2f} | {run['windowed_imbalance']:.2f} | "
+                         f"{run['predicted_within_page']:.0%} | {run['recomputed_share']:.1%} | "
+                         f"{run['sim_ttft_mean_s']:.2f} s |")
     return "\n".join(lines)

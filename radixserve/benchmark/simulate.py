@@ -126,6 +126,8 @@ class SimResult:
     offloaded_tokens: int = 0
     loaded_tokens: int = 0
     preemptions: int = 0
+    computed_tokens: int = 0     # tokens run through the (simulated) model
+    recomputed_tokens: int = 0   # of those, tokens computed again after a preemption
     cached_pages: int = 0        # pages the tree holds at the end
     held_pages_mean: float = 0.0  # pages running sequences kept from being freed, per step
     held_pages_peak: int = 0
@@ -155,6 +157,8 @@ class SimResult:
             "host_write_policy": self.config.host_write_policy if self.config.host_num_pages else None,
             "evicted_pages": self.evicted_pages, "offloaded_tokens": self.offloaded_tokens,
             "loaded_tokens": self.loaded_tokens, "preemptions": self.preemptions,
+            "computed_tokens": self.computed_tokens, "recomputed_tokens": self.recomputed_tokens,
+            "recomputed_share": self.recomputed_tokens / self.computed_tokens if self.computed_tokens else 0.0,
             "window": self.config.window, "cached_pages": self.cached_pages,
             "held_pages_mean": self.held_pages_mean, "held_pages_peak": self.held_pages_peak,
             "sim_makespan_s": self.makespan_s,
@@ -238,6 +242,8 @@ class Simulator:
                          offloaded_tokens=int(stats["offloaded_pages"] + stats["written_through_pages"]) * size,
                          loaded_tokens=int(stats["loaded_pages"]) * size,
                          preemptions=self.server.scheduler.counters.preemptions,
+                         computed_tokens=self.server.scheduler.counters.computed_tokens,
+                         recomputed_tokens=self.server.scheduler.counters.recomputed_tokens,
                          cached_pages=self.tree.cached_pages,
                          held_pages_mean=self.server.held_pages_sum / max(self.server.steps, 1),
                          held_pages_peak=self.server.held_pages_peak)

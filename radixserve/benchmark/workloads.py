@@ -256,6 +256,15 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
+def _gapped_chat(**params: Any) -> Workload:
+    from radixserve.benchmark.gapped_chat import gapped_conversations  # it imports this module
+
+    return gapped_conversations(**params)
+
+
+WORKLOADS["gapped-chat"] = _gapped_chat
+
+
 def make_workload(name: str, **params: Any) -> Workload:
     """Builds a synthetic workload by name (`WORKLOADS`), overriding generator defaults."""
     try:

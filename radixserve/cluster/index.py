@@ -10,6 +10,12 @@ Requests routed to a replica whose prompt pages are not cached yet (still queued
 prefilling there) are tracked apart as in flight: a burst of requests sharing a new prefix
 then lands together instead of each computing the prefix on another replica.
 
+Pages a replica holds in its host tier (events of tier HOST) are kept apart: a prefix that
+continues on the host is loaded back there instead of recomputed, so routing may count it
+with a credit below one (`matched_pages(host_credit=...)`: a load costs less than a
+prefill but is not free), and `tiered_pages` predicts how many prompt tokens the replica
+will report as cached (its `cached_tokens` counts both tiers).
+
 The index also remembers where each prompt was routed (its last full page): a prompt whose
 cached prefix runs through an earlier prompt's end on a replica continues a conversation
 there (`continued_pages`), which the routing rule holds to more firmly than a shared prefix.
@@ -21,7 +27,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from radixserve.cache.events import DEVICE, AllCleared, BlockRemoved, BlockStored, CacheEvent
+from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored, CacheEvent
 
 
 @dataclass
@@ -39,6 +45,7 @@ class CacheIndex:
 
     def __init__(self) -> None:
         self._cached: dict[str, dict[str, set[int]]] = {}
+        self._host: dict[str, dict[str, set[int]]] = {}  # the same, for the host tier
         self._in_flight: dict[str, dict[str, Counter[int]]] = {}
         self._requests: dict[str, _InFlight] = {}
         # replica → (namespace, hash of a routed prompt's last full page) → None; oldest first
@@ -47,25 +54,25 @@ class CacheIndex:
     # ------------------------------------------------------------------ events
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
         """Applies one replica's events, in the order the replica emitted them."""
-        spaces = self._cached.setdefault(replica, {})
+        tiers = {DEVICE: self._cached.setdefault(replica, {}), HOST: self._host.setdefault(replica, {})}
         for event in events:
             if isinstance(event, BlockStored):
-                if event.tier == DEVICE:
-                    spaces.setdefault(event.namespace, set()).update(event.hashes)
+                tiers[event.tier].setdefault(event.namespace, set()).update(event.hashes)
             elif isinstance(event, BlockRemoved):
-                if event.tier == DEVICE:
-                    held = spaces.get(event.namespace)
-                    if held is not None:
-                        held.difference_update(event.hashes)
+                held = tiers[event.tier].get(event.namespace)
+                if held is not None:
+                    held.difference_update(event.hashes)
             elif isinstance(event, AllCleared):
-                if event.tier in (None, DEVICE):
-                    spaces.clear()
+                for tier, spaces in tiers.items():
+                    if event.tier in (None, tier):
+                        spaces.clear()
             else:
                 raise TypeError(f"not a cache event: {event!r}")
 
     def forget(self, replica: str) -> None:
         """Drops everything known about a replica (it died or left)."""
         self._cached.pop(replica, None)
+        self._host.pop(replica, None)
         self._in_flight.pop(replica, None)
         self._prompt_ends.pop(replica, None)
         for request_id in [r for r, f in self._requests.items() if f.replica == replica]:
@@ -108,35 +115,46 @@ class CacheIndex:
 
     # ------------------------------------------------------------------ lookups
     def matched_pages(self, replica: str, namespace: str, hashes: Sequence[int], *,
-                      in_flight: bool = True) -> int:
+                      in_flight: bool = True, host_credit: float = 0.0) -> float:
         """Leading pages of a prompt (its page hashes) the replica holds, or (`in_flight`)
-        is computing for a request routed there."""
+        is computing for a request routed there; with `host_credit`, the pages that continue
+        them in its host tier count that much each."""
+        device, host = self.tiered_pages(replica, namespace, hashes, in_flight=in_flight,
+                                         host=host_credit > 0)
+        return device + host_credit * host if host else device
+
+    def tiered_pages(self, replica: str, namespace: str, hashes: Sequence[int], *,
+                     in_flight: bool = False, host: bool = True) -> tuple[int, int]:
+        """(device, host): the leading pages of a prompt the replica holds on the device (or,
+        with `in_flight`, is computing), then how many pages continue them on its host tier
+        (0 without `host`). The replica loads those back, so it reports the sum as cached."""
         cached = self._cached.get(replica, {}).get(namespace, _EMPTY)
         flying = self._in_flight.get(replica, {}).get(namespace, _EMPTY) if in_flight else _EMPTY
-        matched = 0
+        on_host = self._host.get(replica, {}).get(namespace, _EMPTY) if host else _EMPTY
+        device = 0
         for h in hashes:
             if h not in cached and h not in flying:
                 break
-            matched += 1
-        return matched
+            device += 1
+        below = device
+        for h in hashes[device:]:
+            if h not in on_host:
+                break
+            below += 1
+        return device, below - device
 
     def continued_pages(self, replica: str, namespace: str, hashes: Sequence[int], *,
-                        in_flight: bool = False) -> int:
+                        in_flight: bool = False, host_credit: float = 0.0) -> float:
         """Leading pages of a prompt the replica caches (or, with `in_flight`, is computing),
         if they run through the whole of an earlier prompt routed there: the prompt continues
         (or repeats) that conversation. 0 otherwise, e.g. when only a prefix shared by many
-        (a system prompt) is held."""
-        cached = self._cached.get(replica, {}).get(namespace, _EMPTY)
-        flying = self._in_flight.get(replica, {}).get(namespace, _EMPTY) if in_flight else _EMPTY
+        (a system prompt) is held. With `host_credit`, pages continuing them on the host
+        tier count that much each (and may run through the earlier prompt's end)."""
+        device, host = self.tiered_pages(replica, namespace, hashes, in_flight=in_flight, host=host_credit > 0)
         ends = self._prompt_ends.get(replica, {})
-        matched = through_an_end = 0
-        for h in hashes:
-            if h not in cached and h not in flying:
-                break
-            matched += 1
-            if (namespace, h) in ends:
-                through_an_end = matched
-        return matched if through_an_end else 0
+        if not any((namespace, h) in ends for h in hashes[: device + host]):
+            return 0
+        return device + host_credit * host if host else device
 
     def cached_pages(self, replica: str) -> int:
         """Pages the replica's cache holds (all namespaces)."""

@@ -22,12 +22,23 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    only if it saves `share_keep_pages` of prefill over every replica not ahead, and its
    cached slack is `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
    not the conversations a replica holds, whose later turns all follow them.
-4. Among the replicas a held prefix draws, the longest prefix (cached pages from its
-   events, or pages of a request in flight there), if at least `min_match_pages` pages;
-   ties go as in 5.
-5. Otherwise (nothing useful held anywhere): a replica within the cached slack of the least
-   loaded, then one not ahead, the least loaded, the one with the most free pages (least
-   cache to evict), then the fewest cached pages.
+4. Balance over time: requests in flight say nothing of conversations whose turns arrive
+   minutes apart (between turns nothing is in flight, yet every turn follows its
+   conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
+   each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
+   of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
+   every replica not busy. Past `recent_hard_rel`, what it holds draws nothing: even a
+   conversation's next turn moves (recomputed once elsewhere) rather than pile up.
+5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
+   events, or pages of a request in flight there; pages continuing them in the replica's
+   host tier count `host_credit` each, as NVIDIA Dynamo's router does: loaded back, not
+   recomputed, but not free), if at least `min_match_pages` pages; ties go as in 6.
+6. Otherwise (nothing useful held anywhere): a replica within the cached slack of the least
+   loaded, then one not busy, not ahead, the least loaded, the one with the most free pages
+   (least cache to evict), then the fewest requests lately and the fewest cached pages.
+
+`cache-aware-inflight` is the same rule without 4 and without host credit (the rule before
+them), kept for comparison.
 
 Baselines (for benchmarks): `power-of-two` (two random replicas, the less loaded: Ray
 Serve's default), `round-robin`, and `prefix-affinity` — a re-implementation of Ray Serve
@@ -36,20 +47,23 @@ LLM's PrefixCacheAffinityRouter rule at page granularity (see `PrefixAffinityPol
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cluster.index import CacheIndex
 
-ROUTERS = ("cache-aware", "power-of-two", "round-robin", "prefix-affinity")
+ROUTERS = ("cache-aware", "cache-aware-inflight", "power-of-two", "round-robin", "prefix-affinity")
 ENDED_MEMORY = 65536  # finished request ids remembered (see ClusterState.finished)
 SETTLE_GRACE_BATCHES = 40  # event batches of a replica after which an unsettled request is dropped
+RECENT_HALF_LIFE_S = 300.0  # seconds over which a replica's count of recently routed requests halves
 STARTS_HALF_LIFE = 1024  # conversations started (anywhere) over which a replica's count of starts halves
 _STARTS_DECAY = 0.5 ** (1 / STARTS_HALF_LIFE)
 
@@ -109,6 +123,9 @@ class ClusterState:
     starts: dict[str, float] = field(default_factory=dict)        # replica → conversations started, decayed (`share`)
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
+    clock: Callable[[], float] = time.monotonic                    # seconds (the simulator's own clock there)
+    recent_half_life_s: float = RECENT_HALF_LIFE_S
+    _recent: dict[str, tuple[float, float]] = field(default_factory=dict)  # replica → (decayed count, as of)
     _placed: dict[str, tuple[str, str, bool]] = field(default_factory=dict)  # request id → (replica, settle key, a start)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
     _batches: dict[str, int] = field(default_factory=dict)        # replica → event batches applied
@@ -126,6 +143,7 @@ class ClusterState:
         self._placed[request.request_id] = (replica, request.settle_key, start)
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
+        self._add_recent(replica, 1.0)
         if start:
             self.share(replica)  # a replica first routed to joins at the least share
             for known in self.starts:
@@ -190,6 +208,7 @@ class ClusterState:
         replica, key, start = placed
         if replica in self.routed_total:
             self.routed_total[replica] -= 1
+        self._add_recent(replica, -1.0)
         if start and replica in self.starts:
             self.starts[replica] = max(0.0, self.starts[replica] - 1.0)
         self.index.end_in_flight(key)
@@ -199,6 +218,7 @@ class ClusterState:
         self.index.forget(replica)
         self.in_flight.pop(replica, None)
         self.starts.pop(replica, None)
+        self._recent.pop(replica, None)
         self.reports.pop(replica, None)
         self._batches.pop(replica, None)
         for session in [s for s, r in self.sessions.items() if r == replica]:
@@ -207,6 +227,19 @@ class ClusterState:
             del self._placed[request_id]
         for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
             del self._unsettled[key]
+
+    def recent_requests(self, replica: str) -> float:
+        """Requests routed to `replica` lately: each counts 1 when routed and halves every
+        `recent_half_life_s` seconds. Unlike requests in flight, this sees the turns of
+        conversations that arrive minutes apart: between two turns nothing is in flight,
+        yet the replica serves them all."""
+        count, at = self._recent.get(replica, (0.0, 0.0))
+        if not count:
+            return 0.0
+        return count * 0.5 ** (max(0.0, self.clock() - at) / self.recent_half_life_s)
+
+    def _add_recent(self, replica: str, amount: float) -> None:
+        self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self.clock())
 
     def requests_in_flight(self, replica: str) -> int:
         """Requests routed to `replica` and not yet ended."""
@@ -262,6 +295,11 @@ class CacheAwareConfig:
     share_rel: float = 0.1         # ... plus this fraction of the least: past both, a replica is *ahead*
     share_keep_pages: int = 8      # ... and draws only requests it saves this many pages of prefill
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
+    host_credit: float = 0.75      # a page held in a replica's host tier counts this much of one on its device
+    recent_abs: float = 4.0        # requests routed lately (`ClusterState.recent_requests`) over the least ...
+    recent_rel: float = 0.15       # ... plus this fraction of the least: past both, a replica is *busy*
+    recent_keep_pages: int = 64    # ... and draws only requests it saves this many pages of prefill
+    recent_hard_rel: float = 0.35  # past this fraction (plus recent_abs), what it holds draws nothing
 
 
 def parse_routing_config(text: str) -> CacheAwareConfig:
@@ -299,7 +337,12 @@ class CacheAwarePolicy(RoutingPolicy):
         least_share = min(state.share(r) for r in replicas)
         share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
         ahead = {r for r in replicas if state.share(r) > share_limit}
+        least_recent = min(state.recent_requests(r) for r in replicas)
+        busy = {r for r in replicas if state.recent_requests(r) > least_recent * (1 + cfg.recent_rel) + cfg.recent_abs}
+        overloaded = {r for r in busy
+                      if state.recent_requests(r) > least_recent * (1 + cfg.recent_hard_rel) + cfg.recent_abs}
         index, namespace, hashes = state.index, request.namespace, request.page_hashes
+        credit = cfg.host_credit
 
         def held(replica: str) -> int:
             # What a replica holds counts only while it is not too far ahead of the least
@@ -309,16 +352,20 @@ class CacheAwarePolicy(RoutingPolicy):
             # A conversation's next turn (its cached prefix runs through an earlier prompt
             # routed there) within the loosest: moving it recomputes the whole conversation,
             # where a spilled request of a shared prefix computes that prefix once for many.
+            # Pages on a replica's host tier count at `host_credit` each: loaded back, not
+            # recomputed, but a load is not free.
             over = state.requests_in_flight(replica) - least
-            if over <= max(cfg.balance_abs, relative):
-                matched = index.matched_pages(replica, namespace, hashes)
+            if replica in overloaded:
+                matched = 0.0  # too many requests lately: even its conversations go elsewhere
+            elif over <= max(cfg.balance_abs, relative):
+                matched = index.matched_pages(replica, namespace, hashes, host_credit=credit)
             elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
-                matched = index.matched_pages(replica, namespace, hashes, in_flight=False)
+                matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)
             elif over <= max(cfg.continuation_balance_abs, relative):
-                matched = index.continued_pages(replica, namespace, hashes)
+                matched = index.continued_pages(replica, namespace, hashes, host_credit=credit)
             else:
-                matched = 0
-            return matched if matched >= cfg.min_match_pages else 0
+                matched = 0.0
+            return matched if matched >= cfg.min_match_pages else 0.0
 
         holds = {r: held(r) for r in replicas}
         # A replica ahead in conversations started lately draws a request only if it saves
@@ -326,16 +373,22 @@ class CacheAwarePolicy(RoutingPolicy):
         # conversations (whose shared system prompt every replica caches) and the early turns
         # of one, cheap to move, stay where first turns happened to pile up, and the replica
         # serves their later turns too. A hot prefix cached there alone still wins.
+        # Likewise a *busy* replica (more requests routed there lately than the least, by
+        # `recent_abs` and `recent_rel`) keeps a request only for `recent_keep_pages` saved:
+        # turns minutes apart leave nothing in flight, so only this sees them pile up.
         best_elsewhere = max((holds[r] for r in replicas if r not in ahead), default=0)
-        useful = {r: 0 if r in ahead and holds[r] - best_elsewhere < cfg.share_keep_pages else holds[r]
+        best_not_busy = max((holds[r] for r in replicas if r not in busy), default=0)
+        useful = {r: 0 if (r in ahead and holds[r] - best_elsewhere < cfg.share_keep_pages)
+                  or (r in busy and holds[r] - best_not_busy < cfg.recent_keep_pages) else holds[r]
                   for r in replicas}
 
         def key(replica: str) -> tuple:
             # Conversations started count after a queue past the cached slack: where nothing
             # held draws the request, a short queue goes before a conversation fewer.
             queued = state.requests_in_flight(replica) - least > max(cfg.cached_balance_abs, relative)
-            return (replica != sticky, -useful[replica], queued, replica in ahead, state.requests_in_flight(replica),
-                    -state.free_pages(replica), index.cached_pages(replica))
+            return (replica != sticky, -useful[replica], queued, replica in busy, replica in ahead,
+                    state.requests_in_flight(replica), -state.free_pages(replica), state.recent_requests(replica),
+                    index.cached_pages(replica))
 
         return sorted(replicas, key=key)
 
@@ -434,6 +487,8 @@ def make_routing_policy(name: str, state: ClusterState, *, page_size: int = 16, 
     """A routing policy by name (`ROUTERS`)."""
     if name == "cache-aware":
         return CacheAwarePolicy(state, config)
+    if name == "cache-aware-inflight":  # the rule before time-decayed balance and host credit
+        return CacheAwarePolicy(state, replace(config or CacheAwareConfig(), host_credit=0.0, recent_abs=math.inf))
     if name == "power-of-two":
         return PowerOfTwoPolicy(state, seed)
     if name == "round-robin":

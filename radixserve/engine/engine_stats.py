@@ -63,6 +63,8 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
 
     prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
     requests_finished, requests_aborted, waiting, running, preemptions, admissions,
+    computed_tokens (tokens run through the model), recomputed_tokens (of those, tokens a
+    preempted sequence computed again: its pages had left both tiers),
     shrunk_chunks (prefill chunks cut to the pages available rather than preempting),
     deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
     step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
@@ -92,6 +94,8 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
         waiting=len(scheduler.waiting), running=len(scheduler.running),
         preemptions=scheduler.counters.preemptions, admissions=scheduler.counters.admitted,
         shrunk_chunks=scheduler.counters.shrunk_chunks,
+        computed_tokens=scheduler.counters.computed_tokens,
+        recomputed_tokens=scheduler.counters.recomputed_tokens,
         deferred_for_sharing=scheduler.counters.deferred_for_sharing,
         step_time_s_total=clock.step_time_s, last_step_s=clock.last_step_s,
         step_breakdown_s=timings.snapshot(),

@@ -109,6 +109,9 @@ class SequenceState:
     lock_node: RadixNode | None = None
     locked_tokens: int = 0  # tokens covered by lock_node's path (whole pages in the tree)
     loaded_tokens: int = 0  # of num_computed, tokens copied back from the host at admission
+    # The most tokens ever computed or cached for it: a chunk below this mark recomputes
+    # work a preemption threw away (SchedulerCounters.recomputed_tokens).
+    computed_high: int = 0
     pending_loads: list[LoadHandle] = field(default_factory=list)  # copies not done yet: wait
     pages_out_of_window: int = 0  # leading block-table entries released (out of a sliding window)
     output_ids: list[int] = field(default_factory=list)

@@ -30,3 +30,10 @@ class SchedulerCounters:
     deferred_for_sharing: int = 0
     admitted: int = 0
     loaded_tokens: int = 0  # prompt tokens copied back from the host tier instead of recomputed
+    computed_tokens: int = 0  # tokens run through the model (every chunk of every step)
+    recomputed_tokens: int = 0  # of those, tokens a sequence had computed before it was preempted
+
+    @property
+    def recomputed_share(self) -> float:
+        """Recomputed tokens / computed tokens (0 before anything ran)."""
+        return self.recomputed_tokens / self.computed_tokens if self.computed_tokens else 0.0

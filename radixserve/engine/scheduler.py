@@ -407,6 +407,7 @@ class Scheduler:
         for chunk in chunks:
             seq, last = chunk.seq, chunk.needs_logits  # needs_logits reads num_computed: first
             self.fair.charge_chunk(seq, chunk.num_new)
+            self._count_computed(seq, chunk.num_new)
             seq.num_computed += chunk.num_new
             if chunk.num_new > 1:
                 req = seq.request
@@ -415,6 +416,14 @@ class Scheduler:
             if last:
                 on_last_token(seq)
         return released
+
+    def _count_computed(self, seq: SequenceState, num_new: int) -> None:
+        """Counts a chunk of `num_new` tokens from `seq.num_computed` on; the part below the
+        most the sequence ever had computed was thrown away by a preemption and is recomputed."""
+        end = seq.num_computed + num_new
+        self.counters.computed_tokens += num_new
+        self.counters.recomputed_tokens += max(0, min(end, seq.computed_high) - seq.num_computed)
+        seq.computed_high = max(seq.computed_high, end)
 
     # ------------------------------------------------------------------ lifecycle
     def preempt(self, seq: SequenceState) -> None:

@@ -1,0 +1,148 @@
+"""Routing that holds on real arrivals: balance over time (requests routed lately, decayed),
+host-tier prefixes at a credit below one, the router's prediction of what a replica will
+report cached, and the windowed imbalance the cluster simulation reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cache.events import AllCleared, BlockRemoved
+from radixserve.benchmark.cluster_sim import ClusterSimulator, windowed_imbalance
+from radixserve.benchmark.simulate import SimConfig
+from radixserve.benchmark.workloads import make_workload
+from radixserve.cluster.routing import RECENT_HALF_LIFE_S, CacheAwareConfig, ClusterState, ReplicaReport, make_routing_policy
+from tests.test_cluster_routing import NS, SYSTEM, hashes, request, stored
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_cluster(*replicas: str) -> tuple[ClusterState, Clock]:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    for r in replicas:
+        state.index.apply(r, [])
+        state.reports[r] = ReplicaReport(pages_free=100, pages_total=100)
+    return state, clock
+
+
+def route_finished(state: ClusterState, tokens: list[int], rid: str, replica: str) -> None:
+    """A request routed to `replica` that has finished: nothing of it is in flight any more."""
+    state.routed(request(tokens, rid), replica)
+    state.finished(rid)
+    state.settled(replica, [rid])
+
+
+def test_requests_routed_lately_halve_every_half_life() -> None:
+    state, clock = timed_cluster("a", "b")
+    for i in range(8):
+        route_finished(state, SYSTEM + [i], f"r{i}", "a")
+    assert state.requests_in_flight("a") == 0
+    assert state.recent_requests("a") == pytest.approx(8.0)
+    clock.now = RECENT_HALF_LIFE_S
+    assert state.recent_requests("a") == pytest.approx(4.0)
+    route_finished(state, SYSTEM + [99], "r99", "a")
+    clock.now = 3 * RECENT_HALF_LIFE_S
+    assert state.recent_requests("a") == pytest.approx(5.0 / 4)
+    assert state.recent_requests("b") == 0.0
+    state.routed(request(SYSTEM + [98], "moved"), "a")
+    state.routed(request(SYSTEM + [98], "moved"), "b")  # Serve placed it elsewhere: taken back
+    assert state.recent_requests("a") == pytest.approx(5.0 / 4)
+
+
+def _conversation_on_a(state: ClusterState, turns: int) -> list[int]:
+    """A conversation whose `turns` turns all went to a (minutes apart: none in flight);
+    returns its next prompt, whose history a caches."""
+    prompt = SYSTEM + list(range(300, 340))  # 14 pages
+    for turn in range(turns):
+        route_finished(state, prompt, f"c{turn}", "a")
+        prompt = prompt + [400 + turn] * 8
+    state.index.apply("a", [stored(1, hashes(prompt[:-8]))])
+    return prompt
+
+
+@pytest.mark.parametrize("router", ["cache-aware", "cache-aware-inflight"])
+def test_turns_minutes_apart_do_not_pile_new_conversations_onto_one_replica(router: str) -> None:
+    """a served 20 turns lately, b and c none, nothing in flight anywhere; all three cache the
+    system prompt, and a has the most free pages. A new conversation goes to b or c: a is
+    busy lately. Counting requests in flight alone (the rule before), a looks idle and wins."""
+    state, _ = timed_cluster("a", "b", "c")
+    _conversation_on_a(state, 20)
+    for r in ("b", "c"):
+        state.index.apply(r, [stored(2, hashes(SYSTEM))])
+    state.reports["a"].pages_free = 200
+    state.starts = {"a": 0.0, "b": 0.0, "c": 0.0}  # conversations started look even
+    chosen = make_routing_policy(router, state).rank(request(SYSTEM + [90, 91, 92, 93], "new"), ["a", "b", "c"])[0]
+    assert (chosen != "a") == (router == "cache-aware")
+
+
+def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_go() -> None:
+    state, clock = timed_cluster("a", "b")
+    prompt = _conversation_on_a(state, 12)     # 12 requests routed to a lately
+    policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_pages=16,
+                                                                               recent_hard_rel=0.35, recent_abs=4.0))
+    state.index.apply("b", [stored(2, hashes(SYSTEM))])
+    for i in range(6):                         # b serves other work: a is busy, not overloaded
+        route_finished(state, SYSTEM + [500 + i] * 4, f"b{i}", "b")
+    # a: 12 > 6 * 1.15 + 4 = 10.9 (busy) but not > 6 * 1.35 + 4 = 12.1: its conversation
+    # saves 21 pages over b's 4 (>= 16 kept), so it stays.
+    assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
+    short = SYSTEM + list(range(300, 308))     # only 2 pages past the system prompt: moves
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+    state.routed(request(SYSTEM + [700] * 4, "x"), "a")   # 13 > 12.1: overloaded
+    state.finished("x")
+    assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "b"
+    clock.now = 10 * RECENT_HALF_LIFE_S        # time passes: both decay toward 0, a is not busy
+    assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
+
+
+def test_a_prefix_on_the_host_tier_counts_at_its_credit() -> None:
+    state, _ = timed_cluster("a", "b")
+    prompt = SYSTEM + list(range(300, 332))    # 12 pages
+    h = hashes(prompt)
+    state.index.apply("a", [stored(1, h[:6])])                       # 6 pages on the device
+    state.index.apply("b", [stored(1, h[:4]), stored(2, h, tier="host")])  # 4 on the device, 8 more on the host
+    assert state.index.tiered_pages("b", NS, h) == (4, 8)
+    assert state.index.tiered_pages("a", NS, h) == (6, 0)
+    assert state.index.matched_pages("b", NS, h) == 4                 # the device alone by default
+    assert state.index.matched_pages("b", NS, h, host_credit=0.75) == pytest.approx(4 + 0.75 * 8)
+    assert make_routing_policy("cache-aware", state).rank(request(prompt), ["a", "b"])[0] == "b"
+    assert make_routing_policy("cache-aware-inflight", state).rank(request(prompt), ["a", "b"])[0] == "a"
+    state.index.apply("b", [stored(3, h[4:5])])                      # loaded back: on both tiers
+    assert state.index.tiered_pages("b", NS, h) == (5, 7)
+    state.index.apply("b", [BlockRemoved(seq=4, namespace=NS, tier="host", hashes=h[8:])])
+    assert state.index.tiered_pages("b", NS, h) == (5, 3)
+    state.index.apply("b", [AllCleared(seq=5, tier="host")])
+    assert state.index.tiered_pages("b", NS, h) == (5, 0)
+    assert make_routing_policy("cache-aware", state).rank(request(prompt), ["a", "b"])[0] == "a"
+
+
+def test_windowed_imbalance_sees_what_the_whole_run_hides() -> None:
+    alternating = [0, 1] * 1000
+    assert windowed_imbalance(alternating, 2) == 1.0
+    blocks = [0] * 1000 + [1] * 1000                 # even over the run, one-sided in every half
+    assert windowed_imbalance(blocks, 2) == float("inf")
+    assert windowed_imbalance(blocks, 2, window=2000) == 1.0
+    assert windowed_imbalance([0, 0, 1], 2) == 2.0     # shorter than a window: the whole run
+    skewed = ([0, 0, 1] * 400) + ([0, 1] * 400)
+    assert windowed_imbalance(skewed, 2) == pytest.approx(667 / 333)  # the first window: 2 to 1
+
+
+def test_the_router_predicts_what_replicas_report_cached_with_a_host_tier() -> None:
+    """Conversations whose turns come 30 s or more apart, on small devices over large host
+    tiers: by its next turn a conversation's history has mostly left the device. The
+    router's prediction (device pages, then the host pages continuing them, at routing) is
+    within a page of the cached tokens each replica reports for nearly every request."""
+    workload = make_workload("gapped-chat", num_conversations=60)
+    cluster = ClusterSimulator(workload, SimConfig(8_000, host_capacity_tokens=200_000), 2, "cache-aware")
+    out = cluster.run().to_dict()
+    from_host = sum(int((sim.host_hits > sim.config.page_size).sum()) for sim in cluster.sims.values())
+    assert from_host >= 0.3 * len(workload.requests)
+    assert out["predicted_within_page"] >= 0.95
