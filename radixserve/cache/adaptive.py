@@ -34,11 +34,15 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixserve.cache.retention import Retention
 from radixserve.cache.reuse import ReuseHistory
+
+if TYPE_CHECKING:  # radix.py imports this module (through eviction.py)
+    from radixserve.cache.radix import RadixTree
 
 REUSE_BOOST = Retention(boost=True)  # what a re-seen prefix gets under the adaptive rule
 UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in a float64
@@ -179,8 +183,8 @@ class AdaptiveReuse:
 
     retention = REUSE_BOOST
 
-    def __init__(self, tree: object, window_pages: int) -> None:
-        self.tree = tree  # a RadixTree (not imported: radix.py imports this package's policies)
+    def __init__(self, tree: RadixTree, window_pages: int) -> None:
+        self.tree = tree
         self.page_size: int = tree.page_size
         cache_pages = tree.pool.num_pages + (tree.host.pool.num_pages if tree.host is not None else 0)
         self.history = ReuseHistory(self.page_size, window_pages)
