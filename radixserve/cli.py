@@ -114,10 +114,13 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                        help="order of waiting requests: longest cached prefix first, DFS over "
                             "shared prefixes, or arrival order (default: %(default)s)")
-    serve.add_argument("--eviction-policy", default="reuse-boost", choices=["reuse-boost", "priority", "lru"],
-                       help="which cached pages go first: reuse-boost (retention priority, with pages "
-                            "seen recently kept longer, then LRU), priority (retention priority then "
-                            "LRU), or plain LRU (default: %(default)s)")
+    serve.add_argument("--eviction-policy", default="adaptive",
+                       choices=["adaptive", "reuse-boost", "priority", "lru"],
+                       help="which cached pages go first: adaptive (retention priority, then recency, "
+                            "pages seen recently given a lead learned from the cache's misses), "
+                            "reuse-boost (retention priority, pages seen recently kept at 60 for good, "
+                            "then LRU), priority (retention priority then LRU), or plain LRU "
+                            "(default: %(default)s)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="compute every prompt in full, sharing nothing (a baseline for benchmarks)")
     serve.add_argument("--max-running", type=int, default=256,

@@ -33,7 +33,7 @@ def test_simulate_writes_the_documented_json(tmp_path: Path) -> None:
     assert result["infinite_hit_rate"] == pytest.approx(3 * 128 / (4 * 144))
     labels = [run["label"] for run in result["runs"]]
     assert labels == ["no-cache", "fcfs/lru", "lpm/lru", "dfs-weight/lru", "lpm/priority+system-prompt",
-                      "lpm/priority+reuse-boost"]
+                      "lpm/adaptive"]
     main_run = result["runs"][-1]
     assert result["hit_rate"] == main_run["hit_rate"]
     assert result["runs"][0]["hit_rate"] == 0.0
@@ -51,8 +51,8 @@ def test_sweep_writes_lists_table_and_plot(tmp_path: Path, monkeypatch, capsys) 
     assert all(0 <= h <= o + 1e-12 for h, o in zip(result["hit_rate"], result["optimal_hit_rate"]))
     labels = [run["label"] for run in result["sweep"][0]["runs"]]
     assert labels == ["no-cache", "sequential/lru", "sequential/priority+system-prompt",
-                      "sequential/priority+reuse-boost", "sequential/priority+tail-demotion",
-                      "sequential/priority+hit-boost"]
+                      "sequential/adaptive", "sequential/priority+tail-demotion",
+                      "sequential/priority+hit-boost", "sequential/priority+reuse-boost"]
     text = table.read_text()
     assert "| configuration | 500 | 2k |" in text and "offline optimum" in text
     assert text in capsys.readouterr().out
@@ -86,9 +86,9 @@ def test_simulate_speaks_serves_policy_names() -> None:
     for flag in ("schedule_policy", "eviction_policy"):
         assert set(serve_choices[flag]) <= set(sim_choices[flag]), flag
     assert {rule for _, rule in EVICTION_POLICIES.values()} == set(RETENTION_RULES)
-    assert EVICTION_POLICIES["reuse-boost"] == ("priority", "reuse-boost")  # the engine's default
+    assert EVICTION_POLICIES["adaptive"] == ("adaptive", "adaptive")  # the engine's default
     args = parser.parse_args(["bench", "simulate", "--workload", "gsp", "--capacity-tokens", "1k"])
-    assert (args.schedule_policy, args.eviction_policy) == ("lpm", "reuse-boost")
+    assert (args.schedule_policy, args.eviction_policy) == ("lpm", "adaptive")
 
 
 def test_simulate_with_a_host_tier_reports_both_tiers_and_the_two_tier_bound(tmp_path: Path) -> None:
@@ -108,8 +108,8 @@ def test_simulate_with_a_host_tier_reports_both_tiers_and_the_two_tier_bound(tmp
     assert two_tier["hit_rate"] > device_only["hit_rate"]
     assert two_tier["optimal_device_hit_rate"] == device_only["optimal_hit_rate"]
     labels = [run["label"] for run in two_tier["runs"]]
-    assert labels[-2:] == ["lpm/priority+reuse-boost, device only", "lpm/priority+reuse-boost, one cache of device+host"]
-    variant = {run["label"]: run for run in two_tier["runs"]}["lpm/priority+reuse-boost, device only"]
+    assert labels[-2:] == ["lpm/adaptive, device only", "lpm/adaptive, one cache of device+host"]
+    variant = {run["label"]: run for run in two_tier["runs"]}["lpm/adaptive, device only"]
     assert variant["hit_rate"] == device_only["hit_rate"] and variant["host_capacity_tokens"] == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -171,7 +171,7 @@ def test_simulate_window_runs_full_attention_beside_it(tmp_path: Path, capsys) -
             "--no-progress", "--json", str(out)]
     assert main(args) == 0
     runs = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
-    windowed, full = runs["lpm/priority+reuse-boost, window 16"], runs["lpm/priority+reuse-boost"]
+    windowed, full = runs["lpm/adaptive, window 16"], runs["lpm/adaptive"]
     assert windowed["window"] == 16 and full["window"] is None
     assert windowed["hit_rate"] < full["hit_rate"]
     assert windowed["held_pages_peak"] < full["held_pages_peak"]

@@ -49,7 +49,7 @@ def test_serve_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_serve_defaults_and_pool_flags_exclusive() -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.model, args.host, args.port, args.page_size, args.schedule_policy, args.eviction_policy) == \
-        ("demo", "127.0.0.1", 8000, 16, "lpm", "reuse-boost")
+        ("demo", "127.0.0.1", 8000, 16, "lpm", "adaptive")
     assert args.num_pages is None and args.kv_memory_gb is None and args.max_queue is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--num-pages", "8", "--kv-memory-gb", "1"])

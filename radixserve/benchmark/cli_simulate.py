@@ -24,6 +24,7 @@ from radixserve.benchmark.workloads import Workload
 # `--eviction-policy` names, shared with `radixserve serve`: (tree eviction, retention rule).
 # The last three are retention rules only the simulator has (the eviction study).
 EVICTION_POLICIES: dict[str, tuple[str, str]] = {
+    "adaptive": ("adaptive", "adaptive"),
     "reuse-boost": ("priority", "reuse-boost"),
     "priority": ("priority", "default"),
     "lru": ("lru", "default"),
@@ -52,9 +53,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                    help="schedule policy of the main configuration, as `radixserve serve --schedule-policy` "
                         "(default: %(default)s)")
-    p.add_argument("--eviction-policy", default="reuse-boost", choices=list(EVICTION_POLICIES),
+    p.add_argument("--eviction-policy", default="adaptive", choices=list(EVICTION_POLICIES),
                    help="eviction policy of the main configuration, as `radixserve serve --eviction-policy` "
-                        "(reuse-boost, priority, lru); the simulator also has the retention rules "
+                        "(adaptive, reuse-boost, priority, lru); the simulator also has the retention rules "
                         "system-prompt, tail-demotion and hit-boost over priority eviction "
                         "(default: %(default)s)")
     p.add_argument("--sequential", action="store_true",

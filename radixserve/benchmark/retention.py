@@ -13,9 +13,10 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from radixserve.benchmark.workloads import BenchRequest
+from radixserve.cache.adaptive import AdaptiveReuse
+from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import Retention
-from radixserve.cache.reuse import ReuseHistory
-from radixserve.engine.request import REUSED_RETENTION
+from radixserve.cache.reuse import REUSED_RETENTION, ReuseHistory
 
 RetentionRanges = list[tuple[int, int, Retention]]
 
@@ -24,6 +25,10 @@ class RetentionRule(ABC):
     """Maps an insert to `range_retention` entries for `RadixTree.insert`."""
 
     name: ClassVar[str]
+
+    def bind(self, tree: RadixTree) -> None:
+        """Called once with the simulated server's tree, before any request (a rule that
+        reads the cache, such as the adaptive one, keeps it)."""
 
     def observe(self, request: BenchRequest) -> None:
         """Called when `request` arrives at the server (the engine's `add_request`)."""
@@ -123,6 +128,31 @@ class ReuseBoost(RetentionRule):
             reply = 0 if request.output_ids is None else len(request.output_ids)
             return [(0, request.prompt_len + reply, self.retention)]
         return [(0, seen * self.page_size, self.retention)] if seen else []
+
+
+class AdaptiveBoost(ReuseBoost):
+    """The engine's default rule (cache/adaptive.py) in the simulator: the pages reuse-boost
+    would raise are boosted instead — a lead in recency that the tree's `adaptive` policy
+    learns from ghost hits, so they age out — and a session's turn (declared reuse) is
+    boosted whole. Needs `bind` (the simulated server calls it) to see the tree."""
+
+    name = "adaptive"
+
+    def __init__(self, page_size: int, window_pages: int, *, boost_sessions: bool = True) -> None:
+        super().__init__(page_size, window_pages, boost_sessions=boost_sessions)
+        self.retention = AdaptiveReuse.retention
+        self._adaptive: AdaptiveReuse | None = None
+
+    def bind(self, tree: RadixTree) -> None:
+        self._adaptive = AdaptiveReuse(tree, self.window_pages)
+
+    def observe(self, request: BenchRequest) -> None:
+        if request.index in self._seen_pages:
+            return
+        if self._adaptive is None:
+            raise RuntimeError("AdaptiveBoost: bind it to the tree first")
+        session = self.boost_sessions and request.client_id >= 0
+        self._seen_pages[request.index] = self._adaptive.observe(request.prompt_ids, boost_all=session)
 
 
 class Combined(RetentionRule):

@@ -156,6 +156,7 @@ class SimServer:
                             offload_min_priority=spec.host_offload_min_priority)
         self.tree = RadixTree(self.pool, eviction_policy=spec.eviction_policy, clock=self.clock, host=host,
                               events=events)
+        rule.bind(self.tree)
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(spec.schedule_policy, max_wait_s=spec.max_wait_s),
                                    max_running=spec.max_running, max_batch_tokens=spec.max_batch_tokens,
                                    clock=self.clock, prefix_cache=spec.use_cache, window=spec.window,

@@ -79,7 +79,9 @@ class SimConfig:
             return "no-cache"
         mode = "sequential" if self.sequential else self.schedule_policy
         rule = retention_name or self.retention.name
-        label = f"{mode}/{self.eviction_policy}" + ("" if rule == DefaultRetention.name else f"+{rule}")
+        # A rule named as its eviction policy ("adaptive": both halves of one rule) is named once.
+        label = f"{mode}/{self.eviction_policy}" + ("" if rule in (DefaultRetention.name, self.eviction_policy)
+                                                    else f"+{rule}")
         if self.host_num_pages and self.host_write_policy != WRITE_BACK:
             label += f" {self.host_write_policy}"
         if self.window:

@@ -14,6 +14,7 @@ from typing import Callable
 
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.retention import (
+    AdaptiveBoost,
     DefaultRetention,
     HitBoost,
     RetentionRule,
@@ -26,7 +27,7 @@ from radixserve.benchmark.workloads import Workload
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 REUSE_BOOST_WINDOW = 16  # history window, in multiples of the cache's pages
-RETENTION_RULES = ("default", "system-prompt", "tail-demotion", "hit-boost", "reuse-boost")
+RETENTION_RULES = ("default", "system-prompt", "tail-demotion", "hit-boost", "reuse-boost", "adaptive")
 STUDY_RULES = ("tail-demotion", "hit-boost", "reuse-boost")
 
 
@@ -42,6 +43,8 @@ def make_retention(name: str, *, page_size: int, capacity_tokens: int) -> Retent
         return HitBoost()
     if name == "reuse-boost":
         return ReuseBoost(page_size, REUSE_BOOST_WINDOW * max(capacity_tokens // page_size, 1))
+    if name == "adaptive":
+        return AdaptiveBoost(page_size, REUSE_BOOST_WINDOW * max(capacity_tokens // page_size, 1))
     raise ValueError(f"retention: unknown {name!r}, expected one of {sorted(RETENTION_RULES)}")
 
 

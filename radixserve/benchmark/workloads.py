@@ -254,6 +254,9 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "tools": tool_agents,
     "fewshot": few_shot,
 }
+from radixserve.benchmark.families import FAMILIES  # noqa: E402 (families import this module lazily)
+
+WORKLOADS.update(FAMILIES)
 
 
 def _gapped_chat(**params: Any) -> Workload:

@@ -26,7 +26,8 @@ class DeviceTier:
     def __init__(self, pool: PagePool, order: EvictionOrder, reporter: TreeEventReporter, stats: CacheStats,
                  clock: Callable[[], float], num_nodes: Callable[[], int]) -> None:
         self.pool = pool
-        self.queue: EvictionQueue[RadixNode] = EvictionQueue(order.key, self.is_candidate, num_nodes)
+        self.queue: EvictionQueue[RadixNode] = EvictionQueue(order.key, self.is_candidate, num_nodes,
+                                                             epoch=order.epoch)
         self._reporter = reporter
         self._stats = stats
         self._clock = clock

@@ -1,8 +1,8 @@
 """The order in which cached pages are evicted.
 
 Eviction takes pages from the tail of unlocked leaves. An `EvictionPolicy` turns a leaf's
-tail-page retention priority (see retention.py) and its recency into a sort key, smallest
-evicted first; `EvictionOrder` applies it to tree nodes; an `EvictionQueue` keeps the leaves
+tail-page retention priority (see retention.py), its recency and whether it is boosted (a
+re-seen page: adaptive.py) into a sort key, smallest evicted first; `EvictionOrder` applies it to tree nodes; an `EvictionQueue` keeps the leaves
 in that order and drains them.
 """
 
@@ -15,6 +15,7 @@ from typing import ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from radixserve.cache.adaptive import LeadLearner
 from radixserve.cache.node import RadixNode
 from radixserve.cache.retention import DEFAULT_PRIORITY
 
@@ -25,20 +26,35 @@ class EvictionPolicy(ABC):
     """Orders unlocked leaves for eviction; the smallest key is evicted first.
 
     `tick` is the tree's recency counter for the leaf (larger = used more recently; every
-    leaf has a distinct tick), `priority` the effective priority of the leaf's tail page.
+    leaf has a distinct tick), `priority` the effective priority of the leaf's tail page,
+    `boosted` whether that page is boosted (only the adaptive policy reads it).
     """
 
     name: ClassVar[str]
+    epoch: int = 0  # a policy whose keys can change all at once bumps it (queues re-key)
 
     @abstractmethod
-    def key(self, priority: int, tick: int) -> EvictionKey:
+    def key(self, priority: int, tick: int, boosted: bool = False) -> EvictionKey:
         """Sort key of a leaf whose tail page has `priority`."""
 
     @abstractmethod
-    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None) -> int:
-        """How many pages from the tail of a leaf (pages `priorities`, in edge order) sort
-        before `bound`, the next leaf's key (None: no other leaf). At least 1: the caller has
-        already chosen this leaf as the minimum."""
+    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None,
+                 boosted: np.ndarray | None = None) -> int:
+        """How many pages from the tail of a leaf (pages `priorities`, in edge order, and
+        which of them are `boosted`: None, none) sort before `bound`, the next leaf's key
+        (None: no other leaf). At least 1: the caller has already chosen this leaf as the
+        minimum."""
+
+
+def _run_before(priorities: np.ndarray, recency: np.ndarray | float, bound: EvictionKey | None) -> int:
+    """How many tail pages, keyed (priority, recency) page by page, sort before `bound`."""
+    if bound is None:
+        return len(priorities)
+    bound_priority, bound_recency = bound
+    before = (priorities < bound_priority) | ((priorities == bound_priority) & (recency < bound_recency))
+    from_tail = np.broadcast_to(before, priorities.shape)[::-1]
+    run = int(from_tail.argmin()) if not from_tail.all() else len(from_tail)
+    return max(run, 1)
 
 
 class PriorityPolicy(EvictionPolicy):
@@ -46,17 +62,12 @@ class PriorityPolicy(EvictionPolicy):
 
     name = "priority"
 
-    def key(self, priority: int, tick: int) -> EvictionKey:
+    def key(self, priority: int, tick: int, boosted: bool = False) -> EvictionKey:
         return (priority, tick)
 
-    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None) -> int:
-        if bound is None:
-            return len(priorities)
-        bound_priority, bound_tick = bound
-        before = (priorities < bound_priority) | ((priorities == bound_priority) & (tick < bound_tick))
-        from_tail = before[::-1]
-        run = int(from_tail.argmin()) if not from_tail.all() else len(from_tail)
-        return max(run, 1)
+    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None,
+                 boosted: np.ndarray | None = None) -> int:
+        return _run_before(priorities, tick, bound)
 
 
 class LRUPolicy(EvictionPolicy):
@@ -64,19 +75,45 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def key(self, priority: int, tick: int) -> EvictionKey:
+    def key(self, priority: int, tick: int, boosted: bool = False) -> EvictionKey:
         return (tick,)
 
-    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None) -> int:
+    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None,
+                 boosted: np.ndarray | None = None) -> int:
         # Every page of a leaf shares its tick, so the whole leaf goes before the next one.
         return len(priorities)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (PriorityPolicy, LRUPolicy)}
+class AdaptivePolicy(EvictionPolicy):
+    """Lowest effective priority first; among equals, least recently used, where a boosted
+    page counts as used `learner.lead` ticks later than it was (adaptive.py: the lead is
+    learned from ghost hits and starts at 0, plain LRU within a priority)."""
+
+    name = "adaptive"
+
+    def __init__(self) -> None:
+        self.learner = LeadLearner()
+
+    def key(self, priority: int, tick: int, boosted: bool = False) -> EvictionKey:
+        self.learner.saw_tick(tick)
+        return (priority, tick + self.learner.lead if boosted else tick)
+
+    def tail_run(self, priorities: np.ndarray, tick: int, bound: EvictionKey | None,
+                 boosted: np.ndarray | None = None) -> int:
+        recency = tick if boosted is None else tick + self.learner.lead * boosted
+        return _run_before(priorities, recency, bound)
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the lead does: queued keys are stale then."""
+        return self.learner.epoch
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (AdaptivePolicy, PriorityPolicy, LRUPolicy)}
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
-    """The eviction policy called `name` ("priority" or "lru")."""
+    """The eviction policy called `name` ("adaptive", "priority" or "lru")."""
     try:
         return POLICIES[name]()
     except KeyError:
@@ -91,10 +128,15 @@ class EvictionOrder:
         self.policy = policy
         self.page_size = page_size
 
+    def epoch(self) -> int:
+        """The policy's epoch (queues re-key their entries when it changes)."""
+        return self.policy.epoch
+
     def key(self, node: RadixNode, now: float) -> EvictionKey:
         """The policy's key of `node` as a leaf (its tail page's priority, its recency)."""
-        priority = DEFAULT_PRIORITY if node.retention is None else node.retention.tail_priority(now)
-        return self.policy.key(priority, node.tick)
+        if node.retention is None:
+            return self.policy.key(DEFAULT_PRIORITY, node.tick)
+        return self.policy.key(node.retention.tail_priority(now), node.tick, node.retention.tail_boosted)
 
     def effective(self, node: RadixNode, now: float) -> np.ndarray:
         """The effective retention priority of each of `node`'s pages at `now`."""
@@ -104,7 +146,8 @@ class EvictionOrder:
 
     def tail_run(self, node: RadixNode, now: float, bound: EvictionKey | None) -> int:
         """How many tail pages of a popped leaf sort before `bound`, the next leaf's key."""
-        return self.policy.tail_run(self.effective(node, now), node.tick, bound)
+        boosted = None if node.retention is None else node.retention.boosted
+        return self.policy.tail_run(self.effective(node, now), node.tick, bound, boosted)
 
 
 class Queueable(Protocol):
@@ -129,15 +172,20 @@ class EvictionQueue(Generic[N]):
     `key_of(node, now)` gives a node's current key; `is_candidate(node)` whether it may be
     evicted now (an unlocked leaf still in the tree); `num_nodes()` how many nodes exist, to
     bound the heap (superseded entries are dropped once they outnumber the nodes). `slot`
-    names the node attribute holding the sequence number of its live entry.
+    names the node attribute holding the sequence number of its live entry. When `epoch()`
+    changes (the adaptive policy changed its lead, which can shrink keys), every live entry
+    is re-keyed before the next pop.
     """
 
     def __init__(self, key_of: Callable[[N, float], EvictionKey], is_candidate: Callable[[N], bool],
-                 num_nodes: Callable[[], int], slot: str = "heap_seq") -> None:
+                 num_nodes: Callable[[], int], slot: str = "heap_seq",
+                 epoch: Callable[[], int] = lambda: 0) -> None:
         self._key_of = key_of
         self._is_candidate = is_candidate
         self._num_nodes = num_nodes
         self._slot = slot
+        self._epoch = epoch
+        self._keyed_in = epoch()
         self._heap: list[tuple[EvictionKey, int, N]] = []
         self._expiries: list[tuple[float, int, N]] = []
         self._seq = 0
@@ -169,6 +217,8 @@ class EvictionQueue(Generic[N]):
     def pop(self, now: float) -> tuple[N, EvictionKey, EvictionKey | None] | None:
         """The next leaf to evict, its key, and the key of the leaf after it (None: none
         queued); None when nothing is evictable. The leaf leaves the queue."""
+        if self._epoch() != self._keyed_in:
+            self._rekey(now)
         heap, slot = self._heap, self._slot
         while heap:
             key, seq, node = heapq.heappop(heap)
@@ -183,6 +233,14 @@ class EvictionQueue(Generic[N]):
                 continue
             return node, key, heap[0][0] if heap else None
         return None
+
+    def _rekey(self, now: float) -> None:
+        """Recomputes the key of every live entry (the policy's keys changed at once)."""
+        self._keyed_in = self._epoch()
+        slot = self._slot
+        self._heap[:] = [(self._key_of(node, now), seq, node) for _, seq, node in self._heap
+                         if seq == getattr(node, slot)]
+        heapq.heapify(self._heap)
 
     def drain(self, num_pages: int, now: float, tail_run: Callable[[N, float, EvictionKey | None], int],
               take: Callable[[N, int, float], int]) -> int:

@@ -184,7 +184,8 @@ def _check_links(node: RadixNode, size: int, where: str) -> None:
     if node.key != node.tokens[:size].tobytes():
         _fail("child-key", f"{where}: key is not its first page's tokens")
     kept = node.retention
-    if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == num_pages):
+    if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == len(kept.boosted)
+                                   == num_pages):
         _fail("retention-arrays", f"{where}: retention arrays do not match {num_pages} pages")
 
 
@@ -201,7 +202,8 @@ def _check_partial_leaf(node: RadixNode, size: int, where: str) -> None:
     if node.key != node.tokens.tobytes():
         _fail("child-key", f"{where}: a partial leaf's key is not its tokens")
     kept = node.retention
-    if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == 1):
+    if kept is not None and not (len(kept.priority) == len(kept.expiry) == len(kept.floor) == len(kept.boosted)
+                                   == 1):
         _fail("retention-arrays", f"{where}: retention arrays of a partial leaf do not have one page")
     keys = node.parent.sorted_keys  # checked against the children already: keys extending it follow it
     after = bisect_right(keys, node.key)

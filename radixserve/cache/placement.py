@@ -77,7 +77,7 @@ class HostPlacement:
         self._stats = stats
         self._clock = clock
         self._queue: EvictionQueue[RadixNode] = EvictionQueue(tree.order.key, self.is_candidate, tree.num_nodes,
-                                                              slot="host_heap_seq")
+                                                              slot="host_heap_seq", epoch=tree.order.epoch)
         self._cached = 0     # host pages held
         self._host_only = 0  # pages held on the host only
         self._calls = 0      # numbers device-eviction calls (see `leave_device`)

@@ -13,6 +13,9 @@ from typing import Hashable
 import numpy as np
 
 from radixserve.cache.page_hash import MASK64, page_hashes
+from radixserve.cache.retention import Retention
+
+REUSED_RETENTION = Retention(60)  # pages seen before outrank first-seen ones (default 35)
 
 
 class ReuseHistory:
@@ -20,8 +23,10 @@ class ReuseHistory:
     page observations, then records the prompt's pages as seen now.
 
     Namespaces are kept apart (the namespace seeds the hashes), so one tenant's prompts
-    never change how another's pages are retained.
+    never change how another's pages are retained. The pages seen get `retention`.
     """
+
+    retention = REUSED_RETENTION
 
     def __init__(self, page_size: int, window_pages: int) -> None:
         self.page_size = page_size
@@ -34,8 +39,15 @@ class ReuseHistory:
 
         A prompt's pages share one time stamp, so the seen pages always form a prefix.
         """
+        return self.observe_hashes(self.hashes(tokens, namespace))
+
+    def hashes(self, tokens: np.ndarray, namespace: Hashable = None) -> list[int]:
+        """The prefix hash of each full page of `tokens` in `namespace`."""
         seed = hash(namespace) & MASK64 if namespace is not None else 0
-        hashes = page_hashes(tokens, self.page_size, seed)[0].tolist()
+        return page_hashes(tokens, self.page_size, seed)[0].tolist()
+
+    def observe_hashes(self, hashes: list[int]) -> int:
+        """`observe` for a prompt's page hashes (`hashes`)."""
         seen = 0
         for h in hashes:
             last = self._last_seen.get(h)
@@ -48,3 +60,7 @@ class ReuseHistory:
         if len(self._last_seen) > 4 * self.window_pages + 1024:  # forget what left the window
             self._last_seen = {h: t for h, t in self._last_seen.items() if self._clock - t < self.window_pages}
         return seen
+
+    def __len__(self) -> int:
+        """Hashes remembered (at most about 4 windows' worth)."""
+        return len(self._last_seen)

@@ -52,10 +52,11 @@ class Engine:
         num_pages / kv_memory_gb: size of the KV pool, by pages or by bytes; default: 0.5 GB on
             CPU, 80% of free memory on CUDA.
         schedule_policy: "lpm" (longest cached prefix first), "dfs-weight" or "fcfs".
-        eviction_policy: "reuse-boost" (the default: "priority", plus pages whose prefix was
-            seen recently — remembered beyond eviction — are retained at priority 60; the best
-            policy measured, see docs/benchmark.md), "priority" (retention priority, then
-            LRU) or "lru".
+        eviction_policy: "adaptive" (the default: retention priority, then recency, where
+            pages whose prefix was seen recently — remembered beyond eviction — count as used
+            later by a lead learned from the cache's own misses; cache/adaptive.py),
+            "reuse-boost" ("priority", plus those pages retained at priority 60 for good),
+            "priority" (retention priority, then LRU) or "lru".
         max_running: sequences decoding at once. max_queue: waiting requests before QueueFull.
         max_batch_tokens: tokens per forward step; longer prompts are prefilled in chunks.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
@@ -89,7 +90,7 @@ class Engine:
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
                  kv_memory_gb: float | None = None, device: str | None = None,
-                 schedule_policy: str = "lpm", eviction_policy: str = "reuse-boost", *,
+                 schedule_policy: str = "lpm", eviction_policy: str = "adaptive", *,
                  dtype: str | torch.dtype | None = None, max_running: int = 256,
                  max_queue: int | None = None, max_batch_tokens: int = 2048,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
@@ -188,6 +189,7 @@ class Engine:
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
+            req.reused_retention = self.reuse_history.retention
         self._requests[request_id] = req
         self.scheduler.fair.arrive(tenant)
         self._deltas.open(request_id)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from radixserve.cache.adaptive import AdaptiveReuse
 from radixserve.cache.events import CacheEventHub
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.pool import PagePool
@@ -25,13 +26,14 @@ REUSE_WINDOW = 16  # reuse history length, in multiples of the cache's pages, bo
 @dataclass(frozen=True)
 class EngineCache:
     """The cache an engine schedules over: device pool, optional host tier, the tree over
-    both (publishing to `events`) and, for "reuse-boost" eviction, the reuse history."""
+    both (publishing to `events`) and, for "adaptive" and "reuse-boost" eviction, the reuse
+    history (adaptive: an `AdaptiveReuse`, which also teaches the tree's policy its lead)."""
 
     pool: PagePool
     host_tier: HostTier | None
     events: CacheEventHub
     tree: RadixTree
-    reuse_history: ReuseHistory | None
+    reuse_history: ReuseHistory | AdaptiveReuse | None
 
 
 def build_cache(loaded: LoadedModel, page_size: int, *, num_pages: int | None, kv_memory_gb: float | None,
@@ -48,8 +50,11 @@ def build_cache(loaded: LoadedModel, page_size: int, *, num_pages: int | None, k
     tree = RadixTree(pool, eviction_policy="priority" if reuse_boost else eviction_policy,
                      events=events, host=host_tier, hashing=hashing)
     cache_pages = pool.num_pages + (host_tier.pool.num_pages if host_tier else 0)
-    reuse_history = (ReuseHistory(page_size, REUSE_WINDOW * cache_pages)
-                     if reuse_boost and prefix_cache else None)
+    reuse_history: ReuseHistory | AdaptiveReuse | None = None
+    if prefix_cache and reuse_boost:
+        reuse_history = ReuseHistory(page_size, REUSE_WINDOW * cache_pages)
+    elif prefix_cache and eviction_policy == "adaptive":
+        reuse_history = AdaptiveReuse(tree, REUSE_WINDOW * cache_pages)
     return EngineCache(pool, host_tier, events, tree, reuse_history)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Hashable
 import numpy as np
 
 from radixserve.cache.radix import RadixNode, Retention
+from radixserve.cache.reuse import REUSED_RETENTION
 from radixserve.cache.transfer import LoadHandle
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.engine.params import SamplingParams, TokenLogprob
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
     from radixserve.engine.beam import BeamGroup
 
 _ids = itertools.count()
-REUSED_RETENTION = Retention(60)  # pages seen before outrank first-seen ones (default 35)
 
 
 def namespace_of(model_name: str, cache_salt: str | None, tenant: str | None = None) -> Hashable:
@@ -61,6 +61,7 @@ class Request:
     # tenant's (engine/fair_share.py).
     priority_across_tenants: bool = False
     reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
+    reused_retention: Retention = REUSED_RETENTION  # what they get (the reuse rule's)
     sequences: list[SequenceState] = field(default_factory=list)
     cached_tokens: int | None = None  # set when its first sequence is first admitted
     host_cached_tokens: int = 0  # how many of those were copied back from the host tier
@@ -80,7 +81,7 @@ class Request:
             num_tokens, retention = self.prefix_retention
             ranges.append((0, num_tokens, retention))
         if self.reused_tokens:
-            ranges.append((0, self.reused_tokens, REUSED_RETENTION))
+            ranges.append((0, self.reused_tokens, self.reused_retention))
         return ranges
 
 

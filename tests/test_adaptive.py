@@ -1,0 +1,154 @@
+"""The adaptive eviction rule (cache/adaptive.py): never far below LRU on random traffic, its
+state bounded, explicit priorities kept, boosted pages aging out, queues re-keyed when the
+lead changes."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixserve.cache.adaptive import LEADS, AdaptiveReuse, GhostCache, LeadDuel
+from radixserve.cache.invariants import check_invariants
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree, Retention
+
+PAGE = 4
+# The documented margin: on random traffic the adaptive rule may hit fewer prompt tokens than
+# LRU of the same capacity by at most this share of all prompt tokens (it starts as LRU and
+# leaves it only on evidence, but a lead chosen on past traffic can be wrong for what follows).
+MARGIN = 0.01
+
+
+def serve(tree: RadixTree, prompt: np.ndarray, reuse: AdaptiveReuse | None) -> int:
+    """One request as the engine runs it, prompt only: observe, match, make room, insert."""
+    seen = reuse.observe(prompt) if reuse is not None else 0
+    match = tree.match(prompt)
+    tree.lock(match.node)
+    full = len(prompt) // PAGE
+    need = full - len(match.pages)
+    if tree.pool.num_free < need:
+        tree.evict(need - tree.pool.num_free)
+    new = tree.pool.allocate(need)
+    ranges = [(0, seen * PAGE, reuse.retention)] if seen else []
+    tree.insert(prompt[: full * PAGE], list(match.pages) + new, range_retention=ranges)
+    tree.unlock(match.node)
+    tree.pool.decref(new)
+    return match.num_tokens
+
+
+def run(prompts: list[np.ndarray], num_pages: int, policy: str) -> tuple[int, RadixTree, AdaptiveReuse | None]:
+    tree = RadixTree(PagePool(num_pages, PAGE), eviction_policy=policy)
+    reuse = AdaptiveReuse(tree, 16 * num_pages) if policy == "adaptive" else None
+    hits = sum(serve(tree, p, reuse) for p in prompts)
+    return hits, tree, reuse
+
+
+@st.composite
+def traffic(draw: st.DrawFn) -> tuple[list[np.ndarray], int]:
+    """Prompts drawn from a few documents (a prefix of one, then a fresh tail) and one-off
+    prompts, in a random order; a cache of 8 to 64 pages."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    num_docs = draw(st.integers(1, 8))
+    docs = [rng.integers(1, 1000, size=PAGE * int(rng.integers(1, 16))) + 1000 * (d + 1) for d in range(num_docs)]
+    skew = draw(st.floats(0.0, 2.0))
+    weights = 1.0 / np.arange(1, num_docs + 1) ** skew
+    prompts = []
+    for _ in range(draw(st.integers(10, 150))):
+        if rng.random() < draw(st.floats(0.0, 0.5)) if not prompts else rng.random() < 0.2:
+            prompts.append(rng.integers(10**6, 10**7, size=PAGE * int(rng.integers(1, 12))))  # one-off
+            continue
+        doc = docs[rng.choice(num_docs, p=weights / weights.sum())]
+        cut = PAGE * int(rng.integers(1, len(doc) // PAGE + 1))
+        prompts.append(np.concatenate([doc[:cut], rng.integers(10**7, 10**8, size=int(rng.integers(0, 3 * PAGE)))]))
+    return prompts, draw(st.integers(20, 64))  # the longest prompt is 18 pages
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traffic())
+def test_adaptive_never_far_below_lru(case: tuple[list[np.ndarray], int]) -> None:
+    prompts, num_pages = case
+    lru, _, _ = run(prompts, num_pages, "lru")
+    adaptive, tree, reuse = run(prompts, num_pages, "adaptive")
+    total = sum(len(p) for p in prompts)
+    assert adaptive >= lru - MARGIN * total, (adaptive, lru, total, reuse.duel.switches)
+    check_invariants(tree.pool, tree, [])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traffic())
+def test_adaptive_state_stays_bounded(case: tuple[list[np.ndarray], int]) -> None:
+    prompts, num_pages = case
+    _, tree, reuse = run(prompts * 3, num_pages, "adaptive")
+    window = 16 * num_pages
+    assert len(reuse.history) <= 4 * window + 1024 + max(len(p) for p in prompts) // PAGE
+    for ghost in reuse.duel.ghosts:
+        assert len(ghost) <= ghost.capacity
+        assert len(ghost._heap) <= 4 * ghost.capacity + 64 + 1
+    assert tree.policy.learner.lead in LEADS
+    assert len(tree.queued_nodes()) <= 2 * sum(1 for _ in tree.nodes()) + 64
+
+
+def test_the_ghost_cache_orders_boosted_pages_by_their_lead() -> None:
+    lru, boosted = GhostCache(2, 0.0), GhostCache(2, 1e15)
+    for ghost in (lru, boosted):
+        ghost.access(1, 0, True, True)    # page 1, boosted
+        ghost.access(2, 1, False, True)
+        ghost.access(3, 2, False, True)   # evicts the smallest key
+        ghost.access(1, 3, False, True)
+    assert lru.hits == 0 and boosted.hits == 1  # LRU evicted page 1, the boosted one kept it
+
+
+def test_the_duel_leaves_lru_only_on_clear_evidence() -> None:
+    duel = LeadDuel(4)
+    hot = [[7, 8]] * 3
+    assert duel.lead == 0.0
+    for tick in range(3):  # too few hits to be evidence
+        duel.observe(hot[tick], 2, tick, 0)
+    assert duel.lead == 0.0
+
+
+def tree_with(num_pages: int = 8) -> RadixTree:
+    return RadixTree(PagePool(num_pages, PAGE), eviction_policy="adaptive")
+
+
+def insert(tree: RadixTree, tokens: list[int], retention: Retention | None = None, boost: bool = False) -> None:
+    pages = tree.pool.allocate(len(tokens) // PAGE)
+    ranges = [(0, len(tokens), Retention(boost=True))] if boost else []
+    tree.insert(tokens, pages, retention=retention, range_retention=ranges)
+    tree.pool.decref(pages)
+
+
+def test_a_boosted_page_ages_out_after_its_lead() -> None:
+    tree = tree_with()
+    tree.policy.learner.set_lead(4.0)
+    insert(tree, [1, 1, 1, 1], boost=True)  # tick 1, boosted: ordered as tick 5
+    insert(tree, [2, 2, 2, 2])              # tick 2
+    tree.evict(1)
+    assert tree.match([1, 1, 1, 1], update=False).num_tokens == 4  # the fresh one went first
+    for t in range(3, 9):
+        insert(tree, [t] * 4)  # fresh pages at ticks 3..8
+    tree.evict(3)              # ticks 3, 4, then the boosted page (tick 1 + lead 4)
+    assert tree.match([1, 1, 1, 1], update=False).num_tokens == 0  # its lead is spent
+    assert tree.match([6, 6, 6, 6], update=False).num_tokens == 4
+
+
+def test_an_explicit_priority_outranks_any_lead() -> None:
+    tree = tree_with()
+    tree.policy.learner.set_lead(LEADS[-1])
+    insert(tree, [1, 1, 1, 1], retention=Retention(36))
+    insert(tree, [2, 2, 2, 2], boost=True)
+    tree.evict(1)
+    assert tree.match([1, 1, 1, 1], update=False).num_tokens == 4
+    assert tree.match([2, 2, 2, 2], update=False).num_tokens == 0
+
+
+def test_queues_rekey_when_the_lead_changes() -> None:
+    tree = tree_with()
+    tree.policy.learner.set_lead(LEADS[-1])
+    insert(tree, [1, 1, 1, 1], boost=True)  # queued with an unbounded lead
+    insert(tree, [2, 2, 2, 2])
+    tree.policy.learner.set_lead(0.0)       # plain LRU now: the boosted page is the oldest
+    tree.evict(1)
+    assert tree.match([1, 1, 1, 1], update=False).num_tokens == 0
+    assert tree.match([2, 2, 2, 2], update=False).num_tokens == 4

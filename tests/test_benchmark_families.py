@@ -1,0 +1,70 @@
+"""Workload families (benchmark/families.py) and the policy matrix (`bench matrix --quick`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from radixserve.benchmark.families import FAMILIES
+from radixserve.benchmark.matrix import build_workload, matrix_workloads
+from radixserve.benchmark.optimum import WorkloadBounds
+from radixserve.benchmark.workloads import WORKLOADS, make_workload
+from radixserve.cli import main
+
+SMALL = dict(scale=1 / 16, token_scale=1 / 16)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_family_is_seeded_registered_and_well_formed(name: str) -> None:
+    assert name in WORKLOADS
+    first, again = make_workload(name, **SMALL), make_workload(name, **SMALL)
+    other = make_workload(name, **SMALL, seed=1)
+    assert [r.prompt_ids.tolist() for r in first.requests] == [r.prompt_ids.tolist() for r in again.requests]
+    assert [r.prompt_ids.tolist() for r in first.requests] != [r.prompt_ids.tolist() for r in other.requests]
+    times = [r.arrival_time for r in first.requests]
+    assert times == sorted(times) and all(r.index == i for i, r in enumerate(first.requests))
+    for r in first.requests:
+        if r.parent is not None:  # a turn extends its parent's prompt and reply, and comes later
+            parent = first.requests[r.parent]
+            assert r.parent < r.index and r.arrival_time >= parent.arrival_time
+            history = np.concatenate([parent.prompt_ids, parent.output_ids])
+            assert np.array_equal(r.prompt_ids[: len(history)], history)
+        assert r.client_id == -1  # like a trace: no declared session
+
+
+def test_the_scan_never_repeats_and_chats_pause_for_minutes() -> None:
+    scan = make_workload("scan", **SMALL)
+    assert WorkloadBounds(scan).infinite().hit_tokens == 0
+    chat = make_workload("chat-gaps", scale=1 / 4, token_scale=1 / 16)
+    gaps = [r.arrival_time - chat.requests[r.parent].arrival_time for r in chat.requests if r.parent is not None]
+    assert np.median(gaps) > 60 and max(gaps) > 10 * np.median(gaps)  # heavy-tailed, in minutes
+
+
+def test_zipf_documents_are_popular_by_rank() -> None:
+    docs = make_workload("zipf-docs", scale=1 / 4, token_scale=1 / 16)
+    counts = np.bincount([r.group_id for r in docs.requests])
+    assert counts[0] > 4 * np.median(counts[counts > 0])
+
+
+def test_every_matrix_workload_builds_scaled() -> None:
+    for name in matrix_workloads():
+        full, small = build_workload(name, 1 / 16), build_workload(name, 1 / 32)
+        assert full.requests and small.prompt_tokens < full.prompt_tokens, name
+
+
+def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "m.json"
+    assert main(["bench", "matrix", "--quick", "--workloads", "zipf-docs,gsp", "--no-progress",
+                 "--json", str(out)]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    shapes = {(c["workload"], c["host_tokens"] > 0, c["replicas"]) for c in cells}
+    assert shapes == {(w, host, n) for w in ("zipf-docs", "gsp") for host, n in ((False, 1), (False, 4), (True, 1))}
+    for c in cells:
+        assert set(c["hit_rates"]) == {"adaptive", "lru", "reuse-boost"}
+        assert all(0 <= rate <= c["optimum"] + 1e-9 for rate in c["hit_rates"].values()) or c["replicas"] > 1
+        assert c["below_lru"] == (c["hit_rates"]["adaptive"] < c["hit_rates"]["lru"])
+    printed = capsys.readouterr().out
+    assert "| workload | capacity | tiers | replicas | default (adaptive) |" in printed and "cells:" in printed
