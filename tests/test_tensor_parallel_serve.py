@@ -79,6 +79,7 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(900)  # a Ray start and a TP start, on a loaded machine
 def test_one_ray_serve_replica_is_one_tp_group(tiny_llama_dir: Path) -> None:
     require_ray()
     expected = expected_tokens(tiny_llama_dir)
