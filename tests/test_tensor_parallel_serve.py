@@ -7,7 +7,10 @@ reason and requests end with an error; Ctrl-C ends the server and every worker. 
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -17,7 +20,7 @@ from cluster_util import STARTUP_TIMEOUT_S, require_ray
 
 from radixserve import Engine, SamplingParams
 from tests.server_util import wait_for
-from tests.test_server_cli import free_port, start_serve, stop
+from tests.test_server_cli import REPO_ROOT, free_port, start_serve, stop
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_TOKENS = 6
@@ -76,12 +79,17 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(900)  # a Ray start and a TP start, on a loaded machine
 def test_one_ray_serve_replica_is_one_tp_group(tiny_llama_dir: Path) -> None:
     require_ray()
     expected = expected_tokens(tiny_llama_dir)
     port = free_port()
-    process = start_serve(port, "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2",
-                          "--replicas", "1", "--page-size", "16")
+    # Not start_serve: Ray's start on a loaded machine can take longer than its 2 minutes.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--model", str(tiny_llama_dir),
+         "--device", "cpu", "--tensor-parallel-size", "2", "--replicas", "1", "--num-pages", "32"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        cwd=REPO_ROOT)
     try:
         url = f"http://127.0.0.1:{port}"
         assert wait_for(lambda: health_status(url) == 200, STARTUP_TIMEOUT_S)
