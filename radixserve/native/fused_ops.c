@@ -93,7 +93,7 @@ void radixserve_rope(void *q, void *k, const void *cos, const void *sin, int64_t
     }
 }
 
-/* silu(g) = g / (1 + e^-g). */
+/* silu(g) = g / (1 + e^-g) = g * e^g / (1 + e^g): the form whose exponent is <= 0. */
 void radixserve_silu_mul(const void *gate, const void *up, void *out, int64_t rows, int64_t dim,
                          int dtype, int num_threads) {
     int threads = rows * dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
@@ -101,7 +101,9 @@ void radixserve_silu_mul(const void *gate, const void *up, void *out, int64_t ro
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = 0; j < dim; ++j) {
             float g = load(gate, r * dim + j, dtype), u = load(up, r * dim + j, dtype);
-            float silu = rounded(g / (1.0f + expf(-g)), dtype);
+            /* e^-|g| never overflows, and exp_nonpositive vectorises (expf is a libm call) */
+            float e = exp_nonpositive(-fabsf(g));
+            float silu = rounded(g * (g >= 0.0f ? 1.0f : e) / (1.0f + e), dtype);
             store(out, r * dim + j, silu * u, dtype);
         }
     }

@@ -36,9 +36,16 @@ def unavailable_reason() -> str | None:
     return build.unavailable_reason(NAME)
 
 
+# The bfloat16 kernels widen and round element by element, which the compiler leaves scalar:
+# they beat torch's dispatch at a decode step's few rows, not at a prefill's many.
+BF16_MAX_ROWS = 32
+
+
 def applies(x: Tensor) -> bool:
-    """Whether the kernels take tensors like `x`: float32 or bfloat16 on the CPU, library built."""
-    return x.dtype in DTYPE_CODES and x.is_cpu and library() is not None
+    """Whether the kernels take tensors like `x` (rows along dim 0): float32, or bfloat16 with
+    at most BF16_MAX_ROWS rows, on the CPU, library built."""
+    return ((x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= BF16_MAX_ROWS))
+            and x.is_cpu and library() is not None)
 
 
 def _threads() -> int:
