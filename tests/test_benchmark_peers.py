@@ -19,7 +19,8 @@ from radixserve.benchmark.peer_workloads import (
     append_turn,
     build_workloads,
 )
-from radixserve.benchmark.peers import TurnRecord, chat_payload, read_usage
+from radixserve.benchmark.peers import chat_payload, read_usage
+from radixserve.benchmark.serve import RequestRecord
 from radixserve.server import create_app
 
 SMALL = dict(requests=4, concurrency=2, system_chars=600, prompt_chars=300)
@@ -56,14 +57,14 @@ def test_an_agent_step_answers_a_tool_call_with_a_tool_message() -> None:
 
 
 def test_cached_tokens_come_from_either_servers_report() -> None:
-    openai_style = TurnRecord()
+    openai_style = RequestRecord(0)
     read_usage({"usage": {"prompt_tokens": 100, "completion_tokens": 8,
                           "prompt_tokens_details": {"cached_tokens": 64}}}, openai_style)
     assert (openai_style.prompt_tokens, openai_style.completion_tokens, openai_style.cached_tokens) == (100, 8, 64)
-    llama_style = TurnRecord()  # llama-server: timings on the last chunk, usage without details
+    llama_style = RequestRecord(0)  # llama-server: timings on the last chunk, usage without details
     read_usage({"choices": [], "timings": {"cache_n": 90, "prompt_n": 10, "predicted_n": 8}}, llama_style)
     assert (llama_style.prompt_tokens, llama_style.completion_tokens, llama_style.cached_tokens) == (100, 8, 90)
-    both = TurnRecord()
+    both = RequestRecord(0)
     read_usage({"usage": {"prompt_tokens": 100, "completion_tokens": 8}, "timings": {"cache_n": 90}}, both)
     assert both.cached_tokens == 90 and both.prompt_tokens == 100
 

@@ -19,26 +19,14 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
 
 from radixserve.benchmark.peer_workloads import Conversation, PeerWorkload, append_turn
-
-
-@dataclass
-class TurnRecord:
-    """One request's measurements (seconds); `error` set when it failed."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_s: float = float("nan")
-    latency_s: float = float("nan")
-    itl_s: list[float] = field(default_factory=list)
-    text: str = ""
-    error: str | None = None
+from radixserve.benchmark.serve import RequestRecord
+from radixserve.benchmark.sse import StreamFailed, stream_chunks
 
 
 @dataclass
@@ -49,7 +37,7 @@ class RunRecord:
     workload: str
     repeat: int
     wall_s: float
-    turns: list[TurnRecord]
+    turns: list[RequestRecord]
 
     def figures(self) -> dict[str, float]:
         """wall time, throughput, latency percentiles and cache share of this run."""
@@ -88,39 +76,29 @@ def chat_payload(messages: list[dict[str, object]], conversation: Conversation, 
     return payload
 
 
-async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, object]) -> TurnRecord:
+async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, object],
+                      index: int = 0) -> RequestRecord:
     """Streams one chat completion and measures it; a failure is recorded, never raised."""
-    record = TurnRecord()
+    record = RequestRecord(index)
     start = time.perf_counter()
     last: float | None = None
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {body[:200]}"
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = f"stream error: {chunk['error']}"
-                    return record
-                choices = chunk.get("choices") or []
-                delta = choices[0].get("delta", {}) if choices else {}
-                content = delta.get("content") or delta.get("reasoning_content") or ""
-                if content:
-                    now = time.perf_counter()
-                    record.text += content
-                    if last is None:
-                        record.ttft_s = now - start
-                    else:
-                        record.itl_s.append(now - last)
-                    last = now
-                read_usage(chunk, record)
+        async for chunk in stream_chunks(client, f"{url}/v1/chat/completions", payload):
+            choices = chunk.get("choices") or []
+            delta = choices[0].get("delta", {}) if choices else {}
+            content = delta.get("content") or delta.get("reasoning_content") or ""
+            if content:
+                now = time.perf_counter()
+                record.text += content
+                if last is None:
+                    record.ttft_s = now - start
+                else:
+                    record.itl_s.append(now - last)
+                last = now
+            read_usage(chunk, record)
+    except StreamFailed as exc:
+        record.error = str(exc)
+        return record
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -130,7 +108,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, ob
     return record
 
 
-def read_usage(chunk: dict[str, object], record: TurnRecord) -> None:
+def read_usage(chunk: dict[str, object], record: RequestRecord) -> None:
     """Token counts from a chunk's `usage` (OpenAI) and `timings` (llama-server)."""
     usage = chunk.get("usage")
     if isinstance(usage, dict):
@@ -148,21 +126,22 @@ def read_usage(chunk: dict[str, object], record: TurnRecord) -> None:
 
 
 async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, model: str | None,
-                       timeout_s: float) -> tuple[float, list[TurnRecord]]:
+                       timeout_s: float) -> tuple[float, list[RequestRecord]]:
     """All of `workload`'s conversations, `workload.concurrency` at a time (closed loop);
     returns the wall time and every turn's record."""
     url = url.rstrip("/")
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for conversation in workload.conversations:
         queue.put_nowait(conversation)
-    records: list[TurnRecord] = []
+    records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=max(workload.concurrency, 1))
 
     async def converse(client: httpx.AsyncClient, conversation: Conversation) -> None:
         messages: list[dict[str, object]] = [{"role": "system", "content": conversation.system}]
         for step, turn in enumerate(conversation.turns):
             append_turn(messages, turn, step)
-            record = await stream_turn(client, url, chat_payload(messages, conversation, max_tokens, model))
+            record = await stream_turn(client, url, chat_payload(messages, conversation, max_tokens, model),
+                                       index=len(records))
             records.append(record)
             if record.error is not None:
                 return
