@@ -1,6 +1,6 @@
-"""`radixserve bench {simulate,serve,compare,tiers,matrix}`: the parser; each subcommand lives in its
-own module (cli_simulate, cli_serve, cli_compare: compare and tiers, cli_matrix), with what they
-share in cli_common."""
+"""`radixserve bench {simulate,serve,compare,tiers,matrix,peers}`: the parser; each subcommand lives in
+its own module (cli_simulate, cli_serve, cli_compare: compare and tiers, cli_matrix, cli_peers), with
+what they share in cli_common."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 from radixserve.benchmark.cli_common import load_workload, parse_workload_args
 from radixserve.benchmark.cli_compare import _add_compare, _add_tiers, _report_failures
 from radixserve.benchmark.cli_matrix import _add_matrix
+from radixserve.benchmark.cli_peers import _add_peers
 from radixserve.benchmark.cli_serve import _add_serve
 from radixserve.benchmark.cli_simulate import EVICTION_POLICIES, _add_simulate
 
@@ -26,3 +27,4 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_compare(sub)
     _add_tiers(sub)
     _add_matrix(sub)
+    _add_peers(sub)

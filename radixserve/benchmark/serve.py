@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from radixserve.benchmark.sse import StreamFailed, stream_chunks
 from radixserve.benchmark.workloads import BenchRequest, Workload
 
 
@@ -130,36 +131,25 @@ async def send_request(client: httpx.AsyncClient, url: str, request: BenchReques
     start = time.perf_counter()
     last_chunk: float | None = None
     try:
-        async with client.stream("POST", f"{url}/v1/completions",
-                                 json=completion_payload(request, model, isolate=isolate)) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {body[:200]}"
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:  # the server failed after the headers went out
-                    record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
-                    return record
-                now = time.perf_counter()
-                if chunk.get("choices"):
-                    record.text += chunk["choices"][0].get("text") or ""
-                    if last_chunk is None:
-                        record.ttft_s = now - start
-                    else:
-                        record.itl_s.append(now - last_chunk)
-                    last_chunk = now
-                usage = chunk.get("usage")
-                if usage:
-                    record.prompt_tokens = usage["prompt_tokens"]
-                    record.completion_tokens = usage["completion_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = details.get("cached_tokens", 0) or 0
+        async for chunk in stream_chunks(client, f"{url}/v1/completions",
+                                         completion_payload(request, model, isolate=isolate)):
+            now = time.perf_counter()
+            if chunk.get("choices"):
+                record.text += chunk["choices"][0].get("text") or ""
+                if last_chunk is None:
+                    record.ttft_s = now - start
+                else:
+                    record.itl_s.append(now - last_chunk)
+                last_chunk = now
+            usage = chunk.get("usage")
+            if usage:
+                record.prompt_tokens = usage["prompt_tokens"]
+                record.completion_tokens = usage["completion_tokens"]
+                details = usage.get("prompt_tokens_details") or {}
+                record.cached_tokens = details.get("cached_tokens", 0) or 0
+    except StreamFailed as exc:
+        record.error = str(exc)
+        return record
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from radixserve.native import fused_ops
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in float32 and cast back before the scale (as HF does)."""
@@ -17,6 +19,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise over the last dimension."""
+        if fused_ops.applies(x) and x.is_contiguous():
+            return fused_ops.add_rms_norm(x, None, self.weight, self.eps)
+        return self._torch_forward(x)
+
+    def add_and_norm(self, x: Tensor, delta: Tensor) -> Tensor:
+        """x += delta (in place: x is the residual stream), then return the normalised x; one
+        pass over the rows on the CPU."""
+        if fused_ops.applies(x) and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+            return fused_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        x.add_(delta)
+        return self._torch_forward(x)
+
+    def _torch_forward(self, x: Tensor) -> Tensor:
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -34,4 +49,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP token-wise."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if fused_ops.applies(gate) and gate.is_contiguous() and up.is_contiguous():
+            return self.down_proj(fused_ops.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)

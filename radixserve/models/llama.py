@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from radixserve.models.layers import GatedMLP, RMSNorm
-from radixserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+from radixserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_qk
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary_qk(q, k, cos, sin)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, sm_scale=self.sm_scale, window=self.window)
         return self.o_proj(out.reshape(num_tokens, self.num_qo_heads * self.head_dim))
@@ -146,9 +146,9 @@ class DecoderLayer(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
     ) -> Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x [T, hidden] -> [T, hidden]; x itself is the residual stream and is updated in place."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, meta, backend, k_cache, v_cache)
+        return x.add_(self.mlp(self.post_attention_layernorm.add_and_norm(x, attended)))
 
 
 class DecoderStack(nn.Module):

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from radixserve.native import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -89,3 +91,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """`apply_rotary` on q [T, Hq, D] and k [T, Hk, D]; on the CPU one in-place C pass over both
+    (q and k must then be tensors the caller may overwrite)."""
+    if (fused_ops.applies(q) and q.dtype == k.dtype == cos.dtype and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2] and cos.is_contiguous() and sin.is_contiguous()):
+        fused_ops.rope(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

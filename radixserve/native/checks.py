@@ -192,3 +192,35 @@ def token_mask_arguments(logits: Tensor, rows: list[int], bitmask: Tensor) -> tu
                          f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
     _require_all((indices >= 0) & (indices < num_rows), f"masked rows must lie in [0, {num_rows})", indices)
     return indices, np.ascontiguousarray(bitmask.numpy())
+
+
+def _dense_cpu(t: Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+
+def fused_arguments(kernel: str, x: Tensor, others: list[Tensor], shape: tuple[int, ...] | torch.Size) -> None:
+    """Checks a fused element-wise call: x and `others` contiguous on the CPU, float32 or
+    bfloat16 alike, all of `shape` (x has at least one dimension)."""
+    ok = (x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 1 and _dense_cpu(x, x.dtype)
+          and tuple(x.shape) == tuple(shape)
+          and all(_dense_cpu(t, x.dtype) and tuple(t.shape) == tuple(shape) for t in others))
+    if not ok:
+        got = ", ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else " (strided)")
+                        for t in (x, *others))
+        raise ValueError(f"the CPU {kernel} kernel needs contiguous float32 or bfloat16 tensors of shape "
+                         f"{tuple(shape)} on the CPU, got {got}")
+
+
+def rope_arguments(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Checks a RoPE call: q [T, Hq, D] and k [T, Hk, D] with unit-stride heads (rows may be
+    strided), cos and sin [T, D] contiguous, all on the CPU in one of float32 / bfloat16."""
+    ok = (q.dtype in (torch.float32, torch.bfloat16) and q.dim() == 3 and k.dim() == 3
+          and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0
+          and q.dtype == k.dtype and q.is_cpu and k.is_cpu
+          and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+          and all(_dense_cpu(t, q.dtype) and tuple(t.shape) == (q.shape[0], q.shape[2]) for t in (cos, sin)))
+    if not ok:
+        got = ", ".join(f"{name} {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+                        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)))
+        raise ValueError(f"the CPU RoPE kernel needs q [T, Hq, D], k [T, Hk, D] (heads of unit stride, D even) "
+                         f"and contiguous cos, sin [T, D], all float32 or all bfloat16 on the CPU; got {got}")

@@ -72,6 +72,9 @@ def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: PagedRows, out: Tenso
     checks.attention_call(q, k_cache, v_cache, out, rows.checked, rows.page_size)
     _, num_qo_heads, head_dim = q.shape
     threads, scratch = threads_and_scratch(NAME, scratch_floats_per_thread(rows, num_qo_heads, head_dim))
+    # Rows are what the threads share out: a thread more than there are rows would only join
+    # the region's barrier (at batch 1, every layer would wait on a thread with nothing to do).
+    threads = min(threads, max(len(rows), 1))
     status = loaded.radixserve_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rows._pointers,
         len(rows), num_qo_heads, k_cache.shape[2], head_dim, rows.page_size, scale, rows.max_keys,

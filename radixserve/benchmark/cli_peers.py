@@ -1,0 +1,113 @@
+"""`radixserve bench peers`: its arguments, the command and its tables."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from pathlib import Path
+
+from radixserve.benchmark.cli_common import say, write_json
+from radixserve.benchmark.peer_workloads import WORKLOAD_NAMES, build_workloads
+
+
+def _add_peers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("peers", help="the same chat workloads against several OpenAI-compatible servers",
+                       description="Drive several OpenAI-compatible servers (radixserve, llama-server, ...) "
+                                   "with one client and one set of chat workloads, alternating servers "
+                                   "between repeats; prints medians and ratios to the first server.")
+    p.add_argument("--server", action="append", required=True, metavar="NAME=URL",
+                   help="a server to drive (repeat the flag; the first is the baseline of the ratios)")
+    p.add_argument("--workloads", default="shared,multiturn,agent,distinct,single",
+                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=3, help="alternating runs per workload (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=64, help="requests per workload (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=16, help="conversations in flight (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens each reply has (default: %(default)s)")
+    p.add_argument("--system-chars", type=int, default=4500,
+                   help="characters of the shared system prompt, about 1,000 tokens (default: %(default)s)")
+    p.add_argument("--prompt-chars", type=int, default=2200,
+                   help="characters of each distinct prompt, about 500 tokens (default: %(default)s)")
+    p.add_argument("--model", default=None, help="model name to put in requests")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per-request timeout (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write every run and the summary here")
+    p.set_defaults(handler=peers_command)
+
+
+def parse_servers(items: list[str]) -> dict[str, str]:
+    """['a=http://x', ...] -> {'a': 'http://x'}; ValueError on a malformed or repeated name."""
+    servers: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--server: expected NAME=http://HOST:PORT, got {item!r}")
+        if name in servers:
+            raise ValueError(f"--server: {name!r} given twice")
+        servers[name] = url
+    return servers
+
+
+def peers_command(args: argparse.Namespace) -> int:
+    """`radixserve bench peers`."""
+    from radixserve.benchmark.peers import ratios, run_peers, summarise
+
+    try:
+        servers = parse_servers(args.server)
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        per_repeat = [build_workloads(names, requests=args.requests, concurrency=args.concurrency,
+                                      system_chars=args.system_chars, prompt_chars=args.prompt_chars,
+                                      run_tag=f"run {r + 1}") for r in range(args.repeat)]
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 2
+
+    def progress(run) -> None:  # noqa: ANN001 - a RunRecord
+        f = run.figures()
+        say(f"  {run.workload:<9} {run.server:<14} repeat {run.repeat + 1}: {f['wall_s']:.1f} s, "
+            f"{f['output_tok_s']:.1f} tok/s, TTFT p50 {f['ttft_p50_s']:.2f} s"
+            + (f", {int(f['errors'])} errors" if f["errors"] else ""))
+
+    runs = asyncio.run(run_peers(servers, per_repeat, max_tokens=args.max_tokens, model=args.model,
+                                 timeout_s=args.timeout_s, on_run=progress))
+    summary = summarise(runs)
+    baseline = next(iter(servers))
+    relative = ratios(runs, baseline)
+    print(peers_table(summary, relative, baseline))
+    if args.json:
+        write_json(args.json, {
+            "servers": servers, "summary": summary, "ratios_to": baseline, "ratios": relative,
+            "runs": [{"server": r.server, "workload": r.workload, "repeat": r.repeat, **r.figures()}
+                     for r in runs],
+        })
+    failed = sum(t.error is not None for r in runs for t in r.turns)
+    if failed:
+        errors = sorted({t.error for r in runs for t in r.turns if t.error})
+        say(f"FAILED: {failed} requests failed, e.g. {errors[0]}")
+        return 1
+    return 0
+
+
+def _fmt(value: float, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if math.isnan(value) else f"{value * scale:.{digits}f}"
+
+
+def peers_table(summary: dict[str, dict[str, dict[str, float]]],
+                relative: dict[str, dict[str, dict[str, float]]], baseline: str) -> str:
+    """A markdown table: one row per workload and server (medians), ratios to `baseline`."""
+    lines = [
+        "| workload | server | wall s | out tok/s | TTFT p50 s | TTFT p90 s | ITL p50 ms | ITL p99 ms "
+        "| decode ms/tok | cached | tok/s ratio | TTFT p50 ratio | TTFT p90 ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, by_server in summary.items():
+        for server, f in by_server.items():
+            r = relative.get(workload, {}).get(server, {})
+            ratio = (lambda key: _fmt(r.get(key, float("nan"))) + "x" if key in r else "-")
+            lines.append(
+                f"| {workload} | {server} | {_fmt(f['wall_s'], digits=1)} | {_fmt(f['output_tok_s'], digits=1)} "
+                f"| {_fmt(f['ttft_p50_s'])} | {_fmt(f['ttft_p90_s'])} | {_fmt(f['itl_p50_s'], 1000, 1)} "
+                f"| {_fmt(f['itl_p99_s'], 1000, 1)} | {_fmt(f['decode_ms_per_token'], digits=1)} "
+                f"| {_fmt(f['cached_share'], 100, 1)}% | {ratio('output_tok_s') if server != baseline else '1.00x'} "
+                f"| {ratio('ttft_p50_s') if server != baseline else '1.00x'} "
+                f"| {ratio('ttft_p90_s') if server != baseline else '1.00x'} |")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""`radixserve bench peers`: the same chat workloads against several OpenAI-compatible servers.
+
+One client (httpx), one request shape for every server: POST /v1/chat/completions, streamed,
+greedy, `ignore_eos` with `max_tokens` (so every server writes the same number of tokens),
+`stream_options.include_usage`. Servers alternate: each repeat runs every workload on every
+server, the order of the servers rotating from one repeat to the next, so a noisy machine
+hurts them alike. Each repeat's prompts start with a tag of their own (see peer_workloads), so
+no repeat finds the previous one's prompts cached.
+
+Measured per request: TTFT (to the first chunk with content), the gaps between later content
+chunks (inter-token latency), end-to-end latency, completion tokens, and the prompt tokens the
+server says it served from its cache: radixserve's `usage.prompt_tokens_details.cached_tokens`,
+llama-server's `timings.cache_n` (whichever the server sends; `timings` wins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from radixserve.benchmark.peer_workloads import Conversation, PeerWorkload, append_turn
+from radixserve.benchmark.serve import RequestRecord
+from radixserve.benchmark.sse import StreamFailed, stream_chunks
+
+
+@dataclass
+class RunRecord:
+    """One workload run on one server."""
+
+    server: str
+    workload: str
+    repeat: int
+    wall_s: float
+    turns: list[RequestRecord]
+
+    def figures(self) -> dict[str, float]:
+        """wall time, throughput, latency percentiles and cache share of this run."""
+        ok = [t for t in self.turns if t.error is None]
+        ttft = np.array([t.ttft_s for t in ok]) if ok else np.full(1, np.nan)
+        itl = np.array([g for t in ok for g in t.itl_s]) if any(t.itl_s for t in ok) else np.full(1, np.nan)
+        output = sum(t.completion_tokens for t in ok)
+        prompt = sum(t.prompt_tokens for t in ok)
+        decode = [(t.latency_s - t.ttft_s) / (t.completion_tokens - 1) for t in ok if t.completion_tokens > 1]
+        return {
+            "wall_s": self.wall_s,
+            "output_tokens": float(output),
+            "output_tok_s": output / self.wall_s if self.wall_s > 0 else float("nan"),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "itl_p50_s": float(np.percentile(itl, 50)),
+            "itl_p99_s": float(np.percentile(itl, 99)),
+            "decode_ms_per_token": 1000 * statistics.median(decode) if decode else float("nan"),
+            "prompt_tokens": float(prompt),
+            "cached_share": sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
+            "errors": float(len(self.turns) - len(ok)),
+        }
+
+
+def chat_payload(messages: list[dict[str, object]], conversation: Conversation, max_tokens: int,
+                 model: str | None) -> dict[str, object]:
+    """The /v1/chat/completions body every server gets."""
+    payload: dict[str, object] = {
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    if conversation.tools:
+        payload["tools"] = conversation.tools
+    if model is not None:
+        payload["model"] = model
+    return payload
+
+
+async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, object],
+                      index: int = 0) -> RequestRecord:
+    """Streams one chat completion and measures it; a failure is recorded, never raised."""
+    record = RequestRecord(index)
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async for chunk in stream_chunks(client, f"{url}/v1/chat/completions", payload):
+            choices = chunk.get("choices") or []
+            delta = choices[0].get("delta", {}) if choices else {}
+            content = delta.get("content") or delta.get("reasoning_content") or ""
+            if content:
+                now = time.perf_counter()
+                record.text += content
+                if last is None:
+                    record.ttft_s = now - start
+                else:
+                    record.itl_s.append(now - last)
+                last = now
+            read_usage(chunk, record)
+    except StreamFailed as exc:
+        record.error = str(exc)
+        return record
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    record.latency_s = time.perf_counter() - start
+    if last is None:
+        record.error = "no content received"
+    return record
+
+
+def read_usage(chunk: dict[str, object], record: RequestRecord) -> None:
+    """Token counts from a chunk's `usage` (OpenAI) and `timings` (llama-server)."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        record.prompt_tokens = int(usage.get("prompt_tokens") or record.prompt_tokens)
+        record.completion_tokens = int(usage.get("completion_tokens") or record.completion_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = int(details.get("cached_tokens") or record.cached_tokens)
+    timings = chunk.get("timings")
+    if isinstance(timings, dict) and "cache_n" in timings:
+        record.cached_tokens = int(timings["cache_n"])
+        if not record.prompt_tokens:
+            record.prompt_tokens = int(timings["cache_n"]) + int(timings.get("prompt_n", 0))
+        if not record.completion_tokens:
+            record.completion_tokens = int(timings.get("predicted_n", 0))
+
+
+async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, model: str | None,
+                       timeout_s: float) -> tuple[float, list[RequestRecord]]:
+    """All of `workload`'s conversations, `workload.concurrency` at a time (closed loop);
+    returns the wall time and every turn's record."""
+    url = url.rstrip("/")
+    queue: asyncio.Queue[Conversation] = asyncio.Queue()
+    for conversation in workload.conversations:
+        queue.put_nowait(conversation)
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=max(workload.concurrency, 1))
+
+    async def converse(client: httpx.AsyncClient, conversation: Conversation) -> None:
+        messages: list[dict[str, object]] = [{"role": "system", "content": conversation.system}]
+        for step, turn in enumerate(conversation.turns):
+            append_turn(messages, turn, step)
+            record = await stream_turn(client, url, chat_payload(messages, conversation, max_tokens, model),
+                                       index=len(records))
+            records.append(record)
+            if record.error is not None:
+                return
+            messages.append({"role": "assistant", "content": record.text})
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            await converse(client, queue.get_nowait())
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(max(workload.concurrency, 1))))
+        return time.perf_counter() - start, records
+
+
+async def warm_up(url: str, model: str | None, timeout_s: float) -> None:
+    """One short request, so that no server pays its first-request costs inside a run."""
+    conversation = Conversation("warm up", [])
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+        record = await stream_turn(client, url.rstrip("/"),
+                                   chat_payload([{"role": "user", "content": "Hello"}], conversation, 4, model))
+    if record.error is not None:
+        raise RuntimeError(f"{url}: warm-up request failed: {record.error}")
+
+
+async def run_peers(servers: dict[str, str], workloads_by_repeat: list[list[PeerWorkload]], *,
+                    max_tokens: int, model: str | None = None, timeout_s: float = 600.0,
+                    on_run: object = None) -> list[RunRecord]:
+    """Every workload of every repeat on every server, the servers' order rotating per
+    repeat. `servers`: name -> base URL. `on_run(record)` is called after each run."""
+    names = list(servers)
+    for name in names:
+        await warm_up(servers[name], model, timeout_s)
+    runs: list[RunRecord] = []
+    for repeat, workloads in enumerate(workloads_by_repeat):
+        for workload in workloads:
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                wall, turns = await run_workload(servers[name], workload, max_tokens=max_tokens,
+                                                 model=model, timeout_s=timeout_s)
+                run = RunRecord(name, workload.name, repeat, wall, turns)
+                runs.append(run)
+                if callable(on_run):
+                    on_run(run)
+    return runs
+
+
+def summarise(runs: list[RunRecord]) -> dict[str, dict[str, dict[str, float]]]:
+    """workload -> server -> the median over repeats of each figure."""
+    grouped: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for run in runs:
+        grouped.setdefault(run.workload, {}).setdefault(run.server, []).append(run.figures())
+    return {
+        workload: {server: {key: float(np.nanmedian([f[key] for f in figures])) if not all(
+            np.isnan(f[key]) for f in figures) else float("nan") for key in figures[0]}
+            for server, figures in by_server.items()}
+        for workload, by_server in grouped.items()
+    }
+
+
+RATIO_FIGURES = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "decode_ms_per_token")
+
+
+def ratios(runs: list[RunRecord], baseline: str) -> dict[str, dict[str, dict[str, float]]]:
+    """workload -> server -> figure -> the median over repeats of (server / `baseline`), each
+    ratio taken within one repeat (the two ran back to back)."""
+    by_key = {(r.workload, r.server, r.repeat): r.figures() for r in runs}
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for (workload, server, repeat), figures in by_key.items():
+        base = by_key.get((workload, baseline, repeat))
+        if server == baseline or base is None:
+            continue
+        per_figure = out.setdefault(workload, {}).setdefault(server, {})
+        for key in RATIO_FIGURES:
+            if base[key] and not np.isnan(base[key]) and not np.isnan(figures[key]):
+                per_figure.setdefault(key, []).append(figures[key] / base[key])
+    return {w: {s: {k: float(np.median(v)) for k, v in f.items()} for s, f in by_server.items()}
+            for w, by_server in out.items()}

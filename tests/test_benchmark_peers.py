@@ -1,0 +1,110 @@
+"""`radixserve bench peers`: the chat workloads, the client's reading of each server's usage
+report, and a whole side-by-side run against two real radixserve servers (demo model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine
+from radixserve.cli import main
+from radixserve.benchmark.cli_peers import parse_servers
+from radixserve.benchmark.peer_workloads import (
+    SINGLE_STREAM_PROMPTS,
+    TURNS_PER_CONVERSATION,
+    WORKLOAD_NAMES,
+    append_turn,
+    build_workloads,
+)
+from radixserve.benchmark.peers import chat_payload, read_usage
+from radixserve.benchmark.serve import RequestRecord
+from radixserve.server import create_app
+
+SMALL = dict(requests=4, concurrency=2, system_chars=600, prompt_chars=300)
+
+
+def test_workloads_have_the_promised_shapes() -> None:
+    workloads = {w.name: w for w in build_workloads(list(WORKLOAD_NAMES), run_tag="t", **SMALL)}
+    assert [w.num_requests for w in workloads.values()] == [4, 4, 4, 4, SINGLE_STREAM_PROMPTS]
+    shared = workloads["shared"].conversations
+    assert len({c.system for c in shared}) == 1 and len(shared[0].system) > 500
+    assert len({c.turns[0].user for c in shared}) == 4  # distinct questions
+    assert len(workloads["multiturn"].conversations[0].turns) == TURNS_PER_CONVERSATION
+    distinct = workloads["distinct"].conversations
+    assert len({c.turns[0].user[:40] for c in distinct}) == 4  # no two begin alike
+    assert workloads["single"].concurrency == 1
+    assert all(c.system.startswith("[t] ") for w in workloads.values() for c in w.conversations)
+    assert build_workloads(["shared"], run_tag="u", **SMALL)[0].conversations[0].system.startswith("[u] ")
+    with pytest.raises(ValueError, match="unknown workloads"):
+        build_workloads(["shared", "nope"], run_tag="t", **SMALL)
+
+
+def test_an_agent_step_answers_a_tool_call_with_a_tool_message() -> None:
+    agent = build_workloads(["agent"], run_tag="t", **SMALL)[0].conversations[0]
+    messages: list[dict[str, object]] = [{"role": "system", "content": agent.system}]
+    append_turn(messages, agent.turns[0], 0)
+    assert messages[-1]["role"] == "user"
+    messages.append({"role": "assistant", "content": "Let me look."})
+    append_turn(messages, agent.turns[1], 1)
+    call = messages[-2]["tool_calls"][0]
+    assert messages[-2]["role"] == "assistant" and call["function"]["name"] == "search_library"
+    assert messages[-1] == {"role": "tool", "tool_call_id": call["id"], "content": agent.turns[1].tool_result}
+    payload = chat_payload(messages, agent, 8, None)
+    assert payload["tools"] == agent.tools and payload["ignore_eos"] is True and payload["max_tokens"] == 8
+
+
+def test_cached_tokens_come_from_either_servers_report() -> None:
+    openai_style = RequestRecord(0)
+    read_usage({"usage": {"prompt_tokens": 100, "completion_tokens": 8,
+                          "prompt_tokens_details": {"cached_tokens": 64}}}, openai_style)
+    assert (openai_style.prompt_tokens, openai_style.completion_tokens, openai_style.cached_tokens) == (100, 8, 64)
+    llama_style = RequestRecord(0)  # llama-server: timings on the last chunk, usage without details
+    read_usage({"choices": [], "timings": {"cache_n": 90, "prompt_n": 10, "predicted_n": 8}}, llama_style)
+    assert (llama_style.prompt_tokens, llama_style.completion_tokens, llama_style.cached_tokens) == (100, 8, 90)
+    both = RequestRecord(0)
+    read_usage({"usage": {"prompt_tokens": 100, "completion_tokens": 8}, "timings": {"cache_n": 90}}, both)
+    assert both.cached_tokens == 90 and both.prompt_tokens == 100
+
+
+def test_server_arguments_are_checked() -> None:
+    assert parse_servers(["a=http://h:1", "b=http://h:2"]) == {"a": "http://h:1", "b": "http://h:2"}
+    for bad in (["a"], ["a=h:1"], ["=http://h:1"], ["a=http://h:1", "a=http://h:2"]):
+        with pytest.raises(ValueError, match="--server"):
+            parse_servers(bad)
+
+
+def test_two_radixserve_servers_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole command: every workload on both servers, alternating, each reply exactly
+    max_tokens long, cache shares from each server's own report, ratios to the first."""
+    engines = [Engine(model="demo", page_size=16, num_pages=256) for _ in range(2)]
+    out = tmp_path / "peers.json"
+    with running_server(create_app(AsyncEngine(engines[0]))) as first, \
+            running_server(create_app(AsyncEngine(engines[1]))) as second:
+        code = main(["bench", "peers", "--server", f"first={first}", "--server", f"second={second}",
+                           "--repeat", "2", "--requests", "4", "--concurrency", "2", "--max-tokens", "3",
+                           "--system-chars", "600", "--prompt-chars", "300", "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert len(runs) == len(WORKLOAD_NAMES) * 2 * 2
+    order = [(r["workload"], r["repeat"], r["server"]) for r in runs]
+    assert order[:2] == [("shared", 0, "first"), ("shared", 0, "second")]
+    assert ("shared", 1, "second") in order and order.index(("shared", 1, "second")) < order.index(("shared", 1, "first"))
+    for run in runs:
+        requests = SINGLE_STREAM_PROMPTS if run["workload"] == "single" else 4
+        assert run["errors"] == 0 and run["output_tokens"] == requests * 3, run
+    by = {(r["workload"], r["server"], r["repeat"]): r for r in runs}
+    for server in ("first", "second"):
+        for repeat in (0, 1):
+            # the shared system prompt and earlier turns are found cached ...
+            assert by[("shared", server, repeat)]["cached_share"] > 0.3
+            assert by[("multiturn", server, repeat)]["cached_share"] > 0.3
+            # ... a repeat finds nothing of the run before it (each run is tagged)
+            assert by[("distinct", server, repeat)]["cached_share"] < 0.5
+    assert set(result["ratios"]) == set(WORKLOAD_NAMES) and result["ratios_to"] == "first"
+    assert result["ratios"]["shared"]["second"]["output_tok_s"] > 0
+    assert "| shared | first |" in stdout and "| single | second |" in stdout
