@@ -258,11 +258,6 @@ def serve_command(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             _say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
-    try:
-        args.tenant_keys = tenant_keys(args)
-    except (OSError, ValueError) as exc:
-        _say(f"error: API keys: {exc}")
-        return 2
     if args.tensor_parallel_size < 1:
         _say(f"error: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
         return 2
@@ -275,6 +270,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
         from radixserve.cluster.cli import serve_cluster
 
+        if not _load_tenant_keys(args):
+            return 2
         return serve_cluster(args, engine_options(args))
     try:  # first, so that a busy port is reported before minutes of loading
         sock = _bind(args.host, args.port)
@@ -282,6 +279,9 @@ def serve_command(args: argparse.Namespace) -> int:
         _say(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} "
              f"(is another server using port {args.port}?)")
         return 1
+    if not _load_tenant_keys(args):  # after the bind: the keys' module imports torch
+        sock.close()
+        return 2
     _say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
     started = time.perf_counter()
     from radixserve import AsyncEngine, Engine  # torch loads here, after the port is ours
@@ -350,6 +350,16 @@ def cache_hash_secret(args: argparse.Namespace) -> str | None:
     if args.public_cache_hashes:
         return None
     return args.cache_hash_secret or secrets.token_hex(32)
+
+
+def _load_tenant_keys(args: argparse.Namespace) -> bool:
+    """Sets `args.tenant_keys`; False (said why) when the keys file or variable is malformed."""
+    try:
+        args.tenant_keys = tenant_keys(args)
+    except (OSError, ValueError) as exc:
+        _say(f"error: API keys: {exc}")
+        return False
+    return True
 
 
 def tenant_keys(args: argparse.Namespace) -> dict[str, Any]:
