@@ -8,7 +8,6 @@ an index equal to each replica's cache, and a replica killed under load.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
