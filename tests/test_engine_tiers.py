@@ -14,6 +14,7 @@ import torch
 
 from radixserve import Engine, Retention, SamplingParams
 from radixserve.models.kv_check import verify_cached_kv
+from tests.engine_util import cached_paths
 from tests.test_engine import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -32,16 +33,7 @@ def assert_every_cached_page_is_factual(engine: Engine) -> int:
     k_all = [torch.cat([d, h]) for d, h in zip(engine.pool.k_cache, host.k_cache)]
     v_all = [torch.cat([d, h]) for d, h in zip(engine.pool.v_cache, host.v_cache)]
     checked_host = 0
-    for leaf, _ in engine.tree.nodes():
-        if leaf.children or leaf.is_root:
-            continue
-        path, node = [], leaf
-        while not node.is_root:
-            path.insert(0, node)
-            node = node.parent
-        tokens = [t for n in path for t in n.tokens.tolist()]
-        device_first = [p for n in path for p in (n.pages or [offset + h for h in n.host])]
-        host_first = [p for n in path for p in ([offset + h for h in n.host] if n.host is not None else n.pages)]
+    for tokens, device_first, host_first in cached_paths(engine):
         checked_host += sum(p >= offset for p in host_first)
         for pages in (device_first, host_first):
             bad = verify_cached_kv(engine.loaded.model, k_all, v_all, tokens, pages, engine.page_size)

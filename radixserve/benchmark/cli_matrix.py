@@ -10,6 +10,7 @@ from radixserve.benchmark.cli_common import progress_bar, say
 from radixserve.benchmark.report import parse_tokens
 
 QUICK_SCALE = 1 / 256  # --quick: a smoke test of every part of the matrix, in seconds
+QUICK_COUNT_SCALE = 1 / 8  # ... on an eighth of the conversations, documents and requests
 QUICK_CAPACITIES = "4M,16M"
 
 
@@ -56,7 +57,7 @@ def matrix_command(args: argparse.Namespace) -> int:
     host = parse_tokens(args.host_capacity_tokens)
     total = len(names) * len(capacities) * (len(replicas) + (1 if host else 0))
     bar = None if args.no_progress else progress_bar(total, "cells")
-    count_scale = 1.0 if args.quick else args.count_scale
+    count_scale = QUICK_COUNT_SCALE if args.quick else args.count_scale
     cells = run_matrix(names, capacities, scale=scale, count_scale=count_scale, host_tokens=host, replicas=replicas,
                        fixed=args.fixed_rules.split(","), on_cell=(lambda _: bar.update(1)) if bar else None)
     if bar:
