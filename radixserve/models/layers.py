@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm and the gated SiLU MLP."""
+"""Building blocks of the Llama family: linear layers, RMSNorm and the gated SiLU MLP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radixserve.native import fused_ops
+from radixserve.native import linear as linear_kernel
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T (+ bias): the CPU kernel for float32 rows on the CPU, F.linear otherwise."""
+    if linear_kernel.applies(x, weight):
+        return linear_kernel.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) whose forward is `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the layer to x [rows, in_features]."""
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -43,9 +59,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP token-wise."""

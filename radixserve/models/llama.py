@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from radixserve.models.layers import GatedMLP, RMSNorm
+from radixserve.models.layers import GatedMLP, Linear, RMSNorm, linear
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_qk
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -92,10 +91,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
         self.sm_scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, self.num_qo_heads * head_dim, bias=variant.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=variant.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=variant.qkv_bias)
-        self.o_proj = nn.Linear(self.num_qo_heads * head_dim, hidden, bias=variant.o_bias)
+        self.q_proj = Linear(hidden, self.num_qo_heads * head_dim, bias=variant.qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=variant.qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=variant.qkv_bias)
+        self.o_proj = Linear(self.num_qo_heads * head_dim, hidden, bias=variant.o_bias)
         if variant.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -185,7 +184,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(inverse_frequencies(config, self.head_dim))
         self.layer_windows: list[int | None] = layer_windows(config)
@@ -236,4 +235,4 @@ class CausalLM(nn.Module):
         """The LM head: normed hidden states [n, hidden] -> float32 logits [n, vocab] (the
         seam where tensor parallelism gathers its vocabulary shards, radixserve/parallel)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from radixserve.models.layers import linear
 from radixserve.parallel.group import TensorParallelGroup
 
 
@@ -60,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, in] -> [T, rows]."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """Parameter name -> its slice of the checkpoint tensor."""
@@ -83,7 +84,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, cols] -> [T, out], summed over the ranks."""
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def shard_specs(self) -> dict[str, ShardSpec]:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from radixserve.models.layers import GatedMLP
+from radixserve.models.layers import GatedMLP, linear
 from radixserve.models.llama import Attention, CausalLM
 from radixserve.parallel.group import TensorParallelGroup
 from radixserve.parallel.layers import (
@@ -88,7 +87,7 @@ class TensorParallelLM(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """This rank's vocabulary shard of the logits, gathered whole onto rank 0."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.group.gather_last_dim(F.linear(hidden, weight).float())
+        logits = self.group.gather_last_dim(linear(hidden, weight).float())
         return logits[:, : self.vocab_size] if self.group.is_driver else logits
 
     def shard_specs(self) -> dict[str, ShardSpec]:

@@ -1,0 +1,96 @@
+"""The CPU linear kernel: equal to a float64 reference up to float32 rounding at every shape
+(tails of k, of the output features and of the row blocks), each row's result bit for bit the
+same whatever rows share the call and however many threads run it, checked before any C runs,
+and wired into the model, whose logits do not move when it is turned off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.models import layers
+from radixserve.models.loader import load_model
+from radixserve.native import linear as linear_kernel
+from tests.test_native_fused import _prefill_and_decode_logits
+
+
+def _operands(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator),
+            torch.randn(n, generator=generator))
+
+
+def test_the_kernel_builds_on_this_machine() -> None:
+    assert linear_kernel.library() is not None, linear_kernel.unavailable_reason()
+
+
+# k: whole vectors of 16 and a masked tail; n: whole tiles of 4 and a tail; rows: 1..4 (one
+# pass), 5..9 (a tail of rows), 130 (three row blocks of 64, the last partial).
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (16, 3), (1, 9), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_a_float64_reference(k: int, n: int, rows: int, with_bias: bool) -> None:
+    x, weight, bias = _operands(rows, k, n, seed=rows * 1000 + k + n)
+    bias_or_none = bias if with_bias else None
+    expected = F.linear(x.double(), weight.double(), None if bias_or_none is None else bias_or_none.double())
+    got = linear_kernel.linear(x, weight, bias_or_none)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    # a float32 dot product of k terms of size ~1: error ~ sqrt(k) * 2^-24 * |terms|
+    torch.testing.assert_close(got.double(), expected, atol=1e-5 * k**0.5, rtol=1e-6)
+
+
+def test_a_row_is_the_same_alone_among_others_and_on_any_thread_count() -> None:
+    """Batch invariance: each output is one fixed sum, whatever shares the call (a decode
+    row alone or in a batch of 70, a prefill's row block) and however the outputs are split
+    between threads."""
+    x, weight, bias = _operands(70, 576, 1539, seed=5)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = linear_kernel.linear(x, weight, bias)
+        torch.set_num_threads(1)
+        one_thread = linear_kernel.linear(x, weight, bias)
+        alone = [linear_kernel.linear(x[i : i + 1], weight, bias) for i in (0, 3, 4, 63, 64, 69)]
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(together, one_thread)
+    for i, row in zip((0, 3, 4, 63, 64, 69), alone, strict=True):
+        assert torch.equal(row[0], together[i])
+
+
+def test_bad_arguments_are_refused_before_any_c_runs() -> None:
+    x, weight, bias = _operands(4, 8, 6, seed=1)
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.linear(x, torch.randn(6, 7))  # weight of another width would be read past its end
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.linear(x, weight, torch.randn(5))  # a short bias
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.linear(x, weight.t().contiguous().t())  # strided weight
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.linear(x.double(), weight)
+    # a strided x is made contiguous, not refused
+    torch.testing.assert_close(linear_kernel.linear(x.t().contiguous().t(), weight), F.linear(x, weight))
+    assert not linear_kernel.applies(x.bfloat16(), weight) and not linear_kernel.applies(x, weight.double())
+
+
+def test_the_model_gives_the_same_logits_with_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo model's prefill and decode logits with the kernel and with F.linear."""
+    loaded = load_model("demo", device="cpu")
+    calls = 0
+    original = linear_kernel.linear
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(*args)
+
+    monkeypatch.setattr(linear_kernel, "linear", counted)
+    with_kernel = _prefill_and_decode_logits(loaded.model)
+    # every projection of every layer (q, k, v, o, gate, up, down) and the LM head, each step
+    assert calls == 4 * (7 * loaded.model.num_layers + 1)
+    monkeypatch.setattr(linear_kernel, "applies", lambda x, weight: False)
+    without = _prefill_and_decode_logits(loaded.model)
+    for got, expected in zip(with_kernel, without, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert layers.linear_kernel is linear_kernel
