@@ -7,7 +7,7 @@ steps are timed apart from the decode steps. Two views per batch size:
 - the engine's step sections (`Engine.stats()["step_breakdown_s"]`): schedule, metadata,
   model, sampling, detokenize, tree, in ms per step;
 - the model's forward split by op, by timing wrappers put around the model's pieces (every
-  nn.Linear = GEMM, the tied LM head's GEMM apart, RMSNorm, rotary (cos/sin + apply), the K/V write, attention kernel, the
+  Linear = GEMM, the tied LM head's GEMM apart, RMSNorm, rotary (cos/sin + apply), the K/V write, attention kernel, the
   rest of the MLP = activation and product); "other" = forward time minus all of those:
   embedding, residual adds, reshapes, Python and torch dispatch between ops. The wrappers
   cost about a microsecond a call, counted in the op they wrap.
@@ -27,16 +27,14 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 
 from radixserve import Engine, SamplingParams
 from radixserve.benchmark.peer_workloads import corpus_text, window
 from radixserve.models import llama as llama_module
-from radixserve.models.layers import GatedMLP, RMSNorm
+from radixserve.models.layers import GatedMLP, Linear, RMSNorm
 from radixserve.models.rope import RotaryEmbedding
 
 OPS = ("gemm", "lm_head", "attention", "kv_write", "norm", "rope", "mlp_act", "other")
@@ -75,18 +73,16 @@ def instrumented(engine: Engine, clock: OpClock) -> Iterator[None]:
         saved.append((owner, name, original))
         setattr(owner, name, clock.wrap(op, original))
 
-    patch(nn.Linear, "forward", "gemm")
+    patch(Linear, "forward", "gemm")
     patch(RMSNorm, "forward", "norm")
     patch(RotaryEmbedding, "forward", "rope")
     for name in ("apply_rotary", "rotary_qk", "rms_norm"):
         if hasattr(llama_module, name):
             patch(llama_module, name, "rope" if "rot" in name else "norm")
     patch(llama_module, "write_kv", "kv_write")
-    # The LM head is the one F.linear that llama.py calls itself (the layers' go through
-    # nn.Linear): give the module a functional namespace whose linear is timed apart.
-    functional = llama_module.F
-    saved.append((llama_module, "F", functional))
-    llama_module.F = SimpleNamespace(**{**vars(functional), "linear": clock.wrap("lm_head", functional.linear)})
+    # The LM head is the one `linear` call that llama.py makes itself (the layers' go through
+    # Linear.forward, which calls layers.linear): timed apart.
+    patch(llama_module, "linear", "lm_head")
     patch(engine.runner.backend, "forward", "attention")
     mlp_forward = GatedMLP.forward
 

@@ -40,6 +40,20 @@ def test_equals_a_float64_reference(k: int, n: int, rows: int, with_bias: bool) 
     torch.testing.assert_close(got.double(), expected, atol=1e-5 * k**0.5, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (64, 5)])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_bfloat16_equals_a_float64_reference_rounded_once(k: int, n: int, rows: int) -> None:
+    """bfloat16 in and out: the float32 sum of exact products, plus the bias, rounded once."""
+    x, weight, bias = (t.bfloat16() for t in _operands(rows, k, n, seed=rows + k + n))
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    got = linear_kernel.linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # one bfloat16 rounding of the result (2^-8 relative) on top of a float32 sum's error
+    torch.testing.assert_close(got.double(), expected, atol=1e-5 * k**0.5, rtol=2**-8)
+    assert linear_kernel.applies(x[:1], weight) and not linear_kernel.applies(
+        torch.zeros(linear_kernel.BF16_MAX_ROWS + 1, k, dtype=torch.bfloat16), weight)
+
+
 def test_a_row_is_the_same_alone_among_others_and_on_any_thread_count() -> None:
     """Batch invariance: each output is one fixed sum, whatever shares the call (a decode
     row alone or in a batch of 70, a prefill's row block) and however the outputs are split
@@ -69,9 +83,12 @@ def test_bad_arguments_are_refused_before_any_c_runs() -> None:
         linear_kernel.linear(x, weight.t().contiguous().t())  # strided weight
     with pytest.raises(ValueError, match="linear kernel needs"):
         linear_kernel.linear(x.double(), weight)
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.linear(x.bfloat16(), weight)  # mixed dtypes
     # a strided x is made contiguous, not refused
     torch.testing.assert_close(linear_kernel.linear(x.t().contiguous().t(), weight), F.linear(x, weight))
     assert not linear_kernel.applies(x.bfloat16(), weight) and not linear_kernel.applies(x, weight.double())
+    assert not linear_kernel.applies(x.half(), weight.half())
 
 
 def test_the_model_gives_the_same_logits_with_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -228,12 +228,13 @@ def rope_arguments(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
 
 def linear_arguments(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     """Checks a linear call: x [rows, in], weight [out, in] and bias [out] (or None), all
-    contiguous float32 on the CPU."""
-    ok = (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-          and _dense_cpu(x, torch.float32) and _dense_cpu(weight, torch.float32)
-          and (bias is None or (_dense_cpu(bias, torch.float32) and tuple(bias.shape) == (weight.shape[0],))))
+    contiguous on the CPU, all float32 or all bfloat16."""
+    dtype = x.dtype
+    ok = (dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and weight.dim() == 2
+          and x.shape[1] == weight.shape[1] and _dense_cpu(x, dtype) and _dense_cpu(weight, dtype)
+          and (bias is None or (_dense_cpu(bias, dtype) and tuple(bias.shape) == (weight.shape[0],))))
     if not ok:
         got = ", ".join(f"{name} {t.dtype} {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else " (strided)")
                         for name, t in (("x", x), ("weight", weight), ("bias", bias)) if t is not None)
-        raise ValueError("the CPU linear kernel needs contiguous float32 x [rows, in], weight [out, in] and "
-                         f"bias [out] on the CPU; got {got}")
+        raise ValueError("the CPU linear kernel needs contiguous x [rows, in], weight [out, in] and bias [out] on "
+                         f"the CPU, all float32 or all bfloat16; got {got}")
