@@ -73,6 +73,42 @@ def test_a_row_is_the_same_alone_among_others_and_on_any_thread_count() -> None:
         assert torch.equal(row[0], together[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_several_weights_in_one_call_equal_one_call_each(dtype: torch.dtype, rows: int) -> None:
+    """q, k and v's shapes (and an odd one), with and without biases: bit for bit the outputs
+    of separate calls (each output is the same sum), whichever thread computes it."""
+    x = _operands(rows, 576, 1, seed=rows)[0].to(dtype)
+    shapes = [576, 192, 192, 7]
+    weights = [_operands(1, 576, n, seed=n)[1].to(dtype) for n in shapes]
+    biases = [None, _operands(1, 576, 192, seed=9)[2].to(dtype), None, torch.randn(7).to(dtype)]
+    together = linear_kernel.linear_many(x, weights, biases)
+    for got, weight, bias in zip(together, weights, biases, strict=True):
+        assert got.shape == (rows, weight.shape[0]) and got.dtype == dtype
+        assert torch.equal(got, linear_kernel.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (5, 1536), (3, 7), (70, 9)])
+def test_the_gated_form_equals_silu_of_gate_times_up(dtype: torch.dtype, rows: int, n: int) -> None:
+    """silu(x g^T + bg) * (x u^T + bu) against the separate kernels and fused_ops.silu_mul, which
+    round where torch rounds: bit for bit in bfloat16, to rounding in float32."""
+    from radixserve.native import fused_ops
+
+    x, gate, gate_bias = (t.to(dtype) for t in _operands(rows, 576, n, seed=rows + n))
+    _, up, up_bias = (t.to(dtype) for t in _operands(rows, 576, n, seed=rows + n + 1))
+    for biases in ((None, None), (gate_bias, up_bias)):
+        got = linear_kernel.gated_linear(x, gate, up, *biases)
+        separate = fused_ops.silu_mul(linear_kernel.linear(x, gate, biases[0]), linear_kernel.linear(x, up, biases[1]))
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, separate)
+        else:
+            torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
+        reference = F.silu(F.linear(x.double(), gate.double(), None if biases[0] is None else biases[0].double()))
+        reference = reference * F.linear(x.double(), up.double(), None if biases[1] is None else biases[1].double())
+        torch.testing.assert_close(got.double(), reference, atol=1e-3, rtol=2**-5 if dtype == torch.bfloat16 else 1e-5)  # bf16: four roundings
+
+
 def test_bad_arguments_are_refused_before_any_c_runs() -> None:
     x, weight, bias = _operands(4, 8, 6, seed=1)
     with pytest.raises(ValueError, match="linear kernel needs"):
@@ -85,6 +121,14 @@ def test_bad_arguments_are_refused_before_any_c_runs() -> None:
         linear_kernel.linear(x.double(), weight)
     with pytest.raises(ValueError, match="linear kernel needs"):
         linear_kernel.linear(x.bfloat16(), weight)  # mixed dtypes
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.linear_many(x, [weight, torch.randn(3, 9)], [None, None])  # the second too wide
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        linear_kernel.linear_many(x, [weight] * 9, [None] * 9)  # more than the C side holds
+    with pytest.raises(ValueError, match="one shape"):
+        linear_kernel.gated_linear(x, weight, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="linear kernel needs"):
+        linear_kernel.gated_linear(x, weight, weight, None, torch.randn(2))
     # a strided x is made contiguous, not refused
     torch.testing.assert_close(linear_kernel.linear(x.t().contiguous().t(), weight), F.linear(x, weight))
     assert not linear_kernel.applies(x.bfloat16(), weight) and not linear_kernel.applies(x, weight.double())
@@ -95,6 +139,7 @@ def test_the_model_gives_the_same_logits_with_the_kernel_off(monkeypatch: pytest
     """The demo model's prefill and decode logits with the kernel and with F.linear."""
     loaded = load_model("demo", device="cpu")
     calls = 0
+    counts = {"linear_many": 0, "gated_linear": 0}
     original = linear_kernel.linear
 
     def counted(*args: torch.Tensor) -> torch.Tensor:
@@ -102,10 +147,17 @@ def test_the_model_gives_the_same_logits_with_the_kernel_off(monkeypatch: pytest
         calls += 1
         return original(*args)
 
+    for name in counts:
+        def counted_fused(*args, _name=name, _original=getattr(linear_kernel, name)):  # noqa: ANN002, ANN202
+            counts[_name] += 1
+            return _original(*args)
+        monkeypatch.setattr(linear_kernel, name, counted_fused)
     monkeypatch.setattr(linear_kernel, "linear", counted)
     with_kernel = _prefill_and_decode_logits(loaded.model)
-    # every projection of every layer (q, k, v, o, gate, up, down) and the LM head, each step
-    assert calls == 4 * (7 * loaded.model.num_layers + 1)
+    assert counts == {"linear_many": 4 * loaded.model.num_layers, "gated_linear": 4 * loaded.model.num_layers}
+    # o and down of every layer and the LM head, each step (q, k, v and gate, up go through
+    # linear_many and gated_linear, counted below)
+    assert calls == 4 * (2 * loaded.model.num_layers + 1)
     monkeypatch.setattr(linear_kernel, "applies", lambda x, weight: False)
     without = _prefill_and_decode_logits(loaded.model)
     for got, expected in zip(with_kernel, without, strict=True):

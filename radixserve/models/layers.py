@@ -17,6 +17,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def linear_many(x: Tensor, projections: list[nn.Linear]) -> list[Tensor]:
+    """Each projection of the same x (q, k and v): one kernel call on the CPU where it applies."""
+    if linear_kernel.applies(x, projections[0].weight) and all(
+            p.weight.dtype == x.dtype and p.weight.is_contiguous() for p in projections):
+        return linear_kernel.linear_many(x, [p.weight for p in projections], [p.bias for p in projections])
+    return [p(x) for p in projections]
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose forward is `linear`."""
 
@@ -65,6 +73,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP token-wise."""
+        if linear_kernel.applies(x, self.gate_proj.weight) and self.up_proj.weight.is_contiguous():
+            fused = linear_kernel.gated_linear(x, self.gate_proj.weight, self.up_proj.weight,
+                                               self.gate_proj.bias, self.up_proj.bias)
+            return self.down_proj(fused)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if fused_ops.applies(gate) and gate.is_contiguous() and up.is_contiguous():
             return self.down_proj(fused_ops.silu_mul(gate, up))

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from radixserve.models.layers import GatedMLP, Linear, RMSNorm, linear
+from radixserve.models.layers import GatedMLP, Linear, RMSNorm, linear, linear_many
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_qk
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -113,9 +113,10 @@ class Attention(nn.Module):
     ) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_qo_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = linear_many(x, [self.q_proj, self.k_proj, self.v_proj])
+        q = q.view(num_tokens, self.num_qo_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_qk(q, k, cos, sin)

@@ -1,21 +1,26 @@
-/* A linear layer: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32 or bfloat16.
+/* Linear layers: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32 or bfloat16.
  *
  * At a decode step's few rows a linear layer reads each weight once and does two flops per
  * weight read: it is bound by memory bandwidth, and a whole model's weights fit in no cache.
  * The BLAS that torch ships reaches a fraction of the bandwidth there on some CPUs (it picks a
- * generic path on CPUs it does not recognise), so this kernel streams the weights itself:
- * threads take contiguous ranges of output features; each tile reads four weight rows once and
- * multiplies them with up to four input rows held in registers; more input rows go round the
- * same tile again from the L1 cache, ROW_BLOCK rows per pass over the weights so that a
- * prefill's rows stay in the L2 cache.
+ * generic path on CPUs it does not recognise, and its matrix-vector product runs on one
+ * thread), so this kernel streams the weights itself: threads take contiguous ranges of output
+ * features; each tile reads four weight rows once and multiplies them with up to four input
+ * rows held in registers; more input rows go round the same tile again from the L1 cache,
+ * ROW_BLOCK rows per pass over the weights so that a prefill's rows stay in the L2 cache.
+ *
+ * One call can run several weights over the same x (q, k and v; the outputs of each weight
+ * kept apart), split between the threads as one range, and the gated MLP's two up projections
+ * with silu(gate) * up applied as each tile finishes (no gate and up tensors in memory).
  *
  * Accumulation is in float32, in 16 partial sums per dot product added up at the end: the same
  * sum in another order than BLAS's, so results agree with torch's up to float rounding, and
  * each output is the same sum whatever the number of rows and threads. bfloat16 (dtype 1):
- * x, w, bias and out bfloat16, products and sums in float32, the result rounded to nearest
- * even once, where torch rounds it.
+ * x, w, bias and out bfloat16, products and sums in float32, each result rounded to nearest
+ * even where torch rounds it (the gated form rounds gate, up and silu(gate) as the separate
+ * torch ops would).
  *
- * x [rows, k], w [n, k], out [rows, n] contiguous; bias [n] or NULL.
+ * x [rows, k], each w [n, k] and out [rows, n] contiguous; bias [n] or NULL.
  */
 #include "common.h"
 #ifdef __AVX512F__
@@ -23,8 +28,17 @@
 #endif
 
 #define TILE_ROWS 4    /* input rows per pass over a tile of weights */
-#define TILE_OUTPUTS 4 /* weight rows (output features) per tile */
+#define TILE_OUTPUTS 4 /* weight rows per tile */
 #define ROW_BLOCK 64   /* input rows per pass over the weights */
+#define MAX_SEGMENTS 8 /* weights per call */
+
+/* One weight's part of a call: outputs [offset, offset + n) of the call's range. Gated: w is
+ * the gate projection, w_up the up projection, out = silu(x w^T + bias) * (x w_up^T + bias_up). */
+typedef struct {
+    const void *w, *w_up, *bias, *bias_up;
+    void *out;
+    int64_t n;
+} Segment;
 
 static inline float bf16_value(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -45,6 +59,9 @@ static inline float element(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* v as the output dtype holds it. */
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_value(bf16_round(v)) : v; }
+
 #ifdef __AVX512F__
 /* 16 elements from p (float32, or bfloat16 widened exactly), zeros past `mask`'s lanes. */
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, __mmask16 mask, int bf16) {
@@ -57,17 +74,17 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_
 /* bfloat16 with the CPU's bfloat16 dot product: 32 elements per instruction, pairs of
  * products added in float32 (inputs that are denormal count as zero, as the instruction
  * defines). */
-static inline __attribute__((always_inline)) void tile_bf16(const void *x, const void *w,
+static inline __attribute__((always_inline)) void tile_bf16(const void *x, const void *const w[TILE_OUTPUTS],
                                                             float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k, int mr,
                                                             int nr) {
     __m512 acc[TILE_ROWS][TILE_OUTPUTS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
-    const uint16_t *xs = (const uint16_t *)x, *ws = (const uint16_t *)w;
+    const uint16_t *xs = (const uint16_t *)x;
     for (int64_t kk = 0; kk < k; kk += 32) {
         __mmask32 mask = k - kk >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - kk)) - 1u);
         __m512bh wv[TILE_OUTPUTS];
-        for (int j = 0; j < nr; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ws + j * k + kk);
+        for (int j = 0; j < nr; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w[j] + kk);
         for (int i = 0; i < mr; i++) {
             __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * k + kk);
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
@@ -80,8 +97,9 @@ static inline __attribute__((always_inline)) void tile_bf16(const void *x, const
 
 /* The dot products of `mr` input rows with `nr` weight rows into sums[i][j]; mr, nr and bf16
  * are constants at every call site, so the accumulators unroll into registers. */
-static inline __attribute__((always_inline)) void tile(const void *x, const void *w, float sums[TILE_ROWS][TILE_OUTPUTS],
-                                                       int64_t k, int mr, int nr, int bf16) {
+static inline __attribute__((always_inline)) void tile(const void *x, const void *const w[TILE_OUTPUTS],
+                                                       float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k, int mr, int nr,
+                                                       int bf16) {
 #ifdef __AVX512BF16__
     if (bf16) {
         tile_bf16(x, w, sums, k, mr, nr);
@@ -95,7 +113,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
         /* The last k % 16 columns through a masked load. */
         __mmask16 mask = k - kk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - kk)) - 1u);
         __m512 wv[TILE_OUTPUTS];
-        for (int j = 0; j < nr; j++) wv[j] = load16(w, j * k + kk, mask, bf16);
+        for (int j = 0; j < nr; j++) wv[j] = load16(w[j], kk, mask, bf16);
         for (int i = 0; i < mr; i++) {
             __m512 xv = load16(x, i * k + kk, mask, bf16);
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -106,12 +124,12 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
 }
 #else
 /* Portable: the same sums in plain C, LANES partial sums that the compiler can vectorise. */
-static inline void tile(const void *x, const void *w, float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k, int mr, int nr,
-                        int bf16) {
+static inline void tile(const void *x, const void *const w[TILE_OUTPUTS], float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k,
+                        int mr, int nr, int bf16) {
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
             float part[LANES] = {0};
-            for (int64_t kk = 0; kk < k; kk++) part[kk % LANES] += element(x, i * k + kk, bf16) * element(w, j * k + kk, bf16);
+            for (int64_t kk = 0; kk < k; kk++) part[kk % LANES] += element(x, i * k + kk, bf16) * element(w[j], kk, bf16);
             float sum = 0.0f;
             for (int l = 0; l < LANES; l++) sum += part[l];
             sums[i][j] = sum;
@@ -119,80 +137,128 @@ static inline void tile(const void *x, const void *w, float sums[TILE_ROWS][TILE
 }
 #endif
 
-/* Rows [m, m + mr) x outputs [j, j + nr): the sums, the bias, stored in the output's dtype. */
-static inline __attribute__((always_inline)) void tile_out(const void *x, const void *w, const void *bias, void *out,
-                                                           int64_t m, int64_t j, int64_t k, int64_t n, int mr, int nr,
-                                                           int bf16) {
+/* silu(g) = g / (1 + e^-g) = g * e^g / (1 + e^g): the form whose exponent is <= 0. */
+static inline float silu(float g) {
+    float e = exp_nonpositive(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* Rows [m, m + mr) x outputs [j, j + outputs) of `seg`: the sums, the bias, (the gate,) stored
+ * in the output's dtype. A plain tile has `outputs` weight rows; a gated one 2 x `outputs`,
+ * the gate's then the up projection's. */
+static inline __attribute__((always_inline)) void tile_out(const void *x, const Segment *seg, int64_t m, int64_t j,
+                                                           int64_t k, int mr, int outputs, int gated, int bf16) {
+    int64_t size = bf16 ? 2 : 4;
+    const void *rows[TILE_OUTPUTS];
+    for (int jj = 0; jj < outputs; jj++) {
+        rows[jj] = (const char *)seg->w + (j + jj) * k * size;
+        if (gated) rows[outputs + jj] = (const char *)seg->w_up + (j + jj) * k * size;
+    }
     float sums[TILE_ROWS][TILE_OUTPUTS];
-    int64_t element_size = bf16 ? 2 : 4;
-    tile((const char *)x + m * k * element_size, (const char *)w + j * k * element_size, sums, k, mr, nr, bf16);
+    tile((const char *)x + m * k * size, rows, sums, k, mr, gated ? 2 * outputs : outputs, bf16);
     for (int i = 0; i < mr; i++)
-        for (int jj = 0; jj < nr; jj++) {
-            float v = sums[i][jj] + (bias ? element(bias, j + jj, bf16) : 0.0f);
+        for (int jj = 0; jj < outputs; jj++) {
+            float v = rounded(sums[i][jj] + (seg->bias ? element(seg->bias, j + jj, bf16) : 0.0f), bf16);
+            if (gated) {
+                float up = rounded(sums[i][outputs + jj] + (seg->bias_up ? element(seg->bias_up, j + jj, bf16) : 0.0f), bf16);
+                v = rounded(silu(v), bf16) * up;
+            }
+            int64_t at = (m + i) * seg->n + j + jj;
             if (bf16)
-                ((uint16_t *)out)[(m + i) * n + j + jj] = bf16_round(v);
+                ((uint16_t *)seg->out)[at] = bf16_round(v);
             else
-                ((float *)out)[(m + i) * n + j + jj] = v;
+                ((float *)seg->out)[at] = v;
         }
 }
 
-/* One tile of nr weight rows against rows [m0, m1), four rows at a time. */
-static inline __attribute__((always_inline)) void weight_tile(const void *x, const void *w, const void *bias, void *out,
-                                                              int64_t m0, int64_t m1, int64_t j, int64_t k, int64_t n,
-                                                              int nr, int bf16) {
+/* Outputs [j, j + outputs) of `seg` for rows [m0, m1), four rows at a time. */
+static inline __attribute__((always_inline)) void weight_tile(const void *x, const Segment *seg, int64_t m0, int64_t m1,
+                                                              int64_t j, int64_t k, int outputs, int gated, int bf16) {
     int64_t m = m0;
-    for (; m + TILE_ROWS <= m1; m += TILE_ROWS) tile_out(x, w, bias, out, m, j, k, n, TILE_ROWS, nr, bf16);
+    for (; m + TILE_ROWS <= m1; m += TILE_ROWS) tile_out(x, seg, m, j, k, TILE_ROWS, outputs, gated, bf16);
     switch (m1 - m) {
-    case 3: tile_out(x, w, bias, out, m, j, k, n, 3, nr, bf16); break;
-    case 2: tile_out(x, w, bias, out, m, j, k, n, 2, nr, bf16); break;
-    case 1: tile_out(x, w, bias, out, m, j, k, n, 1, nr, bf16); break;
+    case 3: tile_out(x, seg, m, j, k, 3, outputs, gated, bf16); break;
+    case 2: tile_out(x, seg, m, j, k, 2, outputs, gated, bf16); break;
+    case 1: tile_out(x, seg, m, j, k, 1, outputs, gated, bf16); break;
     default: break;
     }
 }
 
-/* Output features [n0, n1) of every row. */
-static inline __attribute__((always_inline)) void output_range(const void *x, const void *w, const void *bias, void *out,
-                                                               int64_t rows, int64_t k, int64_t n, int64_t n0,
-                                                               int64_t n1, int bf16) {
+/* Outputs [n0, n1) of `seg` for every row. */
+static inline __attribute__((always_inline)) void output_range(const void *x, const Segment *seg, int64_t rows,
+                                                               int64_t k, int64_t n0, int64_t n1, int gated, int bf16) {
+    int step = gated ? TILE_OUTPUTS / 2 : TILE_OUTPUTS; /* outputs per full tile */
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
         int64_t m1 = rows - m0 < ROW_BLOCK ? rows : m0 + ROW_BLOCK;
         int64_t j = n0;
-        for (; j + TILE_OUTPUTS <= n1; j += TILE_OUTPUTS)
-            weight_tile(x, w, bias, out, m0, m1, j, k, n, TILE_OUTPUTS, bf16);
-        for (; j < n1; j++) weight_tile(x, w, bias, out, m0, m1, j, k, n, 1, bf16);
+        for (; j + step <= n1; j += step) weight_tile(x, seg, m0, m1, j, k, step, gated, bf16);
+        for (; j < n1; j++) weight_tile(x, seg, m0, m1, j, k, 1, gated, bf16);
     }
 }
 
-static void output_range_f32(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t k,
-                             int64_t n, int64_t n0, int64_t n1) {
-    output_range(x, w, bias, out, rows, k, n, n0, n1, 0);
+static void range_f32(const void *x, const Segment *seg, int64_t rows, int64_t k, int64_t n0, int64_t n1) {
+    if (seg->w_up)
+        output_range(x, seg, rows, k, n0, n1, 1, 0);
+    else
+        output_range(x, seg, rows, k, n0, n1, 0, 0);
 }
 
-static void output_range_bf16(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t k,
-                              int64_t n, int64_t n0, int64_t n1) {
-    output_range(x, w, bias, out, rows, k, n, n0, n1, 1);
+static void range_bf16(const void *x, const Segment *seg, int64_t rows, int64_t k, int64_t n0, int64_t n1) {
+    if (seg->w_up)
+        output_range(x, seg, rows, k, n0, n1, 1, 1);
+    else
+        output_range(x, seg, rows, k, n0, n1, 0, 1);
 }
 
-void radixserve_linear(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t k, int64_t n,
-                       int dtype, int threads) {
-    void (*range)(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int64_t, int64_t) =
-        dtype ? output_range_bf16 : output_range_f32;
-    if (threads <= 1 || n < 2 * TILE_OUTPUTS * threads) {
-        range(x, w, bias, out, rows, k, n, 0, n);
+/* This thread's share [lo, hi) of the outputs of all segments laid end to end, in whole tiles. */
+static void run_share(const void *x, const Segment *segs, int count, int64_t rows, int64_t k, int64_t lo, int64_t hi,
+                      int bf16) {
+    int64_t offset = 0;
+    for (int s = 0; s < count; s++) {
+        int64_t n0 = lo > offset ? lo - offset : 0, n1 = hi - offset < segs[s].n ? hi - offset : segs[s].n;
+        if (n0 < n1) (bf16 ? range_bf16 : range_f32)(x, &segs[s], rows, k, n0, n1);
+        offset += segs[s].n;
+    }
+}
+
+static void run(const void *x, const Segment *segs, int count, int64_t rows, int64_t k, int dtype, int threads) {
+    int64_t total = 0;
+    for (int s = 0; s < count; s++) total += segs[s].n;
+    if (threads <= 1 || total < 2 * TILE_OUTPUTS * threads) {
+        run_share(x, segs, count, rows, k, 0, total, dtype);
         return;
     }
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
     {
-        int count = omp_get_num_threads();
-        /* Contiguous ranges of whole tiles: each thread streams its own part of w. */
-        int64_t tiles = (n + TILE_OUTPUTS - 1) / TILE_OUTPUTS;
-        int64_t t = thread_index();
-        int64_t n0 = (tiles * t / count) * TILE_OUTPUTS;
-        int64_t n1 = (tiles * (t + 1) / count) * TILE_OUTPUTS;
-        range(x, w, bias, out, rows, k, n, n0, n1 < n ? n1 : n);
+        /* Contiguous ranges of whole tiles: each thread streams its own part of the weights. */
+        int64_t tiles = (total + TILE_OUTPUTS - 1) / TILE_OUTPUTS, t = thread_index(), count_t = omp_get_num_threads();
+        run_share(x, segs, count, rows, k, tiles * t / count_t * TILE_OUTPUTS, tiles * (t + 1) / count_t * TILE_OUTPUTS,
+                  dtype);
     }
 #else
-    range(x, w, bias, out, rows, k, n, 0, n);
+    run_share(x, segs, count, rows, k, 0, total, dtype);
 #endif
+}
+
+void radixserve_linear(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t k, int64_t n,
+                       int dtype, int threads) {
+    Segment seg = {w, NULL, bias, NULL, out, n};
+    run(x, &seg, 1, rows, k, dtype, threads);
+}
+
+/* `count` (<= MAX_SEGMENTS) weights over the same x, each into its own out. */
+void radixserve_linear_many(const void *x, int count, const void *const *w, const void *const *bias, void *const *out,
+                            const int64_t *n, int64_t rows, int64_t k, int dtype, int threads) {
+    Segment segs[MAX_SEGMENTS];
+    count = count < MAX_SEGMENTS ? count : MAX_SEGMENTS;
+    for (int s = 0; s < count; s++) segs[s] = (Segment){w[s], NULL, bias[s], NULL, out[s], n[s]};
+    run(x, segs, count, rows, k, dtype, threads);
+}
+
+/* out = silu(x @ w_gate^T + bias_gate) * (x @ w_up^T + bias_up), out [rows, n]. */
+void radixserve_gated_linear(const void *x, const void *w_gate, const void *w_up, const void *bias_gate,
+                             const void *bias_up, void *out, int64_t rows, int64_t k, int64_t n, int dtype, int threads) {
+    Segment seg = {w_gate, w_up, bias_gate, bias_up, out, n};
+    run(x, &seg, 1, rows, k, dtype, threads);
 }

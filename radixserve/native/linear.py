@@ -25,13 +25,16 @@ from radixserve.native import build, checks
 
 NAME = "linear"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_WEIGHTS = 8  # weights per linear_many call (MAX_SEGMENTS in linear.c)
 BF16_MAX_ROWS = 1
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel's library with its signature declared; None when it cannot be built."""
+    """The kernel's library with its signatures declared; None when it cannot be built."""
+    build.declared_library(NAME, "radixserve_linear_many", None, [_P, _C, _P, _P, _P, _P, _I, _I, _C, _C])
+    build.declared_library(NAME, "radixserve_gated_linear", None, [_P, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C])
     return build.declared_library(NAME, "radixserve_linear", None, [_P, _P, _P, _P, _I, _I, _I, _C, _C])
 
 
@@ -58,4 +61,45 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         library().radixserve_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                     out.data_ptr(), rows, x.shape[1], out_features, DTYPE_CODES[x.dtype],
                                     max(1, torch.get_num_threads()))
+    return out
+
+
+def _pointers(tensors: list[Tensor | None]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+def linear_many(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    """[x @ w.T (+ b) for each weight and bias] in one call: the weights' outputs split between
+    the threads as one range (q, k and v: one parallel region instead of three)."""
+    if not 1 <= len(weights) <= MAX_WEIGHTS or len(biases) != len(weights):
+        raise ValueError(f"linear_many takes 1 to {MAX_WEIGHTS} weights with one bias (or None) each, "
+                         f"got {len(weights)} weights and {len(biases)} biases")
+    x = x.contiguous()
+    for weight, bias in zip(weights, biases, strict=True):
+        checks.linear_arguments(x, weight, bias)
+    outs = [torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype) for weight in weights]
+    if x.shape[0]:
+        sizes = (ctypes.c_int64 * len(weights))(*(weight.shape[0] for weight in weights))
+        library().radixserve_linear_many(x.data_ptr(), len(weights), _pointers(weights), _pointers(biases),
+                                         _pointers(outs), sizes, x.shape[0], x.shape[1], DTYPE_CODES[x.dtype],
+                                         max(1, torch.get_num_threads()))
+    return outs
+
+
+def gated_linear(x: Tensor, gate: Tensor, up: Tensor, gate_bias: Tensor | None = None,
+                 up_bias: Tensor | None = None) -> Tensor:
+    """silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) [rows, out], without the gate and
+    up projections ever in memory (rounded as the separate ops would in bfloat16)."""
+    x = x.contiguous()
+    checks.linear_arguments(x, gate, gate_bias)
+    checks.linear_arguments(x, up, up_bias)
+    if gate.shape != up.shape:
+        raise ValueError(f"gated_linear needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    rows, out_features = x.shape[0], gate.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    if rows and out_features:
+        library().radixserve_gated_linear(x.data_ptr(), gate.data_ptr(), up.data_ptr(),
+                                          None if gate_bias is None else gate_bias.data_ptr(),
+                                          None if up_bias is None else up_bias.data_ptr(), out.data_ptr(), rows,
+                                          x.shape[1], out_features, DTYPE_CODES[x.dtype], max(1, torch.get_num_threads()))
     return out
