@@ -25,9 +25,47 @@ def tiny_llama_dir(tiny_checkpoints: dict[str, Path]) -> Path:
     return tiny_checkpoints["llama"]
 
 
+class _SessionCluster:
+    """The session's Ray cluster, stopped right after the last test that uses it rather than at
+    the session's end: idle, its processes (replicas reporting their stats, Ray's own daemons)
+    would keep taking CPU from every later test."""
+
+    def __init__(self) -> None:
+        self._running: Iterator[SimpleNamespace] | None = None
+        self.last_user: pytest.Item | None = None
+
+    def start(self) -> SimpleNamespace:
+        from cluster_util import start_cluster
+
+        self._running = start_cluster()
+        return next(self._running)
+
+    def stop(self) -> None:
+        """Shuts Serve and Ray down (start_cluster's `finally`); again, it does nothing."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.close()
+
+
+_CLUSTER = _SessionCluster()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[SimpleNamespace]:
     """A local Ray cluster serving 2 demo-model replicas behind the OpenAI API (cluster_util)."""
-    from cluster_util import start_cluster
+    try:
+        yield _CLUSTER.start()
+    finally:
+        _CLUSTER.stop()
 
-    yield from start_cluster()
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    users = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    _CLUSTER.last_user = users[-1] if users else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if item is _CLUSTER.last_user:
+        _CLUSTER.stop()

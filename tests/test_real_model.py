@@ -42,11 +42,14 @@ GGUF = _gguf()
 
 @pytest.fixture(scope="module")
 def reference() -> Iterator[object]:
-    """transformers' model and tokenizer, read from the same GGUF file, in float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """transformers' model and tokenizer, read from the same GGUF file, in float32.
+
+    The tokenizer class is named, not AutoTokenizer's: that first re-parses the whole file
+    (vocabulary included) only to learn the model type, then builds this same class."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
     yield model.eval(), tokenizer
 
 

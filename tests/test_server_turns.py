@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from typing import Any
 
 import httpx
 import pytest
@@ -148,6 +150,40 @@ def test_multi_turn_chat_at_page_size_16_is_cached_through_the_partial_page(part
         assert cached == expected
     else:
         assert cached == [e // 16 * 16 for e in expected] and cached != expected
+
+
+def test_answers_are_decoded_off_the_event_loop_and_remembered_before_the_response_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remembering a turn decodes its tokens to compare them with its text: in a worker thread,
+    not on the event loop that serves every other stream. The turn is remembered by the time
+    its response (or stream) ends, so the next turn of the conversation finds it."""
+    engine = Engine(model="demo", page_size=16, num_pages=256)
+    app = create_app(AsyncEngine(engine))
+    decode = engine.tokenizer.decode
+    on_the_loop: list[bool] = []
+
+    def recording_decode(*args: Any, **kwargs: Any) -> str:
+        on_the_loop.append(_in_an_event_loop())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", recording_decode)
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        for stream in (False, True):
+            body = {"messages": [{"role": "user", "content": f"Say something, stream={stream}."}], "max_tokens": 12,
+                    "temperature": 1.0, "seed": 3, "stream": stream, "stream_options": {"include_usage": True}}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            text, _ = _answer(response, stream)
+            assert app.state.server.turns.recall(None, text) is not None
+    assert on_the_loop and not any(on_the_loop)
+
+
+def _in_an_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _conversation(stream: bool, *, memory: bool, turns: int = 4, page_size: int = 1,

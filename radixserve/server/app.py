@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -77,7 +77,7 @@ _ENCODER = msgspec.json.Encoder()
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 _DONE = b"data: [DONE]\n\n"
-Remember = Callable[[ChoiceResult], None]
+Remember = Callable[[Sequence[ChoiceResult]], Awaitable[None]]  # a request's finished choices
 
 
 class OpenAIServer:
@@ -166,7 +166,7 @@ class OpenAIServer:
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        remember = (lambda result: self._remember_turn(scope, result)) if self.turns is not None else None
+        remember = (lambda results: self._remember_turns(scope, results)) if self.turns is not None else None
         return await self._generate(request, [call], formatter, body.stream, ["messages"], max_tokens_param,
                                     timer, remember)
 
@@ -209,8 +209,8 @@ class OpenAIServer:
                         stream: bool, prompt_params: list[str], max_tokens_param: str,
                         timer: RequestTimer, remember: Remember | None = None) -> Response:
         """Runs one engine request per call (one per prompt of a batch) and answers with their
-        choices: prompt i's choice j has index i * n + j. `remember` sees each choice that
-        finished (a chat completion's generated turn)."""
+        choices: prompt i's choice j has index i * n + j. `remember` sees the choices once they
+        all finished (a chat completion's generated turns), before the response ends."""
         request_id = formatter.identity.id
         n = calls[0].params.n
         streams = [self.engine.generate(
@@ -263,8 +263,7 @@ class OpenAIServer:
                 results[delta.index].add(delta)
         timer.finish()
         if remember is not None:
-            for result in results:
-                remember(result)
+            await remember(results)
         return _json(formatter.response(results, usage.usage()))
 
     async def _sse(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter, choices: int,
@@ -287,8 +286,8 @@ class OpenAIServer:
                     yield _event(chunk)
             else:
                 timer.finish()
-                for result in results or ():
-                    remember(result)
+                if remember is not None and results is not None:
+                    await remember(results)
                 if formatter.identity.include_usage:
                     yield _event(formatter.usage_chunk(usage.usage()))
         except Exception as exc:
@@ -300,6 +299,16 @@ class OpenAIServer:
             # aborts the requests and frees their pages, even while the cancellation unwinds.
             await close(deltas)
         yield _DONE
+
+    async def _remember_turns(self, scope: str | None, results: Sequence[ChoiceResult]) -> None:
+        """Remembers a request's finished choices in a worker thread: decoding a long answer
+        would hold the event loop (and every other stream). Awaited before the response ends,
+        so a later turn of the conversation finds this one remembered."""
+        def remember_each() -> None:
+            for result in results:
+                self._remember_turn(scope, result)
+
+        await anyio.to_thread.run_sync(remember_each)
 
     def _remember_turn(self, scope: str | None, result: ChoiceResult) -> None:
         """Keeps a finished choice's token ids for later turns that send its text back, when
