@@ -108,6 +108,57 @@ def test_the_duel_leaves_lru_only_on_clear_evidence() -> None:
     assert duel.lead == 0.0
 
 
+def replay_rounds(duel: LeadDuel, rounds: int, tree_hits: bool = True) -> None:
+    """Rounds of a re-seen prompt of 20 pages then 10 fresh pages, for a cache of 24: LRU loses
+    the re-seen prompt's first pages (so all of it, a prefix) every round; any lead keeps it.
+    With `tree_hits` the tree holds what the longest lead would (the prompt), else nothing."""
+    doc = list(range(1, 21))
+    for r in range(rounds):
+        duel.observe(doc, len(doc), 2 * r, len(doc) if tree_hits else 0)
+        duel.observe([1000 * (r + 1) + i for i in range(10)], 0, 2 * r + 1, 0)
+
+
+def test_one_prompt_is_one_piece_of_evidence() -> None:
+    # Pages of a prompt hit together: 20 pages that one lead hits and LRU misses, in one
+    # prompt, are not 20 independent wins.
+    duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
+    replay_rounds(duel, 2)  # the first round fills the cache; the second is one discordant prompt
+    assert duel.lead == 0.0
+    replay_rounds(duel, 8)  # several prompts that agree: clear evidence
+    assert duel.lead == LEADS[-1]  # every lead ties here; the longest wins ties
+
+
+def test_a_lead_is_kept_only_while_it_still_beats_lru() -> None:
+    duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
+    replay_rounds(duel, 8)
+    assert duel.lead == LEADS[-1]
+    duel._diff[-1, 0], duel._diff[0, -1] = 0.0, 0.0  # the record now even: no longer ahead
+    duel.observe([99_999], 0, 100, 0)
+    assert duel.lead == 0.0
+
+
+def test_the_tree_trailing_lru_sends_it_back_and_voids_the_evidence() -> None:
+    duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
+    replay_rounds(duel, 8, tree_hits=False)  # the ghosts' lead would hit; the tree does not
+    assert duel.lead == LEADS[-1]
+    recent = [8000 + i for i in range(4)]  # the last round's fresh pages: LRU's ghost holds them
+    for r in range(8):  # the tree misses what LRU's ghost cache hits: the model is wrong here
+        duel.observe(recent, 0, 100 + r, 0)
+        if duel.lead == 0.0:
+            break
+    assert duel.lead == 0.0 and duel.switches == 2
+    assert not duel._diff.any()  # the ghosts' case must be made again from fresh traffic
+
+
+def test_a_tree_trailing_while_at_lru_does_not_block_a_lead() -> None:
+    # At LRU the tree may trail its flat ghost for reasons no lead causes (pages pinned in
+    # flight): that record does not judge a lead.
+    duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
+    duel.tree_record[:] = (-1000.0, 1000.0)
+    replay_rounds(duel, 8)
+    assert duel.lead == LEADS[-1]
+
+
 def tree_with(num_pages: int = 8) -> RadixTree:
     return RadixTree(PagePool(num_pages, PAGE), eviction_policy="adaptive")
 

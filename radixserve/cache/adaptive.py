@@ -15,18 +15,23 @@ from ghost lists and set dueling picks a cache's insertion policy: `LeadDuel` ke
 lead of a geometric ladder (`LEADS`: 0, 8^k ticks, unbounded), a ghost cache — page-prefix
 hashes only, no KV — of a spatially hashed sample of the pages (SHARDS, Waldspurger et al.:
 pages whose hash falls in 1/R of the space, in a cache of 1/R the size). Every prompt's
-sampled pages go through every ghost cache; each counts its hits, decayed so that recent
-traffic counts most (a sampled page counts only while every sampled page before it in the
-prompt hit too: a prefix cache hits prefixes). The tree uses the lead whose ghost cache hits
-most, with hysteresis: it leaves LRU only when that one beats LRU's ghost cache by 5% and
-two standard deviations of the sampling noise (the ghost caches are flat and sampled, an
-approximation of the tree: the rule leaves LRU only when its own traffic says clearly that
-another lead is better), and moves from another lead (back to LRU included) only when the
-winner beats it by two standard deviations. A guard watches the tree itself: while it uses
-another lead, its own hits on the sampled pages (peeked at arrival) are compared with LRU's
-ghost cache, and it returns to LRU as soon as LRU's would have hit more by two standard
-deviations (the ghost caches' model of the tree can be wrong; this check is not a model). What makes a lead better is measured, not tuned: no constant here is a property
-of a workload (the ladder spans every lead, the margin and decay are statistical).
+sampled pages go through every ghost cache (a sampled page hits only while every sampled
+page before it in the prompt hit too: a prefix cache hits prefixes). The ghost caches are
+compared in pairs, prompt by prompt (`LeadDuel`): the evidence is how many sampled pages of
+each prompt one lead hit and another missed, tested against its own spread, so a prompt
+counts once however many pages it moves, and the hits both share count not at all. The
+record decays over the reuse history's window (what a lead buys is keeping pages re-seen
+within it).
+
+The rule starts at LRU and is cheap to be wrong about: it takes the best lead only when that
+lead beats LRU and the lead in use by two standard deviations, keeps it only while it still
+beats LRU at all (the evidence must last, not only appear), and a guard watches the tree
+itself: from the moment it leaves LRU, its own hits on the sampled pages (peeked at arrival)
+are compared with LRU's ghost cache in the same paired test, and when LRU's would have hit
+more by two standard deviations it returns to LRU and voids the ghost caches' record (their
+model of the tree is wrong here; a new try needs fresh evidence). No constant here is a
+property of a workload: the ladder spans every lead, the margins are statistical, the decay
+is the reuse window.
 """
 
 from __future__ import annotations
@@ -47,11 +52,9 @@ if TYPE_CHECKING:  # radix.py imports this module (through eviction.py)
 REUSE_BOOST = Retention(boost=True)  # what a re-seen prefix gets under the adaptive rule
 UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in a float64
 LEADS = (0.0, *(float(8 ** k) for k in range(1, 6)), UNBOUNDED)  # 0, 8 .. 32,768 ticks, unbounded
-MIN_GHOST_PAGES = 256   # sample fewer pages only while each ghost cache keeps at least this many
-MAX_SAMPLE_RATE = 32    # at most 1 page in 32 sampled
-DECAY_TURNOVERS = 2     # hit counts halve after this many ghost-cache capacities of accesses
-SWITCH_SIGMAS = 2.0     # another lead must out-hit the current one by two standard deviations
-MODEL_MARGIN = 0.05     # ... and LRU by 5% more: a flat sampled ghost cache only approximates the tree
+MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps at least this many
+MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
+SWITCH_SIGMAS = 2.0     # another lead must out-hit the current one and LRU by two standard deviations
 
 
 class GhostCache:
@@ -95,17 +98,35 @@ class GhostCache:
 
 class LeadDuel:
     """Ghost caches for every lead of `LEADS` over a hashed sample of the pages of a cache of
-    `cache_pages`; `lead` is the winner's (see the module docstring)."""
+    `cache_pages`; `lead` is the winner's (see the module docstring).
 
-    def __init__(self, cache_pages: int) -> None:
+    Every comparison is paired, prompt by prompt: the ghost caches see the same prompts, so
+    what tells two of them apart is only how many sampled pages of each prompt one hit and
+    the other missed. The unit of evidence is the prompt, not the page: a prefix cache hits a
+    prompt's pages together (one prompt that one lead hits and another misses moves many
+    pages, and is one piece of evidence). `_diff[a, b]` sums, over prompts, `a`'s sampled
+    hits minus `b`'s, `_var[a, b]` the squares of those differences (each decayed like the
+    hits: a weight that halves, so the squares' weight quarters); `a` is ahead of `b` by `s`
+    standard deviations when `_diff[a, b] > s * sqrt(_var[a, b])` (a self-normalized paired
+    test: it needs several prompts that agree, however many pages each moves)."""
+
+    def __init__(self, cache_pages: int, horizon_pages: int | None = None) -> None:
         self.sample_rate = int(max(1, min(MAX_SAMPLE_RATE, cache_pages // MIN_GHOST_PAGES)))
         capacity = max(1, cache_pages // self.sample_rate)
         self.ghosts = [GhostCache(capacity, lead) for lead in LEADS]
         self.current = 0  # index into LEADS: start as LRU
         self._accesses = 0
-        self._decay_every = DECAY_TURNOVERS * capacity
+        # The evidence halves once per `horizon_pages` page accesses (sampled: divided by the
+        # rate), the reuse history's window: what a lead buys is keeping pages re-seen within
+        # that window, so the record that judges it spans the same traffic.
+        horizon = horizon_pages if horizon_pages is not None else cache_pages
+        self._decay_every = max(capacity, horizon // self.sample_rate)
         self.switches = 0
-        self.real_hits = 0.0  # the tree's own hits on the sampled pages, decayed alike
+        self._diff = np.zeros((len(LEADS), len(LEADS)))
+        self._var = np.zeros((len(LEADS), len(LEADS)))
+        # The tree's own record against LRU's ghost cache on the sampled pages (peeked at
+        # arrival), as one more row of the same test: its hits minus the ghost's, squared.
+        self.tree_record = np.zeros(2)
 
     @property
     def lead(self) -> float:
@@ -116,42 +137,71 @@ class LeadDuel:
         """A prompt with these page hashes, its first `boosted` pages boosted, of which the
         tree holds the first `cached`, arrives at `tick`; returns whether the lead changed."""
         rate = self.sample_rate
-        sampled = [(h, i < boosted) for i, h in enumerate(hashes) if h % rate == 0]
+        sampled = [(i, h) for i, h in enumerate(hashes) if h % rate == 0]
         if not sampled:
             return False
-        self.real_hits += sum(1 for i, h in enumerate(hashes[:cached]) if h % rate == 0)
-        for ghost in self.ghosts:
+        hit = np.zeros((len(self.ghosts), len(sampled)), dtype=bool)
+        for g, ghost in enumerate(self.ghosts):
             leading = True  # a prefix cache hits a page only if every page before it hits
-            for h, boost in sampled:
-                leading = ghost.access(h, tick, boost, leading) and leading
+            for k, (i, h) in enumerate(sampled):
+                leading = ghost.access(h, tick, i < boosted, leading) and leading
+                hit[g, k] = leading
+        hits = hit.sum(axis=1).astype(np.float64)
+        diff = hits[:, None] - hits[None, :]
+        self._diff += diff
+        self._var += diff * diff
+        tree = float(sum(1 for i, _ in sampled if i < cached)) - hits[0]
+        self.tree_record += (tree, tree * tree)
         self._accesses += len(sampled)
         if self._accesses >= self._decay_every:
             self._accesses = 0
             for ghost in self.ghosts:
                 ghost.hits /= 2
-            self.real_hits /= 2
-        hits = [g.hits for g in self.ghosts]
-        if self.current != 0 and self._beats([hits[0], self.real_hits], 0, 1, 0.0):
-            self.current = 0  # the tree itself hits less than LRU would: back to LRU
-            self.switches += 1
-            return True
+            self._diff /= 2
+            self._var /= 4
+            self.tree_record /= (2, 4)
+        return self._decide()
+
+    def _decide(self) -> bool:
+        """Moves to the lead the record supports; returns whether it moved."""
+        if self.current != 0 and _ahead(-self.tree_record[0], self.tree_record[1], SWITCH_SIGMAS):
+            # Since it took this lead, the tree itself hits less than LRU's ghost cache: the
+            # ghost caches' model of the tree is wrong here. Back to LRU, and the case they
+            # made is void: another try needs fresh evidence, not the refuted record.
+            self._diff[:] = 0.0
+            self._var[:] = 0.0
+            return self._move(0)
+        if self.current != 0 and not self._ahead(self.current, 0):
+            # The lead in use no longer beats LRU at all: back to LRU. Staying away from LRU
+            # needs the evidence to last, not only to have appeared.
+            return self._move(0)
         # Most hits; the longer lead on ties: leads longer than the history so far tie, and the
         # longest is the one that stays right as the history grows.
+        hits = [g.hits for g in self.ghosts]
         best = max(range(len(hits)), key=lambda i: (hits[i], i))
-        if self.current == 0 and not self._beats(hits, best, 0, MODEL_MARGIN):
-            return False  # not clearly better than LRU: stay LRU
-        if best != self.current and self._beats(hits, best, self.current, 0.0):
-            self.current = best
-            self.switches += 1
-            return True
+        if best != self.current and self._ahead(best, self.current, SWITCH_SIGMAS) and self._ahead(best, 0, SWITCH_SIGMAS):
+            return self._move(best)
         return False
 
-    @staticmethod
-    def _beats(hits: list[float], a: int, b: int, margin: float) -> bool:
-        """Whether ghost cache `a` hit more than `b` by the relative `margin` plus two standard
-        deviations of the sampling noise (Poisson counts: the difference of counts x and y
-        has a standard deviation of about sqrt(x + y))."""
-        return hits[a] - hits[b] * (1 + margin) > SWITCH_SIGMAS * math.sqrt(hits[a] + hits[b])
+    def _move(self, index: int) -> bool:
+        if self.current == 0:
+            # The tree's record judges the leads it takes, from the moment it leaves LRU (at
+            # LRU the tree may trail its flat ghost for reasons no lead causes: pages pinned by
+            # requests in flight, leaf-only eviction).
+            self.tree_record[:] = 0.0
+        self.current = index
+        self.switches += 1
+        return True
+
+    def _ahead(self, a: int, b: int, sigmas: float = 0.0) -> bool:
+        """Whether ghost cache `a` hit more than `b`, by `sigmas` standard deviations."""
+        return _ahead(self._diff[a, b], self._var[a, b], sigmas)
+
+
+def _ahead(diff: float, var: float, sigmas: float) -> bool:
+    """A summed difference `diff` whose terms' squares sum to `var` is above zero by `sigmas`
+    standard deviations (with no sigmas: above zero at all)."""
+    return diff > sigmas * math.sqrt(var)
 
 
 class LeadLearner:
@@ -188,7 +238,7 @@ class AdaptiveReuse:
         self.page_size: int = tree.page_size
         cache_pages = tree.pool.num_pages + (tree.host.pool.num_pages if tree.host is not None else 0)
         self.history = ReuseHistory(self.page_size, window_pages)
-        self.duel = LeadDuel(cache_pages)
+        self.duel = LeadDuel(cache_pages, window_pages)
         self.learner: LeadLearner = getattr(tree.policy, "learner", None) or LeadLearner()
 
     def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False) -> int:
