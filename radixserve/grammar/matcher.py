@@ -1,8 +1,9 @@
 """One sequence's place in its grammar, and the allowed-token bitmask of a step's rows.
 
 The seam with the sampler: the engine builds a TokenMask for a step (one bitmask row per
-constrained logits row, filled by that row's Matcher), engine/sampler.py applies it to the
-logits before either sampler runs, and the engine then `accept`s the token drawn and
+constrained logits row, filled by that row's Matcher, packed for the C sampler as it is
+built), engine/sampler.py hands it to the sampler (the C sampler masks each row as it
+samples it; the torch path applies it first), and the engine then `accept`s the token drawn and
 `prepare`s the next mask (so it is ready when the next logits come). A sequence
 keeps its Matcher across preemption (preemption keeps the generated tokens, so the grammar
 state is still exact on resumption). `fork` copies a state: each beam-search beam gets its own
@@ -11,12 +12,14 @@ copy of its parent's (engine/beam_driver.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import xgrammar
 
+from radixserve.native import checks
 from radixserve.native import sampling as native_sampling
 
 
@@ -34,6 +37,9 @@ class Matcher:
         self._vocab_size = vocab_size
         self._prepared: torch.Tensor | None = None  # [1, words], allocated on first prepare
         self._prepared_words = np.empty((0, 0), dtype=np.int32)  # _prepared's memory, as numpy
+        self._prepared_checked: checks.MaskWords | None = None  # _prepared, checked once for C
+        self._row_ids = array("q", [0])  # the logits row of _row_mask, as C reads it
+        self._row_mask: TokenMask | None = None  # _prepared for one logits row, packed for C
         self._ready = False  # whether _prepared holds the current state's mask
 
     def fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
@@ -53,13 +59,29 @@ class Matcher:
         if self._prepared is None:
             self._prepared = xgrammar.allocate_token_bitmask(1, self._vocab_size)
             self._prepared_words = self._prepared.numpy()  # the same memory
+            self._prepared_checked = checks.mask_words(self._prepared)
         self._matcher.fill_next_token_bitmask(self._prepared_words, 0)
         self._ready = True
 
-    def prepared_mask(self) -> torch.Tensor | None:
-        """The current state's mask ([1, words], owned by this matcher: valid until it next
-        advances) if it was prepared, else None."""
-        return self._prepared if self._ready else None
+    def prepared_words(self) -> checks.MaskWords | None:
+        """The current state's mask if it was prepared, else None: its memory ([1, words],
+        owned by this matcher, valid until it next advances; the tensor is `owner`), checked
+        for C once, when allocated."""
+        return self._prepared_checked if self._ready else None
+
+    def prepared_mask(self, row: int) -> TokenMask | None:
+        """The prepared mask (`prepared_words`) as the mask of logits row `row` alone, packed
+        for C, or None when not prepared. The same object step after step while the row stays
+        the same (its words are refilled in place), so a single constrained row builds nothing."""
+        checked = self.prepared_words()
+        if checked is None:
+            return None
+        mask = self._row_mask
+        if mask is None or mask.rows[0] != row or mask.bitmask is not checked.owner:
+            self._row_ids[0] = row
+            mask = self._row_mask = TokenMask(checked.owner, [row], checks.NativeMask(
+                checked, self._row_ids, self._row_ids.buffer_info()[0], 1, row, row))
+        return mask
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False (state unchanged) when the grammar does not allow it."""
@@ -84,26 +106,42 @@ class Matcher:
 
 @dataclass
 class TokenMask:
-    """Allowed tokens of some rows of a step's logits: `bitmask[i]` is row `rows[i]`'s."""
+    """Allowed tokens of some rows of a step's logits: `bitmask[i]` is row `rows[i]`'s.
+
+    `native` is the same mask as the C sampler reads it: packed (and checked) when the mask is
+    built from a reused buffer (`for_rows`), else on first use (`native_mask`)."""
 
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], on the CPU
     rows: list[int]
+    native: checks.NativeMask | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def for_rows(matchers: list[tuple[int, Matcher]], vocab_size: int, buffer: MaskBuffer | None = None) -> TokenMask:
         """The mask of the rows that have a matcher, filled by their matchers; into `buffer`'s
         rows when given (valid until the buffer's next use), else into a new tensor."""
         rows = [row for row, _ in matchers]
-        if len(matchers) == 1:  # the common single row: its prepared mask as it is, no copy
-            prepared = matchers[0][1].prepared_mask()
+        if len(rows) == 1:  # the common single row: its prepared mask as it is, no copy
+            prepared = matchers[0][1].prepared_mask(rows[0])
             if prepared is not None:
-                return TokenMask(prepared, rows)
-        bitmask = (buffer.take(len(matchers), vocab_size) if buffer is not None
-                   else xgrammar.allocate_token_bitmask(len(matchers), vocab_size))
-        words = bitmask.numpy()  # the same memory
+                return prepared
+        if buffer is None:
+            bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
+            words = bitmask.numpy()  # the same memory
+            for i, (_, matcher) in enumerate(matchers):
+                matcher.fill(words, i)
+            return TokenMask(bitmask, rows)
+        bitmask, words, checked = buffer.take(len(rows), vocab_size)
         for i, (_, matcher) in enumerate(matchers):
             matcher.fill(words, i)
-        return TokenMask(bitmask, rows)
+        row_ids, address = buffer.row_slots(rows)
+        return TokenMask(bitmask, rows, checks.NativeMask(checked, row_ids, address, len(rows), min(rows), max(rows)))
+
+    def native_mask(self) -> checks.NativeMask:
+        """This mask as the C sampler reads it (`checks.native_mask` packs and checks it, once,
+        unless it was built packed)."""
+        if self.native is None:
+            self.native = checks.native_mask(self.bitmask, self.rows)
+        return self.native
 
     def apply(self, logits: torch.Tensor) -> None:
         """Sets the logits of disallowed tokens to -inf, in place, in the masked rows only.
@@ -111,8 +149,7 @@ class TokenMask:
         CPU float32 logits go to the C sampler's library (radixserve/native/sampling.c,
         beside the sampler it feeds), where it is built; everything else (a GPU, other dtypes,
         no C compiler) to a few torch ops on the logits' device."""
-        if native_sampling.usable(logits):
-            native_sampling.apply_token_mask(logits, self.rows, self.bitmask)
+        if native_sampling.apply_native_mask(logits, self.native_mask()):
             return
         device = logits.device
         bits = torch.arange(32, dtype=torch.int32, device=device)
@@ -132,18 +169,37 @@ class TokenMask:
 
 
 class MaskBuffer:
-    """One reused bitmask tensor for a step's masks: a step's mask is built in the rows of the
-    same warm memory as the last one's, instead of a fresh allocation (for 64 rows, 400 kB:
-    fresh pages every step). Not thread safe; one per engine. A mask taken from it is valid
-    until the next `take`."""
+    """Reused memory for a step's masks: the bitmask rows and the list of their logits rows as
+    the C sampler reads them, checked for C once when (re)allocated. A step's mask is built in
+    the rows of the same warm memory as the last one's, instead of a fresh allocation (for 64
+    rows, 400 kB: fresh pages every step). Not thread safe; one per engine. A mask taken from
+    it is valid until the next `take` or `row_slots`."""
 
     def __init__(self) -> None:
         self._words = torch.empty(0, 0, dtype=torch.int32)
+        self._numpy = self._words.numpy()  # the same memory
+        self._checked = checks.mask_words(self._words)
+        self._row_ids = array("q")
+        self._row_ids_address = 0
 
-    def take(self, rows: int, vocab_size: int) -> torch.Tensor:
+    def take(self, rows: int, vocab_size: int) -> tuple[torch.Tensor, np.ndarray, checks.MaskWords]:
         """`rows` rows of int32 words for `vocab_size` tokens (contents unspecified: a
-        matcher's fill writes every word)."""
+        matcher's fill writes every word), as a tensor and as numpy (the same memory), and the
+        whole buffer as checked for C."""
         words = (vocab_size + 31) // 32
         if self._words.shape[0] < rows or self._words.shape[1] != words:
             self._words = torch.empty(max(rows, 2 * self._words.shape[0]), words, dtype=torch.int32)
-        return self._words[:rows]
+            self._numpy = self._words.numpy()
+            self._checked = checks.mask_words(self._words)
+        return self._words[:rows], self._numpy[:rows], self._checked
+
+    def row_slots(self, rows: list[int]) -> tuple[array, int]:
+        """`rows` written into the buffer's int64 row list (its first len(rows) entries), and
+        the list's address."""
+        if len(self._row_ids) < len(rows):
+            self._row_ids = array("q", bytes(8 * max(len(rows), 2 * len(self._row_ids), 8)))
+            self._row_ids_address = self._row_ids.buffer_info()[0]
+        row_ids = self._row_ids
+        for i, row in enumerate(rows):
+            row_ids[i] = row
+        return row_ids, self._row_ids_address

@@ -21,8 +21,12 @@ What each kernel trusts, and where it is checked:
 - sampling, every call (`sampling_arguments`): float32 logits on the CPU with rows of unit
   stride and 1 <= vocab < 2^31 (token ids are int32 in C); one entry per row in every
   parameter array, converted to the dtype C reads; temperature >= 0 (not NaN); u in [0, 1].
-- token mask, every call (`token_mask_arguments`): the same logits; an int32 bitmask of one
-  row per masked row and ceil(vocab / 32) words; each masked row index in [0, rows).
+- token mask, once per bitmask buffer (`mask_words`): int32 words on the CPU, rows of
+  contiguous words; once per mask (`native_mask`, or the grammar layer's reused buffers,
+  which build a NativeMask from checked words and their own row array): at most one mask row
+  per masked row, every masked row index >= 0; every call (`token_mask_call`, a handful of
+  integer comparisons): the logits as for sampling, ceil(vocab / 32) words per mask row, each
+  masked row index below the logits' rows.
 
 NaN is not checked here (that would be a pass over every key read, on every layer): the
 attention kernel propagates it instead (a NaN key makes the heads that read it NaN, as in
@@ -31,6 +35,8 @@ SDPA; see paged_attention.c), so NaN logits follow and the sampler reports those
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -177,21 +183,68 @@ def sampling_arguments(logits: Tensor, temperature: np.ndarray, top_k: np.ndarra
     return arrays
 
 
-def token_mask_arguments(logits: Tensor, rows: list[int], bitmask: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Checks one token-mask call; returns the row indices (int64) and the bitmask (int32,
-    contiguous) as C reads them."""
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or (
-            logits.shape[1] > 1 and logits.stride(1) != 1):
-        raise ValueError("the token mask needs 2-D float32 logits on the CPU with rows of unit stride, got "
-                         f"{logits.dtype} on {logits.device}, shape {tuple(logits.shape)}")
-    num_rows, vocab = logits.shape
-    indices = np.asarray(rows, dtype=np.int64)
-    words = (vocab + 31) // 32
-    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or tuple(bitmask.shape) != (len(indices), words):
-        raise ValueError(f"the token mask must be int32 [{len(indices)}, {words}] on the CPU, got "
-                         f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
-    _require_all((indices >= 0) & (indices < num_rows), f"masked rows must lie in [0, {num_rows})", indices)
-    return indices, np.ascontiguousarray(bitmask.numpy())
+class MaskWords(NamedTuple):
+    """A grammar bitmask's memory as C reads it, checked once by `mask_words` (a buffer reused
+    step after step is checked when allocated, not at every use): `rows` rows of `words` int32
+    words each, contiguous, at `address`, which `owner` keeps alive."""
+
+    address: int
+    rows: int
+    words: int
+    owner: Tensor
+
+
+class NativeMask(NamedTuple):
+    """A grammar mask as the C sampler reads it: mask row i (of `words`) applies to logits row
+    `row_ids[i]` for i < `count` (int64, at `rows_address`; `row_ids` keeps that memory alive).
+    `low` and `high` are the smallest and largest of those rows (0 and -1 when `count` is 0).
+    Built by `native_mask`, or by the grammar layer from checked words and its own row array."""
+
+    words: MaskWords
+    row_ids: array
+    rows_address: int
+    count: int
+    low: int
+    high: int
+
+
+def mask_words(bitmask: Tensor) -> MaskWords:
+    """Checks a bitmask buffer (contiguous int32 [rows, words] on the CPU) and returns where C
+    reads it."""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or not bitmask.is_contiguous():
+        raise ValueError(f"the token mask must be contiguous int32 [rows, words] on the CPU, got "
+                         f"{bitmask.dtype} {tuple(bitmask.shape)} strides {bitmask.stride()} on {bitmask.device}")
+    return MaskWords(bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1], bitmask)
+
+
+def native_mask(bitmask: Tensor, rows: Sequence[int]) -> NativeMask:
+    """Checks a mask given as a tensor and its rows (mask row i for logits row rows[i]) and
+    packs it for C (`token_mask_call` checks it against each call's logits)."""
+    words = mask_words(bitmask)
+    row_ids = array("q", rows)  # OverflowError / TypeError for what is not an int64
+    if words.rows != len(row_ids):
+        raise ValueError(f"the token mask must be int32 [{len(row_ids)}, words], one row per masked row, got "
+                         f"{bitmask.dtype} {tuple(bitmask.shape)}")
+    low, high = (min(row_ids), max(row_ids)) if row_ids else (0, -1)
+    if low < 0:
+        raise ValueError(f"masked rows must be >= 0, got {low}")
+    return NativeMask(words, row_ids, row_ids.buffer_info()[0], len(row_ids), low, high)
+
+
+def token_mask_call(num_rows: int, vocab: int, mask: NativeMask) -> None:
+    """Checks one call that applies `mask` to logits [num_rows, vocab] (already checked as the
+    sampler's or `cpu_float_rows`): integer comparisons only, every call."""
+    words = mask.words
+    if words.words != (vocab + 31) // 32 or mask.count > words.rows or mask.count > len(mask.row_ids):
+        raise ValueError(f"the token mask must be int32 [{mask.count}, {(vocab + 31) // 32}] on the CPU "
+                         f"for {vocab} logits, got [{words.rows}, {words.words}] for {mask.count} masked rows")
+    if mask.count and (mask.low < 0 or mask.high >= num_rows):
+        raise ValueError(f"masked rows must lie in [0, {num_rows}), got {mask.low} .. {mask.high}")
+
+
+def cpu_float_rows(logits: Tensor) -> bool:
+    """Whether C can read `logits` as rows of float32 on the CPU (2-D, rows of unit stride)."""
+    return logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
 
 
 def _dense_cpu(t: Tensor, dtype: torch.dtype) -> bool:

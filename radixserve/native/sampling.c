@@ -68,32 +68,6 @@ static void sort_descending(Candidate *items, int64_t n, Candidate *temp) {
     }
 }
 
-/* The largest value, and whether any value is NaN (lanes, so it vectorises). */
-static float max_value(const float *x, int64_t n, int *has_nan) {
-    float lane[LANES];
-    int nan_lane[LANES] = {0};
-    for (int j = 0; j < LANES; ++j) lane[j] = -INFINITY;
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; ++j) {
-            float v = x[i + j];
-            nan_lane[j] |= v != v;
-            lane[j] = v > lane[j] ? v : lane[j];
-        }
-    float m = -INFINITY;
-    int nan = 0;
-    for (int j = 0; j < LANES; ++j) {
-        m = lane[j] > m ? lane[j] : m;
-        nan |= nan_lane[j];
-    }
-    for (; i < n; ++i) {
-        nan |= x[i] != x[i];
-        m = x[i] > m ? x[i] : m;
-    }
-    *has_nan = nan;
-    return m;
-}
-
 /* The sum of x[0..n) in LANES partial sums and a fixed tree (so it vectorises). */
 static float lane_sum(const float *restrict x, int64_t n) {
     float lane[LANES] = {0};
@@ -107,10 +81,51 @@ static float lane_sum(const float *restrict x, int64_t n) {
     return sum;
 }
 
-/* torch.argmax: the first maximum, or the first NaN. */
-static int64_t argmax(const float *x, int64_t n) {
+/* One word of a grammar's token mask on the n <= 32 logits it covers, in place: y[b] becomes
+ * -inf where bit b of word is clear (int32 words, bit t % 32 of word t / 32: xgrammar's
+ * layout). A select without a branch, so the loop vectorises. */
+static inline void mask_word(float *y, uint32_t word, int64_t n) {
+    for (int64_t b = 0; b < n; ++b) y[b] = (word >> b) & 1u ? y[b] : -INFINITY;
+}
+
+/* The largest value of x[0..n) and whether any is NaN, after a grammar's token mask (NULL:
+ * none) is applied to the row in place (mask_word for each word; a word with every bit set,
+ * the common case inside a JSON string, writes nothing): the row is read once for both, 32
+ * tokens at a time, in 32 lanes (two vectors of independent maxima, so it vectorises). */
+static float masked_max_value(float *x, int64_t n, const uint32_t *mask, int *has_nan) {
+    float lane[32];
+    int nan_lane[32] = {0};
+    for (int j = 0; j < 32; ++j) lane[j] = -INFINITY;
+    int64_t w = 0;
+    for (; w * 32 + 32 <= n; ++w) {
+        float *y = x + w * 32;
+        if (mask != NULL && mask[w] != 0xFFFFFFFFu) mask_word(y, mask[w], 32);
+        for (int b = 0; b < 32; ++b) {
+            float v = y[b];
+            nan_lane[b] |= v != v;
+            lane[b] = v > lane[b] ? v : lane[b];
+        }
+    }
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < 32; ++j) {
+        m = lane[j] > m ? lane[j] : m;
+        nan |= nan_lane[j];
+    }
+    if (mask != NULL && w * 32 < n) mask_word(x + w * 32, mask[w], n - w * 32); /* the last, partial word */
+    for (int64_t t = w * 32; t < n; ++t) {
+        nan |= x[t] != x[t];
+        m = x[t] > m ? x[t] : m;
+    }
+    *has_nan = nan;
+    return m;
+}
+
+/* torch.argmax of the row masked by `mask` (NULL: none; see masked_max_value): the first
+ * maximum, or the first NaN. */
+static int64_t argmax(float *x, int64_t n, const uint32_t *mask) {
     int has_nan;
-    float m = max_value(x, n, &has_nan);
+    float m = masked_max_value(x, n, mask, &has_nan);
     for (int64_t i = 0; i < n; ++i)
         if (has_nan ? x[i] != x[i] : x[i] == m) return i;
     return 0;
@@ -158,15 +173,16 @@ static float kth_of_row(const float *restrict x, int64_t n, int64_t k, float *re
     return kth_largest(work, count, k);
 }
 
-/* Filters one row into p (softmax probabilities, dropped tokens 0, not renormalised).
+/* Filters one row into p (softmax probabilities, dropped tokens 0, not renormalised), after
+ * masking it in place by `mask` (NULL: none; see masked_max_value).
  * Returns -1 for non-finite logits, else the number of kept tokens listed in `kept` by id,
  * or 0 when they were not listed (neither top-p nor top-k: the draw scans the whole row). */
-static int64_t filter_row(const float *restrict logits, int64_t vocab, float temperature,
+static int64_t filter_row(float *restrict logits, int64_t vocab, const uint32_t *mask, float temperature,
                           int64_t top_k, float top_p, float min_p, float *restrict p,
                           float *restrict work, Candidate *restrict kept,
                           Candidate *restrict temp) {
     int has_nan;
-    float m = max_value(logits, vocab, &has_nan);
+    float m = masked_max_value(logits, vocab, mask, &has_nan);
     if (has_nan || isinf(m)) return -1; /* +inf, or every logit -inf: no distribution */
     int64_t i;
     if (top_k > 0 && top_k < vocab) {
@@ -273,46 +289,40 @@ static int64_t draw(const float *p, int64_t vocab, const Candidate *kept, int64_
     return last;
 }
 
-/* A grammar's token mask on one row, in place: x[t] becomes -inf for every token t whose bit is
- * clear in mask (int32 words, bit t % 32 of word t / 32: xgrammar's layout). A word with every
- * bit set (the common case inside a JSON string) is skipped; the others select without a
- * branch, so the loop vectorises. */
-static void mask_row(float *x, int64_t vocab, const uint32_t *mask) {
-    for (int64_t w = 0; w * 32 < vocab; ++w) {
-        uint32_t word = mask[w];
-        if (word == 0xFFFFFFFFu) continue;
-        float *y = x + w * 32;
-        int64_t n = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
-        for (int64_t b = 0; b < n; ++b) y[b] = (word >> b) & 1u ? y[b] : -INFINITY;
-    }
-}
-
-/* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows.
+/* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows,
+ * or -1 (nothing done) when the grammar mask's row lookup cannot be allocated.
  * temperature[r] == 0 is greedy. probs, when not NULL, receives each sampled row's filtered
  * probabilities ([rows, vocab]). scratch: num_threads * 6 * vocab floats (thread t uses slice
  * t: p, the selection's work, then the kept and temp candidate lists of 2 * vocab floats each),
  * so num_threads must be the count the scratch was sized for. With a grammar mask (mask not
- * NULL), a row r with mask_index[r] >= 0 first gets mask row mask_index[r] (mask_words words
- * each) applied to its logits in place, by the thread that samples it: the row is then in
- * that core's cache for the passes that follow, instead of being read twice. */
+ * NULL, mask_count > 0), logits row mask_rows[i] gets mask row i (mask_words words each)
+ * applied in place, by the thread that samples it and in the pass that finds the row's
+ * maximum (masked_max_value): the row is read once for both. radixserve/native/checks.py has
+ * checked that every mask_rows[i] lies in [0, rows). */
 int64_t radixserve_sample(float *logits, int64_t row_stride, int64_t rows, int64_t vocab,
                           const float *temperature, const int64_t *top_k, const float *top_p,
                           const float *min_p, const double *u, int64_t *tokens, float *probs,
-                          const uint32_t *mask, const int64_t *mask_index, int64_t mask_words,
-                          float *scratch, int num_threads) {
+                          const uint32_t *mask, const int64_t *mask_rows, int64_t mask_count,
+                          int64_t mask_words, float *scratch, int num_threads) {
+    const uint32_t **row_mask = NULL; /* each logits row's mask row, or NULL */
+    if (mask != NULL && mask_count > 0) {
+        row_mask = calloc((size_t)rows, sizeof *row_mask);
+        if (row_mask == NULL) return -1;
+        for (int64_t i = 0; i < mask_count; ++i) row_mask[mask_rows[i]] = mask + i * mask_words;
+    }
     int64_t failed = 0;
 #pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if (num_threads > 1) reduction(+ : failed)
     for (int64_t r = 0; r < rows; ++r) {
         float *row = logits + r * row_stride;
-        if (mask != NULL && mask_index[r] >= 0) mask_row(row, vocab, mask + mask_index[r] * mask_words);
+        const uint32_t *masked = row_mask != NULL ? row_mask[r] : NULL;
         if (temperature[r] == 0.0f) {
-            tokens[r] = argmax(row, vocab);
+            tokens[r] = argmax(row, vocab, masked);
             continue;
         }
         float *mine = scratch + (int64_t)thread_index() * 6 * vocab;
         float *p = probs ? probs + r * vocab : mine;
         Candidate *kept = (Candidate *)(mine + 2 * vocab);
-        int64_t listed = filter_row(row, vocab, temperature[r], top_k[r], top_p[r], min_p[r], p,
+        int64_t listed = filter_row(row, vocab, masked, temperature[r], top_k[r], top_p[r], min_p[r], p,
                                     mine + vocab, kept, (Candidate *)(mine + 4 * vocab));
         if (listed < 0) {
             tokens[r] = -1;
@@ -321,6 +331,7 @@ int64_t radixserve_sample(float *logits, int64_t row_stride, int64_t rows, int64
         }
         tokens[r] = draw(p, vocab, kept, listed, u[r]);
     }
+    free(row_mask);
     return failed;
 }
 
@@ -329,8 +340,15 @@ void radixserve_exp_nonpositive(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = exp_nonpositive(x[i]);
 }
 
+/* A grammar's token mask on one row, in place (mask_word for each word): a word with every
+ * bit set (the common case inside a JSON string) is skipped without touching its logits. */
+static void mask_row(float *x, int64_t vocab, const uint32_t *mask) {
+    for (int64_t w = 0; w * 32 < vocab; ++w)
+        if (mask[w] != 0xFFFFFFFFu) mask_word(x + w * 32, mask[w], vocab - w * 32 < 32 ? vocab - w * 32 : 32);
+}
+
 /* The grammar mask alone (for rows sampled elsewhere): logits[rows[i]] gets mask row i.
- * radixserve/native/checks.py: token_mask_arguments has checked the rows and sizes. */
+ * radixserve/native/checks.py has checked the rows and sizes (`token_mask_call`). */
 void radixserve_apply_token_mask(float *logits, int64_t row_stride, int64_t vocab, const int64_t *rows,
                                  int64_t num_rows, const uint32_t *bitmask, int64_t words) {
     for (int64_t i = 0; i < num_rows; ++i) mask_row(logits + rows[i] * row_stride, vocab, bitmask + i * words);
