@@ -1,10 +1,10 @@
 """Which sequences run in the next step, and the pages they run in.
 
 The scheduler owns the waiting and running queues, and through `SequencePages` every page a
-sequence holds. Each step
-it (1) gives every running sequence its next chunk (one token when decoding), preempting the
-lowest-priority, latest-arrived sequences when pages run out, then (2) admits waiting
-sequences in the policy's order within the token budget, reusing their cached prefixes.
+sequence holds. Each step it (1) gives every running sequence its next chunk (one token when
+decoding), preempting the lowest-priority, latest-arrived sequences when pages run out, then
+(2) admits waiting sequences in the policy's order within the token budget, reusing their
+cached prefixes.
 With several tenants, both orders are fair_share.py's first: tenants are interleaved by
 the service they have had (so the tenant with the most is preempted first), and the order
 above holds within each tenant; with one tenant they are exactly the orders above.
