@@ -1,14 +1,17 @@
-"""The serving engine: requests in, tokens out, over a paged KV pool with a prefix cache."""
+"""The serving engine: requests in, tokens out, over a paged KV pool with a prefix cache.
+
+`Engine` is the API: request intake (`add_request`), a request's end (`abort`, pause,
+sessions), `step`, the offline `generate` and introspection. What a step does is step_loop.py's;
+its other jobs are the modules ARCHITECTURE.md §6 lists.
+"""
 
 from __future__ import annotations
 
 import functools
-import itertools
-import logging
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -21,26 +24,41 @@ from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cache.tiers import DEFAULT_OFFLOAD_MIN_PRIORITY, WRITE_BACK
 from radixserve.engine.beam_driver import BeamDriver
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from radixserve.engine.engine_setup import (build_cache, bytes_per_page, eos_token_ids, runtime_summary,
-                                            sampling_defaults)
-from radixserve.engine.engine_stats import StepClock, check_engine, count_retired, engine_stats, new_counters
+from radixserve.engine.engine_setup import (
+    build_cache,
+    bytes_per_page,
+    eos_token_ids,
+    runtime_summary,
+    sampling_defaults,
+)
+from radixserve.engine.engine_stats import (
+    StepClock,
+    check_engine,
+    count_retired,
+    engine_stats,
+    new_counters,
+)
 from radixserve.engine.fair_share import FairShare
-from radixserve.engine.params import QueueFull, RequestOutput, SamplingParams, StreamDelta, TokenLogprob
+from radixserve.engine.params import (
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    StreamDelta,
+)
 from radixserve.engine.paused import PausedRequests
 from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.prompt_check import check_prompt, max_sequence_len
 from radixserve.engine.request import Request, SequenceState, namespace_of
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import sampling_seed
-from radixserve.engine.scheduler import ScheduledChunk, Scheduler
+from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.sessions import SessionTable
+from radixserve.engine.step_loop import StepLoop
 from radixserve.engine.timing import StepTimings
-from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
+from radixserve.engine.token_output import DeltaQueue
 from radixserve.grammar import Grammars, MaskBuffer
 from radixserve.models.loader import load_model
 from radixserve.parallel.launch import TensorParallel
-
-logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -156,6 +174,11 @@ class Engine:
         self.beams = BeamDriver(self.scheduler, new_beam=lambda req, ids: self._new_sequence(req, 0, ids, output=False),
                                 finish=self._finish, fail=self._fail_request, retire=self._retire,
                                 eos_token_ids=self.eos_token_ids, released=self._released, counters=self._counters)
+        self._loop = StepLoop(self.scheduler, self.runner, self.beams, self.sessions, self._deltas,
+                              new_sequence=self._new_sequence, finish=self._finish, fail=self._fail_request,
+                              retire=self._retire, eos_token_ids=self.eos_token_ids,
+                              max_context_len=self.max_context_len, counters=self._counters, timings=self._timings,
+                              step_clock=self._step_clock, grammar_masks=self._grammar_masks, released=self._released)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -286,124 +309,12 @@ class Engine:
         A failure that one request causes (its forward chunk, sampling, detokenizing, stop
         checks) ends that request alone with finish_reason "error"; the others carry on.
         """
-        start = time.perf_counter()
-        self.sessions.sweep()
-        scheduling = time.perf_counter()
-        chunks = self.scheduler.schedule()
-        self._timings.add("schedule", time.perf_counter() - scheduling)
-        if chunks:
-            self._timings.steps += 1
-            self._run(chunks)
-        self._counters["steps"] += 1
-        prefilled = sum(c.num_new for c in chunks if c.num_new > 1)
-        self._counters["prefill_tokens"] += prefilled  # for prefill time per token (vs. a copy's)
-        self._step_clock.record(time.perf_counter() - start, prefilled=prefilled > 0)
-        if self.debug_checks:
-            self.check_invariants()
-        self._released.clear()  # in place: the beam driver appends to this list too
+        self._loop.step(self.check_invariants if self.debug_checks else None)
         return self.take_deltas()
-
-    def _run(self, chunks: list[ScheduledChunk]) -> None:
-        """Runs `chunks` in one forward pass; if it fails, runs each half on its own, so a
-        chunk that cannot run fails only its own request and the rest are retried.
-
-        Retrying is safe: a failed pass advanced no sequence and cached nothing, and the
-        slots it may have half-written are rewritten by the retry (they lie in pages the
-        sequence holds alone: the copy-on-write rule).
-        """
-        chunks = [c for c in chunks if not c.seq.finished]  # a sibling half may have failed it
-        if not chunks:
-            return
-        clock = time.perf_counter
-        try:
-            t0 = clock()
-            prepared = self.runner.prepare(chunks)
-            t1 = clock()
-            logits = self.runner.forward(*prepared)
-            self._timings.add("metadata", t1 - t0)
-            self._timings.add("model", clock() - t1)
-        except Exception:
-            if len(chunks) == 1:
-                logger.exception("forward pass failed for request %s; it ends with finish_reason "
-                                 "'error'", chunks[0].seq.request.request_id)
-                self._fail_request(chunks[0].seq.request)
-                return
-            middle = len(chunks) // 2
-            self._run(chunks[:middle])
-            self._run(chunks[middle:])
-            return
-        self._process(chunks, logits)
 
     def take_deltas(self) -> dict[str, list[StreamDelta]]:
         """What is new per request id since the last call (step() returns it too)."""
         return self._deltas.take(self._requests)
-
-    def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        clock, timings = time.perf_counter, self._timings
-        ready: list[tuple[SequenceState, int]] = []  # (sequence, logits row)
-        beams: list[tuple[SequenceState, int]] = []  # beam-search beams: their rows go to their group
-        next_row = itertools.count()  # the k-th sequence that needs a token has the k-th logits row
-
-        def take_row(seq: SequenceState) -> None:
-            row = next(next_row)
-            if seq.request.beam is not None:
-                beams.append((seq, row))
-                return
-            ready.append((seq, row))
-            req = seq.request
-            if len(req.sequences) < req.params.n and seq.index == 0:
-                ready.extend((child, row) for child in self._fork(seq))
-
-        t0 = clock()
-        self._released.extend(self.scheduler.advance(chunks, take_row))
-        t1 = clock()
-        timings.add("tree", t1 - t0)
-        if beams:  # scored with the sampling
-            self.beams.deliver(beams, logits)
-        if not ready:
-            return
-        seqs = [s for s, _ in ready]
-        rows = [r for _, r in ready]
-        # A decode step samples every row in order: no copy of the logits then.
-        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        tokens, logprobs = sample_rows(picked, seqs, fail=self._fail_request, masks=self._grammar_masks)
-        t2 = clock()
-        timings.add("sampling", t2 - t1)
-        tree_before = timings.seconds["tree"]
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            if seq.finished:  # its request failed while sampling
-                continue
-            try:
-                self._append_token(seq, token, logprob)
-            except Exception:
-                logger.exception("post-processing a token of request %s failed; it ends with "
-                                 "finish_reason 'error'", seq.request.request_id)
-                self._fail_request(seq.request)
-        finishing = timings.seconds["tree"] - tree_before  # _finish's share, counted there
-        timings.add("detokenize", clock() - t2 - finishing)
-
-    def _fork(self, parent: SequenceState) -> list[SequenceState]:
-        """Samples 1..n-1 of a request start from sample 0's computed prompt pages."""
-        req = parent.request
-        children = []
-        for index in range(len(req.sequences), req.params.n):
-            child = self._new_sequence(req, index, list(parent.token_ids))
-            # A child past max_running waits and is admitted like any request (a cache hit).
-            if len(self.scheduler.running) < self.scheduler.max_running and self.scheduler.fork(parent, child):
-                children.append(child)
-            else:
-                self.scheduler.waiting.append(child)
-        return children
-
-    def _append_token(self, seq: SequenceState, token: int, logprob: TokenLogprob | None) -> None:
-        self._counters["generated_tokens"] += 1
-        reason = push_token(seq, token, logprob, self.eos_token_ids, self.max_context_len)
-        if reason is not None:
-            self._finish(seq, reason)
-        else:
-            self._deltas.emit(seq)
-        if seq.request.finished:
-            self._retire(seq.request)
 
     def _finish(self, seq: SequenceState, reason: str) -> None:
         """Ends a sample: its computed full pages stay cached with the request's retention."""

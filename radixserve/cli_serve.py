@@ -1,0 +1,227 @@
+"""`radixserve serve`: bind the port, load the engine, report the KV pool, serve until Ctrl-C.
+
+The command behind cli_serve_flags.py's flags: it checks what argparse cannot, hands a
+cluster to cluster/cli.py and a torchrun worker rank to parallel/worker.py, and otherwise runs
+uvicorn over one engine with a shutdown that cannot hang (`BoundedServer`). Torch is imported
+only once the port is bound, so a busy port is reported at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`radixserve serve`: bind, load, report the KV pool, serve until Ctrl-C or SIGTERM."""
+    for flag in ("stall_timeout_s", "shutdown_timeout_s", "head_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        if getattr(args, flag) <= 0:
+            say(f"error: --{flag.replace('_', '-')} must be > 0")
+            return 2
+    if args.tensor_parallel_size < 1:
+        say(f"error: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+        return 2
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:  # torchrun: a worker rank
+        from radixserve.parallel.worker import main as worker_main
+
+        worker_main(["--model", args.model, "--tensor-parallel-size", str(args.tensor_parallel_size),
+                     "--dtype", args.dtype, *(["--device", args.device] if args.device else [])])
+        return 0
+    if args.replicas is not None or args.ray_address is not None:
+        from radixserve.cluster.cli import serve_cluster
+
+        if not _load_tenant_keys(args):
+            return 2
+        return serve_cluster(args, engine_options(args))
+    try:  # first, so that a busy port is reported before minutes of loading
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        say(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} "
+             f"(is another server using port {args.port}?)")
+        return 1
+    if not _load_tenant_keys(args):  # after the bind: the keys' module imports torch
+        sock.close()
+        return 2
+    say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
+    started = time.perf_counter()
+    from radixserve import (  # torch loads here, after the port is ours
+        AsyncEngine,
+        Engine,
+    )
+    from radixserve.server import create_app
+    from radixserve.server.connections import uvicorn_options
+
+    try:
+        engine = Engine(**engine_options(args))
+    except (OSError, ValueError, MemoryError) as exc:
+        sock.close()
+        say(f"error: cannot load {args.model!r}: {_as_flags(_first_line(exc))}")
+        return 2
+    stats = engine.stats()
+    say(f"loaded {engine.model_name} in {time.perf_counter() - started:.1f} s, "
+         f"context {engine.max_context_len} tokens")
+    say(engine.describe())
+    say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
+         f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
+    if stats["host_pages_total"]:
+        say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
+             f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
+    step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
+    app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook,
+                                 stream_buffer_tokens=args.stream_buffer_tokens,
+                                 stream_read_timeout_s=args.stream_read_timeout_s),
+                     served_model_name=args.served_model_name, api_key=args.api_key,
+                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys,
+                     expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
+                     cache_events_idle_timeout_s=args.cache_events_idle_timeout_s,
+                     turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
+                     tool_call_parser=args.tool_call_parser, max_request_tokens=args.max_request_tokens)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s))
+    server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
+    say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
+         f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
+    # uvicorn re-raises the signals it caught once it has stopped: let them land here quietly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    engine.close()  # ends tensor-parallel workers, if any
+    if app.state.engine_stopped is False:
+        say("the engine thread did not stop (a step is stuck); exiting anyway")
+        _exit_now(1)
+    say("stopped")
+    return 0
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """Engine's keyword arguments from `radixserve serve`'s flags."""
+    return {"model": args.model, "page_size": args.page_size, "num_pages": args.num_pages,
+            "kv_memory_gb": args.kv_memory_gb, "device": args.device,
+            "schedule_policy": args.schedule_policy, "eviction_policy": args.eviction_policy,
+            "dtype": args.dtype, "max_running": args.max_running, "max_queue": args.max_queue,
+            "max_batch_tokens": args.max_batch_tokens, "enable_prefix_cache": not args.no_prefix_cache,
+            "host_kv_memory_gb": args.host_kv_memory_gb, "host_num_pages": args.host_num_pages,
+            "host_write_policy": args.host_write_policy, "host_offload_min_priority": args.host_offload_min_priority,
+            "generation_config": args.generation_config, "fair_share": not args.no_fair_share,
+            "cache_hash_secret": cache_hash_secret(args),
+            "tensor_parallel_size": args.tensor_parallel_size}
+
+
+def cache_hash_secret(args: argparse.Namespace) -> str | None:
+    """The secret the engine (every replica of a cluster) keys published page hashes with:
+    --cache-hash-secret, else a random one; None with --public-cache-hashes."""
+    if args.public_cache_hashes:
+        return None
+    return args.cache_hash_secret or secrets.token_hex(32)
+
+
+def _load_tenant_keys(args: argparse.Namespace) -> bool:
+    """Sets `args.tenant_keys`; False (said why) when the keys file or variable is malformed."""
+    try:
+        args.tenant_keys = tenant_keys(args)
+    except (OSError, ValueError) as exc:
+        say(f"error: API keys: {exc}")
+        return False
+    return True
+
+
+def tenant_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The tenant keys of --api-keys-file and $RADIXSERVE_API_KEYS (tenancy.py's format)."""
+    from radixserve.server.tenancy import load_keys
+
+    return load_keys(args.api_keys_file, dict(os.environ))
+
+
+class BoundedServer(uvicorn.Server):
+    """uvicorn's Server whose shutdown cannot hang: after the first SIGINT/SIGTERM it exits
+    with status 1 once `shutdown_timeout_s` have passed, and at once on a second signal."""
+
+    def __init__(self, config: uvicorn.Config, *, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            say(f"second {signal.Signals(sig).name}: exiting now")
+            _exit_now(1)
+        super().handle_exit(sig, frame)
+        deadline = threading.Timer(self.shutdown_timeout_s, _shutdown_overdue, args=(self.shutdown_timeout_s,))
+        deadline.daemon = True
+        deadline.start()
+
+
+def _shutdown_overdue(timeout_s: float) -> None:
+    say(f"shutdown took longer than {timeout_s:g} s (is a step stuck?); exiting now")
+    _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    """Ends the process without waiting for any thread (a stuck engine thread included)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, as uvicorn would bind it; raises OSError if it cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _as_flags(message: str) -> str:
+    """An Engine error names its argument ("num_pages: ..."); the command line knows it as a
+    flag ("--num-pages: ...")."""
+    name, colon, rest = message.partition(": ")
+    flag = _ENGINE_FLAGS.get(name)
+    return f"{flag}: {rest}" if colon and flag else message
+
+
+_ENGINE_FLAGS = {"num_pages": "--num-pages", "kv_memory_gb": "--kv-memory-gb", "device": "--device",
+                 "page_size": "--page-size", "dtype": "--dtype", "max_running": "--max-running",
+                 "max_batch_tokens": "--max-batch-tokens", "host_num_pages": "--host-tier-pages",
+                 "host_kv_memory_gb": "--host-tier-memory-gb", "host_write_policy": "--host-tier-write-policy",
+                 "host_offload_min_priority": "--host-tier-min-priority",
+                 "generation_config": "--generation-config"}
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message on one line (torch's allocation errors run over several)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def say(message: str) -> None:
+    print(f"radixserve: {message}", file=sys.stderr, flush=True)
+
+
+def _format_bytes(num_bytes: float) -> str:
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

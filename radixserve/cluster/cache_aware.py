@@ -1,0 +1,154 @@
+"""The cache-aware routing rule: a request goes where its prompt is held, within balance guards.
+
+The cache-aware rule (`CacheAwarePolicy`), in order:
+1. A request of a session goes to the session's replica while that replica is alive.
+2. Balance guard: what a replica holds draws a request only while its in-flight requests
+   are at most `min + max(slack, balance_rel * min)`, where `min` is the least loaded
+   replica's count. One hot prefix therefore cannot pile onto one replica: past the slack,
+   the next request goes to another replica, which computes the prefix once and then shares
+   it too. The slack depends on what is held: `balance_abs` for pages in flight,
+   `cached_balance_abs` for cached ones, `continuation_balance_abs` for a cached prefix that
+   runs through an earlier prompt routed there (the next turn of a conversation, which
+   anywhere else would be recomputed whole, where a shared system prompt is computed once
+   per replica).
+3. Conversation guard: a replica that started more conversations lately than the least
+   (`ClusterState.share`, by `share_abs` and `share_rel`) is *ahead*. It draws a request
+   only if it saves `share_keep_pages` of prefill over every replica not ahead, and its
+   cached slack is `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
+   not the conversations a replica holds, whose later turns all follow them.
+4. Balance over time: requests in flight say nothing of conversations whose turns arrive
+   minutes apart (between turns nothing is in flight, yet every turn follows its
+   conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
+   each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
+   of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
+   every replica not busy. Past `recent_hard_rel`, what it holds draws nothing: even a
+   conversation's next turn moves (recomputed once elsewhere) rather than pile up.
+5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
+   events, or pages of a request in flight there; pages continuing them in the replica's
+   host tier count `host_credit` each, as NVIDIA Dynamo's router does: loaded back, not
+   recomputed, but not free), if at least `min_match_pages` pages; ties go as in 6.
+6. Otherwise (nothing useful held anywhere): a replica within the cached slack of the least
+   loaded, then one not busy, not ahead, the least loaded, the one with the most free pages
+   (least cache to evict), then the fewest requests lately and the fewest cached pages.
+
+`cache-aware-inflight` is the same rule without 4 and without host credit (the rule before
+them), kept for comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from radixserve.cluster.cluster_state import ClusterState, RouteRequest, RoutingPolicy
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """Thresholds of the cache-aware rule (measured in docs/benchmark.md)."""
+
+    balance_abs: int = 1           # in-flight requests over the least loaded replica's, always allowed
+    cached_balance_abs: int = 8    # ... when the prefix is already cached there (not only in flight)
+    ahead_cached_balance_abs: int = 3  # ... the same on a replica *ahead* in conversations started lately
+    continuation_balance_abs: int = 8  # ... when the cached prefix continues a conversation held there
+    balance_rel: float = 0.25      # ... or this fraction of the least loaded replica's count
+    share_abs: float = 1.0         # conversations started lately (`ClusterState.share`) over the least ...
+    share_rel: float = 0.1         # ... plus this fraction of the least: past both, a replica is *ahead*
+    share_keep_pages: int = 8      # ... and draws only requests it saves this many pages of prefill
+    min_match_pages: int = 1       # a shorter cached prefix does not attract a request
+    host_credit: float = 0.75      # a page held in a replica's host tier counts this much of one on its device
+    recent_abs: float = 4.0        # requests routed lately (`ClusterState.recent_requests`) over the least ...
+    recent_rel: float = 0.15       # ... plus this fraction of the least: past both, a replica is *busy*
+    recent_keep_pages: int = 64    # ... and draws only requests it saves this many pages of prefill
+    recent_hard_rel: float = 0.35  # past this fraction (plus recent_abs), what it holds draws nothing
+
+
+def parse_routing_config(text: str) -> CacheAwareConfig:
+    """`CacheAwareConfig` from "field=value,..." (the benchmarks' --router-kwargs)."""
+    from dataclasses import fields
+
+    kinds = {f.name: f.type for f in fields(CacheAwareConfig)}
+    values: dict[str, float | int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in kinds:
+            raise ValueError(f"router kwargs: expected field=value with a field of {sorted(kinds)}, got {item!r}")
+        try:
+            values[name] = int(value) if kinds[name] == "int" else float(value)
+        except ValueError:
+            raise ValueError(f"router kwargs: {name} needs a number, got {value!r}") from None
+    return CacheAwareConfig(**values)
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    """Sessions, then the longest prefix a replica holds within the balance and conversation
+    guards, then requests in flight (the rule in the module docstring)."""
+
+    name = "cache-aware"
+
+    def __init__(self, state: ClusterState, config: CacheAwareConfig | None = None) -> None:
+        super().__init__(state)
+        self.config = config or CacheAwareConfig()
+
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        state, cfg = self.state, self.config
+        sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
+        least = min(state.requests_in_flight(r) for r in replicas)
+        relative = int(cfg.balance_rel * least)
+        least_share = min(state.share(r) for r in replicas)
+        share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
+        ahead = {r for r in replicas if state.share(r) > share_limit}
+        least_recent = min(state.recent_requests(r) for r in replicas)
+        busy = {r for r in replicas if state.recent_requests(r) > least_recent * (1 + cfg.recent_rel) + cfg.recent_abs}
+        overloaded = {r for r in busy
+                      if state.recent_requests(r) > least_recent * (1 + cfg.recent_hard_rel) + cfg.recent_abs}
+        index, namespace, hashes = state.index, request.namespace, request.page_hashes
+        credit = cfg.host_credit
+
+        def held(replica: str) -> int:
+            # What a replica holds counts only while it is not too far ahead of the least
+            # loaded one: a prefix merely in flight there within the tight slack, a prefix
+            # already cached within a looser one (a burst of new sessions sharing only a
+            # system prompt in flight spreads; a cached conversation is worth a short queue).
+            # A conversation's next turn (its cached prefix runs through an earlier prompt
+            # routed there) within the loosest: moving it recomputes the whole conversation,
+            # where a spilled request of a shared prefix computes that prefix once for many.
+            # Pages on a replica's host tier count at `host_credit` each: loaded back, not
+            # recomputed, but a load is not free.
+            over = state.requests_in_flight(replica) - least
+            if replica in overloaded:
+                matched = 0.0  # too many requests lately: even its conversations go elsewhere
+            elif over <= max(cfg.balance_abs, relative):
+                matched = index.matched_pages(replica, namespace, hashes, host_credit=credit)
+            elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
+                matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)
+            elif over <= max(cfg.continuation_balance_abs, relative):
+                matched = index.continued_pages(replica, namespace, hashes, host_credit=credit)
+            else:
+                matched = 0.0
+            return matched if matched >= cfg.min_match_pages else 0.0
+
+        holds = {r: held(r) for r in replicas}
+        # A replica ahead in conversations started lately draws a request only if it saves
+        # at least `share_keep_pages` of prefill over every replica not ahead. Otherwise new
+        # conversations (whose shared system prompt every replica caches) and the early turns
+        # of one, cheap to move, stay where first turns happened to pile up, and the replica
+        # serves their later turns too. A hot prefix cached there alone still wins.
+        # Likewise a *busy* replica (more requests routed there lately than the least, by
+        # `recent_abs` and `recent_rel`) keeps a request only for `recent_keep_pages` saved:
+        # turns minutes apart leave nothing in flight, so only this sees them pile up.
+        best_elsewhere = max((holds[r] for r in replicas if r not in ahead), default=0)
+        best_not_busy = max((holds[r] for r in replicas if r not in busy), default=0)
+        useful = {r: 0 if (r in ahead and holds[r] - best_elsewhere < cfg.share_keep_pages)
+                  or (r in busy and holds[r] - best_not_busy < cfg.recent_keep_pages) else holds[r]
+                  for r in replicas}
+
+        def key(replica: str) -> tuple:
+            # Conversations started count after a queue past the cached slack: where nothing
+            # held draws the request, a short queue goes before a conversation fewer.
+            queued = state.requests_in_flight(replica) - least > max(cfg.cached_balance_abs, relative)
+            return (replica != sticky, -useful[replica], queued, replica in busy, replica in ahead,
+                    state.requests_in_flight(replica), -state.free_pages(replica), state.recent_requests(replica),
+                    index.cached_pages(replica))
+
+        return sorted(replicas, key=key)

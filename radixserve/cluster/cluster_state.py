@@ -1,0 +1,243 @@
+"""What a router knows about the replicas, and the interface of a routing rule over it.
+
+`ClusterState` is what a router knows: each replica's cached pages (a `CacheIndex` fed by
+its cache events), the requests it has in flight, its latest reported free pages, which
+replica each session is on, and how many requests and conversations went to each lately.
+A `RouteRequest` is what a rule looks at (`prompt_pages` names a prompt's pages as the
+replicas' events do); a `RoutingPolicy` ranks the live replicas for one (the rules:
+cache_aware.py and baseline_routers.py, chosen by name in routing.py). Plain Python, shared
+by the Ray Serve request router and `bench simulate --replicas`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.cache.page_hash import PageHashing
+from radixserve.cluster.index import CacheIndex
+
+ENDED_MEMORY = 65536  # finished request ids remembered (see ClusterState.finished)
+SETTLE_GRACE_BATCHES = 40  # event batches of a replica after which an unsettled request is dropped
+RECENT_HALF_LIFE_S = 300.0  # seconds over which a replica's count of recently routed requests halves
+STARTS_HALF_LIFE = 1024  # conversations started (anywhere) over which a replica's count of starts halves
+_STARTS_DECAY = 0.5 ** (1 / STARTS_HALF_LIFE)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What routing looks at: the prompt's page hashes in its cache namespace."""
+
+    request_id: str
+    namespace: str              # namespace id and page hashes of the prompt: `prompt_pages`
+    page_hashes: Sequence[int]
+    prompt_tokens: int
+    session_id: str | None = None
+    replica_request_id: str | None = None  # the id the replica knows it by (default: request_id)
+
+    @property
+    def settle_key(self) -> str:
+        """The id the replica names when the request's pages are in its events."""
+        return self.replica_request_id or self.request_id
+
+
+def prompt_pages(prompt_ids: Sequence[int] | np.ndarray, page_size: int,
+                 namespace: Hashable, hashing: PageHashing | None = None) -> tuple[str, list[int]]:
+    """The namespace's id and the prompt's page hashes, exactly as the cache names them in
+    its events (radixserve.cache.page_hash): through `hashing`, which must hold the replicas'
+    secret when they key their hashes (default: the public spec). The engine's namespace of
+    a request is `request.namespace_of`; the simulator's is None."""
+    hashing = hashing or PageHashing()
+    ns_id, seed = hashing.named(namespace)
+    hashes, _ = hashing.page_hashes(np.asarray(prompt_ids, dtype=np.int64), page_size, seed)
+    return ns_id, hashes.tolist()
+
+
+@dataclass
+class ReplicaReport:
+    """A replica's latest self-report (its stats): memory and queue."""
+
+    pages_free: int = 0
+    pages_total: int = 0
+    waiting: int = 0
+    running: int = 0
+
+
+@dataclass
+class ClusterState:
+    """What the router knows about the replicas. One per router; not thread-safe.
+
+    A request's prompt pages count as in flight on its replica from routing until the
+    replica *settles* it (`settled`): its event stream has then delivered the events that
+    cache those pages. Ending them when the request finishes instead would leave a gap (the
+    completion can overtake the events) in which a repeat of the prompt finds it nowhere.
+    """
+
+    index: CacheIndex = field(default_factory=CacheIndex)
+    in_flight: dict[str, int] = field(default_factory=dict)      # replica → requests routed, not finished
+    routed_total: dict[str, int] = field(default_factory=dict)   # replica → requests routed ever
+    starts: dict[str, float] = field(default_factory=dict)        # replica → conversations started, decayed (`share`)
+    reports: dict[str, ReplicaReport] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
+    clock: Callable[[], float] = time.monotonic                    # seconds (the simulator's own clock there)
+    recent_half_life_s: float = RECENT_HALF_LIFE_S
+    _recent: dict[str, tuple[float, float]] = field(default_factory=dict)  # replica → (decayed count, as of)
+    _placed: dict[str, tuple[str, str, bool]] = field(default_factory=dict)  # request id → (replica, settle key, a start)
+    _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
+    _batches: dict[str, int] = field(default_factory=dict)        # replica → event batches applied
+    _unsettled: dict[str, tuple[str, int]] = field(default_factory=dict)  # settle key → (replica, batch)
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        """The request goes to `replica`: count it and note its prompt as in flight there.
+        Routing the same request again (a retry, or Serve choosing another replica than the
+        one reserved) moves it."""
+        placed = self._placed.get(request.request_id)
+        if (placed is not None and placed[0] == replica) or request.request_id in self._ended:
+            return  # already there, or a late report of a request that has finished
+        self._unroute(request.request_id)
+        start = not self.index.continued_pages(replica, request.namespace, request.page_hashes, in_flight=True)
+        self._placed[request.request_id] = (replica, request.settle_key, start)
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
+        self._add_recent(replica, 1.0)
+        if start:
+            self.share(replica)  # a replica first routed to joins at the least share
+            for known in self.starts:
+                self.starts[known] *= _STARTS_DECAY
+            self.starts[replica] += 1.0
+        self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
+        self.index.add_prompt_end(replica, request.namespace, request.page_hashes)
+        if request.session_id is not None:
+            self.sessions[request.session_id] = replica
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (done, failed or cancelled): its replica's requests in flight drop by one; its
+        prompt stays in flight until the replica settles it, or for SETTLE_GRACE_BATCHES of
+        the replica's event batches (a request cancelled before the replica ran it is never
+        settled). Ray Serve may report a short request's completion before its routing:
+        the id is remembered for a while, and a late `routed` for it is ignored (else it
+        would count as in flight forever)."""
+        placed = self._release(request_id)
+        if placed is not None:
+            replica, key, _ = placed
+            if self.index.in_flight_on(key) is not None:
+                self._unsettled[key] = (replica, self._batches.get(replica, 0))
+        self._ended[request_id] = None
+        if len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
+
+    def settled(self, replica: str, keys: Sequence[str]) -> None:
+        """`replica`'s event stream now covers these requests' cached pages (their settle
+        keys): from here on its events alone say what it holds."""
+        for key in keys:
+            if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
+                self.index.end_in_flight(key)
+            # Only this replica's own wait ends: a late settle from a replica the request
+            # was moved away from must not cancel the grace of the one that holds it now.
+            pending = self._unsettled.get(key)
+            if pending is not None and pending[0] == replica:
+                del self._unsettled[key]
+
+    def batch_applied(self, replica: str) -> None:
+        """One more event batch of `replica` was applied: requests it finished long ago and
+        never settled stop counting as in flight."""
+        count = self._batches[replica] = self._batches.get(replica, 0) + 1
+        stale = [k for k, (r, at) in self._unsettled.items() if r == replica and count - at > SETTLE_GRACE_BATCHES]
+        for key in stale:
+            del self._unsettled[key]
+            if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
+                self.index.end_in_flight(key)
+
+    def _release(self, request_id: str) -> tuple[str, str, bool] | None:
+        """Forgets where a request was placed and drops it from its replica's requests in flight; returns
+        (replica, settle key, whether it started a conversation), or None if it was not placed."""
+        placed = self._placed.pop(request_id, None)
+        if placed is not None and placed[0] in self.in_flight:
+            self.in_flight[placed[0]] = max(0, self.in_flight[placed[0]] - 1)
+        return placed
+
+    def _unroute(self, request_id: str) -> None:
+        """Takes back a routing: the request was not served there after all."""
+        placed = self._release(request_id)
+        if placed is None:
+            return
+        replica, key, start = placed
+        if replica in self.routed_total:
+            self.routed_total[replica] -= 1
+        self._add_recent(replica, -1.0)
+        if start and replica in self.starts:
+            self.starts[replica] = max(0.0, self.starts[replica] - 1.0)
+        self.index.end_in_flight(key)
+
+    def remove(self, replica: str) -> None:
+        """A replica died or left: forget its cache, its requests in flight and its sessions."""
+        self.index.forget(replica)
+        self.in_flight.pop(replica, None)
+        self.starts.pop(replica, None)
+        self._recent.pop(replica, None)
+        self.reports.pop(replica, None)
+        self._batches.pop(replica, None)
+        for session in [s for s, r in self.sessions.items() if r == replica]:
+            del self.sessions[session]
+        for request_id in [q for q, (r, _, _) in self._placed.items() if r == replica]:
+            del self._placed[request_id]
+        for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
+            del self._unsettled[key]
+
+    def recent_requests(self, replica: str) -> float:
+        """Requests routed to `replica` lately: each counts 1 when routed and halves every
+        `recent_half_life_s` seconds. Unlike requests in flight, this sees the turns of
+        conversations that arrive minutes apart: between two turns nothing is in flight,
+        yet the replica serves them all."""
+        count, at = self._recent.get(replica, (0.0, 0.0))
+        if not count:
+            return 0.0
+        return count * 0.5 ** (max(0.0, self.clock() - at) / self.recent_half_life_s)
+
+    def _add_recent(self, replica: str, amount: float) -> None:
+        self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self.clock())
+
+    def requests_in_flight(self, replica: str) -> int:
+        """Requests routed to `replica` and not yet ended."""
+        return self.in_flight.get(replica, 0)
+
+    def share(self, replica: str) -> float:
+        """Conversations started on `replica` lately: requests routed there that do not
+        continue one it holds (`CacheIndex.continued_pages`), each counting 1 and halving over
+        STARTS_HALF_LIFE starts anywhere. Starts, not requests, because a conversation's
+        later turns follow it: balancing where conversations start balances the requests
+        they bring, while a replica that runs slower (and so gets fewer turns per second)
+        would look underused by a count of requests and draw ever more conversations. A
+        replica first seen joins at the least share, so one that joins late is not flooded."""
+        if replica not in self.starts:
+            self.starts[replica] = min(self.starts.values(), default=0.0)
+        return self.starts[replica]
+
+    def free_pages(self, replica: str) -> int:
+        report = self.reports.get(replica)
+        return report.pages_free if report is not None else 0
+
+
+class RoutingPolicy(ABC):
+    """Ranks live replicas for a request, best first; the caller records where it went
+    (`ClusterState.routed`)."""
+
+    name: str
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+
+    @abstractmethod
+    def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        """`replicas` (non-empty, live) ordered from most to least preferred."""
+
+    def choose(self, request: RouteRequest, replicas: Sequence[str]) -> str:
+        """The preferred replica, recorded as routed (the simulator's one-call form)."""
+        replica = self.rank(request, replicas)[0]
+        self.state.routed(request, replica)
+        return replica
