@@ -1,4 +1,5 @@
-/* What the CPU kernels share: the vector width, the OpenMP thread index, and e^x. */
+/* What the CPU kernels share: the vector width, the OpenMP thread index, bfloat16 conversions
+ * and e^x. */
 #ifndef RADIXSERVE_COMMON_H
 #define RADIXSERVE_COMMON_H
 #include <math.h>
@@ -12,6 +13,25 @@ static inline int thread_index(void) { return 0; }
 #endif
 
 #define LANES 16 /* floats in the partial sums the compiler turns into one vector */
+
+/* bfloat16 -> float32 is exact: the high half of the float's bits. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16, rounded to nearest even as torch rounds (NaN stays a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+
 
 /* e^x for x <= 0 in plain arithmetic, so that loops over it vectorise (libm's expf is a scalar
  * call). Cephes' expf: Cody-Waite reduction by ln 2 and a degree-6 polynomial, within 2 ulp

@@ -14,21 +14,6 @@
 
 #define PARALLEL_MIN_ELEMENTS 65536 /* below this the call runs on one thread */
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 static inline float load(const void *p, int64_t i, int dtype) {
     return dtype ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

@@ -40,27 +40,12 @@ typedef struct {
     int64_t n;
 } Segment;
 
-static inline float bf16_value(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 static inline float element(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* v as the output dtype holds it. */
-static inline float rounded(float v, int bf16) { return bf16 ? bf16_value(bf16_round(v)) : v; }
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 #ifdef __AVX512F__
 /* 16 elements from p (float32, or bfloat16 widened exactly), zeros past `mask`'s lanes. */
@@ -165,7 +150,7 @@ static inline __attribute__((always_inline)) void tile_out(const void *x, const 
             }
             int64_t at = (m + i) * seg->n + j + jj;
             if (bf16)
-                ((uint16_t *)seg->out)[at] = bf16_round(v);
+                ((uint16_t *)seg->out)[at] = f32_to_bf16(v);
             else
                 ((float *)seg->out)[at] = v;
         }
