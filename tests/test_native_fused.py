@@ -102,6 +102,9 @@ def test_bad_arguments_are_refused_before_any_c_runs() -> None:
 def _prefill_and_decode_logits(model: torch.nn.Module) -> list[torch.Tensor]:
     from tests.model_helpers import PagedKV, Sequence, paged_step
 
+    # The per-layer path at every step (what the kernels' tests compare): decode steps would
+    # otherwise run in the whole-stack kernel (tests/test_native_decoder.py).
+    model.use_decoder_kernel = False
     kv = PagedKV(model, num_pages=16, page_size=16)
     seq = Sequence()
     prefill = paged_step(model, kv, [(seq, list(range(5, 45)))], all_logits=True)[0]

@@ -24,10 +24,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from radixserve.native.paged_attention import PagedRows
 
 
 @dataclass
@@ -228,6 +232,13 @@ class AttentionBackend(ABC):
         W (one of the planned windows), only the last W keys up to each query's own.
         Returns [T, num_qo_heads, head_dim] in q's dtype.
         """
+
+    def cpu_decode_rows(self, window: int | None = None) -> PagedRows | None:
+        """The planned step's rows for the CPU paged-attention kernel at `window` when every
+        row of the step is one of them (all sequences decode through the kernel), else None.
+        The model then runs its whole layer stack in C (`radixserve.native.decoder`) with the
+        same kernel; backends without it return None."""
+        return None
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

@@ -162,6 +162,12 @@ class TorchBackend(AttentionBackend):
             out.index_copy_(0, group.out_rows, rows)
         return out
 
+    def cpu_decode_rows(self, window: int | None = None) -> paged_attention.PagedRows | None:
+        """See `AttentionBackend.cpu_decode_rows`."""
+        if self._groups is None or self._groups.get(window, True):
+            return None  # not planned, window not planned, or some rows go through SDPA
+        return self._kernel_rows.get(window)
+
     def _buffers(self, elements: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """Two reused workspace views of `elements` each, in `like`'s dtype and device."""
         ws = self._workspace

@@ -18,8 +18,11 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from radixserve.models.decoder_kernel import decoder_weights, layer_rows
 from radixserve.models.layers import GatedMLP, Linear, RMSNorm, linear, linear_many
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_qk
+from radixserve.native.decoder import DecoderWeights, run_layers
+from radixserve.native.paged_attention import PagedRows
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -189,6 +192,10 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(inverse_frequencies(config, self.head_dim))
         self.layer_windows: list[int | None] = layer_windows(config)
+        # All-decode CPU float32 steps run the layer stack in one C call (models/decoder_kernel.py);
+        # False keeps every step on the per-layer path (the tests compare the two).
+        self.use_decoder_kernel = True
+        self._decoder_weights: DecoderWeights | None | bool = False  # False: not looked at yet
 
     @property
     def kv_window(self) -> int | None:
@@ -228,9 +235,26 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            x = layer(x, cos, sin, meta, backend, k_cache, v_cache)
+        weights, rows = self._decoder_kernel(backend, x)
+        if weights is not None and rows is not None:
+            run_layers(x, cos, sin, meta.slot_mapping, weights, k_caches, v_caches, rows)
+        else:
+            for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
+                x = layer(x, cos, sin, meta, backend, k_cache, v_cache)
         return self.compute_logits(self.model.norm(x[logits_indices]))
+
+    def _decoder_kernel(self, backend: AttentionBackend, x: Tensor) -> tuple[DecoderWeights | None,
+                                                                             list[PagedRows] | None]:
+        """The kernel's view of the weights and this step's rows per layer, when the step can
+        run in one C call (else a None)."""
+        if not self.use_decoder_kernel:
+            return None, None
+        if self._decoder_weights is False:  # looked at once: the parameters are kept, not copied
+            self._decoder_weights = decoder_weights(self)
+        weights = self._decoder_weights
+        if not isinstance(weights, DecoderWeights):
+            return None, None
+        return weights, layer_rows(self, backend, x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The LM head: normed hidden states [n, hidden] -> float32 logits [n, vocab] (the

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -58,8 +59,12 @@ def _cpu_signature() -> str:
 
 def _build(source: Path, compiler: str) -> Path | None:
     """Compile `source` (or find it already built) and return the shared object's path."""
-    # The headers beside the source count too: a changed common.h must rebuild its users.
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    # The headers beside the source count too, and the sources it includes (decoder.c composes
+    # the other kernels): a changed common.h or linear.c must rebuild their users.
+    text = source.read_bytes()
+    included = sorted(set(re.findall(rb'#include "([\w.]+\.c)"', text)))
+    text += b"".join((source.parent / name.decode()).read_bytes() for name in included)
+    text += b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     for flags in FLAG_SETS:
         key = hashlib.sha256(text + repr((compiler, flags, _cpu_signature())).encode()).hexdigest()[:16]
         target = kernel_dir() / f"{source.stem}-{key}.so"

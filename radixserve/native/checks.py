@@ -291,3 +291,29 @@ def linear_arguments(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
                         for name, t in (("x", x), ("weight", weight), ("bias", bias)) if t is not None)
         raise ValueError("the CPU linear kernel needs contiguous x [rows, in], weight [out, in] and bias [out] on "
                          f"the CPU, all float32 or all bfloat16; got {got}")
+
+
+def slot_indices(slots: Tensor, tokens: int, num_slots: int) -> np.ndarray:
+    """Checks a step's K/V slots for the decoder kernel: int64 [tokens] on the CPU, each in
+    [0, num_slots) (C writes each token's K/V row there); returns them as a host array."""
+    if not (slots.dtype == torch.int64 and slots.is_cpu and tuple(slots.shape) == (tokens,)):
+        raise ValueError(f"slots: the decoder kernel needs int64 [{tokens}] on the CPU, "
+                         f"got {slots.dtype} {tuple(slots.shape)} on {slots.device}")
+    array = np.ascontiguousarray(slots.numpy())
+    if tokens and (int(array.min()) < 0 or int(array.max()) >= num_slots):
+        raise ValueError(f"slots: every K/V slot must lie in [0, {num_slots}), "
+                         f"got {int(array.min())} .. {int(array.max())}")
+    return array
+
+
+def decode_rows(rows: CheckedRows, tokens: int, planned_page_size: int, page_size: int, num_pages: int) -> None:
+    """Checks decode rows for the decoder kernel: one row per token, in order (every row of
+    the step decodes, so every row of the attention output is written), planned for the
+    caches' page size, reading pages inside the pool."""
+    if planned_page_size != page_size:
+        raise ValueError(f"the rows were planned for pages of {planned_page_size} tokens, the caches hold {page_size}")
+    if len(rows.rows) != tokens or not np.array_equal(rows.rows, np.arange(tokens)):
+        raise ValueError(f"the decoder kernel needs one decode row per token (0 .. {tokens - 1}), "
+                         f"got {len(rows.rows)} rows")
+    if rows.max_page >= num_pages:
+        raise ValueError(f"page index {rows.max_page} is past the pool: kv_indices must lie in [0, {num_pages})")

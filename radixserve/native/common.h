@@ -32,6 +32,8 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 
+/* Rounds v as storing it in a tensor of that dtype would (bf16: nonzero for bfloat16). */
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 /* e^x for x <= 0 in plain arithmetic, so that loops over it vectorise (libm's expf is a scalar
  * call). Cephes' expf: Cody-Waite reduction by ln 2 and a degree-6 polynomial, within 2 ulp

@@ -29,8 +29,6 @@ static inline float store(void *p, int64_t i, float v, int dtype) {
     return v;
 }
 
-/* Rounds v as storing it in the tensor's dtype would. */
-static inline float rounded(float v, int dtype) { return dtype ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 void radixserve_add_rms_norm(void *x, const void *delta, const void *weight, void *out,
                              int64_t rows, int64_t dim, float eps, int dtype, int num_threads) {

@@ -44,9 +44,6 @@ static inline float element(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* v as the output dtype holds it. */
-static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
 #ifdef __AVX512F__
 /* 16 elements from p (float32, or bfloat16 widened exactly), zeros past `mask`'s lanes. */
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, __mmask16 mask, int bf16) {
