@@ -116,7 +116,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "host_write_policy": args.host_write_policy, "host_offload_min_priority": args.host_offload_min_priority,
             "generation_config": args.generation_config, "fair_share": not args.no_fair_share,
             "cache_hash_secret": cache_hash_secret(args),
-            "tensor_parallel_size": args.tensor_parallel_size}
+            "tensor_parallel_size": args.tensor_parallel_size, "adaptive_threads": not args.fixed_threads}
 
 
 def cache_hash_secret(args: argparse.Namespace) -> str | None:

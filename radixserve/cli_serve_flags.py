@@ -118,6 +118,9 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-fair-share", action="store_true",
                        help="order every tenant's requests as one queue instead of sharing the engine "
                             "fairly between tenants (a baseline for benchmarks; one tenant: no difference)")
+    serve.add_argument("--fixed-threads", action="store_true",
+                       help="decode with torch's thread count (OMP_NUM_THREADS) always; by default a CPU "
+                            "float32 server measures whether one thread is faster (a busy machine) and uses it")
 
 
 def _add_api_args(serve: argparse.ArgumentParser) -> None:

@@ -104,6 +104,9 @@ class Engine:
             "none" ignores them. Its stop tokens always end generation.
         tensor_parallel_size: split the model over this many ranks (radixserve/parallel:
             this process is rank 0, the others are spawned worker processes); 1: no split.
+        adaptive_threads: on the CPU in float32, run decode steps with all of torch's threads
+            or with one, whichever the runner measures faster (engine/thread_governor.py: one
+            thread wins on a machine whose cores are busy); False keeps torch's count.
     """
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
@@ -119,7 +122,7 @@ class Engine:
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
                  generation_config: str = "auto", cache_partial_pages: bool = True,
                  fair_share: bool = True, cache_hash_secret: str | bytes | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, adaptive_threads: bool = True) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
@@ -152,7 +155,8 @@ class Engine:
                                    window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
                                    fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))
         attention = create_backend(backend, self.device, self.loaded.dtype)
-        self.runner = (ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks)
+        self.runner = (ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks,
+                                   adaptive_threads=adaptive_threads)
                        if self.tensor_parallel is None else
                        self.tensor_parallel.runner(self.pool, self.host_tier, attention, verify_tables=debug_checks))
         self.max_queue = max_queue

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.attention.metadata import MetadataBuilder
 from radixserve.cache.pool import PagePool
 from radixserve.engine.scheduler import ScheduledChunk
+from radixserve.engine.thread_governor import ThreadGovernor
 from radixserve.models.loader import LoadedModel
 
 
@@ -19,10 +22,14 @@ class ModelRunner:
     `SequenceState.seq_id`, see `attention/metadata.py`), so preparing a step costs time in the
     batch size and the new pages, not the whole context. `verify_tables` (the engine's debug
     checks) compares each mirror with its list every step.
+
+    On the CPU in float32, decode steps run with the thread count `governor` finds fastest
+    (all of torch's threads, or one on a machine busy with other work: thread_governor.py);
+    `adaptive_threads=False` keeps torch's count.
     """
 
     def __init__(self, loaded: LoadedModel, pool: PagePool, backend: AttentionBackend, *,
-                 verify_tables: bool = False) -> None:
+                 verify_tables: bool = False, adaptive_threads: bool = True) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -30,6 +37,10 @@ class ModelRunner:
         self.pool = pool
         self.backend = backend
         self.metadata = MetadataBuilder(pool.page_size, loaded.device, verify=verify_tables)
+        # float32 on the CPU: every decode op is a kernel whose results do not depend on the
+        # thread count, so the governor changes speed only, never tokens.
+        governed = adaptive_threads and loaded.device.type == "cpu" and loaded.dtype == torch.float32
+        self.governor = ThreadGovernor(max(1, torch.get_num_threads())) if governed else None
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """The step's metadata (backend planned), input ids and logits rows: all the host
@@ -62,8 +73,21 @@ class ModelRunner:
     def forward(self, meta: AttentionMetadata, input_ids: torch.Tensor,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """The model over a prepared step; float32 logits [len(logits_indices), vocab]."""
-        return self.model(input_ids, meta, self.backend, self.pool.k_cache, self.pool.v_cache,
-                          logits_indices)
+        governor = self.governor
+        rows = input_ids.numel()
+        if governor is None or rows != len(meta.cpu.qo_lens):  # not governed, or not every row decodes
+            return self.model(input_ids, meta, self.backend, self.pool.k_cache, self.pool.v_cache,
+                              logits_indices)
+        threads = governor.threads_for_step(rows)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        logits = self.model(input_ids, meta, self.backend, self.pool.k_cache, self.pool.v_cache,
+                            logits_indices)
+        governor.record(threads, rows, time.perf_counter() - start)
+        if governor.current != threads:  # a trial ended (or switched: then the rest follows)
+            torch.set_num_threads(governor.current)
+        return logits
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs every chunk; returns float32 logits [number of chunks needing logits, vocab]."""
