@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_
  * defines). */
 static inline __attribute__((always_inline)) void tile_bf16(const void *x, const void *const w[TILE_OUTPUTS],
                                                             float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k, int mr,
-                                                            int nr) {
+                                                            int nr, int64_t ahead) {
     __m512 acc[TILE_ROWS][TILE_OUTPUTS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
@@ -66,7 +66,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const void *x, const
     for (int64_t kk = 0; kk < k; kk += 32) {
         __mmask32 mask = k - kk >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - kk)) - 1u);
         __m512bh wv[TILE_OUTPUTS];
-        for (int j = 0; j < nr; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w[j] + kk);
+        for (int j = 0; j < nr; j++) {
+            wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w[j] + kk);
+            _mm_prefetch((const char *)((const uint16_t *)w[j] + ahead + kk), _MM_HINT_T0);
+        }
         for (int i = 0; i < mr; i++) {
             __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * k + kk);
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
@@ -78,13 +81,16 @@ static inline __attribute__((always_inline)) void tile_bf16(const void *x, const
 #endif
 
 /* The dot products of `mr` input rows with `nr` weight rows into sums[i][j]; mr, nr and bf16
- * are constants at every call site, so the accumulators unroll into registers. */
+ * are constants at every call site, so the accumulators unroll into registers. Each weight
+ * line loaded has the line `ahead` elements further prefetched: the same columns of the next
+ * tile's rows (at a decode step's few rows the loads then find the weights already in the
+ * cache: see docs/benchmark.md; a prefetch never faults, past the end included). */
 static inline __attribute__((always_inline)) void tile(const void *x, const void *const w[TILE_OUTPUTS],
                                                        float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k, int mr, int nr,
-                                                       int bf16) {
+                                                       int bf16, int64_t ahead) {
 #ifdef __AVX512BF16__
     if (bf16) {
-        tile_bf16(x, w, sums, k, mr, nr);
+        tile_bf16(x, w, sums, k, mr, nr, ahead);
         return;
     }
 #endif
@@ -95,7 +101,10 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
         /* The last k % 16 columns through a masked load. */
         __mmask16 mask = k - kk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - kk)) - 1u);
         __m512 wv[TILE_OUTPUTS];
-        for (int j = 0; j < nr; j++) wv[j] = load16(w[j], kk, mask, bf16);
+        for (int j = 0; j < nr; j++) {
+            wv[j] = load16(w[j], kk, mask, bf16);
+            _mm_prefetch((const char *)w[j] + (ahead + kk) * (bf16 ? 2 : 4), _MM_HINT_T0);
+        }
         for (int i = 0; i < mr; i++) {
             __m512 xv = load16(x, i * k + kk, mask, bf16);
             for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -107,7 +116,8 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
 #else
 /* Portable: the same sums in plain C, LANES partial sums that the compiler can vectorise. */
 static inline void tile(const void *x, const void *const w[TILE_OUTPUTS], float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k,
-                        int mr, int nr, int bf16) {
+                        int mr, int nr, int bf16, int64_t ahead) {
+    (void)ahead;
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
             float part[LANES] = {0};
@@ -137,7 +147,7 @@ static inline __attribute__((always_inline)) void tile_out(const void *x, const 
         if (gated) rows[outputs + jj] = (const char *)seg->w_up + (j + jj) * k * size;
     }
     float sums[TILE_ROWS][TILE_OUTPUTS];
-    tile((const char *)x + m * k * size, rows, sums, k, mr, gated ? 2 * outputs : outputs, bf16);
+    tile((const char *)x + m * k * size, rows, sums, k, mr, gated ? 2 * outputs : outputs, bf16, outputs * k);
     for (int i = 0; i < mr; i++)
         for (int jj = 0; jj < outputs; jj++) {
             float v = rounded(sums[i][jj] + (seg->bias ? element(seg->bias, j + jj, bf16) : 0.0f), bf16);
