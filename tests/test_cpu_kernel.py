@@ -61,6 +61,37 @@ def test_decodes_match_float64_attention(num_qo_heads: int, num_kv_heads: int, h
     assert kernel_error <= max(2 * gather_error, 1e-6)
 
 
+@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (5, 5, 7)])
+def test_bfloat16_decodes_match_float64_attention_as_closely_as_sdpa(num_qo_heads: int, num_kv_heads: int,
+                                                                     head_dim: int) -> None:
+    """bfloat16 q and caches: the kernel widens each row exactly and sums in float32, so its
+    only rounding of note is the output's; the gather path's SDPA in bfloat16 rounds more."""
+    shapes = [(n, 1) for n in (1, 2, 15, 17, 333, 1000)]
+    tables, kv_lens, num_new, k_cache, v_cache, q, meta = plan_decodes(
+        shapes, 16, num_qo_heads, num_kv_heads, head_dim, seed=7)
+    k_cache, v_cache, q = k_cache.bfloat16(), v_cache.bfloat16(), q.bfloat16()
+    scale = head_dim ** -0.5
+    expected = dense_attention(q.float(), k_cache.float(), v_cache.float(), tables, kv_lens, num_new, scale)
+    errors = []
+    for use_kernel in (True, False):
+        backend = TorchBackend(use_kernel=use_kernel)
+        backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     dtype=torch.bfloat16)
+        assert (backend._groups == {None: []}) == use_kernel
+        out = backend.forward(q, k_cache, v_cache, sm_scale=scale)
+        assert out.dtype == torch.bfloat16
+        errors.append((out.double() - expected).abs().max().item())
+    kernel_error, gather_error = errors
+    # one rounding to bfloat16 of outputs below ~4 in magnitude: at most 2^-8 relative
+    assert kernel_error <= max(gather_error, 4 * 2**-9)
+    # and exactly the float32 kernel on the widened inputs, rounded once
+    backend = TorchBackend()
+    backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32)
+    widened = backend.forward(q.float(), k_cache.float(), v_cache.float(), sm_scale=scale)
+    backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
+    assert torch.equal(backend.forward(q, k_cache, v_cache, sm_scale=scale), widened.bfloat16())
+
+
 def test_kernel_and_gather_paths_agree_in_one_mixed_step() -> None:
     """Decodes (kernel) beside prefill chunks (gathered) in one plan, with a window."""
     shapes = [(40, 1), (300, 1), (37, 37), (90, 12), (5, 1), (70, 3)]
@@ -81,7 +112,7 @@ def test_tensors_the_kernel_cannot_read_are_refused_not_misread() -> None:
     backend = TorchBackend()
     backend.plan(meta, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     wide = torch.cat([q, q], dim=-1)[..., :16]  # same values, strided rows
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="contiguous q, caches and out"):
         backend.forward(wide, k_cache, v_cache, sm_scale=0.25)
     with pytest.raises(ValueError, match="caches torch.float64"):  # planned for float32
         backend.forward(q.double(), k_cache.double(), v_cache.double(), sm_scale=0.25)

@@ -84,13 +84,51 @@ def test_decode_steps_equal_the_per_layer_path_bit_for_bit(checkpoints: dict[str
 
 
 def test_models_it_cannot_take_keep_the_per_layer_path(checkpoints: dict[str, Path]) -> None:
-    """Qwen3 normalises q and k per head (no such step in C); bfloat16 is not the kernel's."""
+    """Qwen3 normalises q and k per head (no such step in C)."""
     qwen3 = load_model(str(checkpoints["qwen3"]), device="cpu", dtype=torch.float32).model
     assert decoder_weights(qwen3) is None
     _, calls = _run(qwen3, use_kernel=True)
     assert calls == 0
-    bf16 = load_model(str(checkpoints["llama"]), device="cpu", dtype=torch.bfloat16).model
-    assert decoder_weights(bf16) is None
+
+
+def _run_one_stream(model: llama_module.CausalLM, use_kernel: bool) -> tuple[list[torch.Tensor], int]:
+    """One prompt's prefill, then DECODE_STEPS decode steps of its one row."""
+    model.use_decoder_kernel = use_kernel
+    calls = 0
+    original = llama_module.run_layers
+
+    def counted(*args: object) -> None:
+        nonlocal calls
+        calls += 1
+        original(*args)  # type: ignore[arg-type]
+
+    llama_module.run_layers = counted  # type: ignore[assignment]
+    try:
+        kv = PagedKV(model, num_pages=32, page_size=PAGE_SIZE, seed=2)
+        seq = Sequence()
+        history = paged_step(model, kv, [(seq, PROMPTS[1])])
+        for _ in range(DECODE_STEPS):
+            history += paged_step(model, kv, [(seq, [int(history[-1].argmax())])])
+    finally:
+        llama_module.run_layers = original  # type: ignore[assignment]
+        model.use_decoder_kernel = True
+    return history, calls
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied_bias", "qwen2", "mistral_window"])
+def test_bfloat16_one_stream_decodes_equal_the_per_layer_path_bit_for_bit(checkpoints: dict[str, Path],
+                                                                          name: str) -> None:
+    """bfloat16 at one row (where the per-layer path's projections are the linear kernel's
+    too): every rounding in the same place; at three rows the per-layer path (torch's GEMM)."""
+    model = load_model(str(checkpoints[name]), device="cpu", dtype=torch.bfloat16).model
+    with_kernel, calls = _run_one_stream(model, use_kernel=True)
+    without, no_calls = _run_one_stream(model, use_kernel=False)
+    assert (calls, no_calls) == (DECODE_STEPS, 0)
+    for got, expected in zip(with_kernel, without, strict=True):
+        assert torch.equal(got, expected)
+        assert torch.isfinite(got).all()
+    _, batched_calls = _run(model, use_kernel=True)
+    assert batched_calls == 0
 
 
 def _one_decode_step(model: llama_module.CausalLM) -> dict[str, object]:

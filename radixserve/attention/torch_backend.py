@@ -99,7 +99,7 @@ class TorchBackend(AttentionBackend):
         cpu = meta.cpu
         row_elements = num_kv_heads * head_dim
         device = meta.positions.device
-        kernel = (self.use_kernel and device.type == "cpu" and dtype == torch.float32
+        kernel = (self.use_kernel and device.type == "cpu" and dtype in paged_attention.DTYPE_CODES
                   and paged_attention.library() is not None)
         groups: dict[int | None, list[_Group]] = {}
         kernel_rows: dict[int | None, paged_attention.PagedRows] = {}

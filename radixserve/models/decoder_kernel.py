@@ -1,11 +1,13 @@
 """The seam between the Llama-family model and the whole-stack decode kernel.
 
-On the CPU in float32, a step where every row decodes through the paged-attention kernel runs
-all decoder layers in one C call (`radixserve.native.decoder`) instead of about ten calls per
-layer from Python: the same kernels in the same order, so the logits are the per-layer path's
-bit for bit. Models it cannot take (another dtype or device, per-head q/k norms, projection
-modules other than this package's `Linear`, as tensor parallelism installs) keep the per-layer
-path, as do steps with a prefill among their rows.
+On the CPU, a step where every row decodes through the paged-attention kernel runs all decoder
+layers in one C call (`radixserve.native.decoder`) instead of about ten calls per layer from
+Python: the same kernels in the same order, so the logits are the per-layer path's bit for
+bit. float32 at any batch; bfloat16 at the rows the linear kernel takes on the per-layer path
+too (`linear.BF16_MAX_ROWS`: torch's bfloat16 GEMM runs more). Models it cannot take (another
+dtype or device, per-head q/k norms, projection modules other than this package's `Linear`, as
+tensor parallelism installs) keep the per-layer path, as do steps with a prefill among their
+rows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 from radixserve.attention.base import AttentionBackend
 from radixserve.models.layers import GatedMLP, Linear, RMSNorm
 from radixserve.native import decoder
+from radixserve.native import linear as linear_kernel
 from radixserve.native.paged_attention import PagedRows
 
 if TYPE_CHECKING:
@@ -33,7 +36,8 @@ def _projection_tensors(prefix: str, module: nn.Module) -> dict[str, Tensor | No
 def decoder_weights(model: CausalLM) -> decoder.DecoderWeights | None:
     """The model's layers as the kernel reads them, or None when it cannot take this model.
     The tensors are the model's parameters themselves (no copy)."""
-    if decoder.library() is None or model.model.embed_tokens.weight.dtype != torch.float32:
+    dtype = model.model.embed_tokens.weight.dtype
+    if decoder.library() is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     layers = []
     try:
@@ -55,14 +59,16 @@ def decoder_weights(model: CausalLM) -> decoder.DecoderWeights | None:
             hidden=model.config.hidden_size, q_heads=first.num_qo_heads, kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, intermediate=model.config.intermediate_size,
             eps=model.config.rms_norm_eps, scale=first.sm_scale)
-        return decoder.DecoderWeights(layers, shape)
+        return decoder.DecoderWeights(layers, shape, dtype)
     except (ValueError, IndexError):
         return None  # a layout the kernel does not take: the per-layer path runs it
 
 
-def layer_rows(model: CausalLM, backend: AttentionBackend, x: Tensor) -> list[PagedRows] | None:
+def layer_rows(model: CausalLM, backend: AttentionBackend, x: Tensor,
+               weights: decoder.DecoderWeights) -> list[PagedRows] | None:
     """Each layer's planned decode rows when this step can run in the kernel, else None."""
-    if x.dtype != torch.float32 or not x.is_cpu:
+    if x.dtype != weights.dtype or not x.is_cpu or (
+            x.dtype == torch.bfloat16 and x.shape[0] > linear_kernel.BF16_MAX_ROWS):
         return None
     by_window: dict[int | None, PagedRows | None] = {w: backend.cpu_decode_rows(w) for w in model.attention_windows}
     if any(rows is None for rows in by_window.values()):

@@ -192,7 +192,7 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(inverse_frequencies(config, self.head_dim))
         self.layer_windows: list[int | None] = layer_windows(config)
-        # All-decode CPU float32 steps run the layer stack in one C call (models/decoder_kernel.py);
+        # All-decode CPU steps run the layer stack in one C call (models/decoder_kernel.py);
         # False keeps every step on the per-layer path (the tests compare the two).
         self.use_decoder_kernel = True
         self._decoder_weights: DecoderWeights | None | bool = False  # False: not looked at yet
@@ -254,7 +254,7 @@ class CausalLM(nn.Module):
         weights = self._decoder_weights
         if not isinstance(weights, DecoderWeights):
             return None, None
-        return weights, layer_rows(self, backend, x)
+        return weights, layer_rows(self, backend, x, weights)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The LM head: normed hidden states [n, hidden] -> float32 logits [n, vocab] (the

@@ -15,7 +15,7 @@ What each kernel trusts, and where it is checked:
   actually read are >= 0. Their largest page index and query row are kept for the per-call
   check.
 - paged attention, every layer (`attention_call`): q, the caches and out are contiguous
-  float32 on the CPU, of consistent shapes ([T, Hq, D], [pages, page_size, Hkv, D]); Hkv
+  on the CPU, all float32 or all bfloat16, of consistent shapes ([T, Hq, D], [pages, page_size, Hkv, D]); Hkv
   divides Hq; the largest page index read is below the pool's page count and the largest
   query row below T. A handful of comparisons: the vectorised work was done at plan time.
 - sampling, every call (`sampling_arguments`): float32 logits on the CPU with rows of unit
@@ -118,9 +118,9 @@ def _require_all(condition: np.ndarray, message: str, values: np.ndarray) -> Non
         raise ValueError(f"{message}; row {row} has {values[row].item()}")
 
 
-def _fault(t: Tensor) -> str | None:
-    """Why a kernel cannot read `t` as dense float32 on the CPU, or None when it can."""
-    if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+def _fault(t: Tensor, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why a kernel cannot read `t` as dense `dtype` on the CPU, or None when it can."""
+    if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
         return None
     return f"{t.dtype}" + ("" if t.device.type == "cpu" else f" on {t.device}") + (
         "" if t.is_contiguous() else " (not contiguous)")
@@ -131,16 +131,19 @@ def attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, row
     """Checks one paged-attention call over checked `rows` (planned for `page_size`): the
     tensors' dtype, device, layout and shapes, and the rows' bounds against them."""
     # Once per layer: one expression in the usual case, the message only on failure.
-    dense = (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+    dense = (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype and q.dtype in (torch.float32, torch.bfloat16)
              and q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu and q.is_contiguous()
              and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
     if not dense:
-        faults = {"q": _fault(q), "k_cache": _fault(k_cache), "v_cache": _fault(v_cache), "out": _fault(out)}
+        want = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        faults = {"q": _fault(q, want), "k_cache": _fault(k_cache, want), "v_cache": _fault(v_cache, want),
+                  "out": _fault(out, want)}
         if faults["k_cache"] == faults["v_cache"]:
             faults["caches"] = faults.pop("k_cache")
             del faults["v_cache"]
         got = ", ".join(f"{name} {fault}" for name, fault in faults.items() if fault)
-        raise ValueError(f"the CPU attention kernel needs contiguous float32 q, caches and out on the CPU, got {got}")
+        raise ValueError("the CPU attention kernel needs contiguous q, caches and out on the CPU, all float32 or all "
+                         f"bfloat16 (q is {q.dtype}), got {got}")
     q_shape, cache_shape = q.shape, k_cache.shape
     if len(q_shape) != 3 or len(cache_shape) != 4 or v_cache.shape != cache_shape or out.shape != q_shape:
         raise ValueError(f"shapes: q {tuple(q_shape)} must be [T, Hq, D], out {tuple(out.shape)} the same, "

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from radixserve.native import build, checks
-from radixserve.native.paged_attention import PagedRows
+from radixserve.native.paged_attention import DTYPE_CODES, PagedRows, scratch_floats
 from radixserve.native.scratch import threads_and_scratch
 
 NAME = "decoder"
@@ -45,7 +45,7 @@ def library() -> ctypes.CDLL | None:
     return build.declared_library(NAME, "radixserve_decoder_layers", None, [
         _P, _I, _P, _I,  # x, tokens, layer pointers, layers
         _P, _P, _P, _P, _P,  # row sets, row set of each layer, cos, sin, slots
-        _P, _P, _P, ctypes.c_int,  # dims, workspace, scratch, threads
+        _P, _P, _P, ctypes.c_int, ctypes.c_int,  # dims, workspace, scratch, threads, dtype
     ])
 
 
@@ -67,14 +67,19 @@ class DecoderShape(NamedTuple):
 
 
 class DecoderWeights:
-    """Each layer's tensors (float32, contiguous, on the CPU), checked once against `shape`.
+    """Each layer's tensors (contiguous on the CPU, all float32 or all bfloat16), checked once
+    against `shape`.
 
     `layers[l]` maps the names in LAYER_TENSORS to tensors (biases may be None). The tensors
     are kept, not copied, and their addresses read once: a weight changed in place is used
     as it is, one given new storage afterwards (`param.data = ...`) needs a new view.
     """
 
-    def __init__(self, layers: Sequence[dict[str, Tensor | None]], shape: DecoderShape) -> None:
+    def __init__(self, layers: Sequence[dict[str, Tensor | None]], shape: DecoderShape,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"the decoder kernel runs float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
         if shape.kv_heads < 1 or shape.q_heads % shape.kv_heads or shape.head_dim % 2:
             raise ValueError(f"the decoder kernel needs KV heads dividing {shape.q_heads} query heads and an even "
                              f"head_dim, got {shape.kv_heads} and {shape.head_dim}")
@@ -96,10 +101,10 @@ class DecoderWeights:
                 if tensor is None and name.endswith("_bias"):
                     self.tensors.append(None)
                     continue
-                if tensor is None or not (tensor.dtype == torch.float32 and tensor.is_cpu and tensor.is_contiguous()
+                if tensor is None or not (tensor.dtype == dtype and tensor.is_cpu and tensor.is_contiguous()
                                           and tuple(tensor.shape) == want):
                     got = "missing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
-                    raise ValueError(f"layer {index} {name}: the decoder kernel needs contiguous float32 {want} "
+                    raise ValueError(f"layer {index} {name}: the decoder kernel needs contiguous {dtype} {want} "
                                      f"on the CPU, got {got}")
                 self.tensors.append(tensor)
         self.num_layers = len(layers)
@@ -123,17 +128,17 @@ class DecoderWeights:
 
 
 def _check_caches(k_caches: Sequence[Tensor], v_caches: Sequence[Tensor], num_layers: int,
-                  shape: DecoderShape) -> tuple[int, int]:
-    """Every layer's caches float32 [pages, page_size, kv_heads, head_dim], one shape for all;
-    returns (pages, page_size)."""
+                  shape: DecoderShape, dtype: torch.dtype) -> tuple[int, int]:
+    """Every layer's caches [pages, page_size, kv_heads, head_dim] in `dtype`, one shape for
+    all; returns (pages, page_size)."""
     if len(k_caches) != num_layers or len(v_caches) != num_layers:
         raise ValueError(f"the decoder kernel needs {num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
     first = k_caches[0].shape
     ok = len(first) == 4 and tuple(first[2:]) == (shape.kv_heads, shape.head_dim) and all(
-        c.shape == first and c.dtype == torch.float32 and c.is_cpu and c.is_contiguous()
+        c.shape == first and c.dtype == dtype and c.is_cpu and c.is_contiguous()
         for c in (*k_caches, *v_caches))
     if not ok:
-        raise ValueError("the decoder kernel needs contiguous float32 K/V caches of one shape "
+        raise ValueError(f"the decoder kernel needs contiguous {dtype} K/V caches of one shape "
                          f"[pages, page_size, {shape.kv_heads}, {shape.head_dim}] on the CPU, got {tuple(first)}")
     return int(first[0]), int(first[1])
 
@@ -150,16 +155,17 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
         raise RuntimeError(f"the decoder kernel is unavailable: {unavailable_reason()}")
     shape = weights.shape
     tokens = x.shape[0] if x.dim() == 2 else -1
-    if not (tokens >= 1 and x.shape[1] == shape.hidden and x.dtype == torch.float32 and x.is_cpu
+    dtype = weights.dtype
+    if not (tokens >= 1 and x.shape[1] == shape.hidden and x.dtype == dtype and x.is_cpu
             and x.is_contiguous()):
-        raise ValueError(f"the decoder kernel needs x as contiguous float32 [T, {shape.hidden}] on the CPU, "
+        raise ValueError(f"the decoder kernel needs x as contiguous {dtype} [T, {shape.hidden}] on the CPU, "
                          f"got {x.dtype} {tuple(x.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
-        if not (table.dtype == torch.float32 and table.is_cpu and table.is_contiguous()
+        if not (table.dtype == dtype and table.is_cpu and table.is_contiguous()
                 and tuple(table.shape) == (tokens, shape.head_dim)):
-            raise ValueError(f"{name}: the decoder kernel needs float32 [{tokens}, {shape.head_dim}], "
+            raise ValueError(f"{name}: the decoder kernel needs {dtype} [{tokens}, {shape.head_dim}], "
                              f"got {table.dtype} {tuple(table.shape)}")
-    pages, page_size = _check_caches(k_caches, v_caches, weights.num_layers, shape)
+    pages, page_size = _check_caches(k_caches, v_caches, weights.num_layers, shape, dtype)
     slot_array = checks.slot_indices(slots, tokens, pages * page_size)
     if len(rows_of_layer) != weights.num_layers:
         raise ValueError(f"the decoder kernel needs one row set per layer ({weights.num_layers}), "
@@ -175,13 +181,12 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
         row_sets[index] = _RowSet(*rows._pointers, len(rows), rows.max_keys)
     set_of_layer = np.array([distinct[id(r)] for r in rows_of_layer], dtype=np.int64)
     max_keys = max(r.max_keys for r in set_rows.values())
-    floats = shape.q_heads * (max(max_keys, 1) + shape.head_dim)
-    threads, scratch = threads_and_scratch(NAME, floats)
+    threads, scratch = threads_and_scratch(NAME, scratch_floats(shape.q_heads, shape.head_dim, max_keys))
     q_width, kv_width = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    workspace = torch.empty(tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate))
+    workspace = torch.empty(tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate), dtype=dtype)
     dims = _Dims(shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim, shape.intermediate, page_size,
                  shape.eps, shape.scale)
     loaded.radixserve_decoder_layers(
         x.data_ptr(), tokens, weights.pointers(k_caches, v_caches), weights.num_layers, row_sets,
         set_of_layer.ctypes.data, cos.data_ptr(), sin.data_ptr(), slot_array.ctypes.data, ctypes.byref(dims),
-        workspace.data_ptr(), scratch.ctypes.data, threads)
+        workspace.data_ptr(), scratch.ctypes.data, threads, DTYPE_CODES[dtype])

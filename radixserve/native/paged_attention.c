@@ -1,8 +1,9 @@
 /* Paged attention on the CPU, read straight from the pages: no gathered copy of K/V.
  *
  * Built at first use by radixserve/native/build.py (the machine's C compiler, -O3
- * -march=native) and called through ctypes by radixserve/native/paged_attention.py. float32
- * only. It trusts its inputs: radixserve/native/checks.py refuses, before every call, page
+ * -march=native) and called through ctypes by radixserve/native/paged_attention.py. float32,
+ * or bfloat16 (dtype 1: q, the caches and out bfloat16; each row converted to float32 as it is
+ * read, every sum in float32, the output rounded once). It trusts its inputs: radixserve/native/checks.py refuses, before every call, page
  * indices outside the pool, rows or key ranges out of bounds, and tensors of the wrong dtype,
  * layout or shape.
  *
@@ -61,29 +62,44 @@ static inline const float *key_row(const float *cache, const int32_t *pages, int
 }
 
 /* The row AHEAD keys on is asked for before it is needed: pages are scattered, so the
- * hardware cannot guess the jump to the next one, and the load overlaps the arithmetic. */
+ * hardware cannot guess the jump to the next one, and the load overlaps the arithmetic.
+ * bfloat16 caches (bf16 != 0): the row is widened into `buf` (exact) and buf returned. */
 #define AHEAD 8
-static inline const float *prefetched_row(const float *cache, const int32_t *pages, int64_t t,
-                                          int64_t n, int page_size, int64_t row_stride) {
-    if (t + AHEAD < n)
-        for (int64_t i = 0; i < row_stride; i += LANES)
-            __builtin_prefetch(key_row(cache, pages, t + AHEAD, page_size, row_stride) + i);
-    return key_row(cache, pages, t, page_size, row_stride);
+static inline __attribute__((always_inline)) const float *prefetched_row(const void *cache, const int32_t *pages,
+                                                                        int64_t t, int64_t n, int page_size,
+                                                                        int64_t row_stride, int bf16, float *buf) {
+    if (!bf16) {
+        const float *f = (const float *)cache;
+        if (t + AHEAD < n)
+            for (int64_t i = 0; i < row_stride; i += LANES)
+                __builtin_prefetch(key_row(f, pages, t + AHEAD, page_size, row_stride) + i);
+        return key_row(f, pages, t, page_size, row_stride);
+    }
+    const uint16_t *h = (const uint16_t *)cache;
+    if (t + AHEAD < n) {
+        const uint16_t *ahead = h + (pages[(t + AHEAD) / page_size] * page_size + (t + AHEAD) % page_size) * row_stride;
+        for (int64_t i = 0; i < row_stride; i += 2 * LANES) __builtin_prefetch(ahead + i);
+    }
+    const uint16_t *row = h + (pages[t / page_size] * page_size + t % page_size) * row_stride;
+    for (int64_t i = 0; i < row_stride; ++i) buf[i] = bf16_to_f32(row[i]);
+    return buf;
 }
 
 /* One query row, all heads: keys are read once each, a whole row (every KV head) at a time.
- * pages and key indices are counted from the first key the row sees (lo). */
-static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *pages, int64_t lo, int64_t hi, float *out, int num_qo_heads,
-                   int num_kv_heads, int d, int page_size, float scale, float *scores,
-                   float *acc) {
+ * pages and key indices are counted from the first key the row sees (lo). q and out are the
+ * row's float32 query and output (the caller converts bfloat16 ones); buf holds one widened
+ * K or V row (bfloat16 caches). */
+static inline __attribute__((always_inline)) void attend(const float *q, const void *k_cache, const void *v_cache,
+                                                         const int32_t *pages, int64_t lo, int64_t hi, float *out,
+                                                         int num_qo_heads, int num_kv_heads, int d, int page_size,
+                                                         float scale, float *scores, float *acc, int bf16, float *buf) {
     int64_t n = hi - lo;
     int group = num_qo_heads / num_kv_heads;
     int64_t row_stride = (int64_t)num_kv_heads * d;
     pages += lo / page_size; /* key t of this row is key lo + t: start at lo's page */
     int64_t first = lo % page_size;
     for (int64_t t = 0; t < n; ++t) {
-        const float *k = prefetched_row(k_cache, pages, first + t, first + n, page_size, row_stride);
+        const float *k = prefetched_row(k_cache, pages, first + t, first + n, page_size, row_stride, bf16, buf);
         for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
             for (int g = 0; g < group; ++g, ++head)
                 scores[head * n + t] = dot(q + (int64_t)head * d, k + (int64_t)kv_head * d, d) * scale;
@@ -101,7 +117,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
     }
     memset(acc, 0, sizeof(float) * (size_t)num_qo_heads * d);
     for (int64_t t = 0; t < n; ++t) {
-        const float *v = prefetched_row(v_cache, pages, first + t, first + n, page_size, row_stride);
+        const float *v = prefetched_row(v_cache, pages, first + t, first + n, page_size, row_stride, bf16, buf);
         for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
             for (int g = 0; g < group; ++g, ++head) {
                 float p = scores[head * n + t];
@@ -114,23 +130,35 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
 }
 
 /* Returns 0, or -1 when the heads cannot be grouped (the binding's checks refuse that first).
- * scratch: num_threads * Hq * (max_keys + D) floats, max_keys >= every hi - lo; thread t uses
- * slice t, so num_threads must be the count the scratch was sized for. */
-int radixserve_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+ * scratch: num_threads * Hq * (max_keys + 3 * D) floats (scores, the output, and for bfloat16
+ * the widened query and one K/V row), max_keys >= every hi - lo; thread t uses slice t, so
+ * num_threads must be the count the scratch was sized for. dtype 0: float32, 1: bfloat16. */
+int radixserve_paged_attention(const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *kv_indices, const int64_t *rows,
                                const int64_t *page_start, const int64_t *lo, const int64_t *hi,
                                int64_t num_rows, int num_qo_heads, int num_kv_heads,
                                int head_dim, int page_size, float scale, int64_t max_keys,
-                               float *out, float *scratch, int num_threads) {
+                               void *out, float *scratch, int num_threads, int dtype) {
     if (num_kv_heads < 1 || num_qo_heads % num_kv_heads != 0) return -1;
-    int64_t per_thread = (int64_t)num_qo_heads * (max_keys + head_dim);
+    int64_t width = (int64_t)num_qo_heads * head_dim;
+    int64_t per_thread = (int64_t)num_qo_heads * (max_keys + 3 * head_dim);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t i = 0; i < num_rows; ++i) {
         float *scores = scratch + thread_index() * per_thread;
-        int64_t offset = rows[i] * num_qo_heads * head_dim;
-        attend(q + offset, k_cache, v_cache, kv_indices + page_start[i], lo[i], hi[i], out + offset,
-               num_qo_heads, num_kv_heads, head_dim, page_size, scale, scores,
-               scores + (int64_t)num_qo_heads * max_keys);
+        float *acc = scores + (int64_t)num_qo_heads * max_keys, *query = acc + width, *buf = query + width;
+        int64_t offset = rows[i] * width;
+        const int32_t *pages = kv_indices + page_start[i];
+        if (dtype == 0) {
+            attend((const float *)q + offset, k_cache, v_cache, pages, lo[i], hi[i], (float *)out + offset,
+                   num_qo_heads, num_kv_heads, head_dim, page_size, scale, scores, acc, 0, buf);
+        } else {
+            const uint16_t *qh = (const uint16_t *)q + offset;
+            for (int64_t j = 0; j < width; ++j) query[j] = bf16_to_f32(qh[j]);
+            attend(query, k_cache, v_cache, pages, lo[i], hi[i], query, num_qo_heads, num_kv_heads, head_dim,
+                   page_size, scale, scores, acc, 1, buf);
+            uint16_t *oh = (uint16_t *)out + offset;
+            for (int64_t j = 0; j < width; ++j) oh[j] = f32_to_bf16(query[j]);
+        }
     }
     return 0;
 }

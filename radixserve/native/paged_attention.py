@@ -16,12 +16,14 @@ import ctypes
 import functools
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from radixserve.native import build, checks
 from radixserve.native.scratch import threads_and_scratch
 
 NAME = "paged_attention"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
@@ -32,7 +34,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # rows, page_start, lo, hi
         ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # rows, Hq, Hkv, D, S
         ctypes.c_float, ctypes.c_int64,  # scale, max_keys
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # out, scratch, threads
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # out, scratch, threads, dtype
     ])
 
 
@@ -78,13 +80,18 @@ def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: PagedRows, out: Tenso
     status = loaded.radixserve_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rows._pointers,
         len(rows), num_qo_heads, k_cache.shape[2], head_dim, rows.page_size, scale, rows.max_keys,
-        out.data_ptr(), scratch.ctypes.data, threads,
+        out.data_ptr(), scratch.ctypes.data, threads, DTYPE_CODES[q.dtype],
     )
     if status != 0:  # the checks above refuse every shape the kernel refuses
         raise RuntimeError(f"radixserve_paged_attention returned {status}")
 
 
 def scratch_floats_per_thread(rows: PagedRows, num_qo_heads: int, head_dim: int) -> int:
-    """Floats of scratch each of a call's threads needs: one score per key and one output
-    row per head."""
-    return num_qo_heads * (max(rows.max_keys, 1) + head_dim)
+    """Floats of scratch each of a call's threads needs (`scratch_floats` at the rows' most keys)."""
+    return scratch_floats(num_qo_heads, head_dim, rows.max_keys)
+
+
+def scratch_floats(num_qo_heads: int, head_dim: int, max_keys: int) -> int:
+    """Floats of scratch one thread of the kernel uses (the layout in paged_attention.c): one
+    score per key and per head, the output and (bfloat16) the widened query and one K/V row."""
+    return num_qo_heads * (max(max_keys, 1) + 3 * head_dim)
