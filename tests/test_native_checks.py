@@ -165,7 +165,7 @@ def test_attention_reads_the_thread_count_once_for_scratch_and_call(monkeypatch:
     _, _, _, k_cache, v_cache, q, meta = decode_batch()
     rows = rows_of(meta)
     expected = kernel_output(meta, q, k_cache, v_cache)
-    received = spy(monkeypatch, paged_attention.library(), "radixserve_paged_attention", -1)
+    received = spy(monkeypatch, paged_attention.library(), "radixserve_paged_attention", -2)  # then dtype
     reads = count_thread_reads(monkeypatch)
     out = torch.empty_like(q)
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)
