@@ -49,7 +49,8 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, pool: PagePool, backend: AttentionBackend, group: TensorParallelGroup,
                  workers: WorkerProcesses, host_tier: HostTier | None = None, *, verify_tables: bool = False,
                  on_close: Callable[[], None] | None = None) -> None:
-        super().__init__(loaded, pool, backend, verify_tables=verify_tables)
+        # The ranks split the work with fixed thread counts (parallel/launch.py): no governor.
+        super().__init__(loaded, pool, backend, verify_tables=verify_tables, adaptive_threads=False)
         self._on_close = on_close
         self.group = group
         self.workers = workers
