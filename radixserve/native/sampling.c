@@ -14,6 +14,9 @@
  * those candidates are sorted. The draw then runs over the kept tokens alone:
  * the cumulative sum over every token in id order adds zeros elsewhere, which changes nothing
  * in floating point, so both give the same token.
+ *
+ * radixserve_greedy serves the steps whose rows are all greedy and some constrained by a
+ * grammar: each row's mask, maximum and first index of it in one pass (torch.argmax's token).
  */
 #include <stdlib.h>
 
