@@ -17,7 +17,8 @@ bounded numbers, it reports:
                 rows sampled with the mask minus the same rows, already masked, without)
                 per constrained row (the overhead), and the accept after the sampling, with
                 the masks filled in the step or prepared right after the accept (as the
-                engine does), side by side, for sampled rows and for greedy rows; and the
+                engine does), side by side, for sampled rows and for greedy rows (and the
+                greedy rows' mask inside the C greedy function alone: its own share); and the
                 whole step's sampling with no constrained row (no mask is built then) and
                 with one
 
@@ -49,6 +50,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import sample
 from radixserve.grammar import Grammars, GrammarSpec, MaskBuffer, TokenMask
+from radixserve.native import sampling as native_sampling
 
 ROWS = (1, 16, 64)
 BATCH = 64
@@ -187,8 +189,12 @@ def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]
     rows are left out of both calls: the sampler does the same for them with or without a
     mask, and their sampling's jitter on a shared machine is far larger than the figure
     (`unconstrained` runs the full [BATCH, vocab] step with and without a constrained row to
-    show that). `greedy` repeats the paired measure with greedy rows (the all-greedy step
-    applies the mask with the C function alone, then takes torch's argmax).
+    show that). `greedy` repeats the paired measure with greedy rows: an all-greedy step with
+    a mask runs the C greedy function (each row's mask, maximum and first index of it in one
+    pass), one without a mask torch's argmax, so its `apply` is the constrained path's cost
+    minus the unconstrained path's (negative when the C pass beats torch's argmax).
+    `greedy_kernel` takes the same pairs inside the C greedy function alone (with the mask
+    minus without it, on the premasked rows): the mask's own share of the pass.
 
     `overhead` = mask + apply: the work between the logits and the tokens; `step_total` adds
     the accept, where prepared masks are filled. Medians over every step of `repeats` passes
@@ -203,9 +209,11 @@ def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]
     out: dict[str, float] = {}
     clock = time.perf_counter
 
-    def run(rows: int, prepare: bool, params: list[SamplingParams]) -> tuple[list[float], list[float], list[float]]:
+    def run(rows: int, prepare: bool, params: list[SamplingParams],
+            kernel: bool = False) -> tuple[list[float], list[float], list[float]]:
         """(mask, apply, accept) seconds of each of the document's steps; the constrained rows
-        are the first `rows` of the batch (the sampled view is `logits[:rows]`)."""
+        are the first `rows` of the batch (the sampled view is `logits[:rows]`), sampled by the
+        engine's `sample`, or with `kernel` by the C greedy function directly."""
         matchers = [(i, grammars.matcher(spec)) for i in range(rows)]
         if prepare:
             for _, matcher in matchers:
@@ -221,7 +229,10 @@ def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]
                 t0 = clock()
                 mask = TokenMask.for_rows(matchers, vocab, buffer)  # both calls build it: the same work before
                 t1 = clock()
-                sample(logits[:rows], params[:rows], seeds[:rows], steps, mask if with_mask else None)
+                if kernel:
+                    native_sampling.greedy_tokens(logits[:rows], mask.native_mask() if with_mask else None)
+                else:
+                    sample(logits[:rows], params[:rows], seeds[:rows], steps, mask if with_mask else None)
                 seconds[with_mask] = clock() - t1
                 if with_mask:
                     mask_s.append(t1 - t0)
@@ -257,9 +268,10 @@ def sampler_steps(tokenizer: PreTrainedTokenizerBase, vocab: int, ids: list[int]
     if unconstrained_only:
         return out
     for rows in ROWS:
-        for mode, prepare, params in (("in_step", False, sampled), ("prepared", True, sampled),
-                                      ("greedy_prepared", True, greedy)):
-            passes = [run(rows, prepare, params) for _ in range(repeats)]
+        for mode, prepare, params, kernel in (("in_step", False, sampled, False), ("prepared", True, sampled, False),
+                                              ("greedy_prepared", True, greedy, False),
+                                              ("greedy_kernel", True, greedy, True)):
+            passes = [run(rows, prepare, params, kernel) for _ in range(repeats)]
             # The median over every step of every pass (a paired difference's noise shrinks with
             # the number of pairs; a median of per-pass medians would use 1/repeats of them).
             mask, apply, accept = (float(np.median([x for one in passes for x in one[i]])) for i in range(3))

@@ -4,6 +4,7 @@ errors, and safe from several threads at once."""
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from radixserve.native import sampling as native_sampling
 from radixserve.engine.params import SamplingParams
 from radixserve.engine.sampler import _param_tensors, filter_probs, sample
+from radixserve.grammar import TokenMask
 
 GRID = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
         for t in (1e-5, 0.3, 1.0, 2.0) for p in (1e-300, 0.2, 0.9, 0.999, 1.0)
@@ -202,3 +204,112 @@ def test_flat_rows_that_keep_most_tokens_match_the_torch_filter(top_p: float) ->
         same = ~np.isin(np.arange(32000), differ)
         np.testing.assert_allclose(got[row][same], expected[row][same], rtol=2e-5, atol=1e-30)
     assert int((got[0] > 0).sum()) > 1000  # the many-candidates path ran
+
+
+def unpacked_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The logits masked by `bitmask` (mask row i for logits row rows[i]) with numpy's bit
+    unpacking: token t is bit t of the row's little-endian words (no code of the package)."""
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
+    out = logits.clone()
+    for i, row in enumerate(rows):
+        out[row, torch.from_numpy(allowed[i] == 0)] = float("-inf")
+    return out
+
+
+def torch_greedy(premasked: torch.Tensor) -> tuple[list[int], list[int]]:
+    """torch.argmax of each row, and the rows whose chosen logit is NaN or -inf (no token)."""
+    tokens = torch.argmax(premasked, dim=-1)
+    chosen = premasked.gather(1, tokens[:, None]).squeeze(1)
+    bad = torch.isnan(chosen) | (chosen == float("-inf"))
+    return tokens.tolist(), bad.nonzero().squeeze(1).tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_constrained_greedy_steps_take_torchs_argmax_of_the_masked_rows(threads: int) -> None:
+    """An all-greedy step with a grammar mask (the C greedy function: mask, maximum and its
+    first index in one pass) gives the tokens, errors and masked logits of the mask applied
+    first and torch's argmax after: 600 random steps over vocabularies on both sides of 32 and
+    64, integer logits full of ties (some -inf, a few NaN), masks random, with one allowed
+    token, or with all, on some rows or all of them, rows contiguous or strided."""
+    generator = torch.Generator().manual_seed(threads)
+    vocabs = [1, 2, 31, 32, 33, 63, 64, 65, 97, 1000, 2051]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for case in range(600):
+            vocab, num_rows = vocabs[case % len(vocabs)], 1 + case % 7
+            values = torch.randint(-3, 3, (num_rows, vocab), generator=generator).float()
+            values[values == -3] = float("-inf")
+            if case % 10 == 0:
+                values.view(-1)[int(torch.randint(0, values.numel(), (1,), generator=generator))] = float("nan")
+            rows = list(range(num_rows)) if case % 3 == 0 else sorted(set(
+                torch.randint(0, num_rows, (num_rows,), generator=generator).tolist()))
+            bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32,
+                                    generator=generator)
+            if case % 4 == 1:  # one allowed token per masked row
+                bitmask.zero_()
+                for i in range(len(rows)):
+                    token = int(torch.randint(0, vocab, (1,), generator=generator))
+                    bitmask[i, token // 32] = 1 << (token % 32) if token % 32 != 31 else -2**31
+            elif case % 4 == 2:  # every token allowed
+                bitmask.fill_(-1)
+            wide = torch.randn(num_rows, vocab + 5, generator=generator)
+            logits = wide[:, :vocab] if case % 2 else values.clone()  # rows of stride vocab + 5
+            logits.copy_(values)
+            premasked = unpacked_mask(values, bitmask, rows)
+            expected, bad = torch_greedy(premasked)
+            params = [SamplingParams(temperature=0.0)] * num_rows
+            if bad:
+                with pytest.raises(ValueError, match=re.escape(f"cannot sample rows {bad}: their logits are not finite")):
+                    sample(logits, params, [None] * num_rows, [0] * num_rows, TokenMask(bitmask, rows))
+            else:
+                assert sample(logits, params, [None] * num_rows, [0] * num_rows, TokenMask(bitmask, rows)) == expected
+            assert torch.equal(logits.isnan(), premasked.isnan()), case
+            assert torch.equal(logits.nan_to_num(0.0), premasked.nan_to_num(0.0)), case
+            if case % 2:
+                assert not wide[:, vocab:].isinf().any()  # nothing written past a strided row
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_constrained_greedy_rows_at_the_models_width_take_the_first_maximum() -> None:
+    """A 49,152-token row (SmolLM2's) whose top logit recurs in allowed and forbidden places,
+    the first copy forbidden: the first allowed copy is taken, as torch's argmax takes it."""
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(2))
+    logits[:, [7, 40000, 40001, 49151]] = 50.0
+    bitmask = torch.full((2, 49152 // 32), -1, dtype=torch.int32)
+    bitmask[:, 0] = ~(1 << 7)  # token 7 forbidden in the masked rows
+    bitmask[1, 40000 // 32] = 0  # and, in row 2, the whole word of 40000 and 40001
+    params = [SamplingParams(temperature=0.0)] * 3
+    assert sample(logits, params, [None] * 3, [0] * 3, TokenMask(bitmask, [0, 2])) == [40000, 7, 49151]
+
+
+def test_constrained_greedy_masks_are_checked_before_c() -> None:
+    """A mask that does not fit the step's logits is refused before any row is touched."""
+    logits = torch.randn(2, 100)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0)] * 2
+    with pytest.raises(ValueError, match="masked rows"):
+        sample(logits, params, [None] * 2, [0] * 2, TokenMask(torch.zeros(1, 4, dtype=torch.int32), [2]))
+    with pytest.raises(ValueError, match="int32"):
+        sample(logits, params, [None] * 2, [0] * 2, TokenMask(torch.zeros(1, 3, dtype=torch.int32), [0]))
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="at least one token"):
+        native_sampling.greedy_tokens(torch.zeros(2, 0), None)
+
+
+def test_only_constrained_greedy_steps_leave_torchs_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy step without a mask keeps torch's argmax (its path and cost unchanged); one
+    with a mask takes the C greedy function, which masks every row of the step."""
+    calls = []
+    greedy_tokens = native_sampling.greedy_tokens
+    monkeypatch.setattr(native_sampling, "greedy_tokens", lambda *args: calls.append(args) or greedy_tokens(*args))
+    logits = torch.randn(4, 70, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert sample(logits.clone(), params, [None] * 4, [0] * 4) == torch.argmax(logits, dim=-1).tolist()
+    assert not calls
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 2] = 1 << 5  # token 69 alone
+    tokens = sample(logits.clone(), params, [None] * 4, [0] * 4, TokenMask(bitmask, [1]))
+    assert len(calls) == 1 and tokens[1] == 69
+    assert tokens[:1] + tokens[2:] == torch.argmax(logits[[0, 2, 3]], dim=-1).tolist()

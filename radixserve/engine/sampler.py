@@ -18,8 +18,9 @@ path everywhere else.
 
 Constrained rows (a request with a grammar: radixserve/grammar) come with a TokenMask: the
 logits of the tokens their grammar forbids are set to -inf in place before they are sampled
-(by the C sampler itself, in the pass that finds each masked row's maximum, when it runs; by
-TokenMask.apply otherwise), so greedy,
+(by the C sampler itself, in the pass that finds each masked row's maximum, when it runs, as
+by its greedy function for a step whose rows are all greedy; by TokenMask.apply otherwise),
+so greedy,
 temperature, top-k, top-p and min-p all choose among the allowed tokens only, and rows
 without a mask are not touched (nor is any work done for them).
 
@@ -170,11 +171,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     generated before this one). `mask` restricts its rows to their allowed tokens: it writes
     -inf into `logits` (so logprobs computed afterwards are the constrained distribution's)."""
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
-    native = bool(random_rows) and native_sampling.usable(logits)
+    if not random_rows:
+        if mask is not None:  # constrained greedy rows: mask and argmax in one C pass per row
+            tokens = native_sampling.greedy_tokens(logits, mask.native_mask())
+            if tokens is not None:
+                return _checked_tokens(tokens)
+            mask.apply(logits)
+        return _host_tokens(_flag_unsampleable(logits, torch.argmax(logits, dim=-1), None))
+    native = native_sampling.usable(logits)
     if mask is not None and not native:  # the C sampler masks each row as it samples it
         mask.apply(logits)
-    if not random_rows:
-        return _host_tokens(_flag_unsampleable(logits, torch.argmax(logits, dim=-1), None))
     if native:
         tokens = _sample_native(logits, params, seeds, steps, random_rows, mask)
         greedy = torch.tensor([b for b, p in enumerate(params) if p.greedy], dtype=torch.int64)
@@ -217,7 +223,11 @@ def _flag_unsampleable(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.T
 def _host_tokens(tokens: torch.Tensor) -> list[int]:
     """The tokens as a list (the step's one device-to-host copy); ValueError naming the rows
     flagged -1 (their logits are not finite)."""
-    out = tokens.tolist()
+    return _checked_tokens(tokens.tolist())
+
+
+def _checked_tokens(out: list[int]) -> list[int]:
+    """`out`, or ValueError naming its rows flagged -1 (their logits are not finite)."""
     bad = [row for row, token in enumerate(out) if token < 0]
     if bad:
         raise ValueError(f"cannot sample rows {bad}: their logits are not finite")

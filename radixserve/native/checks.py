@@ -26,7 +26,8 @@ What each kernel trusts, and where it is checked:
   which build a NativeMask from checked words and their own row array): at most one mask row
   per masked row, every masked row index >= 0; every call (`token_mask_call`, a handful of
   integer comparisons): the logits as for sampling, ceil(vocab / 32) words per mask row, each
-  masked row index below the logits' rows.
+  masked row index below the logits' rows; for the greedy call (`greedy_call`), also at
+  least one token per row.
 
 NaN is not checked here (that would be a pass over every key read, on every layer): the
 attention kernel propagates it instead (a NaN key makes the heads that read it NaN, as in
@@ -243,6 +244,15 @@ def token_mask_call(num_rows: int, vocab: int, mask: NativeMask) -> None:
                          f"for {vocab} logits, got [{words.rows}, {words.words}] for {mask.count} masked rows")
     if mask.count and (mask.low < 0 or mask.high >= num_rows):
         raise ValueError(f"masked rows must lie in [0, {num_rows}), got {mask.low} .. {mask.high}")
+
+
+def greedy_call(num_rows: int, vocab: int, mask: NativeMask | None) -> None:
+    """Checks one greedy call on logits [num_rows, vocab] that `cpu_float_rows` accepted: at
+    least one token per row, and the mask (if any) as `token_mask_call` checks it."""
+    if vocab < 1:
+        raise ValueError(f"greedy sampling needs at least one token per row, got {vocab}")
+    if mask is not None:
+        token_mask_call(num_rows, vocab, mask)
 
 
 def cpu_float_rows(logits: Tensor) -> bool:

@@ -14,6 +14,9 @@
  * those candidates are sorted. The draw then runs over the kept tokens alone:
  * the cumulative sum over every token in id order adds zeros elsewhere, which changes nothing
  * in floating point, so both give the same token.
+ *
+ * radixserve_greedy serves the steps whose rows are all greedy and some constrained by a
+ * grammar: each row's mask, maximum and first index of it in one pass (torch.argmax's token).
  */
 #include <stdlib.h>
 
@@ -129,6 +132,29 @@ static int64_t argmax(float *x, int64_t n, const uint32_t *mask) {
     for (int64_t i = 0; i < n; ++i)
         if (has_nan ? x[i] != x[i] : x[i] == m) return i;
     return 0;
+}
+
+/* The first index of x[0..n) that holds m, one of the row's values: 32 tokens compared at a
+ * time (the loop vectorises), then the index inside the first block that holds it. */
+static int64_t first_index_of(const float *x, int64_t n, float m) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        int hit = 0;
+        for (int b = 0; b < 32; ++b) hit |= x[i + b] == m;
+        if (hit) break;
+    }
+    for (; i < n; ++i)
+        if (x[i] == m) return i;
+    return 0; /* not reached: m is in the row */
+}
+
+/* torch.argmax of the row masked by `mask` (NULL: none; see masked_max_value), or -1 where
+ * that argmax would be no token (the row holds a NaN, or every allowed logit is -inf: the
+ * torch path flags those rows alike, by the logit it chose). */
+static int64_t greedy_token(float *x, int64_t n, const uint32_t *mask) {
+    int has_nan;
+    float m = masked_max_value(x, n, mask, &has_nan);
+    return has_nan || m == -INFINITY ? -1 : first_index_of(x, n, m);
 }
 
 /* The k-th largest of values[0..n) (1 <= k <= n); reorders values. */
@@ -289,6 +315,20 @@ static int64_t draw(const float *p, int64_t vocab, const Candidate *kept, int64_
     return last;
 }
 
+/* Each logits row's grammar mask row, into *out: NULL without a mask (mask NULL or
+ * mask_count 0), else a lookup by logits row (mask row i for row mask_rows[i], NULL for rows
+ * without one; the caller frees it). Returns -1 when the lookup cannot be allocated. */
+static int row_masks(const uint32_t ***out, int64_t rows, const uint32_t *mask, const int64_t *mask_rows,
+                     int64_t mask_count, int64_t mask_words) {
+    *out = NULL;
+    if (mask == NULL || mask_count <= 0) return 0;
+    const uint32_t **row_mask = calloc((size_t)rows, sizeof *row_mask);
+    if (row_mask == NULL) return -1;
+    for (int64_t i = 0; i < mask_count; ++i) row_mask[mask_rows[i]] = mask + i * mask_words;
+    *out = row_mask;
+    return 0;
+}
+
 /* One token per row into tokens[r] (-1: non-finite logits); returns the number of such rows,
  * or -1 (nothing done) when the grammar mask's row lookup cannot be allocated.
  * temperature[r] == 0 is greedy. probs, when not NULL, receives each sampled row's filtered
@@ -304,12 +344,8 @@ int64_t radixserve_sample(float *logits, int64_t row_stride, int64_t rows, int64
                           const float *min_p, const double *u, int64_t *tokens, float *probs,
                           const uint32_t *mask, const int64_t *mask_rows, int64_t mask_count,
                           int64_t mask_words, float *scratch, int num_threads) {
-    const uint32_t **row_mask = NULL; /* each logits row's mask row, or NULL */
-    if (mask != NULL && mask_count > 0) {
-        row_mask = calloc((size_t)rows, sizeof *row_mask);
-        if (row_mask == NULL) return -1;
-        for (int64_t i = 0; i < mask_count; ++i) row_mask[mask_rows[i]] = mask + i * mask_words;
-    }
+    const uint32_t **row_mask; /* each logits row's mask row, or NULL */
+    if (row_masks(&row_mask, rows, mask, mask_rows, mask_count, mask_words) < 0) return -1;
     int64_t failed = 0;
 #pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if (num_threads > 1) reduction(+ : failed)
     for (int64_t r = 0; r < rows; ++r) {
@@ -330,6 +366,28 @@ int64_t radixserve_sample(float *logits, int64_t row_stride, int64_t rows, int64
             continue;
         }
         tokens[r] = draw(p, vocab, kept, listed, u[r]);
+    }
+    free(row_mask);
+    return failed;
+}
+
+/* The greedy token of every row into tokens[r] (greedy_token: torch.argmax, -1 for a row
+ * with a NaN or no allowed finite logit), each masked row masked in place first, in the same
+ * pass (as in radixserve_sample: logits row mask_rows[i] gets mask row i). For steps whose
+ * rows are all greedy and some constrained: one pass over each row instead of the mask's pass
+ * and then torch's argmax. Returns the number of -1 rows, or -1 (nothing done) when the mask's
+ * row lookup cannot be allocated. radixserve/native/checks.py has checked the mask against
+ * the logits (`token_mask_call`). */
+int64_t radixserve_greedy(float *logits, int64_t row_stride, int64_t rows, int64_t vocab, const uint32_t *mask,
+                          const int64_t *mask_rows, int64_t mask_count, int64_t mask_words, int64_t *tokens,
+                          int num_threads) {
+    const uint32_t **row_mask;
+    if (row_masks(&row_mask, rows, mask, mask_rows, mask_count, mask_words) < 0) return -1;
+    int64_t failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows > 1) reduction(+ : failed)
+    for (int64_t r = 0; r < rows; ++r) {
+        tokens[r] = greedy_token(logits + r * row_stride, vocab, row_mask != NULL ? row_mask[r] : NULL);
+        failed += tokens[r] < 0;
     }
     free(row_mask);
     return failed;

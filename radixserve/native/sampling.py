@@ -8,14 +8,18 @@ is checked first (`checks.sampling_arguments`; for a grammar's token mask, which
 applies to a row in the pass that finds its maximum, or which `apply_token_mask` and
 `apply_native_mask` apply alone, `checks.token_mask_call` on a `checks.NativeMask`: the mask's
 memory is checked once when it is packed, so a step pays a few integer comparisons for it).
+`greedy_tokens` serves the steps whose rows are all greedy and some constrained: each row's
+mask, maximum and first index of it in one pass (`checks.greedy_call`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from array import array
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from radixserve.native import build, checks
@@ -69,6 +73,40 @@ def apply_native_mask(logits: Tensor, mask: checks.NativeMask) -> bool:
     loaded.radixserve_apply_token_mask(logits.data_ptr(), logits.stride(0), vocab, mask.rows_address, mask.count,
                                         mask.words.address, mask.words.words)
     return True
+
+
+@functools.cache
+def greedy_library() -> ctypes.CDLL | None:
+    """The same library with the greedy function declared; None when it cannot be built."""
+    return build.declared_library(NAME, "radixserve_greedy", ctypes.c_int64, [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # logits, stride, rows, vocab
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # grammar mask, its rows, count, words
+        ctypes.c_void_p, ctypes.c_int,  # tokens, threads
+    ])
+
+
+def greedy_tokens(logits: Tensor, mask: checks.NativeMask | None) -> list[int] | None:
+    """torch.argmax of every row of `logits` [R, V] once `mask` (None: no mask) is applied to
+    its rows in place (forbidden tokens -inf), -1 for a row whose argmax would be a NaN or -inf
+    logit: one C pass per row for the mask, the maximum and its first index. None (nothing
+    done) when these logits cannot be read here (`usable` is false). Raises ValueError, before
+    any C runs, when the mask does not fit the logits (`checks.greedy_call`).
+
+    Lean on purpose: it runs right after the forward pass has written the logits, when the
+    caches are cold and every Python-level conversion costs several times its warm price."""
+    if not usable(logits):
+        return None
+    rows, vocab = logits.shape
+    checks.greedy_call(rows, vocab, mask)
+    words, row_ids, count, width = (None, None, 0, 0) if mask is None else (
+        mask.words.address, mask.rows_address, mask.count, mask.words.words)
+    tokens = array("q", bytes(8 * rows))
+    failed = greedy_library().radixserve_greedy(  # type: ignore[union-attr]
+        logits.data_ptr(), logits.stride(0), rows, vocab, words, row_ids, count, width, tokens.buffer_info()[0],
+        max(1, torch.get_num_threads()))
+    if failed < 0:
+        raise MemoryError("the CPU sampler could not allocate its grammar mask's row lookup")
+    return tokens.tolist()
 
 
 def usable(logits: Tensor) -> bool:
