@@ -23,15 +23,20 @@ MARGIN = 0.01
 def serve(tree: RadixTree, prompt: np.ndarray, reuse: AdaptiveReuse | None) -> int:
     """One request as the engine runs it, prompt only: observe, match, make room, insert."""
     seen = reuse.observe(prompt) if reuse is not None else 0
-    match = tree.match(prompt)
+    return cache_tokens(tree, prompt, [(0, seen * PAGE, reuse.retention)] if seen else [])
+
+
+def cache_tokens(tree: RadixTree, tokens: np.ndarray, ranges: list[tuple[int, int, Retention]]) -> int:
+    """Matches `tokens`, makes room, inserts their full pages with `ranges` (as a finished
+    request does); returns the tokens the match hit."""
+    match = tree.match(tokens)
     tree.lock(match.node)
-    full = len(prompt) // PAGE
+    full = len(tokens) // PAGE
     need = full - len(match.pages)
     if tree.pool.num_free < need:
         tree.evict(need - tree.pool.num_free)
     new = tree.pool.allocate(need)
-    ranges = [(0, seen * PAGE, reuse.retention)] if seen else []
-    tree.insert(prompt[: full * PAGE], list(match.pages) + new, range_retention=ranges)
+    tree.insert(tokens[: full * PAGE], list(match.pages) + new, range_retention=ranges)
     tree.unlock(match.node)
     tree.pool.decref(new)
     return match.num_tokens

@@ -11,8 +11,7 @@ from radixserve.cache.adaptive import AdaptiveReuse
 from radixserve.cache.invariants import check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
-
-PAGE = 4
+from tests.test_adaptive import PAGE, cache_tokens
 
 
 def adaptive_tree(num_pages: int, window_pages: int | None = None) -> tuple[RadixTree, AdaptiveReuse]:
@@ -22,28 +21,12 @@ def adaptive_tree(num_pages: int, window_pages: int | None = None) -> tuple[Radi
     return tree, AdaptiveReuse(tree, window_pages or 16 * num_pages)
 
 
-def cache(tree: RadixTree, tokens: np.ndarray, ranges: list[tuple[int, int, Retention]] = ()) -> int:
-    """Matches `tokens`, makes room, inserts their full pages (as a finished request does);
-    returns the tokens the match hit."""
-    match = tree.match(tokens)
-    tree.lock(match.node)
-    full = len(tokens) // PAGE
-    need = full - len(match.pages)
-    if tree.pool.num_free < need:
-        tree.evict(need - tree.pool.num_free)
-    new = tree.pool.allocate(need)
-    tree.insert(tokens[: full * PAGE], list(match.pages) + new, range_retention=ranges)
-    tree.unlock(match.node)
-    tree.pool.decref(new)
-    return match.num_tokens
-
-
 def test_an_inserted_reply_enters_every_ghost_cache_without_a_hit() -> None:
     tree, reuse = adaptive_tree(32)
     prompt = np.arange(1, 2 * PAGE + 1)
     reply = np.arange(100, 100 + 2 * PAGE)
     reuse.observe(prompt)
-    cache(tree, np.concatenate([prompt, reply]))
+    cache_tokens(tree, np.concatenate([prompt, reply]), [])
     reply_hashes = reuse.history.hashes(np.concatenate([prompt, reply]))[2:]
     for ghost in reuse.duel.ghosts:
         assert all(h in ghost._keys for h in reply_hashes)  # the tree holds them: so does the model
@@ -54,7 +37,7 @@ def test_an_inserted_reply_enters_every_ghost_cache_without_a_hit() -> None:
 def test_an_insert_boosts_in_the_ghosts_exactly_the_pages_it_boosts_in_the_tree() -> None:
     tree, reuse = adaptive_tree(32)
     tokens = np.arange(1, 4 * PAGE + 1)
-    cache(tree, tokens, [(0, 2 * PAGE, Retention(boost=True))])
+    cache_tokens(tree, tokens, [(0, 2 * PAGE, Retention(boost=True))])
     hashes = reuse.history.hashes(tokens)
     for ghost in reuse.duel.ghosts:
         assert [h in ghost._boosted for h in hashes] == [True, True, False, False]
@@ -76,7 +59,7 @@ def test_the_lru_ghost_follows_the_tree_when_replies_take_room() -> None:
         before = reuse.duel.ghosts[0].hits
         reuse.observe(prompt)
         turn = np.concatenate([prompt, rng.integers(1, 10**6, size=2 * PAGE)])
-        tree_hits += cache(tree, turn) // PAGE
+        tree_hits += cache_tokens(tree, turn, []) // PAGE
         ghost_hits += reuse.duel.ghosts[0].hits - before
         histories[c] = turn if len(turn) <= 12 * PAGE else np.zeros(0, dtype=np.int64)  # a new conversation
     assert reuse.duel.lead == 0.0
