@@ -164,6 +164,26 @@ def test_a_tree_trailing_while_at_lru_does_not_block_a_lead() -> None:
     assert duel.lead == LEADS[-1]
 
 
+def duel_with_records(z_scores: list[float]) -> LeadDuel:
+    """A duel at LRU whose leads (all but LRU) are ahead of LRU by these many standard
+    deviations (each record: a difference of z over a spread of 1), ghost hits in that order."""
+    duel = LeadDuel(24, 16 * 24)
+    for i, z in enumerate(z_scores, start=1):
+        duel._diff[i, 0], duel._var[i, 0] = z, 1.0
+        duel.ghosts[i].hits = z
+    return duel
+
+
+def test_the_best_of_several_different_leads_needs_a_corrected_margin() -> None:
+    # The best of several different records is ahead by chance more often than one record:
+    # 2.3 sigmas is not enough when it was picked among four different records...
+    duel = duel_with_records([0.5, 1.0, 1.5, 2.3, 2.3, 2.3])
+    assert not duel._decide() and duel.lead == 0.0
+    # ...and is when every lead's ghost hit alike (one test, not six).
+    duel = duel_with_records([2.3] * 6)
+    assert duel._decide() and duel.lead == LEADS[-1]
+
+
 def tree_with(num_pages: int = 8) -> RadixTree:
     return RadixTree(PagePool(num_pages, PAGE), eviction_policy="adaptive")
 

@@ -27,7 +27,9 @@ record decays over the reuse history's window (what a lead buys is keeping pages
 within it).
 
 The rule starts at LRU and is cheap to be wrong about: it takes the best lead only when that
-lead beats LRU and the lead in use by two standard deviations, keeps it only while it still
+lead beats LRU and the lead in use by two standard deviations, corrected for having picked
+the best of several different records (Bonferroni: a switch on a fluke costs more than the
+lead can gain while the tree's contents change over), keeps it only while it still
 beats LRU at all (the evidence must last, not only appear), and a guard watches the tree
 itself: from the moment it leaves LRU, its own hits on the sampled pages (peeked at arrival)
 are compared with LRU's ghost cache in the same paired test, and when LRU's would have hit
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from statistics import NormalDist
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -57,7 +60,13 @@ UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in
 LEADS = (0.0, *(float(8 ** k) for k in range(1, 6)), UNBOUNDED)  # 0, 8 .. 32,768 ticks, unbounded
 MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps at least this many
 MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
-SWITCH_SIGMAS = 2.0     # another lead must out-hit the current one and LRU by two standard deviations
+SWITCH_SIGMAS = 2.0     # the margin of every test: two standard deviations
+# The lead taken is the best of the other leads' records, so its margin is corrected for the
+# number of distinct records among them (Bonferroni: two sigmas' one-sided chance, split
+# among them; leads whose ghosts hit alike are one test): PICK_SIGMAS[k] for k records, 2.0
+# for one, about 2.67 for six.
+PICK_SIGMAS = tuple(NormalDist().inv_cdf(1.0 - NormalDist().cdf(-SWITCH_SIGMAS) / max(k, 1))
+                    for k in range(len(LEADS)))
 
 
 class GhostCache:
@@ -197,9 +206,17 @@ class LeadDuel:
         # longest is the one that stays right as the history grows.
         hits = [g.hits for g in self.ghosts]
         best = max(range(len(hits)), key=lambda i: (hits[i], i))
-        if best != self.current and self._ahead(best, self.current, SWITCH_SIGMAS) and self._ahead(best, 0, SWITCH_SIGMAS):
+        if best == self.current:
+            return False
+        sigmas = PICK_SIGMAS[self._distinct_records()]
+        if self._ahead(best, self.current, sigmas) and self._ahead(best, 0, sigmas):
             return self._move(best)
         return False
+
+    def _distinct_records(self) -> int:
+        """How many different records against LRU the other leads have (the tests the best
+        of them was picked from)."""
+        return len({(self._diff[i, 0], self._var[i, 0]) for i in range(1, len(LEADS))})
 
     def _move(self, index: int) -> bool:
         if self.current == 0:
