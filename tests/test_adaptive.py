@@ -169,7 +169,7 @@ def duel_with_records(z_scores: list[float]) -> LeadDuel:
     deviations (each record: a difference of z over a spread of 1), ghost hits in that order."""
     duel = LeadDuel(24, 16 * 24)
     for i, z in enumerate(z_scores, start=1):
-        duel._diff[i, 0], duel._var[i, 0] = z, 1.0
+        duel._diff[i, 0], duel._var[i, 0] = z, 1.0 if z else 0.0  # 0: never told apart from LRU
         duel.ghosts[i].hits = z
     return duel
 
@@ -181,6 +181,9 @@ def test_the_best_of_several_different_leads_needs_a_corrected_margin() -> None:
     assert not duel._decide() and duel.lead == 0.0
     # ...and is when every lead's ghost hit alike (one test, not six).
     duel = duel_with_records([2.3] * 6)
+    assert duel._decide() and duel.lead == LEADS[-1]
+    # A lead whose ghost never hit differently from LRU's (no discordant prompt) is no test.
+    duel = duel_with_records([0.0, 0.0, 2.1, 2.1, 2.1, 2.1])
     assert duel._decide() and duel.lead == LEADS[-1]
 
 

@@ -215,8 +215,9 @@ class LeadDuel:
 
     def _distinct_records(self) -> int:
         """How many different records against LRU the other leads have (the tests the best
-        of them was picked from)."""
-        return len({(self._diff[i, 0], self._var[i, 0]) for i in range(1, len(LEADS))})
+        of them was picked from); a lead whose ghost never hit differently from LRU's has no
+        record, only a tie."""
+        return len({(self._diff[i, 0], self._var[i, 0]) for i in range(1, len(LEADS)) if self._var[i, 0] > 0})
 
     def _move(self, index: int) -> bool:
         if self.current == 0:
