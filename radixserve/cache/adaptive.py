@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from statistics import NormalDist
 from collections.abc import Hashable
+from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 import numpy as np
