@@ -23,15 +23,20 @@ MARGIN = 0.01
 def serve(tree: RadixTree, prompt: np.ndarray, reuse: AdaptiveReuse | None) -> int:
     """One request as the engine runs it, prompt only: observe, match, make room, insert."""
     seen = reuse.observe(prompt) if reuse is not None else 0
-    match = tree.match(prompt)
+    return cache_tokens(tree, prompt, [(0, seen * PAGE, reuse.retention)] if seen else [])
+
+
+def cache_tokens(tree: RadixTree, tokens: np.ndarray, ranges: list[tuple[int, int, Retention]]) -> int:
+    """Matches `tokens`, makes room, inserts their full pages with `ranges` (as a finished
+    request does); returns the tokens the match hit."""
+    match = tree.match(tokens)
     tree.lock(match.node)
-    full = len(prompt) // PAGE
+    full = len(tokens) // PAGE
     need = full - len(match.pages)
     if tree.pool.num_free < need:
         tree.evict(need - tree.pool.num_free)
     new = tree.pool.allocate(need)
-    ranges = [(0, seen * PAGE, reuse.retention)] if seen else []
-    tree.insert(prompt[: full * PAGE], list(match.pages) + new, range_retention=ranges)
+    tree.insert(tokens[: full * PAGE], list(match.pages) + new, range_retention=ranges)
     tree.unlock(match.node)
     tree.pool.decref(new)
     return match.num_tokens
@@ -157,6 +162,29 @@ def test_a_tree_trailing_while_at_lru_does_not_block_a_lead() -> None:
     duel.tree_record[:] = (-1000.0, 1000.0)
     replay_rounds(duel, 8)
     assert duel.lead == LEADS[-1]
+
+
+def duel_with_records(z_scores: list[float]) -> LeadDuel:
+    """A duel at LRU whose leads (all but LRU) are ahead of LRU by these many standard
+    deviations (each record: a difference of z over a spread of 1), ghost hits in that order."""
+    duel = LeadDuel(24, 16 * 24)
+    for i, z in enumerate(z_scores, start=1):
+        duel._diff[i, 0], duel._var[i, 0] = z, 1.0 if z else 0.0  # 0: never told apart from LRU
+        duel.ghosts[i].hits = z
+    return duel
+
+
+def test_the_best_of_several_different_leads_needs_a_corrected_margin() -> None:
+    # The best of several different records is ahead by chance more often than one record:
+    # 2.3 sigmas is not enough when it was picked among four different records...
+    duel = duel_with_records([0.5, 1.0, 1.5, 2.3, 2.3, 2.3])
+    assert not duel._decide() and duel.lead == 0.0
+    # ...and is when every lead's ghost hit alike (one test, not six).
+    duel = duel_with_records([2.3] * 6)
+    assert duel._decide() and duel.lead == LEADS[-1]
+    # A lead whose ghost never hit differently from LRU's (no discordant prompt) is no test.
+    duel = duel_with_records([0.0, 0.0, 2.1, 2.1, 2.1, 2.1])
+    assert duel._decide() and duel.lead == LEADS[-1]
 
 
 def tree_with(num_pages: int = 8) -> RadixTree:

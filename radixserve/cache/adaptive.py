@@ -16,7 +16,10 @@ lead of a geometric ladder (`LEADS`: 0, 8^k ticks, unbounded), a ghost cache —
 hashes only, no KV — of a spatially hashed sample of the pages (SHARDS, Waldspurger et al.:
 pages whose hash falls in 1/R of the space, in a cache of 1/R the size). Every prompt's
 sampled pages go through every ghost cache (a sampled page hits only while every sampled
-page before it in the prompt hit too: a prefix cache hits prefixes). The ghost caches are
+page before it in the prompt hit too: a prefix cache hits prefixes), and so does every page
+the tree caches (`RadixTree.insert_observer`: a reply takes room in the tree when its turn
+ends, long before a prompt resends it), without a hit; a prompt's pages are ordered tail
+first, as the tree evicts them. The ghost caches are
 compared in pairs, prompt by prompt (`LeadDuel`): the evidence is how many sampled pages of
 each prompt one lead hit and another missed, tested against its own spread, so a prompt
 counts once however many pages it moves, and the hits both share count not at all. The
@@ -24,7 +27,9 @@ record decays over the reuse history's window (what a lead buys is keeping pages
 within it).
 
 The rule starts at LRU and is cheap to be wrong about: it takes the best lead only when that
-lead beats LRU and the lead in use by two standard deviations, keeps it only while it still
+lead beats LRU and the lead in use by two standard deviations, corrected for having picked
+the best of several different records (Bonferroni: a switch on a fluke costs more than the
+lead can gain while the tree's contents change over), keeps it only while it still
 beats LRU at all (the evidence must last, not only appear), and a guard watches the tree
 itself: from the moment it leaves LRU, its own hits on the sampled pages (peeked at arrival)
 are compared with LRU's ghost cache in the same paired test, and when LRU's would have hit
@@ -39,11 +44,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable
+from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.cache.retention import Retention
+from radixserve.cache.retention import PageRange, Retention
 from radixserve.cache.reuse import ReuseHistory
 
 if TYPE_CHECKING:  # radix.py imports this module (through eviction.py)
@@ -54,7 +60,13 @@ UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in
 LEADS = (0.0, *(float(8 ** k) for k in range(1, 6)), UNBOUNDED)  # 0, 8 .. 32,768 ticks, unbounded
 MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps at least this many
 MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
-SWITCH_SIGMAS = 2.0     # another lead must out-hit the current one and LRU by two standard deviations
+SWITCH_SIGMAS = 2.0     # the margin of every test: two standard deviations
+# The lead taken is the best of the other leads' records, so its margin is corrected for the
+# number of distinct records among them (Bonferroni: two sigmas' one-sided chance, split
+# among them; leads whose ghosts hit alike are one test): PICK_SIGMAS[k] for k records, 2.0
+# for one, about 2.67 for six.
+PICK_SIGMAS = tuple(NormalDist().inv_cdf(1.0 - NormalDist().cdf(-SWITCH_SIGMAS) / max(k, 1))
+                    for k in range(len(LEADS)))
 
 
 class GhostCache:
@@ -72,9 +84,11 @@ class GhostCache:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def access(self, page: int, tick: int, boost: bool, countable: bool) -> bool:
+    def access(self, page: int, tick: float, boost: bool, countable: bool) -> bool:
         """A prompt uses `page` at `tick` (boosted from now on with `boost`); returns whether
-        it was cached, and counts a hit if so and `countable` (the pages before it hit too)."""
+        it was cached, and counts a hit if so and `countable` (the pages before it hit too).
+        Pages of one prompt pass ticks a fraction apart, deeper ones earlier (`prompt_ticks`),
+        so that they leave tail first, as the tree evicts a leaf's tail."""
         keys = self._keys
         present = page in keys
         if present and countable:
@@ -141,10 +155,11 @@ class LeadDuel:
         if not sampled:
             return False
         hit = np.zeros((len(self.ghosts), len(sampled)), dtype=bool)
+        ticks = prompt_ticks(tick, len(hashes))
         for g, ghost in enumerate(self.ghosts):
             leading = True  # a prefix cache hits a page only if every page before it hits
             for k, (i, h) in enumerate(sampled):
-                leading = ghost.access(h, tick, i < boosted, leading) and leading
+                leading = ghost.access(h, ticks[i], i < boosted, leading) and leading
                 hit[g, k] = leading
         hits = hit.sum(axis=1).astype(np.float64)
         diff = hits[:, None] - hits[None, :]
@@ -161,6 +176,18 @@ class LeadDuel:
             self._var /= 4
             self.tree_record /= (2, 4)
         return self._decide()
+
+    def cached(self, hashes: list[int], boosted: np.ndarray, tick: int) -> None:
+        """The tree cached (or touched) pages with these hashes at `tick`, those where `boosted`
+        is set boosted: every ghost cache takes them too, as the tree does, without counting
+        hits (no prompt looked them up). Without this the ghosts would see a reply only when
+        the next turn's prompt resends it, and model a tree with more room than it has."""
+        rate = self.sample_rate
+        ticks = prompt_ticks(tick, len(hashes))
+        sampled = [(h, ticks[i], bool(boosted[i])) for i, h in enumerate(hashes) if h % rate == 0]
+        for ghost in self.ghosts:
+            for h, at, boost in sampled:
+                ghost.access(h, at, boost, False)
 
     def _decide(self) -> bool:
         """Moves to the lead the record supports; returns whether it moved."""
@@ -179,9 +206,18 @@ class LeadDuel:
         # longest is the one that stays right as the history grows.
         hits = [g.hits for g in self.ghosts]
         best = max(range(len(hits)), key=lambda i: (hits[i], i))
-        if best != self.current and self._ahead(best, self.current, SWITCH_SIGMAS) and self._ahead(best, 0, SWITCH_SIGMAS):
+        if best == self.current:
+            return False
+        sigmas = PICK_SIGMAS[self._distinct_records()]
+        if self._ahead(best, self.current, sigmas) and self._ahead(best, 0, sigmas):
             return self._move(best)
         return False
+
+    def _distinct_records(self) -> int:
+        """How many different records against LRU the other leads have (the tests the best
+        of them was picked from); a lead whose ghost never hit differently from LRU's has no
+        record, only a tie."""
+        return len({(self._diff[i, 0], self._var[i, 0]) for i in range(1, len(LEADS)) if self._var[i, 0] > 0})
 
     def _move(self, index: int) -> bool:
         if self.current == 0:
@@ -196,6 +232,14 @@ class LeadDuel:
     def _ahead(self, a: int, b: int, sigmas: float = 0.0) -> bool:
         """Whether ghost cache `a` hit more than `b`, by `sigmas` standard deviations."""
         return _ahead(self._diff[a, b], self._var[a, b], sigmas)
+
+
+def prompt_ticks(tick: int, num_pages: int) -> list[float]:
+    """The ghost caches' recency of each page of a prompt used at `tick`: the first page
+    `tick`, each deeper one a fraction of a tick earlier (all above `tick - 1`), so that among
+    pages used together the deepest is evicted first: the tree evicts leaves, tail first, and
+    a prefix cache that lost a page in the middle of a prompt could hit nothing after it."""
+    return [tick - i / (num_pages + 1) for i in range(num_pages)]
 
 
 def _ahead(diff: float, var: float, sigmas: float) -> bool:
@@ -240,6 +284,18 @@ class AdaptiveReuse:
         self.history = ReuseHistory(self.page_size, window_pages)
         self.duel = LeadDuel(cache_pages, window_pages)
         self.learner: LeadLearner = getattr(tree.policy, "learner", None) or LeadLearner()
+        tree.insert_observer = self.inserted
+
+    def inserted(self, tokens: np.ndarray, namespace: Hashable, retention: Retention,
+                 ranges: list[PageRange], tick: int) -> None:
+        """The tree's insert hook: its full pages `tokens` were cached at `tick` with
+        `retention` and the page `ranges`' retentions; the ghost caches follow."""
+        hashes = self.history.hashes(tokens, namespace)
+        boosted = np.full(len(hashes), retention.boost, dtype=bool)
+        for first, end, each in ranges:
+            if each.boost:
+                boosted[first:end] = True
+        self.duel.cached(hashes, boosted, tick)
 
     def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False) -> int:
         """Leading pages of `tokens` seen recently (all of them boosted with `boost_all`: a

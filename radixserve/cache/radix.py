@@ -42,6 +42,8 @@ from radixserve.cache.walk import (GivenPages, MatchWalk, as_tokens, best_partia
 __all__ = ["DEFAULT_PRIORITY", "Histogram", "MatchResult", "PagesFreed", "RadixNode", "RadixTree", "Retention"]
 
 RangeRetention = Sequence[tuple[int, int, Retention]]  # (first token, end token, retention)
+# Told of every insert: (its full pages' tokens, namespace, retention, page ranges, the tick it stamped).
+InsertObserver = Callable[[np.ndarray, Hashable, Retention, list[PageRange], int], None]
 
 
 class RadixTree:
@@ -74,6 +76,9 @@ class RadixTree:
         self._queue = self._device.queue  # the device eviction queue
         self._host_tier = None if host is None else HostPlacement(host, self._tier_ops(), self._reporter,
                                                               self._stats, clock)
+        # The adaptive rule's ghost caches (adaptive.py) follow what the tree caches, replies
+        # included, not only the prompts they see on arrival.
+        self.insert_observer: InsertObserver | None = None
 
     def _tier_ops(self) -> TreeOps:
         """The operations the host tier may use (placement.py's seam)."""
@@ -220,6 +225,8 @@ class RadixTree:
         if with_partial:
             duplicates += self._insert_partial(node, toks[end:], given.span(num_full, 1), retention, ranges,
                                                num_full, now)
+        if self.insert_observer is not None:
+            self.insert_observer(toks[:end], namespace, retention, ranges, self._tick)
         return duplicates
 
     def _insert_partial(self, parent: RadixNode, tokens: np.ndarray, page: list[int], retention: Retention,
