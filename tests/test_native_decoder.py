@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from radixserve.models import llama as llama_module
-from radixserve.models.decoder_kernel import decoder_weights
+from radixserve.attention.torch_backend import TorchBackend
+from radixserve.models.decoder_kernel import decoder_weights, layer_rows
 from radixserve.models.loader import load_model
 from radixserve.native import decoder
+from radixserve.native import linear as linear_kernel
 from tests.model_helpers import PagedKV, Sequence, paged_step, write_tiny_checkpoint
 
 PAGE_SIZE = 4
@@ -116,19 +118,22 @@ def _run_one_stream(model: llama_module.CausalLM, use_kernel: bool) -> tuple[lis
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied_bias", "qwen2", "mistral_window"])
-def test_bfloat16_one_stream_decodes_equal_the_per_layer_path_bit_for_bit(checkpoints: dict[str, Path],
-                                                                          name: str) -> None:
-    """bfloat16 at one row (where the per-layer path's projections are the linear kernel's
-    too): every rounding in the same place; at three rows the per-layer path (torch's GEMM)."""
+def test_bfloat16_decodes_equal_the_per_layer_path_bit_for_bit(checkpoints: dict[str, Path], name: str) -> None:
+    """bfloat16 up to linear.BF16_MAX_ROWS rows (where the per-layer path's projections are the
+    linear kernel's too): every rounding in the same place, one stream and three; past those
+    rows the per-layer path (torch's GEMM)."""
     model = load_model(str(checkpoints[name]), device="cpu", dtype=torch.bfloat16).model
-    with_kernel, calls = _run_one_stream(model, use_kernel=True)
-    without, no_calls = _run_one_stream(model, use_kernel=False)
-    assert (calls, no_calls) == (DECODE_STEPS, 0)
-    for got, expected in zip(with_kernel, without, strict=True):
-        assert torch.equal(got, expected)
-        assert torch.isfinite(got).all()
-    _, batched_calls = _run(model, use_kernel=True)
-    assert batched_calls == 0
+    for run in (_run_one_stream, _run):
+        with_kernel, calls = run(model, use_kernel=True)
+        without, no_calls = run(model, use_kernel=False)
+        assert (calls, no_calls) == (DECODE_STEPS, 0)
+        for got, expected in zip(with_kernel, without, strict=True):
+            assert torch.equal(got, expected)
+            assert torch.isfinite(got).all()
+    weights = decoder_weights(model)
+    assert weights is not None
+    too_many = torch.zeros(linear_kernel.BF16_MAX_ROWS + 1, model.config.hidden_size, dtype=torch.bfloat16)
+    assert layer_rows(model, TorchBackend(), too_many, weights) is None
 
 
 def _one_decode_step(model: llama_module.CausalLM) -> dict[str, object]:

@@ -4,7 +4,7 @@ On the CPU, a step where every row decodes through the paged-attention kernel ru
 layers in one C call (`radixserve.native.decoder`) instead of about ten calls per layer from
 Python: the same kernels in the same order, so the logits are the per-layer path's bit for
 bit. float32 at any batch; bfloat16 at the rows the linear kernel takes on the per-layer path
-too (`linear.BF16_MAX_ROWS`: torch's bfloat16 GEMM runs more). Models it cannot take (another
+too (up to `linear.BF16_MAX_ROWS`; torch's bfloat16 GEMM runs more). Models it cannot take (another
 dtype or device, per-head q/k norms, projection modules other than this package's `Linear`, as
 tensor parallelism installs) keep the per-layer path, as do steps with a prefill among their
 rows.

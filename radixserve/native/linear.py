@@ -8,8 +8,8 @@ CPU's vector width. This kernel streams the weights with the CPU's own vectors
 and threads, so a row's result does not depend on which other rows share its step.
 
 `radixserve.models.layers.linear` calls it where it `applies`: float32 on the CPU at any row
-count, and bfloat16 up to BF16_MAX_ROWS rows (from two rows on, torch's bfloat16 GEMM is as
-fast or faster: see docs/benchmark.md); F.linear otherwise (CUDA, float16,
+count, and bfloat16 up to BF16_MAX_ROWS rows (a decode step's; past them torch's bfloat16
+GEMM: see docs/benchmark.md); F.linear otherwise (CUDA, float16,
 no compiler, `RADIXSERVE_CPU_KERNEL=0`). Every call is checked first (`checks.linear_arguments`).
 """
 
@@ -26,7 +26,7 @@ from radixserve.native import build, checks
 NAME = "linear"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_WEIGHTS = 8  # weights per linear_many call (MAX_SEGMENTS in linear.c)
-BF16_MAX_ROWS = 1
+BF16_MAX_ROWS = 16
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
