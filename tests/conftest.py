@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from tests.model_helpers import TINY_MODEL_NAMES, write_tiny_checkpoint
+from tests.shared_loads import SharedLoads
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,21 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 def tiny_llama_dir(tiny_checkpoints: dict[str, Path]) -> Path:
     """Directory of the plain tiny Llama checkpoint (the usual engine-test model)."""
     return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def real_model_loads() -> SharedLoads:
+    """The session's one load of the real model ("smollm2"), shared by the real-model modules'
+    engines (tests/shared_loads.py); a module opens `real_model_loads.patched()` around its tests."""
+    return SharedLoads(frozenset({"smollm2"}))
+
+
+@pytest.fixture(scope="module")
+def shared_real_model(real_model_loads: SharedLoads) -> Iterator[None]:
+    """For a module's `pytestmark = pytest.mark.usefixtures("shared_real_model")`: while its
+    tests and fixtures run, every Engine(model="smollm2") reuses the session's one load."""
+    with real_model_loads.patched():
+        yield
 
 
 class _SessionCluster:

@@ -38,6 +38,8 @@ def _gguf() -> Path:
 
 
 GGUF = _gguf()
+# Every engine here (and in test_real_model_structured.py) shares one load of the model.
+pytestmark = pytest.mark.usefixtures("shared_real_model")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ except ModelNotInstalledError as missing:
         raise
     pytest.skip(f"the real model is not installed ({missing})", allow_module_level=True)
 
+pytestmark = pytest.mark.usefixtures("shared_real_model")  # one load of the model, shared (conftest)
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -243,32 +243,66 @@ def test_abbreviated_deprecated_flags_warn_too(capsys: pytest.CaptureFixture[str
     assert "deprecated" not in capsys.readouterr().err
 
 
-def run_serve(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", str(free_port()), *flags],
-                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+ServeRuns = dict[tuple[str, ...], subprocess.CompletedProcess[str]]  # by the flags each run was given
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--num-pages", "100000000"], "--num-pages: a KV cache of 100000000 pages"),
-    (["--kv-memory-gb", "100000"], "--kv-memory-gb: a KV cache of 100000 GiB"),
-    (["--host-tier-pages", "100000000"], "--host-tier-pages: a KV cache of 100000000 pages"),
-    (["--model", "no-such-model"], "model not found: 'no-such-model'"),
-])
-def test_impossible_settings_are_one_line_errors(flags: list[str], says: str) -> None:
-    done = run_serve(*flags)
+def run_serves(*flag_lists: tuple[str, ...]) -> ServeRuns:
+    """`radixserve serve --port <free> *flags` for each of `flag_lists`, all started at once and
+    each waited for (as subprocess.run would): processes that fail while starting spend their
+    time importing, which overlaps on two cores. Returns each one's result by its flags."""
+    started: dict[tuple[str, ...], subprocess.Popen[str]] = {}
+    for flags in flag_lists:
+        argv = [sys.executable, "-m", "radixserve", "serve", "--port", str(free_port()), *flags]
+        started[flags] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    done: ServeRuns = {}
+    try:
+        for flags, process in started.items():
+            stdout, stderr = process.communicate(timeout=180)
+            done[flags] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    finally:
+        for process in started.values():
+            stop(process)
+    return done
+
+
+IMPOSSIBLE_SETTINGS = [
+    (("--num-pages", "100000000"), "--num-pages: a KV cache of 100000000 pages"),
+    (("--kv-memory-gb", "100000"), "--kv-memory-gb: a KV cache of 100000 GiB"),
+    (("--host-tier-pages", "100000000"), "--host-tier-pages: a KV cache of 100000000 pages"),
+    (("--model", "no-such-model"), "model not found: 'no-such-model'"),
+]
+CUDA_ON_CPU = ("--device", "cuda")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def refused_serves() -> ServeRuns:
+    """The runs of the impossible settings below, and of --device cuda where torch has no
+    CUDA (with CUDA it would serve, not fail), side by side (run_serves)."""
+    cuda_run = [] if importlib.util.find_spec("torch") is None or cuda_available() else [CUDA_ON_CPU]
+    return run_serves(*[flags for flags, _ in IMPOSSIBLE_SETTINGS], *cuda_run)
+
+
+@pytest.mark.parametrize("flags, says", IMPOSSIBLE_SETTINGS)
+def test_impossible_settings_are_one_line_errors(refused_serves: ServeRuns, flags: tuple[str, ...],
+                                                 says: str) -> None:
+    done = refused_serves[flags]
     assert done.returncode == 2, done.stderr
     error = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(error) == 1 and says in error[0] and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_cuda_on_a_cpu_only_torch_names_what_is_available() -> None:
-    import torch
-
-    if torch.cuda.is_available():
+def test_cuda_on_a_cpu_only_torch_names_what_is_available(refused_serves: ServeRuns) -> None:
+    if cuda_available():
         pytest.skip("this machine has CUDA")
-    done = run_serve("--device", "cuda")
+    done = refused_serves[CUDA_ON_CPU]
     assert done.returncode == 2
     assert "--device: 'cuda' is not available" in done.stderr and "available: cpu" in done.stderr
     assert "Traceback" not in done.stderr
