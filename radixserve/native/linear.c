@@ -31,6 +31,7 @@
 #define TILE_OUTPUTS 4 /* weight rows per tile */
 #define ROW_BLOCK 64   /* input rows per pass over the weights */
 #define MAX_SEGMENTS 8 /* weights per call */
+#define CHUNK_OUTPUTS 64 /* outputs per piece of work the threads share (whole tiles) */
 
 /* One weight's part of a call: outputs [offset, offset + n) of the call's range. Gated: w is
  * the gate projection, w_up the up projection, out = silu(x w^T + bias) * (x w_up^T + bias_up). */
@@ -221,13 +222,15 @@ static void run(const void *x, const Segment *segs, int count, int64_t rows, int
         return;
     }
 #ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-    {
-        /* Contiguous ranges of whole tiles: each thread streams its own part of the weights. */
-        int64_t tiles = (total + TILE_OUTPUTS - 1) / TILE_OUTPUTS, t = thread_index(), count_t = omp_get_num_threads();
-        run_share(x, segs, count, rows, k, tiles * t / count_t * TILE_OUTPUTS, tiles * (t + 1) / count_t * TILE_OUTPUTS,
+    /* Chunks of CHUNK_OUTPUTS outputs handed out as threads ask: each chunk streams a
+     * contiguous part of the weights, and a thread the OS deschedules mid-call (a busy machine,
+     * or the server's own event loop on a core) leaves its chunks to the others instead of
+     * holding the whole call up with a fixed half of the work. */
+    int64_t chunks = (total + CHUNK_OUTPUTS - 1) / CHUNK_OUTPUTS;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++)
+        run_share(x, segs, count, rows, k, c * CHUNK_OUTPUTS, (c + 1) * CHUNK_OUTPUTS < total ? (c + 1) * CHUNK_OUTPUTS : total,
                   dtype);
-    }
 #else
     run_share(x, segs, count, rows, k, 0, total, dtype);
 #endif
