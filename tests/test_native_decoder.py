@@ -7,6 +7,8 @@ per-layer path; everything C would misread is refused before C runs."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,20 +38,29 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _run(model: llama_module.CausalLM, use_kernel: bool) -> tuple[list[torch.Tensor], int]:
-    """Prefill three prompts, then decode them together (the third one joining late: a step
-    that mixes a prefill with decodes); every step's logits, and the kernel's call count."""
+@contextmanager
+def kernel_calls(model: llama_module.CausalLM, use_kernel: bool) -> Iterator[list[int]]:
+    """The model with the kernel on or off; yields a one-item list: the kernel's call count."""
     model.use_decoder_kernel = use_kernel
-    calls = 0
+    calls = [0]
     original = llama_module.run_layers
 
     def counted(*args: object) -> None:
-        nonlocal calls
-        calls += 1
+        calls[0] += 1
         original(*args)  # type: ignore[arg-type]
 
     llama_module.run_layers = counted  # type: ignore[assignment]
     try:
+        yield calls
+    finally:
+        llama_module.run_layers = original  # type: ignore[assignment]
+        model.use_decoder_kernel = True
+
+
+def _run(model: llama_module.CausalLM, use_kernel: bool) -> tuple[list[torch.Tensor], int]:
+    """Prefill three prompts, then decode them together (the third one joining late: a step
+    that mixes a prefill with decodes); every step's logits, and the kernel's call count."""
+    with kernel_calls(model, use_kernel) as calls:
         kv = PagedKV(model, num_pages=64, page_size=PAGE_SIZE, seed=3)
         seqs = [Sequence() for _ in PROMPTS]
         logits = paged_step(model, kv, [(seqs[0], PROMPTS[0]), (seqs[1], PROMPTS[1])])
@@ -63,10 +74,7 @@ def _run(model: llama_module.CausalLM, use_kernel: bool) -> tuple[list[torch.Ten
             step = paged_step(model, kv, [(seq, [token]) for seq, token in zip(seqs, last, strict=True)])
             history += step
             last = [int(x.argmax()) for x in step]
-    finally:
-        llama_module.run_layers = original  # type: ignore[assignment]
-        model.use_decoder_kernel = True
-    return history, calls
+    return history, calls[0]
 
 
 def test_the_kernel_builds_on_this_machine() -> None:
@@ -95,26 +103,13 @@ def test_models_it_cannot_take_keep_the_per_layer_path(checkpoints: dict[str, Pa
 
 def _run_one_stream(model: llama_module.CausalLM, use_kernel: bool) -> tuple[list[torch.Tensor], int]:
     """One prompt's prefill, then DECODE_STEPS decode steps of its one row."""
-    model.use_decoder_kernel = use_kernel
-    calls = 0
-    original = llama_module.run_layers
-
-    def counted(*args: object) -> None:
-        nonlocal calls
-        calls += 1
-        original(*args)  # type: ignore[arg-type]
-
-    llama_module.run_layers = counted  # type: ignore[assignment]
-    try:
+    with kernel_calls(model, use_kernel) as calls:
         kv = PagedKV(model, num_pages=32, page_size=PAGE_SIZE, seed=2)
         seq = Sequence()
         history = paged_step(model, kv, [(seq, PROMPTS[1])])
         for _ in range(DECODE_STEPS):
             history += paged_step(model, kv, [(seq, [int(history[-1].argmax())])])
-    finally:
-        llama_module.run_layers = original  # type: ignore[assignment]
-        model.use_decoder_kernel = True
-    return history, calls
+    return history, calls[0]
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied_bias", "qwen2", "mistral_window"])
