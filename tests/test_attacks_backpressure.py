@@ -120,9 +120,12 @@ def test_a_client_that_never_reads_is_paused_and_later_gets_its_full_output(
         stats = engine.stats()
         assert stats["generated_tokens"] == generated and stats["streams_paused"] == 1
         # What waits for the reader is bounded: the buffer, plus the deltas of the steps that
-        # ran before the pause reached the engine thread (the one past the bound, one in flight).
+        # ran before the pause reached the engine thread. The pause is decided on the event
+        # loop, which sees a step's deltas only after the engine thread has moved on, so how
+        # many steps slip through depends on timing (two on an idle machine, three seen in CI):
+        # bounded far below the request's whole output, and not growing after the pause (above).
         (buffer,) = engine._streams.values()
-        assert buffer.buffered <= BUFFER_TOKENS + 2 * ATTACK["n"]
+        assert buffer.buffered <= BUFFER_TOKENS + 8 * ATTACK["n"] < ATTACK["max_tokens"] * ATTACK["n"] // 4
         assert stats["requests_paused"] >= 1 and stats["pages_locked"] == 0
 
         got = attacker.read_all()  # reading resumes it; all of its output arrives
