@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.models import llama as llama_module
 from radixserve.attention.torch_backend import TorchBackend
+from radixserve.models import llama as llama_module
 from radixserve.models.decoder_kernel import decoder_weights, layer_rows
 from radixserve.models.loader import load_model
 from radixserve.native import decoder

@@ -170,17 +170,14 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
     if len(rows_of_layer) != weights.num_layers:
         raise ValueError(f"the decoder kernel needs one row set per layer ({weights.num_layers}), "
                          f"got {len(rows_of_layer)}")
-    distinct: dict[int, int] = {}
-    for rows in rows_of_layer:
-        distinct.setdefault(id(rows), len(distinct))
+    distinct = list({id(rows): rows for rows in rows_of_layer}.values())  # one per window, in order
+    index_of = {id(rows): index for index, rows in enumerate(distinct)}
     row_sets = (_RowSet * len(distinct))()
-    set_rows: dict[int, PagedRows] = {id(r): r for r in rows_of_layer}
-    for key, index in distinct.items():
-        rows = set_rows[key]
+    for index, rows in enumerate(distinct):
         checks.decode_rows(rows.checked, tokens, rows.page_size, page_size, pages)
         row_sets[index] = _RowSet(*rows._pointers, len(rows), rows.max_keys)
-    set_of_layer = np.array([distinct[id(r)] for r in rows_of_layer], dtype=np.int64)
-    max_keys = max(r.max_keys for r in set_rows.values())
+    set_of_layer = np.array([index_of[id(rows)] for rows in rows_of_layer], dtype=np.int64)
+    max_keys = max(rows.max_keys for rows in distinct)
     threads, scratch = threads_and_scratch(NAME, scratch_floats(shape.q_heads, shape.head_dim, max_keys))
     q_width, kv_width = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     workspace = torch.empty(tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate), dtype=dtype)
