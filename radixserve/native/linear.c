@@ -5,8 +5,9 @@
  * The BLAS that torch ships reaches a fraction of the bandwidth there on some CPUs (it picks a
  * generic path on CPUs it does not recognise, and its matrix-vector product runs on one
  * thread), so this kernel streams the weights itself: threads take contiguous ranges of output
- * features; each tile reads four weight rows once and multiplies them with up to four input
- * rows held in registers; more input rows go round the same tile again from the L1 cache,
+ * features; each tile reads four weight rows once (eight at one or two input rows: more
+ * streams in flight, the loop's cost spread over more bytes) and multiplies them with up to
+ * four input rows held in registers; more input rows go round the same tile again from the L1 cache,
  * ROW_BLOCK rows per pass over the weights so that a prefill's rows stay in the L2 cache.
  *
  * One call can run several weights over the same x (q, k and v; the outputs of each weight
@@ -28,7 +29,7 @@
 #endif
 
 #define TILE_ROWS 4    /* input rows per pass over a tile of weights */
-#define TILE_OUTPUTS 4 /* weight rows per tile */
+#define TILE_OUTPUTS 8 /* weight rows per tile, at most */
 #define ROW_BLOCK 64   /* input rows per pass over the weights */
 #define MAX_SEGMENTS 8 /* weights per call */
 #define CHUNK_OUTPUTS 64 /* outputs per piece of work the threads share (whole tiles) */
@@ -48,8 +49,10 @@ static inline float element(const void *p, int64_t i, int bf16) {
 #ifdef __AVX512F__
 /* 16 elements from p (float32, or bfloat16 widened exactly), zeros past `mask`'s lanes. */
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, __mmask16 mask, int bf16) {
-    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)p + i);
-    __m256i halves = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
+    /* A constant full mask (the tiles' whole vectors) as plain loads. */
+    if (!bf16) return mask == 0xffff ? _mm512_loadu_ps((const float *)p + i) : _mm512_maskz_loadu_ps(mask, (const float *)p + i);
+    __m256i halves = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))
+                                    : _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
@@ -81,6 +84,22 @@ static inline __attribute__((always_inline)) void tile_bf16(const void *x, const
 }
 #endif
 
+/* Columns [kk, kk + 16) of a tile (the lanes of `mask`) into its accumulators; each weight
+ * line loaded has the line `ahead` elements further prefetched. */
+static inline __attribute__((always_inline)) void tile_columns(const void *x, const void *const w[TILE_OUTPUTS],
+                                                               __m512 acc[TILE_ROWS][TILE_OUTPUTS], int64_t k, int64_t kk,
+                                                               __mmask16 mask, int mr, int nr, int bf16, int64_t ahead) {
+    __m512 wv[TILE_OUTPUTS];
+    for (int j = 0; j < nr; j++) {
+        wv[j] = load16(w[j], kk, mask, bf16);
+        _mm_prefetch((const char *)w[j] + (ahead + kk) * (bf16 ? 2 : 4), _MM_HINT_T0);
+    }
+    for (int i = 0; i < mr; i++) {
+        __m512 xv = load16(x, i * k + kk, mask, bf16);
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+}
+
 /* The dot products of `mr` input rows with `nr` weight rows into sums[i][j]; mr, nr and bf16
  * are constants at every call site, so the accumulators unroll into registers. Each weight
  * line loaded has the line `ahead` elements further prefetched: the same columns of the next
@@ -98,19 +117,10 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
     __m512 acc[TILE_ROWS][TILE_OUTPUTS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk += 16) {
-        /* The last k % 16 columns through a masked load. */
-        __mmask16 mask = k - kk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - kk)) - 1u);
-        __m512 wv[TILE_OUTPUTS];
-        for (int j = 0; j < nr; j++) {
-            wv[j] = load16(w[j], kk, mask, bf16);
-            _mm_prefetch((const char *)w[j] + (ahead + kk) * (bf16 ? 2 : 4), _MM_HINT_T0);
-        }
-        for (int i = 0; i < mr; i++) {
-            __m512 xv = load16(x, i * k + kk, mask, bf16);
-            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
+    /* Whole vectors with a constant mask (plain loads), then the last k % 16 columns. */
+    int64_t whole = k & ~(int64_t)15;
+    for (int64_t kk = 0; kk < whole; kk += 16) tile_columns(x, w, acc, k, kk, 0xffff, mr, nr, bf16, ahead);
+    if (whole < k) tile_columns(x, w, acc, k, whole, (__mmask16)((1u << (k - whole)) - 1u), mr, nr, bf16, ahead);
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
@@ -180,10 +190,13 @@ static inline __attribute__((always_inline)) void weight_tile(const void *x, con
 /* Outputs [n0, n1) of `seg` for every row. */
 static inline __attribute__((always_inline)) void output_range(const void *x, const Segment *seg, int64_t rows,
                                                                int64_t k, int64_t n0, int64_t n1, int gated, int bf16) {
-    int step = gated ? TILE_OUTPUTS / 2 : TILE_OUTPUTS; /* outputs per full tile */
+    int step = gated ? TILE_OUTPUTS / 4 : TILE_OUTPUTS / 2; /* outputs per full tile */
+    int wide = 2 * step; /* at one or two rows: twice as many weight rows per tile */
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
         int64_t m1 = rows - m0 < ROW_BLOCK ? rows : m0 + ROW_BLOCK;
         int64_t j = n0;
+        if (m1 - m0 <= 2)
+            for (; j + wide <= n1; j += wide) weight_tile(x, seg, m0, m1, j, k, wide, gated, bf16);
         for (; j + step <= n1; j += step) weight_tile(x, seg, m0, m1, j, k, step, gated, bf16);
         for (; j < n1; j++) weight_tile(x, seg, m0, m1, j, k, 1, gated, bf16);
     }
@@ -217,7 +230,7 @@ static void run_share(const void *x, const Segment *segs, int count, int64_t row
 static void run(const void *x, const Segment *segs, int count, int64_t rows, int64_t k, int dtype, int threads) {
     int64_t total = 0;
     for (int s = 0; s < count; s++) total += segs[s].n;
-    if (threads <= 1 || total < 2 * TILE_OUTPUTS * threads) {
+    if (threads <= 1 || total < TILE_OUTPUTS * threads) {
         run_share(x, segs, count, rows, k, 0, total, dtype);
         return;
     }
