@@ -147,8 +147,8 @@ def test_nan_in_a_key_or_query_gives_nan_as_the_torch_path_does(where: str) -> N
 
 
 def test_one_thread_matches_the_torch_path_and_more_threads_exactly() -> None:
-    """Each row is one thread's work, whatever the count: one thread and four give the same
-    bits, and both match the gather path."""
+    """Each part of a row is one thread's work, whatever the count: one thread and four give
+    the same bits, and both match the gather path."""
     shapes = [(n, 1) for n in (1, 7, 40, 333, 64, 17, 200, 5)]
     _, _, _, k_cache, v_cache, q, meta = plan_decodes(shapes, 16, 8, 4, 64, seed=11)
     previous = torch.get_num_threads()
@@ -163,6 +163,30 @@ def test_one_thread_matches_the_torch_path_and_more_threads_exactly() -> None:
         torch.set_num_threads(previous)
     assert torch.equal(outputs[1, True], outputs[4, True])
     torch.testing.assert_close(outputs[1, True], outputs[1, False], atol=1e-6, rtol=1e-5)
+
+
+def test_a_row_gives_the_same_bits_alone_or_batched_at_any_thread_count() -> None:
+    """A long row's keys are split into parts that the threads share, and the parts combined;
+    the split follows the keys only, so a row's output is the same bits alone or beside other
+    rows, at one thread or four (rows of one part, of a part and a key, of many parts)."""
+    shapes = [(333, 1), (64, 1), (1000, 1), (65, 1), (3, 1)]
+    tables, kv_lens, num_new, k_cache, v_cache, q, meta = plan_decodes(shapes, 16, 8, 4, 64, seed=12)
+
+    def attend(plan: AttentionMetadata, queries: torch.Tensor, threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        backend = TorchBackend()
+        backend.plan(plan, num_qo_heads=8, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+        return backend.forward(queries, k_cache, v_cache, sm_scale=0.125)
+
+    previous = torch.get_num_threads()
+    try:
+        batched = attend(meta, q, 4)
+        for i in range(len(shapes)):
+            alone = AttentionMetadata.build(tables[i:i + 1], kv_lens[i:i + 1], num_new[i:i + 1], 16, "cpu")
+            for threads in (1, 4):
+                assert torch.equal(attend(alone, q[i:i + 1], threads), batched[i:i + 1]), (i, threads)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _load_in_subprocess(env: dict[str, str]) -> str:

@@ -170,11 +170,11 @@ def test_attention_reads_the_thread_count_once_for_scratch_and_call(monkeypatch:
     out = torch.empty_like(q)
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)
     assert reads == received == [1]
-    per_thread = paged_attention.scratch_floats_per_thread(rows, 4, 16)
-    assert scratch._local.buffers[paged_attention.NAME].size >= received[0] * per_thread
+    per_thread, shared = paged_attention.scratch_sizes(rows, 4, 16)
+    assert scratch._local.buffers[paged_attention.NAME].size >= received[0] * per_thread + shared
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)  # the next call: 3 threads
     assert reads == received == [1, 3]
-    assert scratch._local.buffers[paged_attention.NAME].size >= 3 * per_thread
+    assert scratch._local.buffers[paged_attention.NAME].size >= 3 * per_thread + shared
     assert torch.equal(out, expected)
 
 

@@ -42,7 +42,7 @@ typedef struct {
  * attends with (its window). cos, sin [tokens, head_dim]; slots [tokens]: each token's flat K/V
  * slot (page * page_size + offset). workspace: tokens * (3 * hidden + 2 * q_heads * head_dim
  * + 2 * kv_heads * head_dim + intermediate) elements of the dtype; scratch: the attention
- * kernel's, for `threads` threads at the largest max_keys. */
+ * kernel's, for `threads` threads and `tokens` rows at the largest max_keys. */
 void radixserve_decoder_layers(void *x, int64_t tokens, const void *const *layers, int64_t num_layers,
                                const RowSet *row_sets, const int64_t *row_set_of_layer, const void *cos,
                                const void *sin, const int64_t *slots, const Dims *dims, void *workspace,
@@ -71,8 +71,9 @@ void radixserve_decoder_layers(void *x, int64_t tokens, const void *const *layer
             memcpy(v_cache + slots[t] * kv_row, v + t * kv_row, kv_row);
         }
         const RowSet *rs = &row_sets[row_set_of_layer[l]];
-        /* As the binding runs it: no more threads than rows (a spare one would only wait). */
-        int attention_threads = threads < rs->count ? threads : (rs->count > 1 ? (int)rs->count : 1);
+        /* As the binding runs it: no more threads than parts of rows (a spare one would only wait). */
+        int64_t parts = rs->count * (((rs->max_keys > 1 ? rs->max_keys : 1) + KEY_PART - 1) / KEY_PART);
+        int attention_threads = threads < parts ? threads : (int)parts;
         radixserve_paged_attention(q, k_cache, v_cache, rs->kv_indices, rs->rows, rs->page_start, rs->lo, rs->hi,
                                    rs->count, (int)dims->q_heads, (int)dims->kv_heads, (int)dims->head_dim,
                                    (int)dims->page_size, dims->scale, rs->max_keys, attended, scratch,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from radixserve.native import build, checks
-from radixserve.native.paged_attention import DTYPE_CODES, PagedRows, scratch_floats
+from radixserve.native.paged_attention import DTYPE_CODES, PagedRows, scratch_layout
 from radixserve.native.scratch import threads_and_scratch
 
 NAME = "decoder"
@@ -178,7 +178,7 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
         row_sets[index] = _RowSet(*rows._pointers, len(rows), rows.max_keys)
     set_of_layer = np.array([index_of[id(rows)] for rows in rows_of_layer], dtype=np.int64)
     max_keys = max(rows.max_keys for rows in distinct)
-    threads, scratch = threads_and_scratch(NAME, scratch_floats(shape.q_heads, shape.head_dim, max_keys))
+    threads, scratch = threads_and_scratch(NAME, *scratch_layout(shape.q_heads, shape.head_dim, max_keys, tokens))
     q_width, kv_width = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     workspace = torch.empty(tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate), dtype=dtype)
     dims = _Dims(shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim, shape.intermediate, page_size,

@@ -85,21 +85,38 @@ static inline __attribute__((always_inline)) const float *prefetched_row(const v
     return buf;
 }
 
-/* One query row, all heads: keys are read once each, a whole row (every KV head) at a time.
- * pages and key indices are counted from the first key the row sees (lo). q and out are the
- * row's float32 query and output (the caller converts bfloat16 ones); buf holds one widened
- * K or V row (bfloat16 caches). */
-static inline __attribute__((always_inline)) void attend(const float *q, const void *k_cache, const void *v_cache,
-                                                         const int32_t *pages, int64_t lo, int64_t hi, float *out,
-                                                         int num_qo_heads, int num_kv_heads, int d, int page_size,
-                                                         float scale, float *scores, float *acc, int bf16, float *buf) {
-    int64_t n = hi - lo;
+/* Keys per work item: a row's keys are split into parts of KEY_PART, each attended on its own
+ * and the parts combined, so that one long row spreads over the threads. The split depends
+ * on the keys only (never on the thread count or the other rows): a row's output is the same
+ * whoever computes it and whatever it is batched with. */
+#define KEY_PART 64
+
+/* What a part leaves for the combination: per head its scores' maximum, the sum of e^(score
+ * - maximum), and those weights times the values, unnormalised ([Hq], [Hq], [Hq, D]). */
+typedef struct {
+    float *max, *sum, *acc;
+} Partial;
+
+static inline Partial partial_at(float *base, int num_qo_heads, int d) {
+    return (Partial){base, base + num_qo_heads, base + 2 * num_qo_heads};
+}
+
+/* Keys [first, last) of one query row (counted from the row's first key, lo), all heads: keys
+ * are read once each, a whole row (every KV head) at a time. pages: the row's list from its
+ * first page; q: the row's float32 query (the caller widens bfloat16 ones); buf holds one
+ * widened K or V row (bfloat16 caches). */
+static inline __attribute__((always_inline)) void attend_part(const float *q, const void *k_cache, const void *v_cache,
+                                                              const int32_t *pages, int64_t lo, int64_t first,
+                                                              int64_t last, Partial part, int num_qo_heads,
+                                                              int num_kv_heads, int d, int page_size, float scale,
+                                                              float *scores, int bf16, float *buf) {
+    int64_t n = last - first, end = lo % page_size + last;
     int group = num_qo_heads / num_kv_heads;
     int64_t row_stride = (int64_t)num_kv_heads * d;
     pages += lo / page_size; /* key t of this row is key lo + t: start at lo's page */
-    int64_t first = lo % page_size;
+    int64_t start = lo % page_size + first;
     for (int64_t t = 0; t < n; ++t) {
-        const float *k = prefetched_row(k_cache, pages, first + t, first + n, page_size, row_stride, bf16, buf);
+        const float *k = prefetched_row(k_cache, pages, start + t, end, page_size, row_stride, bf16, buf);
         for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
             for (int g = 0; g < group; ++g, ++head)
                 scores[head * n + t] = dot(q + (int64_t)head * d, k + (int64_t)kv_head * d, d) * scale;
@@ -112,27 +129,53 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
             row[t] = exp_nonpositive(row[t] - m);
             sum += row[t];
         }
-        float inv = 1.0f / sum;
-        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
+        part.max[head] = m;
+        part.sum[head] = sum;
     }
-    memset(acc, 0, sizeof(float) * (size_t)num_qo_heads * d);
+    memset(part.acc, 0, sizeof(float) * (size_t)num_qo_heads * d);
     for (int64_t t = 0; t < n; ++t) {
-        const float *v = prefetched_row(v_cache, pages, first + t, first + n, page_size, row_stride, bf16, buf);
+        const float *v = prefetched_row(v_cache, pages, start + t, end, page_size, row_stride, bf16, buf);
         for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
             for (int g = 0; g < group; ++g, ++head) {
                 float p = scores[head * n + t];
                 const float *vh = v + (int64_t)kv_head * d;
-                float *a = acc + (int64_t)head * d;
+                float *a = part.acc + (int64_t)head * d;
                 for (int j = 0; j < d; ++j) a[j] += p * vh[j];
             }
     }
-    memcpy(out, acc, sizeof(float) * (size_t)num_qo_heads * d);
+}
+
+/* out (float32 [Hq, D]) <- the softmax-weighted values of a row from its `count` parts, in
+ * order: each part's sums rescaled from its maximum to the row's. A NaN anywhere in a head's
+ * parts makes its output NaN. */
+static inline void combine_parts(const float *partials, int64_t count, float *out, int num_qo_heads, int d) {
+    int64_t stride = (int64_t)num_qo_heads * (d + 2);
+    for (int head = 0; head < num_qo_heads; ++head) {
+        float m = -INFINITY;
+        for (int64_t p = 0; p < count; ++p) {
+            float part_max = partials[p * stride + head];
+            m = part_max > m ? part_max : m;
+        }
+        float *o = out + (int64_t)head * d, total = 0.0f;
+        for (int j = 0; j < d; ++j) o[j] = 0.0f;
+        for (int64_t p = 0; p < count; ++p) {
+            Partial part = partial_at((float *)partials + p * stride, num_qo_heads, d);
+            float w = exp_nonpositive(part.max[head] - m);
+            total += w * part.sum[head];
+            const float *a = part.acc + (int64_t)head * d;
+            for (int j = 0; j < d; ++j) o[j] += w * a[j];
+        }
+        float inv = 1.0f / total;
+        for (int j = 0; j < d; ++j) o[j] *= inv;
+    }
 }
 
 /* Returns 0, or -1 when the heads cannot be grouped (the binding's checks refuse that first).
- * scratch: num_threads * Hq * (max_keys + 3 * D) floats (scores, the output, and for bfloat16
- * the widened query and one K/V row), max_keys >= every hi - lo; thread t uses slice t, so
- * num_threads must be the count the scratch was sized for. dtype 0: float32, 1: bfloat16. */
+ * scratch: num_threads * Hq * (min(max_keys, KEY_PART) + 3 * D) floats (per thread: a part's
+ * scores, the widened query and one K/V row for bfloat16, the output), then num_rows *
+ * ceil(max_keys / KEY_PART) * Hq * (D + 2) floats for the parts; max_keys >= every hi - lo;
+ * thread t uses slice t, so num_threads must be the count the scratch was sized for. dtype 0:
+ * float32, 1: bfloat16. */
 int radixserve_paged_attention(const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *kv_indices, const int64_t *rows,
                                const int64_t *page_start, const int64_t *lo, const int64_t *hi,
@@ -141,23 +184,42 @@ int radixserve_paged_attention(const void *q, const void *k_cache, const void *v
                                void *out, float *scratch, int num_threads, int dtype) {
     if (num_kv_heads < 1 || num_qo_heads % num_kv_heads != 0) return -1;
     int64_t width = (int64_t)num_qo_heads * head_dim;
-    int64_t per_thread = (int64_t)num_qo_heads * (max_keys + 3 * head_dim);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t i = 0; i < num_rows; ++i) {
+    max_keys = max_keys > 1 ? max_keys : 1;
+    int64_t part_keys = max_keys < KEY_PART ? max_keys : KEY_PART, parts = (max_keys + KEY_PART - 1) / KEY_PART;
+    int64_t per_thread = (int64_t)num_qo_heads * (part_keys + 3 * head_dim), stride = width + 2 * num_qo_heads;
+    float *partials = scratch + num_threads * per_thread;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
         float *scores = scratch + thread_index() * per_thread;
-        float *acc = scores + (int64_t)num_qo_heads * max_keys, *query = acc + width, *buf = query + width;
-        int64_t offset = rows[i] * width;
-        const int32_t *pages = kv_indices + page_start[i];
-        if (dtype == 0) {
-            attend((const float *)q + offset, k_cache, v_cache, pages, lo[i], hi[i], (float *)out + offset,
-                   num_qo_heads, num_kv_heads, head_dim, page_size, scale, scores, acc, 0, buf);
-        } else {
-            const uint16_t *qh = (const uint16_t *)q + offset;
-            for (int64_t j = 0; j < width; ++j) query[j] = bf16_to_f32(qh[j]);
-            attend(query, k_cache, v_cache, pages, lo[i], hi[i], query, num_qo_heads, num_kv_heads, head_dim,
-                   page_size, scale, scores, acc, 1, buf);
-            uint16_t *oh = (uint16_t *)out + offset;
-            for (int64_t j = 0; j < width; ++j) oh[j] = f32_to_bf16(query[j]);
+        float *query = scores + (int64_t)num_qo_heads * part_keys, *buf = query + width, *combined = buf + width;
+        /* Items: (row, part) over a rectangle of num_rows x parts; a row with fewer keys
+         * skips the parts past its end. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_rows * parts; ++item) {
+            int64_t i = item / parts, first = item % parts * KEY_PART, n = hi[i] - lo[i];
+            if (first >= n) continue; /* every row has a key (hi > lo): part 0 always runs */
+            int64_t last = first + KEY_PART < n ? first + KEY_PART : n;
+            const float *row_q = (const float *)q + rows[i] * width;
+            if (dtype != 0) {
+                const uint16_t *qh = (const uint16_t *)q + rows[i] * width;
+                for (int64_t j = 0; j < width; ++j) query[j] = bf16_to_f32(qh[j]);
+                row_q = query;
+            }
+            attend_part(row_q, k_cache, v_cache, kv_indices + page_start[i], lo[i], first, last,
+                        partial_at(partials + item * stride, num_qo_heads, head_dim), num_qo_heads, num_kv_heads,
+                        head_dim, page_size, scale, scores, dtype != 0, buf);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_rows; ++i) {
+            int64_t count = (hi[i] - lo[i] + KEY_PART - 1) / KEY_PART;
+            if (dtype == 0) {
+                combine_parts(partials + i * parts * stride, count, (float *)out + rows[i] * width, num_qo_heads,
+                              head_dim);
+            } else {
+                combine_parts(partials + i * parts * stride, count, combined, num_qo_heads, head_dim);
+                uint16_t *oh = (uint16_t *)out + rows[i] * width;
+                for (int64_t j = 0; j < width; ++j) oh[j] = f32_to_bf16(combined[j]);
+            }
         }
     }
     return 0;

@@ -17,12 +17,12 @@ import torch
 _local = threading.local()  # engines in several threads call the kernels at once
 
 
-def threads_and_scratch(kernel: str, floats_per_thread: int) -> tuple[int, np.ndarray]:
+def threads_and_scratch(kernel: str, floats_per_thread: int, shared_floats: int = 0) -> tuple[int, np.ndarray]:
     """The thread count for one call of `kernel`, and a float32 buffer of at least that many
-    times `floats_per_thread` floats, reused by this thread's later calls of the same kernel.
-    Pass the count to the call unchanged."""
+    times `floats_per_thread` floats plus `shared_floats` (after the threads' slices), reused by
+    this thread's later calls of the same kernel. Pass the count to the call unchanged."""
     threads = max(1, torch.get_num_threads())  # the one read: sizes the buffer and runs the call
-    needed = threads * max(floats_per_thread, 1)
+    needed = threads * max(floats_per_thread, 1) + shared_floats
     buffers: dict[str, np.ndarray] = _local.__dict__.setdefault("buffers", {})
     buffer = buffers.get(kernel)
     if buffer is None or buffer.size < needed:
