@@ -21,9 +21,12 @@ import argparse
 import heapq
 import json
 import math
+import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK = 512
@@ -312,6 +315,98 @@ def s3fifo(trace: Trace, capacity_pages: int, small_share: float, ghost_share: f
     return hit_tokens / trace.input_tokens
 
 
+def lhd_class(uses: int, prompt: list[int]) -> int:
+    """LHD's class of a page: its uses so far (1, 2, 3 or more: remembered after it leaves)
+    and its prompt's size class (log2 of its pages, at most 15)."""
+    return 16 * (min(uses, 3) - 1) + min(size_class(prompt), 15)
+
+
+def lhd(trace: Trace, capacity_pages: int, samples: int = 64, ghost: bool = False, seed: int = 0) -> float:
+    """LHD (hit density, Beckmann et al., NSDI 2018) in the leaf-evicting cache: each page's
+    expected hits per unit of space-time at its age, from what its class (`lhd_class`) did
+    so far: hits and evictions counted per class and age (age since last use, in 1/32 of a
+    cache turnover of page accesses, 256 ages), the density at age a being the hits after
+    age a over the space-time (events times ages) after it, re-estimated every cache's worth
+    of page accesses with older counts decayed by 0.9 (the paper's EWMA). An eviction takes
+    the lowest density among `samples` random leaves (the oldest on ties). With `ghost`, a
+    page that comes back after its eviction turns that eviction into a hit at its reuse age
+    (the class's reuse ages beyond what the cache keeps, which LHD alone never sees)."""
+    ages, width = 256, max(1, capacity_pages // 32)
+    hits, ends = np.zeros((64, ages)), np.zeros((64, ages))
+    density = np.zeros((64, ages))
+    last: dict[int, int] = {}
+    klass: dict[int, int] = {}
+    uses: Counter[int] = Counter()
+    gone: dict[int, tuple[int, int, int]] = {}
+    children: dict[int, int] = {}
+    leaves: list[int] = []
+    where: dict[int, int] = {}
+    rng = random.Random(seed)
+    clock = since = hit_tokens = 0
+
+    def age(page: int) -> int:
+        return min((clock - last[page]) // width, ages - 1)
+
+    def add_leaf(page: int) -> None:
+        if page not in where:
+            where[page] = len(leaves)
+            leaves.append(page)
+
+    def drop_leaf(page: int) -> None:
+        i = where.pop(page, None)
+        if i is not None:
+            moved = leaves.pop()
+            if moved != page:
+                leaves[i], where[moved] = moved, i
+
+    for prompt in trace.prompts:
+        cached = 0
+        while cached < len(prompt) and prompt[cached] in last:
+            cached += 1
+        hit_tokens += cached * BLOCK
+        for page in prompt:
+            clock += 1
+            since += 1
+            if page in last:
+                hits[klass[page], age(page)] += 1
+            else:
+                if ghost and page in gone:
+                    c, a, used = gone.pop(page)
+                    ends[c, a] -= 1
+                    hits[c, min((clock - used) // width, ages - 1)] += 1
+                children[page] = 0
+                parent = trace.parent[page]
+                if parent is not None and parent in last:
+                    children[parent] += 1
+                    drop_leaf(parent)
+                add_leaf(page)
+            uses[page] += 1
+            last[page] = clock
+            klass[page] = lhd_class(uses[page], prompt)
+        while len(last) > capacity_pages:
+            candidates = [leaves[rng.randrange(len(leaves))] for _ in range(samples)]
+            victim = min(candidates, key=lambda p: (density[klass[p], age(p)], last[p]))
+            ends[klass[victim], age(victim)] += 1
+            if ghost:
+                gone[victim] = (klass[victim], age(victim), last[victim])
+            drop_leaf(victim)
+            del last[victim], children[victim], klass[victim]
+            parent = trace.parent[victim]
+            if parent is not None and parent in last:
+                children[parent] -= 1
+                if children[parent] == 0:
+                    add_leaf(parent)
+        if since >= capacity_pages:
+            since = 0
+            after = np.cumsum((hits + ends)[:, ::-1], axis=1)[:, ::-1]     # events at age >= a
+            space_time = np.cumsum(after[:, ::-1], axis=1)[:, ::-1]        # their ages beyond a
+            hits_after = np.cumsum(hits[:, ::-1], axis=1)[:, ::-1]
+            density = np.where(space_time > 0, np.maximum(hits_after, 0) / np.maximum(space_time, 1e-12), 0.0)
+            hits *= 0.9
+            ends *= 0.9
+    return hit_tokens / trace.input_tokens
+
+
 def rules(trace: Trace, capacity_pages: int) -> list[tuple[str, Callable[[], float]]]:
     """Every rule of the study, by name, as a function giving its hit rate."""
     window = 16 * capacity_pages  # the engine's reuse window
@@ -338,17 +433,23 @@ def rules(trace: Trace, capacity_pages: int) -> list[tuple[str, Callable[[], flo
         (name, lambda make=make: replay(trace, capacity_pages, make())) for name, make in keyed]
     out += [(f"S3-FIFO, small {small:g}, ghost {g:g} (flat)", lambda small=small, g=g: s3fifo(trace, capacity_pages, small, g))
             for small in (0.1, 0.2, 0.4) for g in (1.0, 4.0)]
+    out += [(f"LHD, {samples} samples{', ghost reuse ages' if ghost else ''}",
+             lambda samples=samples, ghost=ghost: lhd(trace, capacity_pages, samples, ghost))
+            for samples in (64, 8) for ghost in (False, True)]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity-tokens", type=int, default=8_500_000)
+    parser.add_argument("--only", default="", help="the rules whose name starts with this (default: all)")
     args = parser.parse_args()
     trace = Trace()
     capacity = args.capacity_tokens // BLOCK
     print(f"| rule ({args.capacity_tokens:,} tokens, {capacity:,} pages) | hit rate |\n|---|---|")
     for name, rate in rules(trace, capacity):
+        if not name.startswith(args.only):
+            continue
         print(f"| {name} | {100 * rate():.2f}% |", flush=True)
 
 

@@ -24,9 +24,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from radixserve.benchmark.retention import AdaptiveBoost
 from radixserve.benchmark.simulate import SimConfig, SimResult, Simulator, release_plan, simulate
 from radixserve.benchmark.suite import make_retention
 from radixserve.benchmark.workloads import BenchRequest, Workload
+from radixserve.cache.adaptive import share_evidence
 from radixserve.cache.events import CacheEventHub
 from radixserve.cluster.routing import (
     CacheAwareConfig,
@@ -123,7 +125,8 @@ class ClusterSimulator:
 
     def __init__(self, workload: Workload, config: SimConfig, replicas: int, router: str, *,
                  retention: str = "default", seed: int = 0, routing: CacheAwareConfig | None = None,
-                 concurrency: int | None = None, speeds: Sequence[float] | None = None) -> None:
+                 concurrency: int | None = None, speeds: Sequence[float] | None = None,
+                 pooled: bool = True) -> None:
         if config.sequential:
             raise ValueError("sequential: a cluster runs the serving loop")
         if replicas < 1:
@@ -152,6 +155,10 @@ class ClusterSimulator:
         self.order: list[int] = []  # replica number of each request, in routing order
         self.predicted: dict[int, int] = {}  # request index → cached tokens the router predicted
         self.closed_loop = ClosedLoop(workload, concurrency) if concurrency is not None else None
+        # The adaptive rule's duels, pooled: before each routing every replica gets the sum of
+        # the others' records as they are then (as a cluster's ingress would pass them on).
+        rules = [sim.config.retention for sim in self.sims.values()]
+        self.pooled = pooled and all(isinstance(rule, AdaptiveBoost) for rule in rules)
 
     def run(self) -> ClusterSimResult:
         start = time.perf_counter()
@@ -185,6 +192,9 @@ class ClusterSimulator:
         return self._result(time.perf_counter() - start)
 
     def _route(self, request: BenchRequest, released_at: float) -> None:
+        if self.pooled:
+            duels = [sim.config.retention.duel for sim in self.sims.values()]
+            share_evidence([duel for duel in duels if duel is not None])
         for key, sim in self.sims.items():
             self.state.reports[key] = ReplicaReport(pages_free=sim.pool.num_free, pages_total=sim.pool.num_pages,
                                                     waiting=len(sim.waiting), running=len(sim.running))
@@ -230,13 +240,15 @@ class ClusterSimulator:
 
 def simulate_cluster(workload: Workload, config: SimConfig, replicas: int, router: str, *,
                      retention: str = "default", seed: int = 0, routing: CacheAwareConfig | None = None,
-                     concurrency: int | None = None, speeds: Sequence[float] | None = None) -> ClusterSimResult:
+                     concurrency: int | None = None, speeds: Sequence[float] | None = None,
+                     pooled: bool = True) -> ClusterSimResult:
     """Runs `workload` through `replicas` simulated replicas behind `router` (fresh caches;
-    each replica its own `retention` rule, by name as in suite.make_retention); with
+    each replica its own `retention` rule, by name as in suite.make_retention; the adaptive
+    rule's replicas pool their evidence unless not `pooled`: cache.adaptive.DuelRecord); with
     `concurrency`, released by a closed loop of that many clients (`ClosedLoop`); `speeds`:
     each replica's speed relative to `config`'s timings (default: all 1)."""
     return ClusterSimulator(workload, config, replicas, router, retention=retention, seed=seed,
-                            routing=routing, concurrency=concurrency, speeds=speeds).run()
+                            routing=routing, concurrency=concurrency, speeds=speeds, pooled=pooled).run()
 
 
 def run_cluster_suite(workload: Workload, config: SimConfig, replicas: int, routers: list[str], *,

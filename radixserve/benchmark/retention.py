@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from radixserve.benchmark.workloads import BenchRequest
-from radixserve.cache.adaptive import AdaptiveReuse
+from radixserve.cache.adaptive import AdaptiveReuse, LeadDuel
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.retention import Retention
 from radixserve.cache.reuse import REUSED_RETENTION, ReuseHistory
@@ -145,6 +145,11 @@ class AdaptiveBoost(ReuseBoost):
 
     def bind(self, tree: RadixTree) -> None:
         self._adaptive = AdaptiveReuse(tree, self.window_pages)
+
+    @property
+    def duel(self) -> LeadDuel | None:
+        """The lead duel of the tree it is bound to (None before `bind`)."""
+        return self._adaptive.duel if self._adaptive is not None else None
 
     def observe(self, request: BenchRequest) -> None:
         if request.index in self._seen_pages:

@@ -37,6 +37,13 @@ more by two standard deviations it returns to LRU and voids the ghost caches' re
 model of the tree is wrong here; a new try needs fresh evidence). No constant here is a
 property of a workload: the ladder spans every lead, the margins are statistical, the decay
 is the reuse window.
+
+Replicas of one model behind a router can pool their evidence: `LeadDuel.record()` is a
+duel's record as it travels (`DuelRecord`: records add), and a duel whose `peers` holds the
+sum of the other replicas' records decides on all of it, its guard included. Each replica
+still keeps its own ghost caches (its traffic, its capacity) and its own lead.
+`share_evidence` pools duels in one process (the cluster simulation does, before every
+routing).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable
+from dataclasses import dataclass
 from statistics import NormalDist
 from typing import TYPE_CHECKING
 
@@ -141,6 +149,10 @@ class LeadDuel:
         # The tree's own record against LRU's ghost cache on the sampled pages (peeked at
         # arrival), as one more row of the same test: its hits minus the ghost's, squared.
         self.tree_record = np.zeros(2)
+        # The other replicas' evidence (the sum of their records), when the replicas of one
+        # model pool theirs (`share_evidence`, or a cluster's ingress): every decision reads
+        # this duel's record plus this.
+        self.peers: DuelRecord | None = None
 
     @property
     def lead(self) -> float:
@@ -189,35 +201,40 @@ class LeadDuel:
             for h, at, boost in sampled:
                 ghost.access(h, at, boost, False)
 
+    def record(self) -> DuelRecord:
+        """A copy of this duel's own evidence, to pool with other replicas' (`peers`)."""
+        return DuelRecord(self._diff.copy(), self._var.copy(), np.array([g.hits for g in self.ghosts]),
+                          self.tree_record.copy())
+
     def _decide(self) -> bool:
-        """Moves to the lead the record supports; returns whether it moved."""
-        if self.current != 0 and _ahead(-self.tree_record[0], self.tree_record[1], SWITCH_SIGMAS):
+        """Moves to the lead the record supports (pooled with `peers`); returns whether it
+        moved."""
+        diff, var, tree = self._diff, self._var, self.tree_record
+        hits = np.array([g.hits for g in self.ghosts])
+        if self.peers is not None:
+            diff, var, tree = diff + self.peers.diff, var + self.peers.var, tree + self.peers.tree
+            hits = hits + self.peers.hits
+        if self.current != 0 and _ahead(-tree[0], tree[1], SWITCH_SIGMAS):
             # Since it took this lead, the tree itself hits less than LRU's ghost cache: the
             # ghost caches' model of the tree is wrong here. Back to LRU, and the case they
             # made is void: another try needs fresh evidence, not the refuted record.
             self._diff[:] = 0.0
             self._var[:] = 0.0
             return self._move(0)
-        if self.current != 0 and not self._ahead(self.current, 0):
+        if self.current != 0 and not _ahead(diff[self.current, 0], var[self.current, 0], 0.0):
             # The lead in use no longer beats LRU at all: back to LRU. Staying away from LRU
             # needs the evidence to last, not only to have appeared.
             return self._move(0)
         # Most hits; the longer lead on ties: leads longer than the history so far tie, and the
         # longest is the one that stays right as the history grows.
-        hits = [g.hits for g in self.ghosts]
         best = max(range(len(hits)), key=lambda i: (hits[i], i))
         if best == self.current:
             return False
-        sigmas = PICK_SIGMAS[self._distinct_records()]
-        if self._ahead(best, self.current, sigmas) and self._ahead(best, 0, sigmas):
+        sigmas = PICK_SIGMAS[_distinct_records(diff, var)]
+        if _ahead(diff[best, self.current], var[best, self.current], sigmas) and \
+                _ahead(diff[best, 0], var[best, 0], sigmas):
             return self._move(best)
         return False
-
-    def _distinct_records(self) -> int:
-        """How many different records against LRU the other leads have (the tests the best
-        of them was picked from); a lead whose ghost never hit differently from LRU's has no
-        record, only a tie."""
-        return len({(self._diff[i, 0], self._var[i, 0]) for i in range(1, len(LEADS)) if self._var[i, 0] > 0})
 
     def _move(self, index: int) -> bool:
         if self.current == 0:
@@ -229,9 +246,64 @@ class LeadDuel:
         self.switches += 1
         return True
 
-    def _ahead(self, a: int, b: int, sigmas: float = 0.0) -> bool:
-        """Whether ghost cache `a` hit more than `b`, by `sigmas` standard deviations."""
-        return _ahead(self._diff[a, b], self._var[a, b], sigmas)
+
+@dataclass(frozen=True)
+class DuelRecord:
+    """A duel's evidence as it travels between the replicas of one model (the seam between
+    a replica's cache and whatever connects the replicas: the cluster simulation, a
+    cluster's ingress): the paired differences between leads and their squares, each
+    lead's ghost hits, and the tree's record against LRU's ghost, all decayed as the duel
+    decays them. Records add: the sum of several replicas' is the evidence of all their
+    prompts (different prompts are independent pieces of evidence, and the variance of a
+    sum of independent differences is the sum of theirs).
+
+    Why pool: behind a router each replica sees only its share of the traffic, so a case
+    that is clear over the cluster can stay under the margin on every replica; replicas of
+    one model serve the same kind of traffic, the router spreading it over them."""
+
+    diff: np.ndarray
+    var: np.ndarray
+    hits: np.ndarray
+    tree: np.ndarray
+
+    def __add__(self, other: DuelRecord) -> DuelRecord:
+        return DuelRecord(self.diff + other.diff, self.var + other.var, self.hits + other.hits,
+                          self.tree + other.tree)
+
+    def __sub__(self, other: DuelRecord) -> DuelRecord:
+        return DuelRecord(self.diff - other.diff, self.var - other.var, self.hits - other.hits,
+                          self.tree - other.tree)
+
+    def to_list(self) -> list[float]:
+        """Flat floats, for a message (`from_list` reads them back)."""
+        return [float(x) for part in (self.diff, self.var, self.hits, self.tree) for x in part.ravel()]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> DuelRecord:
+        """The record `to_list` wrote (a record of a duel with `LEADS`)."""
+        n = len(LEADS)
+        flat = np.asarray(values, dtype=np.float64)
+        if flat.shape != (2 * n * n + n + 2,):
+            raise ValueError(f"DuelRecord: {2 * n * n + n + 2} values expected, got {flat.shape}")
+        return cls(flat[:n * n].reshape(n, n), flat[n * n:2 * n * n].reshape(n, n), flat[2 * n * n:-2], flat[-2:])
+
+
+def share_evidence(duels: list[LeadDuel]) -> None:
+    """Pools the evidence of the duels of one model's replicas: each one's `peers` becomes
+    the sum of the others' records as they are now."""
+    records = [duel.record() for duel in duels]
+    if len(records) < 2:
+        return
+    total = sum(records[1:], records[0])
+    for duel, own in zip(duels, records):
+        duel.peers = total - own
+
+
+def _distinct_records(diff: np.ndarray, var: np.ndarray) -> int:
+    """How many different records against LRU the leads other than LRU have (the tests the
+    best of them was picked from); a lead whose ghost never hit differently from LRU's has no
+    record, only a tie."""
+    return len({(diff[i, 0], var[i, 0]) for i in range(1, len(LEADS)) if var[i, 0] > 0})
 
 
 def prompt_ticks(tick: int, num_pages: int) -> list[float]:

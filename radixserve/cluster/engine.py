@@ -34,6 +34,7 @@ from radixserve.cache.events import CacheEvent
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cluster.cache_views import ClusterCacheViews
+from radixserve.cluster.duel_pool import records_of
 from radixserve.cluster.event_hub import ClusterEventHub
 from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
@@ -151,7 +152,7 @@ class ClusterEngine:
                                          namespace_of(self.engine.model_name, cache_salt, tenant), self.hashing)
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, hashes, tenant,
-                                 priority_across_tenants)
+                                 priority_across_tenants, records_of(self.view.replica_stats()))
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream

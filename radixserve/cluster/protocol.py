@@ -26,6 +26,9 @@ class ReplicaRequest:
     page_hashes: list[int] = field(default_factory=list)  # ... and the prompt's page hashes
     tenant: str | None = None
     priority_across_tenants: bool = False  # an admin's priority (engine/fair_share.py)
+    # The replicas' latest adaptive-rule records, by replica id (cluster/duel_pool.py): the
+    # replica that takes the request pools the others' evidence with its own.
+    duel_records: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def prompt(self) -> str:

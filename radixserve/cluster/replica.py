@@ -17,6 +17,7 @@ import torch
 from ray import serve
 
 from radixserve.cache.radix import PagesFreed
+from radixserve.cluster.duel_pool import receive, with_record
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.protocol import Accepted, EventBatch, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.engine.async_engine import AsyncEngine
@@ -55,6 +56,7 @@ class EngineReplica:
         the event feed then settles it: a request that ran to its end has published all its
         cache events by then; an aborted one may cache its pages a step later, and the
         router then learns of them from the events alone."""
+        receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
         deltas = self.async_engine.generate(
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
@@ -84,7 +86,8 @@ class EngineReplica:
         """This replica's cache events, from a snapshot on, each batch with fresh stats."""
         self._check_pin(replica)
         async for batch in self.feed.subscribe():
-            yield EventBatch(self.replica, batch.events, self.async_engine.stats(), batch.settled)
+            stats = with_record(self.async_engine.stats(), self.engine)  # its evidence, for the others
+            yield EventBatch(self.replica, batch.events, stats, batch.settled)
 
     async def cache_view(self, kind: str, options: SnapshotOptions | None, caller: Caller,
                          replica: str) -> TreeSnapshot | dict[str, Any]:

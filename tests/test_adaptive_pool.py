@@ -1,0 +1,104 @@
+"""The replicas of one model pooling their lead duels' evidence (cache/adaptive.py:
+DuelRecord, share_evidence; the cluster simulation passes each replica the others' records
+before every routing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
+from radixserve.benchmark.cluster_sim import ClusterSimulator
+from radixserve.benchmark.simulate import SimConfig
+from radixserve.benchmark.workloads import make_workload
+from radixserve.cache.adaptive import LEADS, DuelRecord, LeadDuel, share_evidence
+
+REPLICAS = 4
+ROUNDS = 3  # rounds of evidence each replica sees: too few alone, enough for four together
+
+
+def play_round(duel: LeadDuel, r: int, tree_hits: bool = True) -> None:
+    """A re-seen prompt of 20 pages then 10 fresh ones, for a cache of 24 pages: LRU loses the
+    re-seen prompt every round, any lead keeps it (as test_adaptive.replay_rounds)."""
+    doc = list(range(1, 21))
+    duel.observe(doc, len(doc), 2 * r, len(doc) if tree_hits else 0)
+    duel.observe([1000 * (r + 1) + i for i in range(10)], 0, 2 * r + 1, 0)
+
+
+def replicas(pooled: bool, rounds: int = ROUNDS, tree_hits: bool = True) -> list[LeadDuel]:
+    """REPLICAS duels that each see `rounds` rounds, in turn, sharing their records before
+    every prompt when `pooled` (as the cluster simulation does before every routing)."""
+    duels = [LeadDuel(24, 16 * 24) for _ in range(REPLICAS)]
+    for r in range(rounds):
+        for duel in duels:
+            if pooled:
+                share_evidence(duels)
+            play_round(duel, r, tree_hits)
+    return duels
+
+
+def test_a_case_too_small_for_one_replica_is_clear_for_the_pool() -> None:
+    alone = replicas(pooled=False)
+    assert [d.lead for d in alone] == [0.0] * REPLICAS  # each replica's record is under the margin
+    pooled = replicas(pooled=True)
+    assert pooled[-1].lead == LEADS[-1]  # the last to decide saw every replica's evidence
+    assert all(d.peers is not None for d in pooled)
+
+
+def test_the_pooled_guard_sends_every_replica_back() -> None:
+    # The ghosts' case is the pool's, and so is the tree's record against LRU: when the
+    # trees miss what LRU's ghost hits, every replica returns to LRU.
+    duels = replicas(pooled=True, rounds=ROUNDS + 1, tree_hits=False)
+    assert any(d.lead == LEADS[-1] for d in duels)
+    recent = [4000 + i for i in range(4)]  # the last round's fresh pages: LRU's ghosts hold them
+    for r in range(2):  # two misses per replica: too few for one tree's record, enough for four
+        for duel in duels:
+            share_evidence(duels)
+            duel.observe(recent, 0, 100 + r, 0)
+    assert [d.lead for d in duels] == [0.0] * REPLICAS
+    assert [d.switches for d in duels] == [2] * REPLICAS  # and none left LRU again on the others' record
+
+
+def test_records_add_and_travel_as_floats() -> None:
+    duel = replicas(pooled=False, rounds=2)[0]
+    record = duel.record()
+    assert DuelRecord.from_list(record.to_list()).to_list() == record.to_list()
+    doubled = record + record
+    assert np.array_equal(doubled.diff, 2 * duel._diff) and np.array_equal((doubled - record).hits, record.hits)
+    with pytest.raises(ValueError):
+        DuelRecord.from_list(record.to_list()[:-1])
+
+
+def test_a_record_is_a_copy() -> None:
+    duel = replicas(pooled=False, rounds=2)[0]
+    record = duel.record()
+    duel._diff[:] = 0.0
+    assert record.diff.any()
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_the_cluster_simulation_pools_the_adaptive_rule(pooled: bool) -> None:
+    workload = make_workload("gsp", num_groups=8, prompts_per_group=4, system_len=256, question_len=32, output_len=8)
+    eviction, retention = EVICTION_POLICIES["adaptive"]
+    cluster = ClusterSimulator(workload, SimConfig(2000, page_size=16, eviction_policy=eviction), 3, "round-robin",
+                               retention=retention, pooled=pooled)
+    cluster.run()
+    duels = [sim.config.retention.duel for sim in cluster.sims.values()]
+    if not pooled:
+        assert all(d.peers is None for d in duels)
+        return
+    # Every replica was handed the others' evidence: their hits on LRU's ghost, summed.
+    own = [d.record().hits[0] for d in duels]
+    assert all(d.peers is not None for d in duels)
+    assert sum(d.peers.hits[0] for d in duels) > 0 and sum(own) > 0
+
+
+def test_each_replica_gets_the_sum_of_the_others_records() -> None:
+    duels = replicas(pooled=False, rounds=2)
+    for i, duel in enumerate(duels):  # different records
+        duel._diff *= i + 1
+    share_evidence(duels)
+    records = [d.record() for d in duels]
+    for i, duel in enumerate(duels):
+        others = [r for j, r in enumerate(records) if j != i]
+        assert duel.peers.to_list() == sum(others[1:], others[0]).to_list()
