@@ -170,7 +170,7 @@ def test_attention_reads_the_thread_count_once_for_scratch_and_call(monkeypatch:
     out = torch.empty_like(q)
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)
     assert reads == received == [1]
-    per_thread, shared = paged_attention.scratch_sizes(rows, 4, 16)
+    per_thread, shared = paged_attention.scratch_layout(4, 16, rows.max_keys, len(rows))
     assert scratch._local.buffers[paged_attention.NAME].size >= received[0] * per_thread + shared
     paged_attention.run(q, k_cache, v_cache, rows, out, scale=0.25)  # the next call: 3 threads
     assert reads == received == [1, 3]

@@ -73,10 +73,10 @@ def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: PagedRows, out: Tenso
         raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
     checks.attention_call(q, k_cache, v_cache, out, rows.checked, rows.page_size)
     _, num_qo_heads, head_dim = q.shape
-    threads, scratch = threads_and_scratch(NAME, *scratch_sizes(rows, num_qo_heads, head_dim))
+    threads, scratch = threads_and_scratch(NAME, *scratch_layout(num_qo_heads, head_dim, rows.max_keys, len(rows)))
     # Parts of rows are what the threads share out: a thread more than there are would only
     # join the region's barrier (the scratch holds the slices of the count passed).
-    threads = min(threads, len(rows) * -(-rows.max_keys // KEY_PART))
+    threads = min(threads, len(rows) * key_parts(rows.max_keys))
     status = loaded.radixserve_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rows._pointers,
         len(rows), num_qo_heads, k_cache.shape[2], head_dim, rows.page_size, scale, rows.max_keys,
@@ -89,9 +89,9 @@ def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: PagedRows, out: Tenso
 KEY_PART = 64  # keys per work item: paged_attention.c's KEY_PART
 
 
-def scratch_sizes(rows: PagedRows, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
-    """`scratch_layout` for a call over `rows`."""
-    return scratch_layout(num_qo_heads, head_dim, rows.max_keys, len(rows))
+def key_parts(max_keys: int) -> int:
+    """Work items per row of up to `max_keys` keys (at least one)."""
+    return -(-max(max_keys, 1) // KEY_PART)
 
 
 def scratch_layout(num_qo_heads: int, head_dim: int, max_keys: int, num_rows: int) -> tuple[int, int]:
@@ -99,7 +99,5 @@ def scratch_layout(num_qo_heads: int, head_dim: int, max_keys: int, num_rows: in
     in paged_attention.c): per thread one score per key of a part and per head, the output
     and (bfloat16) the widened query and one K/V row; shared, each part's maxima, sums and
     weighted values, for `num_rows` rows of up to `max_keys` keys."""
-    max_keys = max(max_keys, 1)
-    parts = -(-max_keys // KEY_PART)
-    return (num_qo_heads * (min(max_keys, KEY_PART) + 3 * head_dim),
-            num_rows * parts * num_qo_heads * (head_dim + 2))
+    return (num_qo_heads * (min(max(max_keys, 1), KEY_PART) + 3 * head_dim),
+            num_rows * key_parts(max_keys) * num_qo_heads * (head_dim + 2))
