@@ -20,6 +20,7 @@ from radixserve.engine.sliced_work import (
     SlicedTask,
     SlicedWork,
 )
+from radixserve.native.openmp import release_thread_workers
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -88,6 +89,10 @@ class AsyncEngine:
         self._last_step_at = time.monotonic()
 
     async def start(self) -> None:
+        """Starts the engine thread. The calling thread is taken to be the one that built the
+        engine: its OpenMP workers are released so that the engine thread's are the only
+        ones (native/openmp.py says why that matters for every step)."""
+        release_thread_workers()
         self._loop = asyncio.get_running_loop()
         self._stopping = False
         self._last_step_at = time.monotonic()
