@@ -61,7 +61,7 @@ def test_decodes_match_float64_attention(num_qo_heads: int, num_kv_heads: int, h
     assert kernel_error <= max(2 * gather_error, 1e-6)
 
 
-@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (5, 5, 7)])
+@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 80), (5, 5, 7)])
 def test_bfloat16_decodes_match_float64_attention_as_closely_as_sdpa(num_qo_heads: int, num_kv_heads: int,
                                                                      head_dim: int) -> None:
     """bfloat16 q and caches: the kernel widens each row exactly and sums in float32, so its
@@ -90,6 +90,20 @@ def test_bfloat16_decodes_match_float64_attention_as_closely_as_sdpa(num_qo_head
     widened = backend.forward(q.float(), k_cache.float(), v_cache.float(), sm_scale=scale)
     backend.plan(meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
     assert torch.equal(backend.forward(q, k_cache, v_cache, sm_scale=scale), widened.bfloat16())
+
+
+def test_bfloat16_rows_are_the_float32_kernel_rounded_once_over_many_outputs() -> None:
+    """bfloat16 caches take their own loop (16 keys per reduction tree); it must give the
+    float32 path's bits before the one rounding. A float32 difference of an ulp flips a
+    bfloat16 rounding only now and then, so this looks at tens of thousands of outputs."""
+    shapes = [(n, 1) for n in range(40, 1640, 25)]
+    _, _, _, k_cache, v_cache, q, meta = plan_decodes(shapes, 16, 9, 3, 64, seed=11, q_scale=4.0)
+    k_cache, v_cache, q = k_cache.bfloat16(), v_cache.bfloat16(), q.bfloat16()
+    backend = TorchBackend()
+    backend.plan(meta, num_qo_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    widened = backend.forward(q.float(), k_cache.float(), v_cache.float(), sm_scale=0.125)
+    backend.plan(meta, num_qo_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    assert torch.equal(backend.forward(q, k_cache, v_cache, sm_scale=0.125), widened.bfloat16())
 
 
 def test_kernel_and_gather_paths_agree_in_one_mixed_step() -> None:

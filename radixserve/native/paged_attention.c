@@ -20,7 +20,8 @@
  *
  * The dot products keep 16 independent partial sums in one vector register, reduced by a
  * fixed tree, so they vectorise without letting the compiler reassociate floating-point
- * additions (no -ffast-math).
+ * additions (no -ffast-math). bfloat16 caches on AVX-512 run the same sums 16 keys at a time
+ * (attend_part_wide): the same bits, the tree shared by 16 scores.
  */
 #include "common.h"
 
@@ -101,6 +102,107 @@ static inline Partial partial_at(float *base, int num_qo_heads, int d) {
     return (Partial){base, base + num_qo_heads, base + 2 * num_qo_heads};
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 floats of a cache row from element i: float32, or bfloat16 widened exactly. */
+static inline __attribute__((always_inline)) __m512 row16(const void *row, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+/* The sums of 16 partial-sum vectors, key t's in lane t, each added up by dot()'s own tree
+ * (lanes j and j + 8, then j and j + 4, then (0 + 2) + (1 + 3)), so every score has the bits
+ * dot() gives it: the tree's levels run on four keys' lanes per instruction instead of one. */
+static inline __attribute__((always_inline)) __m512 sums16(const __m512 acc[16]) {
+    __m512 halves[8], quarters[4], pairs[2];
+    for (int p = 0; p < 8; ++p) /* [a.lo + a.hi | b.lo + b.hi] for keys 2p, 2p + 1 */
+        halves[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0x44),
+                                  _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; ++p) /* 128-bit lane j: key 4p + j, its lanes j and j + 4 added */
+        quarters[p] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * p], halves[2 * p + 1], 0x88),
+                                    _mm512_shuffle_f32x4(halves[2 * p], halves[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; ++p) /* per key (0 + 2) and (1 + 3) */
+        pairs[p] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * p], quarters[2 * p + 1], 0x44),
+                                 _mm512_shuffle_ps(quarters[2 * p], quarters[2 * p + 1], 0xEE));
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+    /* element 4j + m now holds key j + 4m */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+/* attend_part for bfloat16 caches where D is a multiple of 16, with the same bits as the
+ * per-key path over the widened rows: each score by dot()'s products and tree (sums16), each
+ * value sum in key order. Scores go 16 keys at a time per head (the keys' rows stay in the L1
+ * cache across the heads, widened in registers, and one tree serves 16 scores), values one
+ * head and 64 of its dimensions at a time in registers. With half float32's bytes per key,
+ * bfloat16 attention is bound by that arithmetic, which this halves; float32 keeps the per-key
+ * path, whose prefetch one key at a time keeps more of its (twice as many) bytes in flight
+ * (docs/benchmark.md). This block's V rows go to the L2 cache while its scores are computed. */
+static inline __attribute__((always_inline)) void attend_part_wide(const float *q, const void *k_cache,
+                                                                   const void *v_cache, const int32_t *pages,
+                                                                   int64_t start, int64_t n, int64_t end,
+                                                                   Partial part, int num_qo_heads, int num_kv_heads,
+                                                                   int d, int page_size, float scale,
+                                                                   float *scores, int bf16) {
+    int group = num_qo_heads / num_kv_heads;
+    int64_t row_stride = (int64_t)num_kv_heads * d, size = bf16 ? 2 : 4;
+    const char *k_rows[16];
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        int count = n - t0 < 16 ? (int)(n - t0) : 16;
+        for (int u = 0; u < count; ++u) {
+            int64_t t = start + t0 + u, ahead = t + 16;
+            int64_t offset = (pages[t / page_size] * page_size + t % page_size) * row_stride * size;
+            k_rows[u] = (const char *)k_cache + offset;
+            for (int64_t b = 0; b < row_stride * size; b += 64) _mm_prefetch((const char *)v_cache + offset + b, _MM_HINT_T1);
+            if (ahead < end) {
+                const char *next = (const char *)k_cache +
+                                   (pages[ahead / page_size] * page_size + ahead % page_size) * row_stride * size;
+                for (int64_t b = 0; b < row_stride * size; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            }
+        }
+        for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
+            for (int g = 0; g < group; ++g, ++head) {
+                __m512 acc[16];
+                for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+                for (int i = 0; i < d; i += 16) {
+                    __m512 qv = _mm512_loadu_ps(q + (int64_t)head * d + i);
+                    for (int u = 0; u < count; ++u)
+                        acc[u] = _mm512_fmadd_ps(qv, row16(k_rows[u], (int64_t)kv_head * d + i, bf16), acc[u]);
+                }
+                __m512 s = _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + head * n + t0, (__mmask16)((1u << count) - 1u), s);
+            }
+    }
+    for (int head = 0; head < num_qo_heads; ++head) {
+        float *row = scores + head * n;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
+        for (int64_t t = 0; t < n; ++t) {
+            row[t] = exp_nonpositive(row[t] - m);
+            sum += row[t];
+        }
+        part.max[head] = m;
+        part.sum[head] = sum;
+    }
+    for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
+        for (int g = 0; g < group; ++g, ++head)
+            for (int i0 = 0; i0 < d; i0 += 64) {
+                int vectors = d - i0 < 64 ? (d - i0) / 16 : 4;
+                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int64_t t = 0; t < n; ++t) {
+                    int64_t key = start + t;
+                    const char *v = (const char *)v_cache +
+                                    ((pages[key / page_size] * page_size + key % page_size) * row_stride +
+                                     (int64_t)kv_head * d) * size;
+                    __m512 p = _mm512_set1_ps(scores[head * n + t]);
+                    for (int c = 0; c < vectors; ++c) acc[c] = _mm512_fmadd_ps(p, row16(v, i0 + 16 * c, bf16), acc[c]);
+                }
+                for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(part.acc + (int64_t)head * d + i0 + 16 * c, acc[c]);
+            }
+}
+#endif
+
 /* Keys [first, last) of one query row (counted from the row's first key, lo), all heads: keys
  * are read once each, a whole row (every KV head) at a time. pages: the row's list from its
  * first page; q: the row's float32 query (the caller widens bfloat16 ones); buf holds one
@@ -115,6 +217,13 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, co
     int64_t row_stride = (int64_t)num_kv_heads * d;
     pages += lo / page_size; /* key t of this row is key lo + t: start at lo's page */
     int64_t start = lo % page_size + first;
+#ifdef __AVX512F__
+    if (bf16 && d % 16 == 0) {
+        attend_part_wide(q, k_cache, v_cache, pages, start, n, end, part, num_qo_heads, num_kv_heads, d, page_size,
+                         scale, scores, bf16);
+        return;
+    }
+#endif
     for (int64_t t = 0; t < n; ++t) {
         const float *k = prefetched_row(k_cache, pages, start + t, end, page_size, row_stride, bf16, buf);
         for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
