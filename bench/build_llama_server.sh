@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (CPU only) from the llama.cpp that the llama-cpp-python sdist
-# vendors, and convert SmolLM2-135M-Instruct to F32 / Q8_0 GGUF with llama.cpp's own converter,
+# vendors, and convert SmolLM2-135M-Instruct to F32 / Q8_0 / BF16 GGUF with llama.cpp's own converter,
 # for `radixserve bench peers`. Everything is cached under $RADIXSERVE_PEERS_CACHE
 # (default ~/.cache/radixserve-peers): a second run only redoes what is missing.
 # Never part of the test suite. About 20 minutes on 2 cores the first time.
@@ -17,11 +17,12 @@ SERVER=$BUILD/bin/llama-server
 HF_DIR=$CACHE/smollm2-hf
 GGUF_F32=$CACHE/smollm2-f32.gguf
 GGUF_Q8=$CACHE/smollm2-q8_0.gguf
+GGUF_BF16=$CACHE/smollm2-bf16.gguf  # the same arithmetic as `--dtype bfloat16`
 JOBS=${JOBS:-2}
 REPO_ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 if [[ "${1:-}" == "--print" ]]; then
-    echo "server=$SERVER"; echo "f32=$GGUF_F32"; echo "q8_0=$GGUF_Q8"; exit 0
+    echo "server=$SERVER"; echo "f32=$GGUF_F32"; echo "q8_0=$GGUF_Q8"; echo "bf16=$GGUF_BF16"; exit 0
 fi
 
 mkdir -p "$CACHE"
@@ -59,7 +60,7 @@ fi
 # 4. llama.cpp's converter, with the gguf-py it ships (not the installed gguf package). Its
 #    Llama vocab step imports sentencepiece before falling back to tokenizer.json.
 python -c "import sentencepiece" 2>/dev/null || pip install sentencepiece
-for pair in "f32:$GGUF_F32" "q8_0:$GGUF_Q8"; do
+for pair in "f32:$GGUF_F32" "q8_0:$GGUF_Q8" "bf16:$GGUF_BF16"; do
     outtype=${pair%%:*}; out=${pair#*:}
     if [[ ! -f $out ]]; then
         PYTHONPATH=$SRC/gguf-py nice -n 10 python "$SRC/convert_hf_to_gguf.py" "$HF_DIR" \
