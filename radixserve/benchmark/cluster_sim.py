@@ -30,6 +30,7 @@ from radixserve.benchmark.suite import make_retention
 from radixserve.benchmark.workloads import BenchRequest, Workload
 from radixserve.cache.adaptive import share_evidence
 from radixserve.cache.events import CacheEventHub
+from radixserve.cache.reuse import ReuseHistory
 from radixserve.cluster.routing import (
     CacheAwareConfig,
     ClusterState,
@@ -159,6 +160,11 @@ class ClusterSimulator:
         # the others' records as they are then (as a cluster's ingress would pass them on).
         rules = [sim.config.retention for sim in self.sims.values()]
         self.pooled = pooled and all(isinstance(rule, AdaptiveBoost) for rule in rules)
+        # ... and what counts as re-seen: the router sees every request, so it keeps the
+        # cluster's reuse history (over the sum of the replicas' windows) and hands each
+        # request's count to the replica that takes it (as a cluster's ingress does).
+        self.cluster_reuse = ReuseHistory(config.page_size, sum(rule.window_pages for rule in rules)) \
+            if self.pooled else None
 
     def run(self) -> ClusterSimResult:
         start = time.perf_counter()
@@ -207,6 +213,8 @@ class ClusterSimulator:
         predicted = {key: sum(self.state.index.tiered_pages(key, namespace, hashes, in_flight=True))
                      for key in self.sims}
         key = self.policy.choose(route, list(self.sims))
+        if self.cluster_reuse is not None:
+            self.sims[key].config.retention.expect(request, self.cluster_reuse.observe_hashes(hashes))
         self.served_by[request.index] = key
         self.order.append(list(self.sims).index(key))
         self.predicted[request.index] = predicted[key] * self.config.page_size

@@ -44,10 +44,20 @@ sum of the other replicas' records decides on all of it, its guard included. Eac
 still keeps its own ghost caches (its traffic, its capacity) and its own lead.
 `share_evidence` pools duels in one process (the cluster simulation does, before every
 routing).
+
+What counts as *re-seen* is pooled too: behind a router, one document's requests are spread
+over the replicas, so a replica's own history often takes a prefix the cluster has seen
+before for a new one (it was seen on another replica), and no lead can help a page that is
+never boosted. Whatever sees every request (the cluster's ingress, the cluster simulation's
+router) keeps a `ReuseHistory` of the cluster, over a window of the sum of the replicas'
+windows, and hands each request the leading pages it has seen (`cluster_seen`): the replica
+boosts those instead of its own count (its own history still observes, for a replica that
+gets no count).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 from collections.abc import Hashable
@@ -68,6 +78,7 @@ UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in
 LEADS = (0.0, *(float(8 ** k) for k in range(1, 6)), UNBOUNDED)  # 0, 8 .. 32,768 ticks, unbounded
 MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps at least this many
 MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
+MAX_EXPECTED = 1024        # cluster counts kept for prompts not yet observed (refused ones never are)
 SWITCH_SIGMAS = 2.0     # the margin of every test: two standard deviations
 # The lead taken is the best of the other leads' records, so its margin is corrected for the
 # number of distinct records among them (Bonferroni: two sigmas' one-sided chance, split
@@ -314,6 +325,12 @@ def prompt_ticks(tick: int, num_pages: int) -> list[float]:
     return [tick - i / (num_pages + 1) for i in range(num_pages)]
 
 
+def _prompt_key(tokens: np.ndarray | list[int]) -> bytes:
+    """A prompt's tokens as the key of its expected cluster count: a 16-byte digest (the
+    tokens themselves would keep whole prompts alive)."""
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
 def _ahead(diff: float, var: float, sigmas: float) -> bool:
     """A summed difference `diff` whose terms' squares sum to `var` is above zero by `sigmas`
     standard deviations (with no sigmas: above zero at all)."""
@@ -357,6 +374,8 @@ class AdaptiveReuse:
         self.duel = LeadDuel(cache_pages, window_pages)
         self.learner: LeadLearner = getattr(tree.policy, "learner", None) or LeadLearner()
         tree.insert_observer = self.inserted
+        # The cluster's counts for prompts on their way in (`expect`), by the prompt's tokens.
+        self._expected: dict[bytes, int] = {}
 
     def inserted(self, tokens: np.ndarray, namespace: Hashable, retention: Retention,
                  ranges: list[PageRange], tick: int) -> None:
@@ -369,11 +388,25 @@ class AdaptiveReuse:
                 boosted[first:end] = True
         self.duel.cached(hashes, boosted, tick)
 
-    def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False) -> int:
+    def expect(self, tokens: np.ndarray | list[int], cluster_seen: int) -> None:
+        """The cluster's count for a prompt that `observe` will see next (a replica hands it
+        on before the engine takes the request: the engine calls `observe` without it)."""
+        if len(self._expected) >= MAX_EXPECTED:  # counts of prompts the engine refused: drop the oldest
+            del self._expected[next(iter(self._expected))]
+        self._expected[_prompt_key(tokens)] = cluster_seen
+
+    def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False,
+                cluster_seen: int | None = None) -> int:
         """Leading pages of `tokens` seen recently (all of them boosted with `boost_all`: a
-        session's turn, declared reuse); teaches the tree's policy the lead."""
+        session's turn, declared reuse): the cluster's count when given (`cluster_seen`, or
+        one `expect` left for these tokens), else this cache's own; teaches the tree's policy
+        the lead."""
         hashes = self.history.hashes(tokens, namespace)
         seen = self.history.observe_hashes(hashes)
+        if cluster_seen is None and self._expected:
+            cluster_seen = self._expected.pop(_prompt_key(tokens), None)
+        if cluster_seen is not None:
+            seen = min(cluster_seen, len(hashes))
         cached = self.tree.match(tokens, namespace, update=False).cached_tokens // self.page_size
         if self.duel.observe(hashes, len(hashes) if boost_all else seen, self.learner.latest_tick, cached):
             self.learner.set_lead(self.duel.lead)

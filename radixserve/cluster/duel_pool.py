@@ -3,6 +3,13 @@ DuelRecord): each replica's record rides out with the stats of its event batches
 (`STATS_KEY`), the ingress hands every request the latest records of all replicas, and the
 replica that takes the request gives its duel the sum of the others' as `peers`.
 
+They pool what counts as re-seen the same way: each replica reports its reuse window
+(`WINDOW_KEY`), the ingress keeps the cluster's reuse history over their sum
+(`ClusterReuse`: it sees every request, the router spreads one prefix's requests over the
+replicas) and sends each request's count of leading pages seen with it
+(`ReplicaRequest.cluster_seen`); the replica hands it to its rule (`expect_seen`), which
+boosts those pages instead of the ones its own history saw.
+
 Why through these two messages: both already flow all the time (event batches whenever a
 cache changes, requests whenever one arrives), so pooling adds no call, no loop and no
 state at the ingress; a record is a few dozen floats. A replica's view of the others is as
@@ -18,8 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.cache.adaptive import AdaptiveReuse, DuelRecord, LeadDuel
+from radixserve.cache.reuse import ReuseHistory
 
 STATS_KEY = "lead_duel"  # a replica's stats: its duel's record (DuelRecord.to_list)
+WINDOW_KEY = "reuse_window"  # ... and its reuse history's window, in page observations
 
 
 def duel_of(engine: Any) -> LeadDuel | None:
@@ -29,10 +38,12 @@ def duel_of(engine: Any) -> LeadDuel | None:
 
 
 def with_record(stats: dict[str, Any], engine: Any) -> dict[str, Any]:
-    """`stats` plus the engine's duel record under STATS_KEY (unchanged without one)."""
+    """`stats` plus the engine's duel record under STATS_KEY and its reuse window under
+    WINDOW_KEY (unchanged without a duel)."""
     duel = duel_of(engine)
     if duel is not None:
         stats[STATS_KEY] = duel.record().to_list()
+        stats[WINDOW_KEY] = engine.reuse_history.history.window_pages
     return stats
 
 
@@ -58,3 +69,32 @@ def receive(engine: Any, records: dict[str, list[float]], own: str) -> None:
             continue
     if others:
         duel.peers = sum(others[1:], others[0])
+
+
+class ClusterReuse:
+    """The ingress's reuse history of the whole cluster: its window is the sum of the live
+    replicas' reuse windows (as they report them), so it spans as many caches' worth of
+    traffic as each replica's own does of its share."""
+
+    def __init__(self) -> None:
+        self.history: ReuseHistory | None = None
+
+    def observe(self, hashes: list[int], replica_stats: dict[str, dict[str, Any]]) -> int | None:
+        """Leading pages of a prompt (its routing page hashes, `hashes`) the cluster saw
+        recently, recording the prompt as seen; None while no replica runs the adaptive rule
+        (no window reported)."""
+        window = sum(int(stats.get(WINDOW_KEY, 0)) for stats in replica_stats.values())
+        if window <= 0:
+            return None
+        if self.history is None:
+            self.history = ReuseHistory(1, window)  # page size: unused (the hashes are given)
+        self.history.window_pages = window
+        return self.history.observe_hashes(hashes)
+
+
+def expect_seen(engine: Any, prompt_ids: list[int], cluster_seen: int | None) -> None:
+    """The replica: its adaptive rule counts `prompt_ids`' re-seen pages as the cluster's
+    `cluster_seen` when the engine takes the prompt (nothing without a count or a duel)."""
+    history = getattr(engine, "reuse_history", None)
+    if cluster_seen is not None and isinstance(history, AdaptiveReuse):
+        history.expect(prompt_ids, cluster_seen)

@@ -34,7 +34,7 @@ from radixserve.cache.events import CacheEvent
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cluster.cache_views import ClusterCacheViews
-from radixserve.cluster.duel_pool import records_of
+from radixserve.cluster.duel_pool import ClusterReuse, records_of
 from radixserve.cluster.event_hub import ClusterEventHub
 from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
@@ -74,6 +74,7 @@ class ClusterEngine:
         # replica that left (None): the merged /v1/cache/events stream (event_hub.py).
         self.cache_listener: Callable[[str, list[CacheEvent] | None], None] | None = None
         self.view: ClusterView = cluster_view(app_name, deployment)
+        self.reuse = ClusterReuse()  # what the cluster has seen: the replicas' adaptive rule boosts it
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._streams: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,9 +151,11 @@ class ClusterEngine:
         item; closing the iterator early cancels the replica's stream, which aborts there."""
         namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
                                          namespace_of(self.engine.model_name, cache_salt, tenant), self.hashing)
+        stats = self.view.replica_stats()
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, hashes, tenant,
-                                 priority_across_tenants, records_of(self.view.replica_stats()))
+                                 priority_across_tenants, records_of(stats),
+                                 cluster_seen=self.reuse.observe(hashes, stats))
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream

@@ -17,7 +17,7 @@ import torch
 from ray import serve
 
 from radixserve.cache.radix import PagesFreed
-from radixserve.cluster.duel_pool import receive, with_record
+from radixserve.cluster.duel_pool import expect_seen, receive, with_record
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.protocol import Accepted, EventBatch, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.engine.async_engine import AsyncEngine
@@ -57,6 +57,7 @@ class EngineReplica:
         cache events by then; an aborted one may cache its pages a step later, and the
         router then learns of them from the events alone."""
         receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
+        expect_seen(self.engine, request.prompt_ids, request.cluster_seen)  # ... and what the cluster saw
         deltas = self.async_engine.generate(
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
