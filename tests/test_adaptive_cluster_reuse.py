@@ -47,7 +47,7 @@ def test_an_expected_count_is_used_once_by_the_prompt_it_names() -> None:
     rule.expect(list(doc), 3)  # as a replica hands it on, before the engine takes the prompt
     assert rule.observe(other) == 0  # another prompt: its own (empty) history
     assert rule.observe(doc) == 3
-    assert rule.observe(prompt(3000)) == 0  # used up: not applied to a later prompt
+    assert rule.observe(doc) == 6  # used up: the same prompt again gets its own history's count
     rule.expect(list(doc), 1)
     assert rule.observe(doc, cluster_seen=5) == 5  # a count given directly wins
 
