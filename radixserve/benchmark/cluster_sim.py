@@ -252,7 +252,8 @@ def simulate_cluster(workload: Workload, config: SimConfig, replicas: int, route
                      pooled: bool = True) -> ClusterSimResult:
     """Runs `workload` through `replicas` simulated replicas behind `router` (fresh caches;
     each replica its own `retention` rule, by name as in suite.make_retention; the adaptive
-    rule's replicas pool their evidence unless not `pooled`: cache.adaptive.DuelRecord); with
+    rule's replicas pool their evidence and what counts as re-seen unless not `pooled`:
+    cache.adaptive.DuelRecord, `AdaptiveReuse.observe(cluster_seen=...)`); with
     `concurrency`, released by a closed loop of that many clients (`ClosedLoop`); `speeds`:
     each replica's speed relative to `config`'s timings (default: all 1)."""
     return ClusterSimulator(workload, config, replicas, router, retention=retention, seed=seed,
