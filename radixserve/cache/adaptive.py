@@ -60,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -374,8 +375,10 @@ class AdaptiveReuse:
         self.duel = LeadDuel(cache_pages, window_pages)
         self.learner: LeadLearner = getattr(tree.policy, "learner", None) or LeadLearner()
         tree.insert_observer = self.inserted
-        # The cluster's counts for prompts on their way in (`expect`), by the prompt's tokens.
+        # The cluster's counts for prompts on their way in (`expect`), by the prompt's tokens;
+        # a replica's event loop adds them while the engine thread takes them: under a lock.
         self._expected: dict[bytes, int] = {}
+        self._expected_lock = threading.Lock()
 
     def inserted(self, tokens: np.ndarray, namespace: Hashable, retention: Retention,
                  ranges: list[PageRange], tick: int) -> None:
@@ -390,10 +393,14 @@ class AdaptiveReuse:
 
     def expect(self, tokens: np.ndarray | list[int], cluster_seen: int) -> None:
         """The cluster's count for a prompt that `observe` will see next (a replica hands it
-        on before the engine takes the request: the engine calls `observe` without it)."""
-        if len(self._expected) >= MAX_EXPECTED:  # counts of prompts the engine refused: drop the oldest
-            del self._expected[next(iter(self._expected))]
-        self._expected[_prompt_key(tokens)] = cluster_seen
+        on before the engine takes the request: the engine calls `observe` without it).
+        Keyed by the tokens alone: two namespaces sending the same prompt at once may swap
+        counts, which moves a boost, never what is computed."""
+        key = _prompt_key(tokens)
+        with self._expected_lock:
+            if len(self._expected) >= MAX_EXPECTED:  # counts of prompts the engine refused: drop the oldest
+                del self._expected[next(iter(self._expected))]
+            self._expected[key] = cluster_seen
 
     def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False,
                 cluster_seen: int | None = None) -> int:
@@ -404,7 +411,9 @@ class AdaptiveReuse:
         hashes = self.history.hashes(tokens, namespace)
         seen = self.history.observe_hashes(hashes)
         if cluster_seen is None and self._expected:
-            cluster_seen = self._expected.pop(_prompt_key(tokens), None)
+            key = _prompt_key(tokens)
+            with self._expected_lock:
+                cluster_seen = self._expected.pop(key, None)
         if cluster_seen is not None:
             seen = min(cluster_seen, len(hashes))
         cached = self.tree.match(tokens, namespace, update=False).cached_tokens // self.page_size
