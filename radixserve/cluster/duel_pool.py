@@ -11,9 +11,10 @@ replicas) and sends each request's count of leading pages seen with it
 boosts those pages instead of the ones its own history saw.
 
 Why through these two messages: both already flow all the time (event batches whenever a
-cache changes, requests whenever one arrives), so pooling adds no call, no loop and no
-state at the ingress; a record is a few dozen floats. A replica's view of the others is as
-fresh as their last event batch.
+cache changes, requests whenever one arrives), so pooling adds no call and no loop, and
+the ingress keeps one piece of state (the cluster's reuse history, about 16 bytes per page
+of the window); a record is a few dozen floats. A replica's view of the others is as fresh
+as their last event batch.
 
 Threads: a record is copied on the replica's event loop while the engine thread may be
 updating the duel (a copy may mix two updates: one prompt's evidence, at most); `peers` is
