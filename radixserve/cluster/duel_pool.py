@@ -12,8 +12,8 @@ boosts those pages instead of the ones its own history saw.
 
 Why through these two messages: both already flow all the time (event batches whenever a
 cache changes, requests whenever one arrives), so pooling adds no call and no loop, and
-the ingress keeps one piece of state (the cluster's reuse history, about 16 bytes per page
-of the window); a record is a few dozen floats. A replica's view of the others is as fresh
+the ingress keeps one piece of state (the cluster's reuse history: the page hashes seen
+within its window); a record is a few dozen floats. A replica's view of the others is as fresh
 as their last event batch.
 
 Threads: a record is copied on the replica's event loop while the engine thread may be
