@@ -12,7 +12,7 @@ from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
 from radixserve.benchmark.cluster_sim import ClusterSimulator
 from radixserve.benchmark.simulate import SimConfig
 from radixserve.benchmark.workloads import BenchRequest, Workload
-from radixserve.cache.adaptive import MAX_EXPECTED, AdaptiveReuse
+from radixserve.cache.adaptive import MAX_PENDING, AdaptiveReuse
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.cache.reuse import ReuseHistory
@@ -54,10 +54,10 @@ def test_an_expected_count_is_used_once_by_the_prompt_it_names() -> None:
 
 def test_expected_counts_stay_bounded() -> None:
     rule = adaptive()
-    for i in range(MAX_EXPECTED + 50):  # prompts the engine refused never come to observe
+    for i in range(MAX_PENDING + 50):  # prompts the engine refused never come to observe
         rule.expect([i], 1)
-    assert len(rule._expected) == MAX_EXPECTED
-    assert rule.observe(np.array([MAX_EXPECTED + 49] * PAGE)) == 0  # not expected: its own view
+    assert len(rule._expected) == MAX_PENDING
+    assert rule.observe(np.array([MAX_PENDING + 49] * PAGE)) == 0  # not expected: its own view
     rule.expect(list(prompt(7000)), 2)
     assert rule.observe(prompt(7000)) == 2
 
