@@ -1,6 +1,8 @@
 """What counts as re-seen behind a router: the cluster's reuse history (cache/adaptive.py:
 `AdaptiveReuse.observe(cluster_seen=...)`, `expect`; the cluster simulation's router and a
-cluster's ingress keep it: benchmark/cluster_sim.py, cluster/duel_pool.py `ClusterReuse`)."""
+cluster's ingress keep it: benchmark/cluster_sim.py, cluster/duel_pool.py `ClusterReuse`),
+and prompts sent elsewhere after their last replica lost them (`AdaptiveReuse.elsewhere`,
+`LeadDuel.observe_elsewhere`, reuse.py `ClusterHistory.took`)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
 from radixserve.benchmark.cluster_sim import ClusterSimulator
 from radixserve.benchmark.simulate import SimConfig
 from radixserve.benchmark.workloads import BenchRequest, Workload
-from radixserve.cache.adaptive import MAX_PENDING, AdaptiveReuse
+from radixserve.cache.adaptive import LEADS, MAX_PENDING, AdaptiveReuse, LeadDuel
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
-from radixserve.cache.reuse import ReuseHistory
-from radixserve.cluster.duel_pool import WINDOW_KEY, ClusterReuse, expect_seen, with_record
+from radixserve.cache.reuse import ClusterHistory, ReuseHistory
+from radixserve.cluster.duel_pool import WINDOW_KEY, ClusterReuse, expect_seen, tell_elsewhere, with_record
 
 PAGE = 4
 
@@ -125,3 +127,87 @@ def test_the_replica_hands_the_count_to_its_rule() -> None:
     plain = engine("priority")
     expect_seen(plain, list(doc), 4)  # a rule without the adaptive history: nothing to hand to
     assert plain.reuse_history.observe(doc) == 0
+
+
+# ---------------------------------------------------------------- prompts sent elsewhere
+
+
+def test_a_prompt_sent_elsewhere_is_ghost_evidence_only() -> None:
+    duel = LeadDuel(24, 16 * 24)
+    doc = list(range(1, 21))
+    duel.observe(doc, len(doc), 0, 0)
+    for r in range(8):  # fresh pages push the document out of LRU's ghost, not out of a lead's
+        duel.observe([1000 * (r + 1) + i for i in range(10)], 0, 2 * r + 1, 0)
+        tree = duel.tree_record.copy()
+        duel.observe_elsewhere(doc, len(doc), 2 * r + 2)
+        assert np.array_equal(duel.tree_record, tree)  # the tree never saw it
+    assert duel._diff[-1, 0] > 0  # the unbounded lead's ghost kept it, LRU's did not
+    assert duel.lead == LEADS[-1]
+
+
+def test_prompts_sent_elsewhere_wait_for_the_engine_thread() -> None:
+    rule = adaptive()
+    before = rule.duel.record()
+    rule.elsewhere(prompt(1000), None, 6)  # from a replica's event loop: queued only
+    assert rule.duel.record().to_list() == before.to_list()
+    rule.observe(prompt(9000, 1))  # the engine thread's next prompt replays it first
+    assert rule.duel.ghosts[-1].hits == 0 and len(rule.duel.ghosts[-1]) >= 6
+    assert not rule._elsewhere
+    for i in range(MAX_PENDING + 10):
+        rule.elsewhere([i], None, 1)
+    assert len(rule._elsewhere) == MAX_PENDING
+
+
+def test_the_history_tells_the_home_that_lost_the_prompt() -> None:
+    history = ClusterHistory(1000)
+    doc = [1, 2, 3, 4]
+    assert history.took(doc, history.observe_hashes(doc), "a", lambda r: 0) is None  # never seen: no home
+    seen = history.observe_hashes(doc)
+    assert seen == 4 and history.home(doc, seen) == "a"
+    assert history.took(doc, seen, "b", lambda r: 4) is None  # a still holds it: routed away for balance
+    seen = history.observe_hashes(doc)
+    assert history.took(doc, seen, "a", lambda r: 2) == "b"  # b served it last and lost half of it
+    seen = history.observe_hashes(doc)
+    assert history.took(doc, seen, "a", lambda r: 0) is None  # its home took it again
+
+
+def evicting_workload() -> Workload:
+    """A document, a filler, a filler that evicts the document from the first replica, the
+    document again, one more filler: round robin sends them a, b, a, b, a."""
+    doc = prompt(1000, 8).astype(np.int32)
+    fillers = [prompt(10_000 * (i + 1), 14).astype(np.int32) for i in range(3)]
+    prompts = [doc, fillers[0], fillers[1], doc.copy(), fillers[2]]
+    return Workload("evict", [BenchRequest(index=i, prompt_ids=p, output_len=1, arrival_time=float(i))
+                              for i, p in enumerate(prompts)], {})
+
+
+def test_the_cluster_simulation_tells_the_replica_that_lost_it() -> None:
+    eviction, retention = EVICTION_POLICIES["adaptive"]
+    told = {}
+    for pooled in (True, False):
+        cluster = ClusterSimulator(evicting_workload(), SimConfig(16 * PAGE, page_size=PAGE, eviction_policy=eviction),
+                                   2, "round-robin", retention=retention, pooled=pooled)
+        first = cluster.sims["replica-0"].config.retention
+        calls: list[tuple[int, int]] = []
+        tell = first.elsewhere
+        first.elsewhere = lambda request, seen: (calls.append((request.index, seen)), tell(request, seen))[1]
+        cluster.run()
+        assert [cluster.served_by[i] for i in range(5)] == ["replica-0", "replica-1"] * 2 + ["replica-0"]
+        told[pooled] = calls
+        if pooled:  # replayed at its next prompt: its ghosts hold the document
+            doc_hashes = first._adaptive.history.hashes(evicting_workload().requests[0].prompt_ids)
+            assert all(h in first.duel.ghosts[-1]._keys for h in doc_hashes)
+    assert told == {True: [(3, 8)], False: []}
+
+
+def test_the_ingress_and_the_replica_pass_it_on() -> None:
+    reuse = ClusterReuse()
+    assert reuse.took([1, 2], None, "a", lambda r: 0) is None  # no count: no history
+    stats = {"a": {WINDOW_KEY: 100}, "b": {WINDOW_KEY: 100}}
+    reuse.took([1, 2], reuse.observe([1, 2], stats), "a", lambda r: 0)
+    assert reuse.took([1, 2], reuse.observe([1, 2], stats), "b", lambda r: 0) == "a"
+    replica = engine()
+    tell_elsewhere(replica, list(prompt(1000)), None, 2)
+    assert len(replica.reuse_history._elsewhere) == 1
+    plain = engine("priority")
+    tell_elsewhere(plain, list(prompt(1000)), None, 2)  # no adaptive rule: nothing to tell

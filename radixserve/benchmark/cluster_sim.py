@@ -226,10 +226,9 @@ class ClusterSimulator:
         has lost them (as its events say), is told the request went elsewhere."""
         history = self.cluster_reuse
         seen = history.observe_hashes(hashes)
-        home = history.home(hashes, seen)
-        history.took(hashes, key)
+        home = history.took(hashes, seen, key, lambda r: sum(self.state.index.tiered_pages(r, namespace, hashes)))
         self.sims[key].config.retention.expect(request, seen)
-        if home is not None and home != key and sum(self.state.index.tiered_pages(home, namespace, hashes)) < seen:
+        if home is not None:
             self.sims[home].config.retention.elsewhere(request, seen)
 
     def _result(self, wall_s: float) -> ClusterSimResult:
