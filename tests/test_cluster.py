@@ -83,6 +83,16 @@ def index_matches_caches(server: SimpleNamespace) -> bool:
     return believed == real and len(believed) == 2
 
 
+def test_every_replica_takes_the_ingress_elsewhere_call(server: SimpleNamespace) -> None:
+    """The call the ingress pins to a replica whose prompt the router sent elsewhere
+    (cluster/duel_pool.py: the replica's adaptive rule replays it) is one the replicas take."""
+    engines = replica_handle()
+    replicas = server.app.cache_index.remote().result()
+    assert len(replicas) == 2
+    for replica in replicas:
+        assert engines.elsewhere.remote(distinct_prompt(7), None, None, 3, replica=replica).result() is None
+
+
 def test_metrics_cover_every_replica(client: httpx.Client, server: SimpleNamespace) -> None:
     """/metrics sums the replicas: twice one engine's pages (single server: NUM_PAGES)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -30,6 +30,7 @@ from radixserve.benchmark.suite import make_retention
 from radixserve.benchmark.workloads import BenchRequest, Workload
 from radixserve.cache.adaptive import share_evidence
 from radixserve.cache.events import CacheEventHub
+from radixserve.cache.reuse import ClusterHistory
 from radixserve.cluster.routing import (
     CacheAwareConfig,
     ClusterState,
@@ -159,6 +160,11 @@ class ClusterSimulator:
         # the others' records as they are then (as a cluster's ingress would pass them on).
         rules = [sim.config.retention for sim in self.sims.values()]
         self.pooled = pooled and all(isinstance(rule, AdaptiveBoost) for rule in rules)
+        # ... and what counts as re-seen: the router sees every request, so it keeps the
+        # cluster's reuse history (over the sum of the replicas' windows), hands each
+        # request's count to the replica that takes it and tells the replica that served the
+        # prefix last if it lost it (as a cluster's ingress does: cluster/duel_pool.py).
+        self.cluster_reuse = ClusterHistory(sum(rule.window_pages for rule in rules)) if self.pooled else None
 
     def run(self) -> ClusterSimResult:
         start = time.perf_counter()
@@ -207,10 +213,23 @@ class ClusterSimulator:
         predicted = {key: sum(self.state.index.tiered_pages(key, namespace, hashes, in_flight=True))
                      for key in self.sims}
         key = self.policy.choose(route, list(self.sims))
+        if self.cluster_reuse is not None:
+            self._pool_reuse(request, namespace, hashes, key)
         self.served_by[request.index] = key
         self.order.append(list(self.sims).index(key))
         self.predicted[request.index] = predicted[key] * self.config.page_size
         self.sims[key].release(request, released_at)
+
+    def _pool_reuse(self, request: BenchRequest, namespace: str, hashes: list[int], key: str) -> None:
+        """The cluster's reuse history: `key`, which takes the request, gets the count of
+        its pages the cluster saw; the replica that took them last, if it is another one and
+        has lost them (as its events say), is told the request went elsewhere."""
+        history = self.cluster_reuse
+        seen = history.observe_hashes(hashes)
+        home = history.took(hashes, seen, key, lambda r: sum(self.state.index.tiered_pages(r, namespace, hashes)))
+        self.sims[key].config.retention.expect(request, seen)
+        if home is not None:
+            self.sims[home].config.retention.elsewhere(request, seen)
 
     def _result(self, wall_s: float) -> ClusterSimResult:
         sims = list(self.sims.values())
@@ -244,7 +263,8 @@ def simulate_cluster(workload: Workload, config: SimConfig, replicas: int, route
                      pooled: bool = True) -> ClusterSimResult:
     """Runs `workload` through `replicas` simulated replicas behind `router` (fresh caches;
     each replica its own `retention` rule, by name as in suite.make_retention; the adaptive
-    rule's replicas pool their evidence unless not `pooled`: cache.adaptive.DuelRecord); with
+    rule's replicas pool their evidence and what counts as re-seen unless not `pooled`:
+    cache.adaptive.DuelRecord, `AdaptiveReuse.observe(cluster_seen=...)`); with
     `concurrency`, released by a closed loop of that many clients (`ClosedLoop`); `speeds`:
     each replica's speed relative to `config`'s timings (default: all 1)."""
     return ClusterSimulator(workload, config, replicas, router, retention=retention, seed=seed,

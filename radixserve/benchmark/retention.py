@@ -142,6 +142,7 @@ class AdaptiveBoost(ReuseBoost):
         super().__init__(page_size, window_pages, boost_sessions=boost_sessions)
         self.retention = AdaptiveReuse.retention
         self._adaptive: AdaptiveReuse | None = None
+        self._cluster_seen: dict[int, int] = {}  # request index -> the cluster's count (`expect`)
 
     def bind(self, tree: RadixTree) -> None:
         self._adaptive = AdaptiveReuse(tree, self.window_pages)
@@ -151,13 +152,26 @@ class AdaptiveBoost(ReuseBoost):
         """The lead duel of the tree it is bound to (None before `bind`)."""
         return self._adaptive.duel if self._adaptive is not None else None
 
+    def expect(self, request: BenchRequest, cluster_seen: int) -> None:
+        """The cluster's count of `request`'s leading pages seen recently (the router's
+        history of every replica's traffic: cache/adaptive.py), used when it arrives."""
+        self._cluster_seen[request.index] = cluster_seen
+
+    def elsewhere(self, request: BenchRequest, cluster_seen: int) -> None:
+        """The router sent `request` to another replica because this one, which served its
+        `cluster_seen` leading pages last, had lost them (cache/adaptive.py)."""
+        if self._adaptive is None:
+            raise RuntimeError("AdaptiveBoost: bind it to the tree first")
+        self._adaptive.elsewhere(request.prompt_ids, None, cluster_seen)
+
     def observe(self, request: BenchRequest) -> None:
         if request.index in self._seen_pages:
             return
         if self._adaptive is None:
             raise RuntimeError("AdaptiveBoost: bind it to the tree first")
         session = self.boost_sessions and request.client_id >= 0
-        self._seen_pages[request.index] = self._adaptive.observe(request.prompt_ids, boost_all=session)
+        self._seen_pages[request.index] = self._adaptive.observe(
+            request.prompt_ids, boost_all=session, cluster_seen=self._cluster_seen.pop(request.index, None))
 
 
 class Combined(RetentionRule):

@@ -44,12 +44,24 @@ sum of the other replicas' records decides on all of it, its guard included. Eac
 still keeps its own ghost caches (its traffic, its capacity) and its own lead.
 `share_evidence` pools duels in one process (the cluster simulation does, before every
 routing).
+
+What counts as *re-seen* is pooled too: behind a router, one document's requests are spread
+over the replicas, so a replica's own history often takes a prefix the cluster has seen
+before for a new one (it was seen on another replica), and no lead can help a page that is
+never boosted. Whatever sees every request (the cluster's ingress, the cluster simulation's
+router) keeps a `ReuseHistory` of the cluster, over a window of the sum of the replicas'
+windows, and hands each request the leading pages it has seen (`cluster_seen`): the replica
+boosts those instead of its own count (its own history still observes, for a replica that
+gets no count).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
+import threading
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -68,6 +80,7 @@ UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in
 LEADS = (0.0, *(float(8 ** k) for k in range(1, 6)), UNBOUNDED)  # 0, 8 .. 32,768 ticks, unbounded
 MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps at least this many
 MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
+MAX_PENDING = 1024         # cluster messages kept for the engine thread (a refused prompt's count is never taken)
 SWITCH_SIGMAS = 2.0     # the margin of every test: two standard deviations
 # The lead taken is the best of the other leads' records, so its margin is corrected for the
 # number of distinct records among them (Bonferroni: two sigmas' one-sided chance, split
@@ -162,6 +175,20 @@ class LeadDuel:
     def observe(self, hashes: list[int], boosted: int, tick: int, cached: int) -> bool:
         """A prompt with these page hashes, its first `boosted` pages boosted, of which the
         tree holds the first `cached`, arrives at `tick`; returns whether the lead changed."""
+        return self._replay(hashes, boosted, tick, cached)
+
+    def observe_elsewhere(self, hashes: list[int], boosted: int, tick: int) -> bool:
+        """A prompt this replica served before was sent to another one because this replica
+        had lost it (`AdaptiveReuse.elsewhere`): the ghost caches replay it as if it had
+        come here, since a lead that had kept the prefix would also have drawn the request
+        back (a cache-aware router follows what each replica holds); the tree's record is
+        left alone (the tree never saw it). Returns whether the lead changed."""
+        return self._replay(hashes, boosted, tick, None)
+
+    def _replay(self, hashes: list[int], boosted: int, tick: int, cached: int | None) -> bool:
+        """Runs a prompt through every ghost cache and adds its paired differences to the
+        record, and, when the tree holds its first `cached` pages (None: the tree did not
+        see it), the tree's difference from LRU's ghost."""
         rate = self.sample_rate
         sampled = [(i, h) for i, h in enumerate(hashes) if h % rate == 0]
         if not sampled:
@@ -177,8 +204,9 @@ class LeadDuel:
         diff = hits[:, None] - hits[None, :]
         self._diff += diff
         self._var += diff * diff
-        tree = float(sum(1 for i, _ in sampled if i < cached)) - hits[0]
-        self.tree_record += (tree, tree * tree)
+        if cached is not None:
+            tree = float(sum(1 for i, _ in sampled if i < cached)) - hits[0]
+            self.tree_record += (tree, tree * tree)
         self._accesses += len(sampled)
         if self._accesses >= self._decay_every:
             self._accesses = 0
@@ -314,6 +342,12 @@ def prompt_ticks(tick: int, num_pages: int) -> list[float]:
     return [tick - i / (num_pages + 1) for i in range(num_pages)]
 
 
+def _prompt_key(tokens: np.ndarray | list[int]) -> bytes:
+    """A prompt's tokens as the key of its expected cluster count: a 16-byte digest (the
+    tokens themselves would keep whole prompts alive)."""
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
 def _ahead(diff: float, var: float, sigmas: float) -> bool:
     """A summed difference `diff` whose terms' squares sum to `var` is above zero by `sigmas`
     standard deviations (with no sigmas: above zero at all)."""
@@ -357,6 +391,12 @@ class AdaptiveReuse:
         self.duel = LeadDuel(cache_pages, window_pages)
         self.learner: LeadLearner = getattr(tree.policy, "learner", None) or LeadLearner()
         tree.insert_observer = self.inserted
+        # The cluster's counts for prompts on their way in (`expect`), by the prompt's tokens,
+        # and prompts served elsewhere that this replica had lost (`elsewhere`); a replica's
+        # event loop adds them while the engine thread takes them: under a lock.
+        self._expected: dict[bytes, int] = {}
+        self._elsewhere: deque[tuple[np.ndarray, Hashable, int]] = deque(maxlen=MAX_PENDING)
+        self._pending_lock = threading.Lock()
 
     def inserted(self, tokens: np.ndarray, namespace: Hashable, retention: Retention,
                  ranges: list[PageRange], tick: int) -> None:
@@ -369,11 +409,51 @@ class AdaptiveReuse:
                 boosted[first:end] = True
         self.duel.cached(hashes, boosted, tick)
 
-    def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False) -> int:
+    def expect(self, tokens: np.ndarray | list[int], cluster_seen: int) -> None:
+        """The cluster's count for a prompt that `observe` will see next (a replica hands it
+        on before the engine takes the request: the engine calls `observe` without it).
+        Keyed by the tokens alone: two namespaces sending the same prompt at once may swap
+        counts, which moves a boost, never what is computed."""
+        key = _prompt_key(tokens)
+        with self._pending_lock:
+            if len(self._expected) >= MAX_PENDING:  # counts of prompts the engine refused: drop the oldest
+                del self._expected[next(iter(self._expected))]
+            self._expected[key] = cluster_seen
+
+    def elsewhere(self, tokens: np.ndarray | list[int], namespace: Hashable, cluster_seen: int) -> None:
+        """The router sent a prompt this replica served last to another replica, because this
+        one no longer held the `cluster_seen` leading pages the cluster saw (whoever routes
+        tells it: the cluster simulation, a cluster's ingress). Its ghost caches replay it at
+        the next `observe` (`LeadDuel.observe_elsewhere`), on the engine thread; at most
+        MAX_PENDING wait (the oldest are dropped)."""
+        with self._pending_lock:
+            self._elsewhere.append((np.asarray(tokens, dtype=np.int64), namespace, cluster_seen))
+
+    def _replay_elsewhere(self) -> None:
+        with self._pending_lock:
+            pending = list(self._elsewhere)
+            self._elsewhere.clear()
+        for tokens, namespace, seen in pending:
+            hashes = self.history.hashes(tokens, namespace)
+            if self.duel.observe_elsewhere(hashes, min(seen, len(hashes)), self.learner.latest_tick):
+                self.learner.set_lead(self.duel.lead)
+
+    def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False,
+                cluster_seen: int | None = None) -> int:
         """Leading pages of `tokens` seen recently (all of them boosted with `boost_all`: a
-        session's turn, declared reuse); teaches the tree's policy the lead."""
+        session's turn, declared reuse): the cluster's count when given (`cluster_seen`, or
+        one `expect` left for these tokens), else this cache's own; teaches the tree's policy
+        the lead."""
+        if self._elsewhere:
+            self._replay_elsewhere()
         hashes = self.history.hashes(tokens, namespace)
         seen = self.history.observe_hashes(hashes)
+        if cluster_seen is None and self._expected:
+            key = _prompt_key(tokens)
+            with self._pending_lock:
+                cluster_seen = self._expected.pop(key, None)
+        if cluster_seen is not None:
+            seen = min(cluster_seen, len(hashes))
         cached = self.tree.match(tokens, namespace, update=False).cached_tokens // self.page_size
         if self.duel.observe(hashes, len(hashes) if boost_all else seen, self.learner.latest_tick, cached):
             self.learner.set_lead(self.duel.lead)

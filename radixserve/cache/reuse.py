@@ -8,6 +8,7 @@ about 16 bytes per page — so the second arrival is recognised and can be retai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Hashable
 
 import numpy as np
@@ -64,3 +65,34 @@ class ReuseHistory:
     def __len__(self) -> int:
         """Hashes remembered (at most about 4 windows' worth)."""
         return len(self._last_seen)
+
+
+class ClusterHistory(ReuseHistory):
+    """The reuse history of a cluster's whole traffic, kept by whatever sees every request
+    (the cluster simulation's router, a cluster's ingress), over hashes it is given (page
+    size unused). It also remembers which replica took each page last, so that a request
+    for a prefix its last replica (its *home*) no longer holds, sent elsewhere, can be told
+    to that replica (adaptive.py: `AdaptiveReuse.elsewhere`)."""
+
+    def __init__(self, window_pages: int) -> None:
+        super().__init__(1, window_pages)
+        self._taker: dict[int, str] = {}
+
+    def home(self, hashes: list[int], seen: int) -> str | None:
+        """The replica that took the last of a prompt's `seen` leading pages (seen within
+        the window; None: none seen, or taken before this history began)."""
+        return self._taker.get(hashes[seen - 1]) if seen else None
+
+    def took(self, hashes: list[int], seen: int, replica: str, held: Callable[[str], int]) -> str | None:
+        """`replica` takes the prompt with these page hashes (`seen`: their count from
+        `observe_hashes`); returns the replica to tell that it went elsewhere: its home,
+        when that is another replica and `held(home)`, the leading pages the home still
+        holds, falls short of the `seen` ones (None: nobody to tell)."""
+        home = self.home(hashes, seen)
+        for h in hashes:
+            self._taker[h] = replica
+        if len(self._taker) > 2 * len(self._last_seen) + 1024:  # forget what the history forgot
+            self._taker = {h: r for h, r in self._taker.items() if h in self._last_seen}
+        if home is None or home == replica or held(home) >= seen:
+            return None
+        return home

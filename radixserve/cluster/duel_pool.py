@@ -3,10 +3,23 @@ DuelRecord): each replica's record rides out with the stats of its event batches
 (`STATS_KEY`), the ingress hands every request the latest records of all replicas, and the
 replica that takes the request gives its duel the sum of the others' as `peers`.
 
+They pool what counts as re-seen the same way: each replica reports its reuse window
+(`WINDOW_KEY`), the ingress keeps the cluster's reuse history over their sum
+(`ClusterReuse`: it sees every request, the router spreads one prefix's requests over the
+replicas) and sends each request's count of leading pages seen with it
+(`ReplicaRequest.cluster_seen`); the replica hands it to its rule (`expect_seen`), which
+boosts those pages instead of the ones its own history saw. When the replica that served a
+prompt's seen pages last has lost them and the router sends the prompt elsewhere, the
+ingress tells that replica (`ClusterReuse.took`, then the replica's `elsewhere` call: the
+one call this adds, only for such prompts; `tell_elsewhere`), whose ghost caches replay the
+prompt: a lead that had kept the pages would have drawn the request back, which the ghost
+caches cannot see from the traffic the replica gets.
+
 Why through these two messages: both already flow all the time (event batches whenever a
-cache changes, requests whenever one arrives), so pooling adds no call, no loop and no
-state at the ingress; a record is a few dozen floats. A replica's view of the others is as
-fresh as their last event batch.
+cache changes, requests whenever one arrives), so pooling adds no loop and no call but the
+`elsewhere` above, and the ingress keeps one piece of state (the cluster's reuse history:
+the page hashes seen within its window, and which replica took each last); a record is a
+few dozen floats. A replica's view of the others is as fresh as their last event batch.
 
 Threads: a record is copied on the replica's event loop while the engine thread may be
 updating the duel (a copy may mix two updates: one prompt's evidence, at most); `peers` is
@@ -15,11 +28,14 @@ replaced whole, which the engine thread reads at its next decision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from radixserve.cache.adaptive import AdaptiveReuse, DuelRecord, LeadDuel
+from radixserve.cache.reuse import ClusterHistory
 
 STATS_KEY = "lead_duel"  # a replica's stats: its duel's record (DuelRecord.to_list)
+WINDOW_KEY = "reuse_window"  # ... and its reuse history's window, in page observations
 
 
 def duel_of(engine: Any) -> LeadDuel | None:
@@ -29,10 +45,12 @@ def duel_of(engine: Any) -> LeadDuel | None:
 
 
 def with_record(stats: dict[str, Any], engine: Any) -> dict[str, Any]:
-    """`stats` plus the engine's duel record under STATS_KEY (unchanged without one)."""
+    """`stats` plus the engine's duel record under STATS_KEY and its reuse window under
+    WINDOW_KEY (unchanged without a duel)."""
     duel = duel_of(engine)
     if duel is not None:
         stats[STATS_KEY] = duel.record().to_list()
+        stats[WINDOW_KEY] = engine.reuse_history.history.window_pages
     return stats
 
 
@@ -58,3 +76,50 @@ def receive(engine: Any, records: dict[str, list[float]], own: str) -> None:
             continue
     if others:
         duel.peers = sum(others[1:], others[0])
+
+
+class ClusterReuse:
+    """The ingress's reuse history of the whole cluster (`ClusterHistory`): its window is
+    the sum of the live replicas' reuse windows (as they report them), so it spans as many
+    caches' worth of traffic as each replica's own does of its share."""
+
+    def __init__(self) -> None:
+        self.history: ClusterHistory | None = None
+
+    def observe(self, hashes: list[int], replica_stats: dict[str, dict[str, Any]]) -> int | None:
+        """Leading pages of a prompt (its routing page hashes, `hashes`) the cluster saw
+        recently, recording the prompt as seen; None while no replica runs the adaptive rule
+        (no window reported)."""
+        window = sum(int(stats.get(WINDOW_KEY, 0)) for stats in replica_stats.values())
+        if window <= 0:
+            return None
+        if self.history is None:
+            self.history = ClusterHistory(window)
+        self.history.window_pages = window
+        return self.history.observe_hashes(hashes)
+
+    def took(self, hashes: list[int], seen: int | None, replica: str,
+             held: Callable[[str], int]) -> str | None:
+        """`replica` took the prompt (`seen`: what `observe` returned for it); returns the
+        replica to tell that the prompt went elsewhere (`ClusterHistory.took`; `held`: the
+        leading pages a replica holds, as its events say), or None."""
+        if self.history is None or seen is None:
+            return None
+        return self.history.took(hashes, seen, replica, held)
+
+
+def expect_seen(engine: Any, prompt_ids: list[int], cluster_seen: int | None) -> None:
+    """The replica: its adaptive rule counts `prompt_ids`' re-seen pages as the cluster's
+    `cluster_seen` when the engine takes the prompt (nothing without a count or a duel)."""
+    history = getattr(engine, "reuse_history", None)
+    if cluster_seen is not None and isinstance(history, AdaptiveReuse):
+        history.expect(prompt_ids, cluster_seen)
+
+
+def tell_elsewhere(engine: Any, prompt_ids: list[int], namespace: Any, cluster_seen: int) -> None:
+    """The replica: the router sent this prompt, whose `cluster_seen` leading pages it
+    served last and has lost, to another replica; its adaptive rule's ghost caches replay it
+    (nothing without a duel)."""
+    history = getattr(engine, "reuse_history", None)
+    if isinstance(history, AdaptiveReuse):
+        history.elsewhere(prompt_ids, namespace, cluster_seen)

@@ -34,7 +34,7 @@ from radixserve.cache.events import CacheEvent
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import PagesFreed, Retention
 from radixserve.cluster.cache_views import ClusterCacheViews
-from radixserve.cluster.duel_pool import records_of
+from radixserve.cluster.duel_pool import ClusterReuse, records_of
 from radixserve.cluster.event_hub import ClusterEventHub
 from radixserve.cluster.stats import merge_stats
 from radixserve.cluster.protocol import Accepted, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
@@ -74,6 +74,8 @@ class ClusterEngine:
         # replica that left (None): the merged /v1/cache/events stream (event_hub.py).
         self.cache_listener: Callable[[str, list[CacheEvent] | None], None] | None = None
         self.view: ClusterView = cluster_view(app_name, deployment)
+        self.reuse = ClusterReuse()  # what the cluster has seen: the replicas' adaptive rule boosts it
+        self._telling: set[asyncio.Future[Any]] = set()  # `elsewhere` calls under way (kept from the GC)
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._streams: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,9 +152,11 @@ class ClusterEngine:
         item; closing the iterator early cancels the replica's stream, which aborts there."""
         namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
                                          namespace_of(self.engine.model_name, cache_salt, tenant), self.hashing)
+        stats = self.view.replica_stats()
+        seen = self.reuse.observe(hashes, stats)
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, hashes, tenant,
-                                 priority_across_tenants, records_of(self.view.replica_stats()))
+                                 priority_across_tenants, records_of(stats), cluster_seen=seen)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream
@@ -160,6 +164,7 @@ class ClusterEngine:
             try:
                 async for item in stream:
                     if isinstance(item, Accepted):
+                        self._took(request, item.replica)
                         continue
                     if isinstance(item, Refused):
                         raise _refusal(item)
@@ -176,6 +181,29 @@ class ClusterEngine:
             finally:
                 stream.cancel()  # a no-op once the stream ended; aborts the request otherwise
                 self._streams.pop(request_id, None)
+
+    def _took(self, request: ReplicaRequest, replica: str) -> None:
+        """`replica` accepted `request`: the cluster's reuse history records it, and the
+        replica that served its seen pages last, if it lost them, is told it went elsewhere
+        (duel_pool.py; in the background: nothing waits for it, and a failure only costs
+        that replica one prompt of evidence)."""
+        def held(home: str) -> int:
+            with self.view.lock:
+                return sum(self.view.state.index.tiered_pages(home, request.namespace, request.page_hashes))
+
+        home = self.reuse.took(request.page_hashes, request.cluster_seen, replica, held)
+        if home is None:
+            return
+        call = self._call_pinned("elsewhere", home, request.prompt_ids, request.cache_salt, request.tenant,
+                                 request.cluster_seen)
+        task = asyncio.ensure_future(call)
+        self._telling.add(task)
+        task.add_done_callback(self._told)
+
+    def _told(self, task: asyncio.Future[Any]) -> None:
+        self._telling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("telling a replica its prompt went elsewhere failed: %r", task.exception())
 
     def abort(self, request_id: str) -> None:
         """Cancels a request's replica stream (a no-op if it already finished)."""

@@ -29,6 +29,9 @@ class ReplicaRequest:
     # The replicas' latest adaptive-rule records, by replica id (cluster/duel_pool.py): the
     # replica that takes the request pools the others' evidence with its own.
     duel_records: dict[str, list[float]] = field(default_factory=dict)
+    # The prompt's leading pages the cluster saw recently (duel_pool.ClusterReuse; None: no
+    # count), what the replica's adaptive rule boosts.
+    cluster_seen: int | None = None
 
     @property
     def prompt(self) -> str:

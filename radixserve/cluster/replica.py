@@ -17,12 +17,13 @@ import torch
 from ray import serve
 
 from radixserve.cache.radix import PagesFreed
-from radixserve.cluster.duel_pool import receive, with_record
+from radixserve.cluster.duel_pool import expect_seen, receive, tell_elsewhere, with_record
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.protocol import Accepted, EventBatch, Refused, ReplicaInfo, ReplicaRequest, WrongReplica
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
+from radixserve.engine.request import namespace_of
 from radixserve.engine.tree_snapshot import SnapshotOptions, TreeSnapshot
 from radixserve.server.cache_views import CacheViews
 from radixserve.server.tenancy import Caller
@@ -57,6 +58,7 @@ class EngineReplica:
         cache events by then; an aborted one may cache its pages a step later, and the
         router then learns of them from the events alone."""
         receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
+        expect_seen(self.engine, request.prompt_ids, request.cluster_seen)  # ... and what the cluster saw
         deltas = self.async_engine.generate(
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
@@ -97,6 +99,14 @@ class EngineReplica:
         if kind == "tree":
             return await self.views.tree(options or SnapshotOptions(), caller)
         return await self.views.tenant_stats(caller)
+
+    def elsewhere(self, prompt_ids: list[int], cache_salt: str | None, tenant: str | None, cluster_seen: int,
+                  replica: str) -> None:
+        """The router sent this prompt, whose `cluster_seen` leading pages this replica served
+        last and has lost, to another replica: the adaptive rule's ghost caches replay it
+        (cluster/duel_pool.py)."""
+        self._check_pin(replica)
+        tell_elsewhere(self.engine, prompt_ids, namespace_of(self.engine.model_name, cache_salt, tenant), cluster_seen)
 
     async def close_session(self, session_id: str, tenant: str | None, replica: str) -> bool:
         self._check_pin(replica)
