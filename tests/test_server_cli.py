@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -113,6 +114,11 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "cli", "max_tokens": 2},
                        timeout=30)
         assert r.status_code == 200
+        # What the process started with is frozen out of the garbage collector's full passes.
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        frozen = next(float(line.split()[1]) for line in metrics.splitlines()
+                      if line.startswith("radixserve_gc_frozen_objects "))
+        assert frozen > 10_000  # torch and the model alone are far more
         # A second server on the same port says so before loading anything, and fails.
         busy = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", str(port)],
                               capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
@@ -127,6 +133,8 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
     assert process.returncode == 0, stderr
     assert "KV pool: 32 pages x 16 tokens = 512 tokens, 2.0 MiB" in stderr
     assert "host tier: 64 pages = 1024 tokens" in stderr
+    logged = re.search(r"radixserve: ([\d,]+) start-up objects frozen out of the garbage collector's passes", stderr)
+    assert logged is not None and int(logged.group(1).replace(",", "")) > 10_000
     assert f"serving cli-demo at http://127.0.0.1:{port}/v1" in stderr
     # What runs: CI builds the CPU kernels, so they must be in use (the torch path is a fallback).
     assert "device cpu, dtype float32, attention backend TorchBackend, CPU kernels in use" in stderr

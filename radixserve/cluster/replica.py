@@ -26,6 +26,7 @@ from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
 from radixserve.engine.request import namespace_of
 from radixserve.engine.tree_snapshot import SnapshotOptions, TreeSnapshot
 from radixserve.server.cache_views import CacheViews
+from radixserve.server.startup_gc import freeze_startup_objects
 from radixserve.server.tenancy import Caller
 
 
@@ -44,6 +45,7 @@ class EngineReplica:
         self.async_engine = AsyncEngine(self.engine)
         self.views = CacheViews(self.async_engine)
         await self.async_engine.start()
+        freeze_startup_objects()  # the replica's process keeps all of this (server/startup_gc.py)
 
     def info(self) -> ReplicaInfo:
         """The model's name, limits, page size and tokenizer."""

@@ -5,11 +5,12 @@ Every app gets its own CollectorRegistry, so several apps (tests) never collide.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -164,6 +165,9 @@ class ServerMetrics:
         self.requests = Counter(f"{PREFIX}_http_requests",
                                 "Generation requests answered, by endpoint and status (one per access-log line).",
                                 ["endpoint", "status"], registry=self.registry)
+        Gauge(f"{PREFIX}_gc_frozen_objects",
+              "Objects frozen out of the garbage collector's passes at start-up (server/startup_gc.py).",
+              registry=self.registry).set_function(gc.get_freeze_count)
         self.disconnects = Counter(f"{PREFIX}_http_disconnects",
                                    "Generation requests whose client left before any answer (not in the access log).",
                                    ["endpoint"], registry=self.registry)
