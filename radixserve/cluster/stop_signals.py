@@ -57,8 +57,10 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.stopping:
-            say(f"{name} while stopping: exiting now")
-            _exit_now(1)
+            try:  # the handler may interrupt a print of the main thread: reentrant, it can raise
+                say(f"{name} while stopping: exiting now")
+            finally:
+                _exit_now(1)
         self.stopping = True
         deadline = threading.Timer(self.shutdown_timeout_s, self._overdue)
         deadline.daemon = True
