@@ -200,3 +200,36 @@ def test_errors_are_400s_naming_the_field(client: openai.OpenAI, request_fields:
     error = caught.value.body
     assert caught.value.status_code == 400 and error["param"] == param, error
     assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def nested_arrays(depth: int) -> dict[str, Any]:
+    """A valid schema nested `depth` levels deep (an array of arrays of ... integers)."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def wide_object(name: str) -> dict[str, Any]:
+    """A valid parameters schema of about 40,000 characters: under the 64 KiB a schema may
+    have, while two of them together are over it."""
+    return {"type": "object", "properties": {f"{name}_{i}_{'x' * 20}": {"type": "string", "description": "d" * 10}
+                                             for i in range(500)}}
+
+
+DEEP = nested_arrays(300)  # too deep for the JSON Schema validator, which recurses once per level
+WIDE_TOOLS = [{"type": "function", "function": {"name": name, "parameters": wide_object(name)}} for name in ("f", "g")]
+
+
+# These were 500 internal_error: a RecursionError escaped the schema check, and the schema of
+# tool_choice "required" (every tool's parameters in one) met the size bound unchecked.
+@pytest.mark.parametrize(("request_fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+     "response_format.json_schema.schema"),
+    ({"extra_body": {"guided_json": DEEP}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}, "tools[0].function.parameters"),
+    ({"tools": WIDE_TOOLS, "tool_choice": "required"}, "tools"),
+], ids=["response_format-deep", "guided_json-deep", "tool-deep", "required-tools-too-large-together"])
+def test_schemas_too_deep_or_too_large_together_are_400s(client: openai.OpenAI, request_fields: dict[str, Any],
+                                                          param: str) -> None:
+    test_errors_are_400s_naming_the_field(client, request_fields, param)

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.cluster.stop_signals import StopSignals
 
 INSTALL_HINT = "pip install -e '.[cluster]' (or pip install 'ray[serve]')"
 
 
 def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
-    """Deploys the replicas and the ingress, serves until Ctrl-C, then tears the app down."""
+    """Deploys the replicas and the ingress, serves until SIGINT or SIGTERM (stop_signals.py: even
+    when the parent ignored or blocked them), then tears the app down."""
     try:
         import ray  # noqa: F401
     except ImportError:
         _say(f"error: --replicas and --ray-address need Ray Serve: {INSTALL_HINT}")
         return 2
-    from ray import serve
-
     from radixserve.cluster.deploy import ClusterOptions, deploy, start_ray
+    from radixserve.cluster.stop_signals import StopRequested, StopSignals
 
     replicas = args.replicas if args.replicas is not None else 1
     if replicas < 1:
@@ -34,28 +35,39 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
     group = max(1, args.tensor_parallel_size)  # a replica reserves a bundle per tensor-parallel rank
     local_cpus = max(os.cpu_count() or 1, int(replicas * group * args.replica_cpus + 0.999))
-    start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
-    _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
-         f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
+    stop = StopSignals(args.shutdown_timeout_s)
     try:
-        deploy(options, host=args.host, port=args.port)
-    except Exception as exc:  # a replica that cannot load its model fails the deployment
-        _say(f"error: deployment failed: {exc}")
-        serve.shutdown()
-        return 2
-    _say(f"serving at http://{args.host}:{args.port}/v1 with {replicas} replica(s) "
-         f"(per-replica routing at /cluster/replicas; Ctrl-C to stop)")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
+        stop.install()  # before Ray starts: a signal during the start or the deployment stops too
+        start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
+        stop.install()  # again: ray.init replaced the SIGTERM handler with its crash reporter
+        _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
+             f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
+        try:
+            deploy(options, host=args.host, port=args.port)
+        except Exception as exc:  # a replica that cannot load its model fails the deployment
+            _say(f"error: deployment failed: {exc}")
+            _tear_down(stop)
+            return 2
+        _say(f"serving at http://{args.host}:{args.port}/v1 with {replicas} replica(s) "
+             f"(per-replica routing at /cluster/replicas; Ctrl-C to stop)")
         stop.wait()
-    except KeyboardInterrupt:
+    except StopRequested:
         pass
     _say("stopping ...")
-    serve.shutdown()
-    ray.shutdown()
+    _tear_down(stop)
     _say("stopped")
     return 0
+
+
+def _tear_down(stop: StopSignals) -> None:
+    """Deletes the Serve app and ends this driver's Ray (a local cluster's processes with it)."""
+    import ray
+    from ray import serve
+
+    stop.begin_teardown()
+    if ray.is_initialized():  # not when a signal came while Ray was starting
+        serve.shutdown()
+    ray.shutdown()
 
 
 def _say(message: str) -> None:

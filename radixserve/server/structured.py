@@ -39,6 +39,18 @@ def grammar_error(exc: GrammarError) -> APIError:
     return APIError(400, str(exc), param=exc.param, code="invalid_value")
 
 
+def json_schema_spec(schema: Any, param: str) -> GrammarSpec:
+    """GrammarSpec.json_schema for a request's schema; a 400 naming `param` for one it refuses,
+    and for one nested too deeply to check (the JSON Schema validator recurses once per level:
+    a RecursionError, not a bug of the server)."""
+    try:
+        return GrammarSpec.json_schema(schema, param)
+    except GrammarError as exc:
+        raise grammar_error(exc) from None
+    except RecursionError:
+        raise APIError(400, f"{param}: the schema is nested too deeply", param=param, code="invalid_value") from None
+
+
 def _response_format(request: GenerationRequest) -> tuple[GrammarSpec, str]:
     response_format = request.response_format
     assert response_format is not None
@@ -50,7 +62,7 @@ def _response_format(request: GenerationRequest) -> tuple[GrammarSpec, str]:
             raise GrammarError(f"{param}: required with type json_schema", param)
         if response_format.json_schema.schema is None:
             raise GrammarError(f"{param}.schema: required with type json_schema", f"{param}.schema")
-        return GrammarSpec.json_schema(response_format.json_schema.schema, f"{param}.schema"), f"{param}.schema"
+        return json_schema_spec(response_format.json_schema.schema, f"{param}.schema"), f"{param}.schema"
     raise APIError(400, f"response_format type {response_format.type[:64]!r} is not supported; use text, "
                         "json_object or json_schema", param="response_format.type", code="unsupported_parameter")
 
@@ -73,7 +85,7 @@ def _extension(field: str, value: Any) -> GrammarSpec:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise GrammarError(f"{field}: not valid JSON: {exc}", field) from None
-        return GrammarSpec.json_schema(value, field)
+        return json_schema_spec(value, field)
     if kind == "regex":
         return GrammarSpec.regex(value, field)
     if kind == "choice":

@@ -27,9 +27,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from radixserve.grammar import GrammarError, GrammarSpec
+from radixserve.grammar import GrammarSpec
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from radixserve.server.structured import json_schema_spec
 from radixserve.server.tool_parsers import (
     NamedCallParser,
     RequiredCallsParser,
@@ -77,7 +78,7 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     elif choice == "required":
         plan.parser = RequiredCallsParser()
         schema = required_calls_schema(names, schemas, request.parallel_tool_calls)
-        plan.grammar = (GrammarSpec.json_schema(schema, "tools"), "tools")
+        plan.grammar = (json_schema_spec(schema, "tools"), "tools")  # 400 if all of them together are too large
     elif isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise APIError(400, f"tool_choice: no tool is named {choice.function.name[:64]!r}",
@@ -85,7 +86,7 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
         position = names.index(choice.function.name)
         plan.parser = NamedCallParser(choice.function.name)
         param = f"tools[{position}].function.parameters"
-        plan.grammar = (GrammarSpec.json_schema(schemas[position], param), param)
+        plan.grammar = (json_schema_spec(schemas[position], param), param)
     return plan
 
 
@@ -123,11 +124,7 @@ def _parameters(tool: Tool, position: int) -> dict[str, Any]:
     """The tool's parameters schema, checked (the grammar engine compiles it only when a
     tool_choice constrains the reply to it)."""
     schema = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
-    param = f"tools[{position}].function.parameters"
-    try:
-        GrammarSpec.json_schema(schema, param)
-    except GrammarError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    json_schema_spec(schema, f"tools[{position}].function.parameters")
     return schema
 
 
