@@ -102,6 +102,22 @@ static inline Partial partial_at(float *base, int num_qo_heads, int d) {
     return (Partial){base, base + num_qo_heads, base + 2 * num_qo_heads};
 }
 
+/* Each head's n scores (scores[head * n + t]) -> e^(score - the head's maximum), in place;
+ * the maximum and the exponentials' sum go to `part`. */
+static inline void exponentiate_scores(float *scores, int64_t n, Partial part, int num_qo_heads) {
+    for (int head = 0; head < num_qo_heads; ++head) {
+        float *row = scores + head * n;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
+        for (int64_t t = 0; t < n; ++t) {
+            row[t] = exp_nonpositive(row[t] - m);
+            sum += row[t];
+        }
+        part.max[head] = m;
+        part.sum[head] = sum;
+    }
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -174,17 +190,7 @@ static inline __attribute__((always_inline)) void attend_part_wide(const float *
                 _mm512_mask_storeu_ps(scores + head * n + t0, (__mmask16)((1u << count) - 1u), s);
             }
     }
-    for (int head = 0; head < num_qo_heads; ++head) {
-        float *row = scores + head * n;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
-        for (int64_t t = 0; t < n; ++t) {
-            row[t] = exp_nonpositive(row[t] - m);
-            sum += row[t];
-        }
-        part.max[head] = m;
-        part.sum[head] = sum;
-    }
+    exponentiate_scores(scores, n, part, num_qo_heads);
     for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
         for (int g = 0; g < group; ++g, ++head)
             for (int i0 = 0; i0 < d; i0 += 64) {
@@ -230,17 +236,7 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, co
             for (int g = 0; g < group; ++g, ++head)
                 scores[head * n + t] = dot(q + (int64_t)head * d, k + (int64_t)kv_head * d, d) * scale;
     }
-    for (int head = 0; head < num_qo_heads; ++head) {
-        float *row = scores + head * n;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
-        for (int64_t t = 0; t < n; ++t) {
-            row[t] = exp_nonpositive(row[t] - m);
-            sum += row[t];
-        }
-        part.max[head] = m;
-        part.sum[head] = sum;
-    }
+    exponentiate_scores(scores, n, part, num_qo_heads);
     memset(part.acc, 0, sizeof(float) * (size_t)num_qo_heads * d);
     for (int64_t t = 0; t < n; ++t) {
         const float *v = prefetched_row(v_cache, pages, start + t, end, page_size, row_stride, bf16, buf);
