@@ -55,11 +55,15 @@ static inline float dot(const float *a, const float *b, int d) {
     return sum;
 }
 
+/* The cache slot of key t (counted from the first listed page). */
+static inline int64_t key_slot(const int32_t *pages, int64_t t, int page_size) {
+    return (int64_t)pages[t / page_size] * page_size + t % page_size;
+}
+
 /* The row of every KV head of key t (counted from the first listed page). */
 static inline const float *key_row(const float *cache, const int32_t *pages, int64_t t,
                                    int page_size, int64_t row_stride) {
-    int64_t page = pages[t / page_size];
-    return cache + (page * page_size + t % page_size) * row_stride;
+    return cache + key_slot(pages, t, page_size) * row_stride;
 }
 
 /* The row AHEAD keys on is asked for before it is needed: pages are scattered, so the
@@ -78,10 +82,10 @@ static inline __attribute__((always_inline)) const float *prefetched_row(const v
     }
     const uint16_t *h = (const uint16_t *)cache;
     if (t + AHEAD < n) {
-        const uint16_t *ahead = h + (pages[(t + AHEAD) / page_size] * page_size + (t + AHEAD) % page_size) * row_stride;
+        const uint16_t *ahead = h + key_slot(pages, t + AHEAD, page_size) * row_stride;
         for (int64_t i = 0; i < row_stride; i += 2 * LANES) __builtin_prefetch(ahead + i);
     }
-    const uint16_t *row = h + (pages[t / page_size] * page_size + t % page_size) * row_stride;
+    const uint16_t *row = h + key_slot(pages, t, page_size) * row_stride;
     for (int64_t i = 0; i < row_stride; ++i) buf[i] = bf16_to_f32(row[i]);
     return buf;
 }
@@ -168,12 +172,11 @@ static inline __attribute__((always_inline)) void attend_part_wide(const float *
         int count = n - t0 < 16 ? (int)(n - t0) : 16;
         for (int u = 0; u < count; ++u) {
             int64_t t = start + t0 + u, ahead = t + 16;
-            int64_t offset = (pages[t / page_size] * page_size + t % page_size) * row_stride * size;
+            int64_t offset = key_slot(pages, t, page_size) * row_stride * size;
             k_rows[u] = (const char *)k_cache + offset;
             for (int64_t b = 0; b < row_stride * size; b += 64) _mm_prefetch((const char *)v_cache + offset + b, _MM_HINT_T1);
             if (ahead < end) {
-                const char *next = (const char *)k_cache +
-                                   (pages[ahead / page_size] * page_size + ahead % page_size) * row_stride * size;
+                const char *next = (const char *)k_cache + key_slot(pages, ahead, page_size) * row_stride * size;
                 for (int64_t b = 0; b < row_stride * size; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
             }
         }
@@ -197,10 +200,8 @@ static inline __attribute__((always_inline)) void attend_part_wide(const float *
                 int vectors = d - i0 < 64 ? (d - i0) / 16 : 4;
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
                 for (int64_t t = 0; t < n; ++t) {
-                    int64_t key = start + t;
                     const char *v = (const char *)v_cache +
-                                    ((pages[key / page_size] * page_size + key % page_size) * row_stride +
-                                     (int64_t)kv_head * d) * size;
+                                    (key_slot(pages, start + t, page_size) * row_stride + (int64_t)kv_head * d) * size;
                     __m512 p = _mm512_set1_ps(scores[head * n + t]);
                     for (int c = 0; c < vectors; ++c) acc[c] = _mm512_fmadd_ps(p, row16(v, i0 + 16 * c, bf16), acc[c]);
                 }
@@ -226,7 +227,7 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, co
 #ifdef __AVX512F__
     if (bf16 && d % 16 == 0) {
         attend_part_wide(q, k_cache, v_cache, pages, start, n, end, part, num_qo_heads, num_kv_heads, d, page_size,
-                         scale, scores, bf16);
+                         scale, scores, 1); /* a constant: the widening folds in */
         return;
     }
 #endif
