@@ -3,7 +3,7 @@
 A non-interactive shell starts a background job with SIGINT ignored, and a parent may start
 a process with signals blocked (the mask survives exec); the Ray driver used to wait forever
 then. Every process here starts that way: SIGINT ignored, SIGINT and SIGTERM blocked.
-The Ray test (marked `cluster`) serves two demo replicas and checks a clean stop: status 0,
+The Ray test (marked `cluster`) serves one demo replica and checks a clean stop: status 0,
 `stopped` said, every process the driver started gone. The others drive
 radixserve.cluster.stop_signals without Ray: a teardown that hangs ends at its deadline or at
 the next signal.
@@ -59,7 +59,7 @@ def test_replicas_stop_cleanly_on_a_signal_the_parent_ignored_or_blocked(sig: si
     # the failure looked for here, a driver that never notices the signal is.
     process = start_hardened(
         [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--model", "demo",
-         "--replicas", "2", "--num-pages", "32", "--shutdown-timeout-s", str(EXIT_GUARD_S / 2)])
+         "--replicas", "1", "--num-pages", "32", "--shutdown-timeout-s", str(EXIT_GUARD_S / 2)])
     started: list[psutil.Process] = []
     try:
         assert wait_for(lambda: health_status(f"http://127.0.0.1:{port}") == 200, STARTUP_TIMEOUT_S)
