@@ -298,18 +298,28 @@ def test_constrained_greedy_masks_are_checked_before_c() -> None:
         native_sampling.greedy_tokens(torch.zeros(2, 0), None)
 
 
-def test_only_constrained_greedy_steps_leave_torchs_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A greedy step without a mask keeps torch's argmax (its path and cost unchanged); one
-    with a mask takes the C greedy function, which masks every row of the step."""
+def test_greedy_steps_take_the_c_function_and_equal_torchs_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every all-greedy step on float32 CPU logits takes the C greedy function (one call, the
+    mask applied in the same pass when there is one); logits it cannot read (not float32)
+    keep torch's argmax. The tokens are torch.argmax's either way."""
     calls = []
     greedy_tokens = native_sampling.greedy_tokens
     monkeypatch.setattr(native_sampling, "greedy_tokens", lambda *args: calls.append(args) or greedy_tokens(*args))
     logits = torch.randn(4, 70, generator=torch.Generator().manual_seed(1))
+    logits[2, 7] = logits[2, 40] = logits[2].max() + 1.0  # a tie: the first index, as torch's
     params = [SamplingParams(temperature=0.0)] * 4
     assert sample(logits.clone(), params, [None] * 4, [0] * 4) == torch.argmax(logits, dim=-1).tolist()
-    assert not calls
+    assert len(calls) == 1 and calls[0][1] is None
+    assert torch.argmax(logits[2]).item() == 7
     bitmask = torch.zeros(1, 3, dtype=torch.int32)
     bitmask[0, 2] = 1 << 5  # token 69 alone
     tokens = sample(logits.clone(), params, [None] * 4, [0] * 4, TokenMask(bitmask, [1]))
-    assert len(calls) == 1 and tokens[1] == 69
+    assert len(calls) == 2 and calls[1][1] is not None and tokens[1] == 69
     assert tokens[:1] + tokens[2:] == torch.argmax(logits[[0, 2, 3]], dim=-1).tolist()
+    as_double = logits.double()
+    assert sample(as_double, params, [None] * 4, [0] * 4) == torch.argmax(logits, dim=-1).tolist()
+    assert len(calls) == 3  # called, found the logits unreadable, left them to torch
+    nan_row = logits.clone()
+    nan_row[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[3\]"):
+        sample(nan_row, params, [None] * 4, [0] * 4)

@@ -172,10 +172,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     -inf into `logits` (so logprobs computed afterwards are the constrained distribution's)."""
     random_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        if mask is not None:  # constrained greedy rows: mask and argmax in one C pass per row
-            tokens = native_sampling.greedy_tokens(logits, mask.native_mask())
-            if tokens is not None:
-                return _checked_tokens(tokens)
+        # Every row greedy: (mask and) argmax in one C pass per row on the CPU; right after the
+        # forward pass the caches are cold, and the torch ops' dispatch cost several times the C.
+        tokens = native_sampling.greedy_tokens(logits, None if mask is None else mask.native_mask())
+        if tokens is not None:
+            return _checked_tokens(tokens)
+        if mask is not None:
             mask.apply(logits)
         return _host_tokens(_flag_unsampleable(logits, torch.argmax(logits, dim=-1), None))
     native = native_sampling.usable(logits)
