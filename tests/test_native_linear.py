@@ -25,10 +25,11 @@ def test_the_kernel_builds_on_this_machine() -> None:
     assert linear_kernel.library() is not None, linear_kernel.unavailable_reason()
 
 
-# k: whole vectors of 16 and a masked tail; n: whole tiles of 4 and a tail; rows: 1..4 (one
-# pass), 5..9 (a tail of rows), 130 (three row blocks of 64, the last partial).
-@pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (16, 3), (1, 9), (1536, 576)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 130])
+# k: whole vectors of 16 (a single row: of 32 too, then 16) and a masked tail; n: whole tiles
+# of 4 and a tail; rows: 1 and 2 (one weight row at a time), 3..4 (one pass of tiles), 5..9
+# (a tail of rows), 66 and 130 (row blocks of 64, the last of 2 rows).
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (53, 7), (16, 3), (1, 9), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 66, 130])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_equals_a_float64_reference(k: int, n: int, rows: int, with_bias: bool) -> None:
     x, weight, bias = _operands(rows, k, n, seed=rows * 1000 + k + n)
@@ -40,7 +41,7 @@ def test_equals_a_float64_reference(k: int, n: int, rows: int, with_bias: bool) 
     torch.testing.assert_close(got.double(), expected, atol=1e-5 * k**0.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (64, 5)])
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (53, 7), (64, 5)])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_bfloat16_equals_a_float64_reference_rounded_once(k: int, n: int, rows: int) -> None:
     """bfloat16 in and out: the float32 sum of exact products, plus the bias, rounded once."""
@@ -54,11 +55,13 @@ def test_bfloat16_equals_a_float64_reference_rounded_once(k: int, n: int, rows: 
         torch.zeros(linear_kernel.BF16_MAX_ROWS + 1, k, dtype=torch.bfloat16), weight)
 
 
-def test_a_row_is_the_same_alone_among_others_and_on_any_thread_count() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 565])
+def test_a_row_is_the_same_alone_among_others_and_on_any_thread_count(dtype: torch.dtype, k: int) -> None:
     """Batch invariance: each output is one fixed sum, whatever shares the call (a decode
-    row alone or in a batch of 70, a prefill's row block) and however the outputs are split
-    between threads."""
-    x, weight, bias = _operands(70, 576, 1539, seed=5)
+    row alone, streamed one weight row at a time, or in a batch of 70, a prefill's row block
+    in tiles) and however the outputs are split between threads. k = 565: tails of 16 and 32."""
+    x, weight, bias = (t.to(dtype) for t in _operands(70, k, 1539, seed=5))
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -89,7 +92,7 @@ def test_several_weights_in_one_call_equal_one_call_each(dtype: torch.dtype, row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (5, 1536), (3, 7), (70, 9)])
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (2, 1536), (5, 1536), (3, 7), (66, 9), (70, 9)])
 def test_the_gated_form_equals_silu_of_gate_times_up(dtype: torch.dtype, rows: int, n: int) -> None:
     """silu(x g^T + bg) * (x u^T + bu) against the separate kernels and fused_ops.silu_mul, which
     round where torch rounds: bit for bit in bfloat16, to rounding in float32."""

@@ -5,10 +5,12 @@
  * The BLAS that torch ships reaches a fraction of the bandwidth there on some CPUs (it picks a
  * generic path on CPUs it does not recognise, and its matrix-vector product runs on one
  * thread), so this kernel streams the weights itself: threads take contiguous ranges of output
- * features; each tile reads four weight rows once (eight at one or two input rows: more
- * streams in flight, the loop's cost spread over more bytes) and multiplies them with up to
- * four input rows held in registers; more input rows go round the same tile again from the L1 cache,
- * ROW_BLOCK rows per pass over the weights so that a prefill's rows stay in the L2 cache.
+ * features. One or two input rows (a decode step of one or two sequences, the LM head) read
+ * one weight row at a time, a single stream of memory with its lines prefetched ahead
+ * (`dot_rows`); with more rows each tile reads four weight rows once and multiplies them with
+ * up to four input rows held in registers; more input rows go round the same tile again from
+ * the L1 cache, ROW_BLOCK rows per pass over the weights so that a prefill's rows stay in the
+ * L2 cache.
  *
  * One call can run several weights over the same x (q, k and v; the outputs of each weight
  * kept apart), split between the threads as one range, and the gated MLP's two up projections
@@ -143,6 +145,49 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+
+#define STREAM_AHEAD 1024 /* bytes of a weight stream prefetched ahead of its loads */
+
+/* The dot products of `mr` (1 or 2, a constant) input rows with one weight row into sums[i],
+ * in the tile's order (the same sums, so the same bits as a tile of any size): a single stream
+ * of weights, each line loaded with the line STREAM_AHEAD bytes further prefetched (past the
+ * row's end: the next row, read next). At a decode step's one or two rows this reads the
+ * weights 5-15% faster than a tile's eight interleaved rows (docs/benchmark.md). */
+static inline __attribute__((always_inline)) void dot_rows(const void *x, const void *w, float sums[2], int64_t k,
+                                                           int mr, int bf16) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+#ifdef __AVX512BF16__
+    if (bf16) {
+        const uint16_t *xs = (const uint16_t *)x, *ws = (const uint16_t *)w;
+        int64_t whole = k & ~(int64_t)31;
+        for (int64_t kk = 0; kk < whole; kk += 32) {
+            _mm_prefetch((const char *)(ws + kk) + STREAM_AHEAD, _MM_HINT_T0);
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(ws + kk);
+            for (int i = 0; i < mr; i++) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(xs + i * k + kk), wv);
+        }
+        if (whole < k) {
+            __mmask32 mask = (__mmask32)((1u << (k - whole)) - 1u);
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, ws + whole);
+            for (int i = 0; i < mr; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * k + whole), wv);
+        }
+        for (int i = 0; i < mr; i++) sums[i] = _mm512_reduce_add_ps(acc[i]);
+        return;
+    }
+#endif
+    int64_t size = bf16 ? 2 : 4, whole = k & ~(int64_t)15;
+    for (int64_t kk = 0; kk < whole; kk += 16) {
+        _mm_prefetch((const char *)w + kk * size + STREAM_AHEAD, _MM_HINT_T0);
+        __m512 wv = load16_whole(w, kk, bf16);
+        for (int i = 0; i < mr; i++) acc[i] = _mm512_fmadd_ps(load16_whole(x, i * k + kk, bf16), wv, acc[i]);
+    }
+    if (whole < k) {
+        __mmask16 mask = (__mmask16)((1u << (k - whole)) - 1u);
+        __m512 wv = load16(w, whole, mask, bf16);
+        for (int i = 0; i < mr; i++) acc[i] = _mm512_fmadd_ps(load16(x, i * k + whole, mask, bf16), wv, acc[i]);
+    }
+    for (int i = 0; i < mr; i++) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
 #else
 /* Portable: the same sums in plain C, LANES partial sums that the compiler can vectorise. */
 static inline void tile(const void *x, const void *const w[TILE_OUTPUTS], float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k,
@@ -157,12 +202,34 @@ static inline void tile(const void *x, const void *const w[TILE_OUTPUTS], float 
             sums[i][j] = sum;
         }
 }
+
+static inline void dot_rows(const void *x, const void *w, float sums[2], int64_t k, int mr, int bf16) {
+    const void *rows[TILE_OUTPUTS] = {w};
+    float tile_sums[TILE_ROWS][TILE_OUTPUTS];
+    tile(x, rows, tile_sums, k, mr, 1, bf16, 0);
+    for (int i = 0; i < mr; i++) sums[i] = tile_sums[i][0];
+}
 #endif
 
 /* silu(g) = g / (1 + e^-g) = g * e^g / (1 + e^g): the form whose exponent is <= 0. */
 static inline float silu(float g) {
     float e = exp_nonpositive(-fabsf(g));
     return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* Output j of input row m from its dot product(s): the bias, (the gate,) stored in the output's
+ * dtype. */
+static inline __attribute__((always_inline)) void store_output(const Segment *seg, int64_t m, int64_t j, float sum, float sum_up,
+                                                        int gated, int bf16) {
+    float v = rounded(sum + (seg->bias ? element(seg->bias, j, bf16) : 0.0f), bf16);
+    if (gated) {
+        float up = rounded(sum_up + (seg->bias_up ? element(seg->bias_up, j, bf16) : 0.0f), bf16);
+        v = rounded(silu(v), bf16) * up;
+    }
+    if (bf16)
+        ((uint16_t *)seg->out)[m * seg->n + j] = f32_to_bf16(v);
+    else
+        ((float *)seg->out)[m * seg->n + j] = v;
 }
 
 /* Rows [m, m + mr) x outputs [j, j + outputs) of `seg`: the sums, the bias, (the gate,) stored
@@ -179,18 +246,21 @@ static inline __attribute__((always_inline)) void tile_out(const void *x, const 
     float sums[TILE_ROWS][TILE_OUTPUTS];
     tile((const char *)x + m * k * size, rows, sums, k, mr, gated ? 2 * outputs : outputs, bf16, outputs * k);
     for (int i = 0; i < mr; i++)
-        for (int jj = 0; jj < outputs; jj++) {
-            float v = rounded(sums[i][jj] + (seg->bias ? element(seg->bias, j + jj, bf16) : 0.0f), bf16);
-            if (gated) {
-                float up = rounded(sums[i][outputs + jj] + (seg->bias_up ? element(seg->bias_up, j + jj, bf16) : 0.0f), bf16);
-                v = rounded(silu(v), bf16) * up;
-            }
-            int64_t at = (m + i) * seg->n + j + jj;
-            if (bf16)
-                ((uint16_t *)seg->out)[at] = f32_to_bf16(v);
-            else
-                ((float *)seg->out)[at] = v;
-        }
+        for (int jj = 0; jj < outputs; jj++) store_output(seg, m + i, j + jj, sums[i][jj], gated ? sums[i][outputs + jj] : 0.0f, gated, bf16);
+}
+
+/* Outputs [n0, n1) of `seg` for the `mr` (1 or 2) input rows from m: each output's weight row
+ * (the gate's, then the up projection's) streamed alone (dot_rows). */
+static inline __attribute__((always_inline)) void row_range(const void *x, const Segment *seg, int64_t m, int mr,
+                                                            int64_t k, int64_t n0, int64_t n1, int gated, int bf16) {
+    int64_t size = bf16 ? 2 : 4;
+    const char *xm = (const char *)x + m * k * size;
+    for (int64_t j = n0; j < n1; j++) {
+        float sums[2], up[2] = {0.0f, 0.0f};
+        dot_rows(xm, (const char *)seg->w + j * k * size, sums, k, mr, bf16);
+        if (gated) dot_rows(xm, (const char *)seg->w_up + j * k * size, up, k, mr, bf16);
+        for (int i = 0; i < mr; i++) store_output(seg, m + i, j, sums[i], up[i], gated, bf16);
+    }
 }
 
 /* Outputs [j, j + outputs) of `seg` for rows [m0, m1), four rows at a time. */
@@ -210,14 +280,17 @@ static inline __attribute__((always_inline)) void weight_tile(const void *x, con
 static inline __attribute__((always_inline)) void output_range(const void *x, const Segment *seg, int64_t rows,
                                                                int64_t k, int64_t n0, int64_t n1, int gated, int bf16) {
     int step = gated ? TILE_OUTPUTS / 4 : TILE_OUTPUTS / 2; /* outputs per full tile */
-    int wide = 2 * step; /* at one or two rows: twice as many weight rows per tile */
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
         int64_t m1 = rows - m0 < ROW_BLOCK ? rows : m0 + ROW_BLOCK;
         int64_t j = n0;
-        if (m1 - m0 == 1)
-            for (; j + wide <= n1; j += wide) tile_out(x, seg, m0, j, k, 1, wide, gated, bf16);
-        else if (m1 - m0 == 2)
-            for (; j + wide <= n1; j += wide) tile_out(x, seg, m0, j, k, 2, wide, gated, bf16);
+        if (m1 - m0 == 1) {
+            row_range(x, seg, m0, 1, k, n0, n1, gated, bf16);
+            continue;
+        }
+        if (m1 - m0 == 2) {
+            row_range(x, seg, m0, 2, k, n0, n1, gated, bf16);
+            continue;
+        }
         for (; j + step <= n1; j += step) weight_tile(x, seg, m0, m1, j, k, step, gated, bf16);
         for (; j < n1; j++) weight_tile(x, seg, m0, m1, j, k, 1, gated, bf16);
     }
