@@ -19,6 +19,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
 DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
+DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
                     "--host-write-policy": "--host-tier-write-policy",
                     "--host-offload-min-priority": "--host-tier-min-priority"}
@@ -109,7 +110,7 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                        help="sequences decoding at once (default: %(default)s)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="waiting requests beyond which new ones get 503 + Retry-After (default: unbounded)")
-    serve.add_argument("--max-batch-tokens", type=int, default=2048,
+    serve.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                        help="tokens per forward step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
     serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,

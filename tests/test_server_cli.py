@@ -327,3 +327,15 @@ def test_a_busy_port_is_found_before_torch_is_imported() -> None:
                               cwd=REPO_ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.returncode == 1 and "cannot listen" in done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_serve_defaults_to_the_engines_step_budget() -> None:
+    """`serve --max-batch-tokens` defaults to the engine's own budget (two constants, since the
+    CLI does not import the engine: they must not drift apart)."""
+    import inspect
+
+    from radixserve.engine.engine import DEFAULT_MAX_BATCH_TOKENS
+
+    args = build_parser().parse_args(["serve", "--model", "demo"])
+    assert args.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS == 512
+    assert inspect.signature(Engine).parameters["max_batch_tokens"].default == DEFAULT_MAX_BATCH_TOKENS
