@@ -28,6 +28,7 @@ from radixserve.models.gguf_checkpoint import (
     rope_frequency_divisors,
     tensor_shapes,
 )
+from radixserve.models.huge_pages import move_to_huge_pages
 from radixserve.models.llama import CausalLM
 from radixserve.models.registry import NAMED_MODELS, resolve_model
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies
@@ -93,6 +94,7 @@ def load_model(
     causal_lm = empty_model(config, torch_dtype, torch_device)
     load_weights(causal_lm, path)
     causal_lm.eval().requires_grad_(False)
+    move_to_huge_pages(causal_lm)
 
     return LoadedModel(
         model=causal_lm,
@@ -144,6 +146,7 @@ def load_gguf_model(
     if divisors is not None:  # llama.cpp divides each frequency by its factor (Llama 3.1 scaling)
         causal_lm.rotary = RotaryEmbedding(inverse_frequencies(config, causal_lm.head_dim) / divisors)
     causal_lm.eval().requires_grad_(False)
+    move_to_huge_pages(causal_lm)
 
     return LoadedModel(
         model=causal_lm,

@@ -25,6 +25,7 @@ from radixserve.models.gguf_checkpoint import (
     rope_frequency_divisors,
     tensor_shapes,
 )
+from radixserve.models.huge_pages import move_to_huge_pages
 from radixserve.models.loader import (
     LoadedModel,
     check_architecture,
@@ -79,6 +80,7 @@ def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dty
         defaults = GenerationDefaults.from_checkpoint_dir(path, config)
     check_complete(shard, loaded, path)
     shard.eval().requires_grad_(False)
+    move_to_huge_pages(shard)
     return LoadedModel(model=shard, tokenizer=tokenizer, config=config, name=model,
                        max_context_len=max_context_len(config), dtype=torch_dtype, device=device,
                        generation_defaults=defaults)
