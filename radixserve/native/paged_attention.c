@@ -24,6 +24,9 @@
  * (attend_part_wide): the same bits, the tree shared by 16 scores.
  */
 #include "common.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 /* GCC/Clang vector types: one register of 16 floats, halves of 8 and 4 for the reduction
  * (memcpy loads them from any address and compiles to plain vector moves). */
@@ -106,25 +109,49 @@ static inline Partial partial_at(float *base, int num_qo_heads, int d) {
     return (Partial){base, base + num_qo_heads, base + 2 * num_qo_heads};
 }
 
+/* The largest of n scores, NaNs skipped (-inf when all are NaN): exact in any order, so
+ * AVX-512 takes 16 at a time (max_ps(x, m) keeps m where x is NaN, as the comparison does). */
+static inline float scores_max(const float *row, int64_t n) {
+    float m = -INFINITY;
+    int64_t t = 0;
+#ifdef __AVX512F__
+    if (n >= 16) {
+        __m512 lanes = _mm512_set1_ps(-INFINITY);
+        for (; t + 16 <= n; t += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(row + t), lanes);
+        m = _mm512_reduce_max_ps(lanes);
+    }
+#endif
+    for (; t < n; ++t) m = row[t] > m ? row[t] : m;
+    return m;
+}
+
+/* sums[h] = row h's n values added one after another in key order, for `heads` rows at once
+ * (HEADS, a constant at each call): each sum is one serial chain of additions, so running
+ * several side by side is what keeps the adder busy; the order, and so the bits, are each
+ * row's own. */
+static inline __attribute__((always_inline)) void sum_rows(const float *rows, int64_t n, float *sums, int heads) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t t = 0; t < n; ++t)
+        for (int h = 0; h < heads; ++h) s[h] += rows[h * n + t];
+    for (int h = 0; h < heads; ++h) sums[h] = s[h];
+}
+
 /* Each head's n scores (scores[head * n + t]) -> e^(score - the head's maximum), in place;
- * the maximum and the exponentials' sum go to `part`. */
+ * the maximum and the exponentials' sum go to `part`. The exponentials are elementwise, so
+ * their loop vectorises; each head's sum stays one float32 sum in key order (sum_rows). */
 static inline void exponentiate_scores(float *scores, int64_t n, Partial part, int num_qo_heads) {
     for (int head = 0; head < num_qo_heads; ++head) {
         float *row = scores + head * n;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
-        for (int64_t t = 0; t < n; ++t) {
-            row[t] = exp_nonpositive(row[t] - m);
-            sum += row[t];
-        }
+        float m = scores_max(row, n);
+        for (int64_t t = 0; t < n; ++t) row[t] = exp_nonpositive(row[t] - m);
         part.max[head] = m;
-        part.sum[head] = sum;
     }
+    int head = 0;
+    for (; head + 4 <= num_qo_heads; head += 4) sum_rows(scores + head * n, n, part.sum + head, 4);
+    for (; head < num_qo_heads; ++head) sum_rows(scores + head * n, n, part.sum + head, 1);
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
 /* 16 floats of a cache row from element i: float32, or bfloat16 widened exactly. */
 static inline __attribute__((always_inline)) __m512 row16(const void *row, int64_t i, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)row + i);
@@ -151,11 +178,40 @@ static inline __attribute__((always_inline)) __m512 sums16(const __m512 acc[16])
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
+/* Query heads that share one pass over their KV head's values (4 x 4 vectors of sums fit
+ * the 32 registers beside the value rows). */
+#define VALUE_HEADS 4
+
+/* out[h * d + 16 c + lane] = sum over keys t, in key order, of weights[h * n_stride + t] times
+ * value t's element column + 16 c + lane, for `heads` query heads and `vectors` blocks of 16
+ * (both constants at every call): each value row is read and widened once for all the heads. */
+static inline __attribute__((always_inline)) void value_sums(const void *v_cache, const int32_t *pages, int64_t start,
+                                                             int64_t n, int page_size, int64_t row_stride,
+                                                             int64_t column, const float *weights, int64_t n_stride,
+                                                             float *out, int d, int heads, int vectors, int bf16) {
+    int64_t size = bf16 ? 2 : 4;
+    __m512 acc[VALUE_HEADS][4];
+    for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < vectors; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+        const char *v = (const char *)v_cache + (key_slot(pages, start + t, page_size) * row_stride + column) * size;
+        __m512 values[4];
+        for (int c = 0; c < vectors; ++c) values[c] = row16(v, 16 * c, bf16);
+        for (int h = 0; h < heads; ++h) {
+            __m512 p = _mm512_set1_ps(weights[h * n_stride + t]);
+            for (int c = 0; c < vectors; ++c) acc[h][c] = _mm512_fmadd_ps(p, values[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(out + (int64_t)h * d + 16 * c, acc[h][c]);
+}
+
 /* attend_part for bfloat16 caches where D is a multiple of 16, with the same bits as the
  * per-key path over the widened rows: each score by dot()'s products and tree (sums16), each
  * value sum in key order. Scores go 16 keys at a time per head (the keys' rows stay in the L1
- * cache across the heads, widened in registers, and one tree serves 16 scores), values one
- * head and 64 of its dimensions at a time in registers. With half float32's bytes per key,
+ * cache across the heads, widened in registers, and one tree serves 16 scores), values for up
+ * to four query heads of a KV head and 64 dimensions at a time in registers (value_sums: each
+ * value row read and widened once per KV head, not once per query head). With half float32's bytes per key,
  * bfloat16 attention is bound by that arithmetic, which this halves; float32 keeps the per-key
  * path, whose prefetch one key at a time keeps more of its (twice as many) bytes in flight
  * (docs/benchmark.md). This block's V rows go to the L2 cache while its scores are computed. */
@@ -194,19 +250,27 @@ static inline __attribute__((always_inline)) void attend_part_wide(const float *
             }
     }
     exponentiate_scores(scores, n, part, num_qo_heads);
-    for (int kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head)
-        for (int g = 0; g < group; ++g, ++head)
+    for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+        for (int g = 0; g < group; g += VALUE_HEADS) {
+            int head = kv_head * group + g, heads = group - g < VALUE_HEADS ? group - g : VALUE_HEADS;
             for (int i0 = 0; i0 < d; i0 += 64) {
-                int vectors = d - i0 < 64 ? (d - i0) / 16 : 4;
-                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-                for (int64_t t = 0; t < n; ++t) {
-                    const char *v = (const char *)v_cache +
-                                    (key_slot(pages, start + t, page_size) * row_stride + (int64_t)kv_head * d) * size;
-                    __m512 p = _mm512_set1_ps(scores[head * n + t]);
-                    for (int c = 0; c < vectors; ++c) acc[c] = _mm512_fmadd_ps(p, row16(v, i0 + 16 * c, bf16), acc[c]);
+                const float *w = scores + (int64_t)head * n;
+                float *out = part.acc + (int64_t)head * d + i0;
+                int64_t column = (int64_t)kv_head * d + i0;
+                if (d - i0 < 64) { /* a tail of 16, 32 or 48 dimensions: one head at a time */
+                    for (int h = 0; h < heads; ++h)
+                        value_sums(v_cache, pages, start, n, page_size, row_stride, column, w + h * n, n, out + h * d,
+                                   d, 1, (d - i0) / 16, bf16);
+                    continue;
                 }
-                for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(part.acc + (int64_t)head * d + i0 + 16 * c, acc[c]);
+                switch (heads) { /* constants, so the 4 x 4 sums stay in registers */
+                case 1: value_sums(v_cache, pages, start, n, page_size, row_stride, column, w, n, out, d, 1, 4, bf16); break;
+                case 2: value_sums(v_cache, pages, start, n, page_size, row_stride, column, w, n, out, d, 2, 4, bf16); break;
+                case 3: value_sums(v_cache, pages, start, n, page_size, row_stride, column, w, n, out, d, 3, 4, bf16); break;
+                default: value_sums(v_cache, pages, start, n, page_size, row_stride, column, w, n, out, d, 4, 4, bf16);
+                }
             }
+        }
 }
 #endif
 
