@@ -29,12 +29,19 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#include <stdatomic.h>
+#endif
 
 #define TILE_ROWS 4    /* input rows per pass over a tile of weights */
 #define TILE_OUTPUTS 8 /* weight rows per tile, at most */
 #define ROW_BLOCK 64   /* input rows per pass over the weights */
 #define MAX_SEGMENTS 8 /* weights per call */
 #define CHUNK_OUTPUTS 64 /* outputs per piece of work the threads share (whole tiles) */
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES 65536 /* weights per piece of work at one or two rows */
+#endif
 
 /* One weight's part of a call: outputs [offset, offset + n) of the call's range. Gated: w is
  * the gate projection, w_up the up projection, out = silu(x w^T + bias) * (x w_up^T + bias_up). */
@@ -321,23 +328,70 @@ static void run_share(const void *x, const Segment *segs, int count, int64_t row
     }
 }
 
+#ifdef _OPENMP
+/* A thread's share of a call's chunks, [front, back) packed in one word (front << 32 | back),
+ * on a cache line of its own. */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t range;
+} Share;
+
+/* The next chunk from the front of `share` (its owner's), or -1 when none is left. */
+static int64_t take_front(Share *share) {
+    uint64_t range = atomic_load_explicit(&share->range, memory_order_relaxed);
+    for (;;) {
+        uint64_t front = range >> 32, back = range & 0xffffffffu;
+        if (front >= back) return -1;
+        if (atomic_compare_exchange_weak(&share->range, &range, ((front + 1) << 32) | back)) return (int64_t)front;
+    }
+}
+
+/* The last chunk of `share` (taken by a thread that finished its own), or -1 when none is left. */
+static int64_t take_back(Share *share) {
+    uint64_t range = atomic_load_explicit(&share->range, memory_order_relaxed);
+    for (;;) {
+        uint64_t front = range >> 32, back = range & 0xffffffffu;
+        if (front >= back) return -1;
+        if (atomic_compare_exchange_weak(&share->range, &range, (front << 32) | (back - 1))) return (int64_t)back - 1;
+    }
+}
+#endif
+
+/* Outputs per chunk: whole tiles; at one or two rows about CHUNK_BYTES of weights. */
+static int64_t chunk_outputs(const Segment *segs, int64_t rows, int64_t k, int dtype) {
+    if (rows > 2) return CHUNK_OUTPUTS;
+    int64_t row_bytes = k * (dtype ? 2 : 4) * (segs[0].w_up ? 2 : 1);
+    int64_t outputs = (CHUNK_BYTES / row_bytes + TILE_OUTPUTS - 1) / TILE_OUTPUTS * TILE_OUTPUTS;
+    return outputs < TILE_OUTPUTS ? TILE_OUTPUTS : outputs;
+}
+
 static void run(const void *x, const Segment *segs, int count, int64_t rows, int64_t k, int dtype, int threads) {
     int64_t total = 0;
     for (int s = 0; s < count; s++) total += segs[s].n;
+    int64_t chunk = chunk_outputs(segs, rows, k, dtype), chunks = (total + chunk - 1) / chunk;
+    if (threads > chunks) threads = (int)chunks;
     if (threads <= 1 || total < TILE_OUTPUTS * threads) {
         run_share(x, segs, count, rows, k, 0, total, dtype);
         return;
     }
 #ifdef _OPENMP
-    /* Chunks of CHUNK_OUTPUTS outputs handed out as threads ask: each chunk streams a
-     * contiguous part of the weights, and a thread the OS deschedules mid-call (a busy machine,
-     * or the server's own event loop on a core) leaves its chunks to the others instead of
-     * holding the whole call up with a fixed half of the work. */
-    int64_t chunks = (total + CHUNK_OUTPUTS - 1) / CHUNK_OUTPUTS;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t c = 0; c < chunks; c++)
-        run_share(x, segs, count, rows, k, c * CHUNK_OUTPUTS, (c + 1) * CHUNK_OUTPUTS < total ? (c + 1) * CHUNK_OUTPUTS : total,
-                  dtype);
+    /* Each thread owns a contiguous run of chunks and takes them in order, so its weights are
+     * one stream (the prefetch at the end of a chunk already runs into the next one); a thread
+     * done with its own takes chunks from the back of another's, so that a thread the OS
+     * deschedules mid-call (a busy machine, or the server's event loop on a core) leaves its
+     * work to the others instead of holding the whole call up. */
+    Share shares[threads];
+    for (int t = 0; t < threads; t++)
+        atomic_init(&shares[t].range, ((uint64_t)(chunks * t / threads) << 32) | (uint64_t)(chunks * (t + 1) / threads));
+#pragma omp parallel num_threads(threads)
+    {
+        int me = omp_get_thread_num();
+        for (;;) {
+            int64_t c = take_front(&shares[me]);
+            for (int v = 1; c < 0 && v < threads; v++) c = take_back(&shares[(me + v) % threads]);
+            if (c < 0) break;
+            run_share(x, segs, count, rows, k, c * chunk, (c + 1) * chunk < total ? (c + 1) * chunk : total, dtype);
+        }
+    }
 #else
     run_share(x, segs, count, rows, k, 0, total, dtype);
 #endif
