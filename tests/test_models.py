@@ -27,7 +27,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from radixserve.models import LoadedModel, load_model, verify_cached_kv
 from radixserve.models.llama import layer_windows
 from radixserve.models.loader import max_context_len
-from radixserve.models.rope import inverse_frequencies, rope_settings
+from radixserve.models.rope import RotaryEmbedding, inverse_frequencies, rope_settings
 
 ATOL = 1e-4
 
@@ -271,6 +271,27 @@ def test_rope_frequencies_equal_transformers(rope: dict[str, float | str]) -> No
     else:
         theirs, _ = ROPE_INIT_FUNCTIONS[str(rope["rope_type"])](config)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_the_computed_ones(dtype: torch.dtype) -> None:
+    """The CPU table gives each position's cos/sin with the bits computing them gives, as it
+    grows, and positions past it are computed."""
+    rotary = RotaryEmbedding(1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.tensor([0]), torch.tensor([1023]), torch.tensor([1024, 5, 2047]), torch.arange(3000, 3517),
+             torch.randint(0, RotaryEmbedding.TABLE_POSITIONS, (777,), generator=generator),
+             torch.tensor([RotaryEmbedding.TABLE_POSITIONS - 1, RotaryEmbedding.TABLE_POSITIONS, 100_000])]
+    sizes = []
+    for positions in cases:
+        cos, sin = rotary(positions, dtype)
+        want_cos, want_sin = rotary._compute(positions, dtype)
+        assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        sizes.append(len(rotary._tables[dtype][0]))
+    assert sizes[:4] == [1024, 1024, 2048, 4096]  # doubling, or to the position asked for
+    assert int(cases[4].max()) < sizes[4] <= RotaryEmbedding.TABLE_POSITIONS and sizes[5] == sizes[4]
+    angles = torch.tensor([[1023.0]]) * rotary._inv_freq_by_device[torch.device("cpu")]
+    assert torch.equal(rotary(torch.tensor([1023]), dtype)[0], torch.cat((angles, angles), -1).cos().to(dtype))
 
 
 def test_rope_settings_read_transformers_4_attributes() -> None:

@@ -45,9 +45,9 @@ def kernel_calls(model: llama_module.CausalLM, use_kernel: bool) -> Iterator[lis
     calls = [0]
     original = llama_module.run_layers
 
-    def counted(*args: object) -> None:
+    def counted(*args: object) -> torch.Tensor | None:
         calls[0] += 1
-        original(*args)  # type: ignore[arg-type]
+        return original(*args)  # type: ignore[arg-type]
 
     llama_module.run_layers = counted  # type: ignore[assignment]
     try:
@@ -136,10 +136,10 @@ def _one_decode_step(model: llama_module.CausalLM) -> dict[str, object]:
     captured: dict[str, object] = {}
     original = llama_module.run_layers
 
-    def capture(x, cos, sin, slots, weights, k_caches, v_caches, rows) -> None:
+    def capture(x, cos, sin, slots, weights, k_caches, v_caches, rows) -> torch.Tensor | None:
         captured.update(x=x.clone(), cos=cos, sin=sin, slots=slots, weights=weights, k_caches=k_caches,
                         v_caches=v_caches, rows=rows)
-        original(x, cos, sin, slots, weights, k_caches, v_caches, rows)
+        return original(x, cos, sin, slots, weights, k_caches, v_caches, rows)
 
     kv = PagedKV(model, num_pages=16, page_size=PAGE_SIZE, seed=1)
     seq = Sequence()
@@ -227,3 +227,30 @@ def test_weights_of_the_wrong_kind_are_refused_when_the_view_is_built(checkpoint
     with pytest.raises(ValueError, match="bias"):
         decoder.DecoderWeights([dict(tensors, o_bias=torch.zeros(3))], weights.shape)
     assert ctypes.sizeof(decoder._RowSet) == 7 * 8  # the C struct: five pointers, two int64
+
+
+def test_caches_are_checked_once_per_set_of_tensors(checkpoints: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's caches are checked on their first call and again whenever other tensors come
+    (a freed cache's address reused by a new tensor included: weak references)."""
+    model = load_model(str(checkpoints["llama"]), device="cpu", dtype=torch.float32).model
+    weights = decoder_weights(model)
+    assert weights is not None
+    checked = []
+    real_check = decoder._check_caches
+    monkeypatch.setattr(decoder, "_check_caches", lambda *a: checked.append(1) or real_check(*a))
+    shape = (3, PAGE_SIZE, weights.shape.kv_heads, weights.shape.head_dim)
+    k = [torch.zeros(shape) for _ in range(weights.num_layers)]
+    v = [torch.zeros(shape) for _ in range(weights.num_layers)]
+    first = weights.bind_caches(k, v)
+    assert weights.bind_caches(list(k), list(v)) == first and len(checked) == 1
+    assert first[1:] == (3, PAGE_SIZE)
+    k[0] = torch.zeros(shape)  # one new tensor: checked again, its address bound
+    pointers, _, _ = weights.bind_caches(k, v)
+    assert len(checked) == 2 and k[0].data_ptr() in list(pointers)
+    del k[0]
+    with pytest.raises(ValueError):
+        weights.bind_caches(k, v)  # one cache short
+    k.insert(0, torch.zeros(5, PAGE_SIZE, 1, 1))
+    with pytest.raises(ValueError):
+        weights.bind_caches(k, v)

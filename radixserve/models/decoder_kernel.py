@@ -59,7 +59,9 @@ def decoder_weights(model: CausalLM) -> decoder.DecoderWeights | None:
             hidden=model.config.hidden_size, q_heads=first.num_qo_heads, kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, intermediate=model.config.intermediate_size,
             eps=model.config.rms_norm_eps, scale=first.sm_scale)
-        return decoder.DecoderWeights(layers, shape, dtype)
+        final = model.model.norm
+        final_norm = final.weight if type(final) is RMSNorm and final.eps == model.config.rms_norm_eps else None
+        return decoder.DecoderWeights(layers, shape, dtype, final_norm)
     except (ValueError, IndexError):
         return None  # a layout the kernel does not take: the per-layer path runs it
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -166,6 +167,14 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def _every_row(indices: Tensor, rows: int) -> bool:
+    """Whether `indices` (int64 on the CPU) are 0 .. rows - 1 in order."""
+    if len(indices) != rows or indices.device.type != "cpu":
+        return False
+    host = indices.numpy()
+    return rows == 1 and host[0] == 0 or bool((host == np.arange(rows)).all())
+
+
 class CausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
 
@@ -237,7 +246,10 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype)
         weights, rows = self._decoder_kernel(backend, x)
         if weights is not None and rows is not None:
-            run_layers(x, cos, sin, meta.slot_mapping, weights, k_caches, v_caches, rows)
+            normed = run_layers(x, cos, sin, meta.slot_mapping, weights, k_caches, v_caches, rows)
+            # Every row of a decode step yields logits, and the kernel normed them all.
+            if normed is not None and _every_row(logits_indices, len(x)):
+                return self.compute_logits(normed)
         else:
             for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
                 x = layer(x, cos, sin, meta, backend, k_cache, v_cache)

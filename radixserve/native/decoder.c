@@ -42,11 +42,14 @@ typedef struct {
  * attends with (its window). cos, sin [tokens, head_dim]; slots [tokens]: each token's flat K/V
  * slot (page * page_size + offset). workspace: tokens * (3 * hidden + 2 * q_heads * head_dim
  * + 2 * kv_heads * head_dim + intermediate) elements of the dtype; scratch: the attention
- * kernel's, for `threads` threads and `tokens` rows at the largest max_keys. */
+ * kernel's, for `threads` threads and `tokens` rows at the largest max_keys. final_norm: the
+ * model's last norm weight [hidden], or NULL; given, normed [tokens, hidden] receives every row
+ * of x through it after the last layer (the LM head's input: at a decode step every row yields
+ * logits). */
 void radixserve_decoder_layers(void *x, int64_t tokens, const void *const *layers, int64_t num_layers,
                                const RowSet *row_sets, const int64_t *row_set_of_layer, const void *cos,
                                const void *sin, const int64_t *slots, const Dims *dims, void *workspace,
-                               float *scratch, int threads, int dtype) {
+                               float *scratch, int threads, int dtype, const void *final_norm, void *normed_out) {
     int64_t hidden = dims->hidden, q_width = dims->q_heads * dims->head_dim;
     int64_t kv_width = dims->kv_heads * dims->head_dim;
     size_t size = dtype ? 2 : 4; /* bytes per element */
@@ -94,4 +97,5 @@ void radixserve_decoder_layers(void *x, int64_t tokens, const void *const *layer
             for (int64_t i = 0; i < tokens * hidden; ++i) xh[i] = f32_to_bf16(bf16_to_f32(xh[i]) + bf16_to_f32(dh[i]));
         }
     }
+    if (final_norm) radixserve_add_rms_norm(x, NULL, final_norm, normed_out, tokens, hidden, dims->eps, dtype, threads);
 }

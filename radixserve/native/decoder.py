@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -46,6 +47,7 @@ def library() -> ctypes.CDLL | None:
         _P, _I, _P, _I,  # x, tokens, layer pointers, layers
         _P, _P, _P, _P, _P,  # row sets, row set of each layer, cos, sin, slots
         _P, _P, _P, ctypes.c_int, ctypes.c_int,  # dims, workspace, scratch, threads, dtype
+        _P, _P,  # final norm weight (or NULL), normed output
     ])
 
 
@@ -73,12 +75,20 @@ class DecoderWeights:
     `layers[l]` maps the names in LAYER_TENSORS to tensors (biases may be None). The tensors
     are kept, not copied, and their addresses read once: a weight changed in place is used
     as it is, one given new storage afterwards (`param.data = ...`) needs a new view.
+    `final_norm` [hidden] (the model's last norm, with the layers' epsilon), when given, is
+    applied by the same call to every row after the last layer (`run_layers` returns them).
     """
 
     def __init__(self, layers: Sequence[dict[str, Tensor | None]], shape: DecoderShape,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, final_norm: Tensor | None = None) -> None:
         if dtype not in DTYPE_CODES:
             raise ValueError(f"the decoder kernel runs float32 or bfloat16, not {dtype}")
+        if final_norm is not None and not (final_norm.dtype == dtype and final_norm.is_cpu
+                                           and final_norm.is_contiguous()
+                                           and tuple(final_norm.shape) == (shape.hidden,)):
+            raise ValueError(f"final_norm: the decoder kernel needs contiguous {dtype} ({shape.hidden},) on the CPU, "
+                             f"got {final_norm.dtype} {tuple(final_norm.shape)}")
+        self.final_norm = final_norm
         self.dtype = dtype
         if shape.kv_heads < 1 or shape.q_heads % shape.kv_heads or shape.head_dim % 2:
             raise ValueError(f"the decoder kernel needs KV heads dividing {shape.q_heads} query heads and an even "
@@ -113,18 +123,36 @@ class DecoderWeights:
         for index, tensor in enumerate(self.tensors):
             layer, slot = divmod(index, len(LAYER_TENSORS))
             self._pointers[layer * per_layer + slot] = None if tensor is None else tensor.data_ptr()
-        self._caches: list[int] = []
+        self._bound: tuple[weakref.ref, ...] = ()  # the caches the pointers hold, by reference
+        self._cache_shape = (0, 0)
+        self._dims: dict[int, _Dims] = {}
 
-    def pointers(self, k_caches: Sequence[Tensor], v_caches: Sequence[Tensor]) -> ctypes.Array:
-        """The C array of every layer's pointers, with these caches'."""
-        caches = [pointer for k, v in zip(k_caches, v_caches, strict=True) for pointer in (k.data_ptr(), v.data_ptr())]
-        if caches != self._caches:
-            per_layer = len(LAYER_TENSORS) + 2
-            for layer in range(self.num_layers):
-                self._pointers[layer * per_layer + per_layer - 2] = caches[2 * layer]
-                self._pointers[layer * per_layer + per_layer - 1] = caches[2 * layer + 1]
-            self._caches = caches
-        return self._pointers
+    def dims(self, page_size: int) -> _Dims:
+        """The shape and constants as C reads them, for caches of `page_size` (made once)."""
+        dims = self._dims.get(page_size)
+        if dims is None:
+            shape = self.shape
+            dims = self._dims[page_size] = _Dims(shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim,
+                                                 shape.intermediate, page_size, shape.eps, shape.scale)
+        return dims
+
+    def bind_caches(self, k_caches: Sequence[Tensor], v_caches: Sequence[Tensor]) -> tuple[ctypes.Array, int, int]:
+        """The C array of every layer's pointers with these caches', and the caches' (pages,
+        page_size). The caches are checked (`_check_caches`) unless they are the very tensors
+        of the last call: an engine's pool allocates its caches once and never resizes or
+        re-points them in place, so the check runs once per pool, not once per step (weak
+        references: a freed cache never passes for a new one at its address)."""
+        caches = (*k_caches, *v_caches)
+        bound = self._bound
+        if len(caches) == len(bound) and all(ref() is cache for ref, cache in zip(bound, caches)):
+            return self._pointers, *self._cache_shape
+        self._cache_shape = _check_caches(k_caches, v_caches, self.num_layers, self.shape, self.dtype)
+        per_layer = len(LAYER_TENSORS) + 2
+        for layer in range(self.num_layers):
+            self._pointers[layer * per_layer + per_layer - 2] = k_caches[layer].data_ptr()
+            self._pointers[layer * per_layer + per_layer - 1] = v_caches[layer].data_ptr()
+        self._bound = tuple(weakref.ref(cache) for cache in caches)
+        return self._pointers, *self._cache_shape
 
 
 def _check_caches(k_caches: Sequence[Tensor], v_caches: Sequence[Tensor], num_layers: int,
@@ -145,11 +173,12 @@ def _check_caches(k_caches: Sequence[Tensor], v_caches: Sequence[Tensor], num_la
 
 def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: DecoderWeights,
                k_caches: Sequence[Tensor], v_caches: Sequence[Tensor],
-               rows_of_layer: Sequence[PagedRows]) -> None:
+               rows_of_layer: Sequence[PagedRows]) -> Tensor | None:
     """Runs every layer over x [T, hidden] (updated in place: the residual stream), each new
     token's K/V written at `slots` [T] and every row attending through its layer's planned
-    decode rows (one row per token, in order). Raises ValueError before any C runs on
-    anything the kernel would misread."""
+    decode rows (one row per token, in order); returns x's rows through the weights' final
+    norm, or None when they have none. Raises ValueError before any C runs on anything the
+    kernel would misread."""
     loaded = library()
     if loaded is None:
         raise RuntimeError(f"the decoder kernel is unavailable: {unavailable_reason()}")
@@ -165,7 +194,7 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
                 and tuple(table.shape) == (tokens, shape.head_dim)):
             raise ValueError(f"{name}: the decoder kernel needs {dtype} [{tokens}, {shape.head_dim}], "
                              f"got {table.dtype} {tuple(table.shape)}")
-    pages, page_size = _check_caches(k_caches, v_caches, weights.num_layers, shape, dtype)
+    pointers, pages, page_size = weights.bind_caches(k_caches, v_caches)
     slot_array = checks.slot_indices(slots, tokens, pages * page_size)
     if len(rows_of_layer) != weights.num_layers:
         raise ValueError(f"the decoder kernel needs one row set per layer ({weights.num_layers}), "
@@ -178,12 +207,19 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
         row_sets[index] = _RowSet(*rows._pointers, len(rows), rows.max_keys)
     set_of_layer = np.array([index_of[id(rows)] for rows in rows_of_layer], dtype=np.int64)
     max_keys = max(rows.max_keys for rows in distinct)
-    threads, scratch = threads_and_scratch(NAME, *scratch_layout(shape.q_heads, shape.head_dim, max_keys, tokens))
+    # One reused buffer per thread (scratch.py): the attention's scratch, then the step's
+    # workspace (its size in float32 slots, each element of the dtype taking a whole slot or half).
+    per_thread, shared = scratch_layout(shape.q_heads, shape.head_dim, max_keys, tokens)
     q_width, kv_width = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    workspace = torch.empty(tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate), dtype=dtype)
-    dims = _Dims(shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim, shape.intermediate, page_size,
-                 shape.eps, shape.scale)
+    workspace_elements = tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate)
+    workspace_floats = -(-workspace_elements * x.element_size() // 4)
+    threads, scratch = threads_and_scratch(NAME, per_thread, shared + workspace_floats)
+    workspace = scratch.ctypes.data + (threads * max(per_thread, 1) + shared) * 4
+    final_norm = weights.final_norm
+    normed = None if final_norm is None else torch.empty_like(x)
     loaded.radixserve_decoder_layers(
-        x.data_ptr(), tokens, weights.pointers(k_caches, v_caches), weights.num_layers, row_sets,
-        set_of_layer.ctypes.data, cos.data_ptr(), sin.data_ptr(), slot_array.ctypes.data, ctypes.byref(dims),
-        workspace.data_ptr(), scratch.ctypes.data, threads, DTYPE_CODES[dtype])
+        x.data_ptr(), tokens, pointers, weights.num_layers, row_sets,
+        set_of_layer.ctypes.data, cos.data_ptr(), sin.data_ptr(), slot_array.ctypes.data,
+        ctypes.byref(weights.dims(page_size)), workspace, scratch.ctypes.data, threads, DTYPE_CODES[dtype],
+        None if final_norm is None else final_norm.data_ptr(), None if normed is None else normed.data_ptr())
+    return normed
