@@ -61,7 +61,9 @@ def test_decodes_match_float64_attention(num_qo_heads: int, num_kv_heads: int, h
     assert kernel_error <= max(2 * gather_error, 1e-6)
 
 
-@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 80), (5, 5, 7)])
+# Groups of 1, 2, 3, 4 (d = 80: a tail of 16), 6 (two passes, 4 + 2) and 8 query heads per KV head.
+@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (4, 1, 80), (5, 5, 7), (4, 4, 64), (4, 2, 64), (12, 2, 64), (16, 2, 128)])
 def test_bfloat16_decodes_match_float64_attention_as_closely_as_sdpa(num_qo_heads: int, num_kv_heads: int,
                                                                      head_dim: int) -> None:
     """bfloat16 q and caches: the kernel widens each row exactly and sums in float32, so its

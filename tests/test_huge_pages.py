@@ -44,7 +44,7 @@ def test_loaded_weights_share_one_mapping_advised_for_huge_pages(tiny_checkpoint
 
 
 @needs_thp
-def test_the_move_keeps_every_value_and_the_outputs(tiny_checkpoints: dict[str, Path],
+def test_the_move_keeps_every_value(tiny_checkpoints: dict[str, Path],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     directory = str(tiny_checkpoints["llama_tied_bias"])
     moved = load_model(directory, device="cpu").model

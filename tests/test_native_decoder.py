@@ -45,9 +45,9 @@ def kernel_calls(model: llama_module.CausalLM, use_kernel: bool) -> Iterator[lis
     calls = [0]
     original = llama_module.run_layers
 
-    def counted(*args: object) -> torch.Tensor | None:
+    def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
         calls[0] += 1
-        return original(*args)  # type: ignore[arg-type]
+        return original(*args, **kwargs)  # type: ignore[arg-type]
 
     llama_module.run_layers = counted  # type: ignore[assignment]
     try:
@@ -136,10 +136,10 @@ def _one_decode_step(model: llama_module.CausalLM) -> dict[str, object]:
     captured: dict[str, object] = {}
     original = llama_module.run_layers
 
-    def capture(x, cos, sin, slots, weights, k_caches, v_caches, rows) -> torch.Tensor | None:
+    def capture(x, cos, sin, slots, weights, k_caches, v_caches, rows, **kwargs) -> torch.Tensor | None:
         captured.update(x=x.clone(), cos=cos, sin=sin, slots=slots, weights=weights, k_caches=k_caches,
                         v_caches=v_caches, rows=rows)
-        return original(x, cos, sin, slots, weights, k_caches, v_caches, rows)
+        return original(x, cos, sin, slots, weights, k_caches, v_caches, rows, **kwargs)
 
     kv = PagedKV(model, num_pages=16, page_size=PAGE_SIZE, seed=1)
     seq = Sequence()
@@ -243,8 +243,9 @@ def test_caches_are_checked_once_per_set_of_tensors(checkpoints: dict[str, Path]
     k = [torch.zeros(shape) for _ in range(weights.num_layers)]
     v = [torch.zeros(shape) for _ in range(weights.num_layers)]
     first = weights.bind_caches(k, v)
-    assert weights.bind_caches(list(k), list(v)) == first and len(checked) == 1
-    assert first[1:] == (3, PAGE_SIZE)
+    assert first[1:] == (3, PAGE_SIZE) and len(checked) == 1
+    assert weights.bind_caches(list(k), list(v))[1:] == (3, PAGE_SIZE) and len(checked) == 1  # the same tensors
+    assert k[0].data_ptr() in list(first[0]) and v[-1].data_ptr() in list(first[0])
     k[0] = torch.zeros(shape)  # one new tensor: checked again, its address bound
     pointers, _, _ = weights.bind_caches(k, v)
     assert len(checked) == 2 and k[0].data_ptr() in list(pointers)

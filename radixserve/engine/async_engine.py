@@ -29,8 +29,8 @@ DEFAULT_STALL_TIMEOUT_S = 120.0  # a step on a CPU with a large model may take t
 DEFAULT_STOP_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256
 IDLE_WAKEUP_S = 0.5
-# While steps run back to back, stats are rebuilt at most this often unless a step started or
-# ended a stream (building them costs about 0.1 ms, 1% of a small model's decode step).
+# While steps run back to back, stats are rebuilt at most this often unless a stream ended or
+# the engine's load moved (building them costs about 0.1 ms, 1% of a small model's decode step).
 STATS_PERIOD_S = 0.05
 DEFAULT_STREAM_BUFFER_TOKENS = 1024  # per request: delivered, not yet read by its client
 DEFAULT_STREAM_READ_TIMEOUT_S = 300.0  # a paused request whose client reads nothing is aborted
@@ -88,7 +88,8 @@ class AsyncEngine:
         self._stats: dict[str, Any] = engine.stats()
         self._stats_lock = threading.Lock()
         self._stats_at = 0.0  # monotonic time of the last publication
-        self._streams_stepped = 0  # streams the last step delivered to
+        self._stats_load: tuple[int, int, int] = (0, 0, 0)  # engine.load_counts() then
+        self._stats_stale = False  # a step since the last publication was not published
         # Written by the engine thread only; read anywhere (a float or None: atomic).
         self._pending_since: float | None = None  # work waiting for a step since then
         self._last_step_at = time.monotonic()
@@ -155,6 +156,8 @@ class AsyncEngine:
             elif self._sliced:  # no step to run: views take their pieces back to back
                 if not self.engine.has_work():
                     self._pending_since = None
+                if self._stats_stale:
+                    self._publish_stats()
                 self._sliced.run()
             else:
                 if not self.engine.has_work():
@@ -184,16 +187,17 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(stream.put, items)
 
     def _stats_due(self, deltas: dict[str, list[StreamDelta]], now: float) -> bool:
-        """Whether to publish after a step: when its streams differ from the last step's in
-        number or one of them finished (what a caller polling stats waits to see), else once
-        every STATS_PERIOD_S."""
-        stepped, self._streams_stepped = self._streams_stepped, len(deltas)
-        return (len(deltas) != stepped or now - self._stats_at >= STATS_PERIOD_S
-                or any(item.finish_reason is not None for items in deltas.values() for item in items))
+        """Whether to publish after a step: when a stream finished or the engine's load (its
+        sequences waiting and running, its free pages) moved since the last publication, else
+        once every STATS_PERIOD_S. A skipped step leaves the stats stale until the next."""
+        due = (now - self._stats_at >= STATS_PERIOD_S or self.engine.load_counts() != self._stats_load
+               or any(item.finish_reason is not None for items in deltas.values() for item in items))
+        self._stats_stale = not due
+        return due
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
-        self._stats_at = time.monotonic()
+        self._stats_at, self._stats_load, self._stats_stale = time.monotonic(), self.engine.load_counts(), False
         with self._stats_lock:
             self._stats = stats
 

@@ -302,6 +302,11 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def load_counts(self) -> tuple[int, int, int]:
+        """(sequences waiting, sequences running, free pages): a few reads, for a caller
+        deciding whether the stats changed since it last built them."""
+        return len(self.scheduler.waiting), len(self.scheduler.running), self.pool.num_free
+
     def fault(self) -> str | None:
         """Why the engine cannot run steps any more (a tensor-parallel worker died or hangs),
         or None: what the server's /health reports."""

@@ -246,9 +246,10 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype)
         weights, rows = self._decoder_kernel(backend, x)
         if weights is not None and rows is not None:
-            normed = run_layers(x, cos, sin, meta.slot_mapping, weights, k_caches, v_caches, rows)
-            # Every row of a decode step yields logits, and the kernel normed them all.
-            if normed is not None and _every_row(logits_indices, len(x)):
+            # Where every row yields logits (a decode step), the kernel norms them all too.
+            every_row = _every_row(logits_indices, len(x))
+            normed = run_layers(x, cos, sin, meta.slot_mapping, weights, k_caches, v_caches, rows, final_norm=every_row)
+            if normed is not None:
                 return self.compute_logits(normed)
         else:
             for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):

@@ -173,11 +173,11 @@ def _check_caches(k_caches: Sequence[Tensor], v_caches: Sequence[Tensor], num_la
 
 def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: DecoderWeights,
                k_caches: Sequence[Tensor], v_caches: Sequence[Tensor],
-               rows_of_layer: Sequence[PagedRows]) -> Tensor | None:
+               rows_of_layer: Sequence[PagedRows], *, final_norm: bool = True) -> Tensor | None:
     """Runs every layer over x [T, hidden] (updated in place: the residual stream), each new
     token's K/V written at `slots` [T] and every row attending through its layer's planned
     decode rows (one row per token, in order); returns x's rows through the weights' final
-    norm, or None when they have none. Raises ValueError before any C runs on anything the
+    norm, or None when they have none or `final_norm` is False. Raises ValueError before any C runs on anything the
     kernel would misread."""
     loaded = library()
     if loaded is None:
@@ -212,14 +212,14 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
     per_thread, shared = scratch_layout(shape.q_heads, shape.head_dim, max_keys, tokens)
     q_width, kv_width = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     workspace_elements = tokens * (3 * shape.hidden + 2 * q_width + 2 * kv_width + shape.intermediate)
-    workspace_floats = -(-workspace_elements * x.element_size() // 4)
+    workspace_floats = -(-workspace_elements * x.element_size() // 4) + 16  # + 16: room to align it
     threads, scratch = threads_and_scratch(NAME, per_thread, shared + workspace_floats)
-    workspace = scratch.ctypes.data + (threads * max(per_thread, 1) + shared) * 4
-    final_norm = weights.final_norm
-    normed = None if final_norm is None else torch.empty_like(x)
+    workspace = -(-(scratch.ctypes.data + (threads * max(per_thread, 1) + shared) * 4) // 64) * 64  # a cache line
+    norm_weight = weights.final_norm if final_norm else None
+    normed = None if norm_weight is None else torch.empty_like(x)
     loaded.radixserve_decoder_layers(
         x.data_ptr(), tokens, pointers, weights.num_layers, row_sets,
         set_of_layer.ctypes.data, cos.data_ptr(), sin.data_ptr(), slot_array.ctypes.data,
         ctypes.byref(weights.dims(page_size)), workspace, scratch.ctypes.data, threads, DTYPE_CODES[dtype],
-        None if final_norm is None else final_norm.data_ptr(), None if normed is None else normed.data_ptr())
+        None if norm_weight is None else norm_weight.data_ptr(), None if normed is None else normed.data_ptr())
     return normed

@@ -358,8 +358,8 @@ static int64_t take_back(Share *share) {
 
 /* Outputs per chunk: whole tiles; at one or two rows about CHUNK_BYTES of weights. */
 static int64_t chunk_outputs(const Segment *segs, int64_t rows, int64_t k, int dtype) {
-    if (rows > 2) return CHUNK_OUTPUTS;
     int64_t row_bytes = k * (dtype ? 2 : 4) * (segs[0].w_up ? 2 : 1);
+    if (rows > 2 || row_bytes <= 0) return CHUNK_OUTPUTS;
     int64_t outputs = (CHUNK_BYTES / row_bytes + TILE_OUTPUTS - 1) / TILE_OUTPUTS * TILE_OUTPUTS;
     return outputs < TILE_OUTPUTS ? TILE_OUTPUTS : outputs;
 }
