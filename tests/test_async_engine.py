@@ -159,3 +159,29 @@ def test_pause_keeps_taking_commands_but_runs_no_step(ckpt: Path) -> None:
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_stats_follow_every_step_that_moves_the_load(ckpt: Path) -> None:
+    """Stats are rebuilt after a step only when it ends a stream or moves the engine's load
+    (waiting, running, free pages), else every 50 ms: a request's first token must never come
+    with stats that still show it waiting (read right away, no polling)."""
+
+    async def scenario() -> None:
+        engine = AsyncEngine(Engine(model=str(ckpt), page_size=4, num_pages=128, debug_checks=True))
+        await engine.start()
+        try:
+            for round_ in range(5):  # each after the last finished: one stream at a time
+                stream = engine.generate(list(range(30, 40 + round_)), SamplingParams(
+                    max_tokens=60, temperature=0.0, ignore_eos=True), request_id=f"r{round_}")
+                await stream.__anext__()
+                stats = engine.stats()
+                assert (stats["waiting"], stats["running"]) == (0, 1), round_
+                async for delta in stream:
+                    last = delta
+                assert last.finish_reason == "length"
+                stats = engine.stats()  # the finishing step published, whatever the time
+                assert (stats["running"], stats["pages_locked"]) == (0, 0), round_
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())

@@ -148,9 +148,9 @@ class AsyncEngine:
                     logger.exception("engine step failed; its requests were ended with finish_reason 'error'")
                     deltas = self.engine.take_deltas()
                 self._last_step_at = self._pending_since = now = time.monotonic()
-                self._deliver(deltas)
-                if self._stats_due(deltas, now):
+                if self._stats_due(deltas, now):  # first: a client reading stats on a delta sees its step
                     self._publish_stats()
+                self._deliver(deltas)
                 if self._sliced:
                     self._sliced.run()
             elif self._sliced:  # no step to run: views take their pieces back to back
