@@ -177,8 +177,8 @@ def run_layers(x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, weights: Deco
     """Runs every layer over x [T, hidden] (updated in place: the residual stream), each new
     token's K/V written at `slots` [T] and every row attending through its layer's planned
     decode rows (one row per token, in order); returns x's rows through the weights' final
-    norm, or None when they have none or `final_norm` is False. Raises ValueError before any C runs on anything the
-    kernel would misread."""
+    norm, or None when they have none or `final_norm` is False. Raises ValueError before any
+    C runs on anything the kernel would misread."""
     loaded = library()
     if loaded is None:
         raise RuntimeError(f"the decoder kernel is unavailable: {unavailable_reason()}")
