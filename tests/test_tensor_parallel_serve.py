@@ -2,14 +2,13 @@
 
 The server's tokens equal a TP=1 engine's; a killed worker turns /health to 503 with the
 reason and requests end with an error; Ctrl-C ends the server and every worker. On Ray Serve
-(marked `cluster`), one replica is one TP group of two ranks.
+(marked `cluster`), one replica is one TP group of two ranks, and a SIGTERM its parent
+blocked still stops it cleanly.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,24 +19,22 @@ from cluster_util import STARTUP_TIMEOUT_S, require_ray
 
 from radixserve import Engine, SamplingParams
 from tests.server_util import wait_for
-from tests.test_server_cli import REPO_ROOT, free_port, start_serve, stop
+from tests.stop_util import (
+    EXIT_GUARD_S,
+    health_status,
+    kill_tree,
+    start_hardened,
+    stops_cleanly,
+)
+from tests.test_server_cli import free_port, start_serve, stop
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_TOKENS = 6
-EXIT_GUARD_S = 120.0  # generous: turns a hang into a failure
 
 
 def expected_tokens(ckpt: Path) -> list[int]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return Engine(str(ckpt), page_size=16, num_pages=32).generate([PROMPT], params)[0].token_ids
-
-
-def health_status(url: str) -> int | None:
-    """GET /health's status, or None while it does not answer (a server still starting)."""
-    try:
-        return httpx.get(f"{url}/health", timeout=30).status_code
-    except httpx.HTTPError:
-        return None
 
 
 def post_completion(url: str, model: str) -> httpx.Response:
@@ -80,21 +77,23 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
 
 @pytest.mark.cluster
 @pytest.mark.timeout(900)  # a Ray start and a TP start, on a loaded machine
-def test_one_ray_serve_replica_is_one_tp_group(tiny_llama_dir: Path) -> None:
+def test_one_ray_serve_replica_is_one_tp_group_and_stops_on_a_blocked_sigterm(tiny_llama_dir: Path) -> None:
+    """Started as a careless parent leaves it (SIGINT ignored, both stop signals blocked:
+    tests/stop_util.py); SIGTERM still stops the driver, Serve, the replica (rank 0) and its
+    worker cleanly. test_cluster_signals.py stops a Ray replica with SIGINT."""
     require_ray()
     expected = expected_tokens(tiny_llama_dir)
     port = free_port()
     # Not start_serve: Ray's start on a loaded machine can take longer than its 2 minutes.
-    process = subprocess.Popen(
+    process = start_hardened(
         [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--model", str(tiny_llama_dir),
-         "--device", "cpu", "--tensor-parallel-size", "2", "--replicas", "1", "--num-pages", "32"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT)
+         "--device", "cpu", "--tensor-parallel-size", "2", "--replicas", "1", "--num-pages", "32",
+         "--shutdown-timeout-s", str(EXIT_GUARD_S / 2)])
     try:
         url = f"http://127.0.0.1:{port}"
         assert wait_for(lambda: health_status(url) == 200, STARTUP_TIMEOUT_S)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
-        process.send_signal(signal.SIGINT)
-        process.wait(EXIT_GUARD_S)  # Ray Serve tears the replica (rank 0) and its worker down
-    finally:
-        stop(process)
+    except BaseException:
+        kill_tree(process)
+        raise
+    stops_cleanly(process, signal.SIGTERM)

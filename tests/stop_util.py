@@ -1,0 +1,83 @@
+"""Starting `radixserve serve` as a careless parent would, and checking that it stops cleanly.
+
+A non-interactive shell starts a background job with SIGINT ignored, and a parent may start
+a process with signals blocked (the mask survives exec); the Ray driver used to wait forever
+then. `start_hardened` starts a process that way (SIGINT ignored, SIGINT and SIGTERM
+blocked); `stops_cleanly` signals it and checks a clean stop: status 0, `stopped` said,
+every process it had started gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import httpx
+import psutil
+
+from tests.test_server_cli import REPO_ROOT
+
+EXIT_GUARD_S = 120.0  # generous: turns a hang into a failure
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def health_status(url: str) -> int | None:
+    """GET /health's status, or None while it does not answer (a server still starting)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=30).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def as_a_careless_parent_leaves_it() -> None:
+    """Popen's preexec_fn: what a background job of a non-interactive shell gets (SIGINT
+    ignored), and worse (both stop signals blocked)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def start_hardened(command: list[str]) -> subprocess.Popen[str]:
+    """`command` in the repository, started as a careless parent leaves it."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            preexec_fn=as_a_careless_parent_leaves_it)  # noqa: PLW1509 (the point)
+
+
+def kill_all(processes: list[psutil.Process]) -> None:
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def kill_tree(process: subprocess.Popen[str]) -> None:
+    """Kills `process` and everything it started (a server that never came up)."""
+    try:
+        started = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        started = []
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
+    kill_all(started)
+
+
+def stops_cleanly(process: subprocess.Popen[str], sig: signal.Signals) -> None:
+    """Sends `sig` to a running `serve` and asserts a clean stop: status 0, both stop
+    messages, and every process it had started (Ray's daemons and workers, TP ranks) gone
+    within EXIT_GUARD_S. Whatever is left is killed, pass or fail."""
+    started = psutil.Process(process.pid).children(recursive=True)
+    try:
+        process.send_signal(sig)
+        _, stderr = process.communicate(timeout=EXIT_GUARD_S)
+        assert process.returncode == 0, stderr
+        assert "radixserve: stopping ..." in stderr and "radixserve: stopped" in stderr
+        _, alive = psutil.wait_procs(started, timeout=EXIT_GUARD_S)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        kill_all(started)
