@@ -71,6 +71,10 @@ MAX_BODY_BYTES = 4 * 2**20
 DECODE_IN_THREAD_BYTES = 64 * 2**10
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
+# Grammar compiles at once, all requests together: a compile runs in a worker thread nobody can
+# stop, and without a bound of their own a crowd of slow ones would take every thread of the
+# pool that tokenizes every other request's prompt.
+GRAMMAR_COMPILES = 4
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENCODER = msgspec.json.Encoder()
@@ -106,6 +110,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
+        self._compiles = anyio.CapacityLimiter(GRAMMAR_COMPILES)
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -201,7 +206,8 @@ class OpenAIServer:
             return
         grammars = self.engine.engine.grammars
         try:
-            await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format")
+            await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format",
+                                           limiter=self._compiles)
         except GrammarError as exc:
             raise grammar_error(exc) from exc
 
