@@ -120,3 +120,39 @@ def test_a_grammar_that_matches_nothing_is_a_400_not_an_engine_failure(
     beside = _chat(server.url, INNOCENT)
     assert beside.status_code == 200
     _assert_clean(server)
+
+
+AMBIGUOUS_REGEX = "((a|aa|aaa){0,100}){0,100}(b|a){300}"  # each fill slower than the last
+
+
+def test_an_ambiguous_grammar_ends_its_own_request_and_does_not_stall_the_others(server: SimpleNamespace) -> None:
+    """Before: every mask fill of this regex took longer than the one before (0.1 s, then
+    seconds) on the engine thread, so the innocent stream beside it waited for minutes and the
+    attacker's disconnect was not even seen. Now the request whose fill passes the budget ends
+    alone (finish_reason error: a 500 before any output), within a step or so."""
+    innocent = {"prompt": "an innocent prompt", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{server.url}/v1/completions", json=innocent, timeout=120)
+    assert alone.status_code == 200, alone.text
+    answers: dict[str, httpx.Response | BaseException] = {}
+
+    def attack() -> None:
+        try:
+            answers["attack"] = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "prompt": "a", "max_tokens": 200, "n": 4, "temperature": 0, "guided_regex": AMBIGUOUS_REGEX})
+        except httpx.TimeoutException as exc:
+            answers["attack"] = exc
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    assert wait_for(lambda: server.engine.stats()["running"] >= 4 or "attack" in answers, timeout=60)
+    started = time.monotonic()
+    try:
+        beside = httpx.post(f"{server.url}/v1/completions", json=innocent, timeout=60)
+    finally:
+        attacker.join()
+    assert beside.status_code == 200 and beside.json()["choices"] == alone.json()["choices"]
+    assert time.monotonic() - started < 30
+    answer = answers["attack"]
+    assert isinstance(answer, httpx.Response), "the attacker's request did not end within 60 s"
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "engine_error", answer.text
+    _assert_clean(server)
