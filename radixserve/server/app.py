@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -160,7 +160,11 @@ class OpenAIServer:
         self._check_model(body.model)
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
-        scope = body.cache_salt or None  # the engine's cache namespace: "" is no salt
+        # The engine's cache namespace: the tenant and the salt ("" is no salt). Generated turns
+        # are kept per scope, so no tenant's prompt is tokenized by another's answers (its
+        # prompt_tokens would tell which answers another tenant was given).
+        salt = body.cache_salt or None
+        scope = salt if caller.tenant is None else (caller.tenant, salt)
         tools = plan_tools(body, self.tool_call_parser)
         prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
                                                                    tools.tools)
@@ -306,7 +310,7 @@ class OpenAIServer:
             await close(deltas)
         yield _DONE
 
-    async def _remember_turns(self, scope: str | None, results: Sequence[ChoiceResult]) -> None:
+    async def _remember_turns(self, scope: Hashable, results: Sequence[ChoiceResult]) -> None:
         """Remembers a request's finished choices in a worker thread: decoding a long answer
         would hold the event loop (and every other stream). Awaited before the response ends,
         so a later turn of the conversation finds this one remembered."""
@@ -316,7 +320,7 @@ class OpenAIServer:
 
         await anyio.to_thread.run_sync(remember_each)
 
-    def _remember_turn(self, scope: str | None, result: ChoiceResult) -> None:
+    def _remember_turn(self, scope: Hashable, result: ChoiceResult) -> None:
         """Keeps a finished choice's token ids for later turns that send its text back, when
         they decode to exactly that text (not when a stop string cut it short)."""
         if result.finish_reason not in ("stop", "length"):
