@@ -53,11 +53,23 @@ class Grammars:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
                                f"{reason.split('] ', 1)[-1][:300]}", param) from None
+        if not self._allows_a_first_token(compiled):
+            # `root ::= root`, `[^\s\S]`: every token masked, so the engine could only fail the
+            # request (a 500) at its first step; the request is at fault, not the server.
+            raise GrammarError(f"{param}: this {spec.kind.replace('_', ' ')} matches no text at all "
+                               "(not even an empty output)", param)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _allows_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
+        """Whether a sequence at the start of `compiled` may take any token (a stop token counts)."""
+        matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids or None)
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         if spec.kind == "json_object":

@@ -12,6 +12,7 @@ copy of its parent's (engine/beam_driver.py).
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -21,6 +22,19 @@ import xgrammar
 
 from radixserve.native import checks
 from radixserve.native import sampling as native_sampling
+
+
+# A mask fill's CPU time (the engine thread's) past which a sequence's grammar is too slow to
+# follow. Fills of real schemas, regexes and grammars take microseconds to a millisecond, but an
+# ambiguous one (`((a|aa|aaa){0,100}){0,100}` and more a's) makes xgrammar's parser track ever
+# more states: fills of 0.1 s, then seconds, one after another on the thread that steps every
+# request, so that one request stalled everyone's streams, and its own abort, for minutes.
+# CPU time, not wall time: a descheduled engine thread is nobody's grammar's fault.
+FILL_BUDGET_S = 0.05
+
+
+class GrammarTooSlow(RuntimeError):
+    """A sequence's grammar took longer than FILL_BUDGET_S to say which tokens come next."""
 
 
 class Matcher:
@@ -41,6 +55,7 @@ class Matcher:
         self._row_ids = array("q", [0])  # the logits row of _row_mask, as C reads it
         self._row_mask: TokenMask | None = None  # _prepared for one logits row, packed for C
         self._ready = False  # whether _prepared holds the current state's mask
+        self.too_slow = False  # a fill took longer than FILL_BUDGET_S: no more masks (check_pace)
 
     def fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
         """Writes the allowed next tokens into `bitmask[row]` (int32 words, bit t of word
@@ -49,7 +64,7 @@ class Matcher:
         if self._ready:
             bitmask[row] = self._prepared_words[0]  # type: ignore[index]
         else:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
+            self._timed_fill(bitmask, row)
 
     def prepare(self) -> None:
         """Fills the current state's mask now into this matcher's own row (nothing once the
@@ -60,8 +75,22 @@ class Matcher:
             self._prepared = xgrammar.allocate_token_bitmask(1, self._vocab_size)
             self._prepared_words = self._prepared.numpy()  # the same memory
             self._prepared_checked = checks.mask_words(self._prepared)
-        self._matcher.fill_next_token_bitmask(self._prepared_words, 0)
+        self._timed_fill(self._prepared_words, 0)
         self._ready = True
+
+    def _timed_fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
+        start = time.thread_time()
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if time.thread_time() - start > FILL_BUDGET_S:
+            self.too_slow = True
+
+    def check_pace(self) -> None:
+        """GrammarTooSlow once a fill of this matcher took longer than FILL_BUDGET_S: the
+        sampler then ends its request alone (engine/token_output.py) instead of letting the
+        next, slower fills hold every other request's step."""
+        if self.too_slow:
+            raise GrammarTooSlow(f"the request's output constraint took over {FILL_BUDGET_S * 1000:g} ms of CPU "
+                                 "to compute one step's allowed tokens (an ambiguous grammar or regex)")
 
     def prepared_words(self) -> checks.MaskWords | None:
         """The current state's mask if it was prepared, else None: its memory ([1, words],
@@ -119,6 +148,8 @@ class TokenMask:
     def for_rows(matchers: list[tuple[int, Matcher]], vocab_size: int, buffer: MaskBuffer | None = None) -> TokenMask:
         """The mask of the rows that have a matcher, filled by their matchers; into `buffer`'s
         rows when given (valid until the buffer's next use), else into a new tensor."""
+        for _, matcher in matchers:
+            matcher.check_pace()
         rows = [row for row, _ in matchers]
         if len(rows) == 1:  # the common single row: its prepared mask as it is, no copy
             prepared = matchers[0][1].prepared_mask(rows[0])

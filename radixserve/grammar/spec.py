@@ -7,6 +7,7 @@ grammars are cached by it, and two requests with the same schema share one compi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +18,14 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
 UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired",
                         "unevaluatedProperties", "unevaluatedItems", "contains", "propertyNames")
 MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar compiles in time bounded by its size
+# xgrammar 0.2.9's JSON Schema converter takes time quadratic in a `pattern`'s counted
+# repetitions, up to an automaton size it gives up at (`.{0,4000}`: ~5 s of CPU, `.{0,8000}`:
+# ~26 s), for each pattern in turn (patternProperties' keys alike), in a thread nobody can stop:
+# a 64 KiB schema of a thousand such patterns would take hours, far from what the size bound
+# above suggests. The repetitions of all the schema's patterns together, each counted bound
+# times its atom's length, are bounded instead (`.{0,2048}` converts in about 1.5 s).
+MAX_PATTERN_REPETITION = 2048
+_COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 
 class GrammarError(ValueError):
@@ -60,6 +69,11 @@ class GrammarSpec:
         if path is not None:
             raise GrammarError(f"{param}: the schema keyword at {path} is not supported by radixserve's "
                                f"grammar engine (unsupported: {', '.join(UNSUPPORTED_KEYWORDS)})", param)
+        repetition = sum(_repetition(pattern) for pattern in _patterns(schema))
+        if repetition > MAX_PATTERN_REPETITION:
+            raise GrammarError(f"{param}: the schema's patterns repeat too much: their counted repetitions "
+                               f"({{m,n}}, each bound times the length of what it repeats) add up to "
+                               f"{repetition}, at most {MAX_PATTERN_REPETITION}", param)
         # Key order is kept: properties are generated in the order the schema lists them.
         return GrammarSpec("json_schema", _bounded(json.dumps(schema), param))
 
@@ -111,3 +125,64 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def _patterns(node: Any) -> list[str]:
+    """The regular expressions of a schema: `pattern` values and `patternProperties` keys."""
+    found: list[str] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                if key == "pattern" and isinstance(value, str):
+                    found.append(value)
+                elif key == "patternProperties" and isinstance(value, dict):
+                    found.extend(name for name in value if isinstance(name, str))
+                if key not in ("enum", "const", "default", "examples"):
+                    stack.append(value)
+    return found
+
+
+def _repetition(pattern: str) -> int:
+    """The counted repetitions of a regular expression: for each `{m}`, `{m,}` or `{m,n}`, its
+    largest bound times the length of the atom it repeats (a group counts its source's length,
+    a character, class or escape 1). A cost bound, not a parser: it over-counts, never under."""
+    total = 0
+    groups: list[int] = []  # where the open groups start
+    atom: int | None = None  # where the atom a quantifier would repeat starts, in `pattern`
+    weight = 1  # that atom's length
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            atom, weight, i = i, 1, i + 2
+            continue
+        if char == "[":
+            j = i + 1
+            if j < len(pattern) and pattern[j] == "^":
+                j += 1
+            if j < len(pattern) and pattern[j] == "]":
+                j += 1
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            atom, weight, i = i, 1, j + 1
+            continue
+        if char == "(":
+            groups.append(i)
+            atom, i = None, i + 1
+            continue
+        if char == ")":
+            start = groups.pop() if groups else 0
+            atom, weight, i = start, i + 1 - start, i + 1
+            continue
+        counted = _COUNTED.match(pattern, i) if char == "{" else None
+        if counted is not None and (counted.group(1) or counted.group(3)):
+            bound = max((int(d) if len(d) <= 9 else 10**9) for d in (counted.group(1) or "0", counted.group(3) or "0"))
+            total += bound * (weight if atom is not None else 1)
+            i = counted.end()
+            continue
+        atom, weight, i = (None, 1, i + 1) if char == "|" else (i, 1, i + 1)
+    return total

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -71,6 +71,10 @@ MAX_BODY_BYTES = 4 * 2**20
 DECODE_IN_THREAD_BYTES = 64 * 2**10
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
+# Grammar compiles at once, all requests together: a compile runs in a worker thread nobody can
+# stop, and without a bound of their own a crowd of slow ones would take every thread of the
+# pool that tokenizes every other request's prompt.
+GRAMMAR_COMPILES = 4
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENCODER = msgspec.json.Encoder()
@@ -106,6 +110,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
+        self._compiles = anyio.CapacityLimiter(GRAMMAR_COMPILES)
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -155,7 +160,11 @@ class OpenAIServer:
         self._check_model(body.model)
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
-        scope = body.cache_salt or None  # the engine's cache namespace: "" is no salt
+        # The engine's cache namespace: the tenant and the salt ("" is no salt). Generated turns
+        # are kept per scope, so no tenant's prompt is tokenized by another's answers (its
+        # prompt_tokens would tell which answers another tenant was given).
+        salt = body.cache_salt or None
+        scope = salt if caller.tenant is None else (caller.tenant, salt)
         tools = plan_tools(body, self.tool_call_parser)
         prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
                                                                    tools.tools)
@@ -201,7 +210,8 @@ class OpenAIServer:
             return
         grammars = self.engine.engine.grammars
         try:
-            await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format")
+            await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format",
+                                           limiter=self._compiles)
         except GrammarError as exc:
             raise grammar_error(exc) from exc
 
@@ -300,7 +310,7 @@ class OpenAIServer:
             await close(deltas)
         yield _DONE
 
-    async def _remember_turns(self, scope: str | None, results: Sequence[ChoiceResult]) -> None:
+    async def _remember_turns(self, scope: Hashable, results: Sequence[ChoiceResult]) -> None:
         """Remembers a request's finished choices in a worker thread: decoding a long answer
         would hold the event loop (and every other stream). Awaited before the response ends,
         so a later turn of the conversation finds this one remembered."""
@@ -310,7 +320,7 @@ class OpenAIServer:
 
         await anyio.to_thread.run_sync(remember_each)
 
-    def _remember_turn(self, scope: str | None, result: ChoiceResult) -> None:
+    def _remember_turn(self, scope: Hashable, result: ChoiceResult) -> None:
         """Keeps a finished choice's token ids for later turns that send its text back, when
         they decode to exactly that text (not when a stop string cut it short)."""
         if result.finish_reason not in ("stop", "length"):

@@ -10,7 +10,7 @@ by the cache scope of the request that made them; the chat renderer (prompts.py)
 ids in where an assistant message of a later request in the same scope carries exactly that
 text.
 
-The scope is the request's cache namespace (its `cache_salt`): ids learnt in one namespace are
+The scope is the request's cache namespace (its tenant and its `cache_salt`; app.py): ids learnt in one namespace are
 never used in another, so how a prompt is tokenized (and so its `prompt_tokens`) tells nothing
 about other tenants' completions. Memory is bounded by the number of token ids kept; the
 least recently used completions are forgotten first.

@@ -1,0 +1,158 @@
+"""Hostile output constraints on a real server (real sockets, httpx), beside an innocent client.
+
+A JSON Schema `pattern` with a large counted repetition (`.{0,8000}`, a few bytes of the 64 KiB
+a schema may have) took xgrammar's schema converter ~26 s of CPU, quadratic in the count, in a
+worker thread that nobody can stop (a disconnect changes nothing), and a schema's patterns add
+up: a thousand of them, hours. It is a 400 naming the field at once, wherever the patterns sit
+(response_format, guided_json's patternProperties, a tool's parameters, several properties). A grammar that matches no text at all
+(`root ::= root`, `[^\\s\\S]`) masked every token, so the engine failed the request at its first
+step (a 500 and a traceback in the log): it is a 400 naming the field. The innocent client's
+output is unchanged, and the server ends clean.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from server_util import running_server, wait_for
+
+from radixserve import AsyncEngine, Engine
+from radixserve.server import create_app
+
+INNOCENT = {"messages": [{"role": "user", "content": "an innocent question"}], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+ATTACK_TIMEOUT_S = 20.0  # far above what a refusal takes; far below what compiling would take
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimpleNamespace]:
+    engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=256))
+    with running_server(create_app(engine)) as url:
+        yield SimpleNamespace(url=url, engine=engine)
+
+
+def _chat(url: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 8, **body}, timeout=timeout)
+
+
+def _assert_clean(server: SimpleNamespace) -> None:
+    assert wait_for(lambda: server.engine.stats()["running"] == 0 and server.engine.stats()["waiting"] == 0)
+    stats = server.engine.stats()
+    assert stats["pages_locked"] == 0, stats
+    server.engine.engine.check_invariants()
+
+
+def _pattern_schema(pattern: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}
+
+
+SLOW_PATTERN = ".{0,8000}"
+HOSTILE_PATTERNS = {
+    "response_format.json_schema.schema": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": _pattern_schema(SLOW_PATTERN)}}},
+    "guided_json": {"guided_json": {"type": "object", "patternProperties": {SLOW_PATTERN: {"type": "integer"}}}},
+    "tools[0].function.parameters": {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": _pattern_schema(SLOW_PATTERN)}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    # Many small repetitions add up as one large one does.
+    "structured_outputs.json": {"structured_outputs": {"json": {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": ".{0,1500}"} for i in range(30)}}}},
+}
+
+
+def test_a_pattern_that_would_compile_for_minutes_is_a_400_and_the_innocent_is_unaffected(
+        server: SimpleNamespace) -> None:
+    alone = _chat(server.url, INNOCENT)
+    assert alone.status_code == 200, alone.text
+    answers: dict[str, httpx.Response | BaseException] = {}
+
+    def attack(param: str, body: dict[str, Any]) -> None:
+        try:
+            answers[param] = _chat(server.url, body, timeout=ATTACK_TIMEOUT_S)
+        except httpx.TimeoutException as exc:
+            answers[param] = exc
+
+    attackers = [threading.Thread(target=attack, args=item) for item in HOSTILE_PATTERNS.items()]
+    started = time.monotonic()
+    for thread in attackers:
+        thread.start()
+    beside = _chat(server.url, INNOCENT)
+    for thread in attackers:
+        thread.join()
+    assert beside.status_code == 200 and beside.json()["choices"] == alone.json()["choices"]
+    for param, answer in answers.items():
+        assert isinstance(answer, httpx.Response), f"{param}: no answer within {ATTACK_TIMEOUT_S} s"
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_value"), error
+        assert "repeat" in error["message"]
+    assert time.monotonic() - started < ATTACK_TIMEOUT_S
+    _assert_clean(server)
+
+
+def test_a_modest_pattern_still_constrains_the_output(server: SimpleNamespace) -> None:
+    r = _chat(server.url, {"max_tokens": 40, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": _pattern_schema("[a-z]{2,6}")}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert re.fullmatch("[a-z]{2,6}", json.loads(choice["message"]["content"])["code"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("field", "value"), [("guided_grammar", "root ::= root"), ("guided_regex", r"[^\s\S]")])
+def test_a_grammar_that_matches_nothing_is_a_400_not_an_engine_failure(
+        server: SimpleNamespace, field: str, value: str, stream: bool) -> None:
+    r = _chat(server.url, {field: value, "stream": stream})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", field, "invalid_value")
+    assert "matches no text" in error["message"]
+    beside = _chat(server.url, INNOCENT)
+    assert beside.status_code == 200
+    _assert_clean(server)
+
+
+AMBIGUOUS_REGEX = "((a|aa|aaa){0,100}){0,100}(b|a){300}"  # each fill slower than the last
+
+
+def test_an_ambiguous_grammar_ends_its_own_request_and_does_not_stall_the_others(server: SimpleNamespace) -> None:
+    """Before: every mask fill of this regex took longer than the one before (0.1 s, then
+    seconds) on the engine thread, so the innocent stream beside it waited for minutes and the
+    attacker's disconnect was not even seen. Now the request whose fill passes the budget ends
+    alone (finish_reason error: a 500 before any output), within a step or so."""
+    innocent = {"prompt": "an innocent prompt", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{server.url}/v1/completions", json=innocent, timeout=120)
+    assert alone.status_code == 200, alone.text
+    answers: dict[str, httpx.Response | BaseException] = {}
+
+    def attack() -> None:
+        try:
+            answers["attack"] = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "prompt": "a", "max_tokens": 200, "n": 4, "temperature": 0, "guided_regex": AMBIGUOUS_REGEX})
+        except httpx.TimeoutException as exc:
+            answers["attack"] = exc
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    assert wait_for(lambda: server.engine.stats()["running"] >= 4 or "attack" in answers, timeout=60)
+    started = time.monotonic()
+    try:
+        beside = httpx.post(f"{server.url}/v1/completions", json=innocent, timeout=60)
+    finally:
+        attacker.join()
+    assert beside.status_code == 200 and beside.json()["choices"] == alone.json()["choices"]
+    assert time.monotonic() - started < 30
+    answer = answers["attack"]
+    assert isinstance(answer, httpx.Response), "the attacker's request did not end within 60 s"
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "engine_error", answer.text
+    _assert_clean(server)
