@@ -160,7 +160,7 @@ class OpenAIServer:
         self._check_model(body.model)
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
-        # The engine's cache namespace: the tenant and the salt ("" is no salt). Generated turns
+        # The scope of generated turns: the tenant and the salt ("" is no salt). Generated turns
         # are kept per scope, so no tenant's prompt is tokenized by another's answers (its
         # prompt_tokens would tell which answers another tenant was given).
         salt = body.cache_salt or None
