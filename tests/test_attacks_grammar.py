@@ -6,8 +6,10 @@ worker thread that nobody can stop (a disconnect changes nothing), and a schema'
 up: a thousand of them, hours. It is a 400 naming the field at once, wherever the patterns sit
 (response_format, guided_json's patternProperties, a tool's parameters, several properties). A grammar that matches no text at all
 (`root ::= root`, `[^\\s\\S]`) masked every token, so the engine failed the request at its first
-step (a 500 and a traceback in the log): it is a 400 naming the field. The innocent client's
-output is unchanged, and the server ends clean.
+step (a 500 and a traceback in the log): it is a 400 naming the field. A grammar that can
+start but never finish, or whose every step is slower than the last, ends its own request with
+a 400 naming the field too (its client's fault, not the server's), within a step or so. The
+innocent client's output is unchanged, and the server ends clean.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def test_an_ambiguous_grammar_ends_its_own_request_and_does_not_stall_the_others
     """Before: every mask fill of this regex took longer than the one before (0.1 s, then
     seconds) on the engine thread, so the innocent stream beside it waited for minutes and the
     attacker's disconnect was not even seen. Now the request whose fill passes the budget ends
-    alone (finish_reason error: a 500 before any output), within a step or so."""
+    alone (a 400 naming the field: its grammar is at fault), within a step or so."""
     innocent = {"prompt": "an innocent prompt", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
     alone = httpx.post(f"{server.url}/v1/completions", json=innocent, timeout=120)
     assert alone.status_code == 200, alone.text
@@ -154,5 +156,28 @@ def test_an_ambiguous_grammar_ends_its_own_request_and_does_not_stall_the_others
     assert time.monotonic() - started < 30
     answer = answers["attack"]
     assert isinstance(answer, httpx.Response), "the attacker's request did not end within 60 s"
-    assert answer.status_code == 500 and answer.json()["error"]["code"] == "engine_error", answer.text
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "guided_regex", "invalid_value")
+    assert error["message"].startswith("guided_regex: the request's output constraint took over 50 ms of CPU")
+    _assert_clean(server)
+
+
+DEAD_END = 'root ::= "a" rest\nrest ::= rest'  # "a" may start it; nothing can ever follow
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_can_start_but_never_finish_is_a_400_not_an_engine_failure(
+        server: SimpleNamespace, stream: bool) -> None:
+    """It passes the compile-time check (a first token is allowed), then allows nothing at
+    all: the request ends with a 400 on its field, streaming or not (no token was sent yet),
+    instead of the 500 of a server failure."""
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "prompt": "a", "max_tokens": 8, "temperature": 0, "guided_grammar": DEAD_END, "stream": stream})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "guided_grammar", "invalid_value")
+    assert "allows no next token" in error["message"]
+    beside = _chat(server.url, INNOCENT)
+    assert beside.status_code == 200
     _assert_clean(server)

@@ -43,7 +43,7 @@ class BeamDriver:
     """
 
     def __init__(self, scheduler: Scheduler, *, new_beam: NewBeam,
-                 finish: Callable[[SequenceState, str], None], fail: Callable[[Request], None],
+                 finish: Callable[[SequenceState, str], None], fail: Callable[[Request, BaseException | None], None],
                  retire: Callable[[Request], None], eos_token_ids: set[int],
                  released: list[int], counters: dict[str, int]) -> None:
         self.scheduler = scheduler
@@ -79,10 +79,10 @@ class BeamDriver:
                 continue
             try:
                 self._step(group)
-            except Exception:
+            except Exception as exc:
                 logger.exception("a beam search step of request %s failed; it ends with finish_reason "
                                  "'error'", group.request.request_id)
-                self._fail(group.request)
+                self._fail(group.request, exc)
 
     def _step(self, group: BeamGroup) -> None:
         """One beam-search step over the paged cache.

@@ -56,7 +56,7 @@ from radixserve.engine.sessions import SessionTable
 from radixserve.engine.step_loop import StepLoop
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue
-from radixserve.grammar import Grammars, MaskBuffer
+from radixserve.grammar import GrammarFault, Grammars, MaskBuffer
 from radixserve.models.loader import load_model
 from radixserve.parallel.launch import TensorParallel
 
@@ -296,7 +296,11 @@ class Engine:
         self._deltas.end_unforked(req, reason)
         self._retire(req)
 
-    def _fail_request(self, req: Request) -> None:  # the engine and the other requests carry on
+    def _fail_request(self, req: Request, cause: BaseException | None = None) -> None:
+        """Ends `req` with finish_reason "error"; the engine and the other requests carry on.
+        A `cause` of the request's own making (its grammar) is kept for its client."""
+        if isinstance(cause, GrammarFault):
+            req.fault = str(cause)
         self._end_request(req, "error")
 
     def has_work(self) -> bool:

@@ -151,6 +151,7 @@ class StreamDelta:
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int
+    fault: str | None = None  # with finish_reason "error": the request's own fault (Request.fault)
 
 
 class QueueFull(RuntimeError):

@@ -67,6 +67,9 @@ class Request:
     host_cached_tokens: int = 0  # how many of those were copied back from the host tier
     aborted: bool = False
     beam: BeamGroup | None = None
+    # Why the request failed when its own input was at fault (its grammar: GrammarFault), for
+    # its client (a 400, not a 500); None for a failure of the server's.
+    fault: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -63,7 +63,7 @@ class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, beams: BeamDriver, sessions: SessionTable,
                  deltas: DeltaQueue, *,
                  new_sequence: NewSequence, finish: Callable[[SequenceState, str], None],
-                 fail: Callable[[Request], None], retire: Callable[[Request], None],
+                 fail: Callable[[Request, BaseException | None], None], retire: Callable[[Request], None],
                  eos_token_ids: set[int], max_context_len: int, counters: dict[str, int],
                  timings: StepTimings, step_clock: StepClock, grammar_masks: MaskBuffer,
                  released: list[int]) -> None:
@@ -122,11 +122,11 @@ class StepLoop:
             logits = self._runner.forward(*prepared)
             self._timings.add("metadata", t1 - t0)
             self._timings.add("model", clock() - t1)
-        except Exception:
+        except Exception as exc:
             if len(chunks) == 1:
                 logger.exception("forward pass failed for request %s; it ends with finish_reason "
                                  "'error'", chunks[0].seq.request.request_id)
-                self._fail(chunks[0].seq.request)
+                self._fail(chunks[0].seq.request, exc)
                 return
             middle = len(chunks) // 2
             self.run(chunks[:middle])
@@ -174,10 +174,10 @@ class StepLoop:
                 continue
             try:
                 self._append_token(seq, token, logprob)
-            except Exception:
+            except Exception as exc:
                 logger.exception("post-processing a token of request %s failed; it ends with "
                                  "finish_reason 'error'", seq.request.request_id)
-                self._fail(seq.request)
+                self._fail(seq.request, exc)
         finishing = timings.seconds["tree"] - tree_before  # _finish's share, counted there
         timings.add("detokenize", clock() - t2 - finishing)
 

@@ -16,7 +16,7 @@ from radixserve.grammar import MaskBuffer, TokenMask
 logger = logging.getLogger(__name__)
 
 
-def sample_rows(rows: torch.Tensor, seqs: list[SequenceState], fail: Callable[[Request], None],
+def sample_rows(rows: torch.Tensor, seqs: list[SequenceState], fail: Callable[[Request, BaseException | None], None],
                 masks: MaskBuffer | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token (and logprobs if asked) per row; the batch at once, or row by row if the
     batch fails, so a request whose sampling fails ends alone (`fail`; a dummy token here).
@@ -37,10 +37,10 @@ def sample_rows(rows: torch.Tensor, seqs: list[SequenceState], fail: Callable[[R
             alone = mask.select(i) if mask is not None else grammar_mask(seqs[i:i + 1], rows.shape[-1])
             (tokens[i],) = sample(rows[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1], alone)
             (logprobs[i],) = compute_logprobs(rows[i:i + 1], tokens[i:i + 1], [params[i].logprobs])
-        except Exception:
+        except Exception as exc:
             logger.exception("sampling failed for request %s; it ends with finish_reason 'error'",
                              seq.request.request_id)
-            fail(seq.request)
+            fail(seq.request, exc)
     return tokens, logprobs
 
 
@@ -100,7 +100,8 @@ class DeltaQueue:
             return
         new_logprobs = seq.logprobs[seq.emitted_logprobs:] if req.params.logprobs is not None else None
         delta = StreamDelta(seq.index, seq.output_ids[seq.emitted_tokens:], seq.text[seq.emitted_text:],
-                            new_logprobs, seq.finish_reason, len(req.prompt_ids), req.cached_tokens or 0)
+                            new_logprobs, seq.finish_reason, len(req.prompt_ids), req.cached_tokens or 0,
+                            req.fault if seq.finish_reason == "error" else None)
         seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), len(seq.text)
         seq.emitted_logprobs = len(seq.logprobs)
         self._pending[req.request_id].append(delta)
@@ -109,7 +110,8 @@ class DeltaQueue:
         """Ends the samples of `req` not forked yet (an abort or error before they started)."""
         for index in range(len(req.sequences), req.params.n):
             self._pending[req.request_id].append(StreamDelta(index, [], "", None, reason, len(req.prompt_ids),
-                                                             req.cached_tokens or 0))
+                                                             req.cached_tokens or 0,
+                                                             req.fault if reason == "error" else None))
 
     def take(self, live: Container[str]) -> dict[str, list[StreamDelta]]:
         """The deltas queued since the last call, per request id; only `live` requests stay open."""

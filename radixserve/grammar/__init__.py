@@ -7,7 +7,7 @@ here, behind these three names, so that another one could replace it.
 """
 
 from radixserve.grammar.compiled import Grammars
-from radixserve.grammar.matcher import MaskBuffer, Matcher, TokenMask
+from radixserve.grammar.matcher import GrammarFault, MaskBuffer, Matcher, TokenMask
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 
-__all__ = ["GrammarError", "GrammarSpec", "Grammars", "MaskBuffer", "Matcher", "TokenMask"]
+__all__ = ["GrammarError", "GrammarFault", "GrammarSpec", "Grammars", "MaskBuffer", "Matcher", "TokenMask"]

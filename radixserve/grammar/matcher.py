@@ -33,8 +33,19 @@ from radixserve.native import sampling as native_sampling
 FILL_BUDGET_S = 0.05
 
 
-class GrammarTooSlow(RuntimeError):
+class GrammarFault(RuntimeError):
+    """A request's own grammar cannot be followed (too slow, or no token may come next): the
+    request ends alone, and its client is told why (a 400, or an error event mid-stream),
+    not that the server failed."""
+
+
+class GrammarTooSlow(GrammarFault):
     """A sequence's grammar took longer than FILL_BUDGET_S to say which tokens come next."""
+
+
+class GrammarDeadEnd(GrammarFault):
+    """A sequence's grammar allows no next token, not even an end: it can never finish
+    (`root ::= "a" x`, `x ::= x` after the "a")."""
 
 
 class Matcher:
@@ -83,6 +94,9 @@ class Matcher:
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if time.thread_time() - start > FILL_BUDGET_S:
             self.too_slow = True
+        if not bitmask[row].any() and not self._matcher.is_terminated():  # a stop token counts
+            raise GrammarDeadEnd("the request's output constraint allows no next token, not even an end: "
+                                 "no output can ever meet it")
 
     def check_pace(self) -> None:
         """GrammarTooSlow once a fill of this matcher took longer than FILL_BUDGET_S: the

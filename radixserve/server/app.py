@@ -31,10 +31,10 @@ from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
     APIError,
     engine_errors,
-    engine_failure,
     error_from_decode,
     handle_api_error,
     handle_http_exception,
+    request_failure,
 )
 from radixserve.server.formatting import (
     ChatFormatter,
@@ -240,18 +240,20 @@ class OpenAIServer:
                 if isinstance(first, BaseException):
                     with engine_errors(param, max_tokens_param, RETRY_AFTER_S):
                         raise first
-            if any(first.finish_reason == "error" for first in firsts):
-                raise engine_failure()  # before any token: a plain 500, streaming or not
+            grammar_param = calls[0].grammar_param or "response_format"
+            failed = next((first for first in firsts if first.finish_reason == "error"), None)
+            if failed is not None:  # before any token: a plain 4xx or 500, streaming or not
+                raise request_failure(failed, grammar_param)
             deltas = merge_batch([prepend(first, rest) for first, rest in zip(firsts, streams)], n)
             handed_over = True  # from here `deltas` owns the engine streams and closes them
             choices = n * len(calls)
             if stream:
-                events = self._sse(deltas, formatter, choices, n, timer, remember)
+                events = self._sse(deltas, formatter, choices, n, timer, remember, grammar_param)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:
                 response = await unless_disconnected(request, self._collect(deltas, formatter, choices, n, timer,
-                                                                             remember))
+                                                                             remember, grammar_param))
             finally:
                 await close(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
@@ -261,13 +263,14 @@ class OpenAIServer:
                     await close(engine_stream)
 
     async def _collect(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter,
-                       choices: int, n: int, timer: RequestTimer, remember: Remember | None) -> Response:
+                       choices: int, n: int, timer: RequestTimer, remember: Remember | None,
+                       grammar_param: str) -> Response:
         results = [ChoiceResult() for _ in range(choices)]
         usage = UsageCounter(n)
         async with aclosing(deltas):
             async for delta in deltas:
                 if delta.finish_reason == "error":
-                    raise engine_failure()
+                    raise request_failure(delta, grammar_param)
                 timer.observe(delta)
                 usage.add(delta)
                 results[delta.index].add(delta)
@@ -277,7 +280,8 @@ class OpenAIServer:
         return _json(formatter.response(results, usage.usage()))
 
     async def _sse(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter, choices: int,
-                   n: int, timer: RequestTimer, remember: Remember | None) -> AsyncIterator[bytes]:
+                   n: int, timer: RequestTimer, remember: Remember | None,
+                   grammar_param: str) -> AsyncIterator[bytes]:
         usage = UsageCounter(n)
         results = [ChoiceResult() for _ in range(choices)] if remember is not None else None
         try:
@@ -285,8 +289,9 @@ class OpenAIServer:
                 yield _event(chunk)
             async for delta in deltas:
                 if delta.finish_reason == "error":
-                    # The engine ended this request (its step failed); the rest is aborted.
-                    yield _event(_error_event(engine_failure()))
+                    # The engine ended this request (its step failed, or its grammar could not
+                    # be followed); the rest is aborted.
+                    yield _event(_error_event(request_failure(delta, grammar_param)))
                     break
                 timer.observe(delta)
                 usage.add(delta)

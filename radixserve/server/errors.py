@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve import PromptTooLong, QueueFull
+from radixserve import PromptTooLong, QueueFull, StreamDelta
 from radixserve.server.protocol import ErrorBody, ErrorResponse
 
 _ENCODER = msgspec.json.Encoder()
@@ -111,6 +111,15 @@ def engine_failure() -> APIError:
     return APIError(500, "The engine failed while generating this request; the failure is in the "
                          "server log. Other requests are not affected; retrying may succeed.",
                     code="engine_error")
+
+
+def request_failure(delta: StreamDelta, grammar_param: str) -> APIError:
+    """Why the engine ended a request with finish_reason "error": a 400 on the grammar's field
+    when the request's own grammar was at fault (too slow to follow, or a dead end: the
+    delta's `fault`), else the server's failure (engine_failure)."""
+    if delta.fault is None:
+        return engine_failure()
+    return APIError(400, f"{grammar_param}: {delta.fault}", param=grammar_param, code="invalid_value")
 
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:
