@@ -21,14 +21,14 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from radixserve.cache.adaptive import AdaptiveReuse  # noqa: E402
-from radixserve.cache.pool import PagePool  # noqa: E402
-from radixserve.cache.radix import RadixTree  # noqa: E402
-from radixserve.cluster.deploy import ClusterOptions  # noqa: E402
-from radixserve.cluster.duel_pool import WINDOW_KEY, ClusterReuse, with_record  # noqa: E402
-from radixserve.cluster.engine import ClusterEngine  # noqa: E402
-from radixserve.cluster.protocol import Accepted, EventBatch, ReplicaInfo, ReplicaRequest  # noqa: E402
-from radixserve.engine.params import SamplingParams  # noqa: E402
+from radixserve.cache.adaptive import AdaptiveReuse
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree
+from radixserve.cluster.deploy import ClusterOptions
+from radixserve.cluster.duel_pool import WINDOW_KEY, ClusterReuse, with_record
+from radixserve.cluster.engine import ClusterEngine
+from radixserve.cluster.protocol import Accepted, EventBatch, ReplicaInfo, ReplicaRequest
+from radixserve.engine.params import SamplingParams
 
 PAGE = 4
 _apps = itertools.count()
