@@ -6,7 +6,7 @@ For each workload, on fresh deployments of the demo model (empty caches), one af
   default power-of-two router, and by Ray Serve LLM's PrefixCacheAffinityRouter.
 Each row is `bench serve`'s summary: hit rate, TTFT mean/p99, throughput, and the requests
 each replica served (imbalance = max/min). Medians over --repeats runs (the configurations
-take turns: repeat 1 of each, then repeat 2, ...).
+take turns: repeat 1 of each, the ideal last, then repeat 2, ...).
 
     python bench/cluster_routers.py --replicas 4 --num-pages 320 [--size large --repeats 3] \
         [--router-kwargs cached_balance_abs=4] --json bench/results/cluster_routers.json
@@ -138,14 +138,21 @@ def main(argv: list[str] | None = None) -> int:
             workload = make_workload(workload_name, vocab_size=DEMO_VOCAB_SIZE, **wparams)
             configs = cluster_configs(args.replicas, args.num_pages, args.routers.split(","), engine,
                                       router_kwargs, reuse, args.lru)
+            # The ideal last in each round: a time budget cuts it before the clusters' rows.
+            order = sorted(configs, key=lambda label: label.startswith("1 replica"))
             for repeat in range(args.repeats):
-                for label, options in configs.items():
+                for label in order:
+                    options = configs[label]
                     if args.time_budget_s is not None and time.monotonic() - started + longest > args.time_budget_s:
                         print(f"time budget: not starting {workload_name} / {label} #{repeat + 1}",
                               file=sys.stderr, flush=True)
                         continue
                     t0 = time.monotonic()
-                    run = run_one(options, workload, args.concurrency, args.port, args.open_loop)
+                    try:
+                        run = run_one(options, workload, args.concurrency, args.port, args.open_loop)
+                    except Exception as exc:  # a deployment that failed: the other runs still count
+                        print(f"{workload_name} / {label} #{repeat + 1} failed: {exc!r}", file=sys.stderr, flush=True)
+                        continue
                     longest = max(longest, time.monotonic() - t0)
                     runs[workload_name].setdefault(label, []).append(run)
                     print(f"{workload_name:10s} {label:48s} #{repeat + 1} hit_rate={run['hit_rate']:.4f} "
