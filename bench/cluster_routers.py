@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-scale", type=float, default=1 / 32, help="a matrix family's lengths (bench matrix --scale)")
     parser.add_argument("--count-scale", type=float, default=1 / 4, help="... and its counts (bench matrix --count-scale)")
     parser.add_argument("--cluster-reuse", default="on", metavar="on[,off]",
-                        help="cache-aware rows with the cluster's reuse history on and/or off (ClusterOptions.cluster_reuse)")
+                        help="cache-aware rows with the cluster's reuse history on and/or off (ClusterOptions.cluster_reuse; "
+                             "empty: neither)")
     parser.add_argument("--lru", action="store_true", help="one more cache-aware row, its replicas on LRU")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--time-budget-s", type=float, default=None,
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    reuse = [{"on": True, "off": False}[v] for v in args.cluster_reuse.split(",")]
+    reuse = [{"on": True, "off": False}[v] for v in args.cluster_reuse.split(",") if v]
     engine = dict(model="demo", page_size=16, max_batch_tokens=2048)
     router_kwargs = asdict(parse_routing_config(args.router_kwargs)) if args.router_kwargs else {}
     params = {w: workload_params(w, args.size, args.token_scale, args.count_scale) for w in args.workloads.split(",")}
