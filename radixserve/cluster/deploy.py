@@ -55,6 +55,9 @@ class ClusterOptions:
     api_key: str | None = None
     admin_api_key: str | None = None
     tenant_keys: dict[str, Caller] = field(default_factory=dict)  # tenancy.py: the keys file's
+    # The ingress keeps the cluster's reuse history and sends it to the replicas' adaptive
+    # rule (duel_pool.ClusterReuse); False turns both messages off, for an A/B.
+    cluster_reuse: bool = True
 
 
 class OpenAIIngress:
@@ -66,7 +69,8 @@ class OpenAIIngress:
         info = await engines.info.remote()
         self.engine = ClusterEngine(engines, info, app_name=serve.get_replica_context().app_name,
                                     deployment=ENGINE_DEPLOYMENT,
-                                    hash_secret=options.engine_options.get("cache_hash_secret"))
+                                    hash_secret=options.engine_options.get("cache_hash_secret"),
+                                    cluster_reuse=options.cluster_reuse)
         self._app = create_app(self.engine, served_model_name=options.served_model_name, api_key=options.api_key,
                                admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys)
         self._app.router.routes.append(Route("/cluster/replicas", self._replicas, methods=["GET"]))
@@ -88,6 +92,10 @@ class OpenAIIngress:
              "running": s.get("running", 0)}
             for r, s in sorted(stats.items())], "routed": routed,
             "total": {k: v for k, v in self.engine.stats().items() if k != "histograms"}})
+
+    def reuse_messages(self) -> dict[str, int | bool]:
+        """What the cluster's reuse history has sent the replicas (ClusterReuse.messages)."""
+        return self.engine.reuse.messages()
 
     def cache_index(self) -> dict[str, list[tuple[str, int]]]:
         """What the router believes each replica caches (for tests: it must be exact)."""

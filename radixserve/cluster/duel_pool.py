@@ -81,21 +81,32 @@ def receive(engine: Any, records: dict[str, list[float]], own: str) -> None:
 class ClusterReuse:
     """The ingress's reuse history of the whole cluster (`ClusterHistory`): its window is
     the sum of the live replicas' reuse windows (as they report them), so it spans as many
-    caches' worth of traffic as each replica's own does of its share."""
+    caches' worth of traffic as each replica's own does of its share.
 
-    def __init__(self) -> None:
+    `enabled=False` (`ClusterOptions.cluster_reuse`, for an A/B) keeps no history: no request
+    carries a count and no replica is told a prompt went elsewhere, so each replica's rule
+    counts what it saw itself (the pooled duel records still flow). `counts_sent` and
+    `elsewhere_sent` count the two messages (requests given a count, replicas told)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.history: ClusterHistory | None = None
+        self.counts_sent = 0
+        self.elsewhere_sent = 0
 
     def observe(self, hashes: list[int], replica_stats: dict[str, dict[str, Any]]) -> int | None:
         """Leading pages of a prompt (its routing page hashes, `hashes`) the cluster saw
         recently, recording the prompt as seen; None while no replica runs the adaptive rule
-        (no window reported)."""
+        (no window reported), and always when not `enabled`."""
+        if not self.enabled:
+            return None
         window = sum(int(stats.get(WINDOW_KEY, 0)) for stats in replica_stats.values())
         if window <= 0:
             return None
         if self.history is None:
             self.history = ClusterHistory(window)
         self.history.window_pages = window
+        self.counts_sent += 1
         return self.history.observe_hashes(hashes)
 
     def took(self, hashes: list[int], seen: int | None, replica: str,
@@ -105,7 +116,14 @@ class ClusterReuse:
         leading pages a replica holds, as its events say), or None."""
         if self.history is None or seen is None:
             return None
-        return self.history.took(hashes, seen, replica, held)
+        home = self.history.took(hashes, seen, replica, held)
+        if home is not None:
+            self.elsewhere_sent += 1
+        return home
+
+    def messages(self) -> dict[str, int | bool]:
+        """What this history has sent so far (for benchmarks: did the switch take?)."""
+        return {"enabled": self.enabled, "counts_sent": self.counts_sent, "elsewhere_sent": self.elsewhere_sent}
 
 
 def expect_seen(engine: Any, prompt_ids: list[int], cluster_seen: int | None) -> None:

@@ -63,10 +63,11 @@ class ClusterEngine:
 
     `engine` carries what the HTTP layer reads from a local engine: model_name, tokenizer,
     max_context_len, max_sequence_len (a ReplicaInfo from one replica; all are alike).
+    `cluster_reuse=False` sends the replicas no cluster reuse history (duel_pool.ClusterReuse).
     """
 
     def __init__(self, handle: DeploymentHandle, info: ReplicaInfo, *, app_name: str, deployment: str,
-                 hash_secret: str | bytes | None = None) -> None:
+                 hash_secret: str | bytes | None = None, cluster_reuse: bool = True) -> None:
         self.handle = handle
         self.engine = info
         self.hashing = PageHashing(hash_secret)
@@ -74,7 +75,7 @@ class ClusterEngine:
         # replica that left (None): the merged /v1/cache/events stream (event_hub.py).
         self.cache_listener: Callable[[str, list[CacheEvent] | None], None] | None = None
         self.view: ClusterView = cluster_view(app_name, deployment)
-        self.reuse = ClusterReuse()  # what the cluster has seen: the replicas' adaptive rule boosts it
+        self.reuse = ClusterReuse(cluster_reuse)  # what the cluster has seen: the replicas' adaptive rule boosts it
         self._telling: set[asyncio.Future[Any]] = set()  # `elsewhere` calls under way (kept from the GC)
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._streams: dict[str, Any] = {}
