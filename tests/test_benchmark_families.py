@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from radixserve.benchmark.families import FAMILIES
-from radixserve.benchmark.matrix import build_workload, matrix_workloads
+from radixserve.benchmark.matrix import Cell, build_workload, matrix_summary, matrix_workloads, routing_shares
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.workloads import WORKLOADS, make_workload
 from radixserve.cli import main
@@ -68,3 +68,19 @@ def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
         assert c["below_lru"] == (c["hit_rates"]["adaptive"] < c["hit_rates"]["lru"])
     printed = capsys.readouterr().out
     assert "| workload | capacity | tiers | replicas | default (adaptive) |" in printed and "cells:" in printed
+
+
+def test_the_summary_sets_replicas_against_one_cache_of_their_memory() -> None:
+    """Each multi-replica device cell meets the one-replica cell of its combined capacity
+    (scaled capacities may differ by rounding); host-tier cells and cells without such an
+    ideal are left out."""
+    def cell(name: str, capacity: int, replicas: int, rate: float, host: int = 0) -> Cell:
+        return Cell(name, capacity, host, replicas, {"adaptive": rate, "lru": rate})
+
+    cells = [cell("a", 1000, 4, 0.45), cell("a", 4001, 1, 0.50), cell("a", 2000, 4, 0.58), cell("a", 8000, 1, 0.60),
+             cell("a", 4000, 4, 0.7), cell("b", 1000, 4, 0.3), cell("b", 4000, 1, 0.3, host=9000)]
+    shares = routing_shares(cells)
+    assert [(c.capacity_tokens, ideal.capacity_tokens, round(share, 4)) for c, ideal, share in shares] == \
+        [(1000, 4001, 0.9), (2000, 8000, 0.9667)]
+    assert "at least 95% of its hit rate in 1 of 2 cells; lowest 90.0% (a 1k x 4: 45.0% vs 50.0%)" in \
+        matrix_summary(cells)

@@ -192,12 +192,42 @@ def matrix_table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+ROUTING_TARGET = 0.95  # N replicas of C tokens against one replica of N x C (issue 23)
+
+
+def routing_shares(cells: list[Cell]) -> list[tuple[Cell, Cell, float]]:
+    """Each device-only cell of several replicas with the one-replica cell of that many times
+    its capacity (the ideal: the same memory in one cache), where the matrix has it, and the
+    share of the ideal's hit rate the default rule reaches on the replicas."""
+    ideals = {(c.workload, c.capacity_tokens): c for c in cells if c.replicas == 1 and not c.host_tokens}
+    out = []
+    for cell in cells:
+        if cell.replicas == 1 or cell.host_tokens:
+            continue
+        wanted = cell.replicas * cell.capacity_tokens  # within rounding of the scaled capacities
+        ideal = next((c for (name, cap), c in ideals.items()
+                      if name == cell.workload and abs(cap - wanted) <= 0.01 * wanted), None)
+        if ideal is not None and ideal.default > 0:
+            out.append((cell, ideal, cell.default / ideal.default))
+    return out
+
+
 def matrix_summary(cells: list[Cell]) -> str:
-    """One paragraph: cells below LRU, the largest gap to the best fixed rule."""
+    """One paragraph: cells below LRU, the largest gap to the best fixed rule, and replicas
+    against one cache of their combined memory (ROUTING_TARGET)."""
     below = [c for c in cells if c.below_lru]
     gaps = [100 * (c.best_fixed()[1] - c.default) for c in cells]
     worst = max(gaps, default=0.0)
     within = sum(1 for g in gaps if g <= 2.0)
-    return (f"{len(cells)} cells: default below LRU in {len(below)} (largest shortfall "
-            f"{max((100 * (c.rates['lru'] - c.default) for c in below), default=0.0):.2f} points); "
-            f"within 2 points of the best fixed rule in {within}; largest gap {worst:.2f} points.")
+    summary = (f"{len(cells)} cells: default below LRU in {len(below)} (largest shortfall "
+               f"{max((100 * (c.rates['lru'] - c.default) for c in below), default=0.0):.2f} points); "
+               f"within 2 points of the best fixed rule in {within}; largest gap {worst:.2f} points.")
+    shares = routing_shares(cells)
+    if shares:
+        met = sum(1 for _, _, share in shares if share >= ROUTING_TARGET)
+        cell, ideal, share = min(shares, key=lambda item: item[2])
+        summary += (f" Replicas against one replica of their combined memory: at least "
+                    f"{ROUTING_TARGET:.0%} of its hit rate in {met} of {len(shares)} cells; lowest "
+                    f"{share:.1%} ({cell.workload} {format_tokens(cell.capacity_tokens)} x {cell.replicas}: "
+                    f"{percent(cell.default)} vs {percent(ideal.default)}).")
+    return summary
