@@ -101,7 +101,7 @@ class DeltaQueue:
         new_logprobs = seq.logprobs[seq.emitted_logprobs:] if req.params.logprobs is not None else None
         delta = StreamDelta(seq.index, seq.output_ids[seq.emitted_tokens:], seq.text[seq.emitted_text:],
                             new_logprobs, seq.finish_reason, len(req.prompt_ids), req.cached_tokens or 0,
-                            req.fault if seq.finish_reason == "error" else None)
+                            req.fault)  # set only as the request fails: its last deltas carry it
         seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), len(seq.text)
         seq.emitted_logprobs = len(seq.logprobs)
         self._pending[req.request_id].append(delta)
@@ -110,8 +110,7 @@ class DeltaQueue:
         """Ends the samples of `req` not forked yet (an abort or error before they started)."""
         for index in range(len(req.sequences), req.params.n):
             self._pending[req.request_id].append(StreamDelta(index, [], "", None, reason, len(req.prompt_ids),
-                                                             req.cached_tokens or 0,
-                                                             req.fault if reason == "error" else None))
+                                                             req.cached_tokens or 0, req.fault))
 
     def take(self, live: Container[str]) -> dict[str, list[StreamDelta]]:
         """The deltas queued since the last call, per request id; only `live` requests stay open."""
