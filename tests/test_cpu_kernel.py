@@ -56,9 +56,12 @@ def test_decodes_match_float64_attention(num_qo_heads: int, num_kv_heads: int, h
         out = backend.forward(q, k_cache, v_cache, sm_scale=scale)
         errors.append((out.double() - expected).abs().max().item())
     kernel_error, gather_error = errors
-    # float32 scores of magnitude ~100 (q x 30) carry ~5e-6 of rounding on either path.
-    assert kernel_error < (1e-6 if q_scale == 1.0 else 2e-5)
-    assert kernel_error <= max(2 * gather_error, 1e-6)
+    # float32 scores of magnitude ~100 (q x 30) carry ~5e-6 of rounding on either path; which
+    # path lands closer then depends on the machine's SIMD width (2.5e-6 vs 6.2e-6 on one CI
+    # machine), so past the absolute bound the two are compared only to that rounding.
+    rounding = 1e-6 if q_scale == 1.0 else 1e-5
+    assert kernel_error < 2 * rounding
+    assert kernel_error <= max(2 * gather_error, rounding)
 
 
 # Groups of 1, 2, 3, 4 (d = 80: a tail of 16), 6 (two passes, 4 + 2) and 8 query heads per KV head.
