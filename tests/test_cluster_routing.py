@@ -11,6 +11,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
 from radixserve.cache.page_hash import namespace_id
 from radixserve.cli import build_parser, main
+from radixserve.cluster.cache_aware import keep_pages
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.index import CacheIndex
 from radixserve.cluster.routing import (
@@ -220,31 +221,39 @@ def test_share_counts_conversations_started_not_turns_continued() -> None:
 
 
 def test_a_replica_ahead_in_conversations_draws_only_what_saves_prefill() -> None:
-    """Replica a started 3 conversations lately, b none: a is ahead (3 > 0 * 1.1 + 1). A new
-    conversation whose system prompt both cache goes to b although a has more free pages;
-    so does the early turn of a conversation on a (2 pages to recompute on b); a
-    conversation 8 pages past the system prompt and a prompt only a caches stay on a."""
+    """Replica a started 3 conversations lately, b none: a is ahead (3 > 0 * 1.1 + 1). To keep
+    a request it must save `keep_pages(8, 0.1, prompt pages)` pages over b: 1 for a prompt of
+    up to 10 pages, 2 for 11-20, ... 8 from 71. A new conversation whose system prompt both
+    cache goes to b although a has more free pages; so does a turn of a long conversation
+    that a holds only one page more of (1 of 28 pages to recompute on b). A turn saving 2 of
+    6 pages, a conversation 8 pages past the system prompt and a prompt only a caches stay."""
     state = cluster("a", "b")
     state.reports["a"] = ReplicaReport(pages_free=200, pages_total=200)
     policy = make_routing_policy("cache-aware", state)
     early = SYSTEM + [7, 8, 9, 10]                   # 5 pages; its next turn has 6
     late = SYSTEM + list(range(300, 332))            # 12 pages: 8 past the system prompt
     hot = list(range(200, 240))                      # 10 pages cached on a alone
-    for seq, (tokens, rid) in enumerate([(early, "e"), (late, "l"), (hot, "h")]):
+    shared = SYSTEM + list(range(400, 492))          # 27 pages, cached on both
+    for seq, (tokens, rid) in enumerate([(early, "e"), (late, "l"), (hot, "h"), (shared, "x")]):
         state.routed(request(tokens, rid), "a")
         state.finished(rid)
         state.index.apply("a", [stored(seq, hashes(tokens + [50, 51, 52, 53]))])
         state.settled("a", [rid])
-    state.index.apply("b", [stored(9, hashes(SYSTEM))])
+    state.index.apply("b", [stored(9, hashes(SYSTEM)), stored(10, hashes(shared))])
     state.starts = {"a": 3.0, "b": 0.0}
     stranger = SYSTEM + [90, 91, 92, 93]
+    assert keep_pages(8, 0.1, 6) == 1 and keep_pages(8, 0.1, 28) == 3 and keep_pages(8, 0.1, 200) == 8
     assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
-    assert policy.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(shared + [50, 51, 52, 53, 60], "x2"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "a"
     assert policy.rank(request(late + [50, 51, 52, 53, 60], "l2"), ["a", "b"])[0] == "a"
     assert policy.rank(request(hot + [1, 2, 3, 4], "h2"), ["a", "b"])[0] == "a"
+    absolute = make_routing_policy("cache-aware", state, config=CacheAwareConfig(share_keep_rel=1.0))
+    assert absolute.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "b"  # 2 < 6 pages
+    assert absolute.rank(request(late + [50, 51, 52, 53, 60], "l2"), ["a", "b"])[0] == "a"  # 9 >= 8
     state.starts = {"a": 1.0, "b": 0.0}             # within the share slack: no longer ahead
     assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "a"
-    assert policy.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "a"
+    assert policy.rank(request(shared + [50, 51, 52, 53, 60], "x2"), ["a", "b"])[0] == "a"
 
 
 def test_a_replica_ahead_gets_the_tighter_cached_slack_and_a_queue_outranks_it() -> None:

@@ -13,15 +13,16 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    per replica).
 3. Conversation guard: a replica that started more conversations lately than the least
    (`ClusterState.share`, by `share_abs` and `share_rel`) is *ahead*. It draws a request
-   only if it saves `share_keep_pages` of prefill over every replica not ahead, and its
-   cached slack is `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
+   only if it saves `share_keep_pages` of prefill over every replica not ahead (or
+   `share_keep_rel` of the prompt's pages if fewer: `keep_pages`), and its cached slack is
+   `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
    not the conversations a replica holds, whose later turns all follow them.
 4. Balance over time: requests in flight say nothing of conversations whose turns arrive
    minutes apart (between turns nothing is in flight, yet every turn follows its
    conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
    each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
    of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
-   every replica not busy. Past `recent_hard_rel`, what it holds draws nothing: even a
+   every replica not busy (or `recent_keep_rel` of the prompt's pages if fewer). Past `recent_hard_rel`, what it holds draws nothing: even a
    conversation's next turn moves (recomputed once elsewhere) rather than pile up.
 5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
    events, or pages of a request in flight there; pages continuing them in the replica's
@@ -37,6 +38,7 @@ them), kept for comparison.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,12 +57,22 @@ class CacheAwareConfig:
     share_abs: float = 1.0         # conversations started lately (`ClusterState.share`) over the least ...
     share_rel: float = 0.1         # ... plus this fraction of the least: past both, a replica is *ahead*
     share_keep_pages: int = 8      # ... and draws only requests it saves this many pages of prefill
+    share_keep_rel: float = 0.1    # ... or this fraction of the prompt's pages if fewer (at least one)
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
     host_credit: float = 0.75      # a page held in a replica's host tier counts this much of one on its device
     recent_abs: float = 4.0        # requests routed lately (`ClusterState.recent_requests`) over the least ...
     recent_rel: float = 0.15       # ... plus this fraction of the least: past both, a replica is *busy*
     recent_keep_pages: int = 64    # ... and draws only requests it saves this many pages of prefill
+    recent_keep_rel: float = 0.5   # ... or this fraction of the prompt's pages if fewer (at least one)
     recent_hard_rel: float = 0.35  # past this fraction (plus recent_abs), what it holds draws nothing
+
+
+def keep_pages(limit: int, fraction: float, prompt_pages: int) -> int:
+    """Pages of prefill a replica past a guard must save to keep a request: `limit`, or
+    `fraction` of the prompt if that is fewer, at least one. Relative, because what moving a
+    request costs is relative: with short prompts (or large pages) a fixed count exceeds
+    everything a replica could save, and the guard would move every conversation's next turn."""
+    return max(1, min(limit, math.ceil(fraction * prompt_pages)))
 
 
 def parse_routing_config(text: str) -> CacheAwareConfig:
@@ -137,10 +149,12 @@ class CacheAwarePolicy(RoutingPolicy):
         # Likewise a *busy* replica (more requests routed there lately than the least, by
         # `recent_abs` and `recent_rel`) keeps a request only for `recent_keep_pages` saved:
         # turns minutes apart leave nothing in flight, so only this sees them pile up.
+        share_keep = keep_pages(cfg.share_keep_pages, cfg.share_keep_rel, len(hashes))
+        recent_keep = keep_pages(cfg.recent_keep_pages, cfg.recent_keep_rel, len(hashes))
         best_elsewhere = max((holds[r] for r in replicas if r not in ahead), default=0)
         best_not_busy = max((holds[r] for r in replicas if r not in busy), default=0)
-        useful = {r: 0 if (r in ahead and holds[r] - best_elsewhere < cfg.share_keep_pages)
-                  or (r in busy and holds[r] - best_not_busy < cfg.recent_keep_pages) else holds[r]
+        useful = {r: 0 if (r in ahead and holds[r] - best_elsewhere < share_keep)
+                  or (r in busy and holds[r] - best_not_busy < recent_keep) else holds[r]
                   for r in replicas}
 
         def key(replica: str) -> tuple:
