@@ -243,6 +243,7 @@ def test_a_replica_ahead_in_conversations_draws_only_what_saves_prefill() -> Non
     state.starts = {"a": 3.0, "b": 0.0}
     stranger = SYSTEM + [90, 91, 92, 93]
     assert keep_pages(8, 0.1, 6) == 1 and keep_pages(8, 0.1, 28) == 3 and keep_pages(8, 0.1, 200) == 8
+    assert keep_pages(8, float("inf"), 6) == 8 and keep_pages(8, 0.0, 6) == 1
     assert policy.rank(request(stranger, "s"), ["a", "b"])[0] == "b"
     assert policy.rank(request(shared + [50, 51, 52, 53, 60], "x2"), ["a", "b"])[0] == "b"
     assert policy.rank(request(early + [50, 51, 52, 53, 60], "e2"), ["a", "b"])[0] == "a"

@@ -92,10 +92,16 @@ def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_
     for i in range(6):                         # b serves other work: a is busy, not overloaded
         route_finished(state, SYSTEM + [500 + i] * 4, f"b{i}", "b")
     # a: 12 > 6 * 1.15 + 4 = 10.9 (busy) but not > 6 * 1.35 + 4 = 12.1: its conversation
-    # saves 21 pages over b's 4 (>= 16 kept), so it stays.
+    # saves 32 pages over b's 4 (36 of 38 held; >= 16 kept), so it stays.
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
     short = SYSTEM + list(range(300, 308))     # only 2 pages past the system prompt: moves
     assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+    # The default keeps `keep_pages(64, 0.5, 38)` = 19 pages, not 64: no 38-page prompt could
+    # save 64, so an absolute count would move every turn of a busy replica's conversations.
+    assert len(hashes(prompt)) == 38
+    assert make_routing_policy("cache-aware", state).rank(request(prompt, "next"), ["a", "b"])[0] == "a"
+    absolute = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_rel=2.0))  # 64
+    assert absolute.rank(request(prompt, "next"), ["a", "b"])[0] == "b"
     state.routed(request(SYSTEM + [700] * 4, "x"), "a")   # 13 > 12.1: overloaded
     state.finished("x")
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "b"

@@ -72,7 +72,8 @@ def keep_pages(limit: int, fraction: float, prompt_pages: int) -> int:
     `fraction` of the prompt if that is fewer, at least one. Relative, because what moving a
     request costs is relative: with short prompts (or large pages) a fixed count exceeds
     everything a replica could save, and the guard would move every conversation's next turn."""
-    return max(1, min(limit, math.ceil(fraction * prompt_pages)))
+    share = fraction * prompt_pages
+    return max(1, limit if share >= limit else math.ceil(share))  # a fraction of inf: the limit
 
 
 def parse_routing_config(text: str) -> CacheAwareConfig:
