@@ -15,15 +15,16 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    (`ClusterState.share`, by `share_abs` and `share_rel`) is *ahead*. It draws a request
    only if it saves `share_keep_pages` of prefill over every replica not ahead (or
    `share_keep_rel` of the prompt's pages if fewer: `keep_pages`), and its cached slack is
-   `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue,
-   not the conversations a replica holds, whose later turns all follow them.
+   `ahead_cached_balance_abs`. The in-flight guard alone bounds the queue, not the
+   conversations a replica holds, whose later turns all follow them.
 4. Balance over time: requests in flight say nothing of conversations whose turns arrive
    minutes apart (between turns nothing is in flight, yet every turn follows its
    conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
    each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
    of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
-   every replica not busy (or `recent_keep_rel` of the prompt's pages if fewer). Past `recent_hard_rel`, what it holds draws nothing: even a
-   conversation's next turn moves (recomputed once elsewhere) rather than pile up.
+   every replica not busy (or `recent_keep_rel` of the prompt's pages if fewer). Past
+   `recent_hard_rel`, what it holds draws nothing: even a conversation's next turn moves
+   (recomputed once elsewhere) rather than pile up.
 5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
    events, or pages of a request in flight there; pages continuing them in the replica's
    host tier count `host_credit` each, as NVIDIA Dynamo's router does: loaded back, not
@@ -148,7 +149,8 @@ class CacheAwarePolicy(RoutingPolicy):
         # of one, cheap to move, stay where first turns happened to pile up, and the replica
         # serves their later turns too. A hot prefix cached there alone still wins.
         # Likewise a *busy* replica (more requests routed there lately than the least, by
-        # `recent_abs` and `recent_rel`) keeps a request only for `recent_keep_pages` saved:
+        # `recent_abs` and `recent_rel`) keeps a request only for `recent_keep_pages` saved
+        # (each keep threshold capped by its share of the prompt, `keep_pages`):
         # turns minutes apart leave nothing in flight, so only this sees them pile up.
         share_keep = keep_pages(cfg.share_keep_pages, cfg.share_keep_rel, len(hashes))
         recent_keep = keep_pages(cfg.recent_keep_pages, cfg.recent_keep_rel, len(hashes))
