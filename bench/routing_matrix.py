@@ -29,8 +29,8 @@ TRACE = Path(__file__).parent / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def workloads() -> list[tuple[str, Workload, SimConfig]]:
-    """(name, workload, per-replica configuration): the docs' routing table plus the trace
-    and the gapped conversations."""
+    """(name, workload, per-replica configuration): the docs' routing table plus the trace,
+    the gapped conversations and a closed loop of tool-calling agents."""
     gapped = dict(num_conversations=300, mean_turns=10, max_turns=80)
     return [
         ("mooncake trace, 0.5M + host 2M, 512-token pages", mooncake_trace(TRACE),
@@ -44,6 +44,9 @@ def workloads() -> list[tuple[str, Workload, SimConfig]]:
         ("agent, 25k", make_workload("agent"), SimConfig(25_000)),
         ("multiturn, Poisson 20 req/s, 20k", with_poisson_arrivals(make_workload("multiturn"), 20.0), SimConfig(20_000)),
         ("agent, Poisson 20 req/s, 25k", with_poisson_arrivals(make_workload("agent"), 20.0), SimConfig(25_000)),
+        # A closed loop of 64 tool-calling agents started together: each replica's clients
+        # finish in step, so one replica is often empty for a moment.
+        ("tools (64 agents), 0.5M", make_workload("tools", num_agents=64), SimConfig(500_000)),
     ]
 
 

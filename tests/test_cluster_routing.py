@@ -153,10 +153,11 @@ def test_a_prefix_only_in_flight_binds_less_than_a_cached_one() -> None:
 
 
 def test_a_conversation_continued_holds_its_replica_longer_than_a_shared_prefix() -> None:
-    """Default slack 8 for a prompt whose cached prefix runs through an earlier prompt routed
-    to that replica (the next turn of a conversation) and for a cached prefix; on a replica
-    ahead in conversations started, 3 for a cached prefix merely shared (the system prompt
-    another conversation left there), still 8 for the conversation."""
+    """Default slack 8 for a cached prefix over the least loaded replica, and for a prompt
+    whose cached prefix runs through an earlier prompt routed to that replica (the next turn
+    of a conversation) over the replicas' mean; on a replica ahead in conversations started,
+    3 for a cached prefix merely shared (the system prompt another conversation left there),
+    still 8 over the mean for the conversation."""
     state = cluster("a", "b")
     policy = make_routing_policy("cache-aware", state)
     turn1 = SYSTEM + list(range(7, 39))             # 12 full pages
@@ -176,20 +177,50 @@ def test_a_conversation_continued_holds_its_replica_longer_than_a_shared_prefix(
     assert policy.rank(request(turn1, "again"), ["a", "b"])[0] == "a"   # a repeat continues too
     assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "a"
     state.in_flight = {"a": 9, "b": 0}
+    assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "a"  # 4.5 over the mean
+    assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "b"  # 9 over the least
+    state.in_flight = {"a": 16, "b": 0}
+    assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "a"  # 8 over the mean
+    state.in_flight = {"a": 17, "b": 0}
     assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "b"
-    assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "b"
     state.starts = {"a": 3.0, "b": 0.0}             # a is ahead
     state.in_flight = {"a": 3, "b": 0}
     assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "a"
     state.in_flight = {"a": 4, "b": 0}
     assert policy.rank(request(hot + [1], "h"), ["a", "b"])[0] == "b"
-    state.in_flight = {"a": 8, "b": 0}
+    state.in_flight = {"a": 16, "b": 0}
     assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "a"
-    state.in_flight = {"a": 9, "b": 0}
+    state.in_flight = {"a": 17, "b": 0}
     assert policy.rank(request(turn2, "t2"), ["a", "b"])[0] == "b"
     # Evicted down to the system prompt, the conversation no longer holds the replica.
     state.index.apply("a", [BlockRemoved(seq=3, namespace=NS, tier="device", hashes=hashes(turn2)[4:])])
     assert state.index.continued_pages("a", NS, hashes(turn2)) == 0
+
+
+def test_a_replica_empty_for_a_moment_does_not_draw_the_others_conversations() -> None:
+    """A closed loop of agents, 16 on each of four replicas: the clients of one replica
+    finish together, and for a moment it has nothing in flight. The next turn of a
+    conversation held on a busier replica stays there while that replica is within the
+    conversation slack of the mean (16 against a mean of 8.25); over the least loaded
+    replica, as before, it moved (and was recomputed whole)."""
+    state = cluster("a", "b", "c", "d")
+    policy = make_routing_policy("cache-aware", state)
+    turn1 = SYSTEM + list(range(7, 39))             # 12 full pages
+    turn2 = turn1 + [50, 51, 52, 53] + [60, 61]
+    for replica in "abcd":                          # every replica caches the system prompt
+        state.index.apply(replica, [stored(1, hashes(SYSTEM))])
+    state.routed(request(turn1, "t1"), "a")
+    state.finished("t1")
+    state.index.apply("a", [stored(2, hashes(turn1 + [50, 51, 52, 53]))])
+    state.settled("a", ["t1"])
+    state.starts = dict.fromkeys("abcd", 0.0)
+    state.in_flight = {"a": 16, "b": 14, "c": 0, "d": 3}
+    assert policy.rank(request(turn2, "t2"), list("abcd"))[0] == "a"
+    state.in_flight = {"a": 17, "b": 14, "c": 0, "d": 3}   # 8.5 over the mean: balance wins
+    assert policy.rank(request(turn2, "t2"), list("abcd"))[0] == "c"
+    # A request that only shares the system prompt goes to the least loaded replica.
+    state.in_flight = {"a": 16, "b": 14, "c": 0, "d": 3}
+    assert policy.rank(request(SYSTEM + [900, 901, 902, 903], "new"), list("abcd"))[0] == "c"
 
 
 def test_share_counts_conversations_started_not_turns_continued() -> None:

@@ -10,7 +10,11 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    `cached_balance_abs` for cached ones, `continuation_balance_abs` for a cached prefix that
    runs through an earlier prompt routed there (the next turn of a conversation, which
    anywhere else would be recomputed whole, where a shared system prompt is computed once
-   per replica).
+   per replica). A conversation's slack is counted over the replicas' mean, not the least
+   loaded one (bounded loads, as consistent hashing with bounded loads caps a server at a
+   margin over the average): when a closed loop's clients finish together on one replica,
+   it is empty for a moment, and a slack over that minimum moved every other replica's
+   conversations onto it.
 3. Conversation guard: a replica that started more conversations lately than the least
    (`ClusterState.share`, by `share_abs` and `share_rel`) is *ahead*. It draws a request
    only if it saves `share_keep_pages` of prefill over every replica not ahead (or
@@ -107,7 +111,9 @@ class CacheAwarePolicy(RoutingPolicy):
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
         state, cfg = self.state, self.config
         sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
-        least = min(state.requests_in_flight(r) for r in replicas)
+        in_flight = {r: state.requests_in_flight(r) for r in replicas}
+        least = min(in_flight.values())
+        mean = sum(in_flight.values()) / len(replicas)
         relative = int(cfg.balance_rel * least)
         least_share = min(state.share(r) for r in replicas)
         share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
@@ -125,18 +131,20 @@ class CacheAwarePolicy(RoutingPolicy):
             # already cached within a looser one (a burst of new sessions sharing only a
             # system prompt in flight spreads; a cached conversation is worth a short queue).
             # A conversation's next turn (its cached prefix runs through an earlier prompt
-            # routed there) within the loosest: moving it recomputes the whole conversation,
-            # where a spilled request of a shared prefix computes that prefix once for many.
+            # routed there) within the loosest, over the mean rather than the least loaded
+            # (one replica is empty for a moment whenever its clients finish together):
+            # moving it recomputes the whole conversation, where a spilled request of a
+            # shared prefix computes that prefix once for many.
             # Pages on a replica's host tier count at `host_credit` each: loaded back, not
             # recomputed, but a load is not free.
-            over = state.requests_in_flight(replica) - least
+            over = in_flight[replica] - least
             if replica in overloaded:
                 matched = 0.0  # too many requests lately: even its conversations go elsewhere
             elif over <= max(cfg.balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, host_credit=credit)
             elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)
-            elif over <= max(cfg.continuation_balance_abs, relative):
+            elif in_flight[replica] - mean <= max(cfg.continuation_balance_abs, relative):
                 matched = index.continued_pages(replica, namespace, hashes, host_credit=credit)
             else:
                 matched = 0.0
