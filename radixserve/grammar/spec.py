@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,10 +40,17 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """A constraint on the generated text: `kind` and its `source` (a JSON Schema as canonical
-    JSON text, a regex, a JSON list of choices, or an EBNF grammar)."""
+    JSON text, a regex, a JSON list of choices, or an EBNF grammar), and the `scope` that may
+    share its compiled grammar (`Grammars` caches by the whole spec).
+
+    The server scopes each request's spec to its tenant and cache salt, as it scopes the prefix
+    cache: a compile that one tenant's earlier request left in the cache answers in a fraction
+    of a fresh compile's time, so a shared cache would let another tenant test guesses of its
+    schemas (an enum's secret values) by timing. Within a scope, specs are shared."""
 
     kind: GrammarKind
     source: str = ""
+    scope: Hashable = None
 
     @staticmethod
     def json_object() -> GrammarSpec:

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -171,7 +172,7 @@ class OpenAIServer:
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
                          self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens))
         call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
-        await self._compile_grammar(call)
+        await self._compile_grammar([call])
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -196,18 +197,23 @@ class OpenAIServer:
                  for ids, param in zip(prompt_ids, params)]
         for call in calls:
             call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
-        await self._compile_grammar(calls[0])  # one spec for the whole batch
+        await self._compile_grammar(calls)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, body.stream, params, "max_tokens", timer)
 
-    async def _compile_grammar(self, call: EngineCall) -> None:
-        """Compiles the call's grammar (cached by spec) in a worker thread, so that a large
-        schema neither holds the event loop nor stalls the engine's step; a 400 naming the
-        field when it cannot be compiled."""
-        spec = call.params.grammar
-        if spec is None:
+    async def _compile_grammar(self, calls: list[EngineCall]) -> None:
+        """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker
+        thread, so that a large schema neither holds the event loop nor stalls the engine's
+        step; a 400 naming the field when it cannot be compiled. The spec is scoped to the
+        tenant and cache salt first (`GrammarSpec.scope`): no tenant reuses, or can time,
+        another's compiles."""
+        call = calls[0]
+        if call.params.grammar is None:
             return
+        spec = replace(call.params.grammar, scope=(call.tenant, call.cache_salt))
+        for each in calls:
+            each.params.grammar = spec
         grammars = self.engine.engine.grammars
         try:
             await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format",

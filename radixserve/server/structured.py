@@ -8,11 +8,11 @@ Sources, at most one per request: `response_format` (OpenAI's "json_object" and
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from radixserve.grammar import GrammarError, GrammarSpec
 from radixserve.server.errors import APIError
+from radixserve.server.json_text import parse_json_text
 from radixserve.server.protocol import GenerationRequest
 
 
@@ -82,8 +82,8 @@ def _extension(field: str, value: Any) -> GrammarSpec:
     if kind == "json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
+                value = parse_json_text(value)
+            except ValueError as exc:
                 raise GrammarError(f"{field}: not valid JSON: {exc}", field) from None
         return json_schema_spec(value, field)
     if kind == "regex":

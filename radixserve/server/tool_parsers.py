@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from radixserve.server.json_text import parse_json_text
+
 PARSERS = ("hermes", "llama3")
 
 
@@ -61,8 +63,8 @@ class ToolCallParser(Protocol):
 def _call_from_json(text: str, arguments_key: str) -> ParsedCall | None:
     """A call from `{"name": ..., "<arguments_key>": {...}}`; None if the text is not one."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = parse_json_text(text)
+    except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -225,9 +227,9 @@ class RequiredCallsParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut short by max_tokens: the text as it is
+            items = parse_json_text(text)
+        except ValueError:
+            return text, []  # cut short by max_tokens (or unusable): the text as it is
         calls = [ParsedCall(item["name"], json.dumps(item.get("arguments", {})))
                  for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)]
         return (None, calls) if calls else (text, [])

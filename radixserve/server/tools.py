@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from radixserve.grammar import GrammarSpec
 from radixserve.server.errors import APIError
+from radixserve.server.json_text import parse_json_text
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from radixserve.server.structured import json_schema_spec
 from radixserve.server.tool_parsers import (
@@ -190,8 +191,9 @@ def with_tool_block(conversation: list[dict[str, Any]], tools: list[dict[str, An
 
 
 def _arguments(arguments: str) -> Any:
-    """Arguments as templates expect them (an object); text that is not JSON stays text."""
+    """Arguments as templates expect them (an object); text that is not JSON the server can
+    use (`parse_json_text`) stays text."""
     try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
+        return parse_json_text(arguments)
+    except ValueError:
         return arguments
