@@ -136,6 +136,24 @@ def test_a_flooding_tenant_neither_delays_nor_changes_an_innocent_one(engine_kwa
     assert unfair_first > 4 * first  # without fair share it waits behind the flood
 
 
+def test_one_tenants_long_prefill_does_not_hold_another_tenants_request(engine_kwargs: dict[str, object]) -> None:
+    """A long prompt's prefill takes every step's whole token budget, chunk after chunk: a
+    tenant's request that arrives meanwhile waited for all of them (15 steps here), since the
+    claim of a tenant behind made room in slots and pages but left no tokens of the step. It
+    is admitted within a few steps, its tokens unchanged, and the long prompt still finishes."""
+    kwargs = {**engine_kwargs, "max_batch_tokens": 32, "num_pages": 160}
+    alone = innocent_run(Engine(**kwargs), tenant="innocent")
+    engine = Engine(**kwargs)
+    engine.add_request([3 + (i * 7) % 290 for i in range(480)], GREEDY, tenant="long")
+    engine.step()  # the long prompt's prefill is under way: 15 chunks of 32 tokens
+    tokens, first, last = innocent_run(engine, tenant="innocent")
+    assert tokens == alone[0]
+    # Admitted once the long prompt's tenant is a step's budget (the margin) ahead of its own.
+    assert first <= alone[1] + 3, (first, alone)
+    assert last - first == alone[2] - alone[1]  # then a token a step, beside the prefill
+    assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+
+
 def test_one_tenants_high_priority_does_not_jump_another_tenant(engine_kwargs: dict[str, object]) -> None:
     engine = Engine(**engine_kwargs)
     rng = random.Random(1)

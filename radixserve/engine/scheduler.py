@@ -84,9 +84,11 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> list[ScheduledChunk]:
         """Picks the next step's chunks and makes sure their pages exist."""
-        budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
-        self._make_room_fairly()
+        # Tokens of this step kept for a waiting tenant's claim (`_make_room_fairly`): the
+        # running units take what is left, admission (fair order: the claimant first) the rest.
+        claimed = self._make_room_fairly()
+        budget = self.max_batch_tokens - claimed
         ordered = self.fair.order_running(self._running_units(), lambda s: (-s.priority, s.arrival_time, s.seq_id))
         while ordered and budget > 0:
             unit = ordered.pop(0)
@@ -113,17 +115,21 @@ class Scheduler:
             else:
                 chunks.extend(work)
                 budget -= sum(c.num_new for c in work)
+        budget += claimed
         if budget > 0:
             chunks.extend(self._admit(budget))
         return chunks
 
-    def _make_room_fairly(self) -> None:
+    def _make_room_fairly(self) -> int:
         """Preempts the least important running units of a tenant served well ahead of a
         waiting one (FairShare.claimant) until the waiting tenant's next sequence fits: else
-        a flood's long generations would run to their end first. Runs before chunks are picked."""
+        a flood's long generations would run to their end first. Returns the tokens of this
+        step to keep for that sequence's first chunk: room in slots and pages is not enough
+        when the running tenant's long prefill takes every step's whole token budget (the
+        waiting tenant would wait for all of its chunks). Runs before chunks are picked."""
         claim = self.fair.claimant(self.waiting, self.running)
         if claim is None:
-            return
+            return 0
         waiting_tenant, victim_tenant = claim
         now = self.clock()
         head = self.policy.order([s for s in self.waiting if s.request.tenant == waiting_tenant], self.tree, now)[0]
@@ -133,6 +139,17 @@ class Scheduler:
         while victims and not self._room_for(unit):
             self.preempt_unit(victims.pop())
             self.counters.fair_preemptions += 1
+        return self._first_chunks_tokens(unit)
+
+    def _first_chunks_tokens(self, unit: list[SequenceState]) -> int:
+        """The tokens the first chunks of a waiting unit would compute (its uncached prompt,
+        at most a step's budget)."""
+        uncached = 0
+        for seq in unit:
+            hit = self.tree.match(seq.prompt_ids[: seq.num_tokens - 1], seq.namespace,
+                                  update=False).cached_tokens if self.prefix_cache else 0
+            uncached += seq.num_tokens - max(hit, seq.num_computed)
+        return min(uncached, self.max_batch_tokens)
 
     def _room_for(self, unit: list[SequenceState]) -> bool:
         """Whether `unit` could be admitted now (a slot each, and its first chunks' pages)."""
