@@ -141,3 +141,49 @@ def test_compiled_grammars_are_kept_per_tenant_and_salt(server: SimpleNamespace)
     # Every request's matcher came from its own scope's entry: one per scope, nothing unscoped.
     assert all(spec.scope is not None for spec in grammars._cache)
     _assert_clean(server)
+
+
+# A template that renders tool calls and tools natively (`tojson`, as Qwen's and Hermes' do):
+# it recurses into what is nested, about two frames a level, far below the parser's own limit.
+NATIVE_TEMPLATE = (
+    "{%- if tools %}{%- for tool in tools %}{{ tool | tojson }}{%- endfor %}{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}<tool_call>{\"name\": "
+    "\"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}</tool_call>"
+    "{%- endfor %}{%- else %}{{ message.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def native_server() -> Iterator[SimpleNamespace]:
+    engine = Engine(model="demo", page_size=16, num_pages=256)
+    engine.tokenizer.chat_template = NATIVE_TEMPLATE
+    async_engine = AsyncEngine(engine)
+    with running_server(create_app(async_engine)) as url:
+        yield SimpleNamespace(url=url, engine=async_engine)
+
+
+@pytest.mark.parametrize("depth", [127, 129, 984])
+def test_deep_arguments_under_a_native_template_are_never_a_500(native_server: SimpleNamespace, depth: int) -> None:
+    # Up to 128 levels are parsed and rendered as JSON, deeper ones as text: parsed up to the
+    # interpreter's limit, 500-984 levels overflowed the template (a 500).
+    history = [{"role": "user", "content": "call f"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    answer = _post(native_server.url, "/v1/chat/completions", {"messages": history, "max_tokens": 2, "tools": TOOLS})
+    assert answer.status_code == 200, answer.text
+    _assert_clean(native_server)
+
+
+def test_a_tool_nested_too_deeply_for_the_template_is_a_400(native_server: SimpleNamespace) -> None:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(300):  # too deep to check: refused before the template could overflow on it
+        schema = {"type": "object", "properties": {"a": schema}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    answer = _post(native_server.url, "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "tools[0].function.parameters", answer.text
+    _assert_clean(native_server)

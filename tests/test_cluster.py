@@ -93,6 +93,18 @@ def test_every_replica_takes_the_ingress_elsewhere_call(server: SimpleNamespace)
         assert engines.elsewhere.remote(distinct_prompt(7), None, None, 3, replica=replica).result() is None
 
 
+def test_a_constrained_request_is_served_and_a_bad_one_is_a_400(client: httpx.Client) -> None:
+    """The ingress has no grammar engine (the replicas do): a grammar request was a 500
+    (AttributeError) on every cluster. A replica compiles it when it takes the request."""
+    chat = {"messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 8, "temperature": 0}
+    r = client.post("/v1/chat/completions", json={**chat, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    r = client.post("/v1/chat/completions", json={**chat, "guided_grammar": "root ::= root"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_metrics_cover_every_replica(client: httpx.Client, server: SimpleNamespace) -> None:
     """/metrics sums the replicas: twice one engine's pages (single server: NUM_PAGES)."""
     from prometheus_client.parser import text_string_to_metric_families

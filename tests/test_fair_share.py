@@ -154,6 +154,38 @@ def test_one_tenants_long_prefill_does_not_hold_another_tenants_request(engine_k
     assert engine.stats()["running"] == engine.stats()["waiting"] == 0
 
 
+def test_a_claim_neither_stalls_on_a_deferred_request_nor_yields_to_the_floods_decodes(
+        engine_kwargs: dict[str, object]) -> None:
+    """The flood's 48 decodes alone exceed a step's 32 tokens. A tenant behind sends two
+    requests over one 200-token prefix: the second waits for the first's prefill (shared
+    prefix in flight). Tokens kept for a claim that admission would defer stalled everything
+    (the first's prefill got none of the step); kept short of a token for every running
+    sequence, the flood's included, they were none, and the tenant waited ~150 steps. Both
+    first tokens now come within a few steps of the prefill's 7 chunks, unchanged."""
+    kwargs = {**engine_kwargs, "max_running": 48, "max_batch_tokens": 32, "num_pages": 1600, "max_wait_s": 1e9}
+    prefix = [3 + (i * 11) % 280 for i in range(200)]
+    prompts = [prefix + [7, 8, 9, k] for k in range(2)]
+    alone = [list(output.token_ids) for output in Engine(**kwargs).generate(prompts, GREEDY)]
+    engine = Engine(**kwargs)
+    for i in range(6):
+        engine.add_request([10 + i, 11, 12, 13], SamplingParams(max_tokens=100, n=8, temperature=1.0, seed=i,
+                                                                ignore_eos=True), tenant="flood")
+    for _ in range(4):
+        engine.step()
+    ids = [engine.add_request(prompt, GREEDY, tenant="w") for prompt in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    first: dict[str, int] = {}
+    for step in range(1, 400):
+        for rid, deltas in engine.step().items():
+            if rid in tokens:
+                tokens[rid] += [t for d in deltas for t in d.token_ids]
+                first.setdefault(rid, step)
+        if all(len(t) == GREEDY.max_tokens for t in tokens.values()):
+            break
+    assert len(first) == 2 and max(first.values()) <= 14, first
+    assert [tokens[rid] for rid in ids] == alone
+
+
 def test_one_tenants_high_priority_does_not_jump_another_tenant(engine_kwargs: dict[str, object]) -> None:
     engine = Engine(**engine_kwargs)
     rng = random.Random(1)

@@ -30,7 +30,7 @@ and the beam driver.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -139,17 +139,27 @@ class Scheduler:
         while victims and not self._room_for(unit):
             self.preempt_unit(victims.pop())
             self.counters.fair_preemptions += 1
-        return self._first_chunks_tokens(unit)
+        return self._claimed_tokens(unit, now - head.arrival_time > self.policy.max_wait_s, victim_tenant)
 
-    def _first_chunks_tokens(self, unit: list[SequenceState]) -> int:
-        """The tokens the first chunks of a waiting unit would compute (its uncached prompt,
-        at most a step's budget)."""
+    def _claimed_tokens(self, unit: list[SequenceState], aged: bool, victim_tenant: Hashable) -> int:
+        """The tokens of this step to keep for a claimant's unit: its first chunks (its
+        uncached prompt), short of one token for every running sequence with work of a tenant
+        other than the one served most (a claim holds back that tenant's chunks, not a third
+        tenant's next token); none unless admission would take the unit now (room for it; not
+        deferred behind a prefill of its prefix in flight, which needs the step's tokens)."""
+        if not self._room_for(unit):
+            return 0
         uncached = 0
         for seq in unit:
-            hit = self.tree.match(seq.prompt_ids[: seq.num_tokens - 1], seq.namespace,
-                                  update=False).cached_tokens if self.prefix_cache else 0
+            hit = 0
+            if self.prefix_cache:
+                hit = self.tree.match(seq.prompt_ids[: seq.num_tokens - 1], seq.namespace,
+                                      update=False).cached_tokens
+                if not aged and self._shares_prefill_in_flight(seq.prompt_ids, seq, hit):
+                    return 0
             uncached += seq.num_tokens - max(hit, seq.num_computed)
-        return min(uncached, self.max_batch_tokens)
+        busy = sum(1 for s in self.running if s.num_tokens > s.num_computed and s.request.tenant != victim_tenant)
+        return max(0, min(uncached, self.max_batch_tokens - busy))
 
     def _room_for(self, unit: list[SequenceState]) -> bool:
         """Whether `unit` could be admitted now (a slot each, and its first chunks' pages)."""

@@ -167,8 +167,13 @@ class OpenAIServer:
         salt = body.cache_salt or None
         scope = salt if caller.tenant is None else (caller.tenant, salt)
         tools = plan_tools(body, self.tool_call_parser)
-        prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
-                                                                   tools.tools)
+        try:
+            prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
+                                                                       tools.tools)
+        except RecursionError:  # the template recursed into something nested: the request's doing
+            raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "
+                                "parameters or a tool call's arguments)", param="messages",
+                           code="invalid_value") from None
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
                          self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens))
         call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
@@ -211,10 +216,12 @@ class OpenAIServer:
         call = calls[0]
         if call.params.grammar is None:
             return
-        spec = replace(call.params.grammar, scope=(call.tenant, call.cache_salt))
+        spec = replace(call.params.grammar, scope=(call.tenant, call.cache_salt or None))  # "" is no salt
         for each in calls:
             each.params.grammar = spec
-        grammars = self.engine.engine.grammars
+        grammars = getattr(self.engine.engine, "grammars", None)
+        if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
+            return
         try:
             await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format",
                                            limiter=self._compiles)

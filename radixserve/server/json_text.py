@@ -9,15 +9,34 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# Deeper than any tool call or schema; and what is nested is recursed into again later (a chat
+# template's `tojson` takes about two frames a level): the interpreter's limit (1,000 frames,
+# shared with the caller's own) is no bound to parse up to.
+MAX_DEPTH = 128
+
 
 def parse_json_text(text: str) -> Any:
     """`text` parsed as JSON; a ValueError for anything the server could not use: text that is
-    not JSON, nesting past the interpreter's recursion limit, an integer past Python's
-    4,300-digit conversion limit, or a lone surrogate (`"\\ud800"`), which no tokenizer can
-    encode (a prompt rendered from it would fail far from the field that caused it)."""
+    not JSON, nested more than MAX_DEPTH levels, an integer past Python's 4,300-digit
+    conversion limit, or a lone surrogate (`"\\ud800"`), which no tokenizer can encode (a
+    prompt rendered from it would fail far from the field that caused it)."""
     try:
         value = json.loads(text)
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
     except RecursionError:
-        raise ValueError("nested too deeply") from None
+        raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)") from None
+    if _depth(value) > MAX_DEPTH:
+        raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)")
+    json.dumps(value, ensure_ascii=False).encode("utf-8")
     return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
