@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import anyio
 import torch
 from ray import serve
 
@@ -24,6 +25,7 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
 from radixserve.engine.request import namespace_of
+from radixserve.grammar import GrammarError
 from radixserve.engine.tree_snapshot import SnapshotOptions, TreeSnapshot
 from radixserve.server.cache_views import CacheViews
 from radixserve.server.startup_gc import freeze_startup_objects
@@ -59,6 +61,15 @@ class EngineReplica:
         the event feed then settles it: a request that ran to its end has published all its
         cache events by then; an aborted one may cache its pages a step later, and the
         router then learns of them from the events alone."""
+        if request.params.grammar is not None:
+            # Compiled here in a worker thread, as the single server does before the engine
+            # sees a request (the ingress has no grammar engine): on the engine thread a large
+            # schema would stall every request's steps. The engine then finds it cached.
+            try:
+                await anyio.to_thread.run_sync(self.engine.grammars.compile, request.params.grammar, "grammar")
+            except GrammarError as exc:
+                yield Refused("invalid", str(exc))
+                return
         receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
         expect_seen(self.engine, request.prompt_ids, request.cluster_seen)  # ... and what the cluster saw
         deltas = self.async_engine.generate(

@@ -22,9 +22,10 @@ def parse_json_text(text: str) -> Any:
     prompt rendered from it would fail far from the field that caused it)."""
     try:
         value = json.loads(text)
+        too_deep = _depth(value) > MAX_DEPTH
     except RecursionError:
-        raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)") from None
-    if _depth(value) > MAX_DEPTH:
+        too_deep = True
+    if too_deep:
         raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)")
     json.dumps(value, ensure_ascii=False).encode("utf-8")
     return value
