@@ -3,10 +3,10 @@
 On a real server (real sockets): the issue's flood (many prompts x n=16 x many tokens) is a 400
 in OpenAI's error shape before anything is queued, an unset max_tokens shrinks to the bound
 instead, a priority outside the documented range is a 400, and closing an unknown session is
-a 404. Between tenants, on the engine thread as the server runs it (AsyncEngine): a flooding
+a 404. Between tenants, on the engine (the scheduler the server runs): a flooding
 tenant beside an innocent one leaves the innocent's output unchanged and its time to first
-token (in engine steps, never seconds) within twice that beside an equal number of benign
-requests; and it neither ends nor demotes any of the innocent's sessions.
+token (in engine steps, never seconds, stepped by the test) within twice that beside an equal
+number of benign requests; and it neither ends nor demotes any of the innocent's sessions.
 
 Once API keys name tenants (a keys file), the tenant checks here belong on the real server
 too: the flood and the innocent client each with its own key.
@@ -78,9 +78,9 @@ def test_closing_an_unknown_session_is_a_404(server: SimpleNamespace) -> None:
 
 # ---------------------------------------------------------------- between tenants
 
-def engine_for(ckpt: Path, fair_share: bool = True) -> AsyncEngine:
-    return AsyncEngine(Engine(model=str(ckpt), page_size=4, num_pages=96, max_running=16, max_batch_tokens=128,
-                              fair_share=fair_share))
+def engine_for(ckpt: Path, fair_share: bool = True) -> Engine:
+    return Engine(model=str(ckpt), page_size=4, num_pages=96, max_running=16, max_batch_tokens=128,
+                  fair_share=fair_share)
 
 
 async def drain(stream) -> list[int]:  # type: ignore[no-untyped-def]
@@ -90,25 +90,28 @@ async def drain(stream) -> list[int]:  # type: ignore[no-untyped-def]
     return tokens
 
 
-async def innocent_beside(engine: AsyncEngine, neighbour: list[tuple[list[int], SamplingParams]]) -> tuple[list[int], int]:
+def innocent_beside(engine: Engine, neighbour: list[tuple[list[int], SamplingParams]]) -> tuple[list[int], int]:
     """The innocent tenant's tokens and its time to first token in engine steps, with the
-    `neighbour` tenant's requests running when it arrives."""
-    await engine.start()
+    `neighbour` tenant's requests running when it arrives. Stepped here, one step at a time,
+    so the count is the scheduler's alone (a consumer starved of CPU beside an engine thread
+    would count steps it did not wait for)."""
     try:
-        others = [asyncio.ensure_future(drain(engine.generate(prompt, params, request_id=f"n{i}", tenant="neighbour")))
-                  for i, (prompt, params) in enumerate(neighbour)]
+        for i, (prompt, params) in enumerate(neighbour):
+            engine.add_request(prompt, params, request_id=f"n{i}", tenant="neighbour")
         while engine.stats()["running"] == 0:
-            await asyncio.sleep(0.001)
-        submitted = engine.stats()["steps"]
+            engine.step()
+        engine.add_request(INNOCENT_PROMPT, INNOCENT, request_id="innocent", tenant="innocent")
         tokens: list[int] = []
-        first_at = None
-        async for delta in engine.generate(INNOCENT_PROMPT, INNOCENT, request_id="innocent", tenant="innocent"):
-            first_at = first_at if first_at is not None else engine.stats()["steps"]
-            tokens += delta.token_ids
-        await asyncio.gather(*others)
-        return tokens, first_at - submitted
+        steps, first_at = 0, None
+        while engine.has_work():
+            new = engine.step().get("innocent", [])
+            steps += 1
+            tokens += [t for delta in new for t in delta.token_ids]
+            first_at = steps if first_at is None and tokens else first_at
+        assert first_at is not None
+        return tokens, first_at
     finally:
-        await engine.shutdown()
+        engine.close()
 
 
 def neighbours(n: int, max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
@@ -118,8 +121,8 @@ def neighbours(n: int, max_tokens: int) -> list[tuple[list[int], SamplingParams]
 
 
 def test_a_flooding_tenant_leaves_an_innocent_ones_output_and_first_token(tiny_llama_dir: Path) -> None:
-    benign = asyncio.run(innocent_beside(engine_for(tiny_llama_dir), neighbours(n=1, max_tokens=4)))
-    flooded = asyncio.run(innocent_beside(engine_for(tiny_llama_dir), neighbours(n=6, max_tokens=48)))
+    benign = innocent_beside(engine_for(tiny_llama_dir), neighbours(n=1, max_tokens=4))
+    flooded = innocent_beside(engine_for(tiny_llama_dir), neighbours(n=6, max_tokens=48))
     assert flooded[0] == benign[0]
     # Steps, not seconds; the few extra steps are the preemption margin (fair_share.py).
     assert flooded[1] <= 2 * benign[1] + 5, (flooded[1], benign[1])
