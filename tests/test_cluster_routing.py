@@ -223,6 +223,30 @@ def test_a_replica_empty_for_a_moment_does_not_draw_the_others_conversations() -
     assert policy.rank(request(SYSTEM + [900, 901, 902, 903], "new"), list("abcd"))[0] == "c"
 
 
+def test_a_burst_sharing_a_system_prompt_in_flight_gathers_by_what_follows_it() -> None:
+    """Eight agents start together, alternating two toolsets after one system prompt, over four
+    empty replicas. The system prompt in flight (4 of a prompt's 14 pages) does not draw the
+    next agent after it (less than half the prompt): agents go by balance, and a replica
+    computing an agent's system prompt and toolset (12 pages in flight) draws the next agent of
+    that toolset. Each toolset is computed on two replicas; drawn by the system prompt in
+    flight (`flight_match_rel=0`, the rule before), three replicas or more computed both."""
+    toolsets = [list(range(1000, 1032)), list(range(2000, 2032))]   # 8 pages each
+
+    def placements(config: CacheAwareConfig | None) -> dict[int, set[str]]:
+        state = cluster("a", "b", "c", "d")
+        policy = make_routing_policy("cache-aware", state, config=config)
+        used: dict[int, set[str]] = {0: set(), 1: set()}
+        for agent in range(8):
+            prompt = SYSTEM + toolsets[agent % 2] + [3000 + agent] * 8   # 4 + 8 + 2 pages
+            used[agent % 2].add(policy.choose(request(prompt, f"agent{agent}"), list("abcd")))
+        return used
+
+    gathered = placements(None)
+    assert len(gathered[0]) == len(gathered[1]) == 2 and not gathered[0] & gathered[1]
+    spread = placements(CacheAwareConfig(flight_match_rel=0.0))
+    assert len(spread[0] & spread[1]) >= 3
+
+
 def test_share_counts_conversations_started_not_turns_continued() -> None:
     """A request that does not continue a conversation its replica holds is a start; starts
     decay by half over STARTS_HALF_LIFE starts; a replica first seen joins at the least

@@ -109,6 +109,26 @@ def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
 
 
+def test_requests_routed_lately_closer_than_a_batch_are_not_a_pile_up() -> None:
+    """A closed loop: a replica whose clients were served first sends their next turns first,
+    so for a moment it has been routed more requests lately than the others by up to a batch.
+    While the difference is within the replicas' mean in flight the replica is not busy, and a
+    conversation's next turn, even a short one, stays (with nothing in flight, as above, it moves)."""
+    state, _ = timed_cluster("a", "b")
+    _conversation_on_a(state, 12)
+    policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_pages=16,
+                                                                               recent_hard_rel=0.35, recent_abs=4.0))
+    state.index.apply("b", [stored(2, hashes(SYSTEM))])
+    for i in range(6):
+        route_finished(state, SYSTEM + [500 + i] * 4, f"b{i}", "b")
+    short = SYSTEM + list(range(300, 308))     # 12 > 6 * 1.15 + 4: busy, and 2 pages saved < 16
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 6, "b": 6}         # 12 <= 6 * 1.15 + 6: one batch's timing
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "a"
+    state.in_flight = {"a": 4, "b": 5}         # 12 > 6 * 1.15 + 4.5: busy again
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+
+
 def test_a_prefix_on_the_host_tier_counts_at_its_credit() -> None:
     state, _ = timed_cluster("a", "b")
     prompt = SYSTEM + list(range(300, 332))    # 12 pages

@@ -6,11 +6,16 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    are at most `min + max(slack, balance_rel * min)`, where `min` is the least loaded
    replica's count. One hot prefix therefore cannot pile onto one replica: past the slack,
    the next request goes to another replica, which computes the prefix once and then shares
-   it too. The slack depends on what is held: `balance_abs` for pages in flight,
-   `cached_balance_abs` for cached ones, `continuation_balance_abs` for a cached prefix that
-   runs through an earlier prompt routed there (the next turn of a conversation, which
-   anywhere else would be recomputed whole, where a shared system prompt is computed once
-   per replica). A conversation's slack is counted over the replicas' mean, not the least
+   it too. A prefix only in flight there (not cached yet) draws a request only if it is at
+   least `flight_match_rel` of the prompt: in a burst of new conversations that share a
+   system prompt and then differ (a toolset, a document), the system prompt in flight would
+   otherwise pull the next conversation after it whatever follows, so that every replica
+   computes every toolset; placed by balance instead, a replica that computes a toolset
+   draws the next conversations using it. The slack depends on what is held: `balance_abs`
+   for pages in flight, `cached_balance_abs` for cached ones, `continuation_balance_abs` for
+   a cached prefix that runs through an earlier prompt routed there (the next turn of a
+   conversation, which anywhere else would be recomputed whole, where a shared system prompt
+   is computed once per replica). A conversation's slack is counted over the replicas' mean, not the least
    loaded one (bounded loads, as consistent hashing with bounded loads caps a server at a
    margin over the average): when a closed loop's clients finish together on one replica,
    it is empty for a moment, and a slack over that minimum moved every other replica's
@@ -26,7 +31,10 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
    each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
    of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
-   every replica not busy (or `recent_keep_rel` of the prompt's pages if fewer). Past
+   every replica not busy (or `recent_keep_rel` of the prompt's pages if fewer). The
+   absolute margin is at least the replicas' mean in flight: a difference smaller than the
+   requests a replica serves at once is one batch's timing, not a pile-up (in a closed loop
+   the replica whose clients were served first sends their next turns first). Past
    `recent_hard_rel`, what it holds draws nothing: even a conversation's next turn moves
    (recomputed once elsewhere) rather than pile up.
 5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
@@ -37,8 +45,8 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    loaded, then one not busy, not ahead, the least loaded, the one with the most free pages
    (least cache to evict), then the fewest requests lately and the fewest cached pages.
 
-`cache-aware-inflight` is the same rule without 4 and without host credit (the rule before
-them), kept for comparison.
+`cache-aware-inflight` is the same rule without 4, without host credit and without the
+in-flight share of rule 2 (the rule before them), kept for comparison.
 """
 
 from __future__ import annotations
@@ -64,8 +72,10 @@ class CacheAwareConfig:
     share_keep_pages: int = 8      # ... and draws only requests it saves this many pages of prefill
     share_keep_rel: float = 0.1    # ... or this fraction of the prompt's pages if fewer (at least one)
     min_match_pages: int = 1       # a shorter cached prefix does not attract a request
+    flight_match_rel: float = 0.5  # a prefix only in flight attracts a request if this share of its prompt
     host_credit: float = 0.75      # a page held in a replica's host tier counts this much of one on its device
-    recent_abs: float = 4.0        # requests routed lately (`ClusterState.recent_requests`) over the least ...
+    recent_abs: float = 4.0        # requests routed lately (`ClusterState.recent_requests`) over the least
+                                   # (or the replicas' mean in flight if more) ...
     recent_rel: float = 0.15       # ... plus this fraction of the least: past both, a replica is *busy*
     recent_keep_pages: int = 64    # ... and draws only requests it saves this many pages of prefill
     recent_keep_rel: float = 0.5   # ... or this fraction of the prompt's pages if fewer (at least one)
@@ -119,9 +129,10 @@ class CacheAwarePolicy(RoutingPolicy):
         share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
         ahead = {r for r in replicas if state.share(r) > share_limit}
         least_recent = min(state.recent_requests(r) for r in replicas)
-        busy = {r for r in replicas if state.recent_requests(r) > least_recent * (1 + cfg.recent_rel) + cfg.recent_abs}
+        recent_abs = max(cfg.recent_abs, mean)  # less than a batch apart: timing, not a pile-up
+        busy = {r for r in replicas if state.recent_requests(r) > least_recent * (1 + cfg.recent_rel) + recent_abs}
         overloaded = {r for r in busy
-                      if state.recent_requests(r) > least_recent * (1 + cfg.recent_hard_rel) + cfg.recent_abs}
+                      if state.recent_requests(r) > least_recent * (1 + cfg.recent_hard_rel) + recent_abs}
         index, namespace, hashes = state.index, request.namespace, request.page_hashes
         credit = cfg.host_credit
 
@@ -136,12 +147,16 @@ class CacheAwarePolicy(RoutingPolicy):
             # moving it recomputes the whole conversation, where a spilled request of a
             # shared prefix computes that prefix once for many.
             # Pages on a replica's host tier count at `host_credit` each: loaded back, not
-            # recomputed, but a load is not free.
+            # recomputed, but a load is not free. A prefix only in flight counts if it is
+            # `flight_match_rel` of the prompt: a burst's shared system prompt would otherwise
+            # gather conversations that differ after it (each toolset then computed everywhere).
             over = in_flight[replica] - least
             if replica in overloaded:
                 matched = 0.0  # too many requests lately: even its conversations go elsewhere
             elif over <= max(cfg.balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, host_credit=credit)
+                if matched < cfg.flight_match_rel * len(hashes):
+                    matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)
             elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)
             elif in_flight[replica] - mean <= max(cfg.continuation_balance_abs, relative):

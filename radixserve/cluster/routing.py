@@ -10,8 +10,8 @@ of routing is imported from. The parts:
 - cache_aware.py: the cache-aware rule (`CacheAwarePolicy`, `CacheAwareConfig`): sessions, then
   the longest prefix a replica holds within balance guards (in flight, conversations started
   lately, requests routed lately), host-tier pages at a credit; its docstring states it.
-  `cache-aware-inflight` is the same rule without balance over time and host credit (the rule
-  before them), kept for comparison.
+  `cache-aware-inflight` is the same rule without balance over time, host credit and the
+  in-flight share (the rule before them), kept for comparison.
 - baseline_routers.py: `power-of-two` (Ray Serve's default), `round-robin` and
   `prefix-affinity` (Ray Serve LLM's PrefixCacheAffinityRouter rule at page granularity).
 """
@@ -60,7 +60,8 @@ def make_routing_policy(name: str, state: ClusterState, *, page_size: int = 16, 
     if name == "cache-aware":
         return CacheAwarePolicy(state, config)
     if name == "cache-aware-inflight":  # the rule before time-decayed balance and host credit
-        return CacheAwarePolicy(state, replace(config or CacheAwareConfig(), host_credit=0.0, recent_abs=math.inf))
+        return CacheAwarePolicy(state, replace(config or CacheAwareConfig(), host_credit=0.0, recent_abs=math.inf,
+                                                       flight_match_rel=0.0))
     if name == "power-of-two":
         return PowerOfTwoPolicy(state, seed)
     if name == "round-robin":
