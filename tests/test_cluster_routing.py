@@ -247,6 +247,25 @@ def test_a_burst_sharing_a_system_prompt_in_flight_gathers_by_what_follows_it() 
     assert len(spread[0] & spread[1]) >= 3
 
 
+def test_a_conversation_s_previous_turn_in_flight_draws_its_next_whatever_its_share() -> None:
+    """A turn finished on a before a's events came in is still only in flight there. The next
+    turn, with a long new message, more than doubles the prompt: the previous turn is less
+    than half of it, but the prompt runs through it, so it is the conversation's own prefix,
+    not a shared one, and the turn stays (moved, the conversation would be computed twice)."""
+    state = cluster("a", "b", "c", "d")
+    policy = make_routing_policy("cache-aware", state)
+    state.routed(request(SYSTEM + [5000] * 8, "other"), "a")       # a has one other in flight
+    turn1 = SYSTEM + list(range(7, 47))                               # 14 full pages
+    state.routed(request(turn1, "t1"), "a")
+    state.finished("t1")                                              # no events, no settle yet
+    turn2 = turn1 + list(range(600, 680)) + [1, 2]                    # 34 full pages
+    assert state.index.matched_pages("a", NS, hashes(turn2)) == 14
+    assert state.index.matched_pages("a", NS, hashes(turn2), in_flight=False) == 0
+    assert policy.rank(request(turn2, "t2"), list("abcd"))[0] == "a"
+    # A prompt that shares only the system prompt in flight there still goes by balance.
+    assert policy.rank(request(SYSTEM + list(range(800, 840)), "new"), list("abcd"))[0] != "a"
+
+
 def test_share_counts_conversations_started_not_turns_continued() -> None:
     """A request that does not continue a conversation its replica holds is a start; starts
     decay by half over STARTS_HALF_LIFE starts; a replica first seen joins at the least

@@ -10,7 +10,14 @@ from radixserve.cache.events import AllCleared, BlockRemoved
 from radixserve.benchmark.cluster_sim import ClusterSimulator, windowed_imbalance
 from radixserve.benchmark.simulate import SimConfig
 from radixserve.benchmark.workloads import make_workload
-from radixserve.cluster.routing import RECENT_HALF_LIFE_S, CacheAwareConfig, ClusterState, ReplicaReport, make_routing_policy
+from radixserve.cluster.routing import (
+    RECENT_HALF_LIFE_S,
+    CacheAwareConfig,
+    ClusterState,
+    ReplicaReport,
+    RoutingPolicy,
+    make_routing_policy,
+)
 from tests.test_cluster_routing import NS, SYSTEM, hashes, request, stored
 
 
@@ -57,15 +64,17 @@ def test_requests_routed_lately_halve_every_half_life() -> None:
     assert state.recent_requests("a") == pytest.approx(5.0 / 4)
 
 
-def _conversation_on_a(state: ClusterState, turns: int) -> list[int]:
-    """A conversation whose `turns` turns all went to a (minutes apart: none in flight);
-    returns its next prompt, whose history a caches."""
-    prompt = SYSTEM + list(range(300, 340))  # 14 pages
-    for turn in range(turns):
-        route_finished(state, prompt, f"c{turn}", "a")
-        prompt = prompt + [400 + turn] * 8
-    state.index.apply("a", [stored(1, hashes(prompt[:-8]))])
-    return prompt
+def _conversation_on_a(state: ClusterState, requests: int) -> list[int]:
+    """`requests` routed to a lately (minutes apart: none in flight): `requests - 1` of other
+    conversations, then a conversation's first turn, whose history a caches; returns that
+    conversation's next prompt. For it, its own earlier turn does not count against a
+    (`ClusterState.own_recent_requests`): a looks `requests - 1` deep to it, `requests` to others."""
+    for i in range(requests - 1):
+        route_finished(state, SYSTEM + [600 + i] * 8, f"o{i}", "a")
+    prompt = SYSTEM + list(range(300, 428))  # 36 pages
+    route_finished(state, prompt, "c0", "a")
+    state.index.apply("a", [stored(1, hashes(prompt))])
+    return prompt + [400] * 8
 
 
 @pytest.mark.parametrize("router", ["cache-aware", "cache-aware-inflight"])
@@ -85,14 +94,14 @@ def test_turns_minutes_apart_do_not_pile_new_conversations_onto_one_replica(rout
 
 def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_go() -> None:
     state, clock = timed_cluster("a", "b")
-    prompt = _conversation_on_a(state, 12)     # 12 requests routed to a lately
+    prompt = _conversation_on_a(state, 12)     # 12 requests routed to a lately, 11 of others
     policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_pages=16,
                                                                                recent_hard_rel=0.35, recent_abs=4.0))
     state.index.apply("b", [stored(2, hashes(SYSTEM))])
     for i in range(6):                         # b serves other work: a is busy, not overloaded
         route_finished(state, SYSTEM + [500 + i] * 4, f"b{i}", "b")
-    # a: 12 > 6 * 1.15 + 4 = 10.9 (busy) but not > 6 * 1.35 + 4 = 12.1: its conversation
-    # saves 32 pages over b's 4 (36 of 38 held; >= 16 kept), so it stays.
+    # a, to the conversation: 11 > 6 * 1.15 + 4 = 10.9 (busy) but not > 6 * 1.35 + 4 = 12.1:
+    # it saves 32 pages over b's 4 (36 of 38 held; >= 16 kept), so it stays.
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
     short = SYSTEM + list(range(300, 308))     # only 2 pages past the system prompt: moves
     assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
@@ -102,20 +111,78 @@ def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_
     assert make_routing_policy("cache-aware", state).rank(request(prompt, "next"), ["a", "b"])[0] == "a"
     absolute = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_rel=2.0))  # 64
     assert absolute.rank(request(prompt, "next"), ["a", "b"])[0] == "b"
-    state.routed(request(SYSTEM + [700] * 4, "x"), "a")   # 13 > 12.1: overloaded
-    state.finished("x")
+    for extra in ("x", "y"):                   # 13 of others > 12.1: overloaded
+        route_finished(state, SYSTEM + [700] * 4, extra, "a")
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "b"
     clock.now = 10 * RECENT_HALF_LIFE_S        # time passes: both decay toward 0, a is not busy
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
 
 
+def _chat(state: ClusterState, policy: RoutingPolicy, name: str, turns: range, clock: Clock) -> list[str]:
+    """Turns `turns` of a conversation, a minute apart, each resending its history, routed by
+    `policy`; the chosen replica caches the prompt. Returns where each turn went."""
+    base = 300 + 1000 * len(name)
+    history = SYSTEM + list(range(base, base + 40)) + [t for turn in range(turns.start) for t in [base + 500 + turn] * 8]
+    placed = []
+    for turn in turns:
+        clock.now += 60.0
+        prompt, rid = history, f"{name}{turn}"
+        replica = policy.choose(request(prompt, rid), ["a", "b", "c", "d"])
+        state.finished(rid)
+        state.settled(replica, [rid])
+        state.index.apply(replica, [stored(turn, hashes(prompt))])
+        placed.append(replica)
+        history = prompt + [base + 500 + turn] * 8
+    return placed
+
+
+def test_a_lone_conversation_keeps_its_replica_and_two_on_one_replica_part() -> None:
+    """A conversation's own earlier turns do not make its replica busy for it: alone on four
+    idle replicas, a chat of 30 turns a minute apart stays on one replica (counting its own
+    turns, its replica was overloaded after 7 and the chat hopped between two replicas 5
+    times, recomputing its history each time). Two chats on one replica are each other's
+    load: the other's turns there make the replica overloaded for the first, which moves
+    once and stays."""
+    state, clock = timed_cluster("a", "b", "c", "d")
+    policy = make_routing_policy("cache-aware", state)
+    assert len(set(_chat(state, policy, "lone", range(30), clock))) == 1
+    state, clock = timed_cluster("a", "b", "c", "d")
+    policy = make_routing_policy("cache-aware", state)
+    first = _chat(state, policy, "one", range(6), clock)
+    for turn in range(6):                   # another chat's turns, on the first one's replica
+        route_finished(state, SYSTEM + list(range(9000, 9040)) + [9500] * 8 * turn, f"two{turn}", first[0])
+    later = _chat(state, policy, "one", range(6, 10), clock)
+    assert len(set(first)) == 1 and later[0] != first[0] and len(set(later)) == 1
+
+
+def test_one_earlier_prompt_ending_in_a_shared_document_is_not_the_requests_own_turn() -> None:
+    """a was routed 13 requests lately, b 6: a is overloaded (13 > 6 * 1.35 + 4). One of a's
+    requests was a document alone (its last page the document's), which any question on it
+    runs through. That one prompt is no turn of the question's own (many questions share the
+    document), so a stays overloaded for it and the question goes to b; counted as its own,
+    a would keep it (12 left, and 8 pages saved over b)."""
+    state, _ = timed_cluster("a", "b")
+    document = SYSTEM + list(range(2000, 2032))                # 12 pages
+    route_finished(state, document, "doc", "a")
+    for i in range(12):
+        route_finished(state, SYSTEM + [600 + i] * 8, f"o{i}", "a")
+    state.index.apply("a", [stored(1, hashes(document))])
+    state.index.apply("b", [stored(2, hashes(SYSTEM))])
+    for i in range(6):
+        route_finished(state, SYSTEM + [500 + i] * 4, f"b{i}", "b")
+    question = request(document + list(range(3000, 3008)), "question")
+    assert state.index.prompt_ends_through("a", NS, question.page_hashes) == [0.0]
+    assert make_routing_policy("cache-aware", state).rank(question, ["a", "b"])[0] == "b"
+
+
 def test_requests_routed_lately_closer_than_a_batch_are_not_a_pile_up() -> None:
     """A closed loop: a replica whose clients were served first sends their next turns first,
     so for a moment it has been routed more requests lately than the others by up to a batch.
-    While the difference is within the replicas' mean in flight the replica is not busy, and a
-    conversation's next turn, even a short one, stays (with nothing in flight, as above, it moves)."""
+    While the difference is within the replicas' mean in flight (not either replica's count)
+    the replica is not busy, and even a request that saves only a short prefix there (6 pages,
+    2 past the system prompt b holds too) stays; with nothing in flight it moves."""
     state, _ = timed_cluster("a", "b")
-    _conversation_on_a(state, 12)
+    prompt = _conversation_on_a(state, 12)
     policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_pages=16,
                                                                                recent_hard_rel=0.35, recent_abs=4.0))
     state.index.apply("b", [stored(2, hashes(SYSTEM))])
@@ -127,6 +194,15 @@ def test_requests_routed_lately_closer_than_a_batch_are_not_a_pile_up() -> None:
     assert policy.rank(request(short, "short"), ["a", "b"])[0] == "a"
     state.in_flight = {"a": 4, "b": 5}         # 12 > 6 * 1.15 + 4.5: busy again
     assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 3, "b": 6}         # the mean, 4.5, not b's 6: busy
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+    state.in_flight = {"a": 10, "b": 2}        # 12 <= 6 * 1.15 + 6 (not a's 10 or b's 2)
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "a"
+    for extra in ("x", "y"):                   # 14 > 6 * 1.15 + 6: busy, not past 6 * 1.35 + 6
+        route_finished(state, SYSTEM + [700] * 4, extra, "a")
+    state.in_flight = {"a": 6, "b": 6}
+    assert policy.rank(request(short, "short"), ["a", "b"])[0] == "b"
+    assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"   # saves 32 pages >= 16
 
 
 def test_a_prefix_on_the_host_tier_counts_at_its_credit() -> None:

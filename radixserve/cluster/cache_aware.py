@@ -6,12 +6,14 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    are at most `min + max(slack, balance_rel * min)`, where `min` is the least loaded
    replica's count. One hot prefix therefore cannot pile onto one replica: past the slack,
    the next request goes to another replica, which computes the prefix once and then shares
-   it too. A prefix only in flight there (not cached yet) draws a request only if it is at
-   least `flight_match_rel` of the prompt: in a burst of new conversations that share a
-   system prompt and then differ (a toolset, a document), the system prompt in flight would
-   otherwise pull the next conversation after it whatever follows, so that every replica
-   computes every toolset; placed by balance instead, a replica that computes a toolset
-   draws the next conversations using it. The slack depends on what is held: `balance_abs`
+   it too. Pages only in flight there (not cached yet) count only if the prefix they extend,
+   counted with them, is at least `flight_match_rel` of the prompt: in a burst of new
+   conversations that share a system prompt and then differ (a toolset, a document), the
+   system prompt in flight would otherwise pull the next conversation after it whatever
+   follows, so that every replica computes every toolset; placed by balance instead, a
+   replica that computes a toolset draws the next conversations using it. A prefix that runs
+   through an earlier prompt routed there (the conversation's previous turn, finished but
+   not reported cached yet) counts whatever its share. The slack depends on what is held: `balance_abs`
    for pages in flight, `cached_balance_abs` for cached ones, `continuation_balance_abs` for
    a cached prefix that runs through an earlier prompt routed there (the next turn of a
    conversation, which anywhere else would be recomputed whole, where a shared system prompt
@@ -36,7 +38,9 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
    requests a replica serves at once is one batch's timing, not a pile-up (in a closed loop
    the replica whose clients were served first sends their next turns first). Past
    `recent_hard_rel`, what it holds draws nothing: even a conversation's next turn moves
-   (recomputed once elsewhere) rather than pile up.
+   (recomputed once elsewhere) rather than pile up. A request's own conversation's earlier
+   turns there (`ClusterState.own_recent_requests`, from two up) do not count against a busy
+   replica for it: moved, the conversation takes them along, and a lone chat would only hop.
 5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
    events, or pages of a request in flight there; pages continuing them in the replica's
    host tier count `host_credit` each, as NVIDIA Dynamo's router does: loaded back, not
@@ -79,7 +83,7 @@ class CacheAwareConfig:
     recent_rel: float = 0.15       # ... plus this fraction of the least: past both, a replica is *busy*
     recent_keep_pages: int = 64    # ... and draws only requests it saves this many pages of prefill
     recent_keep_rel: float = 0.5   # ... or this fraction of the prompt's pages if fewer (at least one)
-    recent_hard_rel: float = 0.35  # past this fraction (plus recent_abs), what it holds draws nothing
+    recent_hard_rel: float = 0.35  # past this fraction (plus the margin above), what it holds draws nothing
 
 
 def keep_pages(limit: int, fraction: float, prompt_pages: int) -> int:
@@ -128,11 +132,17 @@ class CacheAwarePolicy(RoutingPolicy):
         least_share = min(state.share(r) for r in replicas)
         share_limit = least_share * (1 + cfg.share_rel) + cfg.share_abs
         ahead = {r for r in replicas if state.share(r) > share_limit}
-        least_recent = min(state.recent_requests(r) for r in replicas)
+        lately = {r: state.recent_requests(r) for r in replicas}
+        least_recent = min(lately.values())
         recent_abs = max(cfg.recent_abs, mean)  # less than a batch apart: timing, not a pile-up
-        busy = {r for r in replicas if state.recent_requests(r) > least_recent * (1 + cfg.recent_rel) + recent_abs}
-        overloaded = {r for r in busy
-                      if state.recent_requests(r) > least_recent * (1 + cfg.recent_hard_rel) + recent_abs}
+        busy_limit = least_recent * (1 + cfg.recent_rel) + recent_abs
+        for r in replicas:
+            # The request's own conversation's turns do not make its replica busy for it:
+            # moved, the conversation takes them along (a lone chat would only hop around).
+            if lately[r] > busy_limit:
+                lately[r] -= state.own_recent_requests(r, request)
+        busy = {r for r in replicas if lately[r] > busy_limit}
+        overloaded = {r for r in busy if lately[r] > least_recent * (1 + cfg.recent_hard_rel) + recent_abs}
         index, namespace, hashes = state.index, request.namespace, request.page_hashes
         credit = cfg.host_credit
 
@@ -147,15 +157,20 @@ class CacheAwarePolicy(RoutingPolicy):
             # moving it recomputes the whole conversation, where a spilled request of a
             # shared prefix computes that prefix once for many.
             # Pages on a replica's host tier count at `host_credit` each: loaded back, not
-            # recomputed, but a load is not free. A prefix only in flight counts if it is
-            # `flight_match_rel` of the prompt: a burst's shared system prompt would otherwise
-            # gather conversations that differ after it (each toolset then computed everywhere).
+            # recomputed, but a load is not free. Pages in flight count only if the prefix they
+            # extend, counted with them, is `flight_match_rel` of the prompt: a burst's shared
+            # system prompt would otherwise gather conversations that differ after it (each
+            # toolset then computed everywhere). A conversation's own previous turn in flight
+            # (finished, its events not in yet) counts whatever its share: the prompt runs
+            # through it, and a long new message must not move the conversation.
             over = in_flight[replica] - least
             if replica in overloaded:
                 matched = 0.0  # too many requests lately: even its conversations go elsewhere
             elif over <= max(cfg.balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, host_credit=credit)
-                if matched < cfg.flight_match_rel * len(hashes):
+                if (matched < cfg.flight_match_rel * len(hashes)
+                        and not index.continued_pages(replica, namespace, hashes, in_flight=True,
+                                                      host_credit=credit)):
                     matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)
             elif over <= max(cfg.ahead_cached_balance_abs if replica in ahead else cfg.cached_balance_abs, relative):
                 matched = index.matched_pages(replica, namespace, hashes, in_flight=False, host_credit=credit)

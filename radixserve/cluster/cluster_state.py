@@ -111,7 +111,7 @@ class ClusterState:
                 self.starts[known] *= _STARTS_DECAY
             self.starts[replica] += 1.0
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
-        self.index.add_prompt_end(replica, request.namespace, request.page_hashes)
+        self.index.add_prompt_end(replica, request.namespace, request.page_hashes, self.clock())
         if request.session_id is not None:
             self.sessions[request.session_id] = replica
 
@@ -198,6 +198,19 @@ class ClusterState:
         if not count:
             return 0.0
         return count * 0.5 ** (max(0.0, self.clock() - at) / self.recent_half_life_s)
+
+    def own_recent_requests(self, replica: str, request: RouteRequest) -> float:
+        """The part of `recent_requests(replica)` that is the request's own conversation: its
+        earlier turns routed there (the prompts it runs through, `CacheIndex.prompt_ends_through`),
+        decayed alike. Moving the conversation would take these along. Counted only from two
+        such prompts up: a single one may have ended inside a prefix that many prompts share (a
+        system prompt, a document) and so be no conversation of this one's, while each turn of
+        a conversation leaves its own."""
+        ends = self.index.prompt_ends_through(replica, request.namespace, request.page_hashes)
+        if len(ends) < 2:
+            return 0.0
+        now = self.clock()
+        return sum(0.5 ** (max(0.0, now - at) / self.recent_half_life_s) for at in ends)
 
     def _add_recent(self, replica: str, amount: float) -> None:
         self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self.clock())

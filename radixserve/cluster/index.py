@@ -48,8 +48,8 @@ class CacheIndex:
         self._host: dict[str, dict[str, set[int]]] = {}  # the same, for the host tier
         self._in_flight: dict[str, dict[str, Counter[int]]] = {}
         self._requests: dict[str, _InFlight] = {}
-        # replica → (namespace, hash of a routed prompt's last full page) → None; oldest first
-        self._prompt_ends: dict[str, dict[tuple[str, int], None]] = {}
+        # replica → (namespace, hash of a routed prompt's last full page) → when routed; oldest first
+        self._prompt_ends: dict[str, dict[tuple[str, int], float]] = {}
 
     # ------------------------------------------------------------------ events
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
@@ -97,14 +97,15 @@ class CacheIndex:
             if counts[h] <= 0:
                 del counts[h]
 
-    def add_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int]) -> None:
-        """Records the last full page of a prompt routed to `replica` (see `continued_pages`)."""
+    def add_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int], at: float = 0.0) -> None:
+        """Records the last full page of a prompt routed to `replica` at time `at` (see
+        `continued_pages` and `prompt_ends_through`)."""
         if not len(hashes):
             return
         ends = self._prompt_ends.setdefault(replica, {})
         key = (namespace, hashes[-1])
         ends.pop(key, None)
-        ends[key] = None
+        ends[key] = at
         if len(ends) > PROMPT_ENDS_MEMORY:
             del ends[next(iter(ends))]
 
@@ -155,6 +156,15 @@ class CacheIndex:
         if not any((namespace, h) in ends for h in hashes[: device + host]):
             return 0
         return device + host_credit * host if host else device
+
+    def prompt_ends_through(self, replica: str, namespace: str, hashes: Sequence[int]) -> list[float]:
+        """When the earlier prompts routed to `replica` that this prompt runs through were
+        routed: a conversation's earlier turns there, each resent within its next (a prompt
+        that ended inside a prefix many share, such as a system prompt, counts for them all)."""
+        ends = self._prompt_ends.get(replica)
+        if not ends:
+            return []
+        return [at for h in hashes if (at := ends.get((namespace, h))) is not None]
 
     def cached_pages(self, replica: str) -> int:
         """Pages the replica's cache holds (all namespaces)."""

@@ -59,7 +59,7 @@ def make_routing_policy(name: str, state: ClusterState, *, page_size: int = 16, 
     """A routing policy by name (`ROUTERS`)."""
     if name == "cache-aware":
         return CacheAwarePolicy(state, config)
-    if name == "cache-aware-inflight":  # the rule before time-decayed balance and host credit
+    if name == "cache-aware-inflight":  # the rule before balance over time, host credit, in-flight share
         return CacheAwarePolicy(state, replace(config or CacheAwareConfig(), host_credit=0.0, recent_abs=math.inf,
                                                        flight_match_rel=0.0))
     if name == "power-of-two":
