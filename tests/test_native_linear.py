@@ -5,6 +5,9 @@ and wired into the model, whose logits do not move when it is turned off."""
 
 from __future__ import annotations
 
+import os
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,9 +28,25 @@ def test_the_kernel_builds_on_this_machine() -> None:
     assert linear_kernel.library() is not None, linear_kernel.unavailable_reason()
 
 
-# k: whole vectors of 16 (a single row: of 32 too, then 16) and a masked tail; n: whole tiles
-# of 4 and a tail; rows: 1 and 2 (one weight row at a time), 3..4 (one pass of tiles), 5..9
-# (a tail of rows), 66 and 130 (row blocks of 64, the last of 2 rows).
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"), reason="x86 Linux")
+def test_the_build_takes_the_widest_vectors_the_cpu_has() -> None:
+    """AVX-512 takes 16 floats, AVX2 with FMA 8 (a CPU with AVX2 alone once ran the portable
+    loops: 20 times slower than these, and than torch's BLAS); the model uses the kernel then."""
+    flags = _cpu_flags()
+    expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 0
+    assert linear_kernel.library().radixserve_linear_vector_width() == expected
+    assert linear_kernel.vectorised() == (expected > 0)
+
+
+# k: whole vectors of 16 (a single row: of 32 too, then 16) and a masked tail (AVX2: of 8 and
+# a tail); n: whole tiles of 4 and a tail; rows: 1 and 2 (one weight row at a time), 3..4 (one
+# pass of tiles; AVX2: blocks of 2), 5..9 (a tail of rows), 66 and 130 (row blocks of 64, the
+# last of 2 rows).
 @pytest.mark.parametrize(("k", "n"), [(576, 1536), (37, 10), (53, 7), (16, 3), (1, 9), (1536, 576)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 66, 130])
 @pytest.mark.parametrize("with_bias", [False, True])

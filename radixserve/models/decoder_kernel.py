@@ -34,10 +34,11 @@ def _projection_tensors(prefix: str, module: nn.Module) -> dict[str, Tensor | No
 
 
 def decoder_weights(model: CausalLM) -> decoder.DecoderWeights | None:
-    """The model's layers as the kernel reads them, or None when it cannot take this model.
+    """The model's layers as the kernel reads them, or None when it cannot take this model
+    (or its linear layers run on the CPU's vectors in no build here: `linear.vectorised`).
     The tensors are the model's parameters themselves (no copy)."""
     dtype = model.model.embed_tokens.weight.dtype
-    if decoder.library() is None or dtype not in (torch.float32, torch.bfloat16):
+    if decoder.library() is None or not linear_kernel.vectorised() or dtype not in (torch.float32, torch.bfloat16):
         return None
     layers = []
     try:

@@ -16,7 +16,10 @@
  * kept apart), split between the threads as one range, and the gated MLP's two up projections
  * with silu(gate) * up applied as each tile finishes (no gate and up tensors in memory).
  *
- * Accumulation is in float32, in 16 partial sums per dot product added up at the end: the same
+ * AVX-512 (below), AVX2 with FMA (its own blocking: 16 vector registers, not 32), or portable C,
+ * which is many times slower than torch's BLAS: `linear.vectorised` then leaves the layers to it.
+ *
+ * Accumulation is in float32, in 16 partial sums per dot product (8 on AVX2) added up at the end: the same
  * sum in another order than BLAS's, so results agree with torch's up to float rounding, and
  * each output is the same sum whatever the number of rows and threads. bfloat16 (dtype 1):
  * x, w, bias and out bfloat16, products and sums in float32, each result rounded to nearest
@@ -26,7 +29,7 @@
  * x [rows, k], each w [n, k] and out [rows, n] contiguous; bias [n] or NULL.
  */
 #include "common.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -194,6 +197,96 @@ static inline __attribute__((always_inline)) void dot_rows(const void *x, const 
         for (int i = 0; i < mr; i++) acc[i] = _mm512_fmadd_ps(load16(x, i * k + whole, mask, bf16), wv, acc[i]);
     }
     for (int i = 0; i < mr; i++) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 without AVX-512 (AMD's Zen 2 and 3, Intel's client CPUs): 8 partial sums per dot product
+ * in one 256-bit register, reduced by a fixed tree. With 16 registers, not 32, a tile goes
+ * through its input rows two at a time and its weight rows four at a time (`block`: eight
+ * accumulators, four weight vectors and an input vector); every dot product is the same
+ * sequence of FMAs whatever the block, tile or stream it is part of, so the same bits. */
+
+/* 8 elements from p (float32, or bfloat16 widened exactly). */
+static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+/* The `left` (< 8) elements of p from i, zeros after them (AVX2 has no masked 16-bit load). */
+static inline __m256 load_tail(const void *p, int64_t i, int64_t left, int bf16) {
+    float buf[8] = {0};
+    for (int64_t l = 0; l < left; l++) buf[l] = element(p, i + l, bf16);
+    return _mm256_loadu_ps(buf);
+}
+
+/* The 8 partial sums added by a fixed tree: 8 -> 4 -> 2 -> 1. */
+static inline float reduce8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Input rows [i0, i0 + mr) (mr <= 2) with weight rows [j0, j0 + nr) (nr <= 4) into sums; each
+ * weight vector loaded has the one `ahead` elements further prefetched. */
+static inline __attribute__((always_inline)) void block(const void *x, const void *const w[TILE_OUTPUTS],
+                                                        float sums[TILE_ROWS][TILE_OUTPUTS], int i0, int j0, int64_t k,
+                                                        int mr, int nr, int bf16, int64_t ahead) {
+    __m256 acc[2][4];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t whole = k & ~(int64_t)7;
+    for (int64_t kk = 0; kk < whole; kk += 8) {
+        __m256 wv[4];
+        for (int j = 0; j < nr; j++) {
+            wv[j] = load8(w[j0 + j], kk, bf16);
+            _mm_prefetch((const char *)w[j0 + j] + (ahead + kk) * (bf16 ? 2 : 4), _MM_HINT_T0);
+        }
+        for (int i = 0; i < mr; i++) {
+            __m256 xv = load8(x, (i0 + i) * k + kk, bf16);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (whole < k) {
+        __m256 wv[4];
+        for (int j = 0; j < nr; j++) wv[j] = load_tail(w[j0 + j], whole, k - whole, bf16);
+        for (int i = 0; i < mr; i++) {
+            __m256 xv = load_tail(x, (i0 + i) * k + whole, k - whole, bf16);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) sums[i0 + i][j0 + j] = reduce8(acc[i][j]);
+}
+
+/* The dot products of `mr` input rows with `nr` weight rows into sums[i][j] (mr, nr and bf16
+ * constants at every call site), in blocks of at most 2 x 4. */
+static inline __attribute__((always_inline)) void tile(const void *x, const void *const w[TILE_OUTPUTS],
+                                                       float sums[TILE_ROWS][TILE_OUTPUTS], int64_t k, int mr, int nr,
+                                                       int bf16, int64_t ahead) {
+    for (int i0 = 0; i0 < mr; i0 += 2)
+        for (int j0 = 0; j0 < nr; j0 += 4)
+            block(x, w, sums, i0, j0, k, mr - i0 < 2 ? mr - i0 : 2, nr - j0 < 4 ? nr - j0 : 4, bf16, ahead);
+}
+
+#define STREAM_AHEAD 1024 /* bytes of a weight stream prefetched ahead of its loads */
+
+/* The dot products of `mr` (1 or 2) input rows with one weight row, as one stream of weights
+ * (the same sums as a tile's, so the same bits). */
+static inline __attribute__((always_inline)) void dot_rows(const void *x, const void *w, float sums[2], int64_t k,
+                                                           int mr, int bf16) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t size = bf16 ? 2 : 4, whole = k & ~(int64_t)7;
+    for (int64_t kk = 0; kk < whole; kk += 8) {
+        _mm_prefetch((const char *)w + kk * size + STREAM_AHEAD, _MM_HINT_T0);
+        __m256 wv = load8(w, kk, bf16);
+        for (int i = 0; i < mr; i++) acc[i] = _mm256_fmadd_ps(load8(x, i * k + kk, bf16), wv, acc[i]);
+    }
+    if (whole < k) {
+        __m256 wv = load_tail(w, whole, k - whole, bf16);
+        for (int i = 0; i < mr; i++) acc[i] = _mm256_fmadd_ps(load_tail(x, i * k + whole, k - whole, bf16), wv, acc[i]);
+    }
+    for (int i = 0; i < mr; i++) sums[i] = reduce8(acc[i]);
 }
 #else
 /* Portable: the same sums in plain C, LANES partial sums that the compiler can vectorise. */
@@ -394,6 +487,18 @@ static void run(const void *x, const Segment *segs, int count, int64_t rows, int
     }
 #else
     run_share(x, segs, count, rows, k, 0, total, dtype);
+#endif
+}
+
+/* The vector path this library was built with: 16 floats (AVX-512), 8 (AVX2 with FMA), or 0,
+ * the portable loops, which torch's BLAS outruns many times over (`linear.vectorised`). */
+int radixserve_linear_vector_width(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 8;
+#else
+    return 0;
 #endif
 }
 

@@ -4,7 +4,8 @@ torch's CPU matmul goes to the BLAS it ships, which on some CPUs (those it does 
 recognise, AMD's among them) takes a generic path: at a decode step's few rows it reads the
 weights at a fraction of the memory bandwidth, and its float32 prefill GEMMs run below the
 CPU's vector width. This kernel streams the weights with the CPU's own vectors
-(`-march=native`). Each output is the same sum in the same order whatever the number of rows
+(`-march=native`: AVX-512, or AVX2 with FMA; a build with neither, `vectorised()` false, is left
+unused: its portable loops run far below torch's BLAS). Each output is the same sum in the same order whatever the number of rows
 and threads, so a row's result does not depend on which other rows share its step.
 
 `radixserve.models.layers.linear` calls it where it `applies`: float32 on the CPU at any row
@@ -35,6 +36,7 @@ def library() -> ctypes.CDLL | None:
     """The kernel's library with its signatures declared; None when it cannot be built."""
     build.declared_library(NAME, "radixserve_linear_many", None, [_P, _C, _P, _P, _P, _P, _I, _I, _C, _C])
     build.declared_library(NAME, "radixserve_gated_linear", None, [_P, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C])
+    build.declared_library(NAME, "radixserve_linear_vector_width", _C, [])
     return build.declared_library(NAME, "radixserve_linear", None, [_P, _P, _P, _P, _I, _I, _I, _C, _C])
 
 
@@ -43,12 +45,19 @@ def unavailable_reason() -> str | None:
     return build.unavailable_reason(NAME)
 
 
+@functools.cache
+def vectorised() -> bool:
+    """Whether the library is built and runs on the CPU's vectors (AVX-512, or AVX2 with FMA)."""
+    loaded = library()
+    return loaded is not None and loaded.radixserve_linear_vector_width() > 0
+
+
 def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether the kernel takes x [rows, in] against weight [out, in]: float32, or bfloat16
-    with at most BF16_MAX_ROWS rows, on the CPU, weight contiguous, library built."""
+    with at most BF16_MAX_ROWS rows, on the CPU, weight contiguous, library built on vectors."""
     return (x.dim() == 2 and x.dtype == weight.dtype
             and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= BF16_MAX_ROWS))
-            and x.is_cpu and weight.is_cpu and weight.is_contiguous() and library() is not None)
+            and x.is_cpu and weight.is_cpu and weight.is_contiguous() and vectorised())
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
