@@ -228,7 +228,8 @@ static inline float reduce8(__m256 v) {
 }
 
 /* Input rows [i0, i0 + mr) (mr <= 2) with weight rows [j0, j0 + nr) (nr <= 4) into sums; each
- * weight vector loaded has the one `ahead` elements further prefetched. */
+ * weight vector loaded has the one `ahead` elements further prefetched (none when `ahead` is
+ * negative: see PREFETCH_FIRST_PASS_ONLY). */
 static inline __attribute__((always_inline)) void block(const void *x, const void *const w[TILE_OUTPUTS],
                                                         float sums[TILE_ROWS][TILE_OUTPUTS], int i0, int j0, int64_t k,
                                                         int mr, int nr, int bf16, int64_t ahead) {
@@ -240,7 +241,7 @@ static inline __attribute__((always_inline)) void block(const void *x, const voi
         __m256 wv[4];
         for (int j = 0; j < nr; j++) {
             wv[j] = load8(w[j0 + j], kk, bf16);
-            _mm_prefetch((const char *)w[j0 + j] + (ahead + kk) * (bf16 ? 2 : 4), _MM_HINT_T0);
+            if (ahead >= 0) _mm_prefetch((const char *)w[j0 + j] + (ahead + kk) * (bf16 ? 2 : 4), _MM_HINT_T0);
         }
         for (int i = 0; i < mr; i++) {
             __m256 xv = load8(x, (i0 + i) * k + kk, bf16);
@@ -270,6 +271,12 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
 }
 
 #define STREAM_AHEAD 1024 /* bytes of a weight stream prefetched ahead of its loads */
+
+/* Only the first pass of input rows over a tile prefetches the next tile: the later passes
+ * find this tile in L1 and the next one already on its way, and a prefetch takes a load slot,
+ * which AVX2's blocks run short of (one per 8 columns: 8-17% faster at 4-16 rows, 10% slower
+ * at 64-200 rows than with none; docs/benchmark.md). */
+#define PREFETCH_FIRST_PASS_ONLY 1
 
 /* The dot products of `mr` (1 or 2) input rows with one weight row, as one stream of weights
  * (the same sums as a tile's, so the same bits). */
@@ -332,11 +339,16 @@ static inline __attribute__((always_inline)) void store_output(const Segment *se
         ((float *)seg->out)[m * seg->n + j] = v;
 }
 
+#ifndef PREFETCH_FIRST_PASS_ONLY
+#define PREFETCH_FIRST_PASS_ONLY 0
+#endif
+
 /* Rows [m, m + mr) x outputs [j, j + outputs) of `seg`: the sums, the bias, (the gate,) stored
  * in the output's dtype. A plain tile has `outputs` weight rows; a gated one 2 x `outputs`,
- * the gate's then the up projection's. */
+ * the gate's then the up projection's. `first`: the first pass of rows over these weights. */
 static inline __attribute__((always_inline)) void tile_out(const void *x, const Segment *seg, int64_t m, int64_t j,
-                                                           int64_t k, int mr, int outputs, int gated, int bf16) {
+                                                           int64_t k, int mr, int outputs, int gated, int bf16,
+                                                           int first) {
     int64_t size = bf16 ? 2 : 4;
     const void *rows[TILE_OUTPUTS];
     for (int jj = 0; jj < outputs; jj++) {
@@ -344,7 +356,8 @@ static inline __attribute__((always_inline)) void tile_out(const void *x, const 
         if (gated) rows[outputs + jj] = (const char *)seg->w_up + (j + jj) * k * size;
     }
     float sums[TILE_ROWS][TILE_OUTPUTS];
-    tile((const char *)x + m * k * size, rows, sums, k, mr, gated ? 2 * outputs : outputs, bf16, outputs * k);
+    int64_t ahead = first || !PREFETCH_FIRST_PASS_ONLY ? outputs * k : -1;
+    tile((const char *)x + m * k * size, rows, sums, k, mr, gated ? 2 * outputs : outputs, bf16, ahead);
     for (int i = 0; i < mr; i++)
         for (int jj = 0; jj < outputs; jj++) store_output(seg, m + i, j + jj, sums[i][jj], gated ? sums[i][outputs + jj] : 0.0f, gated, bf16);
 }
@@ -367,11 +380,11 @@ static inline __attribute__((always_inline)) void row_range(const void *x, const
 static inline __attribute__((always_inline)) void weight_tile(const void *x, const Segment *seg, int64_t m0, int64_t m1,
                                                               int64_t j, int64_t k, int outputs, int gated, int bf16) {
     int64_t m = m0;
-    for (; m + TILE_ROWS <= m1; m += TILE_ROWS) tile_out(x, seg, m, j, k, TILE_ROWS, outputs, gated, bf16);
+    for (; m + TILE_ROWS <= m1; m += TILE_ROWS) tile_out(x, seg, m, j, k, TILE_ROWS, outputs, gated, bf16, m == m0);
     switch (m1 - m) {
-    case 3: tile_out(x, seg, m, j, k, 3, outputs, gated, bf16); break;
-    case 2: tile_out(x, seg, m, j, k, 2, outputs, gated, bf16); break;
-    case 1: tile_out(x, seg, m, j, k, 1, outputs, gated, bf16); break;
+    case 3: tile_out(x, seg, m, j, k, 3, outputs, gated, bf16, m == m0); break;
+    case 2: tile_out(x, seg, m, j, k, 2, outputs, gated, bf16, m == m0); break;
+    case 1: tile_out(x, seg, m, j, k, 1, outputs, gated, bf16, m == m0); break;
     default: break;
     }
 }
