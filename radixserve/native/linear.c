@@ -227,6 +227,12 @@ static inline float reduce8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Only the first pass of input rows over a tile prefetches the next tile: the later passes
+ * find this tile in L1 and the next one already on its way, and a prefetch takes a load slot,
+ * which AVX2's blocks run short of (one per 8 columns: 8-17% faster at 4-16 rows, 10% slower
+ * at 64-200 rows than with none; docs/benchmark.md). */
+#define PREFETCH_FIRST_PASS_ONLY 1
+
 /* Input rows [i0, i0 + mr) (mr <= 2) with weight rows [j0, j0 + nr) (nr <= 4) into sums; each
  * weight vector loaded has the one `ahead` elements further prefetched (none when `ahead` is
  * negative: see PREFETCH_FIRST_PASS_ONLY). */
@@ -271,12 +277,6 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
 }
 
 #define STREAM_AHEAD 1024 /* bytes of a weight stream prefetched ahead of its loads */
-
-/* Only the first pass of input rows over a tile prefetches the next tile: the later passes
- * find this tile in L1 and the next one already on its way, and a prefetch takes a load slot,
- * which AVX2's blocks run short of (one per 8 columns: 8-17% faster at 4-16 rows, 10% slower
- * at 64-200 rows than with none; docs/benchmark.md). */
-#define PREFETCH_FIRST_PASS_ONLY 1
 
 /* The dot products of `mr` (1 or 2) input rows with one weight row, as one stream of weights
  * (the same sums as a tile's, so the same bits). */

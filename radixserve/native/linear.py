@@ -4,9 +4,10 @@ torch's CPU matmul goes to the BLAS it ships, which on some CPUs (those it does 
 recognise, AMD's among them) takes a generic path: at a decode step's few rows it reads the
 weights at a fraction of the memory bandwidth, and its float32 prefill GEMMs run below the
 CPU's vector width. This kernel streams the weights with the CPU's own vectors
-(`-march=native`: AVX-512, or AVX2 with FMA; a build with neither, `vectorised()` false, is left
-unused: its portable loops run far below torch's BLAS). Each output is the same sum in the same order whatever the number of rows
-and threads, so a row's result does not depend on which other rows share its step.
+(`-march=native`: AVX-512, or AVX2 with FMA; a build with neither, `vectorised()` false, is
+left unused: its portable loops run far below torch's BLAS). Each output is the same sum in
+the same order whatever the number of rows and threads, so a row's result does not depend on
+which other rows share its step.
 
 `radixserve.models.layers.linear` calls it where it `applies`: float32 on the CPU at any row
 count, and bfloat16 up to BF16_MAX_ROWS rows (a decode step's; past them torch's bfloat16
