@@ -77,9 +77,26 @@ def is_gguf_file(path: Path) -> bool:
         return file.read(4) == b"GGUF"
 
 
+class PlainArrayGGUFReader(GGUFReader):
+    """gguf's reader, slicing a plain ndarray view of the mapped file instead of the np.memmap.
+
+    The reader takes a slice of its mapping for every metadata value and tensor, and a slice of
+    a np.memmap is a new memmap object whose `__array_finalize__` runs each time: a 49k-token
+    vocabulary takes about 1.3M of them (3.4 s of SmolLM2's 9 s load on two cores). A plain view
+    of the same mapping reads the same bytes, still mapped, in a third of the time."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap here
+        self._plain_data = mapped.view(np.ndarray)
+
+
 def open_gguf(path: Path) -> GGUFReader:
     """The reader over `path` (memory-mapped: tensors are read when dequantized)."""
-    return GGUFReader(path)
+    return PlainArrayGGUFReader(path)
 
 
 def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
