@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import httpx
 import psutil
@@ -42,6 +43,18 @@ def start_hardened(command: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                             preexec_fn=as_a_careless_parent_leaves_it)  # noqa: PLW1509 (the point)
+
+
+def stop_signal_dispositions(pid: int) -> dict[str, set[signal.Signals]]:
+    """Which stop signals process `pid` (its main thread) has blocked, ignored and caught, from
+    the kernel's own masks (/proc/PID/status: SigBlk, SigIgn, SigCgt; bit n-1 is signal n)."""
+    masks = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("SigBlk", "SigIgn", "SigCgt"):
+            mask = int(value, 16)
+            masks[name] = {sig for sig in STOP_SIGNALS if mask >> (sig - 1) & 1}
+    return {"blocked": masks["SigBlk"], "ignored": masks["SigIgn"], "caught": masks["SigCgt"]}
 
 
 def kill_all(processes: list[psutil.Process]) -> None:

@@ -2,8 +2,8 @@
 
 The server's tokens equal a TP=1 engine's; a killed worker turns /health to 503 with the
 reason and requests end with an error; Ctrl-C ends the server and every worker. On Ray Serve
-(marked `cluster`), one replica is one TP group of two ranks, and a SIGTERM its parent
-blocked still stops it cleanly.
+(marked `cluster`), one replica is one TP group of two ranks; the driver catches both stop
+signals its parent ignored or blocked, and SIGTERM stops it cleanly.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tests.stop_util import (
     health_status,
     kill_tree,
     start_hardened,
+    stop_signal_dispositions,
     stops_cleanly,
 )
 from tests.test_server_cli import free_port, start_serve, stop
@@ -79,8 +80,11 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
 @pytest.mark.timeout(900)  # a Ray start and a TP start, on a loaded machine
 def test_one_ray_serve_replica_is_one_tp_group_and_stops_on_a_blocked_sigterm(tiny_llama_dir: Path) -> None:
     """Started as a careless parent leaves it (SIGINT ignored, both stop signals blocked:
-    tests/stop_util.py); SIGTERM still stops the driver, Serve, the replica (rank 0) and its
-    worker cleanly. test_cluster_signals.py stops a Ray replica with SIGINT."""
+    tests/stop_util.py). Once serving, the driver catches SIGINT and SIGTERM and neither is
+    ignored or blocked (after ray.init, which replaces the SIGTERM handler); SIGTERM then stops
+    the driver, Serve, the replica (rank 0) and its worker cleanly. One Ray start covers both
+    signals here: what each does once caught, hung teardowns included, is
+    test_cluster_signals.py's, without Ray."""
     require_ray()
     expected = expected_tokens(tiny_llama_dir)
     port = free_port()
@@ -93,6 +97,8 @@ def test_one_ray_serve_replica_is_one_tp_group_and_stops_on_a_blocked_sigterm(ti
         url = f"http://127.0.0.1:{port}"
         assert wait_for(lambda: health_status(url) == 200, STARTUP_TIMEOUT_S)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
+        both = {signal.SIGINT, signal.SIGTERM}
+        assert stop_signal_dispositions(process.pid) == {"blocked": set(), "ignored": set(), "caught": both}
     except BaseException:
         kill_tree(process)
         raise
