@@ -85,3 +85,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     if item is _CLUSTER.last_user:
         _CLUSTER.stop()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Under `-n 2 --dist loadgroup` (the README's command), which tests share a worker: every
+    test that starts Ray (one cluster at a time, the session's stopped after its last user, as
+    in a serial run), the modules on the one load of the real model, and otherwise each
+    module's tests, so module fixtures are built once."""
+    if getattr(item.config.option, "dist", "no") != "loadgroup":
+        return
+    fixtures = getattr(item, "fixturenames", ())
+    if item.get_closest_marker("cluster") or "ray_cluster" in fixtures:
+        group = "ray"
+    elif "shared_real_model" in fixtures:
+        group = "real_model"
+    else:
+        group = item.nodeid.split("::")[0]  # the module's file
+    item.add_marker(pytest.mark.xdist_group(group))
