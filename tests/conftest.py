@@ -88,17 +88,14 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Under `-n 2 --dist loadgroup` (the README's command), which tests share a worker: every
-    test that starts Ray (one cluster at a time, the session's stopped after its last user, as
-    in a serial run), the modules on the one load of the real model, and otherwise each
-    module's tests, so module fixtures are built once."""
-    if getattr(item.config.option, "dist", "no") != "loadgroup":
+    """Under `-n 2 --dist loadgroup` (the README's command), the tests that must share a worker:
+    every test that starts Ray, one after another in collection order (one cluster at a time,
+    the session's stopped after its last user, as in a serial run), and the real-model modules,
+    on their one load of the model. Every other test goes to whichever worker is free."""
+    if not getattr(item.config.option, "loadgroup", False):  # what xdist sets in its workers
         return
     fixtures = getattr(item, "fixturenames", ())
     if item.get_closest_marker("cluster") or "ray_cluster" in fixtures:
-        group = "ray"
+        item.add_marker(pytest.mark.xdist_group("ray"))
     elif "shared_real_model" in fixtures:
-        group = "real_model"
-    else:
-        group = item.nodeid.split("::")[0]  # the module's file
-    item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group("real_model"))
