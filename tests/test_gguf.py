@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 from tests.gguf_helpers import (
     QUANTIZABLE,
     K_QUANT_SCALES,
@@ -28,7 +28,7 @@ from radixserve import Engine
 from radixserve.engine.params import SamplingParams
 from radixserve.models import LoadedModel, load_model
 from radixserve.models.generation_defaults import GenerationDefaults
-from radixserve.models.gguf_checkpoint import unpermute_rope_rows
+from radixserve.models.gguf_checkpoint import PlainArrayGGUFReader, unpermute_rope_rows
 from radixserve.models.registry import (
     HubUnavailableError,
     ModelNotInstalledError,
@@ -173,6 +173,24 @@ def test_engine_serves_a_gguf_file(tiny_checkpoints: dict[str, Path], gguf_dir: 
     engine = Engine(model=str(path), device="cpu", num_pages=32, page_size=4)
     out = engine.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == paged_greedy(engine.loaded.model, PROMPT, NEW_TOKENS, page_size=4)
+
+
+def test_our_reader_reads_what_ggufs_own_reads(tiny_checkpoints: dict[str, Path], gguf_dir: Path) -> None:
+    """PlainArrayGGUFReader (plain views of the mapping, for speed) against gguf's GGUFReader
+    on one file, tokenizer metadata included: every field and every tensor, equal."""
+    path = write_gguf(tiny_checkpoints["llama"], gguf_dir / "reader.gguf", Q.Q4_1)
+    ours, theirs = PlainArrayGGUFReader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields) and "tokenizer.ggml.tokens" in theirs.fields
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset) == (b.name, b.tensor_type, list(b.shape), b.data_offset)
+        assert type(a.data) is np.ndarray and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
 
 
 def write_bare_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
