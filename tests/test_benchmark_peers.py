@@ -108,3 +108,41 @@ def test_two_radixserve_servers_side_by_side(tmp_path: Path, capsys: pytest.Capt
     assert set(result["ratios"]) == set(WORKLOAD_NAMES) and result["ratios_to"] == "first"
     assert result["ratios"]["shared"]["second"]["output_tok_s"] > 0
     assert "| shared | first |" in stdout and "| single | second |" in stdout
+
+
+def test_rendered_prompts_are_the_tokens_the_server_renders_for_the_chat() -> None:
+    """`--render-with`: the client's token ids for an agent step (tools and a tool result
+    included) are exactly what the server renders for the same chat request, and sent as ids
+    to /v1/completions they prefill that many tokens and stream exactly max_tokens."""
+    import asyncio
+
+    import httpx
+
+    from radixserve.benchmark.peers import TokenRenderer, completion_payload, run_workload, stream_turn
+
+    agent = build_workloads(["agent"], run_tag="t", **SMALL)[0]
+    conversation = agent.conversations[0]
+    messages: list[dict[str, object]] = [{"role": "system", "content": conversation.system}]
+    append_turn(messages, conversation.turns[0], 0)
+    messages.append({"role": "assistant", "content": "Let me look."})
+    append_turn(messages, conversation.turns[1], 1)
+    render = TokenRenderer("demo")
+    ids = render(messages, conversation.tools)
+    assert len(ids) > len(render(messages, None)) + 20  # the tools' block is in the ids
+
+    async def both(url: str) -> tuple[RequestRecord, RequestRecord, list[RequestRecord]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            chat = await stream_turn(client, url, chat_payload(messages, conversation, 3, None))
+            rendered = await stream_turn(client, url, completion_payload(ids, 3, None))
+        _, turns = await run_workload(url, agent, max_tokens=3, model=None, timeout_s=60, render=render)
+        return chat, rendered, turns
+
+    with running_server(create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=256)))) as url:
+        chat, rendered, turns = asyncio.run(both(url))
+    assert chat.error is None and rendered.error is None
+    assert chat.prompt_tokens == rendered.prompt_tokens == len(ids)
+    assert rendered.completion_tokens == 3 and rendered.text
+    assert len(turns) == agent.num_requests and all(t.error is None and t.completion_tokens == 3 for t in turns)
+    first = render([{"role": "system", "content": conversation.system}, {"role": "user", "content": conversation.turns[0].user}],
+                   conversation.tools)
+    assert len(first) in {t.prompt_tokens for t in turns}  # a first step, rendered by the client

@@ -29,6 +29,10 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-chars", type=int, default=2200,
                    help="characters of each distinct prompt, about 500 tokens (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name to put in requests")
+    p.add_argument("--render-with", default=None, metavar="MODEL",
+                   help="render every chat request in the client with radixserve's chat renderer for MODEL's "
+                        "tokenizer (e.g. smollm2) and send the token ids to each server's /v1/completions: "
+                        "every server then prefills the same tokens, whatever its own template does with tools")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per-request timeout (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write every run and the summary here")
     p.set_defaults(handler=peers_command)
@@ -49,7 +53,7 @@ def parse_servers(items: list[str]) -> dict[str, str]:
 
 def peers_command(args: argparse.Namespace) -> int:
     """`radixserve bench peers`."""
-    from radixserve.benchmark.peers import ratios, run_peers, summarise
+    from radixserve.benchmark.peers import TokenRenderer, ratios, run_peers, summarise
 
     try:
         servers = parse_servers(args.server)
@@ -67,15 +71,16 @@ def peers_command(args: argparse.Namespace) -> int:
             f"{f['output_tok_s']:.1f} tok/s, TTFT p50 {f['ttft_p50_s']:.2f} s"
             + (f", {int(f['errors'])} errors" if f["errors"] else ""))
 
+    render = TokenRenderer(args.render_with) if args.render_with else None
     runs = asyncio.run(run_peers(servers, per_repeat, max_tokens=args.max_tokens, model=args.model,
-                                 timeout_s=args.timeout_s, on_run=progress))
+                                 timeout_s=args.timeout_s, on_run=progress, render=render))
     summary = summarise(runs)
     baseline = next(iter(servers))
     relative = ratios(runs, baseline)
     print(peers_table(summary, relative, baseline))
     if args.json:
         write_json(args.json, {
-            "servers": servers, "summary": summary, "ratios_to": baseline, "ratios": relative,
+            "servers": servers, "rendered_with": args.render_with, "summary": summary, "ratios_to": baseline, "ratios": relative,
             "runs": [{"server": r.server, "workload": r.workload, "repeat": r.repeat, **r.figures()}
                      for r in runs],
         })

@@ -2,7 +2,11 @@
 
 One client (httpx), one request shape for every server: POST /v1/chat/completions, streamed,
 greedy, `ignore_eos` with `max_tokens` (so every server writes the same number of tokens),
-`stream_options.include_usage`. Servers alternate: each repeat runs every workload on every
+`stream_options.include_usage`. Each server renders the chat with its own template, and
+templates differ (SmolLM2's ignores `tools`: llama-server drops them, radixserve adds a tool
+block), so with `render` (a `TokenRenderer`) the client renders every request itself, with
+radixserve's renderer, and sends the same token ids to every server's /v1/completions: the
+servers then prefill exactly the same tokens. Servers alternate: each repeat runs every workload on every
 server, the order of the servers rotating from one repeat to the next, so a noisy machine
 hurts them alike. Each repeat's prompts start with a tag of their own (see peer_workloads), so
 no repeat finds the previous one's prompts cached.
@@ -19,6 +23,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -76,17 +81,57 @@ def chat_payload(messages: list[dict[str, object]], conversation: Conversation, 
     return payload
 
 
+Renderer = Callable[[list[dict[str, object]], list[dict[str, object]] | None], list[int]]
+
+
+class TokenRenderer:
+    """Chat messages (and tools) -> the prompt's token ids as radixserve renders them for
+    `model`'s tokenizer and chat template (`ChatRenderer`, the server's own code)."""
+
+    def __init__(self, model: str) -> None:
+        from radixserve.models.gguf_checkpoint import is_gguf_file, load_gguf_tokenizer
+        from radixserve.models.loader import load_tokenizer
+        from radixserve.models.registry import resolve_model
+        from radixserve.server.prompts import ChatRenderer
+
+        path = resolve_model(model)
+        tokenizer = load_gguf_tokenizer(path) if is_gguf_file(path) else load_tokenizer(path)
+        self._renderer = ChatRenderer(tokenizer)
+
+    def __call__(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None) -> list[int]:
+        import msgspec
+
+        from radixserve.server.protocol import ChatMessage
+
+        ids, _ = self._renderer.render(msgspec.convert(messages, list[ChatMessage]), tools=tools or None)
+        return ids
+
+
+def completion_payload(prompt_ids: list[int], max_tokens: int, model: str | None) -> dict[str, object]:
+    """The /v1/completions body every server gets when the client renders the prompt."""
+    payload: dict[str, object] = {
+        "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        payload["model"] = model
+    return payload
+
+
 async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, object],
                       index: int = 0) -> RequestRecord:
-    """Streams one chat completion and measures it; a failure is recorded, never raised."""
+    """Streams one completion (chat, or /v1/completions for a body with a `prompt`) and
+    measures it; a failure is recorded, never raised."""
     record = RequestRecord(index)
     start = time.perf_counter()
     last: float | None = None
+    endpoint = "/v1/completions" if "prompt" in payload else "/v1/chat/completions"
     try:
-        async for chunk in stream_chunks(client, f"{url}/v1/chat/completions", payload):
+        async for chunk in stream_chunks(client, f"{url}{endpoint}", payload):
             choices = chunk.get("choices") or []
-            delta = choices[0].get("delta", {}) if choices else {}
-            content = delta.get("content") or delta.get("reasoning_content") or ""
+            choice = choices[0] if choices else {}
+            delta = choice.get("delta") or {}
+            content = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
             if content:
                 now = time.perf_counter()
                 record.text += content
@@ -126,9 +171,10 @@ def read_usage(chunk: dict[str, object], record: RequestRecord) -> None:
 
 
 async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, model: str | None,
-                       timeout_s: float) -> tuple[float, list[RequestRecord]]:
+                       timeout_s: float, render: Renderer | None = None) -> tuple[float, list[RequestRecord]]:
     """All of `workload`'s conversations, `workload.concurrency` at a time (closed loop);
-    returns the wall time and every turn's record."""
+    returns the wall time and every turn's record. With `render`, each request is rendered
+    by the client and sent as token ids to /v1/completions."""
     url = url.rstrip("/")
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for conversation in workload.conversations:
@@ -140,8 +186,11 @@ async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, mod
         messages: list[dict[str, object]] = [{"role": "system", "content": conversation.system}]
         for step, turn in enumerate(conversation.turns):
             append_turn(messages, turn, step)
-            record = await stream_turn(client, url, chat_payload(messages, conversation, max_tokens, model),
-                                       index=len(records))
+            if render is None:
+                payload = chat_payload(messages, conversation, max_tokens, model)
+            else:
+                payload = completion_payload(render(messages, conversation.tools), max_tokens, model)
+            record = await stream_turn(client, url, payload, index=len(records))
             records.append(record)
             if record.error is not None:
                 return
@@ -169,9 +218,10 @@ async def warm_up(url: str, model: str | None, timeout_s: float) -> None:
 
 async def run_peers(servers: dict[str, str], workloads_by_repeat: list[list[PeerWorkload]], *,
                     max_tokens: int, model: str | None = None, timeout_s: float = 600.0,
-                    on_run: object = None) -> list[RunRecord]:
+                    on_run: object = None, render: Renderer | None = None) -> list[RunRecord]:
     """Every workload of every repeat on every server, the servers' order rotating per
-    repeat. `servers`: name -> base URL. `on_run(record)` is called after each run."""
+    repeat. `servers`: name -> base URL. `on_run(record)` is called after each run; `render`
+    as in `run_workload`."""
     names = list(servers)
     for name in names:
         await warm_up(servers[name], model, timeout_s)
@@ -181,7 +231,7 @@ async def run_peers(servers: dict[str, str], workloads_by_repeat: list[list[Peer
             shift = repeat % len(names)
             for name in names[shift:] + names[:shift]:
                 wall, turns = await run_workload(servers[name], workload, max_tokens=max_tokens,
-                                                 model=model, timeout_s=timeout_s)
+                                                 model=model, timeout_s=timeout_s, render=render)
                 run = RunRecord(name, workload.name, repeat, wall, turns)
                 runs.append(run)
                 if callable(on_run):
