@@ -131,9 +131,13 @@ def cache_hash_secret(args: argparse.Namespace) -> str | None:
 
 
 def _load_tenant_keys(args: argparse.Namespace) -> bool:
-    """Sets `args.tenant_keys`; False (said why) when the keys file or variable is malformed."""
+    """Sets `args.tenant_keys`; False (said why) when the keys file or variable is malformed,
+    or a key is empty or given twice for different callers."""
+    from radixserve.server.tenancy import ApiKeys
+
     try:
         args.tenant_keys = tenant_keys(args)
+        ApiKeys.of(api_key=args.api_key, admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys)
     except (OSError, ValueError) as exc:
         say(f"error: API keys: {exc}")
         return False

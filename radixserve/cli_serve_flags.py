@@ -126,14 +126,15 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
 
 def _add_api_args(serve: argparse.ArgumentParser) -> None:
     """What the HTTP API requires and exposes."""
-    serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+    serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY") or None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes "
-                            "(default: $RADIXSERVE_API_KEY, else no key); its caller sees the whole cache")
+                            "(default: $RADIXSERVE_API_KEY, else no key; an empty variable is no key); its caller sees "
+                            "the whole cache")
     serve.add_argument("--api-keys-file", default=None,
                        help="API keys of tenants: JSON ({\"keys\": [{\"key\", \"tenant\", \"admin\"}]}) or "
                             "lines 'key tenant [admin]'; more keys from $RADIXSERVE_API_KEYS (same lines, ';' "
                             "between them). A tenant's cache is its own; its key sees only its own namespaces")
-    serve.add_argument("--admin-api-key", default=os.environ.get("RADIXSERVE_ADMIN_API_KEY"),
+    serve.add_argument("--admin-api-key", default=os.environ.get("RADIXSERVE_ADMIN_API_KEY") or None,
                        help="a key that sees the whole cache and may flush it (default: "
                             "$RADIXSERVE_ADMIN_API_KEY, else none)")
     serve.add_argument("--cache-hash-secret", default=os.environ.get("RADIXSERVE_CACHE_HASH_SECRET"),

@@ -232,6 +232,8 @@ def test_only_an_admin_may_flush_and_unknown_keys_get_401(keyed: tuple[Engine, s
             assert nobody.get(path).status_code == 401
     with httpx.Client(base_url=url) as anonymous:
         assert anonymous.get("/v1/cache/stats").status_code == 401
+        for empty in ("Bearer", "bearer"):  # no token at all
+            assert anonymous.get("/v1/cache/stats", headers={"authorization": empty}).status_code == 401
     with _client(url, ADMIN) as admin:
         assert admin.post("/v1/cache/flush").status_code == 200
 

@@ -279,6 +279,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--kv-memory-gb", "100000"), "--kv-memory-gb: a KV cache of 100000 GiB"),
     (("--host-tier-pages", "100000000"), "--host-tier-pages: a KV cache of 100000000 pages"),
     (("--model", "no-such-model"), "model not found: 'no-such-model'"),
+    (("--api-key", ""), "API keys: an API key must not be empty"),
 ]
 CUDA_ON_CPU = ("--device", "cuda")
 

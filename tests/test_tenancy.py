@@ -50,6 +50,21 @@ def test_each_key_stands_for_its_caller_and_an_unknown_key_for_none() -> None:
         ApiKeys.of(api_key="sk-a", tenant_keys={"sk-a": Caller("acme", False)})
 
 
+def test_an_empty_key_is_refused_and_an_empty_variable_is_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty key would make an empty bearer token a key (`RADIXSERVE_ADMIN_API_KEY=` in an
+    env file would hand the admin role to `Authorization: Bearer`)."""
+    for empty in ("", "  "):
+        for options in ({"api_key": empty}, {"admin_api_key": empty}, {"tenant_keys": {empty: Caller("acme", False)}}):
+            with pytest.raises(ValueError, match="must not be empty"):
+                ApiKeys.of(**options)
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "")
+    monkeypatch.setenv("RADIXSERVE_ADMIN_API_KEY", "")
+    args = build_parser().parse_args(["serve"])
+    assert args.api_key is None and args.admin_api_key is None
+    monkeypatch.setenv("RADIXSERVE_ADMIN_API_KEY", "root")
+    assert build_parser().parse_args(["serve"]).admin_api_key == "root"
+
+
 def test_a_tenant_sees_only_its_own_namespaces_and_an_admin_all() -> None:
     acme, globex = namespace_of("m", "salt", "acme"), namespace_of("m", "salt", "globex")
     single = namespace_of("m", "salt")

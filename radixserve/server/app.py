@@ -357,7 +357,8 @@ class OpenAIServer:
         if self.keys is None:
             return SINGLE_TENANT
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        caller = self.keys.caller(token.strip()) if scheme.lower() == "bearer" else None
+        token = token.strip()
+        caller = self.keys.caller(token) if scheme.lower() == "bearer" and token else None
         if caller is None:
             raise APIError(401, "Missing or invalid API key (Authorization: Bearer <key>)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

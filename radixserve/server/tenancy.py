@@ -93,6 +93,8 @@ def _digest(key: str) -> bytes:
 
 
 def _add(keys: dict[str, Caller], key: str, caller: Caller) -> None:
+    if not key.strip():  # an empty key would make an empty bearer token (or none at all) a key
+        raise ValueError("an API key must not be empty")
     if key in keys and keys[key] != caller:
         raise ValueError("the same API key is given twice, for different tenants")
     keys[key] = caller
