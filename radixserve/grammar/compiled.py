@@ -64,6 +64,11 @@ class Grammars:
                 self._cache.popitem(last=False)
         return compiled
 
+    def is_cached(self, spec: GrammarSpec) -> bool:
+        """Whether `spec` is compiled already (`compile` would return at once)."""
+        with self._lock:
+            return spec in self._cache
+
     def _allows_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
         """Whether a sequence at the start of `compiled` may take any token (a stop token counts)."""
         matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids or None)

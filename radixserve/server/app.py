@@ -37,6 +37,7 @@ from radixserve.server.errors import (
     handle_http_exception,
     request_failure,
 )
+from radixserve.server.fair_slots import FairSlots
 from radixserve.server.formatting import (
     ChatFormatter,
     ChoiceResult,
@@ -74,7 +75,7 @@ BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
 # Grammar compiles at once, all requests together: a compile runs in a worker thread nobody can
 # stop, and without a bound of their own a crowd of slow ones would take every thread of the
-# pool that tokenizes every other request's prompt.
+# pool that tokenizes every other request's prompt. The slots go round the tenants (FairSlots).
 GRAMMAR_COMPILES = 4
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -111,7 +112,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
-        self._compiles = anyio.CapacityLimiter(GRAMMAR_COMPILES)
+        self.grammar_slots = FairSlots(GRAMMAR_COMPILES)
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -212,7 +213,8 @@ class OpenAIServer:
         thread, so that a large schema neither holds the event loop nor stalls the engine's
         step; a 400 naming the field when it cannot be compiled. The spec is scoped to the
         tenant and cache salt first (`GrammarSpec.scope`): no tenant reuses, or can time,
-        another's compiles."""
+        another's compiles. A spec compiled already takes no slot, and the slots go round the
+        tenants: one tenant's flood of slow schemas delays another's by one compile."""
         call = calls[0]
         if call.params.grammar is None:
             return
@@ -222,9 +224,11 @@ class OpenAIServer:
         grammars = getattr(self.engine.engine, "grammars", None)
         if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
             return
+        if grammars.is_cached(spec):
+            return
         try:
-            await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format",
-                                           limiter=self._compiles)
+            async with self.grammar_slots.hold(call.tenant):
+                await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format")
         except GrammarError as exc:
             raise grammar_error(exc) from exc
 

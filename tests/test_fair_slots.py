@@ -1,0 +1,162 @@
+"""Grammar compiles shared between tenants (server/fair_slots.py): the slots go round the
+tenants, so one tenant's flood of slow schemas delays another's compile by one compile, not
+by the flood; a spec compiled already takes no slot at all. Unit tests of FairSlots, then the
+attack on a real server (real sockets, two tenants' keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import anyio
+import httpx
+import pytest
+from server_util import running_server, wait_for
+
+from radixserve import AsyncEngine, Engine
+from radixserve.server import create_app
+from radixserve.server.app import GRAMMAR_COMPILES
+from radixserve.server.fair_slots import FairSlots
+from radixserve.server.tenancy import Caller
+
+
+async def _holders(slots: FairSlots, plan: list[str], gates: dict[int, anyio.Event],
+                   order: list[tuple[str, int]]) -> None:
+    """Starts one holder per entry of `plan` (its tenant), in order; each records when it gets
+    its slot and holds it until its gate opens."""
+
+    async def holder(tenant: str, index: int) -> None:
+        async with slots.hold(tenant):
+            order.append((tenant, index))
+            await gates[index].wait()
+
+    async with anyio.create_task_group() as group:
+        for index, tenant in enumerate(plan):
+            group.start_soon(holder, tenant, index)
+            await anyio.sleep(0)  # each queued before the next: arrival order is plan order
+        await anyio.sleep(0.01)
+        for index in range(len(plan)):  # free the slots one at a time
+            gates[index].set()
+            await anyio.sleep(0.01)
+
+
+def test_a_freed_slot_goes_to_the_tenant_holding_fewest_not_to_the_floods_queue() -> None:
+    slots = FairSlots(2)
+    plan = ["mallory"] * 6 + ["victim", "victim"]
+    gates = {i: anyio.Event() for i in range(len(plan))}
+    order: list[tuple[str, int]] = []
+
+    async def run() -> None:
+        await _holders(slots, plan, gates, order)
+
+    anyio.run(run)
+    # mallory's first two hold both slots; the first slot freed goes to the victim (it holds
+    # none), which then keeps one of the two while mallory's queue takes turns in the other.
+    assert order == [("mallory", 0), ("mallory", 1), ("victim", 6), ("mallory", 2), ("mallory", 3),
+                     ("mallory", 4), ("mallory", 5), ("victim", 7)]
+    assert slots.held("mallory") == slots.held("victim") == 0 and slots._free == 2
+
+
+def test_one_tenant_is_served_first_come_first_served() -> None:
+    slots = FairSlots(1)
+    plan = ["a"] * 5
+    order: list[tuple[str, int]] = []
+    anyio.run(_holders, slots, plan, {i: anyio.Event() for i in range(5)}, order)
+    assert order == [("a", i) for i in range(5)]
+
+
+def test_a_waiter_cancelled_leaves_the_queue_and_a_granted_one_gives_its_slot_back() -> None:
+    slots = FairSlots(1)
+
+    async def run() -> None:
+        gate = anyio.Event()
+        got: list[str] = []
+
+        async def holder(tenant: str) -> None:
+            async with slots.hold(tenant):
+                got.append(tenant)
+                await gate.wait()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(holder, "a")
+            await anyio.sleep(0)
+            with anyio.move_on_after(0.01):  # waits behind "a", then gives up
+                await holder("b")
+            group.start_soon(holder, "c")
+            await anyio.sleep(0.01)
+            gate.set()
+        assert got == ["a", "c"]
+        # Granted and cancelled before it ran: the slot comes back.
+        async with slots.hold("x"):
+            async with anyio.create_task_group() as group:
+                group.start_soon(holder, "y")
+                await anyio.sleep(0.01)
+                group.cancel_scope.cancel()
+        assert slots._free == 1 and not slots._waiting
+
+    anyio.run(run)
+    with pytest.raises(ValueError):
+        FairSlots(0)
+
+
+VICTIM, MALLORY = "k-victim", "k-mallory"
+FLOOD = 12
+SLOW = "^.{0,1024}$"  # about 0.4 s to compile with the demo tokenizer; quadratic in the count
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimpleNamespace]:
+    engine = Engine(model="demo", page_size=16, num_pages=256)
+    app = create_app(AsyncEngine(engine), tenant_keys={VICTIM: Caller("victim", False),
+                                                        MALLORY: Caller("mallory", False)})
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, slots=app.state.server.grammar_slots)
+
+
+def _body(schema: dict) -> dict:
+    return {"prompt": "x", "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def _slow_schema(i: int) -> dict:
+    return {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": SLOW}}}
+
+
+def test_a_flood_of_slow_schemas_delays_another_tenants_compile_by_one_compile(server: SimpleNamespace) -> None:
+    """Mallory sends FLOOD schemas that compile slowly; the victim's new schema is compiled
+    after the compiles in progress (at most GRAMMAR_COMPILES, and one more freed meanwhile),
+    not after the flood; its schema compiled already (an earlier request) takes no slot."""
+    headers = {v: {"Authorization": f"Bearer {v}"} for v in (VICTIM, MALLORY)}
+    cached = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    done: list[str] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            first = await client.post("/v1/completions", headers=headers[VICTIM], json=_body(cached))
+            assert first.status_code == 200, first.text
+
+            async def send(key: str, body: dict, name: str) -> None:
+                response = await client.post("/v1/completions", headers=headers[key], json=body)
+                assert response.status_code == 200, response.text
+                done.append(name)
+
+            flood = [asyncio.create_task(send(MALLORY, _body(_slow_schema(i)), "mallory")) for i in range(FLOOD)]
+            # Every flood request holds a slot or waits for one before the victim comes.
+            assert await asyncio.to_thread(
+                wait_for, lambda: server.slots.held("mallory") + server.slots.waiting("mallory") == FLOOD)
+            await send(VICTIM, _body(cached), "victim cached")
+            await send(VICTIM, _body({"type": "object", "properties": {"v": {"type": "integer"}}}), "victim new")
+            await asyncio.gather(*flood)
+
+    asyncio.run(run())
+    # It took no slot: it came back before any of the flood's compiles (0.8 s at least, four
+    # threads on two cores) had ended; behind the FIFO of before, after FLOOD - GRAMMAR_COMPILES
+    # of them; waiting for a slot however fairly, after one.
+    assert done.index("victim cached") == 0, done
+    # Behind the compiles that held the slots when it came, not behind the flood's queue.
+    assert done.index("victim new") <= GRAMMAR_COMPILES + 2, done
+    assert len(done) == FLOOD + 2 and server.slots.held("mallory") == server.slots.waiting("mallory") == 0
+    assert threading.active_count() < 100  # no compile thread left behind
