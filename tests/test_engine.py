@@ -264,6 +264,29 @@ def test_bad_requests_are_refused_and_lose_nothing(ckpt: Path) -> None:
     assert engine.stats()["requests_finished"] == 2
 
 
+def test_a_full_queue_refuses_the_tenant_that_filled_it_not_the_next(ckpt: Path) -> None:
+    """--max-queue 4: one tenant keeping the queue full is refused; another tenant still gets
+    in, up to its share (4 over the two tenants waiting: 2), and then a third up to 4 / 3."""
+    engine = make_engine(ckpt, num_pages=64, max_queue=4)
+    for i in range(4):
+        engine.add_request([5, 6, i], GREEDY, tenant="mallory")
+    with pytest.raises(QueueFull):
+        engine.add_request([5, 6, 9], GREEDY, tenant="mallory")
+    engine.add_request([7, 1], GREEDY, tenant="victim")
+    engine.add_request([7, 2], GREEDY, tenant="victim")
+    with pytest.raises(QueueFull):  # its share of a full queue: 2 of 4
+        engine.add_request([7, 3], GREEDY, tenant="victim")
+    engine.add_request([8, 1], GREEDY, tenant="third")
+    engine.add_request([8, 2], GREEDY, tenant="third")  # 1 * 3 < 4
+    with pytest.raises(QueueFull):  # 2 * 3 >= 4
+        engine.add_request([8, 3], GREEDY, tenant="third")
+    engine.add_request([9, 1], GREEDY)  # the server's single tenant: one more, none waiting yet
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["requests_finished"] == 9
+    engine.check_invariants()
+
+
 def test_cache_aware_policies_beat_fcfs_on_shuffled_groups(ckpt: Path) -> None:
     rng = random.Random(3)
     prefixes = [[rng.randrange(3, 300) for _ in range(48)] for _ in range(6)]

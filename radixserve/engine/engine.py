@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -210,9 +211,8 @@ class Engine:
         check_prompt(prompt_ids, params, vocab_size=self.loaded.model.vocab_size,
                      max_context_len=self.max_context_len, num_pages=self.pool.num_pages,
                      page_size=self.page_size, max_running=self.scheduler.max_running)
-        queued = sum(1 for s in self.scheduler.waiting if s.request.cached_tokens is None)
-        if self.max_queue is not None and queued >= self.max_queue:
-            raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
+        if self.max_queue is not None:
+            self._check_queue(tenant)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -231,6 +231,17 @@ class Engine:
         else:
             self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
+
+    def _check_queue(self, tenant: str | None) -> None:
+        """QueueFull when the waiting queue holds `max_queue` requests and `tenant` already has
+        its share of them (`max_queue` over the tenants waiting, itself counted): a tenant that
+        keeps the queue full gets the 503s, not a tenant that comes after it. The queue may so
+        pass `max_queue` by the shares of tenants that came later (each at most its share)."""
+        queued = Counter(s.request.tenant for s in self.scheduler.waiting if s.request.cached_tokens is None)
+        if sum(queued.values()) < self.max_queue:
+            return
+        if queued[tenant] * len(queued.keys() | {tenant}) >= self.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
 
     def describe(self) -> str:
         """Device, dtype, attention backend and CPU kernels in one line (builds the kernels)."""
