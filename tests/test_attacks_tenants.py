@@ -260,3 +260,30 @@ def test_an_innocent_tenants_output_is_unchanged_beside_an_attacker(keyed: tuple
         beside = victim.post("/v1/chat/completions", json=request).json()
     assert beside["choices"][0]["message"]["content"] == alone
     assert beside["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its own pages, not mallory's
+
+
+def test_a_tenant_cannot_raise_its_pages_over_other_tenants_cache(keyed: tuple[Engine, str]) -> None:
+    """Retention priorities order every tenant's pages in one pool, so a tenant flooding at
+    priority 100 would push out every other tenant's cache for as long as it resends: above
+    the default they are an admin's (403 naming the field); a lower one costs only the tenant
+    itself and stays allowed; sessions are the tenants' way to keep a conversation."""
+    engine, url = keyed
+    chat = {"messages": [{"role": "system", "content": "pinned system prompt " * 8},
+                         {"role": "user", "content": "pin me"}], "max_tokens": 2}
+    raised = [("/v1/chat/completions", {**chat, "retention_priority": 100}, "retention_priority"),
+              ("/v1/chat/completions", {**chat, "system_retention_priority": 90}, "system_retention_priority"),
+              ("/v1/completions", {"prompt": ["pin me", "and me"], "max_tokens": 2, "retention_priority": 36},
+               "retention_priority")]
+    before = engine.stats()["pages_cached"]
+    with _client(url, MALLORY) as mallory:
+        for path, body, param in raised:
+            response = mallory.post(path, json=body)
+            assert response.status_code == 403, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"], error["type"]) == (param, "admin_only", "permission_error")
+        assert engine.stats()["pages_cached"] == before  # refused before anything ran
+        for body in ({**chat, "retention_priority": 10}, {**chat, "retention_priority": 35}):
+            assert mallory.post("/v1/chat/completions", json=body).status_code == 200
+    with _client(url, ADMIN) as admin:
+        assert admin.post("/v1/chat/completions", json={**chat, "retention_priority": 100}).status_code == 200
+    engine.check_invariants()

@@ -60,7 +60,7 @@ from radixserve.server.protocol import (
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
 from radixserve.server.structured import grammar_error
-from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller
+from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller, check_retention
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
@@ -177,7 +177,9 @@ class OpenAIServer:
                            code="invalid_value") from None
         call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
                          self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens))
-        call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
+        _as_caller([call], caller, "retention_priority")
+        if call.prefix_retention is not None:
+            check_retention(caller, call.prefix_retention[1], "system_retention_priority")
         await self._compile_grammar([call])
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
@@ -201,8 +203,7 @@ class OpenAIServer:
         calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param,
                                  self.sampling_defaults, limit)
                  for ids, param in zip(prompt_ids, params)]
-        for call in calls:
-            call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
+        _as_caller(calls, caller, "retention_priority")
         await self._compile_grammar(calls)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
@@ -479,6 +480,14 @@ async def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The body is not valid UTF-8: {exc.reason} at byte {exc.start}.",
                        code="invalid_json") from exc
+
+
+def _as_caller(calls: list[EngineCall], caller: Caller, retention_param: str) -> None:
+    """The calls run as `caller`'s: its tenant, its priority across tenants if an admin, and a
+    403 for a retention it may not ask for (`check_retention`)."""
+    for call in calls:
+        check_retention(caller, call.retention, retention_param)
+        call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
 
 
 def _json(value: Any) -> Response:
