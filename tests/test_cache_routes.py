@@ -249,3 +249,53 @@ def test_a_reader_that_falls_behind_gets_a_reset_then_a_snapshot(tiny_llama_dir:
             await async_engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_tenants_reader_is_not_reset_by_another_tenants_burst(tiny_llama_dir: Path) -> None:
+    """A tenant's reader that falls behind only by events it may not see (another tenant's
+    burst, larger than the ring) skips them: no reset, no snapshot, nothing that tells it of
+    the burst; when events of its own were lost, it gets its reset as any reader."""
+    from radixserve.engine.request import tenant_of
+
+    engine = Engine(model=str(tiny_llama_dir), page_size=PAGE_SIZE, num_pages=80)
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    def burst(tenant: str, first: int, count: int, salted: bool = False) -> None:
+        for i in range(count):
+            engine.add_request([first] * 8 + list(range(20 + i, 40 + i)), params, tenant=tenant,
+                               cache_salt=f"salt {i}" if salted else None)
+        while engine.has_work():
+            engine.step()
+
+    def victims(namespace_id: str) -> bool:
+        return tenant_of(engine.hashing.namespace_of_id(namespace_id)) == "victim"
+
+    async def scenario() -> None:
+        async_engine = AsyncEngine(engine)
+        await async_engine.start()
+        hub = CacheEventHub(async_engine, capacity=3)
+        try:
+            reader = await hub.open_reader(victims)
+            (snapshot,) = await reader.next()
+            assert json.loads(snapshot)["type"] == "snapshot"
+            seq = engine.cache_events.seq
+            await async_engine.call(lambda: burst("mallory", 7, 6))
+            assert engine.cache_events.seq - seq > 3  # the ring lost some of mallory's events
+            assert await reader.next(timeout=0.05) == [] and reader.resets == 0
+            await async_engine.call(lambda: burst("victim", 9, 1))
+            mine = [json.loads(m) for m in await reader.next()]
+            assert [m["type"] for m in mine] == ["stored"] * len(mine) and mine[0]["seq"] == 1
+            assert all(victims(m["namespace"]) for m in mine)
+            await async_engine.call(lambda: burst("victim", 11, 6))  # its own events lost
+            reset, fresh = [json.loads(m) for m in await reader.next()]
+            assert reset["type"] == "reset" and fresh["type"] == "snapshot" and reader.resets == 1
+            assert {b["namespace"] for b in fresh["blocks"]} and all(victims(b["namespace"]) for b in fresh["blocks"])
+            # What the hub remembers of dropped events stays bounded, however many namespaces.
+            await async_engine.call(lambda: burst("mallory", 13, 8, salted=True))
+            assert len(hub._dropped) <= hub.capacity and hub._forgotten > 0
+            await reader.close()
+        finally:
+            hub.close()
+            await async_engine.shutdown()
+
+    asyncio.run(scenario())

@@ -24,7 +24,10 @@ throughout). Concurrent first readers share one build, which stops when they all
 A reader may be given `visible`, a test of namespace ids (a tenant's reader sees only its own
 namespaces): its snapshot holds only those namespaces' pages, it receives only their events
 (and every `cleared`), and its messages are numbered by what it was shown, 1, 2, ..., so that
-neither gaps in `seq` nor ids tell it of anyone else's pages.
+neither gaps in `seq` nor ids tell it of anyone else's pages. Nor do resets: the hub notes the
+namespace of every event the full ring drops (the newest position per namespace), and a
+reader that fell behind only by events it may not see skips them without a reset — a burst of
+another tenant's events must not show up in its stream.
 
 The hub subscribes to the engine while it has readers and unsubscribes when the last one
 leaves (with no subscriber the tree computes no hashes at all).
@@ -95,6 +98,11 @@ class CacheEventHub:
         self.linger_s = linger_s
         self._ring: deque[tuple[int, bytes, Any]] = deque(maxlen=capacity)  # (seq, encoded, event)
         self._end = 0          # ring position of the next event (events ever appended)
+        # Events the full ring dropped: namespace id (None: a `cleared`, which every reader
+        # sees) -> ring position of the newest one dropped, oldest first; bounded by
+        # `capacity` entries, the older half forgotten at once below `_forgotten`.
+        self._dropped: dict[str | None, int] = {}
+        self._forgotten = 0
         self._last_seq = 0     # seq of the newest event appended
         self._generation = 0   # bumped by every subscribe and unsubscribe
         self._lock = threading.Lock()  # ring vs readers' slices; held for O(1) or one copy
@@ -113,12 +121,25 @@ class CacheEventHub:
     def _on_event(self, event: Any) -> None:
         data = self._encoder.encode(event)
         with self._lock:
+            if len(self._ring) == self.capacity:
+                self._note_dropped()
             self._ring.append((event.seq, data, event))
             self._end += 1
             self._last_seq = event.seq
         if not self._wake_pending and self._loop is not None:
             self._wake_pending = True
             self._loop.call_soon_threadsafe(self._wake)
+
+    def _note_dropped(self) -> None:
+        """The ring's oldest event is about to go (lock held): note its namespace."""
+        position = self._end - len(self._ring)
+        event = self._ring[0][2]
+        key = None if isinstance(event, AllCleared) else event.namespace
+        self._dropped.pop(key, None)
+        self._dropped[key] = position
+        if len(self._dropped) > self.capacity:
+            for _ in range(len(self._dropped) // 2):
+                self._forgotten = max(self._forgotten, self._dropped.pop(next(iter(self._dropped))) + 1)
 
     def _copy_work(self) -> Generator[None, None, tuple[tuple[int, int, int], dict[str, set[int]]]]:
         """Sliced work: subscribes (if no one has), notes where the ring ends, then copies the
@@ -197,6 +218,18 @@ class CacheEventHub:
             if cursor < start:
                 return None, cursor
             return list(islice(self._ring, cursor - start, None)), self._end
+
+    def _skip_unseen(self, cursor: int, visible: Callable[[str], bool]) -> int | None:
+        """For a reader at `cursor` that lost events: the ring's start, when every event lost
+        between them is one `visible` hides (it may skip them unseen); None otherwise."""
+        with self._lock:
+            start = self._end - len(self._ring)
+            if cursor < self._forgotten:
+                return None
+            dropped = [key for key, position in self._dropped.items() if position >= cursor]
+        if any(key is None or visible(key) for key in dropped):
+            return None
+        return start
 
     def _advance(self, mirror: PageMirror) -> bool:
         """Applies the events `mirror` has not seen; False if it cannot (events were lost, or
@@ -324,6 +357,11 @@ class EventReader:
                 return None
             self.ready.clear()
             events, cursor = self.hub._take(self.cursor)
+            if events is None and self.visible is not None:
+                skipped = self.hub._skip_unseen(self.cursor, self.visible)
+                if skipped is not None:  # it lost only what it may not see: nothing to tell it
+                    self.cursor = skipped
+                    continue
             if events is None:
                 self.resets += 1
                 reset = self.hub._encoder.encode(StreamReset(seq=self.last_seq, buffer=self.hub.capacity))
