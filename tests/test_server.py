@@ -301,6 +301,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
     (CHAT, {"messages": USER, "session_id": "s" * 257}, 400, "session_id"),
     (CHAT, {"messages": USER, "cache_salt": "s" * 257}, 400, "cache_salt"),
+    (CHAT, {"messages": USER, "cache_salt": "acme\x00x"}, 400, "cache_salt"),  # a NUL would alias a namespace id
     (CHAT, {"messages": USER, "user": "u" * 257}, 400, "user"),
     (CHAT, {"messages": USER, "model": "m" * 257}, 400, "model"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "name": "n" * 257}]}, 400, "messages[0].name"),

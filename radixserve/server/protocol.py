@@ -28,6 +28,9 @@ SchedulingPriority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 Duration = Annotated[float, Meta(gt=0.0)]
 Identifier = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Name = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+# No NUL: a namespace's published id hashes its parts joined by NUL (page_hash.namespace_id), so
+# an admin's salt "acme\x00x" would name tenant acme's namespace of salt "x".
+Salt = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS, pattern="^[^\x00]*$")]
 TokenId = Annotated[int, Meta(ge=0)]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 
@@ -173,7 +176,7 @@ class GenerationRequest(Struct, kw_only=True):
     structured_outputs: StructuredOutputs | None = None
     # radixserve extensions: scheduling, cache isolation and retention.
     priority: SchedulingPriority = 0  # higher first; across tenants only for an admin key
-    cache_salt: Identifier | None = None
+    cache_salt: Salt | None = None
     retention_priority: RetentionPriority | None = None
     retention_duration_s: Duration | None = None
     session_id: Identifier | None = None
