@@ -17,8 +17,8 @@ from server_util import running_server, wait_for
 
 from radixserve import AsyncEngine, Engine
 from radixserve.server import create_app
-from radixserve.server.app import GRAMMAR_COMPILES
 from radixserve.server.fair_slots import FairSlots
+from radixserve.server.grammar_compiles import GRAMMAR_COMPILES
 from radixserve.server.tenancy import Caller
 
 
@@ -112,7 +112,7 @@ def server() -> Iterator[SimpleNamespace]:
     app = create_app(AsyncEngine(engine), tenant_keys={VICTIM: Caller("victim", False),
                                                         MALLORY: Caller("mallory", False)})
     with running_server(app) as url:
-        yield SimpleNamespace(url=url, slots=app.state.server.grammar_slots)
+        yield SimpleNamespace(url=url, slots=app.state.server.grammar_compiles.slots)
 
 
 def _body(schema: dict) -> dict:

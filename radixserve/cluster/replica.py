@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import anyio
 import torch
 from ray import serve
 
@@ -28,6 +27,7 @@ from radixserve.engine.request import namespace_of
 from radixserve.grammar import GrammarError
 from radixserve.engine.tree_snapshot import SnapshotOptions, TreeSnapshot
 from radixserve.server.cache_views import CacheViews
+from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.startup_gc import freeze_startup_objects
 from radixserve.server.tenancy import Caller
 
@@ -46,6 +46,7 @@ class EngineReplica:
         self._unsubscribe = self.engine.subscribe_events(self.feed.publish)
         self.async_engine = AsyncEngine(self.engine)
         self.views = CacheViews(self.async_engine)
+        self.grammar_compiles = GrammarCompiles()
         await self.async_engine.start()
         freeze_startup_objects()  # the replica's process keeps all of this (server/startup_gc.py)
 
@@ -66,7 +67,8 @@ class EngineReplica:
             # sees a request (the ingress has no grammar engine): on the engine thread a large
             # schema would stall every request's steps. The engine then finds it cached.
             try:
-                await anyio.to_thread.run_sync(self.engine.grammars.compile, request.params.grammar, "grammar")
+                await self.grammar_compiles.compile(self.engine.grammars, request.params.grammar, "grammar",
+                                                    request.tenant)
             except GrammarError as exc:
                 yield Refused("invalid", str(exc))
                 return

@@ -37,7 +37,6 @@ from radixserve.server.errors import (
     handle_http_exception,
     request_failure,
 )
-from radixserve.server.fair_slots import FairSlots
 from radixserve.server.formatting import (
     ChatFormatter,
     ChoiceResult,
@@ -47,6 +46,7 @@ from radixserve.server.formatting import (
     TokenNamer,
     UsageCounter,
 )
+from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompts import ChatRenderer
@@ -73,10 +73,6 @@ MAX_BODY_BYTES = 4 * 2**20
 DECODE_IN_THREAD_BYTES = 64 * 2**10
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
-# Grammar compiles at once, all requests together: a compile runs in a worker thread nobody can
-# stop, and without a bound of their own a crowd of slow ones would take every thread of the
-# pool that tokenizes every other request's prompt. The slots go round the tenants (FairSlots).
-GRAMMAR_COMPILES = 4
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENCODER = msgspec.json.Encoder()
@@ -112,7 +108,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
-        self.grammar_slots = FairSlots(GRAMMAR_COMPILES)
+        self.grammar_compiles = GrammarCompiles()
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -225,11 +221,8 @@ class OpenAIServer:
         grammars = getattr(self.engine.engine, "grammars", None)
         if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
             return
-        if grammars.is_cached(spec):
-            return
         try:
-            async with self.grammar_slots.hold(call.tenant):
-                await anyio.to_thread.run_sync(grammars.compile, spec, call.grammar_param or "response_format")
+            await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format", call.tenant)
         except GrammarError as exc:
             raise grammar_error(exc) from exc
 
