@@ -181,3 +181,31 @@ def test_a_grammar_that_can_start_but_never_finish_is_a_400_not_an_engine_failur
     beside = _chat(server.url, INNOCENT)
     assert beside.status_code == 200
     _assert_clean(server)
+
+
+def test_a_beam_search_its_grammar_cannot_fill_is_a_400_naming_the_field(server: SimpleNamespace) -> None:
+    """n=4 beams over a choice of two: the request's own constraint is at fault, so its client
+    gets a 400 naming the field (was a 500 engine_error, "retrying may succeed"), streamed or not."""
+    body = {"prompt": "a", "max_tokens": 5, "guided_choice": ["a", "b"], "use_beam_search": True,
+            "beam_width": 4, "n": 4}
+    for stream in (False, True):
+        response = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == ("guided_choice", "invalid_value"), error
+        assert "fewer than n=4" in error["message"]
+    _assert_clean(server)
+
+
+@pytest.mark.parametrize("tools, says", [
+    ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], "tools: at most 128, got 129"),
+    ([{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "description": "x" * 60_000}}} for i in range(5)], "add up to 300"),
+])
+def test_too_many_tools_or_too_much_schema_is_a_400(server: SimpleNamespace, tools: list, says: str) -> None:
+    """Each tool's parameters are checked as a JSON Schema, in time proportional to their size:
+    a request's tools are bounded in number (OpenAI's 128) and in their schemas' total size."""
+    response = _chat(server.url, {"tools": tools})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("tools", "invalid_value") and says in error["message"], error

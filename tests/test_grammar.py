@@ -48,12 +48,33 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     ({"if": {"type": "string"}}, "at if"),
     (False, "accepts no value"),
     ([1, 2], "must be an object"),
+    # re raises OverflowError (not re.error) for a count past 2**32 - 1: a 400, not a 500
+    ({"type": "string", "pattern": "a{99999999999}"}, "cannot be compiled: the repetition number is too large"),
+    ({"patternProperties": {"b{99999999999}": {}}}, "cannot be compiled"),
+    # compile time quadratic in an object's optional properties: their squares are bounded
+    ({"type": "object", "properties": {f"p{i}": {} for i in range(363)}}, "add up to 131769, at most 131072"),
+    ({"properties": {f"o{j}": {"properties": {f"p{i}": {} for i in range(100)}} for j in range(14)}},
+     "add up to 140196"),  # 14 objects of 100 and the outer one of 14
+    # the size is checked before the schema (the validator takes seconds over a megabyte): an
+    # invalid schema too large is refused for its size
+    ({"type": "nonsense", "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}] * 2000},
+     "at most 65536 characters"),
 ])
 def test_bad_schemas_are_refused_naming_the_field(schema: object, fragment: str) -> None:
     with pytest.raises(GrammarError) as caught:
         GrammarSpec.json_schema(schema, "response_format.json_schema.schema")
     assert caught.value.param == "response_format.json_schema.schema"
     assert fragment in str(caught.value)
+
+
+def test_optional_properties_within_the_bound_and_required_ones_pass() -> None:
+    assert GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {} for i in range(362)}}, "s")
+    names = [f"p{i}" for i in range(2000)]  # required ones cost nothing of the bound
+    assert GrammarSpec.json_schema({"type": "object", "properties": {n: {} for n in names}, "required": names}, "s")
+    half = {"type": "object", "properties": {n: {} for n in names[:400]}, "required": names[:100]}
+    assert GrammarSpec.json_schema(half, "s")  # 300 optional: 90000, within
+    with pytest.raises(GrammarError, match="add up to 180000"):  # twice over
+        GrammarSpec.json_schema({"allOf": [half, dict(half, title="again")]}, "s")
 
 
 def test_keyword_names_as_property_names_are_not_keywords() -> None:

@@ -22,6 +22,7 @@ from radixserve.engine.params import SamplingParams
 from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 from radixserve.grammar import Matcher
+from radixserve.grammar.matcher import GrammarTooFewOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,11 @@ class BeamDriver:
             # Unconstrained, the scorer always keeps W (a bug); a grammar may allow fewer
             # distinct outputs than n within max_tokens: the request fails (finish_reason
             # "error") rather than return fewer choices than asked or invalid ones.
-            raise ValueError(f"beam search ended with {len(group.hypotheses)} finished beams, fewer than "
-                             f"n={req.params.n}" + (" (the grammar allows no more)" if req.params.grammar else ""))
+            found = f"beam search ended with {len(group.hypotheses)} finished beams, fewer than n={req.params.n}"
+            if req.params.grammar is not None:  # the request's own doing: its client is told so
+                raise GrammarTooFewOutputs(f"{found}: the request's output constraint allows no more "
+                                           "distinct outputs within max_tokens")
+            raise ValueError(found)
         best, rest = group.hypotheses[: req.params.n], group.hypotheses[req.params.n:]
         group.hypotheses = rest
         self.release(group, None)

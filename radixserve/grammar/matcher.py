@@ -48,6 +48,11 @@ class GrammarDeadEnd(GrammarFault):
     (`root ::= "a" x`, `x ::= x` after the "a")."""
 
 
+class GrammarTooFewOutputs(GrammarFault):
+    """Beam search ended with fewer finished beams than the request's `n`: its grammar allows
+    no more distinct outputs within its max_tokens (`guided_choice` of 2 with n=4)."""
+
+
 class Matcher:
     """Where one sequence stands in its grammar: which tokens may come next.
 

@@ -7,8 +7,9 @@ grammars are cached by it, and two requests with the same schema share one compi
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +27,11 @@ MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar compiles in time boun
 # above suggests. The repetitions of all the schema's patterns together, each counted bound
 # times its atom's length, are bounded instead (`.{0,2048}` converts in about 1.5 s).
 MAX_PATTERN_REPETITION = 2048
+# Its compile time is quadratic in an object's optional properties too (each may be present or
+# not, in order: 256 take 0.4 s, 800 take 3.2 s, 2,000 about a minute, and 64 KiB holds 6,000),
+# and adds up over the schema's objects. The squares of the objects' optional-property counts
+# are bounded together: 2**17 is one object of 362 (about 0.7 s), or 145 objects of 30.
+MAX_OPTIONAL_COST = 2**17
 _COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 
@@ -67,12 +73,17 @@ class GrammarSpec:
             raise GrammarError(f"{param}: the schema false accepts no value", param)
         if not isinstance(schema, dict):
             raise GrammarError(f"{param}: a JSON Schema must be an object", param)
+        # Key order is kept: properties are generated in the order the schema lists them. The
+        # size first: checking a schema costs time in proportion to it (a megabyte, seconds).
+        source = _bounded(json.dumps(schema), param)
         try:
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as exc:
             where = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in exc.path)
             raise GrammarError(f"{param}: invalid JSON Schema at {where or 'the top'}: {exc.message}",
                                param) from None
+        except OverflowError as exc:  # re's answer to a repetition count past 2**32 - 1 in a pattern
+            raise GrammarError(f"{param}: a pattern of the schema cannot be compiled: {exc}", param) from None
         path = _unsupported_keyword(schema, "")
         if path is not None:
             raise GrammarError(f"{param}: the schema keyword at {path} is not supported by radixserve's "
@@ -82,8 +93,12 @@ class GrammarSpec:
             raise GrammarError(f"{param}: the schema's patterns repeat too much: their counted repetitions "
                                f"({{m,n}}, each bound times the length of what it repeats) add up to "
                                f"{repetition}, at most {MAX_PATTERN_REPETITION}", param)
-        # Key order is kept: properties are generated in the order the schema lists them.
-        return GrammarSpec("json_schema", _bounded(json.dumps(schema), param))
+        optional = _optional_cost(schema)
+        if optional > MAX_OPTIONAL_COST:
+            raise GrammarError(f"{param}: the schema's objects have too many optional properties: the squares "
+                               f"of their counts add up to {optional}, at most {MAX_OPTIONAL_COST} (one object "
+                               f"of {math.isqrt(MAX_OPTIONAL_COST)}); list more of them in `required`", param)
+        return GrammarSpec("json_schema", source)
 
     @staticmethod
     def regex(pattern: str, param: str) -> GrammarSpec:
@@ -135,23 +150,41 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
     return None
 
 
-def _patterns(node: Any) -> list[str]:
-    """The regular expressions of a schema: `pattern` values and `patternProperties` keys."""
-    found: list[str] = []
+def _schema_objects(node: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object of a schema (itself included), except inside the values of `enum`,
+    `const`, `default` and `examples` (data, not schema)."""
     stack = [node]
     while stack:
         item = stack.pop()
         if isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, dict):
-            for key, value in item.items():
-                if key == "pattern" and isinstance(value, str):
-                    found.append(value)
-                elif key == "patternProperties" and isinstance(value, dict):
-                    found.extend(name for name in value if isinstance(name, str))
-                if key not in ("enum", "const", "default", "examples"):
-                    stack.append(value)
+            yield item
+            stack.extend(value for key, value in item.items() if key not in ("enum", "const", "default", "examples"))
+
+
+def _patterns(node: Any) -> list[str]:
+    """The regular expressions of a schema: `pattern` values and `patternProperties` keys."""
+    found: list[str] = []
+    for item in _schema_objects(node):
+        pattern, keyed = item.get("pattern"), item.get("patternProperties")
+        if isinstance(pattern, str):
+            found.append(pattern)
+        if isinstance(keyed, dict):
+            found.extend(name for name in keyed if isinstance(name, str))
     return found
+
+
+def _optional_cost(node: Any) -> int:
+    """The sum, over the schema's objects (`properties`), of the square of how many of their
+    properties are not `required`."""
+    total = 0
+    for item in _schema_objects(node):
+        properties, required = item.get("properties"), item.get("required")
+        if isinstance(properties, dict):
+            names = required if isinstance(required, list) else []
+            total += (len(properties) - len(properties.keys() & {r for r in names if isinstance(r, str)})) ** 2
+    return total
 
 
 def _repetition(pattern: str) -> int:

@@ -63,7 +63,7 @@ from radixserve.server.structured import grammar_error
 from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller, check_retention
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
-from radixserve.server.translate import EngineCall, chat_call, completion_call, completion_prompts
+from radixserve.server.translate import EngineCall, chat_call, completion_calls, completion_prompts
 from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, GeneratedTurns
 from radixserve.server.work_limit import DEFAULT_MAX_REQUEST_TOKENS, WorkLimit
 
@@ -163,7 +163,9 @@ class OpenAIServer:
         # prompt_tokens would tell which answers another tenant was given).
         salt = body.cache_salt or None
         scope = salt if caller.tenant is None else (caller.tenant, salt)
-        tools = plan_tools(body, self.tool_call_parser)
+        # Checking the tools' and the reply's JSON Schemas takes time in proportion to their
+        # size (the validator is pure Python): a worker thread, like the tokenizer's work.
+        tools = await anyio.to_thread.run_sync(plan_tools, body, self.tool_call_parser)
         try:
             prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
                                                                        tools.tools)
@@ -171,8 +173,9 @@ class OpenAIServer:
             raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "
                                 "parameters or a tool call's arguments)", param="messages",
                            code="invalid_value") from None
-        call = chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
-                         self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens))
+        call = await anyio.to_thread.run_sync(
+            lambda: chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
+                              self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens)))
         _as_caller([call], caller, "retention_priority")
         if call.prefix_retention is not None:
             check_retention(caller, call.prefix_retention[1], "system_retention_priority")
@@ -196,9 +199,9 @@ class OpenAIServer:
         prompt_ids = await anyio.to_thread.run_sync(
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
         limit = WorkLimit(self.max_request_tokens, len(prompts))
-        calls = [completion_call(body, ids, self.max_context_len, self.max_sequence_len, param,
-                                 self.sampling_defaults, limit)
-                 for ids, param in zip(prompt_ids, params)]
+        calls = await anyio.to_thread.run_sync(  # a schema is checked there: a worker thread (chat's reason)
+            lambda: completion_calls(body, prompt_ids, params, self.max_context_len, self.max_sequence_len,
+                                     self.sampling_defaults, limit))
         _as_caller(calls, caller, "retention_priority")
         await self._compile_grammar(calls)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),

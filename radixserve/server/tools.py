@@ -28,6 +28,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.grammar import GrammarSpec
+from radixserve.grammar.spec import MAX_SOURCE_CHARS
 from radixserve.server.errors import APIError
 from radixserve.server.json_text import parse_json_text
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
@@ -47,6 +48,10 @@ TOOL_BLOCK = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+MAX_TOOLS = 128  # OpenAI's own limit on a request's functions
+# Each tool's parameters are checked as a JSON Schema (time in proportion to their size, held
+# within one schema's 64 KiB each); all of them together within four such schemas.
+MAX_TOOLS_SCHEMA_CHARS = 4 * MAX_SOURCE_CHARS
 _PROBE_TOOL = [{"type": "function", "function": {"name": "\ue004", "description": "",
                                                    "parameters": {"type": "object", "properties": {}}}}]
 
@@ -69,6 +74,13 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
         if choice is not None and choice != "none":
             raise APIError(400, "tool_choice: needs tools", param="tool_choice", code="invalid_value")
         return ToolPlan()
+    if len(request.tools) > MAX_TOOLS:
+        raise APIError(400, f"tools: at most {MAX_TOOLS}, got {len(request.tools)}", param="tools",
+                       code="invalid_value")
+    size = sum(len(json.dumps(tool.function.parameters)) for tool in request.tools)
+    if size > MAX_TOOLS_SCHEMA_CHARS:
+        raise APIError(400, f"tools: their parameters' schemas add up to {size} characters, at most "
+                            f"{MAX_TOOLS_SCHEMA_CHARS}", param="tools", code="invalid_value")
     names = [tool.function.name for tool in request.tools]
     if len(set(names)) < len(names):
         raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import EllipsisType, MappingProxyType
 
 from radixserve import Retention, SamplingParams
 from radixserve.grammar import GrammarSpec
@@ -22,6 +22,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 SamplingDefaults = Mapping[str, float | int]  # Engine.sampling_defaults: the checkpoint's recommendations
 NO_DEFAULTS: SamplingDefaults = MappingProxyType({})
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request (docs/server.md)
+RequestedGrammar = tuple[GrammarSpec, str] | None  # a constraint and the field it came from
 
 
 @dataclass
@@ -85,12 +86,24 @@ def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]
     return list(prompt), True  # type: ignore[arg-type]
 
 
+def completion_calls(request: CompletionRequest, prompts_ids: list[list[int]], prompt_params: list[str],
+                     max_context_len: int, max_sequence_len: int | None = None,
+                     defaults: SamplingDefaults = NO_DEFAULTS, work_limit: WorkLimit | None = None) -> list[EngineCall]:
+    """`completion_call` for each prompt of a request's batch, the request's output constraint
+    checked once (a JSON Schema's check takes time in proportion to its size)."""
+    grammar = requested_grammar(request)
+    return [completion_call(request, ids, max_context_len, max_sequence_len, param, defaults, work_limit, grammar)
+            for ids, param in zip(prompts_ids, prompt_params)]
+
+
 def completion_call(request: CompletionRequest, prompt_ids: list[int], max_context_len: int,
                     max_sequence_len: int | None = None, prompt_param: str = "prompt",
-                    defaults: SamplingDefaults = NO_DEFAULTS, work_limit: WorkLimit | None = None) -> EngineCall:
+                    defaults: SamplingDefaults = NO_DEFAULTS, work_limit: WorkLimit | None = None,
+                    grammar: RequestedGrammar | EllipsisType = ...) -> EngineCall:
     """The engine call for a completions request (or one prompt of its batch, named
     `prompt_param` in errors) whose prompt is `prompt_ids`; `work_limit` bounds the whole
-    request's prompts x samples x max_tokens (work_limit.py)."""
+    request's prompts x samples x max_tokens (work_limit.py). `grammar`: the request's
+    constraint checked already (`...`: check it here)."""
     _refuse_unsupported(request)
     if request.echo:
         raise _unsupported("echo")
@@ -103,14 +116,15 @@ def completion_call(request: CompletionRequest, prompt_ids: list[int], max_conte
                               max_sequence_len=max_sequence_len)
     if work_limit is not None:
         max_tokens = work_limit.bound(max_tokens, request.max_tokens is not None, _width(request), "max_tokens")
-    return _call(request, prompt_ids, max_tokens, request.logprobs, None, defaults)
+    return _call(request, prompt_ids, max_tokens, request.logprobs, None, defaults, requested=grammar)
 
 
 def _call(request: GenerationRequest, prompt_ids: list[int], max_tokens: int,
           logprobs: int | None, prefix_retention: tuple[int, Retention] | None,
-          defaults: SamplingDefaults, tool_grammar: tuple[GrammarSpec, str] | None = None) -> EngineCall:
+          defaults: SamplingDefaults, tool_grammar: RequestedGrammar = None,
+          requested: RequestedGrammar | EllipsisType = ...) -> EngineCall:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    grammar = requested_grammar(request)
+    grammar = requested_grammar(request) if requested is ... else requested
     if grammar is not None and tool_grammar is not None:
         raise APIError(400, f"{grammar[1]}: cannot be combined with tool_choice \"required\" or a named "
                             "function (that constrains the reply already)", param=grammar[1], code="invalid_value")
