@@ -55,6 +55,11 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     ({"type": "object", "properties": {f"p{i}": {} for i in range(363)}}, "add up to 131769, at most 131072"),
     ({"properties": {f"o{j}": {"properties": {f"p{i}": {} for i in range(100)}} for j in range(14)}},
      "add up to 140196"),  # 14 objects of 100 and the outer one of 14
+    # a property (or definition) named like a data keyword is still a schema to count
+    ({"type": "object", "properties": {"default": {"type": "object", "properties": {
+        f"p{i}": {} for i in range(400)}}}, "required": ["default"]}, "add up to 160000"),
+    ({"$defs": {"enum": {"properties": {f"p{i}": {} for i in range(400)}}}, "$ref": "#/$defs/enum"}, "add up to 160000"),
+    ({"properties": {"examples": {"type": "string", "pattern": "a{0,100000}"}}}, "repeat too much"),
     # the size is checked before the schema (the validator takes seconds over a megabyte): an
     # invalid schema too large is refused for its size
     ({"type": "nonsense", "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}] * 2000},

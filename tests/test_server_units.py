@@ -14,7 +14,7 @@ from radixserve.server.errors import APIError, error_from_decode
 from radixserve.server.formatting import ChatFormatter, CompletionFormatter, ResponseIdentity, TokenNamer
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.prompts import render_chat
-from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
 from radixserve.server.translate import chat_call, completion_call
 
 
@@ -193,3 +193,20 @@ def test_unset_max_tokens_stays_within_what_the_pool_holds() -> None:
     explicit = chat_call(chat_request(max_tokens=2000), list(range(40)), 0, max_context_len=4096,
                          max_sequence_len=1000)
     assert explicit.params.max_tokens == 2000  # asked for: the engine decides whether it fits
+
+
+def test_tools_nested_past_what_json_can_encode_are_a_400() -> None:
+    """The tools' total size is measured with json.dumps, which recurses once per level: a
+    parameters schema nested past that (the body's own nesting check let ~990 levels through
+    in some shapes) is the request's fault, a 400, not a RecursionError (500)."""
+    from radixserve.server.tools import plan_tools
+
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"a": deep}
+    request = ChatCompletionRequest(messages=[ChatMessage(role="user", content="x")],
+                                    tools=[msgspec.convert({"type": "function", "function": {"name": "f"}}, Tool)])
+    request.tools[0].function.parameters = deep
+    with pytest.raises(APIError) as caught:
+        plan_tools(request, "hermes")
+    assert caught.value.status == 400 and caught.value.param == "tools" and "nested too deeply" in str(caught.value)

@@ -189,7 +189,10 @@ async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, mod
             if render is None:
                 payload = chat_payload(messages, conversation, max_tokens, model)
             else:
-                payload = completion_payload(render(messages, conversation.tools), max_tokens, model)
+                # Off the event loop: a long history's template and tokenizer would hold up the
+                # other conversations' chunks and show up in their latencies.
+                ids = await asyncio.to_thread(render, messages, conversation.tools)
+                payload = completion_payload(ids, max_tokens, model)
             record = await stream_turn(client, url, payload, index=len(records))
             records.append(record)
             if record.error is not None:

@@ -22,7 +22,7 @@ from radixserve.engine.params import SamplingParams
 from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.scheduler import Scheduler
 from radixserve.grammar import Matcher
-from radixserve.grammar.matcher import GrammarTooFewOutputs
+from radixserve.grammar.matcher import GrammarFault, GrammarTooFewOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ class BeamDriver:
                 continue
             try:
                 self._step(group)
+            except GrammarFault as exc:  # the request's own constraint: its client is told, no traceback
+                logger.info("beam search of request %s ends: %s", group.request.request_id, exc)
+                self._fail(group.request, exc)
             except Exception as exc:
                 logger.exception("a beam search step of request %s failed; it ends with finish_reason "
                                  "'error'", group.request.request_id)

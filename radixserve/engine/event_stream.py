@@ -137,9 +137,11 @@ class CacheEventHub:
         key = None if isinstance(event, AllCleared) else event.namespace
         self._dropped.pop(key, None)
         self._dropped[key] = position
-        if len(self._dropped) > self.capacity:
-            for _ in range(len(self._dropped) // 2):
-                self._forgotten = max(self._forgotten, self._dropped.pop(next(iter(self._dropped))) + 1)
+        if len(self._dropped) > self.capacity:  # forget the older half, in one pass
+            entries = list(self._dropped.items())
+            half = len(entries) // 2
+            self._forgotten = max(self._forgotten, entries[half - 1][1] + 1)
+            self._dropped = dict(entries[half:])
 
     def _copy_work(self) -> Generator[None, None, tuple[tuple[int, int, int], dict[str, set[int]]]]:
         """Sliced work: subscribes (if no one has), notes where the ring ends, then copies the
@@ -226,7 +228,11 @@ class CacheEventHub:
             start = self._end - len(self._ring)
             if cursor < self._forgotten:
                 return None
-            dropped = [key for key, position in self._dropped.items() if position >= cursor]
+            dropped = []  # newest position last: stop at the first one before the cursor
+            for key, position in reversed(self._dropped.items()):
+                if position < cursor:
+                    break
+                dropped.append(key)
         if any(key is None or visible(key) for key in dropped):
             return None
         return start

@@ -33,6 +33,8 @@ MAX_PATTERN_REPETITION = 2048
 # are bounded together: 2**17 is one object of 362 (about 0.7 s), or 145 objects of 30.
 MAX_OPTIONAL_COST = 2**17
 _COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
 
 
 class GrammarError(ValueError):
@@ -138,12 +140,12 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
         if key in UNSUPPORTED_KEYWORDS:
             return f"{path}.{key}" if path else key
         # Under these, keys are names the user chose, not keywords: only their values are schemas.
-        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
             for name, sub in value.items():
                 found = _unsupported_keyword(sub, f"{path}.{key}.{name}" if path else f"{key}.{name}")
                 if found is not None:
                     return found
-        elif key not in ("enum", "const", "default", "examples", "required"):
+        elif key not in (*_DATA_KEYWORDS, "required"):
             found = _unsupported_keyword(value, f"{path}.{key}" if path else key)
             if found is not None:
                 return found
@@ -151,8 +153,9 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
 
 
 def _schema_objects(node: Any) -> Iterator[dict[str, Any]]:
-    """Every JSON object of a schema (itself included), except inside the values of `enum`,
-    `const`, `default` and `examples` (data, not schema)."""
+    """Every schema object of a schema (itself included). Under `properties`, `$defs` and the
+    like the keys are names a user chose (a property may be called `default`), and only the
+    values are schemas; the values of `enum`, `const`, `default` and `examples` are data."""
     stack = [node]
     while stack:
         item = stack.pop()
@@ -160,7 +163,11 @@ def _schema_objects(node: Any) -> Iterator[dict[str, Any]]:
             stack.extend(item)
         elif isinstance(item, dict):
             yield item
-            stack.extend(value for key, value in item.items() if key not in ("enum", "const", "default", "examples"))
+            for key, value in item.items():
+                if key in _NAMED_SCHEMAS and isinstance(value, dict):
+                    stack.extend(value.values())
+                elif key not in _DATA_KEYWORDS:
+                    stack.append(value)
 
 
 def _patterns(node: Any) -> list[str]:

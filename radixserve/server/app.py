@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -46,6 +46,7 @@ from radixserve.server.formatting import (
     TokenNamer,
     UsageCounter,
 )
+from radixserve.server.fair_slots import FairSlots
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
@@ -59,7 +60,7 @@ from radixserve.server.protocol import (
     ModelList,
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
-from radixserve.server.structured import grammar_error
+from radixserve.server.structured import carries_constraint, grammar_error
 from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller, check_retention
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
@@ -73,6 +74,8 @@ MAX_BODY_BYTES = 4 * 2**20
 DECODE_IN_THREAD_BYTES = 64 * 2**10
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
+REQUEST_CHECKS = 2  # requests whose schemas are checked at once (`OpenAIServer._check`)
+_Checked = TypeVar("_Checked")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENCODER = msgspec.json.Encoder()
@@ -109,6 +112,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
         self.grammar_compiles = GrammarCompiles()
+        self.request_checks = FairSlots(REQUEST_CHECKS)
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -163,9 +167,8 @@ class OpenAIServer:
         # prompt_tokens would tell which answers another tenant was given).
         salt = body.cache_salt or None
         scope = salt if caller.tenant is None else (caller.tenant, salt)
-        # Checking the tools' and the reply's JSON Schemas takes time in proportion to their
-        # size (the validator is pure Python): a worker thread, like the tokenizer's work.
-        tools = await anyio.to_thread.run_sync(plan_tools, body, self.tool_call_parser)
+        schemas = bool(body.tools) or carries_constraint(body)
+        tools = await self._check(caller, schemas, lambda: plan_tools(body, self.tool_call_parser))
         try:
             prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
                                                                        tools.tools)
@@ -173,9 +176,9 @@ class OpenAIServer:
             raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "
                                 "parameters or a tool call's arguments)", param="messages",
                            code="invalid_value") from None
-        call = await anyio.to_thread.run_sync(
-            lambda: chat_call(body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len,
-                              self.sampling_defaults, tools.grammar, WorkLimit(self.max_request_tokens)))
+        call = await self._check(caller, schemas, lambda: chat_call(
+            body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
+            tools.grammar, WorkLimit(self.max_request_tokens)))
         _as_caller([call], caller, "retention_priority")
         if call.prefix_retention is not None:
             check_retention(caller, call.prefix_retention[1], "system_retention_priority")
@@ -199,14 +202,25 @@ class OpenAIServer:
         prompt_ids = await anyio.to_thread.run_sync(
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
         limit = WorkLimit(self.max_request_tokens, len(prompts))
-        calls = await anyio.to_thread.run_sync(  # a schema is checked there: a worker thread (chat's reason)
-            lambda: completion_calls(body, prompt_ids, params, self.max_context_len, self.max_sequence_len,
-                                     self.sampling_defaults, limit))
+        calls = await self._check(caller, carries_constraint(body), lambda: completion_calls(
+            body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
         _as_caller(calls, caller, "retention_priority")
         await self._compile_grammar(calls)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, body.stream, params, "max_tokens", timer)
+
+    async def _check(self, caller: Caller, schemas: bool, check: Callable[[], _Checked]) -> _Checked:
+        """Runs a request's checks: inline when it carries no schema (they take microseconds),
+        else in a worker thread, in one of REQUEST_CHECKS slots shared fairly between tenants.
+        Checking JSON Schemas (tools', the reply's) takes time in proportion to their size in
+        the validator's pure Python: on the event loop a megabyte of them froze every stream
+        for seconds, and in unbounded threads a crowd of them would starve the event loop and
+        the engine thread of the GIL."""
+        if not schemas:
+            return check()
+        async with self.request_checks.hold(caller.tenant):
+            return await anyio.to_thread.run_sync(check)
 
     async def _compile_grammar(self, calls: list[EngineCall]) -> None:
         """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker

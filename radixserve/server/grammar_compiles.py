@@ -26,6 +26,7 @@ class GrammarCompiles:
 
     def __init__(self, slots: int = GRAMMAR_COMPILES) -> None:
         self.slots = FairSlots(slots)
+        self._threads = anyio.CapacityLimiter(slots)  # threads of their own: no queue behind other work
 
     async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
         """Compiles `spec` (into `grammars`' cache) for `tenant`'s request, unless it is compiled
@@ -33,4 +34,4 @@ class GrammarCompiles:
         if grammars.is_cached(spec):
             return
         async with self.slots.hold(tenant):
-            await anyio.to_thread.run_sync(grammars.compile, spec, param)
+            await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)

@@ -67,6 +67,15 @@ def _response_format(request: GenerationRequest) -> tuple[GrammarSpec, str]:
                         "json_object or json_schema", param="response_format.type", code="unsupported_parameter")
 
 
+def carries_constraint(request: GenerationRequest) -> bool:
+    """Whether the request asks for an output constraint (whose check may take time: a JSON
+    Schema's, in proportion to its size); a cheap look at its fields, nothing checked."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        return True
+    return any(value is not None for _, value in _extension_fields(request))
+
+
 def _extension_fields(request: GenerationRequest) -> list[tuple[str, Any]]:
     fields = [(name, getattr(request, name))
               for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")]

@@ -77,7 +77,11 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     if len(request.tools) > MAX_TOOLS:
         raise APIError(400, f"tools: at most {MAX_TOOLS}, got {len(request.tools)}", param="tools",
                        code="invalid_value")
-    size = sum(len(json.dumps(tool.function.parameters)) for tool in request.tools)
+    try:
+        size = sum(len(json.dumps(tool.function.parameters)) for tool in request.tools)
+    except RecursionError:  # nested deeper than json.dumps recurses: the request's doing, as in json_schema_spec
+        raise APIError(400, "tools: a tool's parameters are nested too deeply", param="tools",
+                       code="invalid_value") from None
     if size > MAX_TOOLS_SCHEMA_CHARS:
         raise APIError(400, f"tools: their parameters' schemas add up to {size} characters, at most "
                             f"{MAX_TOOLS_SCHEMA_CHARS}", param="tools", code="invalid_value")
