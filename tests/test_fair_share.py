@@ -68,8 +68,28 @@ def test_a_newly_backlogged_tenant_is_lifted_to_the_least_active_counter() -> No
     fair.leave("b")
     fair.leave("idle")
     fair.charge("c", input_tokens=5)
-    fair.arrive("c")  # nobody else backlogged: nothing to lift to
-    assert fair.counters["c"] == 5 * INPUT_WEIGHT
+    fair.arrive("c")  # nobody else backlogged: lifted to the last to leave ("idle", at 50)
+    assert fair.counters["c"] == fair.counters["idle"] == 50 * INPUT_WEIGHT
+
+
+def test_work_done_alone_is_not_held_against_the_tenant_that_did_it() -> None:
+    """Bob works alone (nobody else asks) and leaves; alice arrives to an empty backlog, then bob
+    comes back: they start level. Without the lift to the last to leave, alice was 64,000
+    weighted tokens behind bob, and bob's sequences were preempted for hers until she had
+    consumed them all (the margin is 2,048)."""
+    fair = FairShare()
+    fair.arrive("bob")
+    fair.charge("bob", input_tokens=100, output_tokens=32_000)
+    fair.leave("bob")
+    fair.arrive("alice")
+    assert fair.counters["alice"] == fair.counters["bob"]
+    fair.charge("alice", input_tokens=3_000)
+    fair.arrive("bob")  # lifted to the least backlogged: alice's
+    assert fair.counters["bob"] == fair.counters["alice"]
+    bob_waits = [seq("bob", 1.0)]
+    alice_runs = [seq("alice", 2.0)]
+    assert fair.claimant(bob_waits, alice_runs) is None  # level: nobody is preempted for anyone
+    assert fair.claimant(alice_runs, bob_waits) is None
 
 
 def test_priority_crosses_tenants_only_for_an_admin() -> None:

@@ -4,8 +4,10 @@ VTC is the scheduler of "Fairness in Serving Large Language Models" (Sheng et al
 each client has a counter of the service it has had, tokens weighted (input `input_weight`,
 output `output_weight`: an output token costs a decode step of its own); the next request
 admitted is the next one of the backlogged client with the least counter; and a client that
-becomes backlogged has its counter lifted to the least counter of the backlogged ones, so
-idling earns no credit to flood with later. It bounds the service gap between backlogged
+becomes backlogged has its counter lifted to the least counter of the backlogged ones (to
+the counter of the client that left the backlog last, when none is backlogged: the paper's
+rule for an empty queue), so idling earns no credit to flood with later, and work done
+while nobody else asked for any is not held against the client that did it. It bounds the service gap between backlogged
 clients, whatever one of them sends.
 
 Here a client is a tenant (`Request.tenant`). Within a tenant the schedule policy's order
@@ -53,15 +55,21 @@ class FairShare:
         self.preempt_margin = preempt_margin
         self.counters: dict[Hashable, float] = {}
         self._backlog: dict[Hashable, int] = {}  # live requests per tenant (backlogged: > 0)
+        self._last_left: Hashable | None = None  # the tenant that left the backlog last
 
     # ------------------------------------------------------------------ accounting
     def arrive(self, tenant: Hashable) -> None:
         """A request of `tenant` is queued. A tenant that was not backlogged has its counter
-        lifted to the least counter of the backlogged tenants (VTC's counter lift)."""
+        lifted to the least counter of the backlogged tenants, or, with none backlogged, to
+        that of the tenant that left the backlog last (VTC's counter lift). Without the
+        latter, a tenant that worked alone and left would find a newcomer (or one back from
+        idling) that many tokens ahead of it, and be preempted for it until they were spent."""
         if not self._backlog.get(tenant):
             others = [self.counters.get(t, 0.0) for t, live in self._backlog.items() if live and t != tenant]
             if others:
                 self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+            elif self._last_left is not None:
+                self.counters[tenant] = max(self.counters.get(tenant, 0.0), self.counters.get(self._last_left, 0.0))
         self._backlog[tenant] = self._backlog.get(tenant, 0) + 1
 
     def leave(self, tenant: Hashable) -> None:
@@ -71,6 +79,7 @@ class FairShare:
             self._backlog[tenant] = live
         else:
             self._backlog.pop(tenant, None)
+            self._last_left = tenant
 
     def charge(self, tenant: Hashable, input_tokens: int = 0, output_tokens: int = 0) -> None:
         """Counts service `tenant` has had: tokens computed for it."""
