@@ -1,4 +1,5 @@
-"""A fixed number of slots shared fairly between tenants (the server's grammar compiles).
+"""A fixed number of slots shared fairly between tenants (the server's grammar compiles and its
+JSON Schema checks).
 
 A plain FIFO limiter lets one tenant's queue of slow jobs stand in front of every other
 tenant's: a flood of 24 schemas that take two seconds each delays another tenant's one
