@@ -12,7 +12,6 @@ import argparse
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -20,6 +19,8 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+
+from radixserve.ports import bind_socket, cannot_listen
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
 
@@ -46,11 +47,11 @@ def serve_command(args: argparse.Namespace) -> int:
             return 2
         return serve_cluster(args, engine_options(args))
     try:  # first, so that a busy port is reported before minutes of loading
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
     except OSError as exc:
-        say(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} "
-             f"(is another server using port {args.port}?)")
+        say(cannot_listen(args.host, args.port, exc))
         return 1
+    sock.set_inheritable(True)
     if not _load_tenant_keys(args):  # after the bind: the keys' module imports torch
         sock.close()
         return 2
@@ -179,20 +180,6 @@ def _exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, as uvicorn would bind it; raises OSError if it cannot."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def _url_host(host: str) -> str:

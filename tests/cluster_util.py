@@ -7,7 +7,6 @@ Ray tests are marked `cluster`. Without Ray they skip — except under CI (CI=tr
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -15,6 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from radixserve.ports import free_port
 
 REPLICAS = 2
 NUM_PAGES = 512      # per replica; as tests/test_server.py's single engine
@@ -59,9 +60,7 @@ def start_cluster() -> Iterator[SimpleNamespace]:
     from radixserve.cluster.deploy import ClusterOptions, deploy, start_ray
 
     start_ray(num_cpus=REPLICAS + 1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     options = ClusterOptions(replicas=REPLICAS, engine_options=dict(
         model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES), replica_cpus=1, torch_threads=1)
     try:

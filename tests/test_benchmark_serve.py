@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from starlette.routing import Route
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.serve import run_serve_benchmark
 from radixserve.benchmark.workloads import generated_shared_prefix, multi_turn, with_poisson_arrivals
+from radixserve.ports import free_port
 
 CHUNK_GAP_S = 0.002
 
@@ -70,9 +70,7 @@ def _lcp(a: list[int], b: list[int]) -> int:
 def server() -> Iterator[tuple[str, ScriptedServer]]:
     scripted = ScriptedServer()
     app = Starlette(routes=[Route("/v1/completions", scripted.completions, methods=["POST"])])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

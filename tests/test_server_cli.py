@@ -22,6 +22,7 @@ from server_util import running_server
 
 from radixserve import AsyncEngine, Engine
 from radixserve.cli import build_parser, main
+from radixserve.ports import free_port
 from radixserve.server import create_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -68,12 +69,6 @@ def test_bench_subcommand_present_exactly_when_its_module_is() -> None:
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "serve" in capsys.readouterr().out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_serve(port: int, *flags: str) -> subprocess.Popen[str]:

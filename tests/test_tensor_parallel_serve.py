@@ -18,6 +18,7 @@ import pytest
 from cluster_util import STARTUP_TIMEOUT_S, require_ray
 
 from radixserve import Engine, SamplingParams
+from radixserve.ports import free_port
 from tests.server_util import wait_for
 from tests.stop_util import (
     EXIT_GUARD_S,
@@ -27,7 +28,7 @@ from tests.stop_util import (
     stop_signal_dispositions,
     stops_cleanly,
 )
-from tests.test_server_cli import free_port, start_serve, stop
+from tests.test_server_cli import start_serve, stop
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_TOKENS = 6

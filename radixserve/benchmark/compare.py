@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from radixserve.benchmark.inprocess import run_in_process
 from radixserve.benchmark.serve import run_serve_benchmark
 from radixserve.benchmark.workloads import Workload
 from radixserve.engine.engine import Engine
+from radixserve.ports import free_port
 
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -81,19 +81,13 @@ def model_vocab_size(directory: str | Path) -> int:
     return int(json.loads((Path(directory) / "config.json").read_text())["vocab_size"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Path | None = None,
                   threads: int | None = None, port: int | None = None) -> Iterator[str]:
     """Runs `radixserve serve` on local `port` (default: a free one) until the block exits;
     yields its URL. `threads`: the server's CPU threads (OMP_NUM_THREADS), default torch's
     choice."""
-    port = port or _free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir),
            "--port", str(port), "--log-level", "warning", *extra_args]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL

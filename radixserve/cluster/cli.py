@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
+
+from radixserve.ports import bind_socket, cannot_listen
 
 if TYPE_CHECKING:
     from radixserve.cluster.stop_signals import StopSignals
@@ -28,6 +31,15 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
     if replicas < 1:
         _say(f"error: --replicas must be >= 1, got {replicas}")
         return 2
+    # A local Ray's proxy listens here: the port is held from now to the proxy's bind, as Ray
+    # picks its own agents' ports at random meanwhile (a cluster's proxies listen on its nodes).
+    reservation: socket.socket | None = None
+    if args.ray_address is None:
+        try:
+            reservation = bind_socket(args.host, args.port)
+        except OSError as exc:
+            _say(cannot_listen(args.host, args.port, exc))
+            return 1
     options = ClusterOptions(replicas=replicas, router=args.router, engine_options=engine_options,
                              replica_cpus=args.replica_cpus, served_model_name=args.served_model_name,
                              api_key=args.api_key, admin_api_key=args.admin_api_key,
@@ -43,9 +55,10 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
         _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
              f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
         try:
+            _release(reservation)  # Serve's proxy binds it now
             deploy(options, host=args.host, port=args.port)
         except Exception as exc:  # a replica that cannot load its model fails the deployment
-            _say(f"error: deployment failed: {exc}")
+            _say(f"error: deployment failed: {_reason(exc)}")
             _tear_down(stop)
             return 2
         _say(f"serving at http://{args.host}:{args.port}/v1 with {replicas} replica(s) "
@@ -53,10 +66,23 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
         stop.wait()
     except StopRequested:
         pass
+    finally:
+        _release(reservation)  # a signal during Ray's start comes before the release above
     _say("stopping ...")
     _tear_down(stop)
     _say("stopped")
     return 0
+
+
+def _reason(error: Exception) -> str:
+    """An exception's message; a Ray task's error carries the remote one (not its traceback)."""
+    cause = getattr(error, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else error).strip()
+
+
+def _release(reservation: socket.socket | None) -> None:
+    if reservation is not None:
+        reservation.close()  # closing twice does nothing
 
 
 def _tear_down(stop: StopSignals) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from radixserve.ports import free_port
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer than this on a peer fails
 START_TIMEOUT_S = 1800.0  # ranks joining and loading their shards (polled: a dead worker fails it at once)
@@ -39,13 +40,6 @@ def collective_timeout_s() -> float:
     return value
 _IDLE_WAIT = datetime.timedelta(days=365)  # a worker's wait for the next plan
 _HEADER_INTS = 1
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for a single-host group)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass(frozen=True)
