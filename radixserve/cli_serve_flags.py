@@ -20,6 +20,7 @@ DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
+DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128  # as engine/engine.py's
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
                     "--host-write-policy": "--host-tier-write-policy",
                     "--host-offload-min-priority": "--host-tier-min-priority"}
@@ -113,6 +114,10 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                        help="tokens per forward step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
+    serve.add_argument("--mixed-prefill-tokens", type=int, default=None,
+                       help="while streams decode, a step prefills only enough prompt tokens to reach "
+                            "the next multiple of this (the streams wait for the whole step) (default: "
+                            f"{DEFAULT_CPU_MIXED_PREFILL_TOKENS} on a CPU, else no cap: --max-batch-tokens)")
     serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
                        help="generated tokens one request may ask for: prompts x n (or beam width) x "
                             "max_tokens; past it a 400 (an unset max_tokens shrinks to fit) (default: %(default)s)")

@@ -110,8 +110,11 @@ def expected(reference: tuple, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine16() -> Engine:
-    """Page size 16; 160 pages: the largest prompt fits alone, the batch does not."""
-    return Engine(model="smollm2", page_size=16, num_pages=160, debug_checks=True)
+    """Page size 16; 160 pages: the largest prompt fits alone, the batch does not. Prefill
+    beside decodes is not capped (`mixed_prefill_tokens`): the long prompts are then in flight
+    together and overflow the pool; paced beside the short ones' decodes they would not
+    (tests/test_mixed_steps.py checks preemption with the cap)."""
+    return Engine(model="smollm2", page_size=16, num_pages=160, debug_checks=True, mixed_prefill_tokens=512)
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -134,7 +137,8 @@ def test_greedy_equals_transformers_at_page_size_16(engine16: Engine, prompts: l
 
 
 def test_greedy_equals_transformers_at_page_size_1(prompts: list[list[int]], expected: list[list[int]]) -> None:
-    engine = Engine(model="smollm2", page_size=1, num_pages=2600)  # checked once at the end: per step is slow here
+    engine = Engine(model="smollm2", page_size=1, num_pages=2600,  # checked once at the end: per step is slow here
+                    mixed_prefill_tokens=512)  # as engine16
     _run_cold_then_warm(engine, prompts, expected)
 
 

@@ -326,8 +326,8 @@ def test_a_busy_port_is_found_before_torch_is_imported() -> None:
 
 
 def test_serve_defaults_to_the_engines_step_budget() -> None:
-    """`serve --max-batch-tokens` defaults to the engine's own budget (two constants, since the
-    CLI does not import the engine: they must not drift apart)."""
+    """`serve --max-batch-tokens` and `--mixed-prefill-tokens` default to the engine's own
+    (two constants each, since the CLI does not import the engine: they must not drift apart)."""
     import inspect
 
     from radixserve.engine.engine import DEFAULT_MAX_BATCH_TOKENS
@@ -335,3 +335,8 @@ def test_serve_defaults_to_the_engines_step_budget() -> None:
     args = build_parser().parse_args(["serve", "--model", "demo"])
     assert args.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS == 512
     assert inspect.signature(Engine).parameters["max_batch_tokens"].default == DEFAULT_MAX_BATCH_TOKENS
+    from radixserve.cli_serve_flags import DEFAULT_CPU_MIXED_PREFILL_TOKENS as CLI_MIXED
+    from radixserve.engine.engine import DEFAULT_CPU_MIXED_PREFILL_TOKENS
+
+    assert args.mixed_prefill_tokens is None  # the engine's own default for its device
+    assert CLI_MIXED == DEFAULT_CPU_MIXED_PREFILL_TOKENS == Engine(model="demo", num_pages=8, device="cpu").scheduler.mixed_prefill_tokens

@@ -66,6 +66,11 @@ from radixserve.parallel.launch import TensorParallel
 # kernel streams the weights once per 64 rows either way) and, side by side with 2,048, cut
 # TTFT p50 2.6x and ITL p99 4x where eight distinct prompts arrive together (docs/benchmark.md).
 DEFAULT_MAX_BATCH_TOKENS = 512
+# Prompt tokens a CPU step may prefill while other streams decode in it: each such step is a
+# pause in every stream, about 1 ms per prompt token here, so this bounds their inter-token
+# gaps; the prefill loses nothing but a step's fixed cost per chunk (docs/benchmark.md).
+# A GPU runs the whole budget in a few milliseconds: no cap there unless asked.
+DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128
 
 
 class Engine:
@@ -84,6 +89,8 @@ class Engine:
             "priority" (retention priority, then LRU) or "lru".
         max_running: sequences decoding at once. max_queue: waiting requests before QueueFull.
         max_batch_tokens: tokens per forward step; longer prompts are prefilled in chunks.
+        mixed_prefill_tokens: prompt tokens a step may prefill while other sequences decode in
+            it (they wait for the whole step). None: 128 on a CPU, else max_batch_tokens.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
         max_session_tokens: tokens all open sessions together may keep ahead of ordinary
@@ -121,6 +128,7 @@ class Engine:
                  schedule_policy: str = "lpm", eviction_policy: str = "adaptive", *,
                  dtype: str | torch.dtype | None = None, max_running: int = 256,
                  max_queue: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 mixed_prefill_tokens: int | None = None,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
                  max_session_tokens: int | None = None,
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
@@ -132,8 +140,9 @@ class Engine:
                  tensor_parallel_size: int = 1, adaptive_threads: bool = True) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
-        for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
-            if value < 1:
+        for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
+                            ("mixed_prefill_tokens", mixed_prefill_tokens)):
+            if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         self.tensor_parallel: TensorParallel | None = None
         if tensor_parallel_size > 1:
@@ -156,8 +165,11 @@ class Engine:
         self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
         self.cache_events, self.reuse_history = cache.events, cache.reuse_history
         self.hashing = self.tree.hashing
+        if mixed_prefill_tokens is None and self.device.type == "cpu":
+            mixed_prefill_tokens = DEFAULT_CPU_MIXED_PREFILL_TOKENS
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
+                                   mixed_prefill_tokens=mixed_prefill_tokens,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
                                    window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
                                    fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))

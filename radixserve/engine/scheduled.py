@@ -19,6 +19,12 @@ class ScheduledChunk:
         """Only a chunk that reaches the sequence's last token yields a next token."""
         return self.seq.num_computed + self.num_new == self.seq.num_tokens
 
+    @property
+    def prefills(self) -> bool:
+        """Whether the sequence has more than one token left to run: a prompt's (or a preempted
+        sequence's) prefill, not a decode step. Read before the step runs the chunk."""
+        return self.seq.num_tokens - self.seq.num_computed > 1
+
 
 @dataclass
 class SchedulerCounters:

@@ -4,7 +4,9 @@ The scheduler owns the waiting and running queues, and through `SequencePages` e
 sequence holds. Each step it (1) gives every running sequence its next chunk (one token when
 decoding), preempting the lowest-priority, latest-arrived sequences when pages run out, then
 (2) admits waiting sequences in the policy's order within the token budget, reusing their
-cached prefixes.
+cached prefixes. A step in which sequences decode prefills only enough prompt tokens to bring
+it to the next multiple of `mixed_prefill_tokens`: every decoding stream waits for the whole
+step, and a step's time grows with the prompt tokens in it.
 With several tenants, both orders are fair_share.py's first: tenants are interleaved by
 the service they have had (so the tenant with the most is preempted first), and the order
 above holds within each tenant; with one tenant they are exactly the orders above.
@@ -51,13 +53,14 @@ class Scheduler:
     def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
                  prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False,
-                 fair_share: FairShare | None = None) -> None:
+                 fair_share: FairShare | None = None, mixed_prefill_tokens: int | None = None) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
         self.page_size = pool.page_size
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens  # None: a mixed step's prefill is not capped
         self.clock = clock
         self.waiting: list[SequenceState] = []
         self.running: list[SequenceState] = []
@@ -89,12 +92,13 @@ class Scheduler:
         # running units take what is left, admission (fair order: the claimant first) the rest.
         claimed = self._make_room_fairly()
         budget = self.max_batch_tokens - claimed
+        prefill = self._prefill_cap() - claimed  # the claim comes out of both
         ordered = self.fair.order_running(self._running_units(), lambda s: (-s.priority, s.arrival_time, s.seq_id))
         while ordered and budget > 0:
             unit = ordered.pop(0)
             if not all(self._loaded(seq) for seq in unit):
                 continue  # a prefix is still being copied from the host
-            work = self._next_chunks(unit, budget)
+            work = self._next_chunks(unit, budget, prefill)
             if not work:  # beams that delivered their logits and wait for their siblings
                 continue
             while not all(self.pages.reserve(c.seq, c.seq.num_computed + c.num_new) for c in work):
@@ -115,10 +119,25 @@ class Scheduler:
             else:
                 chunks.extend(work)
                 budget -= sum(c.num_new for c in work)
+                prefill -= sum(c.num_new for c in work if c.prefills)
         budget += claimed
-        if budget > 0:
-            chunks.extend(self._admit(budget))
+        prefill += claimed
+        if budget > 0 and prefill > 0:
+            chunks.extend(self._admit(budget, prefill))
         return chunks
+
+    def _prefill_cap(self) -> int:
+        """The prompt tokens this step may run. While sequences decode (one token left to run:
+        each waits for the step) enough to bring the step to the next multiple of
+        `mixed_prefill_tokens`, at most that many: the pause a prefill adds to a decode step
+        stays bounded, and the step's rows fill whole tiles of the linear kernels (a step of
+        8 decodes and 128 prompt tokens would pass over the weights a third time for 8 rows).
+        Else the whole budget."""
+        cap = self.mixed_prefill_tokens
+        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
+        if cap is None or not decoding:
+            return self.max_batch_tokens
+        return min(cap - decoding % cap, self.max_batch_tokens)
 
     def _make_room_fairly(self) -> int:
         """Preempts the least important running units of a tenant served well ahead of a
@@ -184,24 +203,27 @@ class Scheduler:
         return units
 
     @staticmethod
-    def _next_chunks(unit: list[SequenceState], budget: int) -> list[ScheduledChunk]:
-        """Each member's next chunk within `budget`; members with nothing to run get none."""
+    def _next_chunks(unit: list[SequenceState], budget: int, prefill: int) -> list[ScheduledChunk]:
+        """Each member's next chunk within `budget` tokens, of which at most `prefill` in chunks
+        that prefill (`ScheduledChunk.prefills`); members with nothing to run get none."""
         work = []
         for seq in unit:
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            left = seq.num_tokens - seq.num_computed
+            num_new = min(left, budget) if left == 1 else min(left, budget, prefill)
             if num_new > 0:
                 work.append(ScheduledChunk(seq, num_new))
                 budget -= num_new
+                prefill -= num_new if left > 1 else 0
         return work
 
-    def _admit(self, budget: int) -> list[ScheduledChunk]:
+    def _admit(self, budget: int, prefill: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         if not self.waiting:
             return chunks
         now = self.clock()
         admitted: set[int] = set()  # beams admitted with an earlier member of their group
         for seq in self.fair.order_waiting(self.waiting, lambda group: self.policy.order(group, self.tree, now)):
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or prefill <= 0 or len(self.running) >= self.max_running:
                 break
             if seq.seq_id in admitted:
                 continue
@@ -219,9 +241,9 @@ class Scheduler:
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
             if len(self.running) + len(unit) > self.max_running or not self.pages.may_fit(
-                    [s.num_tokens for s in unit], peeks or [None] * len(unit), budget, reserve):
+                    [s.num_tokens for s in unit], peeks or [None] * len(unit), min(budget, prefill), reserve):
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
-            work = self._take_unit(unit, budget, reserve)
+            work = self._take_unit(unit, budget, prefill, reserve)
             if work is None:
                 break
             if seq.request.cached_tokens is None:  # first admission: what the caller is told
@@ -234,15 +256,17 @@ class Scheduler:
             self.counters.admitted += 1
             chunks.extend(work)  # members loading from the host run once their copy is done
             budget -= sum(c.num_new for c in work)
+            prefill -= sum(c.num_new for c in work if c.prefills)
         return chunks
 
-    def _take_unit(self, unit: list[SequenceState], budget: int, reserve: int) -> list[ScheduledChunk] | None:
+    def _take_unit(self, unit: list[SequenceState], budget: int, prefill: int,
+                   reserve: int) -> list[ScheduledChunk] | None:
         """Takes each member's cached prefix and the pages of its first chunk, all or none
         (None: the pages could not be had; nothing is held then). A member whose prefix is
         still being copied from the host gets its pages when the copy is done."""
         for seq in unit:
             self.pages.take_cached_prefix(seq)
-        work = self._next_chunks([seq for seq in unit if self._loaded(seq)], budget)
+        work = self._next_chunks([seq for seq in unit if self._loaded(seq)], budget, prefill)
         if all(self.pages.reserve(c.seq, c.seq.num_computed + c.num_new, extra_free=reserve) for c in work):
             return work
         for seq in unit:

@@ -1,0 +1,140 @@
+"""Steps that carry decoding streams prefill only up to the next multiple of `mixed_prefill_tokens`.
+
+Every stream decoding in a step waits for the whole step, and a step's time grows with its
+prompt tokens: the cap bounds those gaps, and counting the decodes in it keeps the step's rows
+in whole tiles of the linear kernels. Steps with nobody decoding keep the whole budget.
+Checked chunk by chunk on the scheduler alone, then end to end on an engine against
+transformers' tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from radixserve import Engine, SamplingParams
+from radixserve.cache.pool import PagePool
+from radixserve.cache.radix import RadixTree
+from radixserve.engine.policy import make_schedule_policy
+from radixserve.engine.scheduler import Scheduler
+from tests.engine_util import hf_greedy
+from tests.test_engine import random_prompts
+from tests.test_scheduler_advance import PAGE, queue
+
+
+def make_scheduler(mixed_prefill_tokens: int | None, max_batch_tokens: int = 64) -> Scheduler:
+    pool = PagePool(64, PAGE)
+    return Scheduler(pool, RadixTree(pool), make_schedule_policy("fcfs"), max_running=8,
+                     max_batch_tokens=max_batch_tokens, clock=lambda: 0.0,
+                     mixed_prefill_tokens=mixed_prefill_tokens)
+
+
+def run(scheduler: Scheduler) -> list[tuple[str, int]]:
+    """One step: its chunks as (request id, tokens); a sequence whose chunk reached its last
+    token gets a next token, as the engine's sampler would give it."""
+    chunks = scheduler.schedule()
+    ended = [c.seq for c in chunks if c.needs_logits]
+    scheduler.advance(chunks, lambda seq: None)
+    for seq in ended:
+        seq.token_ids.append(7)
+    return [(c.seq.request.request_id, c.num_new) for c in chunks]
+
+
+def test_a_prompt_beside_a_decoding_stream_fills_steps_of_the_cap() -> None:
+    scheduler = make_scheduler(mixed_prefill_tokens=8)
+    queue(scheduler, "a", [1, 2, 3])
+    assert run(scheduler) == [("a", 3)]
+    queue(scheduler, "b", list(range(10, 40)))  # 30 prompt tokens, 7 a step beside a's decode
+    steps = [run(scheduler) for _ in range(5)]
+    assert steps == [[("a", 1), ("b", 7)]] * 4 + [[("a", 1), ("b", 2)]]
+
+
+def test_prompts_share_the_capped_step_in_the_policys_order() -> None:
+    """Beside one decode and a cap of 8: b's 4 prompt tokens, then 3 of c's; d waits (the
+    step's prefill is spent). The next step: 6 more of c's beside two decodes."""
+    scheduler = make_scheduler(mixed_prefill_tokens=8)
+    queue(scheduler, "a", [1, 2, 3])
+    run(scheduler)
+    queue(scheduler, "b", [40, 41, 42, 43])
+    queue(scheduler, "c", list(range(50, 80)))
+    queue(scheduler, "d", list(range(90, 100)))
+    assert run(scheduler) == [("a", 1), ("b", 4), ("c", 3)]
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["d"]
+    assert run(scheduler) == [("a", 1), ("b", 1), ("c", 6)]  # two decodes now: 6 to reach 8
+
+
+def test_without_a_cap_the_prompt_takes_the_rest_of_the_budget() -> None:
+    scheduler = make_scheduler(mixed_prefill_tokens=None, max_batch_tokens=16)
+    queue(scheduler, "a", [1, 2, 3])
+    run(scheduler)
+    queue(scheduler, "b", list(range(10, 40)))
+    assert [run(scheduler) for _ in range(2)] == [[("a", 1), ("b", 15)], [("a", 1), ("b", 15)]]
+
+
+def test_steps_with_nobody_decoding_keep_the_whole_budget() -> None:
+    """Prefills with nobody decoding beside them (nobody waits for those steps but the prompts
+    themselves): the cap does not apply. A prompt's last token is not prefill either."""
+    scheduler = make_scheduler(mixed_prefill_tokens=8, max_batch_tokens=40)
+    queue(scheduler, "a", list(range(1, 51)))
+    queue(scheduler, "b", list(range(100, 131)))
+    assert run(scheduler) == [("a", 40)]
+    assert run(scheduler) == [("a", 10), ("b", 30)]
+    assert run(scheduler) == [("a", 1), ("b", 1)]
+
+
+def test_more_decoding_streams_than_the_cap_all_run_and_the_prompt_fills_the_step() -> None:
+    """With 5 streams decoding and a cap of 4 the step is rounded up to 8 tokens: the five
+    decodes and 3 prompt tokens (never none: the prompt progresses however many decode)."""
+    scheduler = make_scheduler(mixed_prefill_tokens=4, max_batch_tokens=64)
+    for i in range(5):
+        queue(scheduler, f"s{i}", [1, 2, 3 + i])
+    run(scheduler)
+    queue(scheduler, "long", list(range(10, 30)))
+    assert run(scheduler) == [(f"s{i}", 1) for i in range(5)] + [("long", 3)]
+
+
+def test_an_engine_with_a_cap_gives_transformers_tokens_and_starts_the_long_prompt_later(
+        tiny_llama_dir: Path) -> None:
+    """A 6-token prompt and a 200-token one, 64 tokens per step: the short one decodes while the
+    long one is prefilled. Uncapped, the long prompt's first token comes in step 4 (58, 63, 63,
+    16 prompt tokens); capped at 8 while the short one decodes (steps 2-12: 7 each, 77), in
+    step 14 (then 64 and 1). Both outputs are transformers' either way."""
+    short, long = list(range(3, 9)), list(range(10, 210))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = {"short": hf_greedy(tiny_llama_dir, short, 12), "long": hf_greedy(tiny_llama_dir, long, 12)}
+    for cap, first_long_step in ((64, 4), (8, 14)):
+        engine = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=256, schedule_policy="fcfs",
+                        max_batch_tokens=64, mixed_prefill_tokens=cap, debug_checks=True)
+        ids = {"short": engine.add_request(short, params), "long": engine.add_request(long, params)}
+        tokens: dict[str, list[int]] = {"short": [], "long": []}
+        first: dict[str, int] = {}
+        step = 0
+        while engine.has_work():
+            step += 1
+            deltas = engine.step()
+            for name, request_id in ids.items():
+                for delta in deltas.get(request_id, []):
+                    tokens[name] += delta.token_ids
+                    if tokens[name]:
+                        first.setdefault(name, step)
+        assert first == {"short": 1, "long": first_long_step}, cap
+        assert tokens == expected, cap
+
+
+def test_capped_steps_under_preemption_and_eviction_give_the_same_tokens(tiny_llama_dir: Path) -> None:
+    """200 prompts through 24 pages with the cap at 8 (it binds: 64 tokens a step): sequences
+    are preempted and pages evicted, and every output equals an ample engine's, whose first
+    outputs equal transformers'."""
+    prompts = random_prompts(200, seed=11)
+    params = [SamplingParams(max_tokens=random.Random(i).randrange(2, 10), temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
+    ample = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=1024, mixed_prefill_tokens=8).generate(
+        prompts, params)
+    tight = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=24, max_batch_tokens=64,
+                   mixed_prefill_tokens=8, debug_checks=True)
+    squeezed = tight.generate(prompts, params)
+    stats = tight.stats()
+    assert stats["preemptions"] > 0 and stats["cache_evicted_pages"] > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in ample]
+    for i in (0, 99):
+        assert ample[i].token_ids == hf_greedy(tiny_llama_dir, prompts[i], len(ample[i].token_ids))
