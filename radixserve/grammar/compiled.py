@@ -39,6 +39,7 @@ class Grammars:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self.compiles = 0  # specs run through the compiler (cache misses), failed ones included
 
     def compile(self, spec: GrammarSpec, param: str = "response_format") -> xgrammar.CompiledGrammar:
         """The compiled grammar of `spec` (cached); GrammarError naming `param` if it cannot be."""
@@ -47,6 +48,8 @@ class Grammars:
             if compiled is not None:
                 self._cache.move_to_end(spec)
                 return compiled
+        with self._lock:
+            self.compiles += 1
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either

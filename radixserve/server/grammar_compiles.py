@@ -5,7 +5,10 @@ that a large schema neither holds the event loop nor stalls the engine's step (t
 finds it cached). A compile runs in a worker thread that nobody can stop, so they are bounded:
 without a bound of their own a crowd of slow ones would take every thread of the pool that
 tokenizes other requests' prompts. The bounded slots go round the tenants (`FairSlots`), and
-a spec compiled already takes none.
+a spec compiled already takes none. Nor does a spec being compiled for another request: an
+agent client's first wave of requests, all with the same new tools, waits for one compile
+instead of each taking a slot for its own (specs are scoped per tenant and salt, so only
+requests that could share the compiled grammar share its compile).
 """
 
 from __future__ import annotations
@@ -27,11 +30,25 @@ class GrammarCompiles:
     def __init__(self, slots: int = GRAMMAR_COMPILES) -> None:
         self.slots = FairSlots(slots)
         self._threads = anyio.CapacityLimiter(slots)  # threads of their own: no queue behind other work
+        self._in_flight: dict[tuple[int, GrammarSpec], anyio.Event] = {}  # set when that compile ends
 
     async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
         """Compiles `spec` (into `grammars`' cache) for `tenant`'s request, unless it is compiled
-        already; GrammarError naming `param` when it cannot be."""
-        if grammars.is_cached(spec):
+        already or being compiled (then waits for that); GrammarError naming `param` when it
+        cannot be. A compile that failed or was given up is not shared: a waiter then compiles
+        for itself, so each request gets its own error, naming its own parameter."""
+        key = (id(grammars), spec)
+        while not grammars.is_cached(spec):
+            running = self._in_flight.get(key)
+            if running is None:
+                break
+            await running.wait()
+        else:
             return
-        async with self.slots.hold(tenant):
-            await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
+        done = self._in_flight[key] = anyio.Event()
+        try:
+            async with self.slots.hold(tenant):
+                await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
+        finally:
+            del self._in_flight[key]
+            done.set()
