@@ -116,7 +116,8 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                             "(default: %(default)s)")
     serve.add_argument("--mixed-prefill-tokens", type=int, default=None,
                        help="while streams decode, a step prefills only enough prompt tokens to reach "
-                            "the next multiple of this (the streams wait for the whole step) (default: "
+                            "a multiple of this, at least half of it (the streams wait for the whole "
+                            "step) (default: "
                             f"{DEFAULT_CPU_MIXED_PREFILL_TOKENS} on a CPU, else no cap: --max-batch-tokens)")
     serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
                        help="generated tokens one request may ask for: prompts x n (or beam width) x "

@@ -84,13 +84,25 @@ def test_steps_with_nobody_decoding_keep_the_whole_budget() -> None:
 
 def test_more_decoding_streams_than_the_cap_all_run_and_the_prompt_fills_the_step() -> None:
     """With 5 streams decoding and a cap of 4 the step is rounded up to 8 tokens: the five
-    decodes and 3 prompt tokens (never none: the prompt progresses however many decode)."""
+    decodes and 3 prompt tokens."""
     scheduler = make_scheduler(mixed_prefill_tokens=4, max_batch_tokens=64)
     for i in range(5):
         queue(scheduler, f"s{i}", [1, 2, 3 + i])
     run(scheduler)
     queue(scheduler, "long", list(range(10, 30)))
     assert run(scheduler) == [(f"s{i}", 1) for i in range(5)] + [("long", 3)]
+
+
+def test_decoding_streams_just_short_of_a_multiple_cannot_starve_a_prompt() -> None:
+    """7 decodes and a cap of 8: one prompt token would fill the step; the prompt gets at least
+    half the cap, 9 tokens (16 in all), else a client holding cap - 1 streams would hold every
+    other prompt to a token a step."""
+    scheduler = make_scheduler(mixed_prefill_tokens=8, max_batch_tokens=64)
+    for i in range(7):
+        queue(scheduler, f"s{i}", [1, 2, 3 + i])
+    run(scheduler)
+    queue(scheduler, "long", list(range(10, 40)))
+    assert run(scheduler) == [(f"s{i}", 1) for i in range(7)] + [("long", 9)]
 
 
 def test_an_engine_with_a_cap_gives_transformers_tokens_and_starts_the_long_prompt_later(

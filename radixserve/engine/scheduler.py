@@ -5,8 +5,8 @@ sequence holds. Each step it (1) gives every running sequence its next chunk (on
 decoding), preempting the lowest-priority, latest-arrived sequences when pages run out, then
 (2) admits waiting sequences in the policy's order within the token budget, reusing their
 cached prefixes. A step in which sequences decode prefills only enough prompt tokens to bring
-it to the next multiple of `mixed_prefill_tokens`: every decoding stream waits for the whole
-step, and a step's time grows with the prompt tokens in it.
+it to a multiple of `mixed_prefill_tokens` (at least half of that many): every decoding stream
+waits for the whole step, and a step's time grows with the prompt tokens in it.
 With several tenants, both orders are fair_share.py's first: tenants are interleaved by
 the service they have had (so the tenant with the most is preempted first), and the order
 above holds within each tenant; with one tenant they are exactly the orders above.
@@ -128,16 +128,18 @@ class Scheduler:
 
     def _prefill_cap(self) -> int:
         """The prompt tokens this step may run. While sequences decode (one token left to run:
-        each waits for the step) enough to bring the step to the next multiple of
-        `mixed_prefill_tokens`, at most that many: the pause a prefill adds to a decode step
-        stays bounded, and the step's rows fill whole tiles of the linear kernels (a step of
-        8 decodes and 128 prompt tokens would pass over the weights a third time for 8 rows).
+        each waits for the step), enough to bring the step to a multiple of
+        `mixed_prefill_tokens`, and at least half of it: the pause a prefill adds to a decode
+        step stays bounded, the step's rows fill whole tiles of the linear kernels (8 decodes
+        and 128 prompt tokens would pass over the weights a third time for 8 rows), and many
+        decoding streams cannot starve a prompt (127 decodes: 129 prompt tokens, not 1).
         Else the whole budget."""
         cap = self.mixed_prefill_tokens
         decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
         if cap is None or not decoding:
             return self.max_batch_tokens
-        return min(cap - decoding % cap, self.max_batch_tokens)
+        fill = cap - decoding % cap
+        return min(fill if 2 * fill >= cap else fill + cap, self.max_batch_tokens)
 
     def _make_room_fairly(self) -> int:
         """Preempts the least important running units of a tenant served well ahead of a
