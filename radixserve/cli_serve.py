@@ -77,6 +77,10 @@ def serve_command(args: argparse.Namespace) -> int:
     say(engine.describe())
     say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
          f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
+    scheduler = engine.scheduler
+    say(f"steps: up to {scheduler.max_batch_tokens} tokens" + (
+        f"; beside decoding streams, prefill to a multiple of {scheduler.mixed_prefill_tokens}"
+        if scheduler.mixed_prefill_tokens is not None else ""))
     if stats["host_pages_total"]:
         say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
              f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
