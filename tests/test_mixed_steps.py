@@ -150,3 +150,36 @@ def test_capped_steps_under_preemption_and_eviction_give_the_same_tokens(tiny_ll
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in ample]
     for i in (0, 99):
         assert ample[i].token_ids == hf_greedy(tiny_llama_dir, prompts[i], len(ample[i].token_ids))
+
+
+def test_a_fair_share_claim_beside_decoding_streams_keeps_them_in_the_step() -> None:
+    """Tenant A decodes 20 streams; tenant B's three prompts wait and fall behind, so B claims
+    the next steps' tokens. The claim is no larger than the step's prefill (4 tokens beside 20
+    decodes at a cap of 8): every step still runs all 20 of A's decodes. Before, the claim
+    held 64 tokens out of the running units and B could use 4 of them: steps ran 1 or 2."""
+    engine = Engine(model="demo", page_size=16, num_pages=1024, max_batch_tokens=64,
+                    mixed_prefill_tokens=8, max_running=64)
+    scheduler, steps = engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recorded() -> list:  # observes each step's chunks; the scheduler's own schedule runs
+        decoding = sum(1 for s in scheduler.running if s.request.tenant == "A" and s.num_tokens - s.num_computed == 1)
+        chunks = schedule()
+        steps.append((decoding, sum(c.seq.request.tenant == "A" for c in chunks),
+                      [c.num_new for c in chunks if c.seq.request.tenant == "B"]))
+        return chunks
+
+    scheduler.schedule = recorded  # type: ignore[method-assign]
+    streams = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i in range(20):
+        engine.add_request([5 + i, 7, 9], streams, tenant="A")
+    for _ in range(5):
+        engine.step()
+    steps.clear()
+    for j in range(3):
+        engine.add_request(list(range(100 + j, 200 + j)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                         ignore_eos=True), tenant="B")
+    for _ in range(12):
+        engine.step()
+    assert steps == [(20, 20, [4])] * 12
+    assert engine.scheduler.counters.fair_preemptions == 0

@@ -68,8 +68,10 @@ from radixserve.parallel.launch import TensorParallel
 DEFAULT_MAX_BATCH_TOKENS = 512
 # Prompt tokens a CPU step may prefill while other streams decode in it: each such step is a
 # pause in every stream, about 1 ms per prompt token here, so this bounds their inter-token
-# gaps; the prefill loses nothing but a step's fixed cost per chunk (docs/benchmark.md).
-# A GPU runs the whole budget in a few milliseconds: no cap there unless asked.
+# gaps. The price: a prompt beside decoding streams takes more steps, each carrying their
+# decodes too, so its own first token comes later (agent workload: ITL p99 0.43x for 0.94x
+# the throughput; docs/benchmark.md). A GPU runs the whole budget in a few milliseconds: no
+# cap there unless asked.
 DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128
 
 

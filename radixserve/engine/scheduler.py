@@ -90,9 +90,14 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         # Tokens of this step kept for a waiting tenant's claim (`_make_room_fairly`): the
         # running units take what is left, admission (fair order: the claimant first) the rest.
-        claimed = self._make_room_fairly()
+        # The claim comes out of both budgets, and is no larger than the step's prefill cap:
+        # the claimant's first chunk cannot use more, and the rest would only keep the running
+        # units' decodes out of the step.
+        claim = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
+        cap = self._prefill_cap()
+        claimed = min(claim, cap)
         budget = self.max_batch_tokens - claimed
-        prefill = self._prefill_cap() - claimed  # the claim comes out of both
+        prefill = cap - claimed
         ordered = self.fair.order_running(self._running_units(), lambda s: (-s.priority, s.arrival_time, s.seq_id))
         while ordered and budget > 0:
             unit = ordered.pop(0)
