@@ -30,7 +30,7 @@ def free_port(host: str = "127.0.0.1") -> int:
             port = random.randint(_LOWEST, highest)
             if _bindable(host, port):
                 return port
-    with socket.socket() as probe:
+    with socket.socket(_family(host)) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
@@ -38,10 +38,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (not listening), as uvicorn and Ray Serve's proxy bind it;
     raises OSError when the port is in use. Held while a server loads (or Ray starts), it keeps
-    the port: a plain bind of it, as Ray's probe for a free port does, fails meanwhile.
-    SO_REUSEADDR: a port left in TIME_WAIT by the last run is not "in use"."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    the port from a plain bind, as Ray's probe for a free port makes, and from the kernel's
+    choices; not from a process that binds it with SO_REUSEADDR too and listens (a held socket
+    is not listening). SO_REUSEADDR: a port left in TIME_WAIT by the last run is not "in use"."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -57,8 +57,12 @@ def cannot_listen(host: str, port: int, error: OSError) -> str:
             f"(is another server using port {port}?)")
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as probe:
+    with socket.socket(_family(host)) as probe:
         try:
             probe.bind((host, port))
         except OSError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,7 @@ from radixserve.grammar import GrammarError, Grammars, GrammarSpec, MaskBuffer, 
 from radixserve.grammar import matcher as matcher_module
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.native import sampling as native_sampling
+from radixserve.server.grammar_compiles import GrammarCompiles
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +303,34 @@ def test_a_packed_mask_is_checked_against_each_calls_logits(tokenizer: PreTraine
     with pytest.raises(ValueError, match="int32"):
         native_sampling.run(torch.randn(6, 1000), *(np.ones(6) * p[0] for p in params), mask=mask.native_mask())
     assert torch.equal(logits, before)
+
+
+def test_one_spec_compiled_at_once_is_shared_but_a_failure_is_each_requests_own(grammars: Grammars) -> None:
+    """Three requests with one new spec at once: one compile, every request served. Three with
+    one spec that cannot compile: each compiles for itself once the first failed, so each
+    error names that request's own parameter, and nothing is left in flight."""
+    compiles = GrammarCompiles()
+
+    async def together(spec: GrammarSpec, params: tuple[str, ...]) -> dict[str, str | None]:
+        outcome: dict[str, str | None] = {}
+
+        async def one(param: str) -> None:
+            try:
+                await compiles.compile(grammars, spec, param, "tenant")
+                outcome[param] = None
+            except GrammarError as error:
+                outcome[param] = error.param
+
+        async with anyio.create_task_group() as group:
+            for param in params:
+                group.start_soon(one, param)
+        return outcome
+
+    before = grammars.compiles
+    good = GrammarSpec.json_schema({"type": "object", "properties": {"shared": {"type": "integer"}}}, "x")
+    assert anyio.run(together, good, ("a", "b", "c")) == {"a": None, "b": None, "c": None}
+    assert grammars.compiles - before == 1
+    bad = GrammarSpec.ebnf("root ::= undefined_rule", "guided_grammar")
+    assert anyio.run(together, bad, ("a", "b", "c")) == {"a": "a", "b": "b", "c": "c"}
+    assert grammars.compiles - before == 4
+    assert not compiles._in_flight

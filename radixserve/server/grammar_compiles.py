@@ -24,31 +24,49 @@ from radixserve.server.fair_slots import FairSlots
 GRAMMAR_COMPILES = 4  # grammar compiles at once, all requests together
 
 
+class _Compile:
+    """One compile in flight: `done` is set when it ends, `failed` says whether it cached nothing."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.failed = False
+
+
 class GrammarCompiles:
     """Compiles specs in worker threads, `slots` at once, the slots shared fairly between tenants."""
 
     def __init__(self, slots: int = GRAMMAR_COMPILES) -> None:
         self.slots = FairSlots(slots)
         self._threads = anyio.CapacityLimiter(slots)  # threads of their own: no queue behind other work
-        self._in_flight: dict[tuple[int, GrammarSpec], anyio.Event] = {}  # set when that compile ends
+        self._in_flight: dict[tuple[int, GrammarSpec], _Compile] = {}
 
     async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
         """Compiles `spec` (into `grammars`' cache) for `tenant`'s request, unless it is compiled
         already or being compiled (then waits for that); GrammarError naming `param` when it
-        cannot be. A compile that failed or was given up is not shared: a waiter then compiles
-        for itself, so each request gets its own error, naming its own parameter."""
+        cannot be. A compile that failed or was given up is not shared: its waiters then
+        compile for themselves, side by side within the slots, so that each request gets its
+        own error, naming its own parameter."""
         key = (id(grammars), spec)
         while not grammars.is_cached(spec):
             running = self._in_flight.get(key)
             if running is None:
                 break
-            await running.wait()
+            await running.done.wait()
+            if running.failed:
+                await self._run(grammars, spec, param, tenant)  # not registered: not shared
+                return
         else:
             return
-        done = self._in_flight[key] = anyio.Event()
+        mine = self._in_flight[key] = _Compile()
         try:
-            async with self.slots.hold(tenant):
-                await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
+            await self._run(grammars, spec, param, tenant)
+        except BaseException:
+            mine.failed = True
+            raise
         finally:
             del self._in_flight[key]
-            done.set()
+            mine.done.set()
+
+    async def _run(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
+        async with self.slots.hold(tenant):
+            await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
