@@ -17,6 +17,7 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
 from radixserve.engine.policy import make_schedule_policy
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.step_cost import ChunkCost
 from tests.engine_util import hf_greedy
 from tests.test_engine import random_prompts
 from tests.test_scheduler_advance import PAGE, queue
@@ -61,6 +62,17 @@ def test_prompts_share_the_capped_step_in_the_policys_order() -> None:
     assert run(scheduler) == [("a", 1), ("b", 4), ("c", 3)]
     assert [seq.request.request_id for seq in scheduler.waiting] == ["d"]
     assert run(scheduler) == [("a", 1), ("b", 1), ("c", 6)]  # two decodes now: 6 to reach 8
+
+
+def test_counted_with_their_attention_chunks_shrink_as_the_context_grows() -> None:
+    """A key at 1/16 of a token and a cap of 16 beside one decode (15 to spend): the prompt's
+    chunks are 10, 7, 6 and 5 tokens, each costing at most 15 with the keys before it."""
+    scheduler = make_scheduler(mixed_prefill_tokens=16)
+    scheduler.chunk_cost = ChunkCost(key_cost=1 / 16)
+    queue(scheduler, "a", [1, 2, 3])
+    run(scheduler)
+    queue(scheduler, "b", list(range(10, 70)))
+    assert [run(scheduler) for _ in range(4)] == [[("a", 1), ("b", n)] for n in (10, 7, 6, 5)]
 
 
 def test_without_a_cap_the_prompt_takes_the_rest_of_the_budget() -> None:
@@ -154,9 +166,10 @@ def test_capped_steps_under_preemption_and_eviction_give_the_same_tokens(tiny_ll
 
 def test_a_fair_share_claim_beside_decoding_streams_keeps_them_in_the_step() -> None:
     """Tenant A decodes 20 streams; tenant B's three prompts wait and fall behind, so B claims
-    the next steps' tokens. The claim is no larger than the step's prefill (4 tokens beside 20
-    decodes at a cap of 8): every step still runs all 20 of A's decodes. Before, the claim
-    held 64 tokens out of the running units and B could use 4 of them: steps ran 1 or 2."""
+    the next steps' tokens. The claim is no larger than the step's prefill (4 tokens' worth
+    beside 20 decodes at a cap of 8; 3 prompt tokens, whose attention costs a little more):
+    every step still runs all 20 of A's decodes. Before, the claim held 64 tokens out of the
+    running units and B could use 4 of them: steps ran 1 or 2."""
     engine = Engine(model="demo", page_size=16, num_pages=1024, max_batch_tokens=64,
                     mixed_prefill_tokens=8, max_running=64)
     scheduler, steps = engine.scheduler, []
@@ -181,5 +194,5 @@ def test_a_fair_share_claim_beside_decoding_streams_keeps_them_in_the_step() -> 
                                                                          ignore_eos=True), tenant="B")
     for _ in range(12):
         engine.step()
-    assert steps == [(20, 20, [4])] * 12
+    assert steps == [(20, 20, [3])] * 12
     assert engine.scheduler.counters.fair_preemptions == 0

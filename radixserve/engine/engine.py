@@ -53,6 +53,7 @@ from radixserve.engine.request import Request, SequenceState, namespace_of
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.step_cost import ChunkCost
 from radixserve.engine.sessions import SessionTable
 from radixserve.engine.step_loop import StepLoop
 from radixserve.engine.timing import StepTimings
@@ -169,9 +170,15 @@ class Engine:
         self.hashing = self.tree.hashing
         if mixed_prefill_tokens is None and self.device.type == "cpu":
             mixed_prefill_tokens = DEFAULT_CPU_MIXED_PREFILL_TOKENS
+        # The cap counts a chunk's attention too: late chunks of a long prompt would pause the
+        # streams beside them several times longer than early ones (engine/step_cost.py).
+        # At least an eighth of the cap a step, however deep the context: a step costs too.
+        chunk_cost = (ChunkCost.of_model(self.loaded.config, self.loaded.model.kv_window,
+                                         max(1, mixed_prefill_tokens // 8))
+                      if mixed_prefill_tokens is not None else None)
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
-                                   mixed_prefill_tokens=mixed_prefill_tokens,
+                                   mixed_prefill_tokens=mixed_prefill_tokens, chunk_cost=chunk_cost,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
                                    window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
                                    fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))

@@ -43,6 +43,7 @@ from radixserve.engine.policy import SchedulePolicy, common_prefix_len
 from radixserve.engine.request import SequenceState
 from radixserve.engine.scheduled import ScheduledChunk, SchedulerCounters
 from radixserve.engine.sequence_pages import SequencePages
+from radixserve.engine.step_cost import ChunkCost
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerCounters"]
 
@@ -53,7 +54,8 @@ class Scheduler:
     def __init__(self, pool: PagePool, tree: RadixTree, policy: SchedulePolicy, *,
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
                  prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False,
-                 fair_share: FairShare | None = None, mixed_prefill_tokens: int | None = None) -> None:
+                 fair_share: FairShare | None = None, mixed_prefill_tokens: int | None = None,
+                 chunk_cost: ChunkCost | None = None) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -61,6 +63,9 @@ class Scheduler:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.mixed_prefill_tokens = mixed_prefill_tokens  # None: a mixed step's prefill is not capped
+        # What a capped step's prefill counts (tokens and their attention); None: tokens alone.
+        self.chunk_cost = chunk_cost
+        self._step_cost: ChunkCost | None = None  # this step's: chunk_cost while the cap applies
         self.clock = clock
         self.waiting: list[SequenceState] = []
         self.running: list[SequenceState] = []
@@ -95,6 +100,8 @@ class Scheduler:
         # units' decodes out of the step.
         claim = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
         cap = self._prefill_cap()
+        capping = self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < self.max_batch_tokens
+        self._step_cost = self.chunk_cost if capping and cap < self.max_batch_tokens else None
         claimed = min(claim, cap)
         budget = self.max_batch_tokens - claimed
         prefill = cap - claimed
@@ -124,7 +131,7 @@ class Scheduler:
             else:
                 chunks.extend(work)
                 budget -= sum(c.num_new for c in work)
-                prefill -= sum(c.num_new for c in work if c.prefills)
+                prefill -= self._prefill_spent(work)
         budget += claimed
         prefill += claimed
         if budget > 0 and prefill > 0:
@@ -209,21 +216,34 @@ class Scheduler:
                 units.append(list(group.running))
         return units
 
-    @staticmethod
-    def _next_chunks(unit: list[SequenceState], budget: int, prefill: int) -> list[ScheduledChunk]:
-        """Each member's next chunk within `budget` tokens, of which at most `prefill` in chunks
-        that prefill (`ScheduledChunk.prefills`); members with nothing to run get none."""
+    def _next_chunks(self, unit: list[SequenceState], budget: int, prefill: float) -> list[ScheduledChunk]:
+        """Each member's next chunk within `budget` tokens, chunks that prefill
+        (`ScheduledChunk.prefills`) within `prefill` (tokens, or this step's cost of them);
+        members with nothing to run get none."""
         work = []
         for seq in unit:
             left = seq.num_tokens - seq.num_computed
-            num_new = min(left, budget) if left == 1 else min(left, budget, prefill)
+            if left == 1:
+                num_new = min(left, budget)
+            elif self._step_cost is None:
+                num_new = int(min(left, budget, prefill))
+            else:
+                num_new = self._step_cost.affordable(seq.num_computed, min(left, budget), prefill)
             if num_new > 0:
-                work.append(ScheduledChunk(seq, num_new))
+                chunk = ScheduledChunk(seq, num_new)
+                work.append(chunk)
                 budget -= num_new
-                prefill -= num_new if left > 1 else 0
+                prefill -= self._prefill_spent([chunk])
         return work
 
-    def _admit(self, budget: int, prefill: int) -> list[ScheduledChunk]:
+    def _prefill_spent(self, work: list[ScheduledChunk]) -> float:
+        """What `work`'s prefilling chunks take of the step's prefill cap: their tokens, or
+        while the cap applies with a chunk cost, their cost."""
+        cost = self._step_cost
+        return sum(c.num_new if cost is None else cost.of(c.seq.num_computed, c.num_new)
+                   for c in work if c.prefills)
+
+    def _admit(self, budget: int, prefill: float) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         if not self.waiting:
             return chunks
@@ -248,7 +268,7 @@ class Scheduler:
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
             if len(self.running) + len(unit) > self.max_running or not self.pages.may_fit(
-                    [s.num_tokens for s in unit], peeks or [None] * len(unit), min(budget, prefill), reserve):
+                    [s.num_tokens for s in unit], peeks or [None] * len(unit), int(min(budget, prefill)), reserve):
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
             work = self._take_unit(unit, budget, prefill, reserve)
             if work is None:
@@ -263,10 +283,10 @@ class Scheduler:
             self.counters.admitted += 1
             chunks.extend(work)  # members loading from the host run once their copy is done
             budget -= sum(c.num_new for c in work)
-            prefill -= sum(c.num_new for c in work if c.prefills)
+            prefill -= self._prefill_spent(work)
         return chunks
 
-    def _take_unit(self, unit: list[SequenceState], budget: int, prefill: int,
+    def _take_unit(self, unit: list[SequenceState], budget: int, prefill: float,
                    reserve: int) -> list[ScheduledChunk] | None:
         """Takes each member's cached prefix and the pages of its first chunk, all or none
         (None: the pages could not be had; nothing is held then). A member whose prefix is
