@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from radixserve import Engine, SamplingParams
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
@@ -94,27 +96,20 @@ def test_steps_with_nobody_decoding_keep_the_whole_budget() -> None:
     assert run(scheduler) == [("a", 1), ("b", 1)]
 
 
-def test_more_decoding_streams_than_the_cap_all_run_and_the_prompt_fills_the_step() -> None:
-    """With 5 streams decoding and a cap of 4 the step is rounded up to 8 tokens: the five
-    decodes and 3 prompt tokens."""
-    scheduler = make_scheduler(mixed_prefill_tokens=4, max_batch_tokens=64)
-    for i in range(5):
-        queue(scheduler, f"s{i}", [1, 2, 3 + i])
-    run(scheduler)
-    queue(scheduler, "long", list(range(10, 30)))
-    assert run(scheduler) == [(f"s{i}", 1) for i in range(5)] + [("long", 3)]
-
-
-def test_decoding_streams_just_short_of_a_multiple_cannot_starve_a_prompt() -> None:
-    """7 decodes and a cap of 8: one prompt token would fill the step; the prompt gets at least
-    half the cap, 9 tokens (16 in all), else a client holding cap - 1 streams would hold every
-    other prompt to a token a step."""
-    scheduler = make_scheduler(mixed_prefill_tokens=8, max_batch_tokens=64)
-    for i in range(7):
+@pytest.mark.parametrize(("cap", "streams", "prompt_tokens"), [
+    (4, 5, 3),  # 5 decodes, a cap of 4: the step is rounded up to 8, 3 prompt tokens
+    (8, 7, 9),  # 7 decodes, a cap of 8: 1 prompt token would fill it; at least half the cap: 16 in all
+])
+def test_decoding_streams_all_run_and_cannot_starve_a_prompt(cap: int, streams: int, prompt_tokens: int) -> None:
+    """Every decoding stream runs, however many; the prompt beside them gets enough to bring
+    the step to a multiple of the cap, and at least half the cap (else a client holding
+    cap - 1 streams would hold every other prompt to a token a step)."""
+    scheduler = make_scheduler(mixed_prefill_tokens=cap, max_batch_tokens=64)
+    for i in range(streams):
         queue(scheduler, f"s{i}", [1, 2, 3 + i])
     run(scheduler)
     queue(scheduler, "long", list(range(10, 40)))
-    assert run(scheduler) == [(f"s{i}", 1) for i in range(7)] + [("long", 9)]
+    assert run(scheduler) == [(f"s{i}", 1) for i in range(streams)] + [("long", prompt_tokens)]
 
 
 def test_an_engine_with_a_cap_gives_transformers_tokens_and_starts_the_long_prompt_later(

@@ -100,8 +100,7 @@ class Scheduler:
         # units' decodes out of the step.
         claim = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
         cap = self._prefill_cap()
-        capping = self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < self.max_batch_tokens
-        self._step_cost = self.chunk_cost if capping and cap < self.max_batch_tokens else None
+        self._step_cost = self.chunk_cost if cap < self.max_batch_tokens else None
         claimed = min(claim, cap)
         budget = self.max_batch_tokens - claimed
         prefill = cap - claimed
@@ -148,8 +147,8 @@ class Scheduler:
         Else the whole budget."""
         cap = self.mixed_prefill_tokens
         decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
-        if cap is None or not decoding:
-            return self.max_batch_tokens
+        if cap is None or cap >= self.max_batch_tokens or not decoding:
+            return self.max_batch_tokens  # (a cap of the whole budget: the decodes count in it already)
         fill = cap - decoding % cap
         return min(fill if 2 * fill >= cap else fill + cap, self.max_batch_tokens)
 
