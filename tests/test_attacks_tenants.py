@@ -262,28 +262,41 @@ def test_an_innocent_tenants_output_is_unchanged_beside_an_attacker(keyed: tuple
     assert beside["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its own pages, not mallory's
 
 
-def test_a_tenant_cannot_raise_its_pages_over_other_tenants_cache(keyed: tuple[Engine, str]) -> None:
-    """Retention priorities order every tenant's pages in one pool, so a tenant flooding at
-    priority 100 would push out every other tenant's cache for as long as it resends: above
-    the default they are an admin's (403 naming the field); a lower one costs only the tenant
-    itself and stays allowed; sessions are the tenants' way to keep a conversation."""
-    engine, url = keyed
-    chat = {"messages": [{"role": "system", "content": "pinned system prompt " * 8},
-                         {"role": "user", "content": "pin me"}], "max_tokens": 2}
-    raised = [("/v1/chat/completions", {**chat, "retention_priority": 100}, "retention_priority"),
-              ("/v1/chat/completions", {**chat, "system_retention_priority": 90}, "system_retention_priority"),
-              ("/v1/completions", {"prompt": ["pin me", "and me"], "max_tokens": 2, "retention_priority": 36},
-               "retention_priority")]
-    before = engine.stats()["pages_cached"]
-    with _client(url, MALLORY) as mallory:
-        for path, body, param in raised:
-            response = mallory.post(path, json=body)
-            assert response.status_code == 403, response.text
-            error = response.json()["error"]
-            assert (error["param"], error["code"], error["type"]) == (param, "admin_only", "permission_error")
-        assert engine.stats()["pages_cached"] == before  # refused before anything ran
-        for body in ({**chat, "retention_priority": 10}, {**chat, "retention_priority": 35}):
-            assert mallory.post("/v1/chat/completions", json=body).status_code == 200
-    with _client(url, ADMIN) as admin:
-        assert admin.post("/v1/chat/completions", json={**chat, "retention_priority": 100}).status_code == 200
+def test_a_tenants_raised_retention_is_held_within_its_share() -> None:
+    """Retention priorities order every tenant's pages in one pool: prompts at priority 100
+    sent with the admin key pin a 64-page pool whole, and the victim's working set is
+    recomputed every round (the control: the attack is real). Sent with a tenant's key they
+    are answered (no 403) and held within the tenant's share of the raised tokens (half the
+    pool), so the victim's working set stays cached, whatever the attacker resends."""
+    rng = np.random.default_rng(3)
+    victim_prompts = [rng.integers(3, 190, 21).tolist() for _ in range(2)]
+    engine = Engine(model="demo", page_size=PAGE, num_pages=64, max_running=1)
+    app = create_app(AsyncEngine(engine), tenant_keys=KEYS, admin_api_key=ADMIN)
+
+    def victim_hits(attacker: httpx.Client, victim: httpx.Client, raised: dict) -> list[int]:
+        hits = []
+        for round_ in range(13):
+            body = {"prompt": rng.integers(3, 190, 28).tolist(), "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, **raised}
+            response = attacker.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            if round_ >= 8:  # after the first 8 raised prompts: the victim's working set each round
+                usage = [victim.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                               "ignore_eos": True}).json()["usage"]
+                         for prompt in victim_prompts]
+                hits.append(sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage))
+        return hits[1:]
+
+    with running_server(app) as url, _client(url, VICTIM) as victim:
+        with _client(url, ADMIN) as admin:
+            assert victim_hits(admin, victim, {"retention_priority": 100}) == [0, 0, 0, 0]
+            assert admin.post("/v1/cache/flush").status_code == 200
+        with _client(url, MALLORY) as mallory:
+            assert victim_hits(mallory, victim, {"retention_priority": 100}) == [40, 40, 40, 40]
+            chat = {"messages": [{"role": "system", "content": "pinned system prompt " * 8},
+                                 {"role": "user", "content": "pin me"}], "max_tokens": 2}
+            for body in ({**chat, "system_retention_priority": 90}, {**chat, "retention_priority": 10}):
+                assert mallory.post("/v1/chat/completions", json=body).status_code == 200
+        assert 0 < engine.sessions.tenant_tokens("mallory") <= 64 * PAGE // 2
+        assert engine.sessions.tenant_tokens("victim") == 0
     engine.check_invariants()

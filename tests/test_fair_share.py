@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def seq(tenant: str | None, arrival: float, num_tokens: int = 10, priority: int = 0,
         admin: bool = False) -> SequenceState:
     request = Request(f"{tenant}-{arrival}", list(range(num_tokens)), Params(), arrival, priority, tenant=tenant,
-                      priority_across_tenants=admin)
+                      admin=admin)
     return SequenceState(request, 0, list(range(num_tokens)), None, None, None)  # type: ignore[arg-type]
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.engine.sessions import Session, SessionTable
+from radixserve.cache.retention import Retention
+from radixserve.engine.sessions import Held, SessionTable
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 FILLER = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -26,7 +27,7 @@ class Recorder:
     def __init__(self) -> None:
         self.ended: list[tuple[str | None, list[int], int]] = []
 
-    def __call__(self, session: Session, keep_pages: int) -> None:
+    def __call__(self, session: Held, keep_pages: int) -> None:
         self.ended.append((session.tenant, session.tokens, keep_pages))
 
 
@@ -174,3 +175,67 @@ def test_a_tenant_opening_many_sessions_ends_only_its_own(tiny_llama_dir: Path) 
     flood_cache(engine)
     assert cached(engine, victim + [1], "victim") == len(victim)
     assert engine.close_session("mine", "victim")
+
+
+# ---------------------------------------------------------------- tenants' raised retention
+
+def test_a_held_span_is_cut_to_its_tenants_share_and_renewed_by_resending() -> None:
+    sessions, recorder = table(100)
+    open_turn(sessions, "b", "x", [1] * 30)
+    pending = sessions.begin_holds([([2] * 80, Retention(100))], "ns", "a")  # a's share: 50 of 100
+    assert [(len(hold.tokens), hold.span) for hold in pending] == [(50, (0, 50, Retention(100, 1e9)))]
+    sessions.add_holds(pending, "ns")
+    assert sessions.tenant_tokens("a") == 50 and sessions.held_spans == 1 and len(sessions) == 1
+    again = sessions.begin_holds([([2] * 80, Retention(100, 5.0))], "ns", "a")  # the same span: renewed
+    assert again[0].key == pending[0].key and again[0].retention == Retention(100, 5.0)
+    assert recorder.ended == [("a", [2] * 50, 0)]
+    sessions.add_holds(again, "ns")
+    assert sessions.tenant_tokens("a") == 50 and sessions.held_spans == 1
+
+
+def test_held_spans_and_sessions_share_one_bound_and_expire_by_their_own_duration() -> None:
+    sessions, recorder = table(100)
+    sessions.add_holds(sessions.begin_holds([([1] * 40, Retention(80, 5.0))], "ns", "a"), "ns")  # at tick 1
+    open_turn(sessions, "a", "s", [2] * 40)
+    sessions.add_holds(sessions.begin_holds([([3] * 40, Retention(60))], "ns", "a"), "ns")  # 120 > 100
+    assert [toks[0] for _, toks, _ in recorder.ended] == [1]  # a's least recently active entry
+    assert sessions.tenant_tokens("a") == 80 and len(sessions) == 1 and sessions.held_spans == 1
+    sessions, recorder = table(1000)  # the clock reads 1, 2, 3, ... call by call
+    span = [([1] * 8, Retention(80, 2.0))]
+    sessions.add_holds(sessions.begin_holds(span, "ns", "a"), "ns")  # raised at 2: until 4
+    sessions.add_holds(sessions.begin_holds(span, "ns", "a"), "ns")  # renewed at 4: until 6
+    assert recorder.ended == [("a", [1] * 8, 0)]  # (a renewal ends it, and raises it again)
+    sessions.expire()  # 5: past the first deadline, not the renewed one
+    sessions.expire()  # 6
+    assert len(recorder.ended) == 1 and sessions.held_spans == 1
+    sessions.expire()  # 7: past it
+    assert len(recorder.ended) == 2 and sessions.tokens == 0
+
+
+def raise_and_hit(engine: Engine, attacker: dict, rounds: int = 5) -> list[int]:
+    """The attacker sends 8 prompts at retention 100, then one more each round, in which the
+    victim sends its working set of 2 prompts at the default; the victim's cached tokens per
+    round after the first."""
+    rng = random.Random(3)
+    flood = [[rng.randrange(3, 190) for _ in range(28)] for _ in range(8 + rounds)]
+    victim = [[rng.randrange(3, 190) for _ in range(21)] for _ in range(2)]
+    for prompt in flood[:8]:
+        run(engine, prompt, retention=Retention(100), **attacker)
+    hits = []
+    for prompt in flood[8:]:
+        run(engine, prompt, retention=Retention(100), **attacker)
+        hits.append(sum(cached(engine, prompt, "victim") for prompt in victim))
+    engine.check_invariants()
+    return hits[1:]
+
+
+def test_a_tenants_raised_retention_pins_at_most_its_share_of_the_pool(tiny_llama_dir: Path) -> None:
+    """On a 64-page pool, prompts at priority 100 pin it whole for an admin (the victim's
+    working set is recomputed every round); from a tenant they are held within its share of
+    the raised tokens (half the pool), and the victim's working set stays cached."""
+    admin = raise_and_hit(make_engine(tiny_llama_dir, num_pages=64), {"tenant": "mallory", "admin": True})
+    tenant_engine = make_engine(tiny_llama_dir, num_pages=64)
+    held = raise_and_hit(tenant_engine, {"tenant": "mallory"})
+    assert admin == [0, 0, 0, 0]
+    assert held == [2 * 20] * 4
+    assert tenant_engine.sessions.tenant_tokens("mallory") <= 64 * 4 // 2

@@ -25,7 +25,7 @@ class ReplicaRequest:
     namespace: str = ""                                  # routing.prompt_pages: the namespace id
     page_hashes: list[int] = field(default_factory=list)  # ... and the prompt's page hashes
     tenant: str | None = None
-    priority_across_tenants: bool = False  # an admin's priority (engine/fair_share.py)
+    admin: bool = False  # an admin's request (Request.admin)
     # The replicas' latest adaptive-rule records, by replica id (cluster/duel_pool.py): the
     # replica that takes the request pools the others' evidence with its own.
     duel_records: dict[str, list[float]] = field(default_factory=dict)

@@ -54,7 +54,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.step_cost import ChunkCost
-from radixserve.engine.sessions import SessionTable
+from radixserve.engine.sessions import PendingHold, SessionTable, hold_raised
 from radixserve.engine.step_loop import StepLoop
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue
@@ -95,10 +95,12 @@ class Engine:
         mixed_prefill_tokens: prompt tokens a step may prefill while other sequences decode in
             it (they wait for the whole step). None: 128 on a CPU, else max_batch_tokens.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
-        session_ttl_s: how long an idle session's pages stay ahead of ordinary cache.
-        max_session_tokens: tokens all open sessions together may keep ahead of ordinary
-            cache, shared fairly between tenants; past it the least recently active sessions
-            of the tenant holding the most end early (default: half the device pool).
+        session_ttl_s: how long an idle session's pages stay ahead of ordinary cache (and a
+            tenant's raised retention at most, after the last request that raised it).
+        max_session_tokens: tokens all open sessions and tenants' raised retention together
+            may keep ahead of ordinary cache, shared fairly between tenants; past it the least
+            recently active entries of the tenant holding the most end early (default: half
+            the device pool; engine/sessions.py).
         enable_prefix_cache: False computes every prompt in full (a baseline).
         cache_partial_pages: also cache a finished request's last, partly filled page, so a
             conversation's next turn recomputes only its new tokens (False: full pages only).
@@ -218,10 +220,12 @@ class Engine:
                     retention: Retention | None = None,
                     prefix_retention: tuple[int, Retention] | None = None,
                     session_id: str | None = None, tenant: str | None = None,
-                    priority_across_tenants: bool = False) -> str:
+                    admin: bool = False) -> str:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull.
         `priority` orders it within its `tenant` (None: the single tenant), and across tenants
-        too with `priority_across_tenants` (an admin's; engine/fair_share.py)."""
+        too for an `admin`'s request (engine/fair_share.py). A tenant's retention above the
+        default is held within the tenant's share of the raised tokens (engine/sessions.py);
+        the single tenant's and an admin's are the tree's as given."""
         params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
@@ -238,8 +242,11 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         namespace = namespace_of(self.model_name, cache_salt, tenant)
+        held: tuple[tuple[int | None, Retention], ...] = ()
+        if tenant is not None and not admin:
+            retention, prefix_retention, held = hold_raised(retention, prefix_retention)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
-                      retention, prefix_retention, session_id, tenant, priority_across_tenants=priority_across_tenants)
+                      retention, prefix_retention, session_id, tenant, admin=admin, held_retention=held)
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
@@ -372,16 +379,29 @@ class Engine:
         req = seq.request
         seq.finish_reason = reason
         ranges = req.range_retention()
-        in_session = req.session_id is not None and reason != "abort" and seq.index == 0
+        kept = reason != "abort" and seq.index == 0  # what the request raises outlives it
+        in_session = req.session_id is not None and kept
         if in_session:  # the latest turn is kept ahead of ordinary cache for the TTL
             ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed, req.tenant))
         computed = seq.token_ids[: seq.num_computed]
+        holds = self._begin_holds(req, computed) if kept else []
+        ranges.extend(hold.span for hold in holds)
         start = time.perf_counter()
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         self._timings.add("tree", time.perf_counter() - start)
         if in_session:
             self.sessions.add(req.session_id, computed, req.namespace, req.tenant)
+        self.sessions.add_holds(holds, req.namespace)
         self._deltas.emit(seq)
+
+    def _begin_holds(self, req: Request, computed: list[int]) -> list[PendingHold]:
+        """Room for what a tenant's finished request asked to raise, within its share
+        (engine/sessions.py); nothing for a request that asked for no raise."""
+        if not req.held_retention:
+            return []
+        spans = [(computed if num_tokens is None else computed[:num_tokens], retention)
+                 for num_tokens, retention in req.held_retention]
+        return self.sessions.begin_holds(spans, req.namespace, req.tenant)
 
     def close_session(self, session_id: str, tenant: str | None = None) -> bool:
         """Ends `tenant`'s session: its pages become ordinary cache. False if it was not open

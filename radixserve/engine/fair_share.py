@@ -15,7 +15,7 @@ Here a client is a tenant (`Request.tenant`). Within a tenant the schedule polic
 request comes next. Service is counted as computed: tokens the cache already held cost
 nothing. Running sequences are ordered the same way, so that when pages run out the tenant
 that has had the most service is preempted first. `priority` orders across tenants only
-where `Request.priority_across_tenants` (an admin's request); otherwise within its tenant.
+where `Request.admin` (an admin's request); otherwise within its tenant.
 
 With one tenant none of this changes anything: every order is the policy's (and the
 running order is the scheduler's plain priority-then-arrival order).
@@ -156,7 +156,7 @@ def _by_tenant(seqs: Sequence[SequenceState]) -> dict[Hashable, list[SequenceSta
 def _cross_priority(seq: SequenceState) -> int:
     """The priority that orders `seq` across tenants: its own where an admin set it, else 0."""
     request = seq.request
-    return request.priority if request.priority_across_tenants else 0
+    return request.priority if request.admin else 0
 
 
 def _name(tenant: Hashable) -> str:

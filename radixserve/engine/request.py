@@ -57,9 +57,12 @@ class Request:
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
     tenant: str | None = None  # who sent it (None: the server's one tenant); see namespace_of
-    # `priority` orders it before other tenants' requests too (an admin's), not only its own
-    # tenant's (engine/fair_share.py).
-    priority_across_tenants: bool = False
+    # Sent with an admin key: its `priority` orders other tenants' requests too, not only its
+    # own tenant's (engine/fair_share.py), and its raised retention is not held to a share.
+    admin: bool = False
+    # A tenant's retention above the default, raised once it finishes and held within the
+    # tenant's share (engine/sessions.py): (tokens it covers, None for all computed; retention).
+    held_retention: tuple[tuple[int | None, Retention], ...] = ()
     reused_tokens: int = 0  # leading tokens seen recently (reuse history): retained longer
     reused_retention: Retention = REUSED_RETENTION  # what they get (the reuse rule's)
     sequences: list[SequenceState] = field(default_factory=list)

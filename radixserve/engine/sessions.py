@@ -1,60 +1,122 @@
-"""Open sessions: which conversation turns are kept ahead of ordinary cache, and for how long.
+"""What tenants keep ahead of ordinary cache: open sessions and held retention, bounded.
 
 A session's latest turn is raised to SESSION_PRIORITY in the tree for `ttl_s` after it ends.
 A session belongs to its tenant: it is keyed by (tenant, id), so the same id sent by another
 tenant is another session, and only its own tenant can close it.
 
-Any client may open sessions, so what they can raise is bounded: at most `max_tokens` tokens
-over all open sessions, shared fairly between the tenants that hold sessions. Past the
-bound, sessions end early (their pages become ordinary cache): the least recently active
-ones of the tenant holding the most tokens, so one tenant opening thousands of sessions only
-competes with its own oldest sessions and cannot push out another tenant's within its fair
-share. With one tenant that is simply the least recently active sessions first.
+A tenant's request asking for retention above the default (`retention_priority`,
+`system_retention_priority`) is *held* the same way: once it finishes, the span it raises is
+an entry keyed by (tenant, namespace, priority, the span's tokens), raised for its duration
+but at most `ttl_s` after the last request that raised it (resending the span renews it).
+Retention priorities order every tenant's pages in one pool, so a raise nobody bounded would
+let one tenant push out the others' ordinary cache for as long as it resends; held, it is
+bounded like a session. (The single tenant's and an admin's retention is not held: the tree
+keeps it as given.)
 
-Several open sessions may share a prefix (a system prompt): each is a holder of that
-retention, and a session that ends lowers only the pages no other open session of its
-namespace holds.
+Any client may open sessions and hold spans, so what they can raise is bounded: at most
+`max_tokens` tokens over all entries, shared fairly between the tenants that hold them. Past
+the bound, entries end early (their pages become ordinary cache): the least recently active
+ones of the tenant holding the most tokens, so one tenant opening thousands of sessions only
+competes with its own oldest entries and cannot push out another tenant's within its fair
+share. With one tenant that is simply the least recently active entries first. A held span
+is cut to its tenant's fair share (its leading tokens: the prefix another request reuses).
+
+Several entries may share a prefix (a system prompt): each is a holder of that retention,
+and one that ends lowers only the pages no other open entry of its namespace holds (which
+then stay at the ended entry's priority until it would have decayed, at most `ttl_s`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from radixserve.cache.radix import RadixTree, Retention
+from radixserve.cache.radix import RadixTree
+from radixserve.cache.retention import DEFAULT_PRIORITY, Retention
 from radixserve.engine.policy import common_prefix_len
 
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
-SESSION_SWEEP_S = 1.0  # how often idle sessions are looked for
+SESSION_SWEEP_S = 1.0  # how often idle entries are looked for
 
-SessionKey = tuple[str | None, str]  # (tenant, session id): a session id is its tenant's own
+# (tenant, what is raised): a session id, or a held span's HeldSpanKey. Either is its tenant's own.
+HoldKey = tuple[str | None, Hashable]
+
+
+@dataclass(frozen=True)
+class HeldSpanKey:
+    """What identifies a held span within its tenant: resending it renews the same entry."""
+
+    namespace: Any
+    priority: int
+    digest: bytes
 
 
 @dataclass
-class Session:
-    """One open session: its latest turn's computed tokens, the cache namespace they are in,
-    and the tenant it belongs to."""
+class Held:
+    """One open entry: the computed tokens it raises (a session's latest turn, or a held
+    span), their cache namespace, the tenant, the priority they are raised to and for how
+    long after `last_active`."""
 
     tokens: list[int]
     namespace: Any
     last_active: float
     tenant: str | None = None
+    priority: int = SESSION_PRIORITY
+    duration_s: float = float("inf")
+
+    @property
+    def deadline(self) -> float:
+        """When it ends unless raised again."""
+        return self.last_active + self.duration_s
 
 
-Demote = Callable[[Session, int], None]  # (ended session, leading pages other sessions still hold)
+@dataclass(frozen=True)
+class PendingHold:
+    """A held span `SessionTable.begin_holds` made room for: raise `span` in the tree, then
+    `add_holds`."""
+
+    key: HoldKey
+    tokens: list[int]
+    retention: Retention
+
+    @property
+    def span(self) -> tuple[int, int, Retention]:
+        """The token range and retention to insert with (RadixTree.insert's range form)."""
+        return 0, len(self.tokens), self.retention
+
+
+Demote = Callable[[Held, int], None]  # (ended entry, leading pages other entries still hold)
+
+
+def hold_raised(retention: Retention | None, prefix_retention: tuple[int, Retention] | None
+                ) -> tuple[Retention | None, tuple[int, Retention] | None, tuple[tuple[int | None, Retention], ...]]:
+    """A tenant's request's retention split into what the tree applies while it runs (at most
+    the default) and what is held once it finishes: (retention, prefix retention, held), each
+    held item (tokens it covers, None for all computed; the retention asked for)."""
+    held: list[tuple[int | None, Retention]] = []
+    if retention is not None and retention.priority > DEFAULT_PRIORITY:
+        held.append((None, retention))
+        retention = None
+    if prefix_retention is not None and prefix_retention[1].priority > DEFAULT_PRIORITY:
+        held.append(prefix_retention)
+        prefix_retention = None
+    return retention, prefix_retention, tuple(held)
 
 
 class SessionTable:
-    """Open sessions, least recently active first, bounded by idle time and by raised tokens.
+    """Open sessions and held spans, least recently active first, bounded by time and by
+    raised tokens.
 
-    `demote(session, keep_pages)` is called for every session that ends (expired, closed,
+    `demote(entry, keep_pages)` is called for every entry that ends (expired, closed,
     replaced by a newer turn, or pushed out by the token bound): the engine lowers its pages'
-    retention, except the first `keep_pages` pages, which another open session holds too.
+    retention, except the first `keep_pages` pages, which another open entry holds too.
     """
 
     def __init__(self, ttl_s: float, max_tokens: int, demote: Demote,
@@ -64,49 +126,60 @@ class SessionTable:
         self.page_size = page_size
         self._demote = demote
         self._clock = clock
-        self._open: OrderedDict[SessionKey, Session] = OrderedDict()
+        self._open: OrderedDict[HoldKey, Held] = OrderedDict()
         self._tokens = 0
-        self._tenant_tokens: dict[str | None, int] = {}  # raised tokens per tenant with open sessions
+        self._tenant_tokens: dict[str | None, int] = {}  # raised tokens per tenant with open entries
+        self._sessions = 0  # entries that are sessions (the rest are held spans)
+        # (deadline, count, key) of every entry opened; renewed or ended ones are skipped later
+        self._deadlines: list[tuple[float, int, HoldKey]] = []
+        self._opened = 0
         self.last_sweep = clock()
 
     @classmethod
     def over(cls, tree: RadixTree, ttl_s: float, max_tokens: int) -> SessionTable:
-        """The engine's table: a session that ends has its turn's raised retention in `tree` ended."""
+        """The engine's table: an entry that ends has its raised retention in `tree` ended."""
         return cls(ttl_s, max_tokens,
-                   lambda session, keep: tree.end_retention(session.tokens, session.namespace, SESSION_PRIORITY,
-                                                            keep_pages=keep),
+                   lambda held, keep: tree.end_retention(held.tokens, held.namespace, held.priority,
+                                                         keep_pages=keep),
                    page_size=tree.page_size)
 
     def __len__(self) -> int:
-        return len(self._open)
+        """Open sessions (held spans are not sessions)."""
+        return self._sessions
+
+    @property
+    def held_spans(self) -> int:
+        """Open held spans."""
+        return len(self._open) - self._sessions
 
     @property
     def tokens(self) -> int:
-        """Tokens raised by all open sessions together."""
+        """Tokens raised by all open entries together."""
         return self._tokens
 
     def tenant_tokens(self, tenant: str | None) -> int:
-        """Tokens raised by the open sessions of `tenant`."""
+        """Tokens raised by the open entries of `tenant`."""
         return self._tenant_tokens.get(tenant, 0)
 
-    def reserve(self, session_id: str, num_tokens: int, tenant: str | None = None) -> None:
-        """Before a turn of (`tenant`, `session_id`) is raised in the tree: its previous turn
-        ends, and while the new turn would exceed the bound, other sessions end (`_victim`
-        picks which; a single session longer than the bound stays alone)."""
+    def reserve(self, keys: Sequence[HoldKey], num_tokens: int, tenant: str | None = None) -> None:
+        """Before `num_tokens` more of `tenant` are raised in the tree under `keys`: what those
+        keys raised before ends, and while the new tokens would exceed the bound, other
+        entries end (`_victim` picks which; a single entry longer than the bound stays alone)."""
         self.expire()
-        self._end((tenant, session_id))
+        for key in keys:
+            self._end(key)
         while self._tokens + num_tokens > self.max_tokens:
             victim = self._victim(tenant, num_tokens)
             if victim is None:
                 break
             self._end(victim)
 
-    def _victim(self, tenant: str | None, num_tokens: int) -> SessionKey | None:
-        """The session that ends to make room for `num_tokens` more of `tenant`: the least
+    def _victim(self, tenant: str | None, num_tokens: int) -> HoldKey | None:
+        """The entry that ends to make room for `num_tokens` more of `tenant`: the least
         recently active one of the tenant holding the most raised tokens (counting the new
-        turn; the requester first among equals). A tenant within its fair share (an equal
-        part of the bound among the tenants holding sessions) is never pushed out by
-        another: None then, and the new turn goes over the bound alone."""
+        ones; the requester first among equals). A tenant within its fair share (an equal
+        part of the bound among the tenants holding entries) is never pushed out by
+        another: None then, and the new entry goes over the bound alone."""
         usage = dict(self._tenant_tokens)
         usage[tenant] = usage.get(tenant, 0) + num_tokens
         holders = [t for t in usage if t in self._tenant_tokens]
@@ -121,16 +194,48 @@ class SessionTable:
         """Makes room for a new latest turn of `num_tokens` computed tokens (`reserve`); returns
         the token range and retention to insert it with: ahead of ordinary cache for the TTL,
         on top of whatever retention its pages have for good (the turn before no longer is).
-        Sessions end first, so what the new turn shares with them is raised again by that
+        Entries end first, so what the new turn shares with them is raised again by that
         insert. `add` the turn once inserted."""
-        self.reserve(session_id, num_tokens, tenant)
+        self.reserve([(tenant, session_id)], num_tokens, tenant)
         return 0, num_tokens, Retention(SESSION_PRIORITY, self.ttl_s)
 
     def add(self, session_id: str, tokens: list[int], namespace: Any, tenant: str | None = None) -> None:
         """The turn `reserve` made room for is raised: it is the session's latest turn."""
-        self._open[(tenant, session_id)] = Session(tokens, namespace, self._clock(), tenant)
-        self._tokens += len(tokens)
-        self._tenant_tokens[tenant] = self._tenant_tokens.get(tenant, 0) + len(tokens)
+        self._open_entry((tenant, session_id), Held(tokens, namespace, self._clock(), tenant, duration_s=self.ttl_s))
+        self._sessions += 1
+
+    def begin_holds(self, spans: Sequence[tuple[Sequence[int], Retention]], namespace: Any,
+                    tenant: str | None) -> list[PendingHold]:
+        """Makes room for the spans a finished request of `tenant` asked to raise (each its
+        tokens and retention): each cut to the tenant's fair share of the bound, renewing the
+        entry of the same span if there is one (`reserve`). Returns what to raise in the tree,
+        for as long as the retention asks but at most the TTL; `add_holds` them once inserted."""
+        share = self.max_tokens // len(self._tenant_tokens.keys() | {tenant})
+        pending = []
+        for tokens, retention in spans:
+            cut = [int(t) for t in tokens[:share]]
+            if not cut:
+                continue
+            digest = hashlib.blake2b(np.asarray(cut, dtype=np.int64).tobytes(), digest_size=16).digest()
+            key = (tenant, HeldSpanKey(namespace, retention.priority, digest))
+            duration = min(retention.duration_s or self.ttl_s, self.ttl_s)
+            if all(hold.key != key for hold in pending):  # the same span twice: one entry
+                pending.append(PendingHold(key, cut, Retention(retention.priority, duration)))
+        self.reserve([hold.key for hold in pending], sum(len(hold.tokens) for hold in pending), tenant)
+        return pending
+
+    def add_holds(self, pending: Sequence[PendingHold], namespace: Any) -> None:
+        """The spans `begin_holds` made room for are raised: they are open entries."""
+        for hold in pending:
+            self._open_entry(hold.key, Held(hold.tokens, namespace, self._clock(), hold.key[0],
+                                            hold.retention.priority, hold.retention.duration_s or self.ttl_s))
+
+    def _open_entry(self, key: HoldKey, held: Held) -> None:
+        self._open[key] = held
+        self._opened += 1
+        heapq.heappush(self._deadlines, (held.deadline, self._opened, key))
+        self._tokens += len(held.tokens)
+        self._tenant_tokens[held.tenant] = self._tenant_tokens.get(held.tenant, 0) + len(held.tokens)
 
     def close(self, session_id: str, tenant: str | None = None) -> bool:
         """Ends `tenant`'s session now; False if it was not open (or had expired) — which is
@@ -139,44 +244,47 @@ class SessionTable:
         return self._end((tenant, session_id))
 
     def sweep(self) -> None:
-        """Expires idle sessions at most every SESSION_SWEEP_S (every step would be wasted work)."""
+        """Expires idle entries at most every SESSION_SWEEP_S (every step would be wasted work)."""
         if self._open and self._clock() - self.last_sweep > min(SESSION_SWEEP_S, self.ttl_s):
             self.expire()
 
     def expire(self) -> None:
-        """Ends the sessions idle past the TTL."""
+        """Ends the entries whose time is up: sessions idle past the TTL, held spans past
+        their duration since they were last raised."""
         now = self._clock()
         self.last_sweep = now
-        while self._open:
-            key, session = next(iter(self._open.items()))
-            if now - session.last_active <= self.ttl_s:
-                break  # least recently active first: the rest are younger
-            self._end(key)
+        while self._deadlines and self._deadlines[0][0] < now:
+            deadline, _, key = heapq.heappop(self._deadlines)
+            held = self._open.get(key)
+            if held is not None and held.deadline == deadline:  # else renewed since, or ended
+                self._end(key)
 
-    def _end(self, key: SessionKey) -> bool:
-        session = self._open.pop(key, None)
-        if session is None:
+    def _end(self, key: HoldKey) -> bool:
+        held = self._open.pop(key, None)
+        if held is None:
             return False
-        self._tokens -= len(session.tokens)
-        left = self._tenant_tokens[session.tenant] - len(session.tokens)
-        if left or any(k[0] == session.tenant for k in self._open):
-            self._tenant_tokens[session.tenant] = left
+        if not isinstance(key[1], HeldSpanKey):
+            self._sessions -= 1
+        self._tokens -= len(held.tokens)
+        left = self._tenant_tokens[held.tenant] - len(held.tokens)
+        if left or any(k[0] == held.tenant for k in self._open):
+            self._tenant_tokens[held.tenant] = left
         else:
-            del self._tenant_tokens[session.tenant]
-        self._demote(session, self._pages_held_by_others(session))
+            del self._tenant_tokens[held.tenant]
+        self._demote(held, self._pages_held_by_others(held))
         return True
 
-    def _pages_held_by_others(self, session: Session) -> int:
-        """How many leading pages of `session`'s turn another open session of its namespace
-        holds too (whose raised retention must outlive this one's)."""
-        mine = np.asarray(session.tokens, dtype=np.int64)
+    def _pages_held_by_others(self, held: Held) -> int:
+        """How many leading pages of `held`'s tokens another open entry of its namespace holds
+        too (whose raised retention must outlive this one's)."""
+        mine = np.asarray(held.tokens, dtype=np.int64)
         keep = 0
         for other in self._open.values():
-            if other.namespace != session.namespace:
+            if other.namespace != held.namespace:
                 continue
             theirs = np.asarray(other.tokens, dtype=np.int64)
             shared = common_prefix_len(mine, theirs)
-            # Where one turn ends inside the page the shared tokens reach, that page is the
+            # Where one span ends inside the page the shared tokens reach, that page is the
             # other's (a full page supersedes a partial leaf): it is held too.
             ends_inside = shared in (len(mine), len(theirs))
             keep = max(keep, -(-shared // self.page_size) if ends_inside else shared // self.page_size)

@@ -61,7 +61,7 @@ from radixserve.server.protocol import (
 )
 from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
 from radixserve.server.structured import carries_constraint, grammar_error
-from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller, check_retention
+from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_calls, completion_prompts
@@ -179,9 +179,7 @@ class OpenAIServer:
         call = await self._check(caller, schemas, lambda: chat_call(
             body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
             tools.grammar, WorkLimit(self.max_request_tokens)))
-        _as_caller([call], caller, "retention_priority")
-        if call.prefix_retention is not None:
-            check_retention(caller, call.prefix_retention[1], "system_retention_priority")
+        _as_caller([call], caller)
         await self._compile_grammar([call])
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
@@ -204,7 +202,7 @@ class OpenAIServer:
         limit = WorkLimit(self.max_request_tokens, len(prompts))
         calls = await self._check(caller, carries_constraint(body), lambda: completion_calls(
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
-        _as_caller(calls, caller, "retention_priority")
+        _as_caller(calls, caller)
         await self._compile_grammar(calls)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
@@ -255,7 +253,7 @@ class OpenAIServer:
             call.prompt_ids, call.params, request_id=request_id if len(calls) == 1 else f"{request_id}-{i}",
             priority=call.priority, cache_salt=call.cache_salt, retention=call.retention,
             prefix_retention=call.prefix_retention, session_id=call.session_id, tenant=call.tenant,
-            priority_across_tenants=call.priority_across_tenants)
+            admin=call.admin)
             for i, call in enumerate(calls)]
         handed_over = False
         try:
@@ -492,12 +490,11 @@ async def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
                        code="invalid_json") from exc
 
 
-def _as_caller(calls: list[EngineCall], caller: Caller, retention_param: str) -> None:
-    """The calls run as `caller`'s: its tenant, its priority across tenants if an admin, and a
-    403 for a retention it may not ask for (`check_retention`)."""
+def _as_caller(calls: list[EngineCall], caller: Caller) -> None:
+    """The calls run as `caller`'s: its tenant, and whether an admin sent them (whose priority
+    orders every tenant's requests and whose raised retention is not held to a share)."""
     for call in calls:
-        check_retention(caller, call.retention, retention_param)
-        call.tenant, call.priority_across_tenants = caller.tenant, caller.admin
+        call.tenant, call.admin = caller.tenant, caller.admin
 
 
 def _json(value: Any) -> Response:

@@ -23,7 +23,6 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixserve.cache.retention import DEFAULT_PRIORITY, Retention
 from radixserve.engine.request import tenant_of
 from radixserve.server.errors import APIError
 
@@ -50,19 +49,6 @@ class Caller:
 
 
 SINGLE_TENANT = Caller(tenant=None, admin=True)
-
-
-def check_retention(caller: Caller, retention: Retention | None, param: str) -> None:
-    """A 403 when a tenant that is not an admin asks for pages kept ahead of the default
-    priority. Retention priorities order every tenant's pages in one pool: a tenant's raised
-    pages would push out other tenants' ordinary cache for as long as it resends them (a
-    flood at 100 pins the pool). Tenants keep conversations ahead of ordinary cache with
-    `session_id`, whose raised tokens are bounded and shared fairly between tenants; a lower
-    priority than the default only costs the tenant itself, so it stays allowed."""
-    if not caller.admin and retention is not None and retention.priority > DEFAULT_PRIORITY:
-        raise APIError(403, f"{param}: above {DEFAULT_PRIORITY} is for admin keys on a server with tenants "
-                            "(it would push out other tenants' cache); use session_id to keep a conversation",
-                       param=param, code="admin_only", error_type="permission_error")
 
 
 def admin_only(caller: Caller) -> Caller:

@@ -37,7 +37,7 @@ class EngineCall:
     prefix_retention: tuple[int, Retention] | None
     session_id: str | None
     tenant: str | None = None  # set by the server from the request's API key
-    priority_across_tenants: bool = False  # an admin's priority orders other tenants' requests too
+    admin: bool = False  # sent with an admin key (Request.admin)
     grammar_param: str | None = None  # the request field params.grammar came from
 
 
