@@ -15,7 +15,7 @@ import pytest
 
 from radixserve import Engine, SamplingParams
 from radixserve.cache.retention import Retention
-from radixserve.engine.sessions import Held, SessionTable
+from radixserve.engine.sessions import MAX_OPEN_PER_TENANT, Held, SessionTable
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 FILLER = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -239,3 +239,17 @@ def test_a_tenants_raised_retention_pins_at_most_its_share_of_the_pool(tiny_llam
     assert admin == [0, 0, 0, 0]
     assert held == [2 * 20] * 4
     assert tenant_engine.sessions.tenant_tokens("mallory") <= 64 * 4 // 2
+
+
+def test_a_tenant_keeps_at_most_its_entry_bound_open_and_ends_only_its_own() -> None:
+    """Ending an entry compares it with its tenant's others on the engine's thread: a tenant
+    opening thousands of tiny sessions ends its own least recently active ones past
+    MAX_OPEN_PER_TENANT, and another tenant's entries stay."""
+    sessions, recorder = table(10**6)
+    open_turn(sessions, "b", "mine", [7] * 8)
+    for i in range(MAX_OPEN_PER_TENANT + 10):
+        open_turn(sessions, "a", f"s{i}", [i, i + 1])
+    assert [toks for _, toks, _ in recorder.ended] == [[i, i + 1] for i in range(10)]
+    assert len(sessions) == MAX_OPEN_PER_TENANT + 1 and sessions.tenant_tokens("b") == 8
+    sessions.add_holds(sessions.begin_holds([([5] * 4, Retention(80))], "ns", "a"), "ns")  # a held span counts too
+    assert recorder.ended[-1][1] == [10, 11] and sessions.held_spans == 1

@@ -28,6 +28,7 @@ then stay at the ended entry's priority until it would have decayed, at most `tt
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import time
@@ -44,6 +45,10 @@ from radixserve.engine.policy import common_prefix_len
 
 SESSION_PRIORITY = 90  # an open session's latest turn outranks ordinary cache (35)
 SESSION_SWEEP_S = 1.0  # how often idle entries are looked for
+# Open entries (sessions and held spans) a tenant may have: past it its least recently active
+# end. Ending one compares it with its tenant's other entries on the engine's thread, so a
+# tenant opening thousands of tiny ones would slow every step (20,000: 0.1 s an end).
+MAX_OPEN_PER_TENANT = 256
 
 # (tenant, what is raised): a session id, or a held span's HeldSpanKey. Either is its tenant's own.
 HoldKey = tuple[str | None, Hashable]
@@ -70,6 +75,11 @@ class Held:
     tenant: str | None = None
     priority: int = SESSION_PRIORITY
     duration_s: float = float("inf")
+
+    @functools.cached_property
+    def array(self) -> np.ndarray:
+        """`tokens` as an array (compared with other entries' whenever one ends)."""
+        return np.asarray(self.tokens, dtype=np.int64)
 
     @property
     def deadline(self) -> float:
@@ -111,12 +121,14 @@ def hold_raised(retention: Retention | None, prefix_retention: tuple[int, Retent
 
 
 class SessionTable:
-    """Open sessions and held spans, least recently active first, bounded by time and by
-    raised tokens.
+    """Open sessions and held spans, each tenant's least recently active first, bounded by
+    time, by raised tokens and by MAX_OPEN_PER_TENANT entries a tenant.
 
     `demote(entry, keep_pages)` is called for every entry that ends (expired, closed,
-    replaced by a newer turn, or pushed out by the token bound): the engine lowers its pages'
+    replaced by a newer turn, or pushed out by a bound): the engine lowers its pages'
     retention, except the first `keep_pages` pages, which another open entry holds too.
+    The work an entry's end costs (it runs on the engine's thread) grows with its tenant's
+    open entries alone, which the entry bound keeps small.
     """
 
     def __init__(self, ttl_s: float, max_tokens: int, demote: Demote,
@@ -126,9 +138,9 @@ class SessionTable:
         self.page_size = page_size
         self._demote = demote
         self._clock = clock
-        self._open: OrderedDict[HoldKey, Held] = OrderedDict()
+        self._open: dict[str | None, OrderedDict[HoldKey, Held]] = {}  # per tenant holding any
         self._tokens = 0
-        self._tenant_tokens: dict[str | None, int] = {}  # raised tokens per tenant with open entries
+        self._tenant_tokens: dict[str | None, int] = {}  # raised tokens per tenant holding any
         self._sessions = 0  # entries that are sessions (the rest are held spans)
         # (deadline, count, key) of every entry opened; renewed or ended ones are skipped later
         self._deadlines: list[tuple[float, int, HoldKey]] = []
@@ -150,7 +162,7 @@ class SessionTable:
     @property
     def held_spans(self) -> int:
         """Open held spans."""
-        return len(self._open) - self._sessions
+        return sum(len(entries) for entries in self._open.values()) - self._sessions
 
     @property
     def tokens(self) -> int:
@@ -162,12 +174,17 @@ class SessionTable:
         return self._tenant_tokens.get(tenant, 0)
 
     def reserve(self, keys: Sequence[HoldKey], num_tokens: int, tenant: str | None = None) -> None:
-        """Before `num_tokens` more of `tenant` are raised in the tree under `keys`: what those
-        keys raised before ends, and while the new tokens would exceed the bound, other
-        entries end (`_victim` picks which; a single entry longer than the bound stays alone)."""
+        """Before `num_tokens` more of `tenant` are raised in the tree under `keys` (new
+        entries of that tenant): what those keys raised before ends, the tenant's least
+        recently active entries end past MAX_OPEN_PER_TENANT, and while the new tokens would
+        exceed the bound, other entries end (`_victim` picks which; a single entry longer
+        than the bound stays alone)."""
         self.expire()
         for key in keys:
             self._end(key)
+        mine = self._open.get(tenant, {})
+        while mine and len(mine) + len(keys) > MAX_OPEN_PER_TENANT:
+            self._end(next(iter(mine)))
         while self._tokens + num_tokens > self.max_tokens:
             victim = self._victim(tenant, num_tokens)
             if victim is None:
@@ -188,7 +205,7 @@ class SessionTable:
         top = max(holders, key=lambda t: (usage[t], t == tenant))
         if top != tenant and usage[top] * len(usage) <= self.max_tokens:
             return None
-        return next(key for key in self._open if key[0] == top)
+        return next(iter(self._open[top]))
 
     def begin_turn(self, session_id: str, num_tokens: int, tenant: str | None = None) -> tuple[int, int, Retention]:
         """Makes room for a new latest turn of `num_tokens` computed tokens (`reserve`); returns
@@ -211,7 +228,7 @@ class SessionTable:
         entry of the same span if there is one (`reserve`). Returns what to raise in the tree,
         for as long as the retention asks but at most the TTL; `add_holds` them once inserted."""
         share = self.max_tokens // len(self._tenant_tokens.keys() | {tenant})
-        pending = []
+        pending: list[PendingHold] = []
         for tokens, retention in spans:
             cut = [int(t) for t in tokens[:share]]
             if not cut:
@@ -231,11 +248,11 @@ class SessionTable:
                                             hold.retention.priority, hold.retention.duration_s or self.ttl_s))
 
     def _open_entry(self, key: HoldKey, held: Held) -> None:
-        self._open[key] = held
-        self._opened += 1
-        heapq.heappush(self._deadlines, (held.deadline, self._opened, key))
+        self._open.setdefault(held.tenant, OrderedDict())[key] = held
         self._tokens += len(held.tokens)
         self._tenant_tokens[held.tenant] = self._tenant_tokens.get(held.tenant, 0) + len(held.tokens)
+        self._opened += 1
+        heapq.heappush(self._deadlines, (held.deadline, self._opened, key))
 
     def close(self, session_id: str, tenant: str | None = None) -> bool:
         """Ends `tenant`'s session now; False if it was not open (or had expired) — which is
@@ -255,34 +272,34 @@ class SessionTable:
         self.last_sweep = now
         while self._deadlines and self._deadlines[0][0] < now:
             deadline, _, key = heapq.heappop(self._deadlines)
-            held = self._open.get(key)
+            held = self._open.get(key[0], {}).get(key)
             if held is not None and held.deadline == deadline:  # else renewed since, or ended
                 self._end(key)
 
     def _end(self, key: HoldKey) -> bool:
-        held = self._open.pop(key, None)
+        entries = self._open.get(key[0])
+        held = None if entries is None else entries.pop(key, None)
         if held is None:
             return False
         if not isinstance(key[1], HeldSpanKey):
             self._sessions -= 1
         self._tokens -= len(held.tokens)
-        left = self._tenant_tokens[held.tenant] - len(held.tokens)
-        if left or any(k[0] == held.tenant for k in self._open):
-            self._tenant_tokens[held.tenant] = left
+        if entries:
+            self._tenant_tokens[held.tenant] -= len(held.tokens)
         else:
-            del self._tenant_tokens[held.tenant]
+            del self._open[held.tenant], self._tenant_tokens[held.tenant]
         self._demote(held, self._pages_held_by_others(held))
         return True
 
     def _pages_held_by_others(self, held: Held) -> int:
         """How many leading pages of `held`'s tokens another open entry of its namespace holds
-        too (whose raised retention must outlive this one's)."""
-        mine = np.asarray(held.tokens, dtype=np.int64)
+        too (whose raised retention must outlive this one's). A namespace is one tenant's."""
+        mine = held.array
         keep = 0
-        for other in self._open.values():
-            if other.namespace != held.namespace:
-                continue
-            theirs = np.asarray(other.tokens, dtype=np.int64)
+        for other in self._open.get(held.tenant, {}).values():
+            if other.namespace != held.namespace or other.tokens[0] != held.tokens[0]:
+                continue  # (nothing shared: a quick look first)
+            theirs = other.array
             shared = common_prefix_len(mine, theirs)
             # Where one span ends inside the page the shared tokens reach, that page is the
             # other's (a full page supersedes a partial leaf): it is held too.
