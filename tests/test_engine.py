@@ -82,6 +82,7 @@ def test_cache_hit_path_equals_transformers_and_stored_kv_is_factual(ckpt: Path)
 def test_multi_turn_reports_previous_conversation_cached(ckpt: Path, partial: bool) -> None:
     engine = make_engine(ckpt, page_size=4, cache_partial_pages=partial)
     conversation = list(range(100, 131))
+    previous_computed = 0  # what the turn before computed (none before the first)
     for turn in range(4):
         out = engine.generate([conversation], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
         if turn > 0:

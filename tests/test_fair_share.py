@@ -148,7 +148,7 @@ def test_a_flooding_tenant_neither_delays_nor_changes_an_innocent_one(engine_kwa
         runs[fair] = innocent_run(engine, tenant="innocent")
     for tokens, _, _ in runs.values():
         assert tokens == alone[0]
-    (_, first, last), (_, unfair_first, unfair_last) = runs[True], runs[False]
+    (_, first, last), (_, unfair_first, _) = runs[True], runs[False]
     # It is admitted within a few steps, beside the flood: once the flood's counter is a
     # step's prefill (the preemption margin, 128 tokens here) ahead of its own, which the
     # flood's 16 running samples take 4 decode steps to reach; then a token a step.

@@ -37,7 +37,7 @@ def test_preemption_into_the_host_tier_is_token_identical_and_recomputes_less(ti
         assert stats["preemptions"] > 0
         assert 0 <= stats["recomputed_tokens"] < stats["computed_tokens"]
         shares[host_pages] = stats["recomputed_tokens"] / stats["computed_tokens"], stats
-    (without, plain), (with_host, tiered) = shares[0], shares[512]
+    (without, _), (with_host, tiered) = shares[0], shares[512]
     assert without > 0  # the device alone drops a preempted sequence's pages under pressure
     assert tiered["cache_loaded_pages"] > 0
     assert with_host < without / 2
