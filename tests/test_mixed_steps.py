@@ -191,3 +191,46 @@ def test_a_fair_share_claim_beside_decoding_streams_keeps_them_in_the_step() -> 
         engine.step()
     assert steps == [(20, 20, [3])] * 12
     assert engine.scheduler.counters.fair_preemptions == 0
+
+
+def test_a_step_that_keeps_a_newcomers_first_chunk_is_capped_too() -> None:
+    """A tenant's long prompt takes whole steps; another tenant's request arrives, level with
+    it: the next step keeps the newcomer's 5 tokens (its claim) and, since the newcomer waits
+    for that step's output as a decoding stream would, caps the step's prefill at 8."""
+    scheduler = make_scheduler(mixed_prefill_tokens=8)
+    for request_id, tokens in (("long", list(range(10, 110))), ("new", [1, 2, 3, 4, 5])):
+        queue(scheduler, request_id, tokens).request.tenant = request_id
+        scheduler.fair.arrive(request_id)
+        if request_id == "long":
+            assert run(scheduler) == [("long", 64)]
+    assert run(scheduler) == [("long", 3), ("new", 5)]
+    assert run(scheduler) == [("long", 7), ("new", 1)]  # then the cap beside a decode
+
+
+def test_a_claim_keeps_its_chunks_cost_when_attention_is_counted() -> None:
+    """With a key at 1/4 of a token, the newcomer's 6 tokens cost 6 + 21/4, more than the cap
+    of 8: its chunk is what 8 affords, 4 tokens (6.5), taken first; the long prompt's chunk
+    gets the rest (1.5: its least chunk, a token, which costs 17 that deep in its context).
+    Counted in tokens, the claim took 6 of the 8 and the newcomer's chunk came short."""
+    scheduler = make_scheduler(mixed_prefill_tokens=8)
+    scheduler.chunk_cost = ChunkCost(key_cost=1 / 4)
+    for request_id, tokens in (("long", list(range(10, 110))), ("new", [1, 2, 3, 4, 5, 6])):
+        queue(scheduler, request_id, tokens).request.tenant = request_id
+        scheduler.fair.arrive(request_id)
+        if request_id == "long":
+            assert run(scheduler) == [("long", 64)]
+    assert run(scheduler) == [("long", 1), ("new", 4)]
+
+
+def test_a_chunk_that_overspends_the_cap_leaves_the_claim_whole() -> None:
+    """A key at 1/16: the long prompt's least chunk (a token, 5 + 1/16 deep in its context)
+    costs more than the 2 the claim left of the cap; the claim's 5 + 15/16 stay whole for the
+    newcomer, whose whole first chunk runs in the step."""
+    scheduler = make_scheduler(mixed_prefill_tokens=8)
+    scheduler.chunk_cost = ChunkCost(key_cost=1 / 16)
+    for request_id, tokens in (("long", list(range(10, 110))), ("new", [1, 2, 3, 4, 5])):
+        queue(scheduler, request_id, tokens).request.tenant = request_id
+        scheduler.fair.arrive(request_id)
+        if request_id == "long":
+            assert run(scheduler) == [("long", 64)]
+    assert run(scheduler) == [("long", 1), ("new", 5)]

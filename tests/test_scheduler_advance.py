@@ -83,3 +83,23 @@ def test_pages_that_leave_the_window_are_released_and_returned() -> None:
 def test_advance_of_no_chunks_does_nothing() -> None:
     scheduler = make_scheduler()
     assert scheduler.advance([], lambda seq: None) == []
+
+
+def test_a_cached_prefix_is_not_room_for_the_request_that_extends_it() -> None:
+    """16 pages: a finished 32-token prompt leaves 8 cached pages, a running one holds the
+    other 8. Extending the cached prompt by 8 tokens needs 2 more pages; the 8 evictable ones
+    are its own prefix, which admitting it locks: no room (counted as room, a claim on them
+    failed step after step)."""
+    scheduler = make_scheduler()
+    done = queue(scheduler, "done", list(range(1, 33)))
+    scheduler.advance(scheduler.schedule(), lambda seq: None)
+    scheduler.finish(done)
+    busy = queue(scheduler, "busy", list(range(100, 132)))
+    scheduler.advance(scheduler.schedule(), lambda seq: None)
+    assert busy in scheduler.running and scheduler.pool.num_free == 0 and scheduler.tree.evictable_pages == 8
+    longer = list(range(1, 33)) + list(range(40, 48))
+    match = scheduler.tree.match(longer[:-1], None, update=False)
+    assert len(match.pages) == 8
+    assert not scheduler.pages.may_fit([len(longer)], [match], 64, reserve=0)
+    other = scheduler.tree.match([7, 7, 7], None, update=False)  # unrelated: the 8 pages are room for it
+    assert scheduler.pages.may_fit([12], [other], 64, reserve=0)

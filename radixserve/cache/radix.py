@@ -308,6 +308,15 @@ class RadixTree:
             self._host_tier.requeue(node, now)
 
     # ------------------------------------------------------------------ locks
+    def unlocked_pages(self, node: RadixNode) -> int:
+        """Device pages of `node` and its ancestors that no lock holds: counted in
+        `evictable_pages` until `lock(node)` takes them out of it."""
+        count = 0
+        while node is not None and node.lock_ref == 0:  # a locked node's ancestors are locked too
+            count += len(node.pages)
+            node = node.parent
+        return count
+
     def lock(self, node: RadixNode) -> None:
         """Protects `node` and its ancestors from eviction (on either tier) until `unlock`."""
         if node.parent is None and not node.is_root:

@@ -24,6 +24,7 @@ running order is the scheduler's plain priority-then-arrival order).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from radixserve.engine.request import SequenceState
@@ -36,6 +37,16 @@ OUTPUT_WEIGHT = 2.0
 PREEMPT_MARGIN = 2048.0
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A waiting tenant's claim on the next step (`FairShare.claimant`): its first chunk is
+    kept in the step, and with `preempts` the running tenant's sequences make room for it."""
+
+    waiting_tenant: Hashable
+    running_tenant: Hashable
+    preempts: bool
 
 
 class FairShare:
@@ -87,30 +98,43 @@ class FairShare:
                                  + self.output_weight * output_tokens)
 
     def charge_chunk(self, seq: SequenceState, num_new: int) -> None:
-        """Charges a computed chunk of `seq` (its `num_new` tokens before num_computed moved):
-        a decode step is one output token; anything else (a prompt, a recomputation after
-        preemption) is input."""
+        """Charges a computed chunk of `seq` (its `num_new` new tokens, before num_computed
+        moved; the scheduler leaves out what a preemption threw away): a decode step is one
+        output token; anything else (a prompt) is input."""
         decoding = num_new == 1 and seq.num_computed >= len(seq.request.prompt_ids)
         if decoding:
             self.charge(seq.request.tenant, output_tokens=1)
         else:
             self.charge(seq.request.tenant, input_tokens=num_new)
 
-    def claimant(self, waiting: Sequence[SequenceState],
-                 running: Sequence[SequenceState]) -> tuple[Hashable, Hashable] | None:
-        """(waiting tenant, running tenant) when the least-served tenant with a waiting
-        sequence is more than `preempt_margin` behind the most-served tenant with running
-        ones: the scheduler then preempts the latter's sequences to admit the former's
-        (admission alone would wait for a flood's generations to end). None otherwise, and
-        always with fewer than two backlogged tenants."""
+    def claimant(self, waiting: Sequence[SequenceState], running: Sequence[SequenceState]) -> Claim | None:
+        """A claim of a waiting tenant on the most-served tenant with running sequences: the
+        scheduler keeps the waiting tenant's first chunk in the next step (else a running
+        tenant's long prefill, which takes every step's whole budget, holds it until its
+        last chunk). The least-served waiting tenant claims where the running one is more
+        than `preempt_margin` ahead of it, and the claim preempts (admission alone would wait
+        for a flood's generations to end; the margin keeps two backlogged tenants from
+        preempting each other in turns). Else the least-served tenant that waits with nothing
+        running claims if it is not ahead, without preempting: a newcomer, lifted to the
+        running tenant's counter on arrival, is not held for the steps the margin takes.
+        None otherwise, and always with fewer than two backlogged tenants."""
         if not self.enabled or len(self._backlog) < 2 or not waiting or not running:
             return None
         counter = self.counters.get
-        least = min({s.request.tenant for s in waiting}, key=lambda t: (counter(t, 0.0), _name(t)))
-        most = max({s.request.tenant for s in running}, key=lambda t: (counter(t, 0.0), _name(t)))
-        if most == least or counter(most, 0.0) - counter(least, 0.0) <= self.preempt_margin:
+        key = lambda t: (counter(t, 0.0), _name(t))  # noqa: E731
+        serving = {s.request.tenant for s in running}
+        most = max(serving, key=key)
+        others = {s.request.tenant for s in waiting} - {most}  # (a claim on itself would change nothing)
+        if not others:
             return None
-        return least, most
+        least = min(others, key=key)
+        if counter(most, 0.0) - counter(least, 0.0) > self.preempt_margin:
+            return Claim(least, most, preempts=True)
+        idle = others - serving
+        if not idle:
+            return None
+        least = min(idle, key=key)
+        return Claim(least, most, preempts=False) if counter(least, 0.0) <= counter(most, 0.0) else None
 
     # ------------------------------------------------------------------ orders
     def order_waiting(self, waiting: Sequence[SequenceState],

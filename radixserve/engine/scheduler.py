@@ -94,17 +94,19 @@ class Scheduler:
         """Picks the next step's chunks and makes sure their pages exist."""
         chunks: list[ScheduledChunk] = []
         # Tokens of this step kept for a waiting tenant's claim (`_make_room_fairly`): the
-        # running units take what is left, admission (fair order: the claimant first) the rest.
-        # The claim comes out of both budgets, and is no larger than the step's prefill cap:
-        # the claimant's first chunk cannot use more, and the rest would only keep the running
-        # units' decodes out of the step.
-        claim = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
-        cap = self._prefill_cap()
+        # claimant is admitted first with its first chunk, the running units take what is left
+        # and admission (fair order) the rest. The claim comes out of both budgets, and is no
+        # larger than the step's prefill cap: the claimant's first chunk cannot use more, and
+        # the rest would only keep the running units' decodes out of the step.
+        claim, claimant = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
+        cap = self._prefill_cap(claiming=claim > 0)
         self._step_cost = self.chunk_cost if cap < self.max_batch_tokens else None
-        claimed = min(claim, cap)
-        budget = self.max_batch_tokens - claimed
-        prefill = cap - claimed
         ordered = self.fair.order_running(self._running_units(), lambda s: (-s.priority, s.arrival_time, s.seq_id))
+        claimed_work = self._admit_claimant(claimant, min(claim, cap), cap) if claim else []
+        claimed = sum(c.num_new for c in claimed_work)
+        claimed_cost = self._prefill_spent(claimed_work)
+        budget = self.max_batch_tokens - claimed
+        prefill = cap - claimed_cost
         while ordered and budget > 0:
             unit = ordered.pop(0)
             if not all(self._loaded(seq) for seq in unit):
@@ -131,47 +133,65 @@ class Scheduler:
                 chunks.extend(work)
                 budget -= sum(c.num_new for c in work)
                 prefill -= self._prefill_spent(work)
-        budget += claimed
-        prefill += claimed
+        chunks.extend(claimed_work)
         if budget > 0 and prefill > 0:
             chunks.extend(self._admit(budget, prefill))
         return chunks
 
-    def _prefill_cap(self) -> int:
+    def _admit_claimant(self, head: SequenceState, tokens: int, cap: int) -> list[ScheduledChunk]:
+        """Admits a claimant's unit now with its first chunks, within `tokens` and their cost
+        (at most the cap); nothing when its pages cannot be had after all. Admitted before the
+        running units pick their chunks, so that a claim that cannot be had keeps nothing from
+        them (kept for a claimant that then failed, it starved them step after step)."""
+        unit = list(head.request.beam.running) if head.request.beam is not None else [head]
+        cost = tokens if self._step_cost is None else min(self._step_cost.of(head.num_tokens - tokens, tokens), cap)
+        reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
+        work = self._take_unit(unit, tokens, cost, reserve)
+        if work is None:
+            return []
+        self._start(head, unit)
+        return work
+
+    def _prefill_cap(self, claiming: bool = False) -> int:
         """The prompt tokens this step may run. While sequences decode (one token left to run:
         each waits for the step), enough to bring the step to a multiple of
         `mixed_prefill_tokens`, and at least half of it: the pause a prefill adds to a decode
         step stays bounded, the step's rows fill whole tiles of the linear kernels (8 decodes
         and 128 prompt tokens would pass over the weights a third time for 8 rows), and many
         decoding streams cannot starve a prompt (127 decodes: 129 prompt tokens, not 1).
-        Else the whole budget."""
+        A step `claiming` tokens for a waiting tenant's first chunk is capped alike: that
+        tenant waits for the step's output as a decoding stream does (beside another tenant's
+        long prefill, a whole budget's step took seconds on a CPU). Else the whole budget."""
         cap = self.mixed_prefill_tokens
         decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
-        if cap is None or cap >= self.max_batch_tokens or not decoding:
+        if cap is None or cap >= self.max_batch_tokens or not (decoding or claiming):
             return self.max_batch_tokens  # (a cap of the whole budget: the decodes count in it already)
         fill = cap - decoding % cap
         return min(fill if 2 * fill >= cap else fill + cap, self.max_batch_tokens)
 
-    def _make_room_fairly(self) -> int:
-        """Preempts the least important running units of a tenant served well ahead of a
-        waiting one (FairShare.claimant) until the waiting tenant's next sequence fits: else
-        a flood's long generations would run to their end first. Returns the tokens of this
-        step to keep for that sequence's first chunk: room in slots and pages is not enough
-        when the running tenant's long prefill takes every step's whole token budget (the
-        waiting tenant would wait for all of its chunks). Runs before chunks are picked."""
+    def _make_room_fairly(self) -> tuple[int, SequenceState | None]:
+        """The tokens of this step to keep for the first chunk of a waiting tenant served no
+        more than a running one (FairShare.claimant), and its sequence to admit first: room in
+        slots and pages is not enough when the running tenant's long prefill takes every
+        step's whole token budget (the waiting tenant would wait for all of its chunks).
+        Where the running tenant is served well ahead, first preempts its least important
+        units until the waiting tenant's next sequence fits: else a flood's long generations
+        would run to their end first. Runs before chunks are picked."""
         claim = self.fair.claimant(self.waiting, self.running)
         if claim is None:
-            return 0
-        waiting_tenant, victim_tenant = claim
+            return 0, None
         now = self.clock()
-        head = self.policy.order([s for s in self.waiting if s.request.tenant == waiting_tenant], self.tree, now)[0]
+        head = self.policy.order([s for s in self.waiting if s.request.tenant == claim.waiting_tenant],
+                                 self.tree, now)[0]
         unit = list(head.request.beam.running) if head.request.beam is not None else [head]
-        victims = [u for u in self._running_units() if u[0].request.tenant == victim_tenant]
-        victims.sort(key=lambda u: (-u[0].priority, u[0].arrival_time, u[0].seq_id))
-        while victims and not self._room_for(unit):
-            self.preempt_unit(victims.pop())
-            self.counters.fair_preemptions += 1
-        return self._claimed_tokens(unit, now - head.arrival_time > self.policy.max_wait_s, victim_tenant)
+        if claim.preempts:  # only units past their prompts: a prefill preempted is thrown away
+            victims = [u for u in self._running_units() if u[0].request.tenant == claim.running_tenant
+                       and all(s.num_tokens - s.num_computed <= 1 for s in u)]
+            victims.sort(key=lambda u: (-u[0].priority, u[0].arrival_time, u[0].seq_id))
+            while victims and not self._room_for(unit):
+                self.preempt_unit(victims.pop())
+                self.counters.fair_preemptions += 1
+        return self._claimed_tokens(unit, now - head.arrival_time > self.policy.max_wait_s, claim.running_tenant), head
 
     def _claimed_tokens(self, unit: list[SequenceState], aged: bool, victim_tenant: Hashable) -> int:
         """The tokens of this step to keep for a claimant's unit: its first chunks (its
@@ -243,6 +263,7 @@ class Scheduler:
                    for c in work if c.prefills)
 
     def _admit(self, budget: int, prefill: float) -> list[ScheduledChunk]:
+        """Admits waiting sequences in the fair order while the step has tokens and room."""
         chunks: list[ScheduledChunk] = []
         if not self.waiting:
             return chunks
@@ -272,18 +293,22 @@ class Scheduler:
             work = self._take_unit(unit, budget, prefill, reserve)
             if work is None:
                 break
-            if seq.request.cached_tokens is None:  # first admission: what the caller is told
-                seq.request.cached_tokens = seq.num_computed
-                seq.request.host_cached_tokens = seq.loaded_tokens
-            for member in unit:
-                self.waiting.remove(member)
-                self.running.append(member)
-                admitted.add(member.seq_id)
-            self.counters.admitted += 1
+            self._start(seq, unit)
+            admitted.update(member.seq_id for member in unit)
             chunks.extend(work)  # members loading from the host run once their copy is done
             budget -= sum(c.num_new for c in work)
             prefill -= self._prefill_spent(work)
         return chunks
+
+    def _start(self, seq: SequenceState, unit: list[SequenceState]) -> None:
+        """Moves an admitted unit (`seq` and its beam siblings) from waiting to running."""
+        if seq.request.cached_tokens is None:  # first admission: what the caller is told
+            seq.request.cached_tokens = seq.num_computed
+            seq.request.host_cached_tokens = seq.loaded_tokens
+        for member in unit:
+            self.waiting.remove(member)
+            self.running.append(member)
+        self.counters.admitted += 1
 
     def _take_unit(self, unit: list[SequenceState], budget: int, prefill: float,
                    reserve: int) -> list[ScheduledChunk] | None:
@@ -340,8 +365,10 @@ class Scheduler:
         released: list[int] = []
         for chunk in chunks:
             seq, last = chunk.seq, chunk.needs_logits  # needs_logits reads num_computed: first
-            self.fair.charge_chunk(seq, chunk.num_new)
-            self._count_computed(seq, chunk.num_new)
+            recomputed = self._count_computed(seq, chunk.num_new)
+            # What a preemption threw away is not service: charged, two tenants whose prompts
+            # could not both fit preempted each other for ever, each recomputing its prompt.
+            self.fair.charge_chunk(seq, chunk.num_new - recomputed)
             seq.num_computed += chunk.num_new
             if chunk.num_new > 1:
                 req = seq.request
@@ -351,13 +378,16 @@ class Scheduler:
                 on_last_token(seq)
         return released
 
-    def _count_computed(self, seq: SequenceState, num_new: int) -> None:
+    def _count_computed(self, seq: SequenceState, num_new: int) -> int:
         """Counts a chunk of `num_new` tokens from `seq.num_computed` on; the part below the
-        most the sequence ever had computed was thrown away by a preemption and is recomputed."""
+        most the sequence ever had computed was thrown away by a preemption and is recomputed.
+        Returns that part."""
         end = seq.num_computed + num_new
+        recomputed = max(0, min(end, seq.computed_high) - seq.num_computed)
         self.counters.computed_tokens += num_new
-        self.counters.recomputed_tokens += max(0, min(end, seq.computed_high) - seq.num_computed)
+        self.counters.recomputed_tokens += recomputed
         seq.computed_high = max(seq.computed_high, end)
+        return recomputed
 
     # ------------------------------------------------------------------ lifecycle
     def preempt(self, seq: SequenceState) -> None:

@@ -49,14 +49,19 @@ class SequencePages:
                 reserve: int) -> bool:
         """Whether the pages an admission of sequences of `num_tokens` tokens needs for their
         first chunks could be had at all (free + evictable); a prefix found on the host needs
-        device pages too, loaded or recomputed."""
+        device pages too, loaded or recomputed. The matched prefixes' own pages are not
+        supply: taking them locks them (else a claimant whose cached prefix was all that was
+        evictable looked admissible, failed, and its claim starved the running step after
+        step)."""
         needed = 0
+        taken = 0
         for tokens, match in zip(num_tokens, cached):
             hit = match.cached_tokens if match else 0
             num_new = min(tokens - hit, budget)
             budget -= num_new
             needed += math.ceil((hit + num_new) / self.page_size) - (len(match.pages) if match else 0)
-        return needed + reserve <= self.pool.num_free + self.tree.evictable_pages
+            taken = max(taken, self.tree.unlocked_pages(match.node) if match else 0)
+        return needed + reserve <= self.pool.num_free + self.tree.evictable_pages - taken
 
     def take_cached_prefix(self, seq: SequenceState) -> None:
         """Locks the sequence's longest cached prefix and takes its pages.
