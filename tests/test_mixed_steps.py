@@ -193,16 +193,22 @@ def test_a_fair_share_claim_beside_decoding_streams_keeps_them_in_the_step() -> 
     assert engine.scheduler.counters.fair_preemptions == 0
 
 
+def long_prompt_then_newcomer(scheduler: Scheduler, new: list[int]) -> None:
+    """Tenant "long" sends a 100-token prompt, which takes the first step whole; then tenant
+    "new" sends `new`, lifted to its counter on arrival."""
+    for request_id, tokens in (("long", list(range(10, 110))), ("new", new)):
+        queue(scheduler, request_id, tokens).request.tenant = request_id
+        scheduler.fair.arrive(request_id)
+        if request_id == "long":
+            assert run(scheduler) == [("long", 64)]
+
+
 def test_a_step_that_keeps_a_newcomers_first_chunk_is_capped_too() -> None:
     """A tenant's long prompt takes whole steps; another tenant's request arrives, level with
     it: the next step keeps the newcomer's 5 tokens (its claim) and, since the newcomer waits
     for that step's output as a decoding stream would, caps the step's prefill at 8."""
     scheduler = make_scheduler(mixed_prefill_tokens=8)
-    for request_id, tokens in (("long", list(range(10, 110))), ("new", [1, 2, 3, 4, 5])):
-        queue(scheduler, request_id, tokens).request.tenant = request_id
-        scheduler.fair.arrive(request_id)
-        if request_id == "long":
-            assert run(scheduler) == [("long", 64)]
+    long_prompt_then_newcomer(scheduler, [1, 2, 3, 4, 5])
     assert run(scheduler) == [("long", 3), ("new", 5)]
     assert run(scheduler) == [("long", 7), ("new", 1)]  # then the cap beside a decode
 
@@ -214,11 +220,7 @@ def test_a_claim_keeps_its_chunks_cost_when_attention_is_counted() -> None:
     Counted in tokens, the claim took 6 of the 8 and the newcomer's chunk came short."""
     scheduler = make_scheduler(mixed_prefill_tokens=8)
     scheduler.chunk_cost = ChunkCost(key_cost=1 / 4)
-    for request_id, tokens in (("long", list(range(10, 110))), ("new", [1, 2, 3, 4, 5, 6])):
-        queue(scheduler, request_id, tokens).request.tenant = request_id
-        scheduler.fair.arrive(request_id)
-        if request_id == "long":
-            assert run(scheduler) == [("long", 64)]
+    long_prompt_then_newcomer(scheduler, [1, 2, 3, 4, 5, 6])
     assert run(scheduler) == [("long", 1), ("new", 4)]
 
 
@@ -228,9 +230,5 @@ def test_a_chunk_that_overspends_the_cap_leaves_the_claim_whole() -> None:
     newcomer, whose whole first chunk runs in the step."""
     scheduler = make_scheduler(mixed_prefill_tokens=8)
     scheduler.chunk_cost = ChunkCost(key_cost=1 / 16)
-    for request_id, tokens in (("long", list(range(10, 110))), ("new", [1, 2, 3, 4, 5])):
-        queue(scheduler, request_id, tokens).request.tenant = request_id
-        scheduler.fair.arrive(request_id)
-        if request_id == "long":
-            assert run(scheduler) == [("long", 64)]
+    long_prompt_then_newcomer(scheduler, [1, 2, 3, 4, 5])
     assert run(scheduler) == [("long", 1), ("new", 5)]
