@@ -144,7 +144,7 @@ def test_chat_logprobs(client: httpx.Client, server: SimpleNamespace) -> None:
     assert "".join(e["token"] for e in entries) == choice["message"]["content"]
     for entry in entries:
         assert len(entry["top_logprobs"]) == 3
-        assert entry["bytes"] == list(entry["token"].encode())
+        assert entry["bytes"] == list(entry["token"].encode())  # whole characters here
         # Greedy: the chosen token is the most likely one.
         assert entry["logprob"] == pytest.approx(max(t["logprob"] for t in entry["top_logprobs"]), abs=1e-5)
 

@@ -11,7 +11,13 @@ from radixserve import Retention, StreamDelta, TokenLogprob
 from radixserve.cache.radix import Histogram
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server.errors import APIError, error_from_decode
-from radixserve.server.formatting import ChatFormatter, CompletionFormatter, ResponseIdentity, TokenNamer
+from radixserve.server.formatting import (
+    ChatFormatter,
+    CompletionFormatter,
+    ResponseIdentity,
+    TokenNamer,
+    vocab_bytes,
+)
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.prompts import render_chat
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
@@ -210,3 +216,19 @@ def test_tools_nested_past_what_json_can_encode_are_a_400() -> None:
     with pytest.raises(APIError) as caught:
         plan_tools(request, "hermes")
     assert caught.value.status == 400 and caught.value.param == "tools" and "nested too deeply" in str(caught.value)
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_chat_logprobs_bytes_are_each_tokens_own(tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> None:
+    """Tokens that split a character: each one's text alone is U+FFFD, but its `bytes` are
+    its own, so the entries' bytes joined are the content's (with token ids shown too)."""
+    text = "おはよう, 世界"
+    ids = tokenizer.encode(text)
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # the case the field exists for
+    entries = [TokenLogprob(i, -0.5, [(i, -0.5)]) for i in ids]
+    formatter = ChatFormatter(ResponseIdentity("chatcmpl-x", 1, "demo", include_usage=False),
+                              TokenNamer(tokenizer, as_ids=as_ids, vocab_bytes=vocab_bytes(tokenizer)))
+    chunk = msgspec.to_builtins(formatter.chunk(delta(0, ids, text, logprobs=entries)))
+    content = chunk["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    assert b"".join(bytes(e["top_logprobs"][0]["bytes"]) for e in content) == text.encode()

@@ -45,8 +45,10 @@ from radixserve.server.formatting import (
     ResponseIdentity,
     TokenNamer,
     UsageCounter,
+    vocab_bytes,
 )
 from radixserve.server.fair_slots import FairSlots
+from radixserve.server.prompt_work import PromptWork
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
@@ -75,6 +77,7 @@ DECODE_IN_THREAD_BYTES = 64 * 2**10
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
 REQUEST_CHECKS = 2  # requests whose schemas are checked at once (`OpenAIServer._check`)
+MESSAGE_MARKUP_CHARS = 16  # a chat message's share of its template's markup, in sizing its work
 _Checked = TypeVar("_Checked")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -113,6 +116,8 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine.stats)
         self.grammar_compiles = GrammarCompiles()
         self.request_checks = FairSlots(REQUEST_CHECKS)
+        self.prompt_work = PromptWork(self.tokenizer, self.max_context_len)
+        self._token_bytes: list[bytes] | None = None  # each token's bytes: built on first use
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -169,9 +174,13 @@ class OpenAIServer:
         scope = salt if caller.tenant is None else (caller.tenant, salt)
         schemas = bool(body.tools) or carries_constraint(body)
         tools = await self._check(caller, schemas, lambda: plan_tools(body, self.tool_call_parser))
+        chars = sum(len(message.text()) for message in body.messages)
+        self.prompt_work.check_size(chars, "messages")
         try:
-            prompt_ids, system_tokens = await anyio.to_thread.run_sync(self.renderer.render, body.messages, scope,
-                                                                       tools.tools)
+            # (each message adds its template's markup: counted, so a crowd of tiny ones is large)
+            prompt_ids, system_tokens = await self.prompt_work.run(
+                caller.tenant, chars + MESSAGE_MARKUP_CHARS * len(body.messages),
+                lambda: self.renderer.render(body.messages, scope, tools.tools))
         except RecursionError:  # the template recursed into something nested: the request's doing
             raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "
                                 "parameters or a tool call's arguments)", param="messages",
@@ -182,7 +191,8 @@ class OpenAIServer:
         _as_caller([call], caller)
         await self._compile_grammar([call])
         formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
-                                  TokenNamer(self.tokenizer, body.return_tokens_as_token_ids), tools.parser)
+                                  TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
+                                             await self._vocab_bytes() if body.logprobs else None), tools.parser)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         remember = (lambda results: self._remember_turns(scope, results)) if self.turns is not None else None
         return await self._generate(request, [call], formatter, body.stream, ["messages"], max_tokens_param,
@@ -197,7 +207,11 @@ class OpenAIServer:
         prompts, batch = completion_prompts(body)
         params = [f"prompt[{i}]" for i in range(len(prompts))] if batch else ["prompt"]
         tokenizer = self.tokenizer
-        prompt_ids = await anyio.to_thread.run_sync(
+        for prompt, param in zip(prompts, params):
+            if isinstance(prompt, str):
+                self.prompt_work.check_size(len(prompt), param)
+        prompt_ids = await self.prompt_work.run(
+            caller.tenant, sum(len(p) for p in prompts if isinstance(p, str)),
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
         limit = WorkLimit(self.max_request_tokens, len(prompts))
         calls = await self._check(caller, carries_constraint(body), lambda: completion_calls(
@@ -207,6 +221,13 @@ class OpenAIServer:
         formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, body.stream, params, "max_tokens", timer)
+
+    async def _vocab_bytes(self) -> list[bytes] | None:
+        """Each token's bytes (chat logprobs' `bytes`), read from the tokenizer once, in a
+        worker thread (half a second for a 49k-token vocabulary), on the first request asking."""
+        if self._token_bytes is None:
+            self._token_bytes = await anyio.to_thread.run_sync(vocab_bytes, self.tokenizer)
+        return self._token_bytes
 
     async def _check(self, caller: Caller, schemas: bool, check: Callable[[], _Checked]) -> _Checked:
         """Runs a request's checks: inline when it carries no schema (they take microseconds),

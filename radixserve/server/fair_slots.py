@@ -4,8 +4,9 @@ JSON Schema checks).
 A plain FIFO limiter lets one tenant's queue of slow jobs stand in front of every other
 tenant's: a flood of 24 schemas that take two seconds each delays another tenant's one
 compile by the whole flood. Here each tenant waits in its own FIFO, and a freed slot goes to
-the waiting tenant that holds the fewest slots (the longest-waiting one among equals), so
-another tenant waits for one job to finish, never for a flood.
+the waiting tenant that holds the fewest slots, among equals the one granted a slot longest
+ago (so tenants take turns even with one slot, where every waiting tenant holds none when it
+frees), so another tenant waits for one job to finish, never for a flood.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class FairSlots:
         self.slots = slots
         self._free = slots
         self._held: Counter[Hashable] = Counter()
+        self._granted: dict[Hashable, int] = {}  # when each tenant was last granted a slot (a count)
         self._waiting: dict[Hashable, deque[_Waiter]] = {}
         self._order = itertools.count()
 
@@ -72,6 +74,7 @@ class FairSlots:
     def _take(self, tenant: Hashable) -> None:
         self._free -= 1
         self._held[tenant] += 1
+        self._granted[tenant] = next(self._order)
 
     def _release(self, tenant: Hashable) -> None:
         self._free += 1
@@ -88,7 +91,8 @@ class FairSlots:
 
     def _grant(self) -> None:
         while self._free and self._waiting:
-            tenant = min(self._waiting, key=lambda t: (self._held[t], self._waiting[t][0].order))
+            tenant = min(self._waiting, key=lambda t: (self._held[t], self._granted.get(t, -1),
+                                                       self._waiting[t][0].order))
             waiter = self._waiting[tenant].popleft()
             if not self._waiting[tenant]:
                 del self._waiting[tenant]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import xgrammar
 from msgspec import UNSET, Struct
 from transformers import PreTrainedTokenizerBase
 
@@ -80,11 +82,14 @@ class UsageCounter:
 
 
 class TokenNamer:
-    """Token id → the string logprobs show: its text, or "token_id:<id>" when asked for ids."""
+    """Token id → the string logprobs show: its text, or "token_id:<id>" when asked for ids;
+    and the token's own bytes (`vocab_bytes`: each token's, else its text's)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, as_ids: bool,
+                 vocab_bytes: Sequence[bytes] | None = None) -> None:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
+        self.vocab_bytes = vocab_bytes
 
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
@@ -92,6 +97,23 @@ class TokenNamer:
     def text(self, token_id: int) -> str:
         """The token decoded on its own."""
         return self.tokenizer.decode([token_id])
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes as chat logprobs give them: its own, which may be part of
+        a character (a token's text alone shows U+FFFD there, and joining the tokens' bytes
+        would not give the content back)."""
+        if self.vocab_bytes is not None and 0 <= token_id < len(self.vocab_bytes):
+            return list(self.vocab_bytes[token_id])
+        return list(self.text(token_id).encode())
+
+
+def vocab_bytes(tokenizer: PreTrainedTokenizerBase) -> list[bytes] | None:
+    """Each token's bytes, as the grammar engine reads them from the tokenizer (byte-level
+    and byte-fallback vocabularies alike); None for a tokenizer it cannot read."""
+    try:
+        return list(xgrammar.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
+    except Exception:  # noqa: BLE001 (it reports an unknown tokenizer in several ways): text bytes then
+        return None
 
 
 @dataclass
@@ -200,10 +222,8 @@ class ChatFormatter:
         if not entries:
             return None
         return ChatLogprobs(content=[
-            ChatTokenLogprob(token=(token := self.namer(e.token_id)), logprob=e.logprob,
-                             bytes=list(token.encode()),
-                             top_logprobs=[TopLogprob(token=(alt := self.namer(t)), logprob=lp,
-                                                      bytes=list(alt.encode()))
+            ChatTokenLogprob(token=self.namer(e.token_id), logprob=e.logprob, bytes=self.namer.bytes_of(e.token_id),
+                             top_logprobs=[TopLogprob(token=self.namer(t), logprob=lp, bytes=self.namer.bytes_of(t))
                                            for t, lp in e.top])
             for e in entries])
 
