@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Iterator
+from contextlib import ExitStack
 from functools import cache
 
 import httpx
@@ -300,3 +301,27 @@ def test_a_tenants_raised_retention_is_held_within_its_share() -> None:
         assert 0 < engine.sessions.tenant_tokens("mallory") <= 64 * PAGE // 2
         assert engine.sessions.tenant_tokens("victim") == 0
     engine.check_invariants()
+
+
+def test_one_tenant_cannot_hold_every_event_stream(monkeypatch: pytest.MonkeyPatch,
+                                                   keyed: tuple[Engine, str]) -> None:
+    """Event streams are bounded (4 here): a tenant holding them all left every other tenant,
+    and the admin, a 503 for as long as it kept them open. Each tenant now has its share of
+    the bound among the tenants holding streams."""
+    from radixserve.server import cache_routes
+    monkeypatch.setattr(cache_routes, "MAX_EVENT_READERS", 4)
+    _, url = keyed
+    with ExitStack() as stack:
+        lines = []  # each open stream's line iterator: dropped, it would close its stream
+
+        def open_stream(key: str) -> int:
+            client = stack.enter_context(_client(url, key))
+            response = stack.enter_context(client.stream("GET", "/v1/cache/events"))
+            if response.status_code == 200:
+                lines.append(response.iter_lines())
+                assert next(lines[-1]).startswith("data: ")  # the snapshot: the stream is open
+            return response.status_code
+        assert [open_stream(MALLORY) for _ in range(5)] == [200, 200, 200, 200, 503]
+        assert open_stream(VICTIM) == 200  # its share: 2 of 4 between two tenants
+        assert open_stream(MALLORY) == 503
+        assert open_stream(ADMIN) == 200

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,6 +78,7 @@ class CacheRoutes:
                     CacheEventHub(engine, capacity=event_buffer, include_token_ids=expose_tokens,
                                   linger_s=SERVER_LINGER_S))
         self._readers = 0
+        self._tenant_readers: Counter[str | None] = Counter()  # open event streams per tenant
         self.views = engine.cache_views() if hasattr(engine, "cache_views") else CacheViews(engine)
         self.idle_closed = 0  # event streams closed for idleness
 
@@ -166,17 +168,27 @@ class CacheRoutes:
     async def events(self, request: Request) -> Response:
         """GET /v1/cache/events: SSE, `data: <json>` per message (docs/server.md)."""
         caller = self.authorize(request)
-        if self._readers >= MAX_EVENT_READERS:
-            raise APIError(503, f"Too many cache-event readers (at most {MAX_EVENT_READERS})",
+        if self._reader_refused(caller.tenant):
+            raise APIError(503, f"Too many cache-event readers (at most {MAX_EVENT_READERS}, shared between tenants)",
                            code="too_many_readers", headers={"Retry-After": "5"})
         return SendTimeoutStreamingResponse(self._sse(caller), self.events_idle_timeout_s, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ------------------------------------------------------------------ helpers
+    def _reader_refused(self, tenant: str | None) -> bool:
+        """Whether `tenant` may not open another event stream: it holds its share of
+        MAX_EVENT_READERS (an equal part among the tenants holding streams, itself counted),
+        or twice that many are open. One tenant holding all of them left every other tenant,
+        the admin too, a 503 for as long as it kept them."""
+        holders = len(self._tenant_readers.keys() | {tenant})
+        return (self._tenant_readers[tenant] >= max(1, MAX_EVENT_READERS // holders)
+                or self._readers >= 2 * MAX_EVENT_READERS)
+
     async def _sse(self, caller: Caller) -> AsyncIterator[bytes]:
         # The reader is opened here, not in the handler: a stream that never starts (the
         # client left at once) then leaves nothing subscribed behind.
         self._readers += 1
+        self._tenant_readers[caller.tenant] += 1
         reader: EventReader | None = None
         try:
             reader = await self.hub.open_reader(None if caller.admin else self._sees_id(caller))
@@ -197,6 +209,9 @@ class CacheRoutes:
                 last_sent = loop.time()
         finally:
             self._readers -= 1
+            self._tenant_readers[caller.tenant] -= 1
+            if not self._tenant_readers[caller.tenant]:
+                del self._tenant_readers[caller.tenant]
             if reader is not None:
                 with anyio.CancelScope(shield=True):
                     await reader.close()
