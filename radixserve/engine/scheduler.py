@@ -143,7 +143,7 @@ class Scheduler:
         (at most the cap); nothing when its pages cannot be had after all. Admitted before the
         running units pick their chunks, so that a claim that cannot be had keeps nothing from
         them (kept for a claimant that then failed, it starved them step after step)."""
-        unit = list(head.request.beam.running) if head.request.beam is not None else [head]
+        unit = self._unit_of(head)
         cost = tokens if self._step_cost is None else min(self._step_cost.of(head.num_tokens - tokens, tokens), cap)
         reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
         work = self._take_unit(unit, tokens, cost, reserve)
@@ -183,7 +183,7 @@ class Scheduler:
         now = self.clock()
         head = self.policy.order([s for s in self.waiting if s.request.tenant == claim.waiting_tenant],
                                  self.tree, now)[0]
-        unit = list(head.request.beam.running) if head.request.beam is not None else [head]
+        unit = self._unit_of(head)
         if claim.preempts:  # only units past their prompts: a prefill preempted is thrown away
             victims = [u for u in self._running_units() if u[0].request.tenant == claim.running_tenant
                        and all(s.num_tokens - s.num_computed <= 1 for s in u)]
@@ -274,7 +274,7 @@ class Scheduler:
                 break
             if seq.seq_id in admitted:
                 continue
-            unit = list(seq.request.beam.running) if seq.request.beam is not None else [seq]
+            unit = self._unit_of(seq)
             aged = now - seq.arrival_time > self.policy.max_wait_s
             peeks = []  # one look at the cache per member serves both checks below
             if self.prefix_cache:
@@ -299,6 +299,11 @@ class Scheduler:
             budget -= sum(c.num_new for c in work)
             prefill -= self._prefill_spent(work)
         return chunks
+
+    @staticmethod
+    def _unit_of(seq: SequenceState) -> list[SequenceState]:
+        """What is admitted with waiting `seq`: its beam group's live beams, or itself."""
+        return list(seq.request.beam.running) if seq.request.beam is not None else [seq]
 
     def _start(self, seq: SequenceState, unit: list[SequenceState]) -> None:
         """Moves an admitted unit (`seq` and its beam siblings) from waiting to running."""
