@@ -443,6 +443,10 @@ def test_completions_batch_of_prompts(client: httpx.Client, server: SimpleNamesp
 
 def test_metrics_exposes_engine_and_latency(client: httpx.Client) -> None:
     client.post(COMPLETIONS, json={"prompt": "metrics", "max_tokens": 3, "ignore_eos": True, "stream": True})
+    # A prompt of several pages, twice: the second hits the first's pages (the age histogram
+    # must not depend on which of this module's tests ran before on this worker).
+    for _ in range(2):
+        client.post(COMPLETIONS, json={"prompt": "a page of metrics " * 20, "max_tokens": 1})
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     def value(name: str, sample: str | None = None) -> float:
         return next(s.value for s in families[name].samples if s.name == (sample or name))
