@@ -27,6 +27,11 @@ plan, so each window the layers use gets its own wrappers, planned every step ov
 pages; they share the float workspace (kernels run one after the other on one stream) and
 each has its own small integer workspace, as in SGLang's sliding-window setup. A model with
 full and windowed layers (Qwen2 with `max_window_layers`) plans two.
+
+FA2 prefill kernels, named. The prefill wrapper is made with `backend="fa2"`: left at "auto",
+it picks the FA3 kernels on Hopper: another code path (CUTLASS, its own numerics) than
+on every other GPU, and a just-in-time build several times longer per variant. SGLang's
+FlashInfer backend names FA2 in the same way (it serves FA3 through a backend of its own).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ class FlashInferBackend(AttentionBackend):
             fi = self._flashinfer
             self._wrappers[key] = (
                 fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=tensor_cores)
-                if decode else fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"))
+                if decode else fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2"))
         return self._wrappers[key]
 
     def plan(

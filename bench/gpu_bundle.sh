@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Packs what bench/gpu_check.sh needs on a GPU machine that cannot reach a package registry
+# (the device machine lent to some sessions): FlashInfer and the Python packages radixserve
+# imports that such a machine lacks, as Python 3.12 / x86-64 wheels, in .devbundle/ (ignored
+# by git; bench/gpu_device_run.sh installs them there).
+#
+# FlashInfer's wheel (101 MB) holds the CUDA sources of every kernel family it can build;
+# radixserve builds only the batch prefill / decode attention kernels, whose sources are the
+# top-level files of flashinfer/data/csrc and the headers beside it. The rest (csrc's
+# subfolders and the sources under its experimental packages) is dropped and the package
+# travels as one xz tarball (about 18 MB), within the device tool's 64 MiB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FLASHINFER=${FLASHINFER:-flashinfer-python==0.7.4}
+BUNDLE=.devbundle
+grep -qx '/.devbundle/' .git/info/exclude 2>/dev/null || echo '/.devbundle/' >> .git/info/exclude
+rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/whl" "$BUNDLE/tmp"
+download() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"
+}
+# FlashInfer's own needs that the device image lacks (it has torch, numpy, ninja, einops,
+# click, tabulate, nvidia-ml-py), then radixserve's (the image has transformers, tokenizers,
+# safetensors, prometheus-client, httpx, tqdm, matplotlib, hypothesis, pytest-timeout).
+download "$BUNDLE/whl" 'apache-tvm-ffi<0.2,>=0.1.11' cuda-tile \
+  msgspec xgrammar gguf starlette uvicorn jsonschema jsonschema-specifications referencing rpds-py \
+  pydantic pydantic-core annotated-types typing-inspection typing-extensions
+download "$BUNDLE/tmp" "$FLASHINFER"
+python3 -m pip install -q --no-deps --no-compile --target "$BUNDLE/tmp/site" "$BUNDLE"/tmp/*.whl
+package="$BUNDLE/tmp/site/flashinfer"
+find "$package/data/csrc" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+find "$package" -type f -not -path "$package/data/*" \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
+  -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cc' -o -name '*.jinja' -o -name '*.inc' -o -name '*.inl' \
+  -o -name '*.cubin' -o -name '*.ptx' \) -delete
+rm -rf "$BUNDLE/tmp/site/bin"
+tar -C "$BUNDLE/tmp/site" -cJf "$BUNDLE/flashinfer.tar.xz" .
+rm -rf "$BUNDLE/tmp"
+du -sh "$BUNDLE"/* && echo "carry $BUNDLE and run: bash bench/gpu_device_run.sh"

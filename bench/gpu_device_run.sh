@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs bench/gpu_check.sh on the lent GPU machine from the bundle bench/gpu_bundle.sh made here:
+#   device run: bash bench/gpu_device_run.sh   (carry: .devbundle; timeout_s: 590)
+# First each package is imported in its own process under a time bound that prints the
+# stack of a hang (the first try, in session 21, spent its whole lease on an import that
+# never returned, unseen); then the kernels are built and the kernels' cache kept in $OUT
+# (.devbundle/kernels.tgz, when carried back, skips the build on a later machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+SECONDS=0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .devbundle/whl/*.whl 2>&1 | tail -3
+tar -C /tmp/site -xJf .devbundle/flashinfer.tar.xz
+# A wrapper, not a link: a link to a virtual environment's python loses the environment.
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python
+chmod +x /tmp/bin/python
+export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
+echo "set up in $SECONDS s; python $(command -v python3)"
+nvidia-smi -L; nvcc --version | tail -1; nproc
+failed=()
+for module in torch pynvml tvm_ffi cuda.tile flashinfer xgrammar msgspec starlette uvicorn gguf jsonschema; do
+  start=$SECONDS
+  timeout -s KILL 75 python -X faulthandler -c "
+import faulthandler, sys; faulthandler.dump_traceback_later(60, exit=True)
+import $module; print('import $module:', getattr(sys.modules['$module'], '__version__', ''))" 2>&1 | tail -25
+  [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$module")
+  echo "  ($((SECONDS - start)) s)"
+done
+python -c "import torch; assert torch.cuda.is_available(); print(torch.__version__, torch.cuda.get_device_name())" || exit 1
+if [[ " ${failed[*]} " == *" flashinfer "* ]]; then
+  # The rest still runs on the torch backend (the first CUDA run of the engine is worth having).
+  echo "flashinfer does not import: removed; the checks run without it"; rm -rf /tmp/site/flashinfer
+else
+  if [[ -f .devbundle/kernels.tgz ]]; then mkdir -p /tmp/flashinfer && tar -C /tmp/flashinfer -xzf .devbundle/kernels.tgz; fi
+  PYTHONPATH=$PWD:/tmp/site timeout 330 python bench/flashinfer_warmup.py > "$OUT/warmup.log" 2>&1
+  echo "kernels built: rc=$? at $SECONDS s"; tail -n 20 "$OUT/warmup.log"
+  (cd /tmp/flashinfer && find . -name '*.so' | tar -czf "$OUT/kernels.tgz" -T -) && ls -la "$OUT/kernels.tgz"
+fi
+bash bench/gpu_check.sh; echo "gpu_check: rc=$? at $SECONDS s"
