@@ -19,15 +19,23 @@ chmod +x /tmp/bin/python
 export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
 echo "set up in $SECONDS s; python $(command -v python3)"
 nvidia-smi -L; nvcc --version | tail -1; nproc
-failed=()
-for module in torch pynvml tvm_ffi cuda.tile flashinfer xgrammar msgspec starlette uvicorn gguf jsonschema; do
-  start=$SECONDS
+# Each import under a time bound that prints the stack of a hang: torch, then FlashInfer (the
+# likeliest to hang: it probes the GPU and its own caches), then radixserve's other packages.
+import_bounded() {  # name, python statements
+  local start=$SECONDS
   timeout -s KILL 75 python -X faulthandler -c "
-import faulthandler, sys; faulthandler.dump_traceback_later(60, exit=True)
-import $module; print('import $module:', getattr(sys.modules['$module'], '__version__', ''))" 2>&1 | tail -25
-  [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("$module")
-  echo "  ($((SECONDS - start)) s)"
-done
+import faulthandler; faulthandler.dump_traceback_later(60, exit=True)
+$2
+print('imported $1')" 2>&1 | tail -25
+  local rc=${PIPESTATUS[0]}
+  echo "  ($1: $((SECONDS - start)) s, rc $rc)"
+  return "$rc"
+}
+import_bounded torch "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())" || exit 1
+failed=()
+import_bounded flashinfer "import pynvml, tvm_ffi, cuda.tile; import flashinfer; print(flashinfer.__version__)" \
+  || failed+=(flashinfer)
+import_bounded others "import xgrammar, msgspec, starlette, uvicorn, gguf, jsonschema" || exit 1
 python -c "import torch; assert torch.cuda.is_available(); print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 if [[ " ${failed[*]} " == *" flashinfer "* ]]; then
   # The rest still runs on the torch backend (the first CUDA run of the engine is worth having).
