@@ -13,6 +13,7 @@ from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server.errors import APIError, error_from_decode
 from radixserve.server.formatting import (
     ChatFormatter,
+    ChoiceResult,
     CompletionFormatter,
     ResponseIdentity,
     TokenNamer,
@@ -20,7 +21,14 @@ from radixserve.server.formatting import (
 )
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.prompts import render_chat
-from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
+from radixserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PromptTokensDetails,
+    Tool,
+    Usage,
+)
 from radixserve.server.translate import chat_call, completion_call
 
 
@@ -232,3 +240,36 @@ def test_chat_logprobs_bytes_are_each_tokens_own(tokenizer: PreTrainedTokenizerB
     content = chunk["choices"][0]["logprobs"]["content"]
     assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
     assert b"".join(bytes(e["top_logprobs"][0]["bytes"]) for e in content) == text.encode()
+
+
+def usage_of(completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=10, completion_tokens=completion_tokens, total_tokens=10 + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+
+
+def test_chat_logprobs_list_the_content_not_the_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> None:
+    """A sample that stops on the end-of-turn token has it in its token ids, not in its
+    content: chat logprobs (OpenAI's `logprobs.content`) leave it out, streamed and whole. A
+    sample cut by max_tokens keeps every entry."""
+    text = "Paris."
+    ids = tokenizer.encode(text)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end in tokenizer.all_special_ids
+    entries = [TokenLogprob(i, -0.25, [(i, -0.25)]) for i in [*ids, end]]
+    formatter = ChatFormatter(ResponseIdentity("chatcmpl-x", 1, "demo", include_usage=False),
+                              TokenNamer(tokenizer, as_ids=False))
+    # Streamed: the content's tokens, then the end of turn alone in the last delta.
+    first = msgspec.to_builtins(formatter.chunk(delta(0, ids, text, logprobs=entries[:-1])))
+    last = msgspec.to_builtins(formatter.chunk(delta(0, [end], "", "stop", logprobs=entries[-1:])))
+    assert [e["token"] for e in first["choices"][0]["logprobs"]["content"]] == [tokenizer.decode([i]) for i in ids]
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["logprobs"] is None
+    assert "content" not in last["choices"][0]["delta"]
+    # Whole: the same entries.
+    whole = ChoiceResult(text=text, token_ids=[*ids, end], logprobs=entries, finish_reason="stop")
+    response = msgspec.to_builtins(formatter.response([whole], usage_of(len(ids) + 1)))
+    listed = response["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in listed) == response["choices"][0]["message"]["content"] == text
+    # Cut by max_tokens (the token ids end where the limit fell): nothing is left out.
+    cut = ChoiceResult(text=text, token_ids=ids, logprobs=entries[:-1], finish_reason="length")
+    assert len(msgspec.to_builtins(formatter.response([cut], usage_of(len(ids))))["choices"][0]["logprobs"]
+               ["content"]) == len(ids)

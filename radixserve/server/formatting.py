@@ -90,6 +90,11 @@ class TokenNamer:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
         self.vocab_bytes = vocab_bytes
+        self._special_ids = frozenset(tokenizer.all_special_ids)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the text leaves the token out (the detokenizer skips special tokens)."""
+        return token_id in self._special_ids
 
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
@@ -163,7 +168,7 @@ class ChatFormatter:
                 for i in range(n)]
 
     def chunk(self, delta: StreamDelta) -> Struct | None:
-        logprobs = self._logprobs(delta.logprobs)
+        logprobs = self._logprobs(delta.logprobs, delta.finish_reason)
         if not delta.text and logprobs is None and delta.finish_reason is None:
             return None
         content = delta.text if delta.text or logprobs is not None else UNSET
@@ -180,7 +185,7 @@ class ChatFormatter:
         if delta.finish_reason is not None:
             events += stream.finish()
         out: list[Struct] = []
-        logprobs = self._logprobs(delta.logprobs)
+        logprobs = self._logprobs(delta.logprobs, delta.finish_reason)
         for event in events:
             out += [self._chunk([ChatChunkChoice(index=delta.index, delta=message)]) for message in _tool_messages(event)]
         if logprobs is not None:
@@ -200,7 +205,7 @@ class ChatFormatter:
             choices=[self._choice(i, c) for i, c in enumerate(choices)], usage=usage)
 
     def _choice(self, index: int, result: ChoiceResult) -> ChatChoice:
-        logprobs = self._logprobs(result.logprobs)
+        logprobs = self._logprobs(result.logprobs, result.finish_reason)
         if self.tool_parser is None:
             return ChatChoice(index=index, message=AssistantMessage(content=result.text),
                               finish_reason=result.finish_reason, logprobs=logprobs)
@@ -218,7 +223,12 @@ class ChatFormatter:
                                    model=self.identity.model, choices=choices,
                                    usage=None if self.identity.include_usage else UNSET)
 
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    def _logprobs(self, entries: list[TokenLogprob] | None, finish_reason: str | None) -> ChatLogprobs | None:
+        """Chat logprobs are the content's tokens (OpenAI's `logprobs.content`): a sample that
+        stops on a special token (the chat template's end of turn) has it in its token ids,
+        not in its content, so it is not listed."""
+        if entries and finish_reason == "stop" and self.namer.is_special(entries[-1].token_id):
+            entries = entries[:-1]
         if not entries:
             return None
         return ChatLogprobs(content=[
