@@ -273,3 +273,27 @@ def test_chat_logprobs_list_the_content_not_the_end_of_turn(tokenizer: PreTraine
     cut = ChoiceResult(text=text, token_ids=ids, logprobs=entries[:-1], finish_reason="length")
     assert len(msgspec.to_builtins(formatter.response([cut], usage_of(len(ids))))["choices"][0]["logprobs"]
                ["content"]) == len(ids)
+
+
+def test_chat_logprobs_leave_out_any_special_stop_token() -> None:
+    """Not only the named special tokens: every added token marked special decodes to nothing
+    (SmolLM2's <file_sep>, id 5, is not in all_special_ids), so stopping on one (stop_token_ids)
+    does not list it either."""
+    from transformers import PreTrainedTokenizerFast
+
+    from radixserve.models.registry import ModelNotInstalledError, named_model_path
+
+    try:
+        gguf = named_model_path("smollm2")
+    except ModelNotInstalledError:
+        pytest.skip("the real model is not installed")  # CI installs it (tests/test_real_model.py)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    sep = tokenizer.convert_tokens_to_ids("<file_sep>")
+    assert sep not in tokenizer.all_special_ids and tokenizer.decode([sep], skip_special_tokens=True) == ""
+    ids = tokenizer.encode("Paris.", add_special_tokens=False)
+    entries = [TokenLogprob(i, -0.25, [(i, -0.25)]) for i in [*ids, sep]]
+    formatter = ChatFormatter(ResponseIdentity("chatcmpl-x", 1, "smollm2", include_usage=False),
+                              TokenNamer(tokenizer, as_ids=False, vocab_bytes=vocab_bytes(tokenizer)))
+    whole = ChoiceResult(text="Paris.", token_ids=[*ids, sep], logprobs=entries, finish_reason="stop")
+    listed = msgspec.to_builtins(formatter.response([whole], usage_of(len(ids) + 1)))["choices"][0]["logprobs"]
+    assert b"".join(bytes(e["bytes"]) for e in listed["content"]) == b"Paris."

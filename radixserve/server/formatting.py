@@ -90,7 +90,10 @@ class TokenNamer:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
         self.vocab_bytes = vocab_bytes
-        self._special_ids = frozenset(tokenizer.all_special_ids)
+        # What decoding with skip_special_tokens leaves out: the named special tokens and every
+        # added token marked special (SmolLM2's <file_sep> and its like), as engine/spelling.py.
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self._special_ids = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
 
     def is_special(self, token_id: int) -> bool:
         """Whether the text leaves the token out (the detokenizer skips special tokens)."""
@@ -224,9 +227,11 @@ class ChatFormatter:
                                    usage=None if self.identity.include_usage else UNSET)
 
     def _logprobs(self, entries: list[TokenLogprob] | None, finish_reason: str | None) -> ChatLogprobs | None:
-        """Chat logprobs are the content's tokens (OpenAI's `logprobs.content`): a sample that
-        stops on a special token (the chat template's end of turn) has it in its token ids,
-        not in its content, so it is not listed."""
+        """A sample that stops on a special token (the chat template's end of turn, or a
+        special token named in stop_token_ids) has it in its token ids but not in its content:
+        that last token is not listed, as OpenAI's `logprobs.content` lists the content's
+        tokens. (Special tokens inside a sample, with ignore_eos, and the tokens of a matched
+        stop string are still listed.)"""
         if entries and finish_reason == "stop" and self.namer.is_special(entries[-1].token_id):
             entries = entries[:-1]
         if not entries:
