@@ -21,7 +21,8 @@ download() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"
 }
 # FlashInfer's own needs that the device image lacks (it has torch, numpy, ninja, einops,
-# click, tabulate, nvidia-ml-py), then radixserve's (the image has transformers, tokenizers,
+# click, tabulate, nvidia-ml-py, and requests with urllib3, idna, certifi and
+# charset-normalizer, which FlashInfer imports too), then radixserve's (the image has transformers, tokenizers,
 # safetensors, prometheus-client, httpx, tqdm, matplotlib, hypothesis, pytest-timeout).
 download "$BUNDLE/whl" 'apache-tvm-ffi<0.2,>=0.1.11' cuda-tile \
   msgspec xgrammar gguf starlette uvicorn jsonschema jsonschema-specifications referencing rpds-py \
