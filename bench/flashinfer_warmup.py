@@ -9,6 +9,8 @@ same calls as the tests, so the same modules: nothing is built twice).
 
     python bench/flashinfer_warmup.py            # all variants in parallel processes
     python bench/flashinfer_warmup.py --one 3    # variant 3 only (what each process runs)
+    python bench/flashinfer_warmup.py --without-gpu  # the modules alone, on a machine with nvcc
+                                                     # and no GPU (bench/gpu_bundle.sh --kernels)
 """
 
 from __future__ import annotations
@@ -70,13 +72,40 @@ def plan_and_run(variant: Variant) -> None:
     torch.cuda.synchronize()
 
 
+def build_without_gpu() -> None:
+    """Build every variant's module with no GPU (FLASHINFER_CUDA_ARCH_LIST names the target):
+    the same module names and sources as the wrappers' plans (prefill on FA2; decode's
+    tensor-core path runs the same prefill module), in one ninja run."""
+    from flashinfer.jit import build_jit_specs
+    from flashinfer.jit.attention import modules
+
+    specs = {}
+    for v in VARIANTS:
+        windowed = v.window is not None
+        if v.decode:
+            spec = modules.gen_batch_decode_module(v.dtype, v.dtype, v.dtype, torch.int32, v.head_dim, v.head_dim,
+                                                   0, windowed, False)
+        else:
+            spec = modules.gen_batch_prefill_module("fa2", v.dtype, v.dtype, v.dtype, torch.int32, v.head_dim,
+                                                    v.head_dim, 0, windowed, False, False)
+        specs[spec.name] = spec
+    start = time.monotonic()
+    build_jit_specs(list(specs.values()))
+    print(f"built {len(specs)} modules in {time.monotonic() - start:.0f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", type=int, help="build variant N only")
+    parser.add_argument("--without-gpu", action="store_true",
+                        help="only build the modules, here (bench/gpu_bundle.sh --kernels)")
     # 10 builds x 2 nvcc processes: the 16 cores of the lent GPU machine busy, and at a few GB
     # an nvcc of FlashInfer's templates, well inside its 128 GB.
     parser.add_argument("--jobs-per-build", type=int, default=2, help="nvcc processes each build runs")
     args = parser.parse_args()
+    if args.without_gpu:
+        build_without_gpu()
+        return 0
     if args.one is not None:
         plan_and_run(VARIANTS[args.one])
         return 0
