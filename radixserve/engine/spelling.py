@@ -82,6 +82,19 @@ def token_spelling(tokenizer: PreTrainedTokenizerBase) -> TokenSpelling | None:
     return _SPELLINGS[tokenizer]
 
 
+_HIDDEN: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def hidden_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens that decoding with skip_special_tokens leaves out: the named special tokens
+    and every added token marked special (SmolLM2's <file_sep> and its like, which
+    `all_special_ids` does not list). Read once per tokenizer."""
+    if tokenizer not in _HIDDEN:
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        _HIDDEN[tokenizer] = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    return _HIDDEN[tokenizer]
+
+
 def _decoder_parts(tokenizer: PreTrainedTokenizerBase) -> list[dict] | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -104,8 +117,7 @@ def _read_spelling(tokenizer: PreTrainedTokenizerBase) -> TokenSpelling | None:
                           for p in parts)
     alphabet = _byte_level_alphabet()
     size = len(tokenizer)
-    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    special.update(tokenizer.all_special_ids)
+    special = hidden_token_ids(tokenizer)
     entries: list[bytes | str | int | None] = []
     for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(size)))):
         if token_id in special or token is None:

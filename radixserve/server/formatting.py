@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from radixserve import StreamDelta
 from radixserve.engine.params import TokenLogprob
+from radixserve.engine.spelling import hidden_token_ids
 from radixserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -90,14 +91,11 @@ class TokenNamer:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
         self.vocab_bytes = vocab_bytes
-        # What decoding with skip_special_tokens leaves out: the named special tokens and every
-        # added token marked special (SmolLM2's <file_sep> and its like), as engine/spelling.py.
-        added = getattr(tokenizer, "added_tokens_decoder", {})
-        self._special_ids = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+        self._hidden_ids = hidden_token_ids(tokenizer)  # cached per tokenizer
 
     def is_special(self, token_id: int) -> bool:
         """Whether the text leaves the token out (the detokenizer skips special tokens)."""
-        return token_id in self._special_ids
+        return token_id in self._hidden_ids
 
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
