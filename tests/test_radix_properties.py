@@ -10,6 +10,7 @@ named in events. After every step the tree must hold exactly the reference's pag
 exactly the tree's page hashes.
 """
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,30 @@ from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
 
 Key = tuple  # (namespace, token, token, ...)
+TURN_TAIL = st.lists(st.integers(0, 2), min_size=1, max_size=3)  # what a next turn adds
+
+
+@functools.cache
+def fresh_prompts(size: int, n: int) -> st.SearchStrategy[list[int]]:
+    """A prefix of one of a few overlapping prompts, plus a short random tail: shared
+    prefixes that diverge at any token, inside or at the edge of a page (pages of `size`,
+    prompts of at most `n` tokens). Built once: hypothesis derives a strategy's properties
+    anew each time one is built, which took a third of these tests' time."""
+    trunk = list(range(10, 10 + n))
+    prompts = [trunk, trunk[: size + 1] + list(range(40, 40 + n)),
+               trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
+    return st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
+                     st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def page_event_name(key: Key, page_size: int) -> tuple[str, int]:
+    """(namespace id, chained hash of the last full page) of the page cached under `key`,
+    computed from scratch (not the tree's incremental chain). Memoised: the reference names
+    the same pages after every step."""
+    ns_id = namespace_id(key[0])
+    tokens = np.asarray(key[1:], dtype=np.int64)
+    return ns_id, int(page_hashes(tokens, page_size, namespace_seed(ns_id))[0][-1])
 
 
 @dataclass
@@ -191,9 +216,7 @@ class ReferenceCache:
 
     def hash_of(self, key: Key) -> tuple[str, int]:
         """The cache-event name of the page cached under `key`."""
-        ns_id = namespace_id(key[0])
-        tokens = np.asarray(key[1:], dtype=np.int64)
-        return ns_id, int(page_hashes(tokens, self.size, namespace_seed(ns_id))[0][-1])
+        return page_event_name(key, self.size)
 
     def reset(self, locks: list[Key]) -> None:
         self.pages = {k: v for k, v in self.pages.items() if self._locked(k, locks)}
@@ -235,25 +258,17 @@ class TreeMachine(RuleBasedStateMachine):
         for _ in range(data.draw(st.integers(2, 6))):
             self.serve(data, data.draw(st.sampled_from([None, "b"])), data.draw(st.sampled_from(RETENTIONS)))
 
-    def tokens(self):
-        """A prefix of one of a few overlapping prompts, plus a short random tail: shared
-        prefixes that diverge at any token, inside or at the edge of a page."""
-        size, n = self.page_size, self.max_len
-        trunk = list(range(10, 10 + n))
-        prompts = [trunk, trunk[: size + 1] + list(range(40, 40 + n)),
-                   trunk[: 2 * size + 2] + list(range(70, 70 + n)), list(range(100, 100 + n))]
-        fresh = st.builds(lambda p, k, tail: (p[:k] + tail)[:n], st.sampled_from(prompts),
-                          st.integers(1, n), st.lists(st.integers(0, 2), max_size=3))
-        if not self.seen:
-            return fresh
-        # A conversation's next turn: an earlier prompt and a few more tokens (a longer partial
-        # page over a shorter one, or full pages over a partial one).
-        continued = st.builds(lambda p, tail: (p + tail)[:n], st.sampled_from(self.seen),
-                              st.lists(st.integers(0, 2), min_size=1, max_size=3))
-        return st.one_of(fresh, st.sampled_from(self.seen), continued)
-
     def draw_tokens(self, data) -> list[int]:
-        tokens = data.draw(self.tokens())
+        """Fresh tokens, or (once some were drawn) an earlier prompt again, or a conversation's
+        next turn: an earlier prompt and a few more tokens (a longer partial page over a
+        shorter one, or full pages over a partial one)."""
+        kind = data.draw(st.sampled_from(["fresh", "again", "continued"]), label="kind") if self.seen else "fresh"
+        if kind == "fresh":
+            tokens = data.draw(fresh_prompts(self.page_size, self.max_len))
+        else:
+            earlier = self.seen[data.draw(st.integers(0, len(self.seen) - 1), label="earlier")]
+            tail = data.draw(TURN_TAIL) if kind == "continued" else []
+            tokens = (earlier + tail)[: self.max_len]
         self.seen.append(tokens)
         return tokens
 
