@@ -284,7 +284,7 @@ def cuda_available() -> bool:
 @pytest.fixture(scope="module")
 def refused_serves() -> ServeRuns:
     """The runs of the impossible settings below, and of --device cuda where torch has no
-    CUDA (with CUDA it would serve, not fail), side by side (run_serves)."""
+    CUDA (with CUDA it would serve, not fail), one after another (refuse_in_process)."""
     cuda_run = [] if importlib.util.find_spec("torch") is None or cuda_available() else [CUDA_ON_CPU]
     return refuse_in_process(*[flags for flags, _ in IMPOSSIBLE_SETTINGS], *cuda_run)
 
