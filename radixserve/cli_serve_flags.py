@@ -84,9 +84,10 @@ def _add_host_tier_args(serve: argparse.ArgumentParser) -> None:
     host.add_argument("--host-tier-pages", "--host-num-pages", action=_WarnIfDeprecated, dest="host_num_pages", type=int, default=None,
                       help="size of the host tier in pages (default: none)")
     serve.add_argument("--host-tier-write-policy", "--host-write-policy", action=_WarnIfDeprecated, dest="host_write_policy",
-                       default="write-back", choices=["write-back", "write-through-selective"],
+                       default="write-back", choices=["write-back", "write-through-selective", "exclusive"],
                        help="when pages go to the host tier: on device eviction, or also once hit "
-                            "twice (default: %(default)s)")
+                            "twice; exclusive: on device eviction, and a page loaded back leaves "
+                            "the host (default: %(default)s)")
     serve.add_argument("--host-tier-min-priority", "--host-offload-min-priority", action=_WarnIfDeprecated, dest="host_offload_min_priority",
                        type=int, default=35,
                        help="device-only pages below this retention priority are dropped on eviction "

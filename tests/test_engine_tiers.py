@@ -41,7 +41,7 @@ def assert_every_cached_page_is_factual(engine: Engine) -> int:
     return checked_host
 
 
-@pytest.mark.parametrize("write_policy", ["write-back", "write-through-selective"])
+@pytest.mark.parametrize("write_policy", ["write-back", "write-through-selective", "exclusive"])
 def test_tiny_device_pool_with_a_host_tier_gives_the_same_tokens(ckpt: Path, write_policy: str) -> None:
     prompts = random_prompts(160, seed=11)
     params = [SamplingParams(max_tokens=random.Random(i).randrange(2, 10), temperature=0.0, ignore_eos=True)

@@ -1,6 +1,7 @@
-"""The host tier's write-through rule at work, with exact values: under
-write-through-selective a matched device page is copied to host on the match that brings its
-hits to `write_through_hits`, not before, and only once; write-back never copies on a hit.
+"""The host tier's write rules at work, with exact values: under write-through-selective a
+matched device page is copied to host on the match that brings its hits to
+`write_through_hits`, not before, and only once; write-back never copies on a hit; a page
+back on the device keeps its host copy under write-back and gives it up under exclusive.
 (The slow stateful property test checks the same against a model; these run in a blink.)"""
 
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ import pytest
 
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
-from radixserve.cache.tiers import WRITE_BACK, WRITE_THROUGH_SELECTIVE, HostTier
+from radixserve.cache.tiers import EXCLUSIVE, WRITE_BACK, WRITE_THROUGH_SELECTIVE, HostTier
 from radixserve.cache.transfer import KVCopier, LoadHandle
 
 PAGE_SIZE = 2
@@ -85,3 +86,42 @@ def test_write_back_never_copies_on_a_hit() -> None:
         tree.match(TOKENS)
     assert copier.offloads == []
     assert (tree.host_cached_pages, tree.stats()["written_through_pages"]) == (0, 0)
+
+
+def push_to_host(tree: RadixTree, copier: RecordingCopier, pages: list[int]) -> None:
+    """Evicts TOKENS' three pages from the device: they are copied to host pages 0-2."""
+    assert tree.evict(3) == 3
+    assert copier.offloads == [(pages, [0, 1, 2])]
+    assert (tree.host_cached_pages, tree.host_only_pages) == (3, 3)
+
+
+@pytest.mark.parametrize(("write_policy", "host_copies"), [(WRITE_BACK, 3), (EXCLUSIVE, 0)])
+def test_a_page_loaded_back_keeps_its_host_copy_unless_exclusive(write_policy: str, host_copies: int) -> None:
+    tree, copier, pages = make(write_policy, 2)
+    push_to_host(tree, copier, pages)
+    match = tree.match(TOKENS)
+    assert (match.pages, len(match.host_pages)) == ([], 3)
+    tree.lock(match.host_node)
+    loaded = tree.load_back(match)
+    tree.unlock(match.host_node)
+    assert len(loaded.pages) == 3 and loaded.host_pages == []
+    assert (tree.host_cached_pages, tree.host_only_pages) == (host_copies, 0)
+    assert tree.host.pool.num_free == 8 - host_copies
+    # The next device eviction: a kept copy makes it free, an exclusive tier copies again.
+    assert tree.evict(3) == 3
+    again = [(loaded.pages, [2, 1, 0])]  # the host pages freed on the load, last freed first
+    expected = [(pages, [0, 1, 2])] + ([] if host_copies else again)
+    assert copier.offloads == expected
+    assert (tree.host_cached_pages, tree.host_only_pages) == (3, 3)
+
+
+@pytest.mark.parametrize(("write_policy", "host_copies"), [(WRITE_BACK, 3), (EXCLUSIVE, 0)])
+def test_a_page_recomputed_over_its_host_copy_keeps_it_unless_exclusive(write_policy: str, host_copies: int) -> None:
+    tree, copier, pages = make(write_policy, 2)
+    push_to_host(tree, copier, pages)
+    again = tree.pool.allocate(3)  # the prefix computed again instead of loaded
+    tree.insert(TOKENS, again)
+    tree.pool.decref(again)
+    assert tree.match(TOKENS, update=False).pages == again
+    assert (tree.host_cached_pages, tree.host_only_pages) == (host_copies, 0)
+    assert tree.host.pool.num_free == 8 - host_copies

@@ -12,7 +12,8 @@ applies the rules of radix.py page by page with full scans:
   reach the offload floor (the others are dropped with everything below them); host room
   comes from free pages, then from evicting host-only leaves outside S, then from S itself;
 - load-back copies the host continuation into free device pages; insert over a host-only
-  page makes the inserted page its device copy; flush keeps only locked pages, on the device;
+  page makes the inserted page its device copy; under `exclusive` both free the host copy;
+  flush keeps only locked pages, on the device;
 - a partial page (a finished request's last, partly filled one) lives on the device only:
   device eviction drops it, it is never offloaded nor named in events.
 
@@ -33,7 +34,7 @@ from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockRemoved, Bloc
 from radixserve.cache.invariants import SequenceView, check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import DEFAULT_PRIORITY, RadixTree, Retention
-from radixserve.cache.tiers import HostTier
+from radixserve.cache.tiers import WRITE_POLICIES, HostTier
 from radixserve.cache.transfer import PageCopier
 from tests.test_radix_properties import RETENTIONS, SETTINGS, Live, ReferenceCache, TreeMachine, page_keys
 
@@ -56,11 +57,12 @@ class TieredModel(ReferenceCache):
     """The brute-force two-tier cache (the single-tier reference's keys, locks, retention and
     hashes; its own pages, eviction and matching)."""
 
-    def __init__(self, page_size: int, policy: str, host_pages: int, floor: int, write_through: bool) -> None:
+    def __init__(self, page_size: int, policy: str, host_pages: int, floor: int, write_policy: str) -> None:
         super().__init__(page_size, policy)
         self.host_pages = host_pages
         self.floor = floor
-        self.write_through = write_through
+        self.write_through = write_policy == "write-through-selective"
+        self.exclusive = write_policy == "exclusive"
         self.pages: dict[Key, Page] = {}
 
     # ---------------------------------------------------------------- helpers
@@ -167,6 +169,7 @@ class TieredModel(ReferenceCache):
             else:
                 if page.page is None:
                     page.page = pages[i]
+                    page.host = page.host and not self.exclusive
                 elif page.page != pages[i]:
                     duplicates.append(pages[i])
                 page.tick = self.tick
@@ -217,6 +220,7 @@ class TieredModel(ReferenceCache):
         for key, page in zip(keys, pages):
             assert self.pages[key].page is None
             self.pages[key].page = page
+            self.pages[key].host = not self.exclusive
 
     def reset(self, locks: list[Key]) -> None:
         self.pages = {k: p for k, p in self.pages.items() if self._locked(k, locks)}
@@ -233,19 +237,20 @@ class TieredTreeMachine(TreeMachine):
     num_pages = 16
 
     @initialize(policy=st.sampled_from(["priority", "lru"]), host_pages=st.sampled_from([3, 8, 20]),
-                floor=st.sampled_from([0, DEFAULT_PRIORITY, 50]), write_through=st.booleans(), data=st.data())
-    def setup(self, policy: str, host_pages: int, floor: int, write_through: bool, data) -> None:
+                floor=st.sampled_from([0, DEFAULT_PRIORITY, 50]), write_policy=st.sampled_from(WRITE_POLICIES),
+                data=st.data())
+    def setup(self, policy: str, host_pages: int, floor: int, write_policy: str, data) -> None:
         self.pool = PagePool(self.num_pages, self.page_size)
         host_pool = PagePool(host_pages, self.page_size)
         tier = HostTier(host_pool, PageCopier(self.pool, host_pool),
-                        write_policy="write-through-selective" if write_through else "write-back",
+                        write_policy=write_policy,
                         offload_min_priority=floor, write_through_hits=WRITE_THROUGH_HITS)
         self.indexed = {DEVICE: set(), HOST: set()}
         self.events: list[CacheEvent] = []
         hub = CacheEventHub(self.page_size)
         hub.subscribe(self.on_event)
         self.tree = RadixTree(self.pool, eviction_policy=policy, clock=lambda: self.now, events=hub, host=tier)
-        self.ref = TieredModel(self.page_size, policy, host_pages, floor, write_through)
+        self.ref = TieredModel(self.page_size, policy, host_pages, floor, write_policy)
         for _ in range(data.draw(st.integers(3, 8))):
             self.serve(data, data.draw(st.sampled_from([None, "b"])), data.draw(st.sampled_from(RETENTIONS)))
 

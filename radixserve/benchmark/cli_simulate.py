@@ -42,7 +42,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-capacity-tokens", default="0", metavar="N[,N...]",
                    help="host tier capacity in tokens, e.g. 8M or a sweep 0,2M,8M (default: none); "
                         "with several device and host capacities every pair runs")
-    p.add_argument("--host-write-policy", default="write-back", choices=["write-back", "write-through-selective"],
+    p.add_argument("--host-write-policy", default="write-back", choices=["write-back", "write-through-selective", "exclusive"],
                    help="when pages go to the host tier (default: %(default)s)")
     p.add_argument("--host-offload-min-priority", type=int, default=35,
                    help="device-only pages below this retention priority are dropped, not offloaded "

@@ -267,6 +267,7 @@ class HostPlacement:
                 step.loading = handle
                 loads.append(handle)
             self._stats.loaded(count)
+            self._settle_on_device(step)
             pages += device
             node = step
             budget -= count
@@ -278,6 +279,18 @@ class HostPlacement:
         """The host-only `node` gets `pages` as its device copy (their holder adds the tree)."""
         self._tree.pool.incref(pages)
         self._gain_device(node, list(pages))
+        self._settle_on_device(node)
+
+    def _settle_on_device(self, node: RadixNode) -> None:
+        """`node` is back on the device: under `exclusive` its host copy is freed."""
+        if self.tier.keeps_device_copies_on_host:
+            return
+        if self._reporter.active:
+            self._reporter.removed(node, 0, HOST)
+        self.fence(node)  # an offload may reuse these host pages before the load has read them
+        self._cached -= len(node.host)
+        self.pool.decref(node.host)
+        node.host = None
 
     def _gain_device(self, node: RadixNode, pages: list[int]) -> None:
         """Host-only `node` now also lives in the device `pages` (already held for the tree)."""

@@ -4,8 +4,12 @@ Each cached page lives on the device, on the host, or on both. The tree (radix.p
 the placement per node and moves pages between tiers; this module says what may move:
 
 - **write policy** — `write-back` (the default): a page is copied to host when the device
-  evicts it; `write-through-selective`: a page is also copied to host once it has been hit
-  `write_through_hits` times, so that its later eviction costs no copy;
+  evicts it, and keeps its host copy when loaded back (its next eviction then costs no
+  copy); `write-through-selective`: a page is also copied to host once it has been hit
+  `write_through_hits` times, so that its later eviction costs no copy; `exclusive`: as
+  write-back, but a page loaded back (or recomputed over its host copy) gives up its host
+  copy, so each page lives on one tier and the tiers hold their combined size; every
+  device eviction of a page then copies it again (docs/benchmark.md weighs the two);
 - **offload floor** — a device-only page whose effective retention priority is below
   `offload_min_priority` is dropped on eviction instead of copied (TensorRT-LLM's
   `secondary_offload_min_priority`; the default priority, 35, is offloaded);
@@ -28,7 +32,8 @@ from radixserve.cache.transfer import KVCopier, PageCopier
 
 WRITE_BACK = "write-back"
 WRITE_THROUGH_SELECTIVE = "write-through-selective"
-WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH_SELECTIVE)
+EXCLUSIVE = "exclusive"
+WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH_SELECTIVE, EXCLUSIVE)
 DEFAULT_OFFLOAD_MIN_PRIORITY = DEFAULT_PRIORITY
 DEFAULT_WRITE_THROUGH_HITS = 2
 
@@ -62,6 +67,11 @@ class HostTier:
         """Whether a device-only page at this effective priority goes to host on eviction
         (elementwise for an array of priorities)."""
         return priority >= self.offload_min_priority
+
+    @property
+    def keeps_device_copies_on_host(self) -> bool:
+        """Whether a page back on the device keeps its host copy (all but `exclusive`)."""
+        return self.write_policy != EXCLUSIVE
 
     @property
     def copies_on_hit(self) -> bool:

@@ -108,8 +108,9 @@ class Engine:
         host_num_pages / host_kv_memory_gb: size of the host tier, a second KV pool in host
             memory (pinned on CUDA) that pages evicted from the device go to and are loaded
             back from; default (and 0): no host tier.
-        host_write_policy: "write-back" (copy a page to host when the device evicts it) or
-            "write-through-selective" (also as soon as it has been hit twice).
+        host_write_policy: "write-back" (copy a page to host when the device evicts it),
+            "write-through-selective" (also as soon as it has been hit twice) or "exclusive"
+            (as write-back, and a page loaded back to the device leaves the host).
         host_offload_min_priority: device-only pages below this retention priority are
             dropped on eviction instead of copied to host (default 35: the default priority
             is offloaded).
