@@ -24,17 +24,23 @@ def ckpt(tiny_llama_dir: Path) -> Path:
     return tiny_llama_dir
 
 
-def test_side_stream_loads_give_the_same_tokens_as_ample_memory(ckpt: Path) -> None:
+@pytest.mark.parametrize("write_policy", ["write-back", "exclusive"])
+def test_side_stream_loads_give_the_same_tokens_as_ample_memory(ckpt: Path, write_policy: str) -> None:
+    """Under `exclusive` a loaded page's host copy is freed while its load may be in flight:
+    the fence before the free must keep a later offload from overwriting what the load reads."""
     prompts = random_prompts(160, seed=11)
     params = [SamplingParams(max_tokens=random.Random(i).randrange(2, 10), temperature=0.0, ignore_eos=True)
               for i in range(len(prompts))]
     ample = make_engine(ckpt, device="cuda", num_pages=1024).generate(prompts, params)
-    tight = make_engine(ckpt, device="cuda", num_pages=24, max_batch_tokens=64, host_num_pages=48)
+    tight = make_engine(ckpt, device="cuda", num_pages=24, max_batch_tokens=64, host_num_pages=48,
+                        host_write_policy=write_policy)
     assert tight.host_tier.pool.k_cache[0].is_pinned()
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
     stats = tight.stats()
     assert stats["cache_loaded_pages"] > 0 and stats["host_cached_tokens"] > 0
+    if write_policy == "exclusive":
+        return
     # The copier itself: a load is issued on the side stream and completes on its own.
     host_pool, device_pool = tight.host_tier.pool, tight.pool
     host_page = next(h for node, _ in tight.tree.nodes() if node.host for h in node.host)
