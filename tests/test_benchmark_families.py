@@ -84,3 +84,19 @@ def test_the_summary_sets_replicas_against_one_cache_of_their_memory() -> None:
         [(1000, 4001, 0.9), (2000, 8000, 0.9667)]
     assert "at least 95% of its hit rate in 1 of 2 cells; lowest 90.0% (a 1k x 4: 45.0% vs 50.0%)" in \
         matrix_summary(cells)
+
+
+def test_matrix_host_cells_copy_by_the_write_policy_asked_for(tmp_path: Path) -> None:
+    """The trace's first quarter at 16M (scaled) with an 8M host: exclusive tiers hold more
+    of it than write-back's, where loaded pages keep their host copies (exact rates: the
+    simulation is deterministic)."""
+    rates = {}
+    for policy in ("write-back", "exclusive"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["bench", "matrix", "--workloads", "mooncake", "--capacity-tokens", "16M", "--replicas", "1",
+                     "--fixed-rules", "lru", "--host-write-policy", policy, "--no-progress", "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["host_write_policy"] == policy
+        (host_cell,) = [c for c in report["cells"] if c["host_tokens"]]
+        rates[policy] = round(100 * host_cell["hit_rates"]["lru"], 2)
+    assert rates == {"write-back": 13.36, "exclusive": 14.16}

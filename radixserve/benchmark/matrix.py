@@ -34,6 +34,7 @@ from radixserve.benchmark.report import format_tokens, percent
 from radixserve.benchmark.simulate import SimConfig, simulate
 from radixserve.benchmark.suite import make_retention
 from radixserve.benchmark.workloads import BenchRequest, Workload, make_workload
+from radixserve.cache.tiers import WRITE_BACK
 
 DEFAULT_RULE = "adaptive"  # the engine's default (EVICTION_POLICIES name)
 FIXED_RULES = ("lru", "reuse-boost")
@@ -128,16 +129,17 @@ class Cell:
                 "points_from_best_fixed": 100 * (self.default - best)}
 
 
-def _config(rule: str, capacity: int, host: int, page_size: int) -> SimConfig:
+def _config(rule: str, capacity: int, host: int, page_size: int, write_policy: str) -> SimConfig:
     eviction, retention = EVICTION_POLICIES[rule]
     config = SimConfig(capacity, page_size=page_size, eviction_policy=eviction, host_capacity_tokens=host,
-                       sequential=True)
+                       host_write_policy=write_policy, sequential=True)
     return replace(config, retention=make_retention(retention, page_size=page_size,
                                                     capacity_tokens=capacity + host))
 
 
-def run_cell(workload: Workload, cell: Cell, bounds: WorkloadBounds, rules: list[str], page_size: int) -> Cell:
-    """Fills `cell`'s hit rates (each rule) and optimum."""
+def run_cell(workload: Workload, cell: Cell, bounds: WorkloadBounds, rules: list[str], page_size: int,
+             write_policy: str = WRITE_BACK) -> Cell:
+    """Fills `cell`'s hit rates (each rule) and optimum; a host tier copies by `write_policy`."""
     from radixserve.benchmark.cluster_sim import simulate_cluster
 
     total = cell.capacity_tokens * cell.replicas + cell.host_tokens
@@ -145,7 +147,7 @@ def run_cell(workload: Workload, cell: Cell, bounds: WorkloadBounds, rules: list
     for rule in rules:
         if cell.replicas == 1:
             cell.rates[rule] = simulate(workload, _config(rule, cell.capacity_tokens, cell.host_tokens,
-                                                          page_size)).hit_rate
+                                                          page_size, write_policy)).hit_rate
         else:
             eviction, retention = EVICTION_POLICIES[rule]
             config = SimConfig(cell.capacity_tokens, page_size=page_size, eviction_policy=eviction)
@@ -155,7 +157,7 @@ def run_cell(workload: Workload, cell: Cell, bounds: WorkloadBounds, rules: list
 
 
 def run_matrix(workloads: list[str], capacities: list[int], *, scale: float, count_scale: float, host_tokens: int,
-               replicas: list[int], fixed: list[str], page_size: int = 16,
+               replicas: list[int], fixed: list[str], page_size: int = 16, write_policy: str = WRITE_BACK,
                on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
     """Every cell of the matrix (capacities and host_tokens unscaled: `scale` applies)."""
     rules = [DEFAULT_RULE, *[r for r in fixed if r != DEFAULT_RULE]]
@@ -170,7 +172,7 @@ def run_matrix(workloads: list[str], capacities: list[int], *, scale: float, cou
             host = int(host_tokens * scale * count_scale)
             shapes = [(0, n) for n in replicas] + ([(host, 1)] if host_tokens else [])
             for host, n in shapes:
-                cell = run_cell(workload, Cell(name, scaled, host, n), bounds, rules, page_size)
+                cell = run_cell(workload, Cell(name, scaled, host, n), bounds, rules, page_size, write_policy)
                 cells.append(cell)
                 if on_cell is not None:
                     on_cell(cell)
