@@ -125,3 +125,63 @@ def test_a_page_recomputed_over_its_host_copy_keeps_it_unless_exclusive(write_po
     assert tree.match(TOKENS, update=False).pages == again
     assert (tree.host_cached_pages, tree.host_only_pages) == (host_copies, 0)
     assert tree.host.pool.num_free == 8 - host_copies
+
+
+class SlowLoad:
+    """A load that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+class SlowCopier(RecordingCopier):
+    """Records offloads; each load returns a `SlowLoad` (kept in `loads`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[SlowLoad] = []
+
+    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadHandle | None:
+        self.loads.append(SlowLoad())
+        return self.loads[-1]
+
+
+def test_exclusive_frees_a_host_copy_only_once_its_load_is_done() -> None:
+    """While a load is in flight its host pages stay held (an offload must not reuse what
+    the load reads) and a second request matching the pages still finds the load to wait
+    for (that match splits the loaded node: its upper part goes with it); the next device
+    eviction after the load is done frees them."""
+    pool = PagePool(16, PAGE_SIZE)
+    copier = SlowCopier()
+    tree = RadixTree(pool, clock=lambda: 0.0, host=HostTier(PagePool(8, PAGE_SIZE), copier, write_policy=EXCLUSIVE))
+    pages = pool.allocate(3)
+    tree.insert(TOKENS, pages)
+    pool.decref(pages)
+    push_to_host(tree, copier, pages)
+    match = tree.match(TOKENS)
+    tree.lock(match.host_node)
+    loaded = tree.load_back(match)
+    tree.unlock(match.host_node)
+    (load,) = copier.loads
+    assert loaded.loads == [load]
+    assert (tree.host_cached_pages, tree.host_only_pages, tree.host.pool.num_free) == (3, 0, 5)
+    assert tree.match(TOKENS[:4]).loads == [load]  # another request waits for the same load
+    other = pool.allocate(2)  # a second prompt, evicted while the load is in flight
+    tree.insert([9, 9, 8, 8], other)
+    pool.decref(other)
+    tree.lock(loaded.node)  # TOKENS' pages stay on the device
+    assert tree.evict(2) == 2
+    assert copier.offloads[-1][1] == [3, 4]  # host pages 0-2 are still the load's
+    assert (tree.host_cached_pages, tree.host_only_pages) == (5, 2)
+    load.finished = True
+    assert tree.match(TOKENS).loads == []
+    third = pool.allocate(1)
+    tree.insert([7, 7], third)
+    pool.decref(third)
+    assert tree.evict(1) == 1  # the eviction after the load frees its host copy first
+    assert (tree.host_cached_pages, tree.host_only_pages) == (3, 3)
+    assert copier.offloads[-1][0] == third and copier.offloads[-1][1][0] in (0, 1, 2)  # the load's, now free
+    tree.unlock(loaded.node)

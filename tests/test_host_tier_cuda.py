@@ -26,8 +26,8 @@ def ckpt(tiny_llama_dir: Path) -> Path:
 
 @pytest.mark.parametrize("write_policy", ["write-back", "exclusive"])
 def test_side_stream_loads_give_the_same_tokens_as_ample_memory(ckpt: Path, write_policy: str) -> None:
-    """Under `exclusive` a loaded page's host copy is freed while its load may be in flight:
-    the fence before the free must keep a later offload from overwriting what the load reads."""
+    """Under `exclusive` a loaded page's host copy is freed only once its load is done: an
+    offload reusing those host pages earlier would overwrite what the load still reads."""
     prompts = random_prompts(160, seed=11)
     params = [SamplingParams(max_tokens=random.Random(i).randrange(2, 10), temperature=0.0, ignore_eos=True)
               for i in range(len(prompts))]

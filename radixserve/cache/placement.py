@@ -82,6 +82,7 @@ class HostPlacement:
         self._host_only = 0  # pages held on the host only
         self._calls = 0      # numbers device-eviction calls (see `leave_device`)
         self._shielded: int | None = None  # the call whose pages host eviction may not take yet
+        self._settling: list[RadixNode] = []  # exclusive: loaded nodes whose host copy goes after the load
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,6 +182,7 @@ class HostPlacement:
         """Copies the device-only pages that left the device in `call` to host pages, making
         room as `leave_device` says."""
         size = self._tree.page_size
+        self._settle_loaded()
         need = sum(node.num_pages(size) for node, _ in call.leaving if node.parent is not None)
         short = need - self.pool.num_free
         if short > 0:
@@ -243,6 +245,7 @@ class HostPlacement:
         (see `RadixTree.load_back`); returns the match as it stands after the copy."""
         if not match.host_pages:
             return match
+        self._settle_loaded()
         chain: list[RadixNode] = []
         up = match.host_node
         while up is not match.node:
@@ -282,12 +285,36 @@ class HostPlacement:
         self._settle_on_device(node)
 
     def _settle_on_device(self, node: RadixNode) -> None:
-        """`node` is back on the device: under `exclusive` its host copy is freed."""
+        """`node` is back on the device: under `exclusive` its host copy is freed, once its
+        load is done (until then the load reads those host pages, and a request matching
+        the node meanwhile must still find the load to wait for)."""
         if self.tier.keeps_device_copies_on_host:
             return
+        if node.unfinished_load() is None:
+            self._drop_host_copy(node)
+        else:
+            self._settling.append(node)
+
+    def _settle_loaded(self) -> None:
+        """Frees the host copies that `_settle_on_device` left to loads now done. A node
+        split meanwhile left its upper part, on both tiers too, above it: those go as well
+        (under `exclusive` no other node keeps both copies)."""
+        waiting: list[RadixNode] = []
+        for node in self._settling:
+            if node.parent is None or node.host is None or not node.pages:
+                continue  # dropped, or back on the host only: nothing to free
+            if node.unfinished_load() is not None:
+                waiting.append(node)
+                continue
+            while not node.is_root and node.pages and node.host is not None and node.unfinished_load() is None:
+                self._drop_host_copy(node)
+                node = node.parent
+        self._settling = waiting
+
+    def _drop_host_copy(self, node: RadixNode) -> None:
+        """Frees the host copy of `node`, which is on the device with no load in flight."""
         if self._reporter.active:
             self._reporter.removed(node, 0, HOST)
-        self.fence(node)  # an offload may reuse these host pages before the load has read them
         self._cached -= len(node.host)
         self.pool.decref(node.host)
         node.host = None
