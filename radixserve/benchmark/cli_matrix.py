@@ -65,12 +65,14 @@ def matrix_command(args: argparse.Namespace) -> int:
     if bar:
         bar.close()
     table = matrix_table(cells) + "\n\n" + matrix_summary(cells)
+    if host and args.host_write_policy != "write-back":
+        table = f"Host tier write policy: {args.host_write_policy}.\n\n{table}"
     print(table)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"scale": scale, "count_scale": count_scale, "host_write_policy": args.host_write_policy,
+        args.json.write_text(json.dumps({"scale": scale, "count_scale": count_scale, "host_write_policy": args.host_write_policy if host else None,
                                          "cells": [c.to_dict() for c in cells]}, indent=1))
     return 0
