@@ -10,7 +10,9 @@ import pytest
 
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree
-from radixserve.cache.tiers import EXCLUSIVE, WRITE_BACK, WRITE_THROUGH_SELECTIVE, HostTier
+from radixserve.benchmark.cli_simulate import HOST_WRITE_POLICIES
+from radixserve.cache.tiers import EXCLUSIVE, WRITE_BACK, WRITE_POLICIES, WRITE_THROUGH_SELECTIVE, HostTier
+from radixserve.cli import build_parser
 from radixserve.cache.transfer import KVCopier, LoadHandle
 
 PAGE_SIZE = 2
@@ -42,6 +44,13 @@ def make(write_policy: str, hits: int, host_pages: int = 8) -> tuple[RadixTree, 
     tree.insert(TOKENS, pages)
     pool.decref(pages)
     return tree, copier, pages
+
+
+def test_every_write_policy_is_offered_by_serve_and_the_benchmarks() -> None:
+    """The command lines list the policies by name (they may not import torch for --help)."""
+    assert HOST_WRITE_POLICIES == list(WRITE_POLICIES)
+    for policy in WRITE_POLICIES:
+        assert build_parser().parse_args(["serve", "--host-tier-write-policy", policy]).host_write_policy == policy
 
 
 def test_the_rule_is_hits_at_least_the_threshold_under_write_through_only() -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from radixserve.benchmark.cli_common import progress_bar, say
+from radixserve.benchmark.cli_simulate import HOST_WRITE_POLICIES
 from radixserve.benchmark.report import parse_tokens
 
 QUICK_SCALE = 1 / 256  # --quick: a smoke test of every part of the matrix, in seconds
@@ -37,7 +38,7 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
                    help=f"scale {QUICK_SCALE:g}, capacities {QUICK_CAPACITIES}, three workloads: a smoke test")
     p.add_argument("--json", type=Path, help="write every cell here")
     p.add_argument("--markdown", type=Path, help="write the table here")
-    p.add_argument("--host-write-policy", default="write-back", choices=["write-back", "write-through-selective", "exclusive"],
+    p.add_argument("--host-write-policy", default="write-back", choices=HOST_WRITE_POLICIES,
                    help="how the device+host cells' host tier copies (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=matrix_command)
@@ -61,7 +62,8 @@ def matrix_command(args: argparse.Namespace) -> int:
     bar = None if args.no_progress else progress_bar(total, "cells")
     count_scale = QUICK_COUNT_SCALE if args.quick else args.count_scale
     cells = run_matrix(names, capacities, scale=scale, count_scale=count_scale, host_tokens=host, replicas=replicas,
-                       fixed=args.fixed_rules.split(","), write_policy=args.host_write_policy, on_cell=(lambda _: bar.update(1)) if bar else None)
+                       fixed=args.fixed_rules.split(","), write_policy=args.host_write_policy,
+                       on_cell=(lambda _: bar.update(1)) if bar else None)
     if bar:
         bar.close()
     table = matrix_table(cells) + "\n\n" + matrix_summary(cells)
@@ -73,6 +75,7 @@ def matrix_command(args: argparse.Namespace) -> int:
         args.markdown.write_text(table + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"scale": scale, "count_scale": count_scale, "host_write_policy": args.host_write_policy if host else None,
+        args.json.write_text(json.dumps({"scale": scale, "count_scale": count_scale,
+                                         "host_write_policy": args.host_write_policy if host else None,
                                          "cells": [c.to_dict() for c in cells]}, indent=1))
     return 0

@@ -32,6 +32,8 @@ EVICTION_POLICIES: dict[str, tuple[str, str]] = {
     "tail-demotion": ("priority", "tail-demotion"),
     "hit-boost": ("priority", "hit-boost"),
 }
+# `--host-write-policy` names (cache/tiers.py's WRITE_POLICIES, not imported: it loads torch).
+HOST_WRITE_POLICIES = ["write-back", "write-through-selective", "exclusive"]
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +44,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-capacity-tokens", default="0", metavar="N[,N...]",
                    help="host tier capacity in tokens, e.g. 8M or a sweep 0,2M,8M (default: none); "
                         "with several device and host capacities every pair runs")
-    p.add_argument("--host-write-policy", default="write-back", choices=["write-back", "write-through-selective", "exclusive"],
+    p.add_argument("--host-write-policy", default="write-back", choices=HOST_WRITE_POLICIES,
                    help="when pages go to the host tier (default: %(default)s)")
     p.add_argument("--host-offload-min-priority", type=int, default=35,
                    help="device-only pages below this retention priority are dropped, not offloaded "

@@ -299,6 +299,8 @@ class HostPlacement:
         """Frees the host copies that `_settle_on_device` left to loads now done. A node
         split meanwhile left its upper part, on both tiers too, above it: those go as well
         (under `exclusive` no other node keeps both copies)."""
+        if not self._settling:
+            return
         waiting: list[RadixNode] = []
         for node in self._settling:
             if node.parent is None or node.host is None or not node.pages:
