@@ -72,7 +72,7 @@ def test_closing_an_unknown_session_is_a_404(server: SimpleNamespace) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         r = client.post("/v1/sessions/nobody-has-this/close")
         assert r.status_code == 404
-        assert r.json()["error"] == {"message": "No open session 'nobody-has-this'", "type": "not_found_error",
+        assert r.json()["error"] == {"message": "No open session 'nobody-has-this'", "type": "invalid_request_error",
                                      "param": "session_id", "code": "session_not_found"}
 
 

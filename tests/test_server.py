@@ -397,7 +397,7 @@ def test_model_retrieve(client: httpx.Client) -> None:
     for missing in ("gpt-4", "org/some-model"):
         r = client.get(f"/v1/models/{missing}")
         assert r.status_code == 404
-        assert r.json()["error"] | {"message": ""} == {"message": "", "type": "not_found_error",
+        assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
                                                         "param": "model", "code": "model_not_found"}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -72,6 +74,16 @@ def test_text_parts_are_joined(tokenizer: PreTrainedTokenizerBase) -> None:
     parts = msgspec.json.decode(b'{"role": "user", "content": [{"type": "text", "text": "Hel"},'
                                 b' {"type": "text", "text": "lo"}]}', type=ChatMessage)
     assert render_chat(tokenizer, [parts]) == render_chat(tokenizer, [ChatMessage(role="user", content="Hello")])
+
+
+def test_a_participants_name_reaches_a_template_that_writes_it(tokenizer: PreTrainedTokenizerBase) -> None:
+    named = [ChatMessage(role="user", content="hi", name="alice")]
+    assert render_chat(tokenizer, named) == render_chat(tokenizer, [ChatMessage(role="user", content="hi")])  # ignored
+    writes_names = copy.copy(tokenizer)
+    writes_names.chat_template = ("{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: "
+                                  "{{ m.content }}\n{% endfor %}")
+    ids, _ = render_chat(writes_names, named)
+    assert writes_names.decode(ids) == "user (alice): hi\n"
 
 
 # ---------------------------------------------------------------- request → engine call

@@ -19,6 +19,7 @@ from radixserve.server.tool_parsers import (
     HermesParser,
     Llama3Parser,
     NamedCallParser,
+    RequiredCallsParser,
     ToolCallParser,
     parser_for_template,
 )
@@ -68,8 +69,22 @@ def whole(parser: ToolCallParser, text: str) -> tuple[str | None, list[tuple[str
     return content, [(c.name, c.arguments) for c in calls]
 
 
+DECLARED = frozenset({"get_weather", "a"})  # the request's tools: "b" and "unclosed" are not among them
+REQUIRED_REPLIES = [
+    '[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {"s": "a]}"}}]',
+    '[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {"s": "a]}',  # cut in g's arguments
+    '[{"name": "f", "arguments": {"x": [1, {"y": 2}]}}, {"na',  # cut in g's name
+    '[{"name": "f", "argu',
+    "[",
+]
+
+
 @pytest.mark.parametrize(("parser", "text"), [(HermesParser(), t) for t in HERMES_REPLIES]
+                         + [(HermesParser(DECLARED), t) for t in HERMES_REPLIES]
+                         + [(HermesParser(None, 1), t) for t in HERMES_REPLIES]
                          + [(Llama3Parser(), t) for t in LLAMA_REPLIES]
+                         + [(Llama3Parser(DECLARED, 1), t) for t in LLAMA_REPLIES]
+                         + [(RequiredCallsParser(), t) for t in REQUIRED_REPLIES]
                          + [(NamedCallParser("f"), '{"a": 1}'), (NamedCallParser("f"), "")])
 def test_streaming_assembles_to_the_whole_parse(parser: ToolCallParser, text: str) -> None:
     expected = whole(parser, text)
@@ -89,6 +104,37 @@ def test_hermes_parses_calls_and_content() -> None:
     assert HermesParser().parse(HERMES_REPLIES[4]) == (HERMES_REPLIES[4], [])  # bad JSON: all content
     _, two = HermesParser().parse(HERMES_REPLIES[1])
     assert [c.name for c in two] == ["a", "b"] and two[0].id != two[1].id
+
+
+def test_only_calls_of_the_requests_tools_count() -> None:
+    # A block naming a function the request did not declare is no call: dropped beside real
+    # calls, and a reply whose only call is undeclared is content (an agent would fail on it).
+    _, calls = HermesParser(DECLARED).parse(HERMES_REPLIES[1])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {})]
+    assert HermesParser(DECLARED).parse(HERMES_REPLIES[6]) == (HERMES_REPLIES[6], [])
+    assert Llama3Parser(DECLARED).parse(LLAMA_REPLIES[1]) == (LLAMA_REPLIES[1], [])  # "b" is not declared
+    assert [c.name for c in Llama3Parser(DECLARED).parse(LLAMA_REPLIES[0])[1]] == ["get_weather"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    assert [c.name for c in HermesParser(None, 1).parse(HERMES_REPLIES[1])[1]] == ["a"]
+    assert [c.name for c in Llama3Parser(None, 1).parse(LLAMA_REPLIES[1])[1]] == ["a"]
+    assert plan_tools(chat(tools=[WEATHER], parallel_tool_calls=False), "hermes").parser.max_calls == 1
+    for parallel in (True, None):  # null is OpenAI's default: any number
+        plan = plan_tools(chat(tools=[WEATHER], parallel_tool_calls=parallel), "hermes")
+        assert plan.parser.max_calls is None and plan.parser.names == {"get_weather"}
+
+
+def test_a_required_reply_cut_short_is_still_calls() -> None:
+    # max_tokens can cut the constrained array anywhere: the complete calls, then the one it
+    # was cut in (once its name is complete) with its arguments so far; never the text as content.
+    parse = RequiredCallsParser().parse
+    assert [(c.name, c.arguments) for c in parse(REQUIRED_REPLIES[0])[1]] == \
+        [("f", '{"x": 1}'), ("g", '{"s": "a]}"}')]
+    assert parse(REQUIRED_REPLIES[1])[0] is None
+    assert [(c.name, c.arguments) for c in parse(REQUIRED_REPLIES[1])[1]] == [("f", '{"x": 1}'), ("g", '{"s": "a]}')]
+    assert [(c.name, c.arguments) for c in parse(REQUIRED_REPLIES[2])[1]] == [("f", '{"x": [1, {"y": 2}]}')]
+    assert parse(REQUIRED_REPLIES[3]) == (None, []) and parse(REQUIRED_REPLIES[4]) == (None, [])
 
 
 def test_llama3_parses_json_calls() -> None:

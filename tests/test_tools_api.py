@@ -113,6 +113,65 @@ def test_auto_parses_the_models_hermes_call(client: openai.OpenAI) -> None:
     assert plain[0]["tool_calls"][0][0] == "add"
 
 
+# Two calls, then one of a function the request does not declare (the random model writes
+# whatever a grammar makes it write).
+TWO_CALLS_GRAMMAR = ('root ::= call "\\n" call\ncall ::= "<tool_call>\\n{\\"name\\": \\"add\\", '
+                     '\\"arguments\\": {\\"a\\": " [1-9] ", \\"b\\": " [1-9] "}}\\n</tool_call>"')
+UNDECLARED_GRAMMAR = 'root ::= "<tool_call>\\n{\\"name\\": \\"send_email\\", \\"arguments\\": {}}\\n</tool_call>"'
+
+
+def test_auto_keeps_the_first_call_without_parallel_tool_calls(client: openai.OpenAI) -> None:
+    grammar = {"extra_body": {"guided_grammar": TWO_CALLS_GRAMMAR}}
+    plain, streamed = both(client, tools=TOOLS, temperature=1.0, seed=3, **grammar)
+    assert plain == streamed and [name for name, _ in plain[0]["tool_calls"]] == ["add", "add"]
+    plain, streamed = both(client, tools=TOOLS, temperature=1.0, seed=3, parallel_tool_calls=False, **grammar)
+    assert plain == streamed and len(plain[0]["tool_calls"]) == 1
+    assert_valid_calls(plain)
+
+
+def test_auto_never_calls_an_undeclared_function(client: openai.OpenAI) -> None:
+    plain, streamed = both(client, tools=TOOLS, temperature=0.0, extra_body={"guided_grammar": UNDECLARED_GRAMMAR})
+    assert plain == streamed
+    assert plain[0]["tool_calls"] == [] and plain[0]["finish_reason"] == "stop"
+    assert plain[0]["content"].startswith('<tool_call>\n{"name": "send_email"')
+
+
+def test_a_required_call_cut_short_is_a_call_not_content(client: openai.OpenAI) -> None:
+    cuts = []
+    for max_tokens in (2, 4, 8, 12, 16, 24):
+        plain, streamed = both(client, tools=TOOLS, tool_choice="required", temperature=0.0,
+                               max_tokens=max_tokens)
+        assert plain == streamed
+        (choice,) = plain
+        assert choice["content"] is None and choice["finish_reason"] == "length"
+        cuts.append(choice["tool_calls"])
+    # Before the name is complete there is no call to report; then the call, its arguments cut short.
+    assert cuts == [[]] * 5 + [[("add", '{"')]]
+
+
+def test_null_booleans_are_openais_defaults(client: openai.OpenAI) -> None:
+    body = {**COMMON, "max_tokens": 4, "messages": USER, "temperature": 0.0}
+    expected = client.chat.completions.create(**body).choices[0].message.content
+    nulls = {"stream": None, "logprobs": None, "parallel_tool_calls": None}
+    assert client.chat.completions.create(**body, extra_body=nulls).choices[0].message.content == expected
+    legacy = client.completions.create(model="demo", prompt="Hi", max_tokens=4, temperature=0.0,
+                                       extra_body={"echo": None, "stream": None})
+    assert legacy.choices[0].text
+
+
+def test_an_assistant_refusal_part_is_its_text(client: openai.OpenAI) -> None:
+    refused = [*USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+               {"role": "user", "content": "Why?"}]
+    as_text = [*USER, {"role": "assistant", "content": "I cannot."}, {"role": "user", "content": "Why?"}]
+    body = {**COMMON, "max_tokens": 4, "temperature": 0.0}
+    one = client.chat.completions.create(**body, messages=refused)
+    two = client.chat.completions.create(**body, messages=as_text)
+    assert one.usage.prompt_tokens == two.usage.prompt_tokens and one.choices[0].message.content == two.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**body, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}])
+    assert caught.value.body["param"] == "messages[0].content[0].type"
+
+
 def test_auto_without_a_call_and_none_are_content(client: openai.OpenAI) -> None:
     for choice in ("auto", "none"):
         plain, streamed = both(client, tools=TOOLS, tool_choice=choice, temperature=0.0, seed=0)

@@ -190,12 +190,12 @@ class OpenAIServer:
             tools.grammar, WorkLimit(self.max_request_tokens)))
         _as_caller([call], caller)
         await self._compile_grammar([call])
-        formatter = ChatFormatter(self._identity("chatcmpl", body.stream, body.stream_options),
+        formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
                                              await self._vocab_bytes() if body.logprobs else None), tools.parser)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         remember = (lambda results: self._remember_turns(scope, results)) if self.turns is not None else None
-        return await self._generate(request, [call], formatter, body.stream, ["messages"], max_tokens_param,
+        return await self._generate(request, [call], formatter, bool(body.stream), ["messages"], max_tokens_param,
                                     timer, remember)
 
     async def completions(self, request: Request) -> Response:
@@ -218,9 +218,9 @@ class OpenAIServer:
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
         _as_caller(calls, caller)
         await self._compile_grammar(calls)  # one spec for the whole batch
-        formatter = CompletionFormatter(self._identity("cmpl", body.stream, body.stream_options),
+        formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
-        return await self._generate(request, calls, formatter, body.stream, params, "max_tokens", timer)
+        return await self._generate(request, calls, formatter, bool(body.stream), params, "max_tokens", timer)
 
     async def _vocab_bytes(self) -> list[bytes] | None:
         """Each token's bytes (chat logprobs' `bytes`), read from the tokenizer once, in a

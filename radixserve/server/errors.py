@@ -23,7 +23,7 @@ _MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`"
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # OpenAI's type for an unknown model or route too
     405: "invalid_request_error",
     413: "invalid_request_error",
     503: "server_overloaded",

@@ -21,7 +21,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.server.errors import APIError
-from radixserve.server.protocol import ChatMessage
+from radixserve.server.protocol import ChatMessage, RefusalPart
 from radixserve.server.tools import conversation_message, template_renders_tools, with_tool_block
 from radixserve.server.turns import GeneratedTurns
 
@@ -166,11 +166,20 @@ def _as_dict(message: ChatMessage, position: int, native_tools: bool = False) ->
     if message.content is None and message.role != "assistant":
         raise APIError(400, f"messages[{position}].content is required for role {message.role!r}",
                        param=f"messages[{position}].content", code="missing_field")
+    if message.role != "assistant" and isinstance(message.content, list):
+        for part_index, part in enumerate(message.content):
+            if isinstance(part, RefusalPart):
+                raise APIError(400, f"messages[{position}].content[{part_index}]: a refusal part is an assistant's",
+                               param=f"messages[{position}].content[{part_index}].type", code="invalid_value")
     # OpenAI's "developer" role is the newer name of "system"; templates know only the latter.
     role = "system" if message.role in _SYSTEM_ROLES else message.role
     if message.tool_calls or message.role == "tool":
-        return conversation_message(message, message.text(), role, native_tools)
-    return {"role": role, "content": message.text()}
+        entry = conversation_message(message, message.text(), role, native_tools)
+    else:
+        entry = {"role": role, "content": message.text()}
+    if message.name is not None:  # a participant's name, for templates that write it (most ignore it)
+        entry["name"] = message.name
+    return entry
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, *, add_generation_prompt: bool,

@@ -52,6 +52,13 @@ class TextPart(Struct, tag_field="type", tag="text"):
     text: str
 
 
+class RefusalPart(Struct, tag_field="type", tag="refusal"):
+    """An assistant's refusal content part: {"type": "refusal", "refusal": ...} (an earlier
+    OpenAI reply sent back in the history); the template gets its text."""
+
+    refusal: str
+
+
 class FunctionCall(Struct, kw_only=True):
     """The function a tool call invokes: its name and its arguments as JSON text."""
 
@@ -102,7 +109,7 @@ class ChatMessage(Struct, kw_only=True):
     named by `tool_call_id`."""
 
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Name | None = None
@@ -113,7 +120,7 @@ class ChatMessage(Struct, kw_only=True):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
 
 
 class JSONSchemaFormat(Struct, kw_only=True):
@@ -157,7 +164,7 @@ class GenerationRequest(Struct, kw_only=True):
     n: NumChoices | None = None
     best_of: NumChoices | None = None  # accepted only when it asks for no more than n
     user: Name | None = None
-    stream: bool = False
+    stream: bool | None = False  # null (OpenAI's "boolean or null"): false, as for the others
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     # OpenAI fields with no implementation here: accepted at their neutral value only.
@@ -192,13 +199,13 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = None
     system_retention_priority: RetentionPriority | None = None
     system_retention_duration_s: Duration | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # null: true
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
@@ -207,7 +214,7 @@ class CompletionRequest(GenerationRequest, kw_only=True):
 
     prompt: str | Annotated[list[TokenId | str | TokenIds], Meta(min_length=1)]
     logprobs: NumLogprobs | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
 
 

@@ -12,6 +12,11 @@ Streaming and non-streaming agree: `content` is the text before the first call's
 (None when that is only whitespace), or the whole text when no call parses; a call is emitted
 as soon as it is complete (its name with its id, then its arguments), so the deltas of a
 stream assemble to the non-streaming message.
+
+A call counts only if it names one of the request's tools (`names`): a model that invents a
+function has not called one, and an agent that looks the name up would fail on it (OpenAI's
+models call only the functions they are given). With `parallel_tool_calls` false
+(`max_calls` 1) only the first call is the reply's; what follows it is dropped.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from radixserve.server.json_text import parse_json_text
 
@@ -60,13 +66,16 @@ class ToolCallParser(Protocol):
         """A fresh incremental parser for one choice."""
 
 
-def _call_from_json(text: str, arguments_key: str) -> ParsedCall | None:
-    """A call from `{"name": ..., "<arguments_key>": {...}}`; None if the text is not one."""
+def _call_from_json(text: str, arguments_key: str, names: Collection[str] | None) -> ParsedCall | None:
+    """A call from `{"name": ..., "<arguments_key>": {...}}`; None if the text is not one, or
+    names a function not in `names` (None: any)."""
     try:
         value = parse_json_text(text)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if names is not None and value["name"] not in names:
         return None
     arguments = value.get(arguments_key, value.get("arguments", {}))
     return ParsedCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
@@ -105,8 +114,9 @@ class ToolCallStream:
     def finish(self) -> list[StreamEvent]:
         """Events for what was held back when the reply ends."""
         content, calls = self.parser.parse(self.text)
-        if not calls:  # nothing parsed: the whole reply is content
-            return self._content(self.text) if self.text.strip() or self.content_sent else []
+        if not calls:  # nothing parsed: the reply is content (all of it, unless the format says less)
+            content = content or ""
+            return self._content(content) if content.strip() or self.content_sent else []
         events = self._content(content or "") if not self.calls_sent else []
         return events + self._calls(calls)
 
@@ -126,17 +136,23 @@ class ToolCallStream:
 
 
 class HermesParser:
-    """`<tool_call>{...}</tool_call>` blocks."""
+    """`<tool_call>{...}</tool_call>` blocks; a block that is not a call of one of `names` is
+    dropped, and blocks past the first `max_calls` calls."""
 
     OPENING, CLOSING = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def __init__(self, names: Collection[str] | None = None, max_calls: int | None = None) -> None:
+        self.names = names
+        self.max_calls = max_calls
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         at = text.find(self.OPENING)
         if at < 0:
             return text, []
         calls = [call for block in self._BLOCK.findall(text[at:])
-                 if (call := _call_from_json(block.strip(), "arguments")) is not None]
+                 if (call := _call_from_json(block.strip(), "arguments", self.names)) is not None]
+        calls = calls[:self.max_calls]
         if not calls:
             return text, []
         content = text[:at]
@@ -161,9 +177,14 @@ class _HermesStream(ToolCallStream):
 
 
 class Llama3Parser:
-    """Llama 3's JSON tool calls: the reply is one or more `{"name", "parameters"}` objects."""
+    """Llama 3's JSON tool calls: the reply is one or more `{"name", "parameters"}` objects
+    (of functions in `names`; else the reply is content), the first `max_calls` of them."""
 
     PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, names: Collection[str] | None = None, max_calls: int | None = None) -> None:
+        self.names = names
+        self.max_calls = max_calls
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
@@ -173,11 +194,11 @@ class Llama3Parser:
             return text, []
         calls = []
         for part in _json_objects(body):
-            call = _call_from_json(part, "parameters")
+            call = _call_from_json(part, "parameters", self.names)
             if call is None:
                 return text, []
             calls.append(call)
-        return (None, calls) if calls else (text, [])
+        return (None, calls[:self.max_calls]) if calls else (text, [])
 
     def stream(self) -> ToolCallStream:
         return _Llama3Stream(self, self.PYTHON_TAG)
@@ -223,16 +244,34 @@ class _NamedStream(ToolCallStream):
 
 class RequiredCallsParser:
     """tool_choice "required": the reply, constrained to a JSON array of
-    `{"name": ..., "arguments": {...}}` objects (tools.required_calls_schema), is the calls."""
+    `{"name": ..., "arguments": {...}}` objects (tools.required_calls_schema), is the calls.
+
+    A reply cut short by max_tokens is still calls, never content (an agent would take the
+    array's text for its answer): the complete items, then the one it was cut in, when its
+    name is complete, with the arguments as far as they got — as a named tool_choice's call
+    cut short is (finish_reason "length" says so). A reply that is no array of calls the
+    server can use (one nested past what it parses, say) stays text, as in the other formats."""
+
+    _CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         try:
-            items = parse_json_text(text)
+            items, cut = parse_json_text(text), ""
         except ValueError:
-            return text, []  # cut short by max_tokens (or unusable): the text as it is
+            leading = _leading_items(text)
+            if leading is None:
+                return text, []  # not calls the server can use (nested too deeply, say): the text as it is
+            items, cut = leading
+        if not isinstance(items, list):
+            return text, []
         calls = [ParsedCall(item["name"], json.dumps(item.get("arguments", {})))
                  for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)]
-        return (None, calls) if calls else (text, [])
+        if (match := self._CUT_ITEM.match(cut)) is not None:
+            try:
+                calls.append(ParsedCall(parse_json_text(match[1]), match[2]))
+            except ValueError:
+                pass  # the name itself is not JSON the server can use: no call to report
+        return None, calls
 
     def stream(self) -> ToolCallStream:
         return _HeldStream(self, "")
@@ -244,6 +283,44 @@ class _HeldStream(ToolCallStream):
     def feed(self, text: str) -> list[StreamEvent]:
         self.text += text
         return []
+
+
+def _leading_items(text: str) -> tuple[list[Any], str] | None:
+    """The complete items of a JSON array cut short, and the text of the object or array it
+    was cut in ("" if it was cut between items); None if the text is no such array or a
+    complete item is not JSON the server can use. Found by scanning (strings and escapes
+    respected), not by a recursive parser: a reply cut short may nest as deep as it got."""
+    start = text.find("[")
+    if start < 0 or text[:start].strip():
+        return None
+    items: list[Any] = []
+    depth, in_string, escaped, item_at = 0, False, False, -1
+    for at in range(start + 1, len(text)):
+        char = text[at]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            if depth == 0:
+                item_at = at
+            depth += 1
+        elif char in "}]":
+            if depth == 0:  # the array's own end
+                break
+            depth -= 1
+            if depth == 0:
+                try:
+                    items.append(parse_json_text(text[item_at:at + 1]))
+                except ValueError:
+                    return None
+                item_at = -1
+    return items, (text[item_at:] if item_at >= 0 else "")
 
 
 def _json_objects(text: str) -> list[str]:
@@ -272,12 +349,13 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-def make_parser(name: str) -> ToolCallParser:
-    """The parser called `name` (one of PARSERS)."""
+def make_parser(name: str, names: Collection[str] | None = None, max_calls: int | None = None) -> ToolCallParser:
+    """The parser called `name` (one of PARSERS), of calls of the functions in `names` (None:
+    any), at most `max_calls` of them (None: any number)."""
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(names, max_calls)
     if name == "llama3":
-        return Llama3Parser()
+        return Llama3Parser(names, max_calls)
     raise ValueError(f"tool-call parser: one of {', '.join(PARSERS)}, got {name!r}")
 
 

@@ -12,7 +12,8 @@ an agent that sends the same tools every step gets the same prompt prefix every 
 prefix cache serves it.
 
 Out of the reply. tool_choice "auto" parses the reply with the model's format
-(tool_parsers.py); "none" leaves it as content (the tools stay in the prompt, so the prefix
+(tool_parsers.py), keeping only calls of the request's tools (the first alone with
+parallel_tool_calls false); "none" leaves it as content (the tools stay in the prompt, so the prefix
 still matches the agent's other steps); "required" constrains the reply to a JSON array of
 calls and a named choice to the function's arguments (radixserve/grammar), so the call is
 well-formed whatever the model.
@@ -90,11 +91,12 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
         raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")
     schemas = [_parameters(tool, i) for i, tool in enumerate(request.tools)]
     plan = ToolPlan(tools=[_template_tool(tool) for tool in request.tools])
+    parallel = request.parallel_tool_calls is not False  # null: OpenAI's default, true
     if choice is None or choice == "auto":
-        plan.parser = make_parser(parser_name)
+        plan.parser = make_parser(parser_name, frozenset(names), None if parallel else 1)
     elif choice == "required":
         plan.parser = RequiredCallsParser()
-        schema = required_calls_schema(names, schemas, request.parallel_tool_calls)
+        schema = required_calls_schema(names, schemas, parallel)
         plan.grammar = (json_schema_spec(schema, "tools"), "tools")  # 400 if all of them together are too large
     elif isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
