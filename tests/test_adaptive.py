@@ -142,6 +142,31 @@ def test_a_lead_is_kept_only_while_it_still_beats_lru() -> None:
     assert duel.lead == 0.0
 
 
+def test_a_lead_losing_on_recent_traffic_is_left_before_the_long_record_turns() -> None:
+    duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
+    replay_rounds(duel, 8)
+    assert duel.lead == LEADS[-1]
+    # The document is over; two prompts of 10 pages now alternate. LRU lets the old boosted
+    # document go and holds both; the unbounded lead keeps the document and misses them. The
+    # tree hits them (its guard stays silent): only the recent record can tell.
+    first, second = [5000 + i for i in range(10)], [6000 + i for i in range(10)]
+    for r in range(3):
+        duel.observe(first, 0, 100 + 2 * r, len(first))
+        duel.observe(second, 0, 101 + 2 * r, len(second))
+        if duel.lead != LEADS[-1]:
+            break
+    assert duel.lead == 0.0 and duel.switches == 2 and r == 1  # left at the second round of the new pair
+    assert duel._diff[-1, 0] > 0  # the long record still remembers the lead's gains: it alone would stay
+
+
+def test_a_lead_behind_on_recent_traffic_is_not_taken() -> None:
+    duel = duel_with_records([2.3] * 6)
+    duel._recent_diff[0, -1], duel._recent_var[0, -1] = 1.5, 1.0  # LRU ahead of it lately by 1.5 sigmas
+    assert not duel._decide() and duel.lead == 0.0
+    duel._recent_diff[0, -1] = 0.5  # within a sigma: taken
+    assert duel._decide() and duel.lead == LEADS[-1]
+
+
 def test_the_tree_trailing_lru_sends_it_back_and_voids_the_evidence() -> None:
     duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
     replay_rounds(duel, 8, tree_hits=False)  # the ghosts' lead would hit; the tree does not

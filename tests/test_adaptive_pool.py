@@ -65,8 +65,25 @@ def test_records_add_and_travel_as_floats() -> None:
     assert DuelRecord.from_list(record.to_list()).to_list() == record.to_list()
     doubled = record + record
     assert np.array_equal(doubled.diff, 2 * duel._diff) and np.array_equal((doubled - record).hits, record.hits)
+    assert record.recent_diff.any() and np.array_equal(doubled.recent_var, 2 * duel._recent_var)
+    back = DuelRecord.from_list(record.to_list())
+    assert np.array_equal(back.recent_diff, record.recent_diff) and np.array_equal(back.tree, record.tree)
     with pytest.raises(ValueError):
         DuelRecord.from_list(record.to_list()[:-1])
+
+
+def test_the_recent_record_of_the_pool_sends_a_lead_back() -> None:
+    # A lead that no replica's own recent traffic shows behind LRU, but the pool's does.
+    duel = LeadDuel(24, 16 * 24)
+    duel.current = len(LEADS) - 1
+    duel._diff[-1, 0], duel._var[-1, 0] = 10.0, 10.0  # the long record: the lead well ahead
+    duel._recent_diff[0, -1], duel._recent_var[0, -1] = 0.8, 1.0  # its own recent record: within a sigma
+    assert not duel._decide() and duel.lead == LEADS[-1]
+    own = duel.record()
+    peers = own - own  # the other replicas: nothing but a recent record with LRU ahead too
+    peers.recent_diff[0, -1], peers.recent_var[0, -1] = 1.2, 0.5
+    duel.peers = peers
+    assert duel._decide() and duel.lead == 0.0  # pooled: 2.0 over sqrt(1.5), LRU ahead by 1.6 sigmas
 
 
 def test_a_record_is_a_copy() -> None:

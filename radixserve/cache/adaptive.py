@@ -30,13 +30,21 @@ The rule starts at LRU and is cheap to be wrong about: it takes the best lead on
 lead beats LRU and the lead in use by two standard deviations, corrected for having picked
 the best of several different records (Bonferroni: a switch on a fluke costs more than the
 lead can gain while the tree's contents change over), keeps it only while it still
-beats LRU at all (the evidence must last, not only appear), and a guard watches the tree
-itself: from the moment it leaves LRU, its own hits on the sampled pages (peeked at arrival)
+beats LRU at all (the evidence must last, not only appear) and while the recent traffic does
+not turn against it (below), and a guard watches the tree itself: from the moment it leaves LRU, its own hits on the sampled pages (peeked at arrival)
 are compared with LRU's ghost cache in the same paired test, and when LRU's would have hit
 more by two standard deviations it returns to LRU and voids the ghost caches' record (their
-model of the tree is wrong here; a new try needs fresh evidence). No constant here is a
-property of a workload: the ladder spans every lead, the margins are statistical, the decay
-is the reuse window.
+model of the tree is wrong here; a new try needs fresh evidence). The record that takes a
+lead spans the reuse window, since that is where a lead's gains build up; but traffic
+changes, and a lead that loses on today's traffic keeps the support of yesterday's for half a
+window or more (on the Mooncake trace at 1M the unbounded lead, taken at request 2,474 of
+3,993, lost 1.6 points in the last tenth before the record turned at 3,956). So a second,
+*recent* record of the same paired differences decays every cache's worth of sampled
+accesses (what the cache holds was decided within about that much traffic): a lead it shows
+behind LRU by one standard deviation is left, and not taken. Leaving is cheap to be wrong
+about (LRU is the baseline the rule must not fall under), hence the low bar. No constant
+here is a property of a workload: the ladder spans every lead, the margins are statistical,
+the decays are the reuse window and the cache itself.
 
 Replicas of one model behind a router can pool their evidence: `LeadDuel.record()` is a
 duel's record as it travels (`DuelRecord`: records add), and a duel whose `peers` holds the
@@ -82,6 +90,7 @@ MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps
 MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
 MAX_PENDING = 1024         # cluster messages kept for the engine thread (a refused prompt's count is never taken)
 SWITCH_SIGMAS = 2.0     # the margin of every test: two standard deviations
+RECENT_SIGMAS = 1.0     # ... but one against a lead on the recent record: leaving for LRU is cheap
 # The lead taken is the best of the other leads' records, so its margin is corrected for the
 # number of distinct records among them (Bonferroni: two sigmas' one-sided chance, split
 # among them; leads whose ghosts hit alike are one test): PICK_SIGMAS[k] for k records, 2.0
@@ -159,6 +168,10 @@ class LeadDuel:
         self.switches = 0
         self._diff = np.zeros((len(LEADS), len(LEADS)))
         self._var = np.zeros((len(LEADS), len(LEADS)))
+        # The recent record: the same differences, halved every cache's worth of sampled accesses.
+        self._recent_diff = np.zeros((len(LEADS), len(LEADS)))
+        self._recent_var = np.zeros((len(LEADS), len(LEADS)))
+        self._recent_accesses = 0
         # The tree's own record against LRU's ghost cache on the sampled pages (peeked at
         # arrival), as one more row of the same test: its hits minus the ghost's, squared.
         self.tree_record = np.zeros(2)
@@ -204,10 +217,17 @@ class LeadDuel:
         diff = hits[:, None] - hits[None, :]
         self._diff += diff
         self._var += diff * diff
+        self._recent_diff += diff
+        self._recent_var += diff * diff
         if cached is not None:
             tree = float(sum(1 for i, _ in sampled if i < cached)) - hits[0]
             self.tree_record += (tree, tree * tree)
         self._accesses += len(sampled)
+        self._recent_accesses += len(sampled)
+        if self._recent_accesses >= self.ghosts[0].capacity:
+            self._recent_accesses = 0
+            self._recent_diff /= 2
+            self._recent_var /= 4
         if self._accesses >= self._decay_every:
             self._accesses = 0
             for ghost in self.ghosts:
@@ -232,15 +252,17 @@ class LeadDuel:
     def record(self) -> DuelRecord:
         """A copy of this duel's own evidence, to pool with other replicas' (`peers`)."""
         return DuelRecord(self._diff.copy(), self._var.copy(), np.array([g.hits for g in self.ghosts]),
-                          self.tree_record.copy())
+                          self.tree_record.copy(), self._recent_diff.copy(), self._recent_var.copy())
 
     def _decide(self) -> bool:
         """Moves to the lead the record supports (pooled with `peers`); returns whether it
         moved."""
         diff, var, tree = self._diff, self._var, self.tree_record
+        recent_diff, recent_var = self._recent_diff, self._recent_var
         hits = np.array([g.hits for g in self.ghosts])
         if self.peers is not None:
             diff, var, tree = diff + self.peers.diff, var + self.peers.var, tree + self.peers.tree
+            recent_diff, recent_var = recent_diff + self.peers.recent_diff, recent_var + self.peers.recent_var
             hits = hits + self.peers.hits
         if self.current != 0 and _ahead(-tree[0], tree[1], SWITCH_SIGMAS):
             # Since it took this lead, the tree itself hits less than LRU's ghost cache: the
@@ -253,6 +275,11 @@ class LeadDuel:
             # The lead in use no longer beats LRU at all: back to LRU. Staying away from LRU
             # needs the evidence to last, not only to have appeared.
             return self._move(0)
+        if self.current != 0 and _ahead(recent_diff[0, self.current], recent_var[0, self.current], RECENT_SIGMAS):
+            # The recent traffic has turned against the lead in use, while the long record still
+            # remembers what it gained before: back to LRU (the long record stays; the lead comes
+            # back when the recent traffic no longer shows it behind).
+            return self._move(0)
         # Most hits; the longer lead on ties: leads longer than the history so far tie, and the
         # longest is the one that stays right as the history grows.
         best = max(range(len(hits)), key=lambda i: (hits[i], i))
@@ -260,7 +287,8 @@ class LeadDuel:
             return False
         sigmas = PICK_SIGMAS[_distinct_records(diff, var)]
         if _ahead(diff[best, self.current], var[best, self.current], sigmas) and \
-                _ahead(diff[best, 0], var[best, 0], sigmas):
+                _ahead(diff[best, 0], var[best, 0], sigmas) and \
+                not _ahead(recent_diff[0, best], recent_var[0, best], RECENT_SIGMAS):
             return self._move(best)
         return False
 
@@ -280,8 +308,8 @@ class DuelRecord:
     """A duel's evidence as it travels between the replicas of one model (the seam between
     a replica's cache and whatever connects the replicas: the cluster simulation, a
     cluster's ingress): the paired differences between leads and their squares, each
-    lead's ghost hits, and the tree's record against LRU's ghost, all decayed as the duel
-    decays them. Records add: the sum of several replicas' is the evidence of all their
+    lead's ghost hits, the tree's record against LRU's ghost, and the recent record's
+    differences and squares, all decayed as the duel decays them. Records add: the sum of several replicas' is the evidence of all their
     prompts (different prompts are independent pieces of evidence, and the variance of a
     sum of independent differences is the sum of theirs).
 
@@ -293,27 +321,32 @@ class DuelRecord:
     var: np.ndarray
     hits: np.ndarray
     tree: np.ndarray
+    recent_diff: np.ndarray
+    recent_var: np.ndarray
+
+    def _parts(self) -> tuple[np.ndarray, ...]:
+        return (self.diff, self.var, self.hits, self.tree, self.recent_diff, self.recent_var)
 
     def __add__(self, other: DuelRecord) -> DuelRecord:
-        return DuelRecord(self.diff + other.diff, self.var + other.var, self.hits + other.hits,
-                          self.tree + other.tree)
+        return DuelRecord(*(mine + theirs for mine, theirs in zip(self._parts(), other._parts())))
 
     def __sub__(self, other: DuelRecord) -> DuelRecord:
-        return DuelRecord(self.diff - other.diff, self.var - other.var, self.hits - other.hits,
-                          self.tree - other.tree)
+        return DuelRecord(*(mine - theirs for mine, theirs in zip(self._parts(), other._parts())))
 
     def to_list(self) -> list[float]:
         """Flat floats, for a message (`from_list` reads them back)."""
-        return [float(x) for part in (self.diff, self.var, self.hits, self.tree) for x in part.ravel()]
+        return [float(x) for part in self._parts() for x in part.ravel()]
 
     @classmethod
     def from_list(cls, values: list[float]) -> DuelRecord:
         """The record `to_list` wrote (a record of a duel with `LEADS`)."""
         n = len(LEADS)
+        sizes = (n * n, n * n, n, 2, n * n, n * n)
         flat = np.asarray(values, dtype=np.float64)
-        if flat.shape != (2 * n * n + n + 2,):
-            raise ValueError(f"DuelRecord: {2 * n * n + n + 2} values expected, got {flat.shape}")
-        return cls(flat[:n * n].reshape(n, n), flat[n * n:2 * n * n].reshape(n, n), flat[2 * n * n:-2], flat[-2:])
+        if flat.shape != (sum(sizes),):
+            raise ValueError(f"DuelRecord: {sum(sizes)} values expected, got {flat.shape}")
+        parts = np.split(flat, np.cumsum(sizes)[:-1])
+        return cls(*(part.reshape(n, n) if part.size == n * n else part for part in parts))
 
 
 def share_evidence(duels: list[LeadDuel]) -> None:
