@@ -60,8 +60,11 @@ def _assert_clean(server: SimpleNamespace) -> None:
 def test_parse_json_text_refuses_what_the_server_cannot_use() -> None:
     assert parse_json_text('{"a": [1, "b", null]}') == {"a": [1, "b", None]}
     assert parse_json_text('"\\u00e9"') == "é"  # an escaped character that is not a surrogate
+    assert parse_json_text('[1e308, -0.5, 2]') == [1e308, -0.5, 2]
     for text, reason in ((DEEP, "nested too deeply"), (BIG_INTEGER, "digits"),
-                         (LONE_SURROGATE, "surrogates not allowed"), ("{", "Expecting")):
+                         (LONE_SURROGATE, "surrogates not allowed"), ("{", "Expecting"),
+                         ('{"a": NaN}', "NaN is not JSON"), ("[-Infinity]", "Infinity is not JSON"),
+                         ('{"b": 1e999}', "too large")):
         with pytest.raises(ValueError, match=reason):
             parse_json_text(text)
 
@@ -72,6 +75,11 @@ def test_a_model_s_unusable_tool_call_is_text_not_a_crash() -> None:
         content, calls = HermesParser().parse(f"<tool_call>{text}</tool_call>")
         assert calls == [] and content is not None
         assert RequiredCallsParser().parse(text) == (text, [])
+    # Python reads NaN and Infinity, and would write them back into the arguments, which no
+    # client's JSON parser then reads: such a call is no call.
+    not_json = '<tool_call>{"name": "f", "arguments": {"a": NaN, "b": 1e999}}</tool_call>'
+    assert HermesParser().parse(not_json) == (not_json, [])
+    assert RequiredCallsParser().parse('[{"name": "f", "arguments": {"a": Infinity}}]')[1] == []
 
 
 SCHEMA_TEXTS = {
