@@ -340,6 +340,30 @@ def test_a_large_body_is_decoded_off_the_event_loop(server: SimpleNamespace, cli
     assert isinstance(real, msgspec.json.Decoder)
 
 
+def test_a_large_response_is_built_off_the_event_loop(client: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole response past OFFLOAD_RESPONSE_ENTRIES tokens and logprob alternatives is
+    formatted and encoded in a worker thread (a 36 MB body of logprobs held the event loop, and
+    every other client's stream, for 3 s); a small one on the loop. Seen by the thread that
+    encodes it."""
+    from radixserve.server import app as app_module
+
+    threads: list[str] = []
+    real = app_module._json
+
+    def spy(value: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(value)
+
+    monkeypatch.setattr(app_module, "_json", spy)
+    small = {"prompt": "hi", "max_tokens": 2, "logprobs": 20}
+    large = {"prompt": "hi", "max_tokens": 64, "n": 4, "logprobs": 20, "ignore_eos": True, "temperature": 1.0}
+    assert 4 * 64 * 20 > app_module.OFFLOAD_RESPONSE_ENTRIES
+    answers = [client.post(COMPLETIONS, json=body) for body in (small, large)]
+    assert [r.status_code for r in answers] == [200, 200], answers[1].text
+    assert [len(c["logprobs"]["tokens"]) for c in answers[1].json()["choices"]] == [64] * 4
+    assert len(threads) == 2 and threads[1] != threads[0]
+
+
 # ---------------------------------------------------------------- slow clients (issue 22, item 7)
 
 

@@ -74,6 +74,10 @@ logger = logging.getLogger("radixserve.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 DECODE_IN_THREAD_BYTES = 64 * 2**10
+# A whole response is formatted and encoded in a worker thread past this many tokens and
+# logprob alternatives (a few milliseconds' work): 64 prompts x n=16 x 64 tokens with 20
+# alternatives each is a 36 MB body, 3 s on the event loop, every other client's stream stalled.
+OFFLOAD_RESPONSE_ENTRIES = 4096
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
 REQUEST_CHECKS = 2  # requests whose schemas are checked at once (`OpenAIServer._check`)
@@ -324,7 +328,10 @@ class OpenAIServer:
         timer.finish()
         if remember is not None:
             await remember(results)
-        return _json(formatter.response(results, usage.usage()))
+        totals = usage.usage()
+        if _response_entries(results) <= OFFLOAD_RESPONSE_ENTRIES:
+            return _json(formatter.response(results, totals))
+        return await anyio.to_thread.run_sync(lambda: _json(formatter.response(results, totals)))
 
     async def _sse(self, deltas: AsyncIterator[StreamDelta], formatter: ResponseFormatter, choices: int,
                    n: int, timer: RequestTimer, remember: Remember | None,
@@ -516,6 +523,11 @@ def _as_caller(calls: list[EngineCall], caller: Caller) -> None:
     orders every tenant's requests and whose raised retention is not held to a share)."""
     for call in calls:
         call.tenant, call.admin = caller.tenant, caller.admin
+
+
+def _response_entries(results: list[ChoiceResult]) -> int:
+    """What formatting and encoding a whole response costs, in tokens and logprob entries."""
+    return sum(len(result.token_ids) + sum(len(entry.top) for entry in result.logprobs) for result in results)
 
 
 def _json(value: Any) -> Response:
