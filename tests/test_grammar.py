@@ -215,6 +215,17 @@ def test_choice_and_regex_specs(grammars: Grammars, tokenizer: PreTrainedTokeniz
     assert json.loads(GrammarSpec.choice(["a", "b"], "x").source) == ["a", "b"]
 
 
+@pytest.mark.parametrize("option", ["🌧️ Zürich", "日本語", 'a"b\\c', "line\nbreak"])
+def test_a_choice_matches_its_characters_exactly(grammars: Grammars, tokenizer: PreTrainedTokenizerBase,
+                                                 option: str) -> None:
+    # Characters past the BMP once reached xgrammar as JSON surrogate escapes, which it reads
+    # as two lone surrogates: the option itself was refused and U+FFFD bytes allowed instead.
+    matcher = grammars.matcher(GrammarSpec.choice([option, "other"], "guided_choice"))
+    for token in tokenizer.encode(option, add_special_tokens=False):
+        assert matcher.accept(token), (option, token)
+    assert allowed_tokens(grammars, matcher) == {tokenizer.eos_token_id}
+
+
 def test_the_c_sampler_masks_rows_as_it_samples_them() -> None:
     if native_sampling.library() is None:
         pytest.skip("the C sampler is not built here")

@@ -90,7 +90,10 @@ class Grammars:
             return self._compiler.compile_regex(spec.source)
         if spec.kind == "choice":
             options = json.loads(spec.source)
-            return self._compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+            # Raw characters, not \u escapes: xgrammar reads a surrogate pair's two escapes as two
+            # lone surrogates, so an option past the BMP (an emoji) could never be produced.
+            literals = (json.dumps(option, ensure_ascii=False) for option in options)
+            return self._compiler.compile_grammar("root ::= " + " | ".join(literals))
         return self._compiler.compile_grammar(spec.source)
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
