@@ -171,6 +171,37 @@ def test_a_prefill_chunk_shrinks_instead_of_preempting(tiny_llama_dir: Path) -> 
         assert result[rid] == [["length"], hf_greedy(tiny_llama_dir, prompt, 2)]
 
 
+def test_a_request_whose_samples_outgrow_the_pool_delays_its_own_samples_not_others(tiny_llama_dir: Path) -> None:
+    # 4 samples of 68 tokens need 68 pages; the pool has 40. By arrival alone the newest
+    # sequence, another client's short request, was the one preempted whenever a page ran
+    # out, and waited behind the samples' re-admissions: 39 steps for 12 tokens.
+    engine = make_engine(tiny_llama_dir, num_pages=40)
+    hog = SamplingParams(max_tokens=60, temperature=1.0, seed=1, n=4, ignore_eos=True)
+    engine.add_request(list(range(20, 28)), hog, request_id="hog")
+    short = list(range(40, 46))
+    arrivals = {20: "a", 30: "b", 40: "c"}  # step → request added just before it
+    finished: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in arrivals.values()}
+    hog_tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    step = 0
+    while engine.has_work():
+        step += 1
+        if step in arrivals:
+            engine.add_request(short, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                               request_id=arrivals[step])
+        for rid, deltas in engine.step().items():
+            for delta in deltas:
+                (hog_tokens[delta.index] if rid == "hog" else tokens[rid]).extend(delta.token_ids)
+                if delta.finish_reason is not None and rid != "hog":
+                    finished[rid] = step
+    assert engine.stats()["preemptions"] > 0  # the pool did run out
+    for arrival, rid in arrivals.items():
+        assert finished[rid] - arrival + 1 <= 12 + 2  # 12 steps for 12 tokens, and at most 2 more
+        assert tokens[rid] == hf_greedy(tiny_llama_dir, short, 12)
+    alone = make_engine(tiny_llama_dir, num_pages=128).generate([list(range(20, 28))], hog)
+    assert [hog_tokens[i] for i in range(4)] == [o.token_ids for o in alone]  # seeds reproduce
+
+
 def test_the_checker_catches_a_write_into_a_shared_page(tiny_llama_dir: Path) -> None:
     engine = make_engine(tiny_llama_dir)
     engine.add_request(list(range(20, 38)), SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=2,

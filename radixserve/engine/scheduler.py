@@ -4,7 +4,9 @@ The scheduler owns the waiting and running queues, and through `SequencePages` e
 sequence holds. Each step it (1) gives every running sequence its next chunk (one token when
 decoding), preempting the lowest-priority, latest-arrived sequences when pages run out, then
 (2) admits waiting sequences in the policy's order within the token budget, reusing their
-cached prefixes. A step in which sequences decode prefills only enough prompt tokens to bring
+cached prefixes. Within a priority, a request's further samples (n > 1) come after every
+request's first unfinished one, in both orders: one request whose samples together need more
+than the pool preempts and delays its own samples, not another request (`_extra_sample`). A step in which sequences decode prefills only enough prompt tokens to bring
 it to a multiple of `mixed_prefill_tokens` (at least half of that many): every decoding stream
 waits for the whole step, and a step's time grows with the prompt tokens in it.
 With several tenants, both orders are fair_share.py's first: tenants are interleaved by
@@ -101,7 +103,7 @@ class Scheduler:
         claim, claimant = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
         cap = self._prefill_cap(claiming=claim > 0)
         self._step_cost = self.chunk_cost if cap < self.max_batch_tokens else None
-        ordered = self.fair.order_running(self._running_units(), lambda s: (-s.priority, s.arrival_time, s.seq_id))
+        ordered = self.fair.order_running(self._running_units(), _running_key)
         claimed_work = self._admit_claimant(claimant, min(claim, cap), cap) if claim else []
         claimed = sum(c.num_new for c in claimed_work)
         claimed_cost = self._prefill_spent(claimed_work)
@@ -181,13 +183,12 @@ class Scheduler:
         if claim is None:
             return 0, None
         now = self.clock()
-        head = self.policy.order([s for s in self.waiting if s.request.tenant == claim.waiting_tenant],
-                                 self.tree, now)[0]
+        head = self._waiting_order([s for s in self.waiting if s.request.tenant == claim.waiting_tenant], now)[0]
         unit = self._unit_of(head)
         if claim.preempts:  # only units past their prompts: a prefill preempted is thrown away
             victims = [u for u in self._running_units() if u[0].request.tenant == claim.running_tenant
                        and all(s.num_tokens - s.num_computed <= 1 for s in u)]
-            victims.sort(key=lambda u: (-u[0].priority, u[0].arrival_time, u[0].seq_id))
+            victims.sort(key=lambda u: _running_key(u[0]))
             while victims and not self._room_for(unit):
                 self.preempt_unit(victims.pop())
                 self.counters.fair_preemptions += 1
@@ -269,7 +270,7 @@ class Scheduler:
             return chunks
         now = self.clock()
         admitted: set[int] = set()  # beams admitted with an earlier member of their group
-        for seq in self.fair.order_waiting(self.waiting, lambda group: self.policy.order(group, self.tree, now)):
+        for seq in self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now)):
             if budget <= 0 or prefill <= 0 or len(self.running) >= self.max_running:
                 break
             if seq.seq_id in admitted:
@@ -299,6 +300,10 @@ class Scheduler:
             budget -= sum(c.num_new for c in work)
             prefill -= self._prefill_spent(work)
         return chunks
+
+    def _waiting_order(self, waiting: list[SequenceState], now: float) -> list[SequenceState]:
+        """One tenant's admission order: the policy's, with further samples after first ones."""
+        return sorted(self.policy.order(waiting, self.tree, now), key=_extra_sample)  # stable
 
     @staticmethod
     def _unit_of(seq: SequenceState) -> list[SequenceState]:
@@ -452,3 +457,18 @@ class Scheduler:
     def share_full_pages(self, parent: SequenceState, holder: SequenceState) -> None:
         """Makes `holder` hold the parent's computed full pages (SequencePages.share_full_pages)."""
         self.pages.share_full_pages(parent, holder)
+
+
+def _extra_sample(seq: SequenceState) -> bool:
+    """Whether an earlier sample of the same request is unfinished: `seq` is one of its
+    further samples. Ordered after every request's first unfinished sample, so that a request
+    of many long samples (n = 16 that together outgrow the pool) preempts and delays its own
+    samples: by arrival alone its older samples came first in both orders, and another
+    client's short request, the newest, was preempted and kept waiting until they all ended.
+    It still progresses: its first unfinished sample is preempted only as any request is."""
+    return any(other.index < seq.index and not other.finished for other in seq.request.sequences)
+
+
+def _running_key(seq: SequenceState) -> tuple:
+    """The order of running units within a tenant, most deserving first: the last preempted."""
+    return -seq.priority, _extra_sample(seq), seq.arrival_time, seq.seq_id
