@@ -149,6 +149,19 @@ def test_a_required_call_cut_short_is_a_call_not_content(client: openai.OpenAI) 
     assert cuts == [[]] * 5 + [[("add", '{"')]]
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_call_cut_by_a_stop_string_is_not_reported_as_complete(client: openai.OpenAI, tool_choice: Any) -> None:
+    # The stop string ends the reply inside the call's arguments: "tool_calls" would tell the
+    # agent to run a call whose arguments are not JSON.
+    plain, streamed = both(client, tools=TOOLS, tool_choice=tool_choice, temperature=0.0, stop=["}"], max_tokens=60)
+    assert plain == streamed
+    ((name, arguments),) = plain[0]["tool_calls"]
+    assert plain[0]["finish_reason"] == "stop" and arguments.startswith("{") and "}" not in arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)
+
+
 def test_null_booleans_are_openais_defaults(client: openai.OpenAI) -> None:
     body = {**COMMON, "max_tokens": 4, "messages": USER, "temperature": 0.0}
     expected = client.chat.completions.create(**body).choices[0].message.content

@@ -33,7 +33,7 @@ from radixserve.server.protocol import (
     TopLogprob,
     Usage,
 )
-from radixserve.server.tool_parsers import StreamEvent, ToolCallParser, ToolCallStream
+from radixserve.server.tool_parsers import ParsedCall, StreamEvent, ToolCallParser, ToolCallStream, calls_complete
 
 
 @dataclass
@@ -192,7 +192,7 @@ class ChatFormatter:
         if logprobs is not None:
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)]))
         if delta.finish_reason is not None:
-            reason = "tool_calls" if stream.calls_sent and delta.finish_reason == "stop" else delta.finish_reason
+            reason = _calls_reason(delta.finish_reason, stream.calls)
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)]))
         return out
 
@@ -215,7 +215,7 @@ class ChatFormatter:
             return ChatChoice(index=index, message=AssistantMessage(content=content),
                               finish_reason=result.finish_reason, logprobs=logprobs)
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        reason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+        reason = _calls_reason(result.finish_reason, calls)
         return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                           finish_reason=reason, logprobs=logprobs)
 
@@ -239,6 +239,13 @@ class ChatFormatter:
                              top_logprobs=[TopLogprob(token=self.namer(t), logprob=lp, bytes=self.namer.bytes_of(t))
                                            for t, lp in e.top])
             for e in entries])
+
+
+def _calls_reason(finish_reason: str | None, calls: list[ParsedCall]) -> str | None:
+    """A reply that stopped after complete calls finishes with "tool_calls"; one a stop string
+    cut inside a call keeps "stop" (as one cut by max_tokens keeps "length"): the agent must
+    not run a call whose arguments are not JSON."""
+    return "tool_calls" if finish_reason == "stop" and calls_complete(calls) else finish_reason
 
 
 def _tool_messages(event: StreamEvent) -> list[DeltaMessage]:

@@ -96,6 +96,7 @@ class ToolCallStream:
         self.content_sent = 0  # characters of content already streamed
         self.calls_sent = 0
         self.in_calls = False
+        self.calls: list[ParsedCall] = []  # the reply's calls, as parsed when it ends (`finish`)
 
     def feed(self, text: str) -> list[StreamEvent]:
         """Events for `text`, the next piece of the reply."""
@@ -114,6 +115,7 @@ class ToolCallStream:
     def finish(self) -> list[StreamEvent]:
         """Events for what was held back when the reply ends."""
         content, calls = self.parser.parse(self.text)
+        self.calls = calls
         if not calls:  # nothing parsed: the reply is content (all of it, unless the format says less)
             content = content or ""
             return self._content(content) if content.strip() or self.content_sent else []
@@ -234,12 +236,15 @@ class NamedCallParser:
 
 class _NamedStream(ToolCallStream):
     def feed(self, text: str) -> list[StreamEvent]:
+        self.text += text
         events = [] if self.calls_sent else [StreamEvent(call=ParsedCall(self.parser.name, ""))]  # type: ignore[attr-defined]
         self.calls_sent = 1
         return events + ([StreamEvent(arguments=text)] if text else [])
 
     def finish(self) -> list[StreamEvent]:
-        return self.feed("") if not self.calls_sent else []
+        events = self.feed("") if not self.calls_sent else []
+        self.calls = [ParsedCall(self.parser.name, self.text)]  # type: ignore[attr-defined]
+        return events
 
 
 class RequiredCallsParser:
@@ -283,6 +288,19 @@ class _HeldStream(ToolCallStream):
     def feed(self, text: str) -> list[StreamEvent]:
         self.text += text
         return []
+
+
+def calls_complete(calls: list[ParsedCall]) -> bool:
+    """Whether the reply made calls and each one's arguments are whole JSON: a stop string or
+    stop token can end a constrained reply inside a call, as max_tokens can."""
+    if not calls:
+        return False
+    try:
+        for call in calls:
+            parse_json_text(call.arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def _leading_items(text: str) -> tuple[list[Any], str] | None:
