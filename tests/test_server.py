@@ -299,6 +299,12 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": USER, "stop": "x" * 513}, 400, "stop"),
     (COMPLETIONS, {"prompt": "hi", "stop": ["ok", "y" * 200_000]}, 400, "stop"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [2**64 - 1], "use_beam_search": True, "n": 2}, 400,
+     "stop_token_ids"),
+    (CHAT, {"messages": USER, "logit_bias": {"x": 0}}, 400, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"-3": 0}}, 400, "logit_bias"),
     (CHAT, {"messages": USER, "session_id": "s" * 257}, 400, "session_id"),
     (CHAT, {"messages": USER, "cache_salt": "s" * 257}, 400, "cache_salt"),
     (CHAT, {"messages": USER, "cache_salt": "acme\x00x"}, 400, "cache_salt"),  # a NUL would alias a namespace id

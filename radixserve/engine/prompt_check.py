@@ -15,6 +15,8 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: i
         raise ValueError("prompt: must not be empty")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+    if any(not 0 <= token < vocab_size for token in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
     total = len(prompt_ids) + params.max_tokens
     if total > max_context_len:
         raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
