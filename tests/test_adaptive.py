@@ -167,6 +167,25 @@ def test_a_lead_behind_on_recent_traffic_is_not_taken() -> None:
     assert duel._decide() and duel.lead == LEADS[-1]
 
 
+def test_the_recent_record_takes_a_lead_the_long_record_holds_back_without_showing_it_behind() -> None:
+    # Traffic in phases: the lead lost early and wins now; the long record, still counting
+    # the early losses, shows it barely ahead (half a sigma), far from the margin.
+    duel = duel_with_records([0.5] * 6)
+    assert not duel._decide() and duel.lead == 0.0
+    duel._recent_diff[1:, 0], duel._recent_var[1:, 0] = 2.3, 1.0  # clearly ahead lately (one record)
+    assert duel._decide() and duel.lead == LEADS[-1]
+    assert not duel._decide() and duel.lead == LEADS[-1]  # and kept: the long record is not behind
+    # Not while the long record shows it behind LRU at all: it would be left at once.
+    duel = duel_with_records([-0.1] * 6)
+    duel._recent_diff[1:, 0], duel._recent_var[1:, 0] = 2.3, 1.0
+    assert not duel._decide() and duel.lead == 0.0
+    # The margin is corrected for the best of several different recent records.
+    duel = duel_with_records([0.5] * 6)
+    duel._recent_diff[1:, 0] = [0.5, 1.0, 1.5, 2.3, 2.3, 2.3]
+    duel._recent_var[1:, 0] = 1.0
+    assert not duel._decide() and duel.lead == 0.0
+
+
 def test_the_tree_trailing_lru_sends_it_back_and_voids_the_evidence() -> None:
     duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
     replay_rounds(duel, 8, tree_hits=False)  # the ghosts' lead would hit; the tree does not
