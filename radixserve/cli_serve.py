@@ -97,7 +97,8 @@ def serve_command(args: argparse.Namespace) -> int:
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s))
+                            **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
+                                              write_timeout_s=2 * args.stream_read_timeout_s))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")

@@ -166,7 +166,8 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
                             "past it the request is paused until the client reads (default: %(default)s)")
     serve.add_argument("--stream-read-timeout-s", type=float, default=300.0,
                        help="seconds a paused request waits for its client to read before it is "
-                            "aborted and its pages freed (default: %(default)s)")
+                            "aborted and its pages freed; any connection whose client reads nothing "
+                            "for twice this is aborted, what it was sent dropped (default: %(default)s)")
     serve.add_argument("--turn-memory-tokens", type=int, default=DEFAULT_TURN_MEMORY_TOKENS,
                        help="token ids of recent chat answers kept, so that a later turn sending an answer "
                             "back is tokenized as generated and its cache match runs through it "

@@ -372,14 +372,14 @@ def test_slow_heads_are_cut_and_slow_bodies_get_408_while_others_are_served(pars
     import socket
     import time
 
-    from radixserve.server.connections import with_head_deadline
+    from radixserve.server.connections import with_deadlines
 
     if parser == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     app = create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=64)), body_timeout_s=1.0)
-    with running_server(app, http=with_head_deadline(base, 0.5)) as url:
+    with running_server(app, http=with_deadlines(base, 0.5)) as url:
         host, port = url.removeprefix("http://").split(":")
         # A connection that sends half a head and stalls is closed by the server.
         loris = socket.create_connection((host, int(port)))
@@ -411,13 +411,61 @@ def test_slow_heads_are_cut_and_slow_bodies_get_408_while_others_are_served(pars
 
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_client_that_reads_nothing_is_cut_and_a_slow_reader_is_not(parser: str) -> None:
+    """A whole response is written to the transport at once: a client that never reads kept
+    it in the server's memory for good. Writes paused past the deadline abort the connection;
+    a client that reads, however slowly, keeps resetting it."""
+    import socket
+    import time
+
+    from radixserve.server.connections import with_deadlines
+
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    big, small = b"x" * (32 << 20), b"y" * (512 << 10)
+
+    async def body(request: Request) -> Response:
+        return Response(big if request.path_params["size"] == "big" else small)
+
+    def connect(url: str) -> socket.socket:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes pause
+        sock.connect((host, int(port)))
+        sock.settimeout(30)
+        return sock
+
+    def read_all(sock: socket.socket, pause_s: float = 0.0) -> int:
+        received = 0
+        try:
+            while chunk := sock.recv(65536):
+                received += len(chunk)
+                time.sleep(pause_s)
+        except ConnectionResetError:
+            pass
+        return received
+
+    app = Starlette(routes=[Route("/{size}", body)])
+    with running_server(app, http=with_deadlines(base, 10.0, write_timeout_s=1.0)) as url:
+        with connect(url) as idle:
+            idle.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            time.sleep(4)  # reads nothing, well past the deadline
+            assert read_all(idle) < len(big)  # cut: what was buffered, then the end
+        with connect(url) as slow:  # a second or so for 512 KiB, never paused 1 s at once
+            slow.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(slow, pause_s=0.02) > len(small)  # the whole body, and its head
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_pipelined_requests_outlive_the_head_deadline(parser: str) -> None:
     """A pipelined request sent its head with the first: it must not be cut by the deadline
     while it runs longer than the deadline."""
     import asyncio
     import socket
 
-    from radixserve.server.connections import with_head_deadline
+    from radixserve.server.connections import with_deadlines
 
     if parser == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
@@ -429,7 +477,7 @@ def test_pipelined_requests_outlive_the_head_deadline(parser: str) -> None:
         return Response("done")
 
     app = Starlette(routes=[Route("/slow", slow)])
-    with running_server(app, http=with_head_deadline(base, 0.2)) as url:
+    with running_server(app, http=with_deadlines(base, 0.2)) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * 2)

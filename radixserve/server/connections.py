@@ -1,11 +1,17 @@
-"""Connection deadlines uvicorn lacks: a request head must arrive within a time limit.
+"""Connection deadlines uvicorn lacks: a request head must arrive, and what the server writes
+must be read, within time limits.
 
 uvicorn closes a keep-alive connection that stays idle after a response, but a connection
 that sends part of a request head and then nothing ("slow loris") stays open for as long as
-its client likes, holding a socket and a file descriptor each. `with_head_deadline(base)`
+its client likes, holding a socket and a file descriptor each. Nor does it give up on a
+client that stops reading: a whole (non-streaming) response is written to the transport at
+once, and a client that never reads keeps it in the server's memory for good (a closing
+transport still waits to flush it; TCP probes a zero window for ever). `with_deadlines(base)`
 subclasses one of uvicorn's HTTP/1.1 protocols so that a connection whose request head is not
-complete `head_timeout_s` after it opened (or after its previous response) is closed. The
-body has its own deadline where the app reads it (app.py), answered with a 408.
+complete `head_timeout_s` after it opened (or after its previous response) is closed, and one
+whose writes stay paused (the transport's buffer over its high-water mark: the client reads
+nothing) for `write_timeout_s` is aborted, its buffer dropped. The body has its own deadline
+where the app reads it (app.py), answered with a 408.
 """
 
 from __future__ import annotations
@@ -18,13 +24,17 @@ import h11
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 
 
-def with_head_deadline(base: type[asyncio.Protocol], head_timeout_s: float) -> type[asyncio.Protocol]:
-    """`base` (uvicorn's httptools or h11 protocol) with the request-head deadline."""
+def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
+                   write_timeout_s: float | None = None) -> type[asyncio.Protocol]:
+    """`base` (uvicorn's httptools or h11 protocol) with the request-head deadline and, unless
+    `write_timeout_s` is None, the write deadline."""
 
-    class HeadDeadline(base):  # type: ignore[valid-type, misc]
-        """uvicorn's protocol, closing connections whose request head is late."""
+    class Deadlines(base):  # type: ignore[valid-type, misc]
+        """uvicorn's protocol, closing connections whose request head is late and aborting
+        those that read nothing of what they are sent."""
 
         _head_deadline: asyncio.TimerHandle | None = None
+        _write_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -32,7 +42,28 @@ def with_head_deadline(base: type[asyncio.Protocol], head_timeout_s: float) -> t
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_deadline()
+            self._disarm_write_deadline()
             super().connection_lost(exc)
+
+        # The transport calls these as its buffer crosses its high-water mark and drains again.
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if write_timeout_s is not None and self._write_deadline is None:
+                self._write_deadline = self.loop.call_later(write_timeout_s, self._not_read)
+
+        def resume_writing(self) -> None:
+            self._disarm_write_deadline()
+            super().resume_writing()
+
+        def _disarm_write_deadline(self) -> None:
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _not_read(self) -> None:
+            # abort, not close: a close waits to flush the buffer the client does not read.
+            self._write_deadline = None
+            self.transport.abort()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -76,19 +107,21 @@ def with_head_deadline(base: type[asyncio.Protocol], head_timeout_s: float) -> t
             if not self.transport.is_closing():
                 self.transport.close()
 
-    HeadDeadline.__name__ = HeadDeadline.__qualname__ = f"HeadDeadline{base.__name__}"
-    return HeadDeadline
+    Deadlines.__name__ = Deadlines.__qualname__ = f"Deadlines{base.__name__}"
+    return Deadlines
 
 
-def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> type[asyncio.Protocol]:
-    """uvicorn's fastest available HTTP/1.1 protocol (httptools, else h11), with the deadline."""
+def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S,
+                  write_timeout_s: float | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's fastest available HTTP/1.1 protocol (httptools, else h11), with the deadlines."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
-    return with_head_deadline(base, head_timeout_s)
+    return with_deadlines(base, head_timeout_s, write_timeout_s)
 
 
-def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s: float = 5.0) -> dict[str, Any]:
+def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s: float = 5.0,
+                    write_timeout_s: float | None = None) -> dict[str, Any]:
     """uvicorn.Config keyword arguments for the connection deadlines."""
-    return {"http": http_protocol(head_timeout_s), "timeout_keep_alive": keep_alive_s}
+    return {"http": http_protocol(head_timeout_s, write_timeout_s), "timeout_keep_alive": keep_alive_s}
