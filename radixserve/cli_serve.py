@@ -121,6 +121,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "schedule_policy": args.schedule_policy, "eviction_policy": args.eviction_policy,
             "dtype": args.dtype, "max_running": args.max_running, "max_queue": args.max_queue,
             "max_batch_tokens": args.max_batch_tokens, "mixed_prefill_tokens": args.mixed_prefill_tokens,
+            "tenant_step_rows": args.tenant_step_rows,
             "enable_prefix_cache": not args.no_prefix_cache,
             "host_kv_memory_gb": args.host_kv_memory_gb, "host_num_pages": args.host_num_pages,
             "host_write_policy": args.host_write_policy, "host_offload_min_priority": args.host_offload_min_priority,
@@ -203,7 +204,8 @@ def _as_flags(message: str) -> str:
 _ENGINE_FLAGS = {"num_pages": "--num-pages", "kv_memory_gb": "--kv-memory-gb", "device": "--device",
                  "page_size": "--page-size", "dtype": "--dtype", "max_running": "--max-running",
                  "max_batch_tokens": "--max-batch-tokens",
-                 "mixed_prefill_tokens": "--mixed-prefill-tokens", "host_num_pages": "--host-tier-pages",
+                 "mixed_prefill_tokens": "--mixed-prefill-tokens", "tenant_step_rows": "--tenant-step-rows",
+                 "host_num_pages": "--host-tier-pages",
                  "host_kv_memory_gb": "--host-tier-memory-gb", "host_write_policy": "--host-tier-write-policy",
                  "host_offload_min_priority": "--host-tier-min-priority",
                  "generation_config": "--generation-config"}

@@ -21,6 +21,7 @@ DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --he
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
 DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128  # as engine/engine.py's
+DEFAULT_CPU_TENANT_STEP_ROWS = 32  # as engine/engine.py's
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
                     "--host-write-policy": "--host-tier-write-policy",
                     "--host-offload-min-priority": "--host-tier-min-priority"}
@@ -120,6 +121,11 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                             "a multiple of this, at least half of it (the streams wait for the whole "
                             "step) (default: "
                             f"{DEFAULT_CPU_MIXED_PREFILL_TOKENS} on a CPU, else no cap: --max-batch-tokens)")
+    serve.add_argument("--tenant-step-rows", type=int, default=None,
+                       help="while several tenants (API keys) decode, the rows a step runs, shared "
+                            "fairly between them: one tenant's many streams do not set the others' "
+                            "pace (0: no limit; default: "
+                            f"{DEFAULT_CPU_TENANT_STEP_ROWS} on a CPU, else no limit)")
     serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
                        help="generated tokens one request may ask for: prompts x n (or beam width) x "
                             "max_tokens; past it a 400 (an unset max_tokens shrinks to fit) (default: %(default)s)")

@@ -74,6 +74,12 @@ DEFAULT_MAX_BATCH_TOKENS = 512
 # the throughput; docs/benchmark.md). A GPU runs the whole budget in a few milliseconds: no
 # cap there unless asked.
 DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128
+# While several tenants decode, a step runs at most this many rows shared fairly between them
+# (engine/step_share.py). On a CPU a decode step's time grows with its rows (SmolLM2, 2 cores:
+# 12.6 ms for 1, 35 ms for 32, 124 ms for 128): one tenant's 128 streams made every other
+# tenant's token wait 124 ms; at 32 they wait about 35 ms, and the crowded tenant keeps
+# nine tenths of its throughput. A GPU step barely grows with its rows: no limit there.
+DEFAULT_CPU_TENANT_STEP_ROWS = 32
 
 
 class Engine:
@@ -94,6 +100,9 @@ class Engine:
         max_batch_tokens: tokens per forward step; longer prompts are prefilled in chunks.
         mixed_prefill_tokens: prompt tokens a step may prefill while other sequences decode in
             it (they wait for the whole step). None: 128 on a CPU, else max_batch_tokens.
+        tenant_step_rows: while several tenants decode, the rows a step runs, shared fairly
+            between the tenants; a tenant's rows beyond its share sit the step out in turns
+            (engine/step_share.py). None: 32 on a CPU, else no limit; 0: no limit.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache (and a
             tenant's raised retention at most, after the last request that raised it).
@@ -134,7 +143,7 @@ class Engine:
                  schedule_policy: str = "lpm", eviction_policy: str = "adaptive", *,
                  dtype: str | torch.dtype | None = None, max_running: int = 256,
                  max_queue: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 mixed_prefill_tokens: int | None = None,
+                 mixed_prefill_tokens: int | None = None, tenant_step_rows: int | None = None,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
                  max_session_tokens: int | None = None,
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
@@ -150,6 +159,8 @@ class Engine:
                             ("mixed_prefill_tokens", mixed_prefill_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if tenant_step_rows is not None and tenant_step_rows < 0:
+            raise ValueError(f"tenant_step_rows: must be >= 0 (0: no limit), got {tenant_step_rows}")
         self.tensor_parallel: TensorParallel | None = None
         if tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallel.start(model, tensor_parallel_size, dtype=dtype, device=device,
@@ -173,6 +184,8 @@ class Engine:
         self.hashing = self.tree.hashing
         if mixed_prefill_tokens is None and self.device.type == "cpu":
             mixed_prefill_tokens = DEFAULT_CPU_MIXED_PREFILL_TOKENS
+        if tenant_step_rows is None:
+            tenant_step_rows = DEFAULT_CPU_TENANT_STEP_ROWS if self.device.type == "cpu" else 0
         # The cap counts a chunk's attention too: late chunks of a long prompt would pause the
         # streams beside them several times longer than early ones (engine/step_cost.py).
         # At least an eighth of the cap a step, however deep the context: a step costs too.
@@ -182,6 +195,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    mixed_prefill_tokens=mixed_prefill_tokens, chunk_cost=chunk_cost,
+                                   tenant_step_rows=tenant_step_rows or None,
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
                                    window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
                                    fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))

@@ -66,6 +66,7 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
     computed_tokens (tokens run through the model), recomputed_tokens (of those, tokens a
     preempted sequence computed again: its pages had left both tiers),
     shrunk_chunks (prefill chunks cut to the pages available rather than preempting),
+    held_rows (decoding rows that sat a step out for other tenants' shares of the step),
     deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
     step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
     pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
@@ -93,7 +94,7 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
     out.update(
         waiting=len(scheduler.waiting), running=len(scheduler.running),
         preemptions=scheduler.counters.preemptions, admissions=scheduler.counters.admitted,
-        shrunk_chunks=scheduler.counters.shrunk_chunks,
+        shrunk_chunks=scheduler.counters.shrunk_chunks, held_rows=scheduler.counters.held_rows,
         computed_tokens=scheduler.counters.computed_tokens,
         recomputed_tokens=scheduler.counters.recomputed_tokens,
         deferred_for_sharing=scheduler.counters.deferred_for_sharing,

@@ -11,7 +11,9 @@ it to a multiple of `mixed_prefill_tokens` (at least half of that many): every d
 waits for the whole step, and a step's time grows with the prompt tokens in it.
 With several tenants, both orders are fair_share.py's first: tenants are interleaved by
 the service they have had (so the tenant with the most is preempted first), and the order
-above holds within each tenant; with one tenant they are exactly the orders above.
+above holds within each tenant; with one tenant they are exactly the orders above. With a
+`tenant_step_rows` limit, a tenant's decoding rows beyond its share of the limit sit the step
+out (step_share.py), so that one tenant's many streams do not set the others' pace.
 It knows nothing of the model: the runner turns its Batch into a forward pass.
 
 With a host tier under the tree, a prefix found on the host is loaded back into device pages
@@ -46,6 +48,7 @@ from radixserve.engine.request import SequenceState
 from radixserve.engine.scheduled import ScheduledChunk, SchedulerCounters
 from radixserve.engine.sequence_pages import SequencePages
 from radixserve.engine.step_cost import ChunkCost
+from radixserve.engine.step_share import units_held
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerCounters"]
 
@@ -57,7 +60,7 @@ class Scheduler:
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
                  prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False,
                  fair_share: FairShare | None = None, mixed_prefill_tokens: int | None = None,
-                 chunk_cost: ChunkCost | None = None) -> None:
+                 chunk_cost: ChunkCost | None = None, tenant_step_rows: int | None = None) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -68,6 +71,9 @@ class Scheduler:
         # What a capped step's prefill counts (tokens and their attention); None: tokens alone.
         self.chunk_cost = chunk_cost
         self._step_cost: ChunkCost | None = None  # this step's: chunk_cost while the cap applies
+        # None: every decoding row runs every step; else tenants share this many (step_share.py).
+        self.tenant_step_rows = tenant_step_rows
+        self._step = 0
         self.clock = clock
         self.waiting: list[SequenceState] = []
         self.running: list[SequenceState] = []
@@ -100,10 +106,13 @@ class Scheduler:
         # and admission (fair order) the rest. The claim comes out of both budgets, and is no
         # larger than the step's prefill cap: the claimant's first chunk cannot use more, and
         # the rest would only keep the running units' decodes out of the step.
+        self._step += 1
         claim, claimant = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
-        cap = self._prefill_cap(claiming=claim > 0)
+        units = self._running_units()
+        held = self._units_held(units)
+        cap = self._prefill_cap(claiming=claim > 0, held=held)
         self._step_cost = self.chunk_cost if cap < self.max_batch_tokens else None
-        ordered = self.fair.order_running(self._running_units(), _running_key)
+        ordered = self.fair.order_running([u for u in units if u[0].seq_id not in held], _running_key)
         claimed_work = self._admit_claimant(claimant, min(claim, cap), cap) if claim else []
         claimed = sum(c.num_new for c in claimed_work)
         claimed_cost = self._prefill_spent(claimed_work)
@@ -138,7 +147,18 @@ class Scheduler:
         chunks.extend(claimed_work)
         if budget > 0 and prefill > 0:
             chunks.extend(self._admit(budget, prefill))
+        for chunk in chunks:
+            chunk.seq.last_step = self._step
         return chunks
+
+    def _units_held(self, units: list[list[SequenceState]]) -> set[int]:
+        """The sequences (seq_ids) of the running units that sit this step out: tenants'
+        decoding rows beyond their shares of `tenant_step_rows` (step_share.py)."""
+        if self.tenant_step_rows is None or not self.fair.enabled:
+            return set()
+        held = units_held(units, self.tenant_step_rows)
+        self.counters.held_rows += len(held)
+        return held
 
     def _admit_claimant(self, head: SequenceState, tokens: int, cap: int) -> list[ScheduledChunk]:
         """Admits a claimant's unit now with its first chunks, within `tokens` and their cost
@@ -154,7 +174,7 @@ class Scheduler:
         self._start(head, unit)
         return work
 
-    def _prefill_cap(self, claiming: bool = False) -> int:
+    def _prefill_cap(self, claiming: bool = False, held: set[int] = frozenset()) -> int:
         """The prompt tokens this step may run. While sequences decode (one token left to run:
         each waits for the step), enough to bring the step to a multiple of
         `mixed_prefill_tokens`, and at least half of it: the pause a prefill adds to a decode
@@ -165,7 +185,7 @@ class Scheduler:
         tenant waits for the step's output as a decoding stream does (beside another tenant's
         long prefill, a whole budget's step took seconds on a CPU). Else the whole budget."""
         cap = self.mixed_prefill_tokens
-        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
+        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1 and s.seq_id not in held)
         if cap is None or cap >= self.max_batch_tokens or not (decoding or claiming):
             return self.max_batch_tokens  # (a cap of the whole budget: the decodes count in it already)
         fill = cap - decoding % cap

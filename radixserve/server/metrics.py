@@ -37,6 +37,8 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "waiting": ("sequences_waiting", "gauge", "Sequences waiting to be scheduled."),
     "running": ("sequences_running", "gauge", "Sequences running."),
     "preemptions": ("preemptions", "counter", "Sequences preempted for memory."),
+    "held_rows": ("held_rows", "counter",
+                  "Decoding rows that sat a step out for other tenants' shares of the step (--tenant-step-rows)."),
     "deferred_for_sharing": ("deferred_for_sharing", "counter",
                              "Admissions deferred so that a request reuses another's prefix."),
     "steps": ("engine_steps", "counter", "Engine steps run."),
