@@ -226,6 +226,24 @@ def test_a_choice_matches_its_characters_exactly(grammars: Grammars, tokenizer: 
     assert allowed_tokens(grammars, matcher) == {tokenizer.eos_token_id}
 
 
+def test_the_tool_calls_grammar_constrains_only_the_calls(grammars: Grammars,
+                                                            tokenizer: PreTrainedTokenizerBase) -> None:
+    weather = GrammarSpec.json_schema({"type": "object", "properties": {"city": {"type": "string"}},
+                                       "required": ["city"], "additionalProperties": False}, "p")
+
+    def takes(text: str, parallel: bool = True) -> bool:
+        matcher = grammars.matcher(GrammarSpec.tool_calls([("get_weather", weather), ("add", None)], parallel, "tools"))
+        return all(matcher.accept(token) for token in tokenizer.encode(text, add_special_tokens=False))
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert takes("Let me look that up. " + call + " It is sunny.")
+    assert takes(call + '\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "any": [true]}}\n</tool_call>')
+    assert not takes('<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}')  # not its schema
+    assert not takes('<tool_call>\n{"name": "send_email", "arguments": {}}')  # not a declared tool
+    assert not takes('<tool_call>\n{"name": "get_weather", "arguments": {"city":  "Paris"}}')  # no free whitespace
+    assert not takes(call + " and " + call, parallel=False)  # one call, then the end
+
+
 def test_the_c_sampler_masks_rows_as_it_samples_them() -> None:
     if native_sampling.library() is None:
         pytest.skip("the C sampler is not built here")

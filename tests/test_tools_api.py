@@ -162,6 +162,47 @@ def test_a_call_cut_by_a_stop_string_is_not_reported_as_complete(client: openai.
         json.loads(arguments)
 
 
+def strict(tool: dict[str, Any]) -> dict[str, Any]:
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+def test_strict_tools_under_auto_constrain_the_calls_in_the_hermes_format() -> None:
+    """The request's calls of strict tools are constrained to their schemas (xgrammar's
+    structural tag: any text, then after `<tool_call>` a call of a declared tool), unless the
+    request asks for a structured output of its own, or ignore_eos; not in the llama3 format."""
+    import msgspec
+
+    from radixserve.server.protocol import ChatCompletionRequest
+    from radixserve.server.tools import plan_tools
+    from radixserve.server.translate import chat_call
+
+    def grammar_of(parser: str, **fields: Any) -> Any:
+        request = msgspec.json.decode(json.dumps({"messages": USER, "tools": [strict(WEATHER), ADD], **fields}),
+                                      type=ChatCompletionRequest)
+        plan = plan_tools(request, parser)
+        call = chat_call(request, [1, 2, 3], 0, 4096, tool_grammar=plan.grammar, strict_grammar=plan.strict_grammar)
+        return call.params.grammar
+
+    spec = grammar_of("hermes")
+    assert spec.kind == "tool_calls"
+    assert json.loads(spec.source) == {"tools": [["get_weather", SCHEMAS["get_weather"]], ["add", None]],
+                                       "parallel": True}
+    assert json.loads(grammar_of("hermes", parallel_tool_calls=False).source)["parallel"] is False
+    assert grammar_of("llama3") is None
+    assert grammar_of("hermes", ignore_eos=True) is None
+    assert grammar_of("hermes", response_format={"type": "json_object"}).kind == "json_object"
+    assert grammar_of("hermes", tool_choice="required").kind == "json_schema"
+
+
+def test_strict_tools_under_auto_are_served_and_a_bad_strict_schema_is_a_400(client: openai.OpenAI) -> None:
+    plain, streamed = both(client, tools=[strict(WEATHER), ADD], temperature=0.0, max_tokens=16)
+    assert plain == streamed and plain[0]["finish_reason"] in ("stop", "length")
+    bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**COMMON, messages=USER, tools=[bad])
+    assert raised.value.body["param"] == "tools[0].function.parameters"
+
+
 def test_null_booleans_are_openais_defaults(client: openai.OpenAI) -> None:
     body = {**COMMON, "max_tokens": 4, "messages": USER, "temperature": 0.0}
     expected = client.chat.completions.create(**body).choices[0].message.content

@@ -83,9 +83,9 @@ class Grammars:
         if spec.kind == "json_object":
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json_schema":
-            # No free whitespace: a small model left to choose it may indent until max_tokens.
-            grammar = str(xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True))
-            return self._compiler.compile_grammar(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_CHARACTER))
+            return self._compiler.compile_grammar(_schema_ebnf(spec.source))
+        if spec.kind == "tool_calls":
+            return self._compiler.compile_structural_tag(_tool_calls_tag(json.loads(spec.source)))
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.source)
         if spec.kind == "choice":
@@ -100,3 +100,27 @@ class Grammars:
         """A matcher at the start of `spec`'s grammar; it accepts a stop token once complete."""
         return Matcher(xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None),
                        self.vocab_size)
+
+
+def _schema_ebnf(schema: str) -> str:
+    """The EBNF of the values valid under JSON Schema text `schema`. No free whitespace: a small
+    model left to choose it may indent until max_tokens."""
+    grammar = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    return grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_CHARACTER)
+
+
+# A Hermes tool-call block, as the templates that speak it ask for it (tool_parsers.HermesParser).
+HERMES_CALL_OPENING = "<tool_call>"
+HERMES_CALL_CLOSING = "}\n</tool_call>"
+
+
+def _tool_calls_tag(plan: dict) -> str:
+    """xgrammar's structural tag for a GrammarSpec.tool_calls plan: any text until the opening
+    of a call; then the call of one of the tools, its arguments under the tool's schema; then
+    any text again (or nothing more, for a single call)."""
+    tags = [{"begin": f'{HERMES_CALL_OPENING}\n{{"name": {json.dumps(name)}, "arguments": ',
+             "content": {"type": "grammar", "grammar": _schema_ebnf(json.dumps(schema or {"type": "object"}))},
+             "end": HERMES_CALL_CLOSING} for name, schema in plan["tools"]]
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": [HERMES_CALL_OPENING], "tags": tags,
+                                  "stop_after_first": not plan["parallel"]}})

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import jsonschema
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "tool_calls"]
 # JSON Schema keywords the grammar engine would silently ignore: refused, not half-honoured.
 UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired",
                         "unevaluatedProperties", "unevaluatedItems", "contains", "propertyNames")
@@ -118,6 +118,15 @@ class GrammarSpec:
     def ebnf(grammar: str, param: str) -> GrammarSpec:
         """Text that the EBNF (GBNF-style, root rule `root`) grammar derives."""
         return GrammarSpec("ebnf", _bounded(grammar, param))
+
+
+    @staticmethod
+    def tool_calls(tools: list[tuple[str, GrammarSpec | None]], parallel: bool, param: str) -> GrammarSpec:
+        """Free text whose tool-call blocks (Hermes: `<tool_call>` JSON `</tool_call>`) each call
+        one of `tools` by name with arguments valid under its schema (a json_schema spec), or
+        any JSON object (None); with `parallel` False, at most one block."""
+        calls = [[name, None if spec is None else json.loads(spec.source)] for name, spec in tools]
+        return GrammarSpec("tool_calls", _bounded(json.dumps({"tools": calls, "parallel": parallel}), param))
 
 
 def _bounded(source: str, param: str) -> str:

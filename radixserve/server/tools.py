@@ -28,12 +28,12 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from radixserve.grammar import GrammarSpec
+from radixserve.grammar import GrammarError, GrammarSpec
 from radixserve.grammar.spec import MAX_SOURCE_CHARS
 from radixserve.server.errors import APIError
 from radixserve.server.json_text import parse_json_text
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from radixserve.server.structured import json_schema_spec
+from radixserve.server.structured import grammar_error, json_schema_spec
 from radixserve.server.tool_parsers import (
     NamedCallParser,
     RequiredCallsParser,
@@ -65,6 +65,10 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None
     parser: ToolCallParser | None = None
     grammar: tuple[GrammarSpec, str] | None = None
+    # Under "auto" with a `strict` tool, in the Hermes format: the reply's calls constrained to
+    # the tools' schemas (GrammarSpec.tool_calls). Yields to a structured output the request
+    # asks for, and to ignore_eos (translate.chat_call).
+    strict_grammar: tuple[GrammarSpec, str] | None = None
 
 
 def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
@@ -94,6 +98,13 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     parallel = request.parallel_tool_calls is not False  # null: OpenAI's default, true
     if choice is None or choice == "auto":
         plan.parser = make_parser(parser_name, frozenset(names), None if parallel else 1)
+        if parser_name == "hermes" and any(tool.function.strict for tool in request.tools):
+            calls = [(name, json_schema_spec(schema, f"tools[{i}].function.parameters") if tool.function.strict
+                      else None) for i, (name, schema, tool) in enumerate(zip(names, schemas, request.tools))]
+            try:
+                plan.strict_grammar = (GrammarSpec.tool_calls(calls, parallel, "tools"), "tools")
+            except GrammarError as exc:
+                raise grammar_error(exc) from None
     elif choice == "required":
         plan.parser = RequiredCallsParser()
         schema = required_calls_schema(names, schemas, parallel)

@@ -44,11 +44,14 @@ class EngineCall:
 def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
               max_context_len: int, max_sequence_len: int | None = None,
               defaults: SamplingDefaults = NO_DEFAULTS,
-              tool_grammar: tuple[GrammarSpec, str] | None = None, work_limit: WorkLimit | None = None) -> EngineCall:
+              tool_grammar: tuple[GrammarSpec, str] | None = None, work_limit: WorkLimit | None = None,
+              strict_grammar: tuple[GrammarSpec, str] | None = None) -> EngineCall:
     """The engine call for a chat request whose messages rendered to `prompt_ids`; sampling
     fields it leaves unset take `defaults` (the model's recommendations) first;
     `tool_grammar` is the constraint its tool_choice puts on the reply (tools.plan_tools);
-    `work_limit` bounds its samples x max_tokens (work_limit.py)."""
+    `work_limit` bounds its samples x max_tokens (work_limit.py); `strict_grammar` constrains
+    the calls of strict tools under "auto" unless the request asks for a structured output
+    of its own or for ignore_eos (the end token closes a constrained output)."""
     _refuse_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
@@ -65,6 +68,9 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
                                   request.system_retention_duration_s, "system_retention")
     if system_retention is not None and system_tokens > 0:
         prefix_retention = (system_tokens, system_retention)
+    if strict_grammar is not None and tool_grammar is None and not request.ignore_eos \
+            and requested_grammar(request) is None:
+        tool_grammar = strict_grammar
     return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention, defaults, tool_grammar)
 
 
