@@ -77,8 +77,8 @@ DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128
 # While several tenants decode, a step runs at most this many rows shared fairly between them
 # (engine/step_share.py). On a CPU a decode step's time grows with its rows (SmolLM2, 2 cores:
 # 12.6 ms for 1, 35 ms for 32, 124 ms for 128): one tenant's 128 streams made every other
-# tenant's token wait 124 ms; at 32 they wait about 35 ms, and the crowded tenant keeps
-# nine tenths of its throughput. A GPU step barely grows with its rows: no limit there.
+# tenant's token wait 124 ms; at 32 they wait about 35 ms, for 3% of the tokens (medians of
+# bench/tenant_step_share.py). A GPU step barely grows with its rows: no limit there.
 DEFAULT_CPU_TENANT_STEP_ROWS = 32
 
 

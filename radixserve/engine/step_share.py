@@ -10,8 +10,8 @@ between the tenants max-min fairly (water-filling: a tenant needing less than an
 gets all its rows, the others split the rest) and a tenant's rows beyond its part sit the
 step out, those that ran least recently running first, so each of its streams still runs
 every few steps. Step time stays near that of `row_limit` rows for everyone; the tenant
-held back loses only the batching beyond the limit (on that CPU, 32 rows: a tenth of its
-throughput), and a GPU, whose decode step barely grows with its rows, sets no limit.
+held back loses only the batching beyond the limit (on that CPU, 32 rows: 3% of the
+tokens; bench/tenant_step_share.py), and a GPU, whose decode step barely grows with its rows, sets no limit.
 
 Only decoding units are held (a prefill chunk is capped by the step's prefill cap); a unit is
 a beam group (its beams run together) or one sequence, and a tenant always runs at least one
