@@ -6,9 +6,10 @@ decoding), preempting the lowest-priority, latest-arrived sequences when pages r
 (2) admits waiting sequences in the policy's order within the token budget, reusing their
 cached prefixes. Within a priority, a request's further samples (n > 1) come after every
 request's first unfinished one, in both orders: one request whose samples together need more
-than the pool preempts and delays its own samples, not another request (`_extra_sample`). A step in which sequences decode prefills only enough prompt tokens to bring
-it to a multiple of `mixed_prefill_tokens` (at least half of that many): every decoding stream
-waits for the whole step, and a step's time grows with the prompt tokens in it.
+than the pool preempts and delays its own samples, not another request (`_extra_sample`).
+A step in which sequences decode prefills only enough prompt tokens to bring it to a
+multiple of `mixed_prefill_tokens` (at least half of that many): every decoding stream waits
+for the whole step, and a step's time grows with the prompt tokens in it.
 With several tenants, both orders are fair_share.py's first: tenants are interleaved by
 the service they have had (so the tenant with the most is preempted first), and the order
 above holds within each tenant; with one tenant they are exactly the orders above. With a

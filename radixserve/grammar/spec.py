@@ -119,7 +119,6 @@ class GrammarSpec:
         """Text that the EBNF (GBNF-style, root rule `root`) grammar derives."""
         return GrammarSpec("ebnf", _bounded(grammar, param))
 
-
     @staticmethod
     def tool_calls(tools: list[tuple[str, GrammarSpec | None]], parallel: bool, param: str) -> GrammarSpec:
         """Free text whose tool-call blocks (Hermes: `<tool_call>` JSON `</tool_call>`) each call
