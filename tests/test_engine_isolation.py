@@ -202,6 +202,42 @@ def test_a_request_whose_samples_outgrow_the_pool_delays_its_own_samples_not_oth
     assert [hog_tokens[i] for i in range(4)] == [o.token_ids for o in alone]  # seeds reproduce
 
 
+def preempted_samples_and_a_newcomer(ckpt: Path, priority: int) -> Engine:
+    """An engine whose request "many" (n = 2, priority 10) ran two steps and was preempted
+    whole, and whose request "new" (`priority`) arrived after."""
+    engine = make_engine(ckpt)
+    engine.add_request(list(range(20, 28)), SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=1),
+                       request_id="many", priority=10)
+    engine.step()
+    engine.step()
+    assert [s.index for s in engine.scheduler.running] == [0, 1]
+    for seq in list(engine.scheduler.running):
+        engine.scheduler.preempt_unit([seq])
+    engine.add_request(list(range(40, 48)), SamplingParams(max_tokens=4), request_id="new", priority=priority)
+    return engine
+
+
+def admission(engine: Engine, now: float) -> list[tuple[str, int]]:
+    scheduler = engine.scheduler
+    return [(s.request.request_id, s.index) for s in scheduler._waiting_order(list(scheduler.waiting), now)]
+
+
+def test_further_samples_keep_their_priority_and_never_age_ahead_of_first_samples(tiny_llama_dir: Path) -> None:
+    engine = preempted_samples_and_a_newcomer(tiny_llama_dir, priority=0)
+    # A further sample comes after first samples of its own priority only, not of a lower one.
+    assert admission(engine, engine.scheduler.clock()) == [("many", 0), ("many", 1), ("new", 0)]
+    engine = preempted_samples_and_a_newcomer(tiny_llama_dir, priority=10)
+    first, second, new = sorted(engine.scheduler.waiting, key=lambda s: (s.arrival_time, s.index))
+    assert first.arrival_time < new.arrival_time
+    max_wait = engine.scheduler.policy.max_wait_s
+    # "many" has waited past max_wait_s, "new" has not: aging puts "many"'s first sample
+    # first; its further sample is never aged (its request is running), or a hog's preempted
+    # samples would all come first again.
+    now = first.arrival_time + max_wait + (new.arrival_time - first.arrival_time) / 2
+    assert admission(engine, now) == [("many", 0), ("new", 0), ("many", 1)]
+    assert admission(engine, new.arrival_time + max_wait + 1) == [("many", 0), ("new", 0), ("many", 1)]
+
+
 def test_the_checker_catches_a_write_into_a_shared_page(tiny_llama_dir: Path) -> None:
     engine = make_engine(tiny_llama_dir)
     engine.add_request(list(range(20, 38)), SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=2,

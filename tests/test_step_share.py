@@ -12,11 +12,11 @@ from radixserve.engine.step_share import units_held
 from tests.engine_util import hf_greedy
 
 
-def decoding(tenant: str | None, count: int, last_step: int = -1) -> list[list[SequenceState]]:
+def decoding(tenant: str | None, count: int, last_step: int = -1, priority: int = 0) -> list[list[SequenceState]]:
     """`count` one-sequence units of `tenant`, each with one token left to run (decoding)."""
     units = []
     for i in range(count):
-        request = Request(f"{tenant}-{i}", [1, 2], Params(), float(i), tenant=tenant)
+        request = Request(f"{tenant}-{i}-{priority}", [1, 2], Params(), float(i), priority, tenant=tenant)
         seq = SequenceState(request, 0, [1, 2, 3], None, None, None)  # type: ignore[arg-type]
         seq.num_computed, seq.last_step = 2, last_step
         units.append([seq])
@@ -51,6 +51,15 @@ def test_the_least_recently_run_go_first_and_prefills_are_never_held() -> None:
     for (seq,) in prefilling:
         seq.num_computed = 0  # a prompt still to run: the prefill cap governs it
     assert not units_held(decoding("a", 2) + prefilling, 4)
+
+
+def test_a_tenants_higher_priority_streams_run_first() -> None:
+    # Tenant b's priority-10 stream ran last step, its ten priority-0 streams before: with 3
+    # rows for b, the priority-10 stream runs again (priority orders a tenant's own work).
+    vip = decoding("b", 1, last_step=7, priority=10)
+    rest = decoding("b", 10, last_step=5)
+    held = units_held(decoding("a", 1) + rest + vip, 4)
+    assert vip[0][0].seq_id not in held and len(held) == 8
 
 
 def test_one_tenants_many_streams_do_not_set_the_pace_of_anothers(tiny_llama_dir: Path) -> None:
@@ -93,3 +102,43 @@ def test_one_tenants_many_streams_do_not_set_the_pace_of_anothers(tiny_llama_dir
     for rid, prompt in prompts.items():
         expected = hf_greedy(tiny_llama_dir, prompt, 24)
         assert all(tokens[(rid, i)] == expected for i in range(4))
+
+
+def test_a_held_stream_is_preempted_in_its_turn(tiny_llama_dir: Path) -> None:
+    """Out of pages, the scheduler preempts the latest arrived of a tenant's streams first:
+    one sitting the step out (held) included. Sparing the held ones preempted earlier streams,
+    or the stream about to run, in their place."""
+    engine = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=96, debug_checks=True, tenant_step_rows=4)
+    scheduler = engine.scheduler
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    prompts = {f"f{i:02d}": list(range(30 + 9 * i, 38 + 9 * i)) for i in range(12)}
+    for rid, prompt in prompts.items():
+        engine.add_request(prompt, greedy, request_id=rid, tenant="flood")
+    out_of_turn = []
+    real_preempt = scheduler.preempt_unit
+
+    def preempt_unit(unit: list[SequenceState]) -> None:
+        victim = unit[0]
+        later = [s.request.request_id for s in scheduler.running
+                 if s.request.tenant == victim.request.tenant and s.arrival_time > victim.arrival_time]
+        if later:
+            out_of_turn.append((victim.request.request_id, later))
+        real_preempt(unit)
+
+    scheduler.preempt_unit = preempt_unit  # type: ignore[method-assign]  # observes, then the real one
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work():
+        step += 1
+        if step == 3:  # a long stream of another tenant: rows are held until the pool runs out
+            engine.add_request(list(range(200, 208)), long, request_id="ok", tenant="innocent")
+        for rid, deltas in engine.step().items():
+            for delta in deltas:
+                tokens.setdefault(rid, []).extend(delta.token_ids)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["held_rows"] > 0  # both happened
+    assert not out_of_turn
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == hf_greedy(tiny_llama_dir, prompt, 40)
+    assert tokens["ok"] == hf_greedy(tiny_llama_dir, list(range(200, 208)), 100)

@@ -113,7 +113,9 @@ class Scheduler:
         held = self._units_held(units)
         cap = self._prefill_cap(claiming=claim > 0, held=held)
         self._step_cost = self.chunk_cost if cap < self.max_batch_tokens else None
-        ordered = self.fair.order_running([u for u in units if u[0].seq_id not in held], _running_key)
+        # Held units run no chunk this step but stay in the order preemption takes its victims
+        # from (the last): sitting a step out must not spare a tenant's pages.
+        ordered = self.fair.order_running(units, _running_key)
         claimed_work = self._admit_claimant(claimant, min(claim, cap), cap) if claim else []
         claimed = sum(c.num_new for c in claimed_work)
         claimed_cost = self._prefill_spent(claimed_work)
@@ -121,6 +123,8 @@ class Scheduler:
         prefill = cap - claimed_cost
         while ordered and budget > 0:
             unit = ordered.pop(0)
+            if unit[0].seq_id in held:
+                continue
             if not all(self._loaded(seq) for seq in unit):
                 continue  # a prefix is still being copied from the host
             work = self._next_chunks(unit, budget, prefill)
@@ -130,7 +134,8 @@ class Scheduler:
                 # A prefill chunk shrinks to the pages it can have before anyone is preempted,
                 # leaving each sequence still to run this step the page its next token needs.
                 if len(work) == 1:
-                    fits = self.pages.tokens_that_fit(work[0].seq, [s for u in ordered for s in u])
+                    fits = self.pages.tokens_that_fit(work[0].seq, [s for u in ordered if u[0].seq_id not in held
+                                                                    for s in u])
                     if 0 < fits < work[0].num_new:
                         work[0].num_new = fits
                         self.counters.shrunk_chunks += 1
@@ -323,8 +328,16 @@ class Scheduler:
         return chunks
 
     def _waiting_order(self, waiting: list[SequenceState], now: float) -> list[SequenceState]:
-        """One tenant's admission order: the policy's, with further samples after first ones."""
-        return sorted(self.policy.order(waiting, self.tree, now), key=_extra_sample)  # stable
+        """One tenant's admission order: the policy's (aged first, then by priority), with a
+        request's further samples after every first sample of the same priority. Aging
+        protects a request from waiting for ever, and one whose first sample runs is not
+        waiting: its further samples never count as aged (preempted, a hog's old samples
+        would all be aged, and come first again)."""
+        def key(seq: SequenceState) -> tuple[bool, int, bool]:
+            extra = _extra_sample(seq)
+            aged = not extra and now - seq.arrival_time > self.policy.max_wait_s
+            return not aged, 0 if aged else -seq.priority, extra
+        return sorted(self.policy.order(waiting, self.tree, now), key=key)  # stable: the policy's order within
 
     @staticmethod
     def _unit_of(seq: SequenceState) -> list[SequenceState]:
