@@ -437,25 +437,43 @@ def test_a_client_that_reads_nothing_is_cut_and_a_slow_reader_is_not(parser: str
         sock.settimeout(30)
         return sock
 
-    def read_all(sock: socket.socket, pause_s: float = 0.0) -> int:
+    def read_all(sock: socket.socket, pause_s: float = 0.0, size: int = 65536) -> int:
         received = 0
         try:
-            while chunk := sock.recv(65536):
+            while chunk := sock.recv(size):
                 received += len(chunk)
                 time.sleep(pause_s)
         except ConnectionResetError:
             pass
         return received
 
+    deadlines = with_deadlines(base, 10.0, write_timeout_s=1.0)
+    pauses: list[float] = []  # how long each pause of the server's writes lasted
+
+    class Timed(deadlines):  # type: ignore[valid-type, misc]
+        _paused_at = 0.0
+
+        def pause_writing(self) -> None:
+            self._paused_at = time.monotonic()
+            super().pause_writing()
+
+        def resume_writing(self) -> None:
+            pauses.append(time.monotonic() - self._paused_at)
+            super().resume_writing()
+
     app = Starlette(routes=[Route("/{size}", body)])
-    with running_server(app, http=with_deadlines(base, 10.0, write_timeout_s=1.0)) as url:
+    # Small kernel buffers on both ends: the server's writes pause after little output.
+    with running_server(app, send_buffer=8192, http=Timed) as url:
         with connect(url) as idle:
             idle.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             time.sleep(4)  # reads nothing, well past the deadline
             assert read_all(idle) < len(big)  # cut: what was buffered, then the end
-        with connect(url) as slow:  # a second or so for 512 KiB, never paused 1 s at once
+        with connect(url) as slow:  # 512 KiB, 4 KiB every 40 ms: paused for seconds, never idle 1 s
             slow.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            assert read_all(slow, pause_s=0.02) > len(small)  # the whole body, and its head
+            started = time.monotonic()
+            assert read_all(slow, pause_s=0.04, size=4096) > len(small)  # the whole body, and its head
+            assert time.monotonic() - started > 3.0
+        assert max(pauses) > 3.0  # paused for several deadlines while it read: the case is tested
 
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])

@@ -9,8 +9,9 @@ once, and a client that never reads keeps it in the server's memory for good (a 
 transport still waits to flush it; TCP probes a zero window for ever). `with_deadlines(base)`
 subclasses one of uvicorn's HTTP/1.1 protocols so that a connection whose request head is not
 complete `head_timeout_s` after it opened (or after its previous response) is closed, and one
-whose writes stay paused (the transport's buffer over its high-water mark: the client reads
-nothing) for `write_timeout_s` is aborted, its buffer dropped. The body has its own deadline
+whose writes are paused (the transport's buffer over its high-water mark) while the client
+reads nothing of it for `write_timeout_s` is aborted, its buffer dropped; a client that
+reads, however slowly, keeps its connection. The body has its own deadline
 where the app reads it (app.py), answered with a 408.
 """
 
@@ -35,6 +36,7 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
 
         _head_deadline: asyncio.TimerHandle | None = None
         _write_deadline: asyncio.TimerHandle | None = None
+        _unread = 0  # the transport's buffer when the write deadline was armed
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -49,7 +51,12 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
         def pause_writing(self) -> None:
             super().pause_writing()
             if write_timeout_s is not None and self._write_deadline is None:
-                self._write_deadline = self.loop.call_later(write_timeout_s, self._not_read)
+                self._arm_write_deadline()
+
+        def _arm_write_deadline(self) -> None:
+            assert write_timeout_s is not None
+            self._unread = self.transport.get_write_buffer_size()
+            self._write_deadline = self.loop.call_later(write_timeout_s, self._not_read)
 
         def resume_writing(self) -> None:
             self._disarm_write_deadline()
@@ -61,8 +68,13 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
                 self._write_deadline = None
 
         def _not_read(self) -> None:
-            # abort, not close: a close waits to flush the buffer the client does not read.
             self._write_deadline = None
+            # Paused, nothing more is written: a smaller buffer means the client read some.
+            # A slow reader of a large body stays paused throughout, and is not a gone one.
+            if self.transport.get_write_buffer_size() < self._unread:
+                self._arm_write_deadline()
+                return
+            # abort, not close: a close waits to flush the buffer the client does not read.
             self.transport.abort()
 
         def on_response_complete(self) -> None:
