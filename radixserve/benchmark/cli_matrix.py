@@ -25,7 +25,9 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
                    help="multiplies the number of conversations, documents and requests (the trace: its "
                         "first requests) and, again, every capacity (default %(default)s)")
     p.add_argument("--workloads", default=None, metavar="W,W,...",
-                   help="these workloads only (default: every one, see `matrix.matrix_workloads`)")
+                   help="these workloads only (default: every one of the matrix, see "
+                        "`matrix.matrix_workloads`; the held-out mixes phases, blend, scan-burst and drift "
+                        "run only when named)")
     p.add_argument("--capacity-tokens", default="0.5M,1M,2M,4M,8M,16M", metavar="N,N,...",
                    help="device capacities before scaling (default: %(default)s)")
     p.add_argument("--host-capacity-tokens", default="8M", metavar="N",
@@ -46,15 +48,15 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
 
 def matrix_command(args: argparse.Namespace) -> int:
     """`radixserve bench matrix`."""
-    from radixserve.benchmark.matrix import matrix_summary, matrix_table, matrix_workloads, run_matrix
+    from radixserve.benchmark.matrix import known_workloads, matrix_summary, matrix_table, matrix_workloads, run_matrix
 
     scale = QUICK_SCALE if args.quick else args.scale
     capacities = [parse_tokens(c) for c in (QUICK_CAPACITIES if args.quick else args.capacity_tokens).split(",")]
     names = args.workloads.split(",") if args.workloads else (
         ["chat-gaps", "zipf-docs", "gsp"] if args.quick else matrix_workloads())
-    unknown = [n for n in names if n not in matrix_workloads()]
+    unknown = [n for n in names if n not in known_workloads()]
     if unknown or scale <= 0:
-        say(f"error: --workloads among {matrix_workloads()}, --scale > 0 (got {unknown or scale})")
+        say(f"error: --workloads among {known_workloads()}, --scale > 0 (got {unknown or scale})")
         return 2
     replicas = [int(n) for n in args.replicas.split(",")]
     host = parse_tokens(args.host_capacity_tokens)

@@ -29,6 +29,7 @@ import numpy as np
 
 from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
 from radixserve.benchmark.families import FAMILIES
+from radixserve.benchmark.mixes import HELD_OUT
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.report import format_tokens, percent
 from radixserve.benchmark.simulate import SimConfig, simulate
@@ -59,6 +60,11 @@ def matrix_workloads() -> list[str]:
     return [*FAMILIES, "mooncake", *GENERATED]
 
 
+def known_workloads() -> list[str]:
+    """The matrix's workloads and the held-out mixes (mixes.py), which run only when named."""
+    return [*matrix_workloads(), *HELD_OUT]
+
+
 def _scaled(length: int, scale: float) -> int:
     return max(1, int(round(length * scale)))
 
@@ -83,6 +89,8 @@ def build_workload(name: str, scale: float, count_scale: float = 1.0) -> Workloa
     documents or requests times `count_scale` (see the module docstring)."""
     if name in FAMILIES:
         return make_workload(name, token_scale=scale, scale=count_scale)
+    if name in HELD_OUT:
+        return HELD_OUT[name](scale, count_scale)
     if name == "mooncake":
         trace = scaled_trace(scale)
         return Workload(trace.name, trace.requests[:max(1, int(len(trace.requests) * count_scale))],
@@ -91,7 +99,7 @@ def build_workload(name: str, scale: float, count_scale: float = 1.0) -> Workloa
         param, count = _COUNTS[name]
         lengths = {key: _scaled(value, scale) for key, value in _LENGTHS[name].items()}
         return make_workload(name, **{param: _scaled(count, count_scale)}, **lengths)
-    raise ValueError(f"matrix workload: unknown {name!r}, expected one of {matrix_workloads()}")
+    raise ValueError(f"matrix workload: unknown {name!r}, expected one of {known_workloads()}")
 
 
 @dataclass
