@@ -186,6 +186,39 @@ def test_the_recent_record_takes_a_lead_the_long_record_holds_back_without_showi
     assert not duel._decide() and duel.lead == 0.0
 
 
+def set_pair(diff: np.ndarray, var: np.ndarray, a: int, b: int, value: float) -> None:
+    """Lead `a` ahead of lead `b` by `value` over a spread of 1 (and `b` behind `a`)."""
+    diff[a, b], diff[b, a] = value, -value
+    var[a, b] = var[b, a] = 1.0
+
+
+def test_two_records_that_disagree_do_not_send_the_rule_to_and_fro() -> None:
+    # Traffic in phases: over the long record lead 2 is far ahead of LRU and of lead 5; over
+    # the recent one lead 5 is far ahead of LRU and of lead 2. Each record alone would take
+    # its own best; together the rule must settle, not switch on every prompt.
+    duel = LeadDuel(24, 16 * 24)
+    set_pair(duel._diff, duel._var, 2, 0, 10.0)
+    set_pair(duel._diff, duel._var, 5, 0, 1.0)
+    set_pair(duel._diff, duel._var, 2, 5, 10.0)
+    duel.ghosts[2].hits, duel.ghosts[5].hits = 10, 1
+    set_pair(duel._recent_diff, duel._recent_var, 5, 0, 10.0)
+    set_pair(duel._recent_diff, duel._recent_var, 5, 2, 10.0)
+    leads = []
+    for _ in range(6):
+        duel._decide()
+        leads.append(duel.current)
+    assert leads == [2, 5, 5, 5, 5, 5] and duel.switches == 2  # the recent record decides, once
+    # From lead 2 the recent record moves to 5; from 5 the long record may not move back.
+    duel.current = 2
+    assert duel._decide() and duel.current == 5
+    assert not duel._decide() and duel.current == 5
+    # Records that disagree by less than that margin leave the long record its move, and the
+    # recent record no move back.
+    set_pair(duel._recent_diff, duel._recent_var, 5, 2, 1.5)
+    assert duel._decide() and duel.current == 2
+    assert not duel._decide() and duel.current == 2
+
+
 def test_the_tree_trailing_lru_sends_it_back_and_voids_the_evidence() -> None:
     duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
     replay_rounds(duel, 8, tree_hits=False)  # the ghosts' lead would hit; the tree does not

@@ -286,18 +286,25 @@ class LeadDuel:
             # back when the recent traffic no longer shows it behind).
             return self._move(0)
         # Most hits; the longer lead on ties: leads longer than the history so far tie, and the
-        # longest is the one that stays right as the history grows.
+        # longest is the one that stays right as the history grows. Not a lead the recent
+        # record shows behind LRU, nor one it shows behind the lead in use by the margin on
+        # which its own move (below) would take the rule back: where the records disagree
+        # that much the recent one decides, or the two would send the rule to and fro on
+        # every prompt.
         best = max(range(len(hits)), key=lambda i: (hits[i], i))
         if best != self.current:
             sigmas = PICK_SIGMAS[_distinct_records(diff, var)]
+            recent_sigmas = PICK_SIGMAS[_distinct_records(recent_diff, recent_var)]
             if _ahead(diff[best, self.current], var[best, self.current], sigmas) and \
                     _ahead(diff[best, 0], var[best, 0], sigmas) and \
-                    not _ahead(recent_diff[0, best], recent_var[0, best], RECENT_SIGMAS):
+                    not _ahead(recent_diff[0, best], recent_var[0, best], RECENT_SIGMAS) and \
+                    not _ahead(recent_diff[self.current, best], recent_var[self.current, best], recent_sigmas):
                 return self._move(best)
         # Traffic in phases: a lead that lost early and wins now is held back by the long
         # record's early losses for half a window. The recent record takes it, by the same
         # corrected margin over LRU and the lead in use, once the long record no longer shows
-        # it behind LRU at all (the condition it is kept on: taken, it stays).
+        # it behind LRU at all (the condition it is kept on: taken, it stays, and the long
+        # record's move above cannot take the rule back while the recent one shows it ahead).
         best = max(range(len(hits)), key=lambda i: (recent_diff[i, 0], i))
         if best in (0, self.current):
             return False
