@@ -66,6 +66,18 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     # invalid schema too large is refused for its size
     ({"type": "nonsense", "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}] * 2000},
      "at most 65536 characters"),
+    # what the grammar engine would half honour: a combinator beside constraints (it follows the
+    # combinator alone: this one became any JSON value), several allOf schemas, enum values of
+    # another type than declared, unique items
+    ({"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"], "allOf": [{}]},
+     "at the top: allOf beside properties, required, type"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "anyOf": [{"minimum": 1}]}}},
+     "at properties.a: anyOf beside type"),
+    ({"oneOf": [{"type": "string"}], "maxLength": 3}, "oneOf beside maxLength"),
+    ({"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, "allOf of several schemas"),
+    ({"type": "integer", "enum": ["Paris", 1]}, 'the value "Paris" of enum/const is not of type "integer"'),
+    ({"type": "object", "properties": {"a": {"type": "string", "const": 5}}}, "at properties.a: the value 5"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems is not supported"),
 ])
 def test_bad_schemas_are_refused_naming_the_field(schema: object, fragment: str) -> None:
     with pytest.raises(GrammarError) as caught:
@@ -82,6 +94,17 @@ def test_optional_properties_within_the_bound_and_required_ones_pass() -> None:
     assert GrammarSpec.json_schema(half, "s")  # 300 optional: 90000, within
     with pytest.raises(GrammarError, match="add up to 180000"):  # twice over
         GrammarSpec.json_schema({"allOf": [half, dict(half, title="again")]}, "s")
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"$ref": "#/$defs/A"}], "description": "pydantic's field", "$defs": {"A": {"type": "integer"}}},
+    {"oneOf": [{"type": "string"}, {"type": "null"}], "discriminator": {"propertyName": "kind"}, "title": "t"},
+    {"type": ["integer", "null"], "enum": [1, None, 2.0]},
+    {"type": "array", "uniqueItems": False},
+    {"type": "object", "properties": {"allOf": {"type": "string"}, "uniqueItems": {"const": True}}},
+])
+def test_what_the_engine_honours_whole_passes(schema: object) -> None:
+    assert GrammarSpec.json_schema(schema, "s").kind == "json_schema"
 
 
 def test_keyword_names_as_property_names_are_not_keywords() -> None:

@@ -305,6 +305,15 @@ def test_a_schema_that_cannot_fit_max_tokens_ends_with_length(client: openai.Ope
     ({"extra_body": {"guided_grammar": "root ::= missing_rule"}}, "guided_grammar"),
     ({"extra_body": {"guided_regex": "[0-9]+", "guided_choice": ["a"]}}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
+    # a tool's arguments are an object: a string schema gave raw text for them
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "g", "parameters": {"type": ["object", "null"]}}}]},
+     "tools[1].function.parameters"),
+    # a constraint the grammar engine would drop beside a combinator is refused, not ignored
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"], "allOf": [{}]}}}]},
+     "tools[0].function.parameters"),
 ])
 def test_errors_are_400s_naming_the_field(client: openai.OpenAI, request_fields: dict[str, Any], param: str) -> None:
     request = {**COMMON, "messages": USER, **request_fields}

@@ -35,6 +35,13 @@ MAX_OPTIONAL_COST = 2**17
 _COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _DATA_KEYWORDS = ("enum", "const", "default", "examples")
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+# Keywords that constrain nothing (and `$defs`, schemas only referenced): beside a combinator
+# they lose nothing when the engine follows the combinator alone (pydantic writes
+# `{"allOf": [{"$ref": ...}], "description": ...}`, and `discriminator` beside oneOf).
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema", "$id", "$anchor", "$dynamicAnchor", "$defs", "definitions",
+                          "discriminator"})
 
 
 class GrammarError(ValueError):
@@ -100,6 +107,10 @@ class GrammarSpec:
             raise GrammarError(f"{param}: the schema's objects have too many optional properties: the squares "
                                f"of their counts add up to {optional}, at most {MAX_OPTIONAL_COST} (one object "
                                f"of {math.isqrt(MAX_OPTIONAL_COST)}); list more of them in `required`", param)
+        for node, where in _schema_nodes(schema, ""):
+            problem = _half_honoured(node)
+            if problem is not None:
+                raise GrammarError(f"{param}: at {where or 'the top'}: {problem}", param)
         return GrammarSpec("json_schema", source)
 
     @staticmethod
@@ -158,6 +169,65 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def _schema_nodes(node: Any, path: str) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every schema object under `node` with its path (as `_schema_objects`, in order)."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _schema_nodes(item, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    yield node, path
+    for key, value in node.items():
+        where = f"{path}.{key}" if path else key
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from _schema_nodes(sub, f"{where}.{name}")
+        elif key not in (*_DATA_KEYWORDS, "required"):
+            yield from _schema_nodes(value, where)
+
+
+def _half_honoured(node: dict[str, Any]) -> str | None:
+    """Why the grammar engine would generate values this schema object refuses, or None.
+    xgrammar follows a combinator (allOf, anyOf, oneOf) alone, dropping every keyword beside it
+    (`{"type": "object", "required": ["city"], "allOf": [{}]}` became any JSON value), keeps
+    none of several allOf schemas' constraints together, takes `enum` / `const` values
+    whatever the `type` beside them, and does not keep array items unique."""
+    combinators = [key for key in _COMBINATORS if key in node]
+    if combinators:
+        beside = sorted(key for key in node if key not in _ANNOTATIONS and key != combinators[0])
+        if beside:
+            return (f"{combinators[0]} beside {', '.join(beside)}: the grammar engine would follow "
+                    f"{combinators[0]} alone; move them into each of its schemas")
+        branches = node[combinators[0]]
+        if combinators[0] == "allOf" and isinstance(branches, list) and len(branches) > 1:
+            return "allOf of several schemas is not supported by the grammar engine; merge them into one schema"
+    declared = node.get("type")
+    if declared is not None and ("enum" in node or "const" in node):
+        types = declared if isinstance(declared, list) else [declared]
+        values = node["enum"] if "enum" in node else [node["const"]]
+        for value in values if isinstance(values, list) else []:
+            if not any(_is_of_type(value, t) for t in types):
+                return (f"the value {json.dumps(value)[:64]} of enum/const is not of type {json.dumps(declared)}: "
+                        "no output may take it, but the grammar engine would generate it")
+    if node.get("uniqueItems") is True:
+        return "uniqueItems is not supported by radixserve's grammar engine (items could repeat)"
+    return None
+
+
+def _is_of_type(value: Any, name: str) -> bool:
+    """Whether a JSON value is of the JSON Schema type `name` (1.0 is an integer, true is not)."""
+    if name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or \
+            (isinstance(value, float) and value.is_integer())
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    kinds = {"string": str, "boolean": bool, "object": dict, "array": list}
+    if name == "null":
+        return value is None
+    return isinstance(value, kinds[name]) if name in kinds else True
 
 
 def _schema_objects(node: Any) -> Iterator[dict[str, Any]]:

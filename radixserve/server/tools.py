@@ -154,7 +154,13 @@ def _parameters(tool: Tool, position: int) -> dict[str, Any]:
     """The tool's parameters schema, checked (the grammar engine compiles it only when a
     tool_choice constrains the reply to it)."""
     schema = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
-    json_schema_spec(schema, f"tools[{position}].function.parameters")
+    param = f"tools[{position}].function.parameters"
+    if isinstance(schema, dict) and schema.get("type", "object") != "object":
+        # Arguments are a JSON object (OpenAI refuses other types too): a string schema gave
+        # raw text for arguments, which no client can parse.
+        raise APIError(400, f"{param}: a tool's parameters must be a JSON Schema of type \"object\", "
+                            f"not {json.dumps(schema['type'])}", param=param, code="invalid_value")
+    json_schema_spec(schema, param)
     return schema
 
 
