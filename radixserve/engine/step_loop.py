@@ -33,7 +33,7 @@ from radixserve.engine.scheduler import ScheduledChunk, Scheduler
 from radixserve.engine.sessions import SessionTable
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue, push_token, sample_rows
-from radixserve.grammar import MaskBuffer
+from radixserve.grammar import GrammarFault, MaskBuffer
 
 logger = logging.getLogger("radixserve.engine.engine")  # a failed request is logged as the engine's
 
@@ -174,6 +174,9 @@ class StepLoop:
                 continue
             try:
                 self._append_token(seq, token, logprob)
+            except GrammarFault as exc:  # the request's own constraint: its client is told, one line here
+                logger.info("request %s ends: %s", seq.request.request_id, exc)
+                self._fail(seq.request, exc)
             except Exception as exc:
                 logger.exception("post-processing a token of request %s failed; it ends with "
                                  "finish_reason 'error'", seq.request.request_id)
