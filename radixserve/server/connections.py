@@ -18,6 +18,8 @@ where the app reads it (app.py), answered with a 408.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from typing import Any
 
 import h11
@@ -74,7 +76,12 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
             if self.transport.get_write_buffer_size() < self._unread:
                 self._arm_write_deadline()
                 return
-            # abort, not close: a close waits to flush the buffer the client does not read.
+            # abort, not close: a close waits to flush the buffer the client does not read. And
+            # a zero linger, so that the kernel too drops what it holds (up to its send buffer,
+            # megabytes, kept for a minute in FIN-WAIT-1 by a plain close) and resets.
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.transport.abort()
 
         def on_response_complete(self) -> None:
