@@ -48,6 +48,18 @@ def test_lost_trials_double_the_wait_up_to_a_bound() -> None:
     assert max(gaps) == MOST_STEPS_BETWEEN_TRIALS
 
 
+def test_a_machine_turned_busy_after_a_quiet_spell_is_followed_within_one_wait() -> None:
+    governor = ThreadGovernor(max_threads=2)
+    _drive(governor, {2: 0.020, 1: 0.030}, steps=5000)  # quiet: the wait has grown to its bound
+    assert governor.steps_between_trials == MOST_STEPS_BETWEEN_TRIALS
+    steps = 0
+    while governor.current == 2 and steps < 10 * MOST_STEPS_BETWEEN_TRIALS:
+        _drive(governor, {2: 0.100, 1: 0.030}, steps=1)
+        steps += 1
+    # the first won trial brings the next ones forward: one wait, then two short ones
+    assert governor.current == 1 and steps <= MOST_STEPS_BETWEEN_TRIALS + WINS_TO_SWITCH * (FIRST_TRIAL_AFTER + 1)
+
+
 def test_a_close_trial_does_not_count_and_a_loss_resets_the_wins() -> None:
     governor = ThreadGovernor(max_threads=2)
     _drive(governor, {2: 0.100, 1: 0.030}, steps=2 * (FIRST_TRIAL_AFTER + 1))  # two wins

@@ -8,7 +8,8 @@ core), and load changes while a server runs, so the runner measures: now and the
 step runs at the other thread count, and its time is compared with the step just before it
 (the same rows, one token more of context: nearly the same work). Three wins in a row switch
 the setting; a lost trial doubles the wait before the next one, so a trial costs little when
-the setting is right. The kernels' results do not depend on the thread count (each output is
+the setting is right, and a won one brings the next forward, so a change of load is followed
+within one wait and a few dozen steps. The kernels' results do not depend on the thread count (each output is
 one fixed sum), so the tokens do not either.
 """
 
@@ -69,9 +70,12 @@ class ThreadGovernor:
         self.trials += 1
         if last is not None and last[0] == shape and seconds <= WIN_RATIO * last[1]:
             self.wins += 1
+            # The next trial comes soon: after a quiet spell the wait had grown to a thousand
+            # steps, and three wins that far apart left a machine turned busy at the slow
+            # setting for minutes (16-token chats at 2-14 s instead of 0.2 s).
+            self.steps_between_trials = FIRST_TRIAL_AFTER
             if self.wins >= WINS_TO_SWITCH:
                 self.current, self.wins, self._last = threads, 0, None
-                self.steps_between_trials = FIRST_TRIAL_AFTER
                 self.switches += 1
             return
         self.wins = 0
