@@ -73,9 +73,10 @@ class ThreadGovernor:
             # The next trial comes soon: after a quiet spell the wait had grown to a thousand
             # steps, and three wins that far apart left a machine turned busy at the slow
             # setting for minutes (16-token chats at 2-14 s instead of 0.2 s).
-            self.steps_between_trials = FIRST_TRIAL_AFTER
+            self.steps_between_trials = min(self.steps_between_trials, FIRST_TRIAL_AFTER)
             if self.wins >= WINS_TO_SWITCH:
                 self.current, self.wins, self._last = threads, 0, None
+                self.steps_between_trials = FIRST_TRIAL_AFTER
                 self.switches += 1
             return
         self.wins = 0
