@@ -78,6 +78,8 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     ({"type": "integer", "enum": ["Paris", 1]}, 'the value "Paris" of enum/const is not of type "integer"'),
     ({"type": "object", "properties": {"a": {"type": "string", "const": 5}}}, "at properties.a: the value 5"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems is not supported"),
+    ({"type": "object", "properties": {"n": {"minimum": 5}}}, "at properties.n: minimum without a type"),
+    ({"anyOf": [{"required": ["a"]}, {"type": "null"}]}, "at anyOf[0]: required without a type"),
 ])
 def test_bad_schemas_are_refused_naming_the_field(schema: object, fragment: str) -> None:
     with pytest.raises(GrammarError) as caught:
@@ -102,6 +104,9 @@ def test_optional_properties_within_the_bound_and_required_ones_pass() -> None:
     {"type": ["integer", "null"], "enum": [1, None, 2.0]},
     {"type": "array", "uniqueItems": False},
     {"type": "object", "properties": {"allOf": {"type": "string"}, "uniqueItems": {"const": True}}},
+    {"properties": {"a": {"type": "integer"}}, "required": ["a"]},  # an object, taken from properties
+    {"items": {"type": "integer"}, "minItems": 1},  # an array, from items
+    {"format": "date"},  # an annotation
 ])
 def test_what_the_engine_honours_whole_passes(schema: object) -> None:
     assert GrammarSpec.json_schema(schema, "s").kind == "json_schema"

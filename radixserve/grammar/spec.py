@@ -36,6 +36,13 @@ _COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _DATA_KEYWORDS = ("enum", "const", "default", "examples")
 _COMBINATORS = ("allOf", "anyOf", "oneOf")
+# Without a `type`, xgrammar takes an object from `properties` (and the like), an array from
+# `items`, a value from enum / const / $ref / a combinator, and otherwise any JSON value,
+# ignoring these constraints of one type's values (`{"minimum": 5}` allowed 1).
+_TYPE_GIVERS = frozenset({"enum", "const", "$ref", *_COMBINATORS, "properties", "additionalProperties",
+                          "patternProperties", "items", "prefixItems"})
+_TYPED_CONSTRAINTS = ("required", "minProperties", "maxProperties", "minimum", "maximum", "exclusiveMinimum",
+                      "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "minItems", "maxItems")
 # Keywords that constrain nothing (and `$defs`, schemas only referenced): beside a combinator
 # they lose nothing when the engine follows the combinator alone (pydantic writes
 # `{"allOf": [{"$ref": ...}], "description": ...}`, and `discriminator` beside oneOf).
@@ -214,6 +221,11 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
                         "no output may take it, but the grammar engine would generate it")
     if node.get("uniqueItems") is True:
         return "uniqueItems is not supported by radixserve's grammar engine (items could repeat)"
+    if declared is None and not any(key in node for key in _TYPE_GIVERS):
+        untyped = [key for key in node if key in _TYPED_CONSTRAINTS]
+        if untyped:
+            return (f"{', '.join(untyped)} without a type: the grammar engine would ignore "
+                    f"{'it' if len(untyped) == 1 else 'them'} (any JSON value); add the type they constrain")
     return None
 
 
