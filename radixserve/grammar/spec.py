@@ -201,7 +201,9 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
     xgrammar follows a combinator (allOf, anyOf, oneOf) alone, dropping every keyword beside it
     (`{"type": "object", "required": ["city"], "allOf": [{}]}` became any JSON value), keeps
     none of several allOf schemas' constraints together, takes `enum` / `const` values
-    whatever the `type` beside them, and does not keep array items unique."""
+    whatever the `type` beside them, and ignores constraints without a type it can infer.
+    (It does not keep `uniqueItems` either; that is let through, documented: pydantic writes
+    it for every set field, whose parsing drops repeats anyway.)"""
     combinators = [key for key in _COMBINATORS if key in node]
     if combinators:
         beside = sorted(key for key in node if key not in _ANNOTATIONS and key != combinators[0])
@@ -219,8 +221,6 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
             if not any(_is_of_type(value, t) for t in types):
                 return (f"the value {json.dumps(value)[:64]} of enum/const is not of type {json.dumps(declared)}: "
                         "no output may take it, but the grammar engine would generate it")
-    if node.get("uniqueItems") is True:
-        return "uniqueItems is not supported by radixserve's grammar engine (items could repeat)"
     if declared is None and not any(key in node for key in _TYPE_GIVERS):
         untyped = [key for key in node if key in _TYPED_CONSTRAINTS]
         if untyped:
