@@ -154,27 +154,10 @@ def _bounded(source: str, param: str) -> str:
 
 def _unsupported_keyword(node: Any, path: str) -> str | None:
     """The path of the first unsupported keyword used as a schema keyword under `node`."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            found = _unsupported_keyword(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-        return None
-    if not isinstance(node, dict):
-        return None
-    for key, value in node.items():
-        if key in UNSUPPORTED_KEYWORDS:
-            return f"{path}.{key}" if path else key
-        # Under these, keys are names the user chose, not keywords: only their values are schemas.
-        if key in _NAMED_SCHEMAS and isinstance(value, dict):
-            for name, sub in value.items():
-                found = _unsupported_keyword(sub, f"{path}.{key}.{name}" if path else f"{key}.{name}")
-                if found is not None:
-                    return found
-        elif key not in (*_DATA_KEYWORDS, "required"):
-            found = _unsupported_keyword(value, f"{path}.{key}" if path else key)
-            if found is not None:
-                return found
+    for schema, where in _schema_nodes(node, path):
+        for key in schema:
+            if key in UNSUPPORTED_KEYWORDS:
+                return f"{where}.{key}" if where else key
     return None
 
 
