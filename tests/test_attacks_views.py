@@ -55,8 +55,8 @@ def big_tree_server() -> Iterator[tuple[AsyncEngine, str]]:
         yield async_engine, url
 
 
-def _innocent_run(url: str) -> tuple[str, float, float]:
-    """The innocent stream's text, its time to first token and its longest gap between chunks."""
+def _innocent_run(url: str) -> tuple[str, float, list[float]]:
+    """The innocent stream's text, its time to first token and its gaps between chunks."""
     start = time.perf_counter()
     arrivals: list[float] = []
     text = []
@@ -70,7 +70,7 @@ def _innocent_run(url: str) -> tuple[str, float, float]:
                     arrivals.append(time.perf_counter())
                     text.append(chunk["choices"][0]["text"])
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return "".join(text), arrivals[0] - start, max(gaps)
+    return "".join(text), arrivals[0] - start, gaps
 
 
 CROWD_SCRIPT = """
@@ -84,7 +84,7 @@ def run(i):
         while True:
             round_ += 1
             if not attack:
-                client.get("/v1/cache/stats").raise_for_status()
+                client.get("/health").raise_for_status()
             elif i % 2:
                 max_nodes = 20 + (97 * i + round_) % 400  # a new value each time: no view to share
                 client.get(f"/v1/cache/tree?max_nodes={max_nodes}&hashes=true").raise_for_status()
@@ -106,7 +106,9 @@ threading.Event().wait()
 class Crowd:
     """`count` clients hitting the server in a loop, in a process of their own (so that their
     own work does not compete with the server's threads inside this one): attackers (event
-    subscribes and tree views of distinct max_nodes) or benign clients (the stats route)."""
+    subscribes and tree views of distinct max_nodes) or benign clients (the health route: as
+    many connections and requests, little work; eight clients looping on the stats route
+    saturated the event loop, a baseline so slow that no stall of the views could show)."""
 
     def __init__(self, url: str, count: int, attack: bool) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", CROWD_SCRIPT, url, str(count),
@@ -122,19 +124,26 @@ class Crowd:
 def test_many_views_beside_an_innocent_stream_do_not_stall_it(big_tree_server: tuple[AsyncEngine, str]) -> None:
     engine, url = big_tree_server
     expected, _, _ = _innocent_run(url)
-    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    ttfts: dict[bool, list[float]] = {False: [], True: []}
+    gaps: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(REPETITIONS):
         for attack in (False, True):  # alternated, so both see the same machine load
             crowd = Crowd(url, ATTACKERS, attack)
-            text, ttft, gap = _innocent_run(url)
+            text, ttft, run_gaps = _innocent_run(url)
             crowd.close()
             assert text == expected
-            runs[attack].append((ttft, gap))
-    benign_ttft, benign_gap = (statistics.median(r[k] for r in runs[False]) for k in (0, 1))
-    attack_ttft, attack_gap = (statistics.median(r[k] for r in runs[True]) for k in (0, 1))
-    print(f"benign ttft {benign_ttft:.3f} gap {benign_gap:.3f}; attack ttft {attack_ttft:.3f} gap {attack_gap:.3f}")
-    assert attack_ttft <= 2 * benign_ttft, runs
-    assert attack_gap <= 2 * benign_gap, runs
+            ttfts[attack].append(ttft)
+            gaps[attack].extend(run_gaps)
+    benign_ttft, attack_ttft = (statistics.median(ttfts[k]) for k in (False, True))
+    # The 90th percentile of all the runs' gaps: a stall the views caused comes with every
+    # view, so in many gaps, where one descheduling of this process is one gap (the longest
+    # gap of a run followed those). Views cost something (on 2 cores: 11 ms against 3-4 ms);
+    # built whole between steps, as the slicing exists to prevent, 41 ms.
+    benign_gap, attack_gap = (statistics.quantiles(gaps[k], n=10)[-1] for k in (False, True))
+    print(f"benign ttft {benign_ttft:.3f} p90 gap {benign_gap:.4f}; attack ttft {attack_ttft:.3f} "
+          f"p90 gap {attack_gap:.4f}")
+    assert attack_ttft <= 3 * benign_ttft + 0.1, ttfts
+    assert attack_gap <= 3 * benign_gap + 0.010, (benign_gap, attack_gap)
     # The attackers' views were real, and the events contract held: a reader now agrees with the tree.
     stats = httpx.get(f"{url}/v1/cache/stats").json()
     assert stats["tree_copies"] >= 1 and stats["events"]["snapshot_builds"] >= 1
