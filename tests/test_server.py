@@ -466,6 +466,11 @@ def test_metrics_exposes_engine_and_latency(client: httpx.Client) -> None:
     assert value("radixserve_kv_age_at_hit_seconds", "radixserve_kv_age_at_hit_seconds_count") >= 1
     assert any(s.labels == {"endpoint": "completions", "status": "200"}
                for s in families["radixserve_http_requests"].samples)
+    # The stats route reads the same TTFT histogram (from it alone, not the whole registry).
+    ttft = client.get("/v1/cache/stats").json()["ttft"]
+    assert ttft == {"count": value("radixserve_time_to_first_token_seconds",
+                                   "radixserve_time_to_first_token_seconds_count"),
+                    "sum": value("radixserve_time_to_first_token_seconds", "radixserve_time_to_first_token_seconds_sum")}
 
 
 # ---------------------------------------------------------------- disconnects and load

@@ -57,7 +57,6 @@ CLIENT_CLOSED_REQUEST = 499  # as app.py answers a client that left (nobody read
 KEEPALIVE_S = 15.0
 DEFAULT_EVENTS_IDLE_TIMEOUT_S = 300.0  # an event stream with no event sent for this long closes
 _ENCODER = msgspec.json.Encoder()
-_TTFT = "radixserve_time_to_first_token_seconds"
 
 
 class CacheRoutes:
@@ -121,7 +120,6 @@ class CacheRoutes:
                           "requests": None, "lookups": None, "ttft": None, "histograms": None,
                           "hit_rate": None, "expose_tokens": self.expose_tokens})
         s = self.engine.stats()
-        registry = self.metrics.registry
         device = {
             "pages_total": s["pages_total"], "pages_free": s["pages_free"],
             "pages_cached": s["pages_cached"], "pages_evictable": s["pages_evictable"],
@@ -145,8 +143,7 @@ class CacheRoutes:
             "lookups": {"count": s["cache_lookups"], "tokens": s["cache_lookup_tokens"],
                         "hit_tokens": s["cache_hit_tokens"], "hit_rate": s["cache_hit_rate"]},
             "evicted_pages": s["cache_evicted_pages"],
-            "ttft": {"count": registry.get_sample_value(f"{_TTFT}_count") or 0.0,
-                     "sum": registry.get_sample_value(f"{_TTFT}_sum") or 0.0},
+            "ttft": dict(zip(("count", "sum"), self.metrics.ttft_count_sum())),
             "histograms": s["histograms"],
             "events": {"readers": self._readers, "buffer": self.hub.capacity,
                        "idle_timeout_s": self.events_idle_timeout_s, "idle_closed": self.idle_closed,

@@ -149,13 +149,16 @@ def _histogram(name: str, histogram: Mapping[str, Any]) -> Metric:
                                  sum_value=histogram["sum"])
 
 
+TTFT_METRIC = f"{PREFIX}_time_to_first_token_seconds"
+
+
 class ServerMetrics:
     """The app's registry: engine stats plus the latencies and outcomes the server observes."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(stats))
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+        self.ttft = Histogram(TTFT_METRIC,
                               "Time from request arrival to its first generated token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
@@ -173,6 +176,13 @@ class ServerMetrics:
         self.disconnects = Counter(f"{PREFIX}_http_disconnects",
                                    "Generation requests whose client left before any answer (not in the access log).",
                                    ["endpoint"], registry=self.registry)
+
+    def ttft_count_sum(self) -> tuple[float, float]:
+        """The TTFT histogram's count and sum, read from that histogram alone: the registry's
+        get_sample_value collects every metric (the engine's stats among them) for each value,
+        and eight clients looping on /v1/cache/stats saturated the event loop with it."""
+        values = {sample.name: sample.value for metric in self.ttft.collect() for sample in metric.samples}
+        return values.get(f"{TTFT_METRIC}_count", 0.0), values.get(f"{TTFT_METRIC}_sum", 0.0)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
