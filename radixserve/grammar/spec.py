@@ -161,22 +161,29 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
     return None
 
 
-def _schema_nodes(node: Any, path: str) -> Iterator[tuple[dict[str, Any], str]]:
-    """Every schema object under `node` with its path (as `_schema_objects`, in order)."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            yield from _schema_nodes(item, f"{path}[{i}]")
-        return
-    if not isinstance(node, dict):
-        return
-    yield node, path
-    for key, value in node.items():
-        where = f"{path}.{key}" if path else key
-        if key in _NAMED_SCHEMAS and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from _schema_nodes(sub, f"{where}.{name}")
-        elif key not in (*_DATA_KEYWORDS, "required"):
-            yield from _schema_nodes(value, where)
+def _schema_nodes(node: Any, path: str = "") -> Iterator[tuple[dict[str, Any], str]]:
+    """Every schema object of a schema (itself included) with its path, in document order.
+    Under `properties`, `$defs` and the like the keys are names a user chose (a property may
+    be called `default`), and only the values are schemas; the values of `enum`, `const`,
+    `default`, `examples` and `required` are data. A stack, not recursion: a schema may nest
+    deeper than Python's recursion limit."""
+    stack: list[tuple[Any, str]] = [(node, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed([(sub, f"{where}[{i}]") for i, sub in enumerate(item)]))
+            continue
+        if not isinstance(item, dict):
+            continue
+        yield item, where
+        children: list[tuple[Any, str]] = []
+        for key, value in item.items():
+            inner = f"{where}.{key}" if where else key
+            if key in _NAMED_SCHEMAS and isinstance(value, dict):
+                children.extend((sub, f"{inner}.{name}") for name, sub in value.items())
+            elif key not in (*_DATA_KEYWORDS, "required"):
+                children.append((value, inner))
+        stack.extend(reversed(children))
 
 
 def _half_honoured(node: dict[str, Any]) -> str | None:
@@ -225,28 +232,10 @@ def _is_of_type(value: Any, name: str) -> bool:
     return isinstance(value, kinds[name]) if name in kinds else True
 
 
-def _schema_objects(node: Any) -> Iterator[dict[str, Any]]:
-    """Every schema object of a schema (itself included). Under `properties`, `$defs` and the
-    like the keys are names a user chose (a property may be called `default`), and only the
-    values are schemas; the values of `enum`, `const`, `default` and `examples` are data."""
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            yield item
-            for key, value in item.items():
-                if key in _NAMED_SCHEMAS and isinstance(value, dict):
-                    stack.extend(value.values())
-                elif key not in _DATA_KEYWORDS:
-                    stack.append(value)
-
-
 def _patterns(node: Any) -> list[str]:
     """The regular expressions of a schema: `pattern` values and `patternProperties` keys."""
     found: list[str] = []
-    for item in _schema_objects(node):
+    for item, _ in _schema_nodes(node):
         pattern, keyed = item.get("pattern"), item.get("patternProperties")
         if isinstance(pattern, str):
             found.append(pattern)
@@ -259,7 +248,7 @@ def _optional_cost(node: Any) -> int:
     """The sum, over the schema's objects (`properties`), of the square of how many of their
     properties are not `required`."""
     total = 0
-    for item in _schema_objects(node):
+    for item, _ in _schema_nodes(node):
         properties, required = item.get("properties"), item.get("required")
         if isinstance(properties, dict):
             names = required if isinstance(required, list) else []
