@@ -9,9 +9,10 @@ With a row limit, while several tenants decode and their rows exceed it, the lim
 between the tenants max-min fairly (water-filling: a tenant needing less than an equal part
 gets all its rows, the others split the rest) and a tenant's rows beyond its part sit the
 step out, its higher priorities and then those that ran least recently running first, so
-each of its streams of one priority still runs every few steps. Step time stays near that of `row_limit` rows for everyone; the tenant
-held back loses only the batching beyond the limit (on that CPU, 32 rows: 3% of the
-tokens; bench/tenant_step_share.py), and a GPU, whose decode step barely grows with its rows, sets no limit.
+each of its streams of one priority still runs every few steps. Step time stays near that
+of `row_limit` rows for everyone; the tenant held back loses only the batching beyond the
+limit (on that CPU, 32 rows: 3% of the tokens; bench/tenant_step_share.py), and a GPU, whose
+decode step barely grows with its rows, sets no limit.
 
 Only decoding units are held (a prefill chunk is capped by the step's prefill cap); a unit is
 a beam group (its beams run together) or one sequence, and a tenant always runs at least one

@@ -9,8 +9,8 @@ step runs at the other thread count, and its time is compared with the step just
 (the same rows, one token more of context: nearly the same work). Three wins in a row switch
 the setting; a lost trial doubles the wait before the next one, so a trial costs little when
 the setting is right, and a won one brings the next forward, so a change of load is followed
-within one wait and a few dozen steps. The kernels' results do not depend on the thread count (each output is
-one fixed sum), so the tokens do not either.
+within one wait and a few dozen steps. The kernels' results do not depend on the thread
+count (each output is one fixed sum), so the tokens do not either.
 """
 
 from __future__ import annotations
