@@ -31,6 +31,10 @@ def serve_command(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
+    for flag in ("max_connections_per_client", "max_connections"):
+        if (getattr(args, flag) or 0) < 0:
+            say(f"error: --{flag.replace('_', '-')} must be >= 0 (0: no cap)")
+            return 2
     if args.tensor_parallel_size < 1:
         say(f"error: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
         return 2
@@ -62,6 +66,7 @@ def serve_command(args: argparse.Namespace) -> int:
         Engine,
     )
     from radixserve.server import create_app
+    from radixserve.server.connection_limits import connection_limits, raise_descriptor_limit
     from radixserve.server.connections import uvicorn_options
     from radixserve.server.startup_gc import freeze_startup_objects
 
@@ -96,9 +101,15 @@ def serve_command(args: argparse.Namespace) -> int:
                      tool_call_parser=args.tool_call_parser, max_request_tokens=args.max_request_tokens)
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
+    raise_descriptor_limit()  # before the caps are derived from it
+    limits = connection_limits(args.max_connections_per_client, args.max_connections)
+    if limits is not None:
+        app.state.server.metrics.watch_connections(limits)
+        say(f"open connections: at most {_cap(limits.per_address)} from one address, "
+            f"{_cap(limits.total)} in all (then 429 / 503)")
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
-                                              write_timeout_s=2 * args.stream_read_timeout_s))
+                                              write_timeout_s=2 * args.stream_read_timeout_s, limits=limits))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
@@ -187,6 +198,10 @@ def _exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _cap(cap: int) -> str:
+    return f"{cap:,}" if cap else "any number"
 
 
 def _url_host(host: str) -> str:

@@ -17,6 +17,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0  # as server/connections.py's
 DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
 DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
+DEFAULT_PER_ADDRESS = 1024  # open connections from one address (server/connection_limits.py's)
+RESERVED_FDS = 256  # as server/connection_limits.py's
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
@@ -230,6 +232,14 @@ def _add_process_args(serve: argparse.ArgumentParser) -> None:
                             "head (default: %(default)s)")
     serve.add_argument("--keep-alive-timeout-s", type=float, default=DEFAULT_KEEP_ALIVE_S,
                        help="close an idle kept-alive connection after this long (default: %(default)s)")
+    serve.add_argument("--max-connections-per-client", type=int, default=None,
+                       help="answer 429 to a new connection from an address (IPv4, IPv6 /64) that holds this "
+                            "many open connections already; 0: no cap (behind a proxy, whose connections "
+                            f"all come from one address) (default: {DEFAULT_PER_ADDRESS}, or a quarter of "
+                            "--max-connections where that is less)")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="answer 503 to a new connection while the server holds this many; 0: no cap "
+                            f"(default: the descriptor limit, raised to its hard limit, less {RESERVED_FDS})")
     serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                        help="watchdog: /health answers 503 once work has waited this long for an engine "
                             "step (default: %(default)s)")

@@ -24,6 +24,8 @@ from typing import Any
 
 import h11
 
+from radixserve.server.connection_limits import ConnectionLimits, with_connection_limits
+
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 
 
@@ -130,17 +132,19 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
     return Deadlines
 
 
-def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S,
-                  write_timeout_s: float | None = None) -> type[asyncio.Protocol]:
-    """uvicorn's fastest available HTTP/1.1 protocol (httptools, else h11), with the deadlines."""
+def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, write_timeout_s: float | None = None,
+                  limits: ConnectionLimits | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's fastest available HTTP/1.1 protocol (httptools, else h11), with the deadlines
+    and, when given, the caps on open connections."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
-    return with_deadlines(base, head_timeout_s, write_timeout_s)
+    protocol = with_deadlines(base, head_timeout_s, write_timeout_s)
+    return protocol if limits is None else with_connection_limits(protocol, limits)
 
 
 def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s: float = 5.0,
-                    write_timeout_s: float | None = None) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for the connection deadlines."""
-    return {"http": http_protocol(head_timeout_s, write_timeout_s), "timeout_keep_alive": keep_alive_s}
+                    write_timeout_s: float | None = None, limits: ConnectionLimits | None = None) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments for the connection deadlines and caps."""
+    return {"http": http_protocol(head_timeout_s, write_timeout_s, limits), "timeout_keep_alive": keep_alive_s}

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from radixserve import StreamDelta
+from radixserve.server.connection_limits import ConnectionLimits
 
 PREFIX = "radixserve"
 
@@ -152,6 +153,23 @@ def _histogram(name: str, histogram: Mapping[str, Any]) -> Metric:
 TTFT_METRIC = f"{PREFIX}_time_to_first_token_seconds"
 
 
+class ConnectionsCollector(Collector):
+    """The open connections and the refused ones, read from the caps' counts at each scrape."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(f"{PREFIX}_http_connections_open", "Open HTTP connections (those under the caps).",
+                                value=self.limits.open_total)
+        refused = CounterMetricFamily(f"{PREFIX}_http_connections_refused",
+                                      "Connections refused over the caps: 429 one address's, 503 the server's.",
+                                      labels=["status"])
+        for status in (429, 503):
+            refused.add_metric([str(status)], self.limits.refused[status])
+        yield refused
+
+
 class ServerMetrics:
     """The app's registry: engine stats plus the latencies and outcomes the server observes."""
 
@@ -176,6 +194,10 @@ class ServerMetrics:
         self.disconnects = Counter(f"{PREFIX}_http_disconnects",
                                    "Generation requests whose client left before any answer (not in the access log).",
                                    ["endpoint"], registry=self.registry)
+
+    def watch_connections(self, limits: ConnectionLimits) -> None:
+        """Exports the open connections and those refused over the caps (connection_limits.py)."""
+        self.registry.register(ConnectionsCollector(limits))
 
     def ttft_count_sum(self) -> tuple[float, float]:
         """The TTFT histogram's count and sum, read from that histogram alone: the registry's
