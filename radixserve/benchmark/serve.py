@@ -25,6 +25,8 @@ import numpy as np
 from radixserve.benchmark.sse import StreamFailed, stream_chunks
 from radixserve.benchmark.workloads import BenchRequest, Workload
 
+SERVER_CONNECTIONS_PER_ADDRESS = 1024  # as server/connection_limits.py's (not imported: it loads torch)
+
 
 @dataclass
 class RequestRecord:
@@ -174,7 +176,9 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
     finished = {r.index: asyncio.Event() for r in requests}
     records: dict[int, RequestRecord] = {}
     bar = _progress_bar(len(requests), progress)
-    limits = httpx.Limits(max_connections=None if open_loop else max(concurrency or 1, 1))
+    # Open loop: as many connections as the server lets one address hold (past them its 429s
+    # would count as failures); requests beyond wait here for a connection.
+    limits = httpx.Limits(max_connections=SERVER_CONNECTIONS_PER_ADDRESS if open_loop else max(concurrency or 1, 1))
 
     async def one(client: httpx.AsyncClient, request: BenchRequest) -> None:
         if request.parent is not None:
