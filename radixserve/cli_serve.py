@@ -101,7 +101,10 @@ def serve_command(args: argparse.Namespace) -> int:
                      tool_call_parser=args.tool_call_parser, max_request_tokens=args.max_request_tokens)
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
-    raise_descriptor_limit()  # before the caps are derived from it
+    descriptors = raise_descriptor_limit()  # before the caps are derived from it
+    if args.max_connections and args.max_connections > descriptors:
+        say(f"warning: --max-connections {args.max_connections:,} is more than this process's "
+            f"{descriptors:,} file descriptors (ulimit -n): past them new connections fail, unanswered")
     limits = connection_limits(args.max_connections_per_client, args.max_connections)
     if limits is not None:
         app.state.server.metrics.watch_connections(limits)

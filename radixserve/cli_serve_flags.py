@@ -233,7 +233,7 @@ def _add_process_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--keep-alive-timeout-s", type=float, default=DEFAULT_KEEP_ALIVE_S,
                        help="close an idle kept-alive connection after this long (default: %(default)s)")
     serve.add_argument("--max-connections-per-client", type=int, default=None,
-                       help="answer 429 to a new connection from an address (IPv4, IPv6 /64) that holds this "
+                       help="answer 429 to a new connection from an address (IPv4, global IPv6 by /64) that holds this "
                             "many open connections already; 0: no cap (behind a proxy, whose connections "
                             f"all come from one address) (default: {DEFAULT_PER_ADDRESS}, or a quarter of "
                             "--max-connections where that is less)")

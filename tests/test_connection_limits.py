@@ -67,11 +67,13 @@ def open_fds() -> int:
 
 def test_addresses_are_ipv4_hosts_and_ipv6_slash_64s() -> None:
     assert address_key(("10.1.2.3", 5000)) == "10.1.2.3"
-    assert address_key(("2001:db8:1:2:aaaa::5", 5000, 0, 0)) == "2001:db8:1:2::/64"
-    assert address_key(("2001:db8:1:2:ffff::9", 1, 0, 0)) == address_key(("2001:db8:1:2::1", 2, 0, 0))
-    assert address_key(("2001:db8:1:3::1", 1, 0, 0)) != address_key(("2001:db8:1:2::1", 1, 0, 0))
+    assert address_key(("2a00:1450:1:2:aaaa::5", 5000, 0, 0)) == "2a00:1450:1:2::/64"
+    assert address_key(("2a00:1450:1:2:ffff::9", 1, 0, 0)) == address_key(("2a00:1450:1:2::1", 2, 0, 0))
+    assert address_key(("2a00:1450:1:3::1", 1, 0, 0)) != address_key(("2a00:1450:1:2::1", 1, 0, 0))
     assert address_key(("::ffff:10.1.2.3", 1, 0, 0)) == "10.1.2.3"
-    assert address_key(("fe80::1%eth0", 1, 0, 2)) == "fe80::/64"
+    # Not global: a network's hosts, each alone (every link-local address is in fe80::/64).
+    assert address_key(("fe80::1%eth0", 1, 0, 2)) == "fe80::1%eth0" != address_key(("fe80::2%eth0", 1, 0, 2))
+    assert address_key(("fd00::5", 1, 0, 0)) == "fd00::5" and address_key(("::1", 1, 0, 0)) == "::1"
     assert address_key("/run/radixserve.sock") is None and address_key(None) is None
 
 
@@ -96,7 +98,7 @@ def test_counts_refuse_past_each_cap_and_free_on_release() -> None:
 def test_derived_caps_leave_descriptors_and_need_four_addresses_to_fill() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     limits = connection_limits(None, None)
-    assert limits is not None and limits.total == max(soft - limits_module.RESERVED_FDS, 64)
+    assert limits is not None and limits.total == max(soft - limits_module.RESERVED_FDS, soft // 4)
     assert limits.per_address == min(limits_module.DEFAULT_PER_ADDRESS, limits.total // 4)
     assert connection_limits(None, 400) == ConnectionLimits(100, 400)
     assert connection_limits(7, 0) == ConnectionLimits(7, 0)
@@ -104,7 +106,8 @@ def test_derived_caps_leave_descriptors_and_need_four_addresses_to_fill() -> Non
 
 
 @contextmanager
-def capped_server(limits: ConnectionLimits, parser: str = "httptools") -> Iterator[str]:
+def capped_server(limits: ConnectionLimits, parser: str = "httptools", **options: str) -> Iterator[str]:
+    """A real server with the caps on `parser`'s protocol; `options` go to uvicorn.Config."""
     if parser == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:
@@ -114,8 +117,32 @@ def capped_server(limits: ConnectionLimits, parser: str = "httptools") -> Iterat
 
     app = create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=64)))
     app.state.server.metrics.watch_connections(limits)
-    with running_server(app, http=with_connection_limits(with_deadlines(base, 30.0), limits)) as url:
+    with running_server(app, http=with_connection_limits(with_deadlines(base, 30.0), limits), **options) as url:
         yield url
+
+
+UPGRADE = (b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+@pytest.mark.parametrize("ws", ["none", "auto"])  # the CLI's setting (uvicorn_options), and uvicorn's default
+def test_websocket_upgrades_do_not_keep_a_count(parser: str, ws: str) -> None:
+    """An upgraded connection leaves uvicorn's protocol without a connection_lost: counted
+    and never released, eight upgrades held a cap of 8 for good (and 20 addresses the server's)."""
+    from radixserve.server.connections import uvicorn_options
+
+    assert uvicorn_options()["ws"] == "none"
+    limits = ConnectionLimits(per_address=2, total=0)
+    with capped_server(limits, parser, ws=ws) as url:
+        for _ in range(4):
+            upgrade = open_from(ATTACKER, url)
+            upgrade.sendall(UPGRADE)
+            upgrade.settimeout(60)
+            assert not upgrade.recv(4096).startswith(b"HTTP/1.1 429")
+            upgrade.close()
+            assert wait_for(lambda: ATTACKER not in limits.open_by_address)
+        assert limits.open_total == 0 and not limits.refused
 
 
 def metric_values(client: httpx.Client) -> dict[str, float]:

@@ -12,7 +12,8 @@ were served.
 opened while its address already holds `per_address` connections, or while the server holds
 `total`, is answered at once with a 429 (the address's cap) or a 503 (the server's), in
 OpenAI's error shape with `Retry-After`, and closed; it never reaches the app. Addresses are
-IPv4 addresses and IPv6 /64 prefixes (one host is usually given a whole /64).
+IPv4 addresses and global IPv6 addresses' /64 prefixes (see `address_key`); clients behind one
+NAT, or sharing one /64, share a cap.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ MAX_RAISED_FDS = 1 << 20  # the soft limit raised to, where the hard limit is un
 
 
 def address_key(peername: object) -> str | None:
-    """The address a connection counts against: an IPv4 address, an IPv6 /64 prefix (an
-    IPv4-mapped IPv6 address counts as its IPv4 address), or None (a Unix socket)."""
+    """The address a connection counts against: an IPv4 address, a global IPv6 address's /64
+    (one host is often given a whole /64), any other IPv6 address whole with its scope (an
+    IPv4-mapped one as its IPv4 address), or None (a Unix socket)."""
     if not isinstance(peername, tuple) or not peername:
         return None
     try:
@@ -54,7 +56,11 @@ def address_key(peername: object) -> str | None:
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
+        if address.is_global:
+            return str(ipaddress.IPv6Network((address, 64), strict=False))
+        # Link-local, unique-local, loopback: one network's hosts, which share a /64 (every
+        # link-local address is in fe80::/64); each address counts alone, with its scope.
+        return str(peername[0])
     return str(address)
 
 
@@ -74,11 +80,12 @@ def raise_descriptor_limit() -> int:
 
 def connection_limits(per_address: int | None, total: int | None) -> ConnectionLimits | None:
     """The caps of `radixserve serve`'s flags, or None when both are off (0). `total` None:
-    the descriptor limit less `RESERVED_FDS`; `per_address` None: `DEFAULT_PER_ADDRESS`, or a
-    quarter of the total where that is less (so that one address cannot take them all)."""
+    the descriptor limit less `RESERVED_FDS` (a quarter of it, if more); `per_address` None:
+    `DEFAULT_PER_ADDRESS`, or a quarter of the total where that is less (so that one address
+    cannot take them all)."""
     if total is None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        total = 0 if soft == resource.RLIM_INFINITY else max(soft - RESERVED_FDS, 64)
+        total = 0 if soft == resource.RLIM_INFINITY else max(soft - RESERVED_FDS, soft // 4)
     if per_address is None:
         per_address = min(DEFAULT_PER_ADDRESS, max(total // 4, 1)) if total else DEFAULT_PER_ADDRESS
     return ConnectionLimits(per_address, total) if per_address or total else None
@@ -180,6 +187,16 @@ def with_connection_limits(base: type[asyncio.Protocol], limits: ConnectionLimit
             if self._refused is not None:
                 self._refused.close()  # the client read its answer and closed its end
             return None
+
+        def handle_websocket_upgrade(self, *args: object) -> None:
+            # uvicorn hands the transport to its WebSocket protocol, and this one hears no
+            # more of it (no connection_lost): the connection leaves the count here, as it
+            # leaves uvicorn's own set of connections. (`radixserve serve` serves no
+            # WebSockets: uvicorn_options turns them off, and an upgrade is a plain request.)
+            if self._counted:
+                self._counted = False
+                limits.release(self._key)
+            super().handle_websocket_upgrade(*args)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused is not None:

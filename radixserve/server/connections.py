@@ -146,5 +146,7 @@ def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, write_timeout_
 
 def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s: float = 5.0,
                     write_timeout_s: float | None = None, limits: ConnectionLimits | None = None) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for the connection deadlines and caps."""
-    return {"http": http_protocol(head_timeout_s, write_timeout_s, limits), "timeout_keep_alive": keep_alive_s}
+    """uvicorn.Config keyword arguments for the connection deadlines and caps. WebSockets are
+    off: the API has none, and an upgraded connection would leave the deadlines and caps."""
+    return {"http": http_protocol(head_timeout_s, write_timeout_s, limits), "timeout_keep_alive": keep_alive_s,
+            "ws": "none"}
