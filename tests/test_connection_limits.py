@@ -152,7 +152,8 @@ def metric_values(client: httpx.Client) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
-def test_an_address_past_its_cap_gets_429_while_another_is_served_as_alone(parser: str) -> None:
+def test_an_address_past_its_cap_gets_429_while_another_is_served_as_alone(
+        parser: str, caplog: pytest.LogCaptureFixture) -> None:
     limits = ConnectionLimits(per_address=4, total=0)
     with capped_server(limits, parser) as url, httpx.Client(base_url=url, timeout=60) as innocent:
         alone = innocent.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
@@ -171,8 +172,16 @@ def test_an_address_past_its_cap_gets_429_while_another_is_served_as_alone(parse
             answer = innocent.post("/v1/chat/completions", json=CHAT)
             assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == alone
         assert limits.refused == {429: 1}
+        refused_again = open_from(ATTACKER, url)  # the operator is told once, not per refusal
+        assert read_all(refused_again).startswith(b"HTTP/1.1 429")
+        refused_again.close()
+        notes = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert notes == [f"a connection from {ATTACKER} refused (429): the address holds 4 open connections; "
+                         "if it is a proxy, give --max-connections-per-client 0 and cap clients there "
+                         "(logged once)"]
+        assert limits.refused == {429: 2}
         assert metric_values(innocent) == {"radixserve_http_connections_open": 5.0,
-                                           'radixserve_http_connections_refused_total{status="429"}': 1.0,
+                                           'radixserve_http_connections_refused_total{status="429"}': 2.0,
                                            'radixserve_http_connections_refused_total{status="503"}': 0.0}
         # Closing its connections gives the address its cap back.
         for sock in held:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import resource
 import socket
 import struct
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from radixserve.server.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger("radixserve.server")
 
 # How long a refused connection may take to read its answer and close its end: its bytes
 # are discarded meanwhile, so that the close is not a reset that loses the answer. At most
@@ -121,6 +124,14 @@ class ConnectionLimits:
             if not self.open_by_address[key]:
                 del self.open_by_address[key]
 
+    def first_refusal_note(self, key: str | None, status: int) -> str:
+        """What the operator is told at the first refusal of each kind: a proxy in front is
+        one address, and its clients' connections are refused at the cap."""
+        if status == 429:
+            return (f"a connection from {key} refused (429): the address holds {self.per_address:,} open "
+                    "connections; if it is a proxy, give --max-connections-per-client 0 and cap clients there")
+        return f"a connection from {key} refused (503): the server holds {self.total:,} open connections"
+
     def refusal(self, status: int) -> bytes:
         """The whole HTTP response that refuses a connection with `status`."""
         if status == 429:
@@ -158,6 +169,8 @@ def with_connection_limits(base: type[asyncio.Protocol], limits: ConnectionLimit
                 super().connection_made(transport)
                 return
             # Refused before uvicorn sees it: no request state, no deadline, no app.
+            if not limits.refused[status]:  # once a cap, so that a flood does not flood the log too
+                logger.warning("%s (logged once)", limits.first_refusal_note(self._key, status))
             limits.refused[status] += 1
             transport.write(limits.refusal(status))
             if limits.lingering >= MAX_LINGERING or not transport.can_write_eof():
