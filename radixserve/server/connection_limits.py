@@ -5,8 +5,7 @@ Every open connection holds a file descriptor, and the process has a fixed numbe
 deadline closes them) takes them all: new connections fail to be accepted (asyncio then stops
 accepting for a second at a time) and every other client's new connection is reset. Measured
 on the demo model with `ulimit -n 4096`: one address holding 5,000 connections got all 20 of
-an innocent client's chat requests (each on a new connection) reset; with the caps all 20
-were served.
+an innocent client's chat requests reset; with the caps all 20 were served.
 
 `with_connection_limits(base, limits)` subclasses uvicorn's HTTP protocol so that a connection
 opened while its address already holds `per_address` connections, or while the server holds
