@@ -49,7 +49,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
         if not _load_tenant_keys(args):
             return 2
-        return serve_cluster(args, engine_options(args))
+        return serve_cluster(args, engine_options(args), app_options(args))
     try:  # first, so that a busy port is reported before minutes of loading
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -94,11 +94,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                  stream_buffer_tokens=args.stream_buffer_tokens,
                                  stream_read_timeout_s=args.stream_read_timeout_s),
                      served_model_name=args.served_model_name, api_key=args.api_key,
-                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys,
-                     expose_cache_tokens=args.expose_cache_tokens, cache_event_buffer=args.cache_event_buffer,
-                     cache_events_idle_timeout_s=args.cache_events_idle_timeout_s,
-                     turn_memory_tokens=args.turn_memory_tokens, body_timeout_s=args.body_timeout_s,
-                     tool_call_parser=args.tool_call_parser, max_request_tokens=args.max_request_tokens)
+                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, **app_options(args))
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
     descriptors = raise_descriptor_limit()  # before the caps are derived from it
@@ -142,6 +138,15 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "generation_config": args.generation_config, "fair_share": not args.no_fair_share,
             "cache_hash_secret": cache_hash_secret(args),
             "tensor_parallel_size": args.tensor_parallel_size, "adaptive_threads": not args.fixed_threads}
+
+
+def app_options(args: argparse.Namespace) -> dict[str, object]:
+    """create_app's keyword arguments from `radixserve serve`'s flags, but for the model name
+    and the keys: the single server's and a cluster's ingress's alike."""
+    return {"expose_cache_tokens": args.expose_cache_tokens, "cache_event_buffer": args.cache_event_buffer,
+            "cache_events_idle_timeout_s": args.cache_events_idle_timeout_s,
+            "turn_memory_tokens": args.turn_memory_tokens, "body_timeout_s": args.body_timeout_s,
+            "tool_call_parser": args.tool_call_parser, "max_request_tokens": args.max_request_tokens}
 
 
 def cache_hash_secret(args: argparse.Namespace) -> str | None:

@@ -20,6 +20,8 @@ from radixserve.ports import free_port
 REPLICAS = 2
 NUM_PAGES = 512      # per replica; as tests/test_server.py's single engine
 PAGE_SIZE = 16
+CLUSTER_MAX_REQUEST_TOKENS = 4096  # the ingress's --max-request-tokens: below the default 65536, so that a
+# test sees the flag reach the ingress (the demo model's context is 4,096: no unset max_tokens shrinks)
 STARTUP_TIMEOUT_S = 240.0
 
 
@@ -62,7 +64,8 @@ def start_cluster() -> Iterator[SimpleNamespace]:
     start_ray(num_cpus=REPLICAS + 1)
     port = free_port()
     options = ClusterOptions(replicas=REPLICAS, engine_options=dict(
-        model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES), replica_cpus=1, torch_threads=1)
+        model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES), replica_cpus=1, torch_threads=1,
+        app_options=dict(max_request_tokens=CLUSTER_MAX_REQUEST_TOKENS))
     try:
         deploy(options, port=port)
         url = f"http://127.0.0.1:{port}"

@@ -105,6 +105,17 @@ def test_a_constrained_request_is_served_and_a_bad_one_is_a_400(client: httpx.Cl
     assert r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
+def test_the_serve_flags_of_the_app_reach_the_ingress(client: httpx.Client) -> None:
+    """`radixserve serve --replicas` dropped the app's flags (--max-request-tokens,
+    --expose-cache-tokens, --body-timeout-s, ...): the ingress ran on create_app's defaults.
+    The cluster here has --max-request-tokens 4096: 2 x 3,000 tokens is over it."""
+    body = {"prompt": "hi", "n": 2, "max_tokens": 3000, "ignore_eos": True}
+    r = client.post(COMPLETIONS, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "request_too_large" and "4096" in r.json()["error"]["message"], r.text
+    assert client.post(COMPLETIONS, json={**body, "max_tokens": 2}).status_code == 200
+
+
 def test_metrics_cover_every_replica(client: httpx.Client, server: SimpleNamespace) -> None:
     """/metrics sums the replicas: twice one engine's pages (single server: NUM_PAGES)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -16,9 +16,10 @@ if TYPE_CHECKING:
 INSTALL_HINT = "pip install -e '.[cluster]' (or pip install 'ray[serve]')"
 
 
-def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
-    """Deploys the replicas and the ingress, serves until SIGINT or SIGTERM (stop_signals.py: even
-    when the parent ignored or blocked them), then tears the app down."""
+def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_options: dict[str, Any]) -> int:
+    """Deploys the replicas (each an Engine of `engine_options`) and the ingress (its app of
+    `app_options`), serves until SIGINT or SIGTERM (stop_signals.py: even when the parent
+    ignored or blocked them), then tears the app down."""
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -43,7 +44,7 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
     options = ClusterOptions(replicas=replicas, router=args.router, engine_options=engine_options,
                              replica_cpus=args.replica_cpus, served_model_name=args.served_model_name,
                              api_key=args.api_key, admin_api_key=args.admin_api_key,
-                             tenant_keys=getattr(args, "tenant_keys", {}))
+                             tenant_keys=getattr(args, "tenant_keys", {}), app_options=app_options)
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
     group = max(1, args.tensor_parallel_size)  # a replica reserves a bundle per tensor-parallel rank
     local_cpus = max(os.cpu_count() or 1, int(replicas * group * args.replica_cpus + 0.999))

@@ -55,6 +55,8 @@ class ClusterOptions:
     api_key: str | None = None
     admin_api_key: str | None = None
     tenant_keys: dict[str, Caller] = field(default_factory=dict)  # tenancy.py: the keys file's
+    # The ingress app's other settings (create_app's keywords: cli_serve.app_options).
+    app_options: dict[str, Any] = field(default_factory=dict)
     # The ingress keeps the cluster's reuse history and sends it to the replicas' adaptive
     # rule (duel_pool.ClusterReuse); False turns both messages off, for an A/B.
     cluster_reuse: bool = True
@@ -72,7 +74,8 @@ class OpenAIIngress:
                                     hash_secret=options.engine_options.get("cache_hash_secret"),
                                     cluster_reuse=options.cluster_reuse)
         self._app = create_app(self.engine, served_model_name=options.served_model_name, api_key=options.api_key,
-                               admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys)
+                               admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys,
+                               **options.app_options)
         self._app.router.routes.append(Route("/cluster/replicas", self._replicas, methods=["GET"]))
 
     def __serve_build_asgi_app__(self) -> Any:
