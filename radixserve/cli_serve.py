@@ -35,6 +35,10 @@ def serve_command(args: argparse.Namespace) -> int:
         if (getattr(args, flag) or 0) < 0:
             say(f"error: --{flag.replace('_', '-')} must be >= 0 (0: no cap)")
             return 2
+    contradiction = _contradiction(args)
+    if contradiction:
+        say(f"error: {contradiction}")
+        return 2
     if args.tensor_parallel_size < 1:
         say(f"error: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
         return 2
@@ -138,6 +142,18 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "generation_config": args.generation_config, "fair_share": not args.no_fair_share,
             "cache_hash_secret": cache_hash_secret(args),
             "tensor_parallel_size": args.tensor_parallel_size, "adaptive_threads": not args.fixed_threads}
+
+
+def _contradiction(args: argparse.Namespace) -> str | None:
+    """Flags that cannot all be honoured: refused at start rather than one silently dropped."""
+    if args.max_request_tokens < 1:
+        return f"--max-request-tokens must be >= 1, got {args.max_request_tokens} (every request would be refused)"
+    if args.no_prefix_cache and (args.host_kv_memory_gb or args.host_num_pages):
+        return "--no-prefix-cache caches nothing, so a host tier (--host-tier-memory-gb / --host-tier-pages) has nothing to hold"
+    if args.public_cache_hashes and args.cache_hash_secret:
+        return ("--public-cache-hashes publishes unkeyed hashes, and a cache hash secret is given "
+                "(--cache-hash-secret or $RADIXSERVE_CACHE_HASH_SECRET): give one or the other")
+    return None
 
 
 def app_options(args: argparse.Namespace) -> dict[str, object]:

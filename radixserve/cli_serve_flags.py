@@ -218,6 +218,10 @@ def _add_cluster_args(serve: argparse.ArgumentParser) -> None:
                               "(default: %(default)s)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0,
                          help="Ray CPUs reserved per replica (default: %(default)s)")
+    cluster.add_argument("--replica-gpus", type=float, default=None,
+                         help="Ray GPUs reserved per replica, which then sees only those (default: 1 where the "
+                              "replicas run on CUDA (--device cuda, or no --device on a cluster with GPUs) "
+                              "without tensor parallelism, else 0)")
 
 
 def _add_process_args(serve: argparse.ArgumentParser) -> None:

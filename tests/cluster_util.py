@@ -22,6 +22,7 @@ NUM_PAGES = 512      # per replica; as tests/test_server.py's single engine
 PAGE_SIZE = 16
 CLUSTER_MAX_REQUEST_TOKENS = 4096  # the ingress's --max-request-tokens: below the default 65536, so that a
 # test sees the flag reach the ingress (the demo model's context is 4,096: no unset max_tokens shrinks)
+CLUSTER_KEEP_ALIVE_S = 5.0  # the proxy's idle kept-alive connections: the CLI's default (Serve's own is 90 s)
 STARTUP_TIMEOUT_S = 240.0
 
 
@@ -67,7 +68,7 @@ def start_cluster() -> Iterator[SimpleNamespace]:
         model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES), replica_cpus=1, torch_threads=1,
         app_options=dict(max_request_tokens=CLUSTER_MAX_REQUEST_TOKENS))
     try:
-        deploy(options, port=port)
+        deploy(options, port=port, keep_alive_s=CLUSTER_KEEP_ALIVE_S)
         url = f"http://127.0.0.1:{port}"
         wait_for_replicas(url, REPLICAS)
         yield SimpleNamespace(url=url, stats=lambda: replicas_report(url)["total"], app=serve.get_app_handle("radixserve"))

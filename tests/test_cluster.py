@@ -116,6 +116,25 @@ def test_the_serve_flags_of_the_app_reach_the_ingress(client: httpx.Client) -> N
     assert client.post(COMPLETIONS, json={**body, "max_tokens": 2}).status_code == 200
 
 
+def test_the_proxy_closes_idle_connections_after_the_keep_alive_timeout(server: SimpleNamespace) -> None:
+    """--keep-alive-timeout-s reaches Serve's proxy (it kept idle connections 90 s)."""
+    import socket
+    import time
+
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(60)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            answer += sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        idle_since = time.monotonic()
+        sock.settimeout(60)
+        assert sock.recv(4096) == b""  # closed by the proxy
+        assert time.monotonic() - idle_since < 30  # 5 s asked for; Serve's default would be 90
+
+
 def test_metrics_cover_every_replica(client: httpx.Client, server: SimpleNamespace) -> None:
     """/metrics sums the replicas: twice one engine's pages (single server: NUM_PAGES)."""
     from prometheus_client.parser import text_string_to_metric_families

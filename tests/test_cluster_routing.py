@@ -613,3 +613,16 @@ def test_replicas_without_ray_says_what_to_install(monkeypatch: pytest.MonkeyPat
     assert "pip install -e '.[cluster]'" in capsys.readouterr().err
     args = build_parser().parse_args(["serve"])
     assert (args.replicas, args.ray_address, args.router, args.replica_cpus) == (None, None, "cache-aware", 1.0)
+
+
+def test_replicas_on_cuda_reserve_a_gpu_each_unless_tensor_parallel() -> None:
+    """A replica that reserves no GPU sees every GPU, and every such replica took cuda:0."""
+    from radixserve.cluster.cli import replica_gpus
+
+    assert build_parser().parse_args(["serve"]).replica_gpus is None
+    assert replica_gpus(None, None, 1, cluster_gpus=8) == 1.0  # auto device, GPUs in the cluster
+    assert replica_gpus(None, "cuda:0", 1, cluster_gpus=0) == 1.0
+    assert replica_gpus(None, None, 1, cluster_gpus=0) == 0.0
+    assert replica_gpus(None, "cpu", 1, cluster_gpus=8) == 0.0
+    assert replica_gpus(None, None, 2, cluster_gpus=8) == 0.0  # its ranks must see the GPUs
+    assert replica_gpus(0.5, "cpu", 1, cluster_gpus=0) == 0.5  # --replica-gpus wins

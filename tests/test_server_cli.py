@@ -49,6 +49,14 @@ def test_serve_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in help_text and documented[flag], flag
 
 
+def test_every_serve_flag_is_in_the_server_docs() -> None:
+    """docs/server.md names every flag of `radixserve serve` (written as `--flag`)."""
+    docs = (REPO_ROOT / "docs" / "server.md").read_text()
+    flags = {opt for action in serve_parser()._actions for opt in action.option_strings
+             if opt.startswith("--") and opt != "--help"}
+    assert sorted(flag for flag in flags if f"`{flag}`" not in docs) == []
+
+
 def test_serve_defaults_and_pool_flags_exclusive() -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.model, args.host, args.port, args.page_size, args.schedule_policy, args.eviction_policy) == \
@@ -271,6 +279,10 @@ IMPOSSIBLE_SETTINGS = [
     (("--host-tier-pages", "100000000"), "--host-tier-pages: a KV cache of 100000000 pages"),
     (("--model", "no-such-model"), "model not found: 'no-such-model'"),
     (("--api-key", ""), "API keys: an API key must not be empty"),
+    (("--max-request-tokens", "0"), "--max-request-tokens must be >= 1, got 0"),
+    (("--no-prefix-cache", "--host-tier-pages", "64"), "--no-prefix-cache caches nothing, so a host tier"),
+    (("--public-cache-hashes", "--cache-hash-secret", "s3cret"), "--public-cache-hashes publishes unkeyed hashes"),
+    (("--max-connections-per-client", "-1"), "--max-connections-per-client must be >= 0"),
 ]
 CUDA_ON_CPU = ("--device", "cuda")
 

@@ -21,7 +21,7 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
     `app_options`), serves until SIGINT or SIGTERM (stop_signals.py: even when the parent
     ignored or blocked them), then tears the app down."""
     try:
-        import ray  # noqa: F401
+        import ray
     except ImportError:
         _say(f"error: --replicas and --ray-address need Ray Serve: {INSTALL_HINT}")
         return 2
@@ -52,15 +52,17 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
     try:
         stop.install()  # before Ray starts: a signal during the start or the deployment stops too
         start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
+        options.replica_gpus = replica_gpus(args.replica_gpus, args.device, args.tensor_parallel_size,
+                                            ray.cluster_resources().get("GPU", 0))
         stop.install()  # again: ray.init replaced the SIGTERM handler with its crash reporter
         _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
              f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
         try:
             _release(reservation)  # Serve's proxy binds it now
-            deploy(options, host=args.host, port=args.port)
+            deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s)
         except Exception as exc:  # a replica that cannot load its model fails the deployment
             _say(f"error: deployment failed: {_reason(exc)}")
-            _tear_down(stop)
+            _tear_down(stop, shared=args.ray_address is not None)
             return 2
         _say(f"serving at http://{args.host}:{args.port}/v1 with {replicas} replica(s) "
              f"(per-replica routing at /cluster/replicas; Ctrl-C to stop)")
@@ -70,7 +72,7 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
     finally:
         _release(reservation)  # a signal during Ray's start comes before the release above
     _say("stopping ...")
-    _tear_down(stop)
+    _tear_down(stop, shared=args.ray_address is not None)
     _say("stopped")
     return 0
 
@@ -81,19 +83,38 @@ def _reason(error: Exception) -> str:
     return str(cause if isinstance(cause, BaseException) else error).strip()
 
 
+def replica_gpus(given: float | None, device: str | None, tensor_parallel_size: int, cluster_gpus: float) -> float:
+    """GPUs each replica reserves: `given` (--replica-gpus), else one where replicas run on
+    CUDA (--device cuda..., or no --device on a cluster with GPUs), else none. Ray shows an
+    actor only the GPUs it reserved; one that reserved none sees them all, and every such
+    replica took cuda:0. Not with tensor parallelism: its ranks are processes the replica
+    spawns, which see what it sees (a replica holding one GPU would put every rank on it)."""
+    if given is not None:
+        return given
+    on_cuda = device.startswith("cuda") if device else cluster_gpus > 0
+    return 1.0 if on_cuda and tensor_parallel_size <= 1 else 0.0
+
+
 def _release(reservation: socket.socket | None) -> None:
     if reservation is not None:
         reservation.close()  # closing twice does nothing
 
 
-def _tear_down(stop: StopSignals) -> None:
-    """Deletes the Serve app and ends this driver's Ray (a local cluster's processes with it)."""
+def _tear_down(stop: StopSignals, *, shared: bool) -> None:
+    """Deletes the Serve app and ends this driver's Ray (a local cluster's processes with it).
+    On a `shared` cluster (--ray-address) only our app goes: serve.shutdown() would delete
+    every other Serve app running there too."""
     import ray
     from ray import serve
 
+    from radixserve.cluster.deploy import APP_NAME
+
     stop.begin_teardown()
     if ray.is_initialized():  # not when a signal came while Ray was starting
-        serve.shutdown()
+        if shared:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
     ray.shutdown()
 
 

@@ -162,10 +162,15 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
              runtime_env={"env_vars": {"PYTHONPATH": path}})
 
 
-def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000) -> DeploymentHandle:
-    """Starts Serve's HTTP proxy on host:port and deploys the app; returns the ingress handle
-    once every replica is up."""
-    serve.start(http_options={"host": host, "port": port})
+def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000,
+           keep_alive_s: float | None = None) -> DeploymentHandle:
+    """Starts Serve's HTTP proxy on host:port (closing idle kept-alive connections after
+    `keep_alive_s`; None: Serve's 90 s) and deploys the app; returns the ingress handle once
+    every replica is up."""
+    http_options: dict[str, Any] = {"host": host, "port": port}
+    if keep_alive_s is not None:
+        http_options["keep_alive_timeout_s"] = max(1, round(keep_alive_s))  # Serve takes whole seconds
+    serve.start(http_options=http_options)
     return serve.run(build_app(options), name=APP_NAME, route_prefix="/")
 
 
