@@ -43,6 +43,8 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
             return 1
     options = ClusterOptions(replicas=replicas, router=args.router, engine_options=engine_options,
                              replica_cpus=args.replica_cpus, served_model_name=args.served_model_name,
+                             # as many torch threads as CPUs reserved (it was always one)
+                             torch_threads=max(1, int(args.replica_cpus)),
                              api_key=args.api_key, admin_api_key=args.admin_api_key,
                              tenant_keys=getattr(args, "tenant_keys", {}), app_options=app_options)
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
