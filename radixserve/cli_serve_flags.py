@@ -219,9 +219,9 @@ def _add_cluster_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--replica-cpus", type=float, default=1.0,
                          help="Ray CPUs reserved per replica (default: %(default)s)")
     cluster.add_argument("--replica-gpus", type=float, default=None,
-                         help="Ray GPUs reserved per replica, which then sees only those (default: 1 where the "
-                              "replicas run on CUDA (--device cuda, or no --device on a cluster with GPUs) "
-                              "without tensor parallelism, else 0)")
+                         help="Ray GPUs reserved per replica, which then sees only those (default: where the "
+                              "replicas run on CUDA without tensor parallelism, a share that spreads them over "
+                              "the cluster's GPUs, 1 each where there are enough; else 0)")
 
 
 def _add_process_args(serve: argparse.ArgumentParser) -> None:

@@ -615,14 +615,17 @@ def test_replicas_without_ray_says_what_to_install(monkeypatch: pytest.MonkeyPat
     assert (args.replicas, args.ray_address, args.router, args.replica_cpus) == (None, None, "cache-aware", 1.0)
 
 
-def test_replicas_on_cuda_reserve_a_gpu_each_unless_tensor_parallel() -> None:
+def test_replicas_on_cuda_share_the_gpus_out_unless_tensor_parallel() -> None:
     """A replica that reserves no GPU sees every GPU, and every such replica took cuda:0."""
     from radixserve.cluster.cli import replica_gpus
 
     assert build_parser().parse_args(["serve"]).replica_gpus is None
-    assert replica_gpus(None, None, 1, cluster_gpus=8) == 1.0  # auto device, GPUs in the cluster
-    assert replica_gpus(None, "cuda:0", 1, cluster_gpus=0) == 1.0
-    assert replica_gpus(None, None, 1, cluster_gpus=0) == 0.0
-    assert replica_gpus(None, "cpu", 1, cluster_gpus=8) == 0.0
-    assert replica_gpus(None, None, 2, cluster_gpus=8) == 0.0  # its ranks must see the GPUs
-    assert replica_gpus(0.5, "cpu", 1, cluster_gpus=0) == 0.5  # --replica-gpus wins
+    assert replica_gpus(None, None, 1, cluster_gpus=8, replicas=4) == 1.0  # auto device, enough GPUs
+    assert replica_gpus(None, "cuda:0", 1, cluster_gpus=2, replicas=2) == 1.0
+    assert replica_gpus(None, None, 1, cluster_gpus=2, replicas=3) == 0.5  # two to a GPU: all fit
+    assert replica_gpus(None, None, 1, cluster_gpus=1, replicas=4) == 0.25
+    assert replica_gpus(None, None, 1, cluster_gpus=0, replicas=2) == 0.0  # no GPU: none to reserve
+    assert replica_gpus(None, "cuda", 1, cluster_gpus=0, replicas=2) == 0.0  # none reported: Ray could never place it
+    assert replica_gpus(None, "cpu", 1, cluster_gpus=8, replicas=2) == 0.0
+    assert replica_gpus(None, None, 2, cluster_gpus=8, replicas=2) == 0.0  # its ranks must see the GPUs
+    assert replica_gpus(0.5, "cpu", 1, cluster_gpus=0, replicas=2) == 0.5  # --replica-gpus wins

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -55,7 +56,7 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
         stop.install()  # before Ray starts: a signal during the start or the deployment stops too
         start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
         options.replica_gpus = replica_gpus(args.replica_gpus, args.device, args.tensor_parallel_size,
-                                            ray.cluster_resources().get("GPU", 0))
+                                            ray.cluster_resources().get("GPU", 0), replicas)
         stop.install()  # again: ray.init replaced the SIGTERM handler with its crash reporter
         _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
              f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
@@ -85,16 +86,20 @@ def _reason(error: Exception) -> str:
     return str(cause if isinstance(cause, BaseException) else error).strip()
 
 
-def replica_gpus(given: float | None, device: str | None, tensor_parallel_size: int, cluster_gpus: float) -> float:
-    """GPUs each replica reserves: `given` (--replica-gpus), else one where replicas run on
-    CUDA (--device cuda..., or no --device on a cluster with GPUs), else none. Ray shows an
-    actor only the GPUs it reserved; one that reserved none sees them all, and every such
-    replica took cuda:0. Not with tensor parallelism: its ranks are processes the replica
-    spawns, which see what it sees (a replica holding one GPU would put every rank on it)."""
+def replica_gpus(given: float | None, device: str | None, tensor_parallel_size: int, cluster_gpus: float,
+                 replicas: int) -> float:
+    """GPUs each replica reserves: `given` (--replica-gpus), else, where replicas run on CUDA
+    (--device cuda..., or no --device) and the cluster has GPUs, an equal share that spreads
+    them over the GPUs (one each where there are enough; 1/2 each, two to a GPU, where up to
+    twice as many; ...), else none. Ray shows an actor only the GPUs it reserved; one that
+    reserved none sees them all, and every such replica took cuda:0. Not with tensor
+    parallelism: its ranks are processes the replica spawns, which see what it sees."""
     if given is not None:
         return given
-    on_cuda = device.startswith("cuda") if device else cluster_gpus > 0
-    return 1.0 if on_cuda and tensor_parallel_size <= 1 else 0.0
+    on_cuda = device.startswith("cuda") if device else True
+    if not on_cuda or cluster_gpus <= 0 or tensor_parallel_size > 1:
+        return 0.0
+    return 1.0 / math.ceil(replicas / int(cluster_gpus)) if cluster_gpus >= 1 else 0.0
 
 
 def _release(reservation: socket.socket | None) -> None:
