@@ -31,10 +31,6 @@ def serve_command(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
-    for flag in ("max_connections_per_client", "max_connections"):
-        if (getattr(args, flag) or 0) < 0:
-            say(f"error: --{flag.replace('_', '-')} must be >= 0 (0: no cap)")
-            return 2
     contradiction = _contradiction(args)
     if contradiction:
         say(f"error: {contradiction}")
@@ -145,7 +141,11 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _contradiction(args: argparse.Namespace) -> str | None:
-    """Flags that cannot all be honoured: refused at start rather than one silently dropped."""
+    """A flag out of range, or flags that cannot all be honoured: refused at start rather than
+    one silently dropped."""
+    for flag in ("max_connections_per_client", "max_connections"):
+        if (getattr(args, flag) or 0) < 0:
+            return f"--{flag.replace('_', '-')} must be >= 0 (0: no cap)"
     if args.max_request_tokens < 1:
         return f"--max-request-tokens must be >= 1, got {args.max_request_tokens} (every request would be refused)"
     if args.no_prefix_cache and (args.host_kv_memory_gb or args.host_num_pages):

@@ -103,6 +103,7 @@ class ConnectionLimits:
     open_total: int = 0
     refused: Counter[int] = field(default_factory=Counter)  # connections refused since start, by status
     lingering: int = 0  # refused connections waiting for their client to close
+    _refusals: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
 
     def admit(self, key: str | None) -> int | None:
         """Counts a new connection from `key` in, or returns the status that refuses it."""
@@ -132,7 +133,13 @@ class ConnectionLimits:
         return f"a connection from {key} refused (503): the server holds {self.total:,} open connections"
 
     def refusal(self, status: int) -> bytes:
-        """The whole HTTP response that refuses a connection with `status`."""
+        """The whole HTTP response that refuses a connection with `status` (built once: a
+        flood asks for it thousands of times a second)."""
+        if status not in self._refusals:
+            self._refusals[status] = self._build_refusal(status)
+        return self._refusals[status]
+
+    def _build_refusal(self, status: int) -> bytes:
         if status == 429:
             message = (f"too many open connections from this address (at most {self.per_address:,}); "
                        "reuse connections or retry later")
