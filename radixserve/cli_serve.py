@@ -49,7 +49,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
         if not _load_tenant_keys(args):
             return 2
-        return serve_cluster(args, engine_options(args), app_options(args))
+        return serve_cluster(args, engine_options(args), app_options(args), async_engine_options(args))
     try:  # first, so that a busy port is reported before minutes of loading
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -90,9 +90,7 @@ def serve_command(args: argparse.Namespace) -> int:
         say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
              f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
     step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
-    app = create_app(AsyncEngine(engine, stall_timeout_s=args.stall_timeout_s, step_hook=step_hook,
-                                 stream_buffer_tokens=args.stream_buffer_tokens,
-                                 stream_read_timeout_s=args.stream_read_timeout_s),
+    app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
                      served_model_name=args.served_model_name, api_key=args.api_key,
                      admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, **app_options(args))
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
@@ -110,7 +108,8 @@ def serve_command(args: argparse.Namespace) -> int:
                             **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
                                               write_timeout_s=2 * args.stream_read_timeout_s, limits=limits))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
-    say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{args.port}/v1 "
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
     # uvicorn re-raises the signals it caught once it has stopped: let them land here quietly.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -140,6 +139,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "tensor_parallel_size": args.tensor_parallel_size, "adaptive_threads": not args.fixed_threads}
 
 
+def async_engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """AsyncEngine's keyword arguments (the watchdog's and the streams' settings) from the
+    flags: the single server's and every cluster replica's alike."""
+    return {"stall_timeout_s": args.stall_timeout_s, "stream_buffer_tokens": args.stream_buffer_tokens,
+            "stream_read_timeout_s": args.stream_read_timeout_s}
+
+
 def _contradiction(args: argparse.Namespace) -> str | None:
     """A flag out of range, or flags that cannot all be honoured: refused at start rather than
     one silently dropped."""
@@ -153,6 +159,36 @@ def _contradiction(args: argparse.Namespace) -> str | None:
     if args.public_cache_hashes and args.cache_hash_secret:
         return ("--public-cache-hashes publishes unkeyed hashes, and a cache hash secret is given "
                 "(--cache-hash-secret or $RADIXSERVE_CACHE_HASH_SECRET): give one or the other")
+    if args.tensor_parallel_size > 1 and args.device and args.device.partition(":")[2] not in ("", "0"):
+        return (f"--device {args.device}: with --tensor-parallel-size rank r runs on GPU r (or LOCAL_RANK's "
+                "under torchrun); choose the GPUs with CUDA_VISIBLE_DEVICES, and give --device cuda")
+    return _ignored_here(args)
+
+
+CLUSTER_ONLY = ("router", "replica_cpus", "replica_gpus")
+# Ray Serve's proxy holds a cluster's connections: these settings of our own protocol have
+# nothing to act on there.
+SINGLE_SERVER_ONLY = ("head_timeout_s", "max_connections_per_client", "max_connections")
+HOST_TIER_POLICY = ("host_write_policy", "host_offload_min_priority")
+
+
+def _ignored_here(args: argparse.Namespace) -> str | None:
+    """A flag given (not at its default) where it would have no effect: refused rather than
+    silently dropped, naming what it needs."""
+    given = [dest for dest, (_, default) in args.flag_defaults.items() if getattr(args, dest) != default]
+
+    def named(dests: tuple[str, ...]) -> str | None:
+        flags = [args.flag_defaults[dest][0] for dest in given if dest in dests]
+        return " and ".join(flags) or None
+
+    in_cluster = args.replicas is not None or args.ray_address is not None
+    if not in_cluster and (flags := named(CLUSTER_ONLY)):
+        return f"{flags}: only for a cluster (give --replicas N or --ray-address)"
+    if in_cluster and (flags := named(SINGLE_SERVER_ONLY)):
+        return (f"{flags}: only for the single server; on a cluster Ray Serve's proxy holds the "
+                "connections (its keep-alive is --keep-alive-timeout-s)")
+    if not (args.host_kv_memory_gb or args.host_num_pages) and (flags := named(HOST_TIER_POLICY)):
+        return f"{flags}: no host tier to apply to (give --host-tier-memory-gb or --host-tier-pages)"
     return None
 
 

@@ -61,7 +61,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(serve)
     _add_cluster_args(serve)
     _add_process_args(serve)
-    serve.set_defaults(handler=serve_command)
+    # Each flag's option name and default, for the checks of flags given where they cannot act
+    # (cli_serve._ignored_here): a flag at its default was not given, or changes nothing.
+    serve.set_defaults(handler=serve_command, flag_defaults={
+        action.dest: (action.option_strings[0], action.default)
+        for action in serve._actions if action.option_strings and action.dest != "help"})
 
 
 def _add_cache_args(serve: argparse.ArgumentParser) -> None:

@@ -283,6 +283,16 @@ IMPOSSIBLE_SETTINGS = [
     (("--no-prefix-cache", "--host-tier-pages", "64"), "--no-prefix-cache caches nothing, so a host tier"),
     (("--public-cache-hashes", "--cache-hash-secret", "s3cret"), "--public-cache-hashes publishes unkeyed hashes"),
     (("--max-connections-per-client", "-1"), "--max-connections-per-client must be >= 0"),
+    # Flags where they would have no effect (cli_serve._ignored_here): refused, not dropped.
+    (("--router", "power-of-two", "--replica-cpus", "2"), "--router and --replica-cpus: only for a cluster"),
+    (("--replica-gpus", "0.5"), "--replica-gpus: only for a cluster (give --replicas N or --ray-address)"),
+    (("--replicas", "2", "--head-timeout-s", "3", "--max-connections", "90"),
+     "--head-timeout-s and --max-connections: only for the single server; on a cluster Ray Serve's proxy"),
+    (("--ray-address", "auto", "--max-connections-per-client", "0"), "--max-connections-per-client: only for the single"),
+    (("--host-tier-min-priority", "10"), "--host-tier-min-priority: no host tier to apply to"),
+    (("--host-write-policy", "exclusive"), "--host-tier-write-policy: no host tier to apply to"),
+    (("--tensor-parallel-size", "2", "--device", "cuda:1"),
+     "--device cuda:1: with --tensor-parallel-size rank r runs on GPU r"),
 ]
 CUDA_ON_CPU = ("--device", "cuda")
 

@@ -17,16 +17,17 @@ if TYPE_CHECKING:
 INSTALL_HINT = "pip install -e '.[cluster]' (or pip install 'ray[serve]')"
 
 
-def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_options: dict[str, Any]) -> int:
-    """Deploys the replicas (each an Engine of `engine_options`) and the ingress (its app of
-    `app_options`), serves until SIGINT or SIGTERM (stop_signals.py: even when the parent
+def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_options: dict[str, Any],
+                  async_options: dict[str, Any]) -> int:
+    """Deploys the replicas (each an Engine of `engine_options` under an AsyncEngine of
+    `async_options`) and the ingress (its app of `app_options`), serves until SIGINT or SIGTERM (stop_signals.py: even when the parent
     ignored or blocked them), then tears the app down."""
     try:
         import ray
     except ImportError:
         _say(f"error: --replicas and --ray-address need Ray Serve: {INSTALL_HINT}")
         return 2
-    from radixserve.cluster.deploy import ClusterOptions, deploy, start_ray
+    from radixserve.cluster.deploy import ClusterOptions, DeployRefused, deploy, running_http_options, start_ray
     from radixserve.cluster.stop_signals import StopRequested, StopSignals
 
     replicas = args.replicas if args.replicas is not None else 1
@@ -47,7 +48,9 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
                              # as many torch threads as CPUs reserved (it was always one)
                              torch_threads=max(1, int(args.replica_cpus)),
                              api_key=args.api_key, admin_api_key=args.admin_api_key,
-                             tenant_keys=getattr(args, "tenant_keys", {}), app_options=app_options)
+                             tenant_keys=getattr(args, "tenant_keys", {}), app_options=app_options,
+                             async_options=async_options, debug_stall_engine=args.debug_stall_engine,
+                             log_level=args.log_level)
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
     group = max(1, args.tensor_parallel_size)  # a replica reserves a bundle per tensor-parallel rank
     local_cpus = max(os.cpu_count() or 1, int(replicas * group * args.replica_cpus + 0.999))
@@ -63,10 +66,18 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
         try:
             _release(reservation)  # Serve's proxy binds it now
             deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s)
+        except DeployRefused as exc:
+            _say(f"error: {exc}")
+            _tear_down(stop, shared=True, deployed=False)  # whatever runs there is not ours
+            return 2
         except Exception as exc:  # a replica that cannot load its model fails the deployment
             _say(f"error: deployment failed: {_reason(exc)}")
             _tear_down(stop, shared=args.ray_address is not None)
             return 2
+        kept_alive = running_http_options().keep_alive_timeout_s
+        if kept_alive != max(1, round(args.keep_alive_timeout_s)):  # a joined cluster's Serve was started before
+            _say(f"warning: the running Serve closes idle connections after {kept_alive} s; "
+                 "--keep-alive-timeout-s cannot change that while it runs")
         _say(f"serving at http://{args.host}:{args.port}/v1 with {replicas} replica(s) "
              f"(per-replica routing at /cluster/replicas; Ctrl-C to stop)")
         stop.wait()
@@ -107,17 +118,17 @@ def _release(reservation: socket.socket | None) -> None:
         reservation.close()  # closing twice does nothing
 
 
-def _tear_down(stop: StopSignals, *, shared: bool) -> None:
-    """Deletes the Serve app and ends this driver's Ray (a local cluster's processes with it).
-    On a `shared` cluster (--ray-address) only our app goes: serve.shutdown() would delete
-    every other Serve app running there too."""
+def _tear_down(stop: StopSignals, *, shared: bool, deployed: bool = True) -> None:
+    """Deletes the Serve app (unless it was never `deployed`) and ends this driver's Ray (a
+    local cluster's processes with it). On a `shared` cluster (--ray-address) only our app
+    goes: serve.shutdown() would delete every other Serve app running there too."""
     import ray
     from ray import serve
 
     from radixserve.cluster.deploy import APP_NAME
 
     stop.begin_teardown()
-    if ray.is_initialized():  # not when a signal came while Ray was starting
+    if ray.is_initialized() and deployed:  # not when a signal came while Ray was starting
         if shared:
             serve.delete(APP_NAME)
         else:

@@ -57,6 +57,10 @@ class ClusterOptions:
     tenant_keys: dict[str, Caller] = field(default_factory=dict)  # tenancy.py: the keys file's
     # The ingress app's other settings (create_app's keywords: cli_serve.app_options).
     app_options: dict[str, Any] = field(default_factory=dict)
+    # Each replica's AsyncEngine's (cli_serve.async_engine_options), and --debug-stall-engine.
+    async_options: dict[str, Any] = field(default_factory=dict)
+    debug_stall_engine: bool = False
+    log_level: str | None = None  # Serve's logging of the app's deployments (None: Serve's INFO)
     # The ingress keeps the cluster's reuse history and sends it to the replicas' adaptive
     # rule (duel_pool.ClusterReuse); False turns both messages off, for an A/B.
     cluster_reuse: bool = True
@@ -123,7 +127,7 @@ def build_app(options: ClusterOptions) -> serve.Application:
         graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=router_config,
-    ).bind(options.engine_options, options.torch_threads)
+    ).bind(options.engine_options, options.torch_threads, options.async_options, options.debug_stall_engine)
     ingress = serve.deployment(
         serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
         max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
@@ -163,15 +167,38 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
 
 
 def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000,
-           keep_alive_s: float | None = None) -> DeploymentHandle:
+           keep_alive_s: float | None = None, name: str = APP_NAME, route_prefix: str = "/") -> DeploymentHandle:
     """Starts Serve's HTTP proxy on host:port (closing idle kept-alive connections after
-    `keep_alive_s`; None: Serve's 90 s) and deploys the app; returns the ingress handle once
-    every replica is up."""
+    `keep_alive_s`; None: Serve's 90 s) and deploys the app as `name` at `route_prefix`;
+    returns the ingress handle once every replica is up. DeployRefused, before anything on the
+    cluster changed, when Serve already runs there at another address (Ray only logs it, and
+    the app would be served where nobody looks) or already runs an app called `name` (it
+    would be replaced: another operator's, on a shared cluster)."""
     http_options: dict[str, Any] = {"host": host, "port": port}
     if keep_alive_s is not None:
         http_options["keep_alive_timeout_s"] = max(1, round(keep_alive_s))  # Serve takes whole seconds
-    serve.start(http_options=http_options)
-    return serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+    logging_config = {"log_level": options.log_level.upper()} if options.log_level else None
+    serve.start(http_options=http_options, logging_config=logging_config)
+    running = running_http_options()
+    if (running.host, running.port) != (host, port):
+        raise DeployRefused(f"Ray Serve already runs on this cluster at {running.host}:{running.port}, and its "
+                             f"address cannot change while it runs: give --host {running.host} --port {running.port}")
+    if name in serve.status().applications:
+        raise DeployRefused(f"this cluster already serves an app called {name!r}: stop it first "
+                            f"(serve.delete({name!r})), or serve this one on another cluster")
+    return serve.run(build_app(options), name=name, route_prefix=route_prefix, logging_config=logging_config)
+
+
+class DeployRefused(RuntimeError):
+    """The app cannot be deployed as asked, and nothing on the cluster was changed."""
+
+
+def running_http_options() -> Any:
+    """The HTTP options (host, port, keep_alive_timeout_s, ...) of the Serve running on the
+    cluster this process joined: the first start's, whatever later starts asked for."""
+    from ray.serve.context import _get_global_client  # Serve keeps them only on its client
+
+    return _get_global_client().http_config
 
 
 def engine_replica_actors() -> list[Any]:

@@ -9,6 +9,7 @@ and the call raises WrongReplica.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -33,10 +34,17 @@ from radixserve.server.tenancy import Caller
 
 
 class EngineReplica:
-    """A Ray Serve deployment class: `engine_options` are Engine's keyword arguments;
-    `torch_threads` caps the intra-op threads so replicas sharing a node do not fight."""
+    """A Ray Serve deployment class: `engine_options` are Engine's keyword arguments,
+    `async_options` AsyncEngine's (the watchdog's and the streams' settings; with
+    `debug_stall_engine` the engine thread's first step never ends); `torch_threads` caps the
+    intra-op threads so replicas sharing a node do not fight.
 
-    async def __init__(self, engine_options: dict[str, Any], torch_threads: int | None = None) -> None:
+    Serve asks `check_health` every few seconds: a replica whose engine thread died or whose
+    loop stalled (AsyncEngine.health: work pending and no step for `stall_timeout_s`) fails
+    it, and Serve replaces the replica, ending its streams, instead of routing to it for good."""
+
+    async def __init__(self, engine_options: dict[str, Any], torch_threads: int | None = None,
+                       async_options: dict[str, Any] | None = None, debug_stall_engine: bool = False) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -44,11 +52,18 @@ class EngineReplica:
         self.feed = EventFeed(self.engine.page_size)
         # Subscribed before the engine thread starts: the feed sees every event.
         self._unsubscribe = self.engine.subscribe_events(self.feed.publish)
-        self.async_engine = AsyncEngine(self.engine)
+        step_hook = threading.Event().wait if debug_stall_engine else None  # waits forever
+        self.async_engine = AsyncEngine(self.engine, step_hook=step_hook, **(async_options or {}))
         self.views = CacheViews(self.async_engine)
         self.grammar_compiles = GrammarCompiles()
         await self.async_engine.start()
         freeze_startup_objects()  # the replica's process keeps all of this (server/startup_gc.py)
+
+    def check_health(self) -> None:
+        """Serve's health check: raises while the engine cannot serve (see the class)."""
+        reason = self.async_engine.health()
+        if reason is not None:
+            raise RuntimeError(f"replica {self.replica}: {reason}")
 
     def info(self) -> ReplicaInfo:
         """The model's name, limits, page size and tokenizer."""

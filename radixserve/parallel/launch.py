@@ -51,6 +51,9 @@ class TensorParallel:
         if model == "demo":
             raise ValueError("tensor parallelism needs a checkpoint (a directory or .gguf file), not the demo model")
         torch_device = resolve_device(device)
+        if torch_device.index not in (None, 0):  # rank r runs on GPU r: a second rank would share this one
+            raise ValueError(f"device: rank r of a tensor-parallel group runs on GPU r; give cuda, not "
+                             f"{torch_device} (choose the GPUs with CUDA_VISIBLE_DEVICES)")
         external = launched_externally()
         if external and int(os.environ["RANK"]) != 0:
             raise ValueError("only rank 0 builds the engine; start the other ranks with radixserve.parallel.worker")
