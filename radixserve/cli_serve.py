@@ -27,7 +27,8 @@ GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
 
 def serve_command(args: argparse.Namespace) -> int:
     """`radixserve serve`: bind, load, report the KV pool, serve until Ctrl-C or SIGTERM."""
-    for flag in ("stall_timeout_s", "shutdown_timeout_s", "head_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+    for flag in ("stall_timeout_s", "shutdown_timeout_s", "head_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
+                 "grammar_compile_timeout_s"):
         if getattr(args, flag) <= 0:
             say(f"error: --{flag.replace('_', '-')} must be > 0")
             return 2
@@ -136,7 +137,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "host_write_policy": args.host_write_policy, "host_offload_min_priority": args.host_offload_min_priority,
             "generation_config": args.generation_config, "fair_share": not args.no_fair_share,
             "cache_hash_secret": cache_hash_secret(args),
-            "tensor_parallel_size": args.tensor_parallel_size, "adaptive_threads": not args.fixed_threads}
+            "tensor_parallel_size": args.tensor_parallel_size, "adaptive_threads": not args.fixed_threads,
+            "grammar_compile_timeout_s": args.grammar_compile_timeout_s}
 
 
 def async_engine_options(args: argparse.Namespace) -> dict[str, object]:

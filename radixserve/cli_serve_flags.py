@@ -19,6 +19,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
 DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 DEFAULT_PER_ADDRESS = 1024  # open connections from one address (server/connection_limits.py's)
 RESERVED_FDS = 256  # as server/connection_limits.py's
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # as grammar/compile_workers.py's
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
@@ -184,6 +185,10 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
                        help="token ids of recent chat answers kept, so that a later turn sending an answer "
                             "back is tokenized as generated and its cache match runs through it "
                             "(0: off; default: %(default)s)")
+    serve.add_argument("--grammar-compile-timeout-s", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+                       help="refuse (400) a structured output or strict tools whose grammar takes longer than this "
+                            "to compile; compiles run in worker processes that are killed past it "
+                            "(default: %(default)s)")
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3"],
                        help="how the model writes tool calls (default: chosen from its chat template)")
 

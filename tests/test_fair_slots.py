@@ -59,6 +59,36 @@ def test_a_freed_slot_goes_to_the_tenant_holding_fewest_not_to_the_floods_queue(
     assert slots.held("mallory") == slots.held("victim") == 0 and slots._free == 2
 
 
+def test_the_reserved_slot_goes_only_to_a_tenant_holding_none() -> None:
+    """With one of 4 slots reserved, mallory's flood holds 3 at most, and the victim arriving
+    behind the flood's queue gets the fourth at once, before any of mallory's ends."""
+    slots = FairSlots(4, reserve=1)
+    order: list[str] = []
+    release = anyio.Event()
+
+    async def holder(tenant: str) -> None:
+        async with slots.hold(tenant):
+            order.append(tenant)
+            await release.wait()
+
+    async def run() -> None:
+        async with anyio.create_task_group() as group:
+            for _ in range(6):
+                group.start_soon(holder, "mallory")
+            await anyio.sleep(0.01)
+            assert order == ["mallory"] * 3 and slots.waiting("mallory") == 3
+            group.start_soon(holder, "victim")
+            await anyio.sleep(0.01)
+            assert order == ["mallory"] * 3 + ["victim"]  # no slot was freed meanwhile
+            release.set()
+
+    anyio.run(run)
+    assert order.count("mallory") == 6 and slots._free == 4
+    alone: list[tuple[str, int]] = []
+    anyio.run(_holders, FairSlots(4, reserve=1), ["a"] * 4, {i: anyio.Event() for i in range(4)}, alone)
+    assert alone == [("a", i) for i in range(4)]
+
+
 def test_one_tenant_is_served_first_come_first_served() -> None:
     slots = FairSlots(1)
     plan = ["a"] * 5

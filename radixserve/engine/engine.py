@@ -59,6 +59,7 @@ from radixserve.engine.step_loop import StepLoop
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue
 from radixserve.grammar import GrammarFault, Grammars, MaskBuffer
+from radixserve.grammar.compile_workers import DEFAULT_COMPILE_TIMEOUT_S
 from radixserve.models.loader import load_model
 from radixserve.parallel.launch import TensorParallel
 
@@ -136,6 +137,9 @@ class Engine:
         adaptive_threads: on the CPU in float32, run decode steps with all of torch's threads
             or with one, whichever the runner measures faster (engine/thread_governor.py: one
             thread wins on a machine whose cores are busy); False keeps torch's count.
+        grammar_compile_timeout_s: a grammar (structured output, strict tools) that takes
+            longer to compile is refused, its compile process killed
+            (grammar/compile_workers.py); None compiles in the calling thread, unbounded.
     """
 
     def __init__(self, model: str = "demo", page_size: int = 16, num_pages: int | None = None,
@@ -152,7 +156,8 @@ class Engine:
                  host_offload_min_priority: int = DEFAULT_OFFLOAD_MIN_PRIORITY,
                  generation_config: str = "auto", cache_partial_pages: bool = True,
                  fair_share: bool = True, cache_hash_secret: str | bytes | None = None,
-                 tensor_parallel_size: int = 1, adaptive_threads: bool = True) -> None:
+                 tensor_parallel_size: int = 1, adaptive_threads: bool = True,
+                 grammar_compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
@@ -161,6 +166,9 @@ class Engine:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if tenant_step_rows is not None and tenant_step_rows < 0:
             raise ValueError(f"tenant_step_rows: must be >= 0 (0: no limit), got {tenant_step_rows}")
+        if grammar_compile_timeout_s is not None and grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s: must be > 0 (or None), got {grammar_compile_timeout_s}")
+        self._grammar_compile_timeout_s = grammar_compile_timeout_s
         self.tensor_parallel: TensorParallel | None = None
         if tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallel.start(model, tensor_parallel_size, dtype=dtype, device=device,
@@ -297,7 +305,8 @@ class Engine:
     @functools.cached_property
     def grammars(self) -> Grammars:
         """The grammar engine of this model's tokenizer and logits (built on first use)."""
-        return Grammars(self.tokenizer, self.loaded.model.vocab_size, self.eos_token_ids)
+        return Grammars(self.tokenizer, self.loaded.model.vocab_size, self.eos_token_ids,
+                        compile_timeout_s=self._grammar_compile_timeout_s)
 
     @property
     def max_sequence_len(self) -> int:

@@ -16,6 +16,12 @@ from collections.abc import Iterable
 import xgrammar
 from transformers import PreTrainedTokenizerBase
 
+from radixserve.grammar.compile_workers import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    CompileFailed,
+    CompileTimeout,
+    shared_workers,
+)
 from radixserve.grammar.matcher import Matcher
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 
@@ -31,12 +37,19 @@ _JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
 class Grammars:
     """The grammar engine for one tokenizer and logits width: compile (cached) and match."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int],
+                 *, compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self._stop_token_ids or None)
+        self._info = info
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        # Compiles run in worker processes that a timeout can stop (compile_workers.py);
+        # None: in the calling thread, unbounded (for callers that trust their specs).
+        self.compile_timeout_s = compile_timeout_s
+        self._workers = (shared_workers(info.serialize_json(), self._stop_token_ids, compile_timeout_s)
+                         if compile_timeout_s is not None else None)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # specs run through the compiler (cache misses), failed ones included
@@ -52,6 +65,10 @@ class Grammars:
             self.compiles += 1
         try:
             compiled = self._compile(spec)
+        except CompileTimeout:
+            raise GrammarError(f"{param}: its grammar took longer than {self.compile_timeout_s:g} s to compile "
+                               "(nested or many optional repetitions, or many strict tools, say); simplify it",
+                               param) from None
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
@@ -80,26 +97,47 @@ class Grammars:
         return bool(bitmask.any())
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        if spec.kind == "json_object":
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "json_schema":
-            return self._compiler.compile_grammar(_schema_ebnf(spec.source))
-        if spec.kind == "tool_calls":
-            return self._compiler.compile_structural_tag(_tool_calls_tag(json.loads(spec.source)))
-        if spec.kind == "regex":
-            return self._compiler.compile_regex(spec.source)
-        if spec.kind == "choice":
-            options = json.loads(spec.source)
-            # Raw characters, not \u escapes: xgrammar reads a surrogate pair's two escapes as two
-            # lone surrogates, so an option past the BMP (an emoji) could never be produced.
-            literals = (json.dumps(option, ensure_ascii=False) for option in options)
-            return self._compiler.compile_grammar("root ::= " + " | ".join(literals))
-        return self._compiler.compile_grammar(spec.source)
+        if self._workers is None:
+            return compile_spec(self._compiler, spec.kind, spec.source)
+        try:
+            serialized = self._workers.compile(spec.kind, spec.source)
+        except CompileFailed as exc:
+            raise RuntimeError(str(exc)) from None
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
+
+    @property
+    def compile_timeouts(self) -> int:
+        """Compiles refused for their time (their workers killed), in this tokenizer's pool."""
+        return self._workers.timeouts if self._workers is not None else 0
+
+    def close(self) -> None:
+        """Ends the compile workers' idle processes (they also end by themselves when idle)."""
+        if self._workers is not None:
+            self._workers.close()
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A matcher at the start of `spec`'s grammar; it accepts a stop token once complete."""
         return Matcher(xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None),
                        self.vocab_size)
+
+
+def compile_spec(compiler: xgrammar.GrammarCompiler, kind: str, source: str) -> xgrammar.CompiledGrammar:
+    """A spec's `kind` and `source` compiled by `compiler` (in this process, or a compile worker's)."""
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if kind == "json_schema":
+        return compiler.compile_grammar(_schema_ebnf(source))
+    if kind == "tool_calls":
+        return compiler.compile_structural_tag(_tool_calls_tag(json.loads(source)))
+    if kind == "regex":
+        return compiler.compile_regex(source)
+    if kind == "choice":
+        options = json.loads(source)
+        # Raw characters, not \u escapes: xgrammar reads a surrogate pair's two escapes as two
+        # lone surrogates, so an option past the BMP (an emoji) could never be produced.
+        literals = (json.dumps(option, ensure_ascii=False) for option in options)
+        return compiler.compile_grammar("root ::= " + " | ".join(literals))
+    return compiler.compile_grammar(source)
 
 
 def _schema_ebnf(schema: str) -> str:

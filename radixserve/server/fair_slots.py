@@ -7,6 +7,11 @@ compile by the whole flood. Here each tenant waits in its own FIFO, and a freed 
 the waiting tenant that holds the fewest slots, among equals the one granted a slot longest
 ago (so tenants take turns even with one slot, where every waiting tenant holds none when it
 frees), so another tenant waits for one job to finish, never for a flood.
+
+With `reserve`, the last `reserve` free slots go only to tenants that hold none: where each
+job may take long (a grammar compile, up to its timeout), one tenant's jobs would otherwise
+hold every slot and another's wait for one of them to end, however fairly it is queued. The
+price: a tenant alone gets `slots - reserve` at once.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ class FairSlots:
     """`slots` holders at once, handed out tenant by tenant (see the module docstring).
     Event-loop only (no locks): every method runs on the loop that awaits `hold`."""
 
-    def __init__(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"FairSlots: at least one slot, got {slots}")
+    def __init__(self, slots: int, reserve: int = 0) -> None:
+        if slots < 1 or not 0 <= reserve < slots:
+            raise ValueError(f"FairSlots: at least one slot and 0 <= reserve < slots, got {slots}, {reserve}")
         self.slots = slots
+        self.reserve = reserve
         self._free = slots
         self._held: Counter[Hashable] = Counter()
         self._granted: dict[Hashable, int] = {}  # when each tenant was last granted a slot (a count)
@@ -53,11 +59,12 @@ class FairSlots:
     @asynccontextmanager
     async def hold(self, tenant: Hashable) -> AsyncIterator[None]:
         """Holds one slot for `tenant` while the block runs; waits for it fairly."""
-        if self._free and not self._waiting:
+        if not self._waiting and self._may_take(tenant):
             self._take(tenant)
         else:
             waiter = _Waiter(next(self._order))
             self._waiting.setdefault(tenant, deque()).append(waiter)
+            self._grant()  # a free slot that others may not take (the reserve) may be this tenant's
             try:
                 await waiter.event.wait()
             except BaseException:  # cancelled while waiting: leave the queue, or give back a slot just granted
@@ -70,6 +77,9 @@ class FairSlots:
             yield
         finally:
             self._release(tenant)
+
+    def _may_take(self, tenant: Hashable) -> bool:
+        return self._free > (self.reserve if self._held[tenant] else 0)
 
     def _take(self, tenant: Hashable) -> None:
         self._free -= 1
@@ -93,6 +103,8 @@ class FairSlots:
         while self._free and self._waiting:
             tenant = min(self._waiting, key=lambda t: (self._held[t], self._granted.get(t, -1),
                                                        self._waiting[t][0].order))
+            if not self._may_take(tenant):  # it holds fewest: none of the others may either
+                return
             waiter = self._waiting[tenant].popleft()
             if not self._waiting[tenant]:
                 del self._waiting[tenant]

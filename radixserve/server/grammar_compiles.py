@@ -4,8 +4,8 @@ The server (and each cluster replica) compiles a request's grammar on the reques
 that a large schema neither holds the event loop nor stalls the engine's step (the engine then
 finds it cached). A compile runs in a worker thread that nobody can stop, so they are bounded:
 without a bound of their own a crowd of slow ones would take every thread of the pool that
-tokenizes other requests' prompts. The bounded slots go round the tenants (`FairSlots`), and
-a spec compiled already takes none. Nor does a spec being compiled for another request: an
+tokenizes other requests' prompts. The bounded slots go round the tenants (`FairSlots`, the
+last one kept for a tenant that holds none), and a spec compiled already takes none. Nor does a spec being compiled for another request: an
 agent client's first wave of requests, all with the same new tools, waits for one compile
 instead of each taking a slot for its own (specs are scoped per tenant and salt, so only
 requests that could share the compiled grammar share its compile).
@@ -36,7 +36,9 @@ class GrammarCompiles:
     """Compiles specs in worker threads, `slots` at once, the slots shared fairly between tenants."""
 
     def __init__(self, slots: int = GRAMMAR_COMPILES) -> None:
-        self.slots = FairSlots(slots)
+        # One slot kept for tenants compiling nothing: a compile may run up to its timeout
+        # (grammar/compile_workers.py), and a tenant's slow ones would hold every slot meanwhile.
+        self.slots = FairSlots(slots, reserve=1 if slots > 1 else 0)
         self._threads = anyio.CapacityLimiter(slots)  # threads of their own: no queue behind other work
         self._in_flight: dict[tuple[int, GrammarSpec], _Compile] = {}
 

@@ -1,0 +1,243 @@
+"""Grammar compiles in child processes, so that one taking too long can be stopped.
+
+xgrammar's compiler runs in C++ and a thread running it cannot be stopped. The static bounds
+of spec.py (size, counted repetitions, optional properties) keep ordinary specs cheap, but the
+compiler's cost depends on more than they measure: a JSON Schema `pattern` of nested optional
+repetitions (`(.{0,30}){0,30}`: 9 s) or of optional wide atoms written out (`.?` 800 times:
+71 s), or a set of strict tools each within the bounds, held a compile slot for minutes, and
+four such requests held every slot while other tenants' schemas waited. Here each compile
+runs in a worker process and is given `timeout_s`: past it the worker is killed (a new one
+starts for the next compile) and the spec is refused (CompileTimeout). What a worker sends
+back is the compiled grammar's serialized form (xgrammar's own, a few milliseconds each way
+for a small schema).
+
+Workers start on first use, with the tokenizer's serialized TokenizerInfo, and are kept for
+later compiles until idle for IDLE_EXIT_S (each holds torch, which xgrammar imports: about
+250 MB); at most `workers` compile at once (more callers wait for one to be free). The
+engines of one tokenizer in a process share one pool (`shared_workers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_WORKERS = 4  # as many as the server's compile slots (server/grammar_compiles.py)
+IDLE_EXIT_S = 60.0   # a worker with nothing to compile for this long ends
+COMPILE_NICENESS = 10  # compiles yield the CPU to serving: the engine's steps, the event loop
+STARTUP_TIMEOUT_S = 120.0  # a worker imports xgrammar (and torch): seconds, longer on a busy machine
+
+
+class CompileTimeout(Exception):
+    """A compile did not finish within the timeout; its worker was killed."""
+
+
+class CompileFailed(Exception):
+    """The compiler refused the spec; the message is the library's."""
+
+
+class _Worker:
+    """One child process (`python -m radixserve.grammar.compile_workers`: a fresh interpreter,
+    not a fork of this threaded, torch-loaded one, nor multiprocessing's spawn, which would run
+    the caller's main script again) and the parent's ends of its two pipes."""
+
+    def __init__(self, setup_path: str) -> None:
+        to_child, child_reads = _pipe()
+        child_writes, from_child = _pipe()
+        # Never blocks: the setup (the tokenizer, megabytes) is read from a file by the child,
+        # not pushed through the pipe, which would wait for the child to start reading it.
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), setup_path],
+            pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL, close_fds=True)
+        os.close(child_reads)
+        os.close(child_writes)
+        self.sender = Connection(to_child, readable=False)
+        self.conn = Connection(from_child, writable=False)
+        self.ready = False
+        self.last_used = time.monotonic()
+
+    def send(self, job: tuple[str, str]) -> None:
+        """Sends `job` once the worker is ready (its start is not the job's time: the timeout
+        runs from here). OSError when the worker has ended, or did not start."""
+        if not self.ready:
+            if not self.conn.poll(STARTUP_TIMEOUT_S) or self.conn.recv() != "ready":
+                raise OSError("the compile worker did not start")
+            self.ready = True
+        self.sender.send(job)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(5)
+        self.sender.close()
+        self.conn.close()
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe as (parent's end, child's end) or (child's end, parent's end) alike: both ends
+    are closed on exec but for those passed to the child (pass_fds)."""
+    read_end, write_end = os.pipe()
+    return write_end, read_end
+
+
+class CompileWorkers:
+    """A pool of at most `workers` compile processes for one tokenizer (see the module)."""
+
+    def __init__(self, tokenizer_info: str, stop_token_ids: list[int], *, workers: int = DEFAULT_WORKERS,
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        if timeout_s <= 0 or workers < 1:
+            raise ValueError(f"CompileWorkers: timeout_s > 0 and workers >= 1, got {timeout_s}, {workers}")
+        self.timeout_s = timeout_s
+        descriptor, self._setup_path = tempfile.mkstemp(prefix="radixserve-grammar-", suffix=".pickle")
+        with os.fdopen(descriptor, "wb") as setup:
+            pickle.dump((tokenizer_info, stop_token_ids), setup)
+        weakref.finalize(self, _remove, self._setup_path)
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._turns = threading.BoundedSemaphore(workers)
+        self._workers = workers
+        self._busy = 0  # compiles under way
+        self.timeouts = 0  # workers killed for running past the timeout
+
+    def compile(self, kind: str, source: str) -> str:
+        """The serialized compiled grammar of a spec's `kind` and `source`; CompileTimeout past
+        the timeout, CompileFailed when the compiler refuses it."""
+        with self._turns, self._counted_busy():
+            with self._lock:
+                worker = self._idle.pop() if self._idle else None
+            if worker is not None and time.monotonic() - worker.last_used > IDLE_EXIT_S / 2:
+                worker.kill()  # it may be ending by itself as the job is sent: retired well before
+                worker = None
+            self._start_a_spare()
+            try:
+                worker = self._send(worker, (kind, source))
+            except (EOFError, OSError) as exc:
+                raise CompileFailed(f"no compiling process: {exc}") from None
+            try:
+                if not worker.conn.poll(self.timeout_s):
+                    self.timeouts += 1
+                    worker.kill()
+                    self._start_a_spare()  # its replacement starts now, not in the next compile's time
+                    raise CompileTimeout(f"compiling took longer than {self.timeout_s:g} s")
+                outcome, payload = worker.conn.recv()
+            except (EOFError, OSError) as exc:  # the worker died (out of memory, say)
+                worker.kill()
+                raise CompileFailed(f"the compiling process ended: {exc or type(exc).__name__}") from None
+            worker.last_used = time.monotonic()
+            with self._lock:
+                self._idle.append(worker)
+        if outcome == "error":
+            raise CompileFailed(payload)
+        return payload
+
+    @contextlib.contextmanager
+    def _counted_busy(self) -> Iterator[None]:
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _start_a_spare(self) -> None:
+        """Starts a worker for the next compile when none is idle, up to the pool's size (each
+        compile under way has one): a worker takes seconds to start, and while slow compiles
+        hold the others, the next compile should not wait for that."""
+        with self._lock:
+            if not self._idle and self._busy < self._workers:
+                self._idle.append(_Worker(self._setup_path))
+
+    def _send(self, worker: _Worker | None, job: tuple[str, str]) -> _Worker:
+        """Sends `job` to `worker`, or to a new one where it has ended (idle too long)."""
+        if worker is not None:
+            try:
+                worker.send(job)
+                return worker
+            except (OSError, EOFError):
+                worker.kill()
+        worker = _Worker(self._setup_path)
+        try:
+            worker.send(job)
+        except (OSError, EOFError):
+            worker.kill()
+            raise
+        return worker
+
+    def close(self) -> None:
+        """Ends the idle workers (a busy one ends with its compile's timeout, or the process)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _serve(jobs: Connection, replies: Connection, setup_path: str) -> None:
+    """The worker's loop: its setup from `setup_path` first, then (kind, source) in and ("ok",
+    serialized) or ("error", message) out, until the parent closes its end or nothing comes
+    for IDLE_EXIT_S."""
+    os.nice(COMPILE_NICENESS)
+    import xgrammar
+
+    from radixserve.grammar.compiled import compile_spec
+
+    with open(setup_path, "rb") as setup:
+        tokenizer_info, _stop_token_ids = pickle.load(setup)
+    info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    replies.send("ready")
+    while True:
+        try:
+            if not jobs.poll(IDLE_EXIT_S):
+                return  # idle: the parent starts another when it needs one
+            kind, source = jobs.recv()
+        except (EOFError, OSError):
+            return  # the parent closed its end
+        reply: tuple[str, Any]
+        try:
+            reply = ("ok", compile_spec(compiler, kind, source).serialize_json())
+        except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
+            reply = ("error", str(exc).strip() or type(exc).__name__)
+        replies.send(reply)
+
+
+_shared: dict[tuple[str, tuple[int, ...], float], CompileWorkers] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_workers(tokenizer_info: str, stop_token_ids: list[int], timeout_s: float) -> CompileWorkers:
+    """The process's pool for this tokenizer, stop tokens and timeout (engines of one model in
+    one process, tests' many engines above all, share its workers)."""
+    key = (tokenizer_info, tuple(stop_token_ids), timeout_s)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = CompileWorkers(tokenizer_info, stop_token_ids, timeout_s=timeout_s)
+        return _shared[key]
+
+
+
+def serve_fds(jobs_fd: int, replies_fd: int, setup_path: str) -> None:
+    """A worker process's entry (_CHILD): `_serve` over the two pipe ends it was passed."""
+    _serve(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), setup_path)
+
+
+_CHILD = ("import sys; from radixserve.grammar.compile_workers import serve_fds; "
+          "serve_fds(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")

@@ -1,0 +1,98 @@
+"""Grammar compiles in killable worker processes (radixserve/grammar/compile_workers.py): the
+same compiled grammars as in the calling thread, a compile past the timeout refused and its
+process replaced, and, on a real server, an attacker's slow schemas (within every static bound
+of spec.py) refused while an innocent client's schema is compiled and served beside them."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_util import running_server
+from transformers import AutoTokenizer
+
+from radixserve import AsyncEngine, Engine
+from radixserve.grammar import GrammarError, GrammarSpec, Grammars
+from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.server import create_app
+
+# Nested optional repetitions of a wide atom: within spec.py's bounds (counted repetitions 400
+# of 2,048), and tens of seconds for xgrammar 0.2.9 to compile (`(.{0,30}){0,30}`: 9 s here).
+SLOW_PATTERN = "(.{0,40}){0,40}"
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(demo_checkpoint_dir())
+
+
+def specs() -> list[GrammarSpec]:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                               "n": {"type": "integer"}}, "required": ["name"]}
+    return [GrammarSpec.json_schema(schema, "response_format"), GrammarSpec.regex("(ab|cd)+e?", "guided_regex"),
+            GrammarSpec.choice(["yes", "no", "🙂"], "guided_choice"), GrammarSpec("json_object", ""),
+            GrammarSpec("ebnf", 'root ::= "x" [0-9]+'),
+            GrammarSpec.tool_calls([("lookup", GrammarSpec.json_schema(schema, "tools")), ("any", None)],
+                                   parallel=True, param="tools")]
+
+
+def test_workers_compile_exactly_what_the_thread_compiles(tokenizer: Any) -> None:
+    in_thread = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=None)
+    in_workers = Grammars(tokenizer, 2048, [tokenizer.eos_token_id])
+    for spec in specs():
+        assert in_workers.compile(spec).serialize_json() == in_thread.compile(spec).serialize_json(), spec.kind
+
+
+def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer: Any) -> None:
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=TIMEOUT_S)
+    slow = GrammarSpec.json_schema({"type": "string", "pattern": SLOW_PATTERN}, "response_format")
+    with pytest.raises(GrammarError) as refused:
+        grammars.compile(slow)
+    assert str(refused.value) == (f"response_format: its grammar took longer than {TIMEOUT_S:g} s to compile "
+                                  "(nested or many optional repetitions, or many strict tools, say); simplify it")
+    assert grammars.compile_timeouts == 1 and not grammars.is_cached(slow)
+    for spec in specs():  # the next compiles run in the killed worker's replacement
+        grammars.compile(spec)
+    assert grammars.compile_timeouts == 1
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=256, grammar_compile_timeout_s=TIMEOUT_S))
+    with running_server(create_app(engine)) as url:
+        yield url
+
+
+def chat(url: str, schema: dict[str, Any], salt: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "temperature": 0, "cache_salt": salt,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+
+
+def test_slow_schemas_are_refused_while_an_innocent_schema_is_served(server_url: str) -> None:
+    """Four requests of the slow pattern, each under its own salt (four compiles: every slot),
+    beside an innocent request with a small schema of its own: the four are 400s naming the
+    timeout, the innocent's output follows its schema."""
+    slow = {"type": "object", "properties": {"code": {"type": "string", "pattern": SLOW_PATTERN}}, "required": ["code"]}
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    answers: dict[str, httpx.Response] = {}
+    attackers = [threading.Thread(target=lambda i=i: answers.__setitem__(f"slow{i}", chat(server_url, slow, f"s{i}")))
+                 for i in range(4)]
+    for thread in attackers:
+        thread.start()
+    answers["innocent"] = chat(server_url, small, "innocent")
+    for thread in attackers:
+        thread.join(300)
+    innocent = answers.pop("innocent")
+    assert innocent.status_code == 200, innocent.text
+    assert set(json.loads(innocent.json()["choices"][0]["message"]["content"])) == {"ok"}
+    for answer in answers.values():
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "response_format.json_schema.schema" and f"took longer than {TIMEOUT_S:g} s to compile" in error["message"]
+    assert len(answers) == 4
