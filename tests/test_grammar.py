@@ -79,6 +79,9 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     ({"type": "object", "properties": {"a": {"type": "string", "const": 5}}}, "at properties.a: the value 5"),
     ({"type": "object", "properties": {"n": {"minimum": 5}}}, "at properties.n: minimum without a type"),
     ({"anyOf": [{"required": ["a"]}, {"type": "null"}]}, "at anyOf[0]: required without a type"),
+    # a reference outside the schema: the engine fetches nothing and took it for any value
+    ({"$ref": "https://example.com/person.json"}, 'at the top: $ref "https://example.com/person.json" points outside'),
+    ({"type": "object", "properties": {"p": {"$ref": "person.json#/name"}}}, "at properties.p: $ref"),
 ])
 def test_bad_schemas_are_refused_naming_the_field(schema: object, fragment: str) -> None:
     with pytest.raises(GrammarError) as caught:

@@ -137,6 +137,19 @@ def test_a_required_reply_cut_short_is_still_calls() -> None:
     assert parse(REQUIRED_REPLIES[3]) == (None, []) and parse(REQUIRED_REPLIES[4]) == (None, [])
 
 
+@pytest.mark.parametrize("arguments", ['[1, 2]', "null", '"not an object"', "3", '"[1, 2]"'])
+def test_arguments_that_are_not_an_object_stay_text(arguments: str) -> None:
+    """OpenAI's clients parse a call's `arguments` as an object: a block whose arguments are
+    an array, null, a number or a string that is not an object's JSON is the text it is."""
+    block = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    assert HermesParser().parse(block) == (block, [])
+    assert streamed(HermesParser(), block, list(range(1, len(block)))) == (block, [])
+    line = f'{{"name": "get_weather", "parameters": {arguments}}}'
+    assert Llama3Parser().parse(line) == (line, [])
+    as_text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>'
+    assert [(c.name, c.arguments) for c in HermesParser().parse(as_text)[1]] == [("get_weather", '{"city": "Oslo"}')]
+
+
 def test_llama3_parses_json_calls() -> None:
     _, calls = Llama3Parser().parse(LLAMA_REPLIES[1])
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {}), ("b", {"y": 2})]

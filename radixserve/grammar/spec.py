@@ -194,6 +194,12 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
     whatever the `type` beside them, and ignores constraints without a type it can infer.
     (It does not keep `uniqueItems` either; that is let through, documented: pydantic writes
     it for every set field, whose parsing drops repeats anyway.)"""
+    reference = node.get("$ref")
+    if isinstance(reference, str) and not reference.startswith("#"):
+        # xgrammar fetches nothing: it took such a schema for any JSON value. (Nor may a
+        # server fetch what a request points it at.)
+        return (f"$ref {json.dumps(reference)[:80]} points outside the schema: only references within it "
+                "(#/$defs/...) are followed; include the referenced schema under $defs")
     combinators = [key for key in _COMBINATORS if key in node]
     if combinators:
         beside = sorted(key for key in node if key not in _ANNOTATIONS and key != combinators[0])

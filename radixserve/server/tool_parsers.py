@@ -68,7 +68,9 @@ class ToolCallParser(Protocol):
 
 def _call_from_json(text: str, arguments_key: str, names: Collection[str] | None) -> ParsedCall | None:
     """A call from `{"name": ..., "<arguments_key>": {...}}`; None if the text is not one, or
-    names a function not in `names` (None: any)."""
+    names a function not in `names` (None: any), or its arguments are not an object (or an
+    object's JSON text): OpenAI's clients parse `arguments` as an object, so `[1, 2]` or
+    `null` stay the text the model wrote, as an unknown name does."""
     try:
         value = parse_json_text(text)
     except ValueError:
@@ -78,7 +80,14 @@ def _call_from_json(text: str, arguments_key: str, names: Collection[str] | None
     if names is not None and value["name"] not in names:
         return None
     arguments = value.get(arguments_key, value.get("arguments", {}))
-    return ParsedCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if isinstance(arguments, str):
+        try:
+            if isinstance(parse_json_text(arguments), dict):
+                return ParsedCall(value["name"], arguments)
+        except ValueError:
+            pass
+        return None
+    return ParsedCall(value["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 class ToolCallStream:
