@@ -28,6 +28,7 @@ from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
 from radixserve.grammar import GrammarError
 from radixserve.server.cache_routes import DEFAULT_EVENTS_IDLE_TIMEOUT_S, CacheRoutes
+from radixserve.server.connection_limits import address_key
 from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
     APIError,
@@ -177,23 +178,24 @@ class OpenAIServer:
         salt = body.cache_salt or None
         scope = salt if caller.tenant is None else (caller.tenant, salt)
         schemas = bool(body.tools) or carries_constraint(body)
-        tools = await self._check(caller, schemas, lambda: plan_tools(body, self.tool_call_parser))
+        share = share_key(caller, request)
+        tools = await self._check(share, schemas, lambda: plan_tools(body, self.tool_call_parser))
         chars = sum(len(message.text()) for message in body.messages)
         self.prompt_work.check_size(chars, "messages")
         try:
             # (each message adds its template's markup: counted, so a crowd of tiny ones is large)
             prompt_ids, system_tokens = await self.prompt_work.run(
-                caller.tenant, chars + MESSAGE_MARKUP_CHARS * len(body.messages),
+                share, chars + MESSAGE_MARKUP_CHARS * len(body.messages),
                 lambda: self.renderer.render(body.messages, scope, tools.tools))
         except RecursionError:  # the template recursed into something nested: the request's doing
             raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "
                                 "parameters or a tool call's arguments)", param="messages",
                            code="invalid_value") from None
-        call = await self._check(caller, schemas, lambda: chat_call(
+        call = await self._check(share, schemas, lambda: chat_call(
             body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
             tools.grammar, WorkLimit(self.max_request_tokens), tools.strict_grammar))
         _as_caller([call], caller)
-        await self._compile_grammar([call])
+        await self._compile_grammar([call], share)
         formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
                                              await self._vocab_bytes() if body.logprobs else None), tools.parser)
@@ -214,14 +216,15 @@ class OpenAIServer:
         for prompt, param in zip(prompts, params):
             if isinstance(prompt, str):
                 self.prompt_work.check_size(len(prompt), param)
+        share = share_key(caller, request)
         prompt_ids = await self.prompt_work.run(
-            caller.tenant, sum(len(p) for p in prompts if isinstance(p, str)),
+            share, sum(len(p) for p in prompts if isinstance(p, str)),
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
         limit = WorkLimit(self.max_request_tokens, len(prompts))
-        calls = await self._check(caller, carries_constraint(body), lambda: completion_calls(
+        calls = await self._check(share, carries_constraint(body), lambda: completion_calls(
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
         _as_caller(calls, caller)
-        await self._compile_grammar(calls)  # one spec for the whole batch
+        await self._compile_grammar(calls, share)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, bool(body.stream), params, "max_tokens", timer)
@@ -233,25 +236,25 @@ class OpenAIServer:
             self._token_bytes = await anyio.to_thread.run_sync(vocab_bytes, self.tokenizer)
         return self._token_bytes
 
-    async def _check(self, caller: Caller, schemas: bool, check: Callable[[], _Checked]) -> _Checked:
+    async def _check(self, share: Hashable, schemas: bool, check: Callable[[], _Checked]) -> _Checked:
         """Runs a request's checks: inline when it carries no schema (they take microseconds),
-        else in a worker thread, in one of REQUEST_CHECKS slots shared fairly between tenants.
+        else in a worker thread, in one of REQUEST_CHECKS slots shared fairly (`share_key`).
         Checking JSON Schemas (tools', the reply's) takes time in proportion to their size in
         the validator's pure Python: on the event loop a megabyte of them froze every stream
         for seconds, and in unbounded threads a crowd of them would starve the event loop and
         the engine thread of the GIL."""
         if not schemas:
             return check()
-        async with self.request_checks.hold(caller.tenant):
+        async with self.request_checks.hold(share):
             return await anyio.to_thread.run_sync(check)
 
-    async def _compile_grammar(self, calls: list[EngineCall]) -> None:
+    async def _compile_grammar(self, calls: list[EngineCall], share: Hashable) -> None:
         """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker
         thread, so that a large schema neither holds the event loop nor stalls the engine's
         step; a 400 naming the field when it cannot be compiled. The spec is scoped to the
         tenant and cache salt first (`GrammarSpec.scope`): no tenant reuses, or can time,
-        another's compiles. A spec compiled already takes no slot, and the slots go round the
-        tenants: one tenant's flood of slow schemas delays another's by one compile."""
+        another's compiles. A spec compiled already takes no slot, and the slots go round
+        (`share_key`): one tenant's flood of slow schemas delays another's by one compile."""
         call = calls[0]
         if call.params.grammar is None:
             return
@@ -262,7 +265,7 @@ class OpenAIServer:
         if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
             return
         try:
-            await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format", call.tenant)
+            await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format", share)
         except GrammarError as exc:
             raise grammar_error(exc) from exc
 
@@ -516,6 +519,16 @@ async def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The body is not valid UTF-8: {exc.reason} at byte {exc.start}.",
                        code="invalid_json") from exc
+
+
+def share_key(caller: Caller, request: Request) -> Hashable:
+    """Whom the server's bounded slots (request checks, prompt work, grammar compiles) go round:
+    the caller's tenant; on a server without tenants each client's address (connection_limits'
+    `address_key`: an IPv4 address, a global IPv6 /64), so that there too one client's flood of
+    slow work delays another's by one job, not by the flood (behind a proxy, one address)."""
+    if caller.tenant is not None:
+        return caller.tenant
+    return ("address", address_key(tuple(request.client) if request.client else None))
 
 
 def _as_caller(calls: list[EngineCall], caller: Caller) -> None:
