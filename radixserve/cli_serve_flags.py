@@ -186,8 +186,9 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
                             "back is tokenized as generated and its cache match runs through it "
                             "(0: off; default: %(default)s)")
     serve.add_argument("--grammar-compile-timeout-s", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
-                       help="refuse (400) a structured output or strict tools whose grammar takes longer than this "
-                            "to compile; compiles run in worker processes that are killed past it "
+                       help="refuse (400) a structured output or strict tools whose grammar takes more than this "
+                            "many seconds of CPU time to compile; compiles run in worker processes that are killed "
+                            "past it "
                             "(default: %(default)s)")
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3"],
                        help="how the model writes tool calls (default: chosen from its chat template)")

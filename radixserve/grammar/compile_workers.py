@@ -6,8 +6,9 @@ compiler's cost depends on more than they measure: a JSON Schema `pattern` of ne
 repetitions (`(.{0,30}){0,30}`: 9 s) or of optional wide atoms written out (`.?` 800 times:
 71 s), or a set of strict tools each within the bounds, held a compile slot for minutes, and
 four such requests held every slot while other tenants' schemas waited. Here each compile
-runs in a worker process and is given `timeout_s`: past it the worker is killed (a new one
-starts for the next compile) and the spec is refused (CompileTimeout). What a worker sends
+runs in a worker process and is given `timeout_s` of CPU time (wall time would refuse ordinary
+specs on a busy machine; 12 times it of wall time is a limit too): past it the worker is
+killed (a new one starts for the next compile) and the spec is refused (CompileTimeout). What a worker sends
 back is the compiled grammar's serialized form (xgrammar's own, a few milliseconds each way
 for a small schema).
 
@@ -36,6 +37,9 @@ DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_WORKERS = 4  # as many as the server's compile slots (server/grammar_compiles.py)
 IDLE_EXIT_S = 60.0   # a worker with nothing to compile for this long ends
 COMPILE_NICENESS = 10  # compiles yield the CPU to serving: the engine's steps, the event loop
+POLL_S = 0.05  # how often a compile's CPU time is read
+WALL_LIMIT_FACTOR = 12  # ... and past this many times the timeout of wall time it is refused anyway
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 STARTUP_TIMEOUT_S = 120.0  # a worker imports xgrammar (and torch): seconds, longer on a busy machine
 
 
@@ -75,6 +79,15 @@ class _Worker:
                 raise OSError("the compile worker did not start")
             self.ready = True
         self.sender.send(job)
+
+    def cpu_seconds(self) -> float | None:
+        """The worker process's CPU time so far (user and system), or None where /proc is not."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -127,11 +140,11 @@ class CompileWorkers:
             except (EOFError, OSError) as exc:
                 raise CompileFailed(f"no compiling process: {exc}") from None
             try:
-                if not worker.conn.poll(self.timeout_s):
+                if not self._answers_in_time(worker):
                     self.timeouts += 1
                     worker.kill()
                     self._start_a_spare()  # its replacement starts now, not in the next compile's time
-                    raise CompileTimeout(f"compiling took longer than {self.timeout_s:g} s")
+                    raise CompileTimeout(f"compiling took more than {self.timeout_s:g} s of CPU time")
                 outcome, payload = worker.conn.recv()
             except (EOFError, OSError) as exc:  # the worker died (out of memory, say)
                 worker.kill()
@@ -152,6 +165,23 @@ class CompileWorkers:
         finally:
             with self._lock:
                 self._busy -= 1
+
+    def _answers_in_time(self, worker: _Worker) -> bool:
+        """Waits for `worker`'s answer while its compile has used less than `timeout_s` of CPU
+        time (and less than WALL_LIMIT_FACTOR times that of wall time); False past either.
+        CPU time, not wall time: on a busy machine (and the workers are niced) an ordinary
+        compile may wait long for the CPU, and must not be refused for the machine's load."""
+        started_cpu, started = worker.cpu_seconds(), time.monotonic()
+        wall_limit = WALL_LIMIT_FACTOR * self.timeout_s
+        while not worker.conn.poll(min(POLL_S, self.timeout_s)):
+            used = worker.cpu_seconds()
+            if used is None:  # no /proc: wall time it is
+                used = time.monotonic() - started
+            elif started_cpu is not None:
+                used -= started_cpu
+            if used > self.timeout_s or time.monotonic() - started > wall_limit:
+                return False
+        return True
 
     def _start_a_spare(self) -> None:
         """Starts a worker for the next compile when none is idle, up to the pool's size (each

@@ -66,8 +66,8 @@ class Grammars:
         try:
             compiled = self._compile(spec)
         except CompileTimeout:
-            raise GrammarError(f"{param}: its grammar took longer than {self.compile_timeout_s:g} s to compile "
-                               "(nested or many optional repetitions, or many strict tools, say); simplify it",
+            raise GrammarError(f"{param}: its grammar took more than {self.compile_timeout_s:g} s of CPU time to "
+                               "compile (nested or many optional repetitions, or many strict tools, say); simplify it",
                                param) from None
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
