@@ -8,9 +8,9 @@ repetitions (`(.{0,30}){0,30}`: 9 s) or of optional wide atoms written out (`.?`
 four such requests held every slot while other tenants' schemas waited. Here each compile
 runs in a worker process and is given `timeout_s` of CPU time (wall time would refuse ordinary
 specs on a busy machine; 12 times it of wall time is a limit too): past it the worker is
-killed (a new one starts for the next compile) and the spec is refused (CompileTimeout). What a worker sends
-back is the compiled grammar's serialized form (xgrammar's own, a few milliseconds each way
-for a small schema).
+killed (a new one starts for the next compile) and the spec is refused (CompileTimeout).
+What a worker sends back is the compiled grammar's serialized form (xgrammar's own, a few
+milliseconds each way for a small schema).
 
 Workers start on first use, with the tokenizer's serialized TokenizerInfo, and are kept for
 later compiles until idle for IDLE_EXIT_S (each holds torch, which xgrammar imports: about
@@ -52,13 +52,13 @@ class CompileFailed(Exception):
 
 
 class _Worker:
-    """One child process (`python -m radixserve.grammar.compile_workers`: a fresh interpreter,
-    not a fork of this threaded, torch-loaded one, nor multiprocessing's spawn, which would run
-    the caller's main script again) and the parent's ends of its two pipes."""
+    """One child process (`python -c _CHILD`: a fresh interpreter, not a fork of this threaded,
+    torch-loaded one, nor multiprocessing's spawn, which would run the caller's main script
+    again) and the parent's ends of its two pipes (the others are passed to it alone)."""
 
     def __init__(self, setup_path: str) -> None:
-        to_child, child_reads = _pipe()
-        child_writes, from_child = _pipe()
+        child_reads, to_child = os.pipe()
+        from_child, child_writes = os.pipe()
         # Never blocks: the setup (the tokenizer, megabytes) is read from a file by the child,
         # not pushed through the pipe, which would wait for the child to start reading it.
         self.process = subprocess.Popen(
@@ -89,9 +89,6 @@ class _Worker:
             return None
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
 
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(5)
@@ -99,24 +96,17 @@ class _Worker:
         self.conn.close()
 
 
-def _pipe() -> tuple[int, int]:
-    """A pipe as (parent's end, child's end) or (child's end, parent's end) alike: both ends
-    are closed on exec but for those passed to the child (pass_fds)."""
-    read_end, write_end = os.pipe()
-    return write_end, read_end
-
-
 class CompileWorkers:
     """A pool of at most `workers` compile processes for one tokenizer (see the module)."""
 
-    def __init__(self, tokenizer_info: str, stop_token_ids: list[int], *, workers: int = DEFAULT_WORKERS,
+    def __init__(self, tokenizer_info: str, *, workers: int = DEFAULT_WORKERS,
                  timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         if timeout_s <= 0 or workers < 1:
             raise ValueError(f"CompileWorkers: timeout_s > 0 and workers >= 1, got {timeout_s}, {workers}")
         self.timeout_s = timeout_s
         descriptor, self._setup_path = tempfile.mkstemp(prefix="radixserve-grammar-", suffix=".pickle")
         with os.fdopen(descriptor, "wb") as setup:
-            pickle.dump((tokenizer_info, stop_token_ids), setup)
+            pickle.dump(tokenizer_info, setup)
         weakref.finalize(self, _remove, self._setup_path)
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
@@ -230,7 +220,7 @@ def _serve(jobs: Connection, replies: Connection, setup_path: str) -> None:
     from radixserve.grammar.compiled import compile_spec
 
     with open(setup_path, "rb") as setup:
-        tokenizer_info, _stop_token_ids = pickle.load(setup)
+        tokenizer_info = pickle.load(setup)
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     replies.send("ready")
@@ -249,19 +239,19 @@ def _serve(jobs: Connection, replies: Connection, setup_path: str) -> None:
         replies.send(reply)
 
 
-_shared: dict[tuple[str, tuple[int, ...], float], CompileWorkers] = {}
+_shared: dict[tuple[str, float], CompileWorkers] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_workers(tokenizer_info: str, stop_token_ids: list[int], timeout_s: float) -> CompileWorkers:
-    """The process's pool for this tokenizer, stop tokens and timeout (engines of one model in
-    one process, tests' many engines above all, share its workers)."""
-    key = (tokenizer_info, tuple(stop_token_ids), timeout_s)
+def shared_workers(tokenizer_info: str, timeout_s: float) -> CompileWorkers:
+    """The process's pool for this tokenizer (its serialized TokenizerInfo, stop tokens
+    included) and timeout: engines of one model in one process, tests' many engines above
+    all, share its workers."""
+    key = (tokenizer_info, timeout_s)
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = CompileWorkers(tokenizer_info, stop_token_ids, timeout_s=timeout_s)
+            _shared[key] = CompileWorkers(tokenizer_info, timeout_s=timeout_s)
         return _shared[key]
-
 
 
 def serve_fds(jobs_fd: int, replies_fd: int, setup_path: str) -> None:

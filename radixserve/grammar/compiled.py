@@ -2,8 +2,10 @@
 
 Compilation is the expensive part (milliseconds for a JSON Schema, more for large ones) and is
 done once per distinct spec: the server compiles on the request's way in (so a bad schema is
-a 400 before the engine sees it), and the engine's matchers reuse the cached result. Thread
-safe: the server's threads and the engine thread share one instance.
+a 400 before the engine sees it), and the engine's matchers reuse the cached result. The
+compile itself runs in a worker process that a CPU-time limit can stop (compile_workers.py),
+unless `compile_timeout_s` is None. Thread safe: the server's threads and the engine thread
+share one instance.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Grammars:
         # Compiles run in worker processes that a timeout can stop (compile_workers.py);
         # None: in the calling thread, unbounded (for callers that trust their specs).
         self.compile_timeout_s = compile_timeout_s
-        self._workers = (shared_workers(info.serialize_json(), self._stop_token_ids, compile_timeout_s)
+        self._workers = (shared_workers(info.serialize_json(), compile_timeout_s)
                          if compile_timeout_s is not None else None)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
