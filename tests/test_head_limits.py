@@ -110,6 +110,29 @@ def test_a_head_that_goes_on_and_on_is_431_and_closed(echo_server: tuple[str, in
     assert_refused(exchange(echo_server, b"GET /" + b"u" * 100_000))  # an endless target
 
 
+@pytest.mark.parametrize("trailer", [b"X-T: " + b"v" * 200_000, b"X-T: t\r\n" * 20_000],
+                         ids=["one-endless-value", "many-fields"])
+def test_a_chunked_bodys_endless_trailer_is_cut(echo_server: tuple[str, int], trailer: bytes) -> None:
+    """Trailer fields follow a chunked body: an endless one grew inside httptools as a head's
+    did, on the event loop, bounded only by the body deadline. The connection is closed with
+    no answer (its request is under way); a chunked body with a small trailer is served."""
+    start = REQUEST_LINE + b"Host: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+    assert exchange(echo_server, start + b"X-T: small\r\n\r\n").endswith(b"5 body bytes")
+    assert b"HTTP/1.1" not in exchange(echo_server, start + trailer)
+    # Sent on and on, it is cut after about the bound (the kernel's buffers take a few MB more).
+    sent, limit = 0, 64 * MAX_HEAD_BYTES
+    with socket.create_connection(echo_server) as sock:
+        sock.settimeout(30)
+        try:
+            sock.sendall(start + trailer[:5])
+            while sent < limit:
+                sock.sendall(trailer[5:5 + 8192])
+                sent += 8192
+        except OSError:  # reset or broken pipe: closed by the server
+            pass
+    assert sent < limit, sent
+
+
 def test_a_body_or_pipelined_requests_are_not_taken_for_a_long_head(echo_server: tuple[str, int]) -> None:
     """Read together with the head, a large body is the body; many small pipelined requests in
     one read are many small heads; a long head pipelined behind a request is refused after it."""

@@ -12,9 +12,13 @@ one head: this bounds what httptools buffers itself (one endless header value, o
 grows inside it unseen by any callback). And the fields the parser hands over are counted
 from its callbacks, which see exactly where each head begins, even one pipelined in the same
 read as the end of the request before it (which the first count, keyed to reads, misses).
-Past MAX_HEAD_BYTES or MAX_HEAD_FIELDS the connection is answered 431 in OpenAI's error shape
-and closed; what was kept of the head is dropped at once, and nothing more of the connection
-reaches the app.
+A chunked body's trailer fields are a head of their own after the body: the fields count on
+(the second count), and the bytes read in a body that are not body (framing, trailers) are
+bounded the same (an endless trailer value grew inside httptools as a head's did, and held
+the event loop for 20 s). Past MAX_HEAD_BYTES or MAX_HEAD_FIELDS the connection is answered
+431 in OpenAI's error shape and closed (within a body only closed: its request is under way);
+what was kept of the head is dropped at once, and nothing more of the connection reaches the
+app.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def with_head_limits(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
         _head_fields = 0
         _in_head = True    # from the connection's start or a message's end to a head's end
         _heads_ended = 0
+        _messages_ended = 0
+        _body_bytes = 0      # of bodies, as the parser hands them over
+        _framing_bytes = 0   # read past this head that were not body (chunk framing, trailers)
         _refused = False
         _logged = False  # the first refusal is logged, once per process
 
@@ -66,7 +73,7 @@ def with_head_limits(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
             if self._refused:  # a refused connection's later bytes are dropped unread
                 return
             if not self._in_head:
-                super().data_received(data)
+                self._read_in_body(data)
                 return
             room = MAX_HEAD_BYTES - self._head_bytes
             self._head_bytes += min(len(data), room)
@@ -79,6 +86,18 @@ def with_head_limits(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
                 self._refuse()
             else:  # it ended within them: the rest is its body, or requests pipelined behind it
                 self.data_received(data[room:])
+
+        def _read_in_body(self, data: bytes) -> None:
+            """Bytes read past a head, until its message ends: what of them is not body (a
+            chunked body's framing, and its trailer fields, which grow inside httptools like
+            a head's) is counted against the same bound; past it the connection is closed."""
+            messages, body = self._messages_ended, self._body_bytes
+            super().data_received(data)
+            if self._messages_ended != messages:  # the message ended in this read: its framing
+                return                            # was bounded by the read, the next head is counted
+            self._framing_bytes += len(data) - (self._body_bytes - body)
+            if self._framing_bytes > MAX_HEAD_BYTES:
+                self._refuse(mid_message=True)
 
         def on_message_begin(self) -> None:
             self._field_bytes = self._head_fields = 0
@@ -96,15 +115,18 @@ def with_head_limits(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._heads_ended += 1
+            self._framing_bytes = 0
             if not self._refused:
                 super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
             if not self._refused:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
             self._in_head, self._head_bytes = True, 0  # the next head begins
+            self._messages_ended += 1
             if not self._refused:
                 super().on_message_complete()
 
@@ -115,10 +137,10 @@ def with_head_limits(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
             self._head_fields += fields
             if self._field_bytes <= MAX_HEAD_BYTES and self._head_fields <= MAX_HEAD_FIELDS:
                 return False
-            self._refuse()
+            self._refuse(mid_message=not self._in_head)  # trailers: after a body
             return True
 
-        def _refuse(self) -> None:
+        def _refuse(self, mid_message: bool = False) -> None:
             self._refused = True
             self.headers.clear()  # uvicorn's list (its scope's too): the memory goes now
             self.url = b""
@@ -126,7 +148,9 @@ def with_head_limits(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
                 HeadLimited._logged = True
                 logger.warning("a request head over %s bytes or %s fields from %s refused (431; logged once)",
                                f"{MAX_HEAD_BYTES:,}", MAX_HEAD_FIELDS, self.client)
-            if not self._answering():  # else after the answers to the requests before it
+            if mid_message:  # its request is under way: no answer can follow it cleanly
+                self.transport.close()
+            elif not self._answering():  # else after the answers to the requests before it
                 self._answer_refusal()
 
         def _answering(self) -> bool:
