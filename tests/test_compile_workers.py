@@ -64,6 +64,29 @@ def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer
 SERVER_TIMEOUT_S = 4.0  # CPU seconds: far above an in-limit compile, far below the attack's compiles
 
 
+def fat_grammar(rules: int) -> GrammarSpec:
+    """Cheap to compile, huge compiled: `root ::= r0 r1 ..`, each `rJ ::= "a"?` (600 rules: 11 KB
+    of source, about 45 MB serialized on the demo tokenizer)."""
+    return GrammarSpec("ebnf", "root ::= " + " ".join(f"r{i}" for i in range(rules)) + "\n"
+                       + "\n".join(f'r{i} ::= "a"?' for i in range(rules)))
+
+
+def test_a_grammar_too_large_compiled_or_compiling_is_refused(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_COMPILED_BYTES the worker sends no grammar (a second attack round's 132 MB ones
+    filled the server's memory), and past MAX_WORKER_RSS_BYTES it is killed mid-compile."""
+    from radixserve.grammar import compile_workers
+
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=30.0)
+    with pytest.raises(GrammarError, match=r"guided_grammar: its grammar is too large: the compiled grammar is "
+                                           r"\d+ MB serialized, more than 32 MB"):
+        grammars.compile(fat_grammar(600), "guided_grammar")
+    monkeypatch.setattr(compile_workers, "MAX_WORKER_RSS_BYTES", 1)  # read by the parent at each poll
+    with pytest.raises(GrammarError, match="too large: compiling took more than 0 MB of memory"):
+        grammars.compile(fat_grammar(601), "guided_grammar")
+    monkeypatch.undo()
+    assert grammars.compile(specs()[0]) is not None  # the killed worker's replacement serves
+
+
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=256, grammar_compile_timeout_s=SERVER_TIMEOUT_S))
@@ -107,3 +130,19 @@ def test_slow_schemas_are_refused_while_another_clients_schema_is_served(server_
         error = answer.json()["error"]
         assert error["param"] == "response_format.json_schema.schema"
         assert f"took more than {SERVER_TIMEOUT_S:g} s of CPU time to compile" in error["message"]
+
+
+def test_a_lost_compile_worker_is_the_servers_503_not_the_requests_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that cannot start (here: one that exits at once; in the attack round, workers of
+    a server whose code was updated under it) is the server's fault."""
+    from radixserve.grammar import compile_workers
+
+    monkeypatch.setattr(compile_workers, "_CHILD", "import sys; sys.exit(3)")
+    engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=64, grammar_compile_timeout_s=7.25))
+    with running_server(create_app(engine)) as url:
+        answer = chat(url, {"type": "object", "properties": {"ok": {"type": "boolean"}}}, "lost")
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"] == {"message": "the grammar compiler is unavailable; retry", "type": "server_error",
+                                      "param": None, "code": "grammar_compiler_unavailable"}
+    assert plain.status_code == 200

@@ -40,6 +40,16 @@ COMPILE_NICENESS = 10  # compiles yield the CPU to serving: the engine's steps, 
 POLL_S = 0.05  # how often a compile's CPU time is read
 WALL_LIMIT_FACTOR = 12  # ... and past this many times the timeout of wall time it is refused anyway
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# A grammar cheap to compile can be huge compiled (`root ::= r0 .. r999`, `rJ ::= "a"?`: 19 KB of
+# source, 132 MB serialized, 2.2 GB of worker memory, 1.25 s to deserialize in the server):
+# past these the worker is killed, or its grammar refused before it is sent. Ordinary schemas
+# are far below (100 optional properties: 3.7 MB on a 49k-token vocabulary).
+MAX_COMPILED_BYTES = 32 * 2**20
+MAX_WORKER_RSS_BYTES = 2**30  # a worker starts at about 250 MB; a schema of 362 optional properties adds 240 MB
+# A worker whose memory grew past this in a compile is ended after it, not kept: what its
+# allocator freed stays its own (idle workers kept 1.9 GB each after the attack above).
+RECYCLE_RSS_BYTES = 2**29
 STARTUP_TIMEOUT_S = 120.0  # a worker imports xgrammar (and torch): seconds, longer on a busy machine
 
 
@@ -49,6 +59,16 @@ class CompileTimeout(Exception):
 
 class CompileFailed(Exception):
     """The compiler refused the spec; the message is the library's."""
+
+
+class CompileTooLarge(Exception):
+    """The compile needed more memory than a worker may take, or its grammar is larger than
+    MAX_COMPILED_BYTES serialized; its worker was killed, or its grammar dropped."""
+
+
+class CompileWorkerLost(Exception):
+    """No worker could compile: one did not start, or ended on its own (the server's fault, not
+    the spec's: not a RuntimeError, which Grammars takes for the library refusing a spec)."""
 
 
 class _Worker:
@@ -89,6 +109,14 @@ class _Worker:
             return None
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
 
+    def rss_bytes(self) -> int | None:
+        """The worker process's resident memory, or None where /proc is not."""
+        try:
+            with open(f"/proc/{self.process.pid}/statm", "rb") as statm:
+                return int(statm.read().split()[1]) * PAGE_BYTES
+        except (OSError, IndexError, ValueError):
+            return None
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(5)
@@ -128,22 +156,32 @@ class CompileWorkers:
             try:
                 worker = self._send(worker, (kind, source))
             except (EOFError, OSError) as exc:
-                raise CompileFailed(f"no compiling process: {exc}") from None
+                raise CompileWorkerLost(f"no compiling process: {exc}") from None
             try:
-                if not self._answers_in_time(worker):
-                    self.timeouts += 1
+                overrun = self._overrun(worker)
+                if overrun is not None:
+                    self.timeouts += overrun == "time"
                     worker.kill()
                     self._start_a_spare()  # its replacement starts now, not in the next compile's time
-                    raise CompileTimeout(f"compiling took more than {self.timeout_s:g} s of CPU time")
+                    if overrun == "time":
+                        raise CompileTimeout(f"compiling took more than {self.timeout_s:g} s of CPU time")
+                    raise CompileTooLarge(f"compiling took more than {MAX_WORKER_RSS_BYTES // 2**20:,} MB of memory")
                 outcome, payload = worker.conn.recv()
-            except (EOFError, OSError) as exc:  # the worker died (out of memory, say)
+            except (EOFError, OSError) as exc:  # the worker ended on its own (killed by the system, say)
                 worker.kill()
-                raise CompileFailed(f"the compiling process ended: {exc or type(exc).__name__}") from None
+                raise CompileWorkerLost(f"the compiling process ended: {exc or type(exc).__name__}") from None
             worker.last_used = time.monotonic()
-            with self._lock:
-                self._idle.append(worker)
+            if (worker.rss_bytes() or 0) > RECYCLE_RSS_BYTES:  # freed memory stays the process's
+                worker.kill()
+                self._start_a_spare()
+            else:
+                with self._lock:
+                    self._idle.append(worker)
         if outcome == "error":
             raise CompileFailed(payload)
+        if outcome == "too_large":
+            raise CompileTooLarge(f"the compiled grammar is {payload / 2**20:,.0f} MB serialized, "
+                                  f"more than {MAX_COMPILED_BYTES // 2**20} MB")
         return payload
 
     @contextlib.contextmanager
@@ -156,9 +194,10 @@ class CompileWorkers:
             with self._lock:
                 self._busy -= 1
 
-    def _answers_in_time(self, worker: _Worker) -> bool:
+    def _overrun(self, worker: _Worker) -> str | None:
         """Waits for `worker`'s answer while its compile has used less than `timeout_s` of CPU
-        time (and less than WALL_LIMIT_FACTOR times that of wall time); False past either.
+        time (and less than WALL_LIMIT_FACTOR times that of wall time) and the worker less
+        than MAX_WORKER_RSS_BYTES of memory: None once it answered, else "time" or "memory".
         CPU time, not wall time: on a busy machine (and the workers are niced) an ordinary
         compile may wait long for the CPU, and must not be refused for the machine's load."""
         started_cpu, started = worker.cpu_seconds(), time.monotonic()
@@ -170,8 +209,10 @@ class CompileWorkers:
             elif started_cpu is not None:
                 used -= started_cpu
             if used > self.timeout_s or time.monotonic() - started > wall_limit:
-                return False
-        return True
+                return "time"
+            if (worker.rss_bytes() or 0) > MAX_WORKER_RSS_BYTES:
+                return "memory"
+        return None
 
     def _start_a_spare(self) -> None:
         """Starts a worker for the next compile when none is idle, up to the pool's size (each
@@ -233,7 +274,9 @@ def _serve(jobs: Connection, replies: Connection, setup_path: str) -> None:
             return  # the parent closed its end
         reply: tuple[str, Any]
         try:
-            reply = ("ok", compile_spec(compiler, kind, source).serialize_json())
+            serialized = compile_spec(compiler, kind, source).serialize_json()
+            too_large = len(serialized) > MAX_COMPILED_BYTES
+            reply = ("too_large", len(serialized)) if too_large else ("ok", serialized)
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
             reply = ("error", str(exc).strip() or type(exc).__name__)
         replies.send(reply)

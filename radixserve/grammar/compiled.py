@@ -22,12 +22,14 @@ from radixserve.grammar.compile_workers import (
     DEFAULT_COMPILE_TIMEOUT_S,
     CompileFailed,
     CompileTimeout,
+    CompileTooLarge,
     shared_workers,
 )
 from radixserve.grammar.matcher import Matcher
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 
 CACHE_ENTRIES = 256
+CACHE_BYTES = 256 * 2**20  # and at most this much of compiled grammars (xgrammar's own measure)
 COMPILE_THREADS = 2
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as any character
 # but quote, backslash, CR and LF: raw control characters would get through, and JSON forbids
@@ -53,6 +55,7 @@ class Grammars:
         self._workers = (shared_workers(info.serialize_json(), compile_timeout_s)
                          if compile_timeout_s is not None else None)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()
         self.compiles = 0  # specs run through the compiler (cache misses), failed ones included
 
@@ -71,6 +74,9 @@ class Grammars:
             raise GrammarError(f"{param}: its grammar took more than {self.compile_timeout_s:g} s of CPU time to "
                                "compile (nested or many optional repetitions, or many strict tools, say); simplify it",
                                param) from None
+        except CompileTooLarge as exc:
+            raise GrammarError(f"{param}: its grammar is too large: {exc} (many optional parts, say; list more "
+                               "properties in `required`); simplify it", param) from None
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
@@ -82,8 +88,11 @@ class Grammars:
                                "(not even an empty output)", param)
         with self._lock:
             self._cache[spec] = compiled
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._cache_bytes += compiled.memory_size_bytes
+            # The newest stays, whatever its size: the request that compiled it is about to use it.
+            while len(self._cache) > 1 and (len(self._cache) > CACHE_ENTRIES or self._cache_bytes > CACHE_BYTES):
+                _, dropped = self._cache.popitem(last=False)
+                self._cache_bytes -= dropped.memory_size_bytes
         return compiled
 
     def is_cached(self, spec: GrammarSpec) -> bool:

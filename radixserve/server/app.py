@@ -27,6 +27,7 @@ from radixserve import AsyncEngine, StreamDelta
 from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
 from radixserve.grammar import GrammarError
+from radixserve.grammar.compile_workers import CompileWorkerLost
 from radixserve.server.cache_routes import DEFAULT_EVENTS_IDLE_TIMEOUT_S, CacheRoutes
 from radixserve.server.connection_limits import address_key
 from radixserve.server.dashboard import Dashboard
@@ -268,6 +269,10 @@ class OpenAIServer:
             await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format", share)
         except GrammarError as exc:
             raise grammar_error(exc) from exc
+        except CompileWorkerLost as exc:  # the server's fault, not the request's
+            logger.error("grammar compile worker lost: %s", exc)
+            raise APIError(503, "the grammar compiler is unavailable; retry", code="grammar_compiler_unavailable",
+                           error_type="server_error") from exc
 
     async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
                         stream: bool, prompt_params: list[str], max_tokens_param: str,
