@@ -20,8 +20,8 @@ INSTALL_HINT = "pip install -e '.[cluster]' (or pip install 'ray[serve]')"
 def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_options: dict[str, Any],
                   async_options: dict[str, Any]) -> int:
     """Deploys the replicas (each an Engine of `engine_options` under an AsyncEngine of
-    `async_options`) and the ingress (its app of `app_options`), serves until SIGINT or SIGTERM (stop_signals.py: even when the parent
-    ignored or blocked them), then tears the app down."""
+    `async_options`) and the ingress (its app of `app_options`), serves until SIGINT or SIGTERM
+    (stop_signals.py: even when the parent ignored or blocked them), then tears the app down."""
     try:
         import ray
     except ImportError:

@@ -2,13 +2,15 @@
 
 The server (and each cluster replica) compiles a request's grammar on the request's way in, so
 that a large schema neither holds the event loop nor stalls the engine's step (the engine then
-finds it cached). A compile runs in a worker thread that nobody can stop, so they are bounded:
-without a bound of their own a crowd of slow ones would take every thread of the pool that
-tokenizes other requests' prompts. The bounded slots go round the tenants (`FairSlots`, the
-last one kept for a tenant that holds none), and a spec compiled already takes none. Nor does a spec being compiled for another request: an
-agent client's first wave of requests, all with the same new tools, waits for one compile
-instead of each taking a slot for its own (specs are scoped per tenant and salt, so only
-requests that could share the compiled grammar share its compile).
+finds it cached). A compile waits in a worker thread for its compile process (one that a
+CPU-time limit stops: grammar/compile_workers.py), so they are bounded: without a bound of
+their own a crowd of slow ones would take every thread of the pool that tokenizes other
+requests' prompts. The bounded slots go round the tenants, or client addresses without keys
+(`FairSlots`, the last one kept for one that holds none), and a spec compiled already takes
+none. Nor does a spec being compiled for another request: an agent client's first wave of
+requests, all with the same new tools, waits for one compile instead of each taking a slot
+for its own (specs are scoped per tenant and salt, so only requests that could share the
+compiled grammar share its compile).
 """
 
 from __future__ import annotations
