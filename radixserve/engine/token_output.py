@@ -12,6 +12,7 @@ from radixserve.engine.params import StreamDelta, TokenLogprob
 from radixserve.engine.request import Request, SequenceState
 from radixserve.engine.sampler import compute_logprobs, sample
 from radixserve.grammar import MaskBuffer, TokenMask
+from radixserve.grammar.matcher import GrammarTooSlow
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,17 @@ def sample_rows(rows: torch.Tensor, seqs: list[SequenceState], fail: Callable[[R
     """One token (and logprobs if asked) per row; the batch at once, or row by row if the
     batch fails, so a request whose sampling fails ends alone (`fail`; a dummy token here).
     A step's grammar mask is built in `masks` (reused step after step) when given."""
+    too_slow = _grammars_too_slow(seqs)
+    if too_slow:  # their requests end alone, the others sample as one batch (no traceback:
+        for i, fault in too_slow.items():  # the request's grammar is at fault, not the server)
+            fail(seqs[i].request, fault)
+        keep = [i for i in range(len(seqs)) if i not in too_slow]
+        tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
+        if keep:
+            kept_tokens, kept_logprobs = sample_rows(rows[keep], [seqs[i] for i in keep], fail, masks)
+            for i, token, logprob in zip(keep, kept_tokens, kept_logprobs):
+                tokens[i], logprobs[i] = token, logprob
+        return tokens, logprobs
     params = [s.request.params for s in seqs]
     seeds = [s.sampling_seed for s in seqs]
     steps = [len(s.output_ids) for s in seqs]  # token t of a sample is drawn from (seed, t)
@@ -42,6 +54,18 @@ def sample_rows(rows: torch.Tensor, seqs: list[SequenceState], fail: Callable[[R
                              seq.request.request_id)
             fail(seq.request, exc)
     return tokens, logprobs
+
+
+def _grammars_too_slow(seqs: list[SequenceState]) -> dict[int, GrammarTooSlow]:
+    """The rows whose grammar took too long to follow (Matcher.check_pace), and why."""
+    slow: dict[int, GrammarTooSlow] = {}
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            try:
+                seq.grammar.check_pace()
+            except GrammarTooSlow as fault:
+                slow[i] = fault
+    return slow
 
 
 def grammar_mask(seqs: list[SequenceState], vocab_size: int, masks: MaskBuffer | None = None) -> TokenMask | None:
