@@ -378,6 +378,28 @@ def test_oversized_body_is_413(client: httpx.Client) -> None:
         yield b'"}'
     r = client.post(COMPLETIONS, content=chunked(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert r.headers["connection"] == "close"  # the rest of the body is not read and dropped
+
+
+def test_a_chunked_body_sent_on_past_its_413_is_cut(server: SimpleNamespace) -> None:
+    """The connection is closed after the 413: before, uvicorn read and dropped the rest of a
+    body sent on and on (3.1 GB in 4 s over loopback)."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    chunk = b"%x\r\n" % 2**20 + b"y" * 2**20 + b"\r\n"
+    sent, limit = 0, 256 * 2**20
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(60)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            while sent < limit:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset or broken pipe: closed by the server
+            pass
+    assert sent < limit, sent
 
 
 def test_unknown_route_and_method(client: httpx.Client) -> None:
