@@ -76,14 +76,14 @@ class _Worker:
     torch-loaded one, nor multiprocessing's spawn, which would run the caller's main script
     again) and the parent's ends of its two pipes (the others are passed to it alone)."""
 
-    def __init__(self, setup_path: str) -> None:
+    def __init__(self, setup_fd: int) -> None:
         child_reads, to_child = os.pipe()
         from_child, child_writes = os.pipe()
         # Never blocks: the setup (the tokenizer, megabytes) is read from a file by the child,
         # not pushed through the pipe, which would wait for the child to start reading it.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), setup_path],
-            pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL, close_fds=True)
+            [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), str(setup_fd)],
+            pass_fds=(child_reads, child_writes, setup_fd), stdin=subprocess.DEVNULL, close_fds=True)
         os.close(child_reads)
         os.close(child_writes)
         self.sender = Connection(to_child, readable=False)
@@ -132,10 +132,14 @@ class CompileWorkers:
         if timeout_s <= 0 or workers < 1:
             raise ValueError(f"CompileWorkers: timeout_s > 0 and workers >= 1, got {timeout_s}, {workers}")
         self.timeout_s = timeout_s
-        descriptor, self._setup_path = tempfile.mkstemp(prefix="radixserve-grammar-", suffix=".pickle")
-        with os.fdopen(descriptor, "wb") as setup:
+        # The workers' setup, in a file with no name (unlinked at once: nothing is left behind
+        # however this process ends), which each worker reads through the descriptor it is passed.
+        descriptor, path = tempfile.mkstemp(prefix="radixserve-grammar-")
+        os.unlink(path)
+        with os.fdopen(os.dup(descriptor), "wb") as setup:  # writes it whole
             pickle.dump(tokenizer_info, setup)
-        weakref.finalize(self, _remove, self._setup_path)
+        self._setup_fd = descriptor
+        weakref.finalize(self, os.close, descriptor)
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
         self._turns = threading.BoundedSemaphore(workers)
@@ -220,7 +224,7 @@ class CompileWorkers:
         hold the others, the next compile should not wait for that."""
         with self._lock:
             if not self._idle and self._busy < self._workers:
-                self._idle.append(_Worker(self._setup_path))
+                self._idle.append(_Worker(self._setup_fd))
 
     def _send(self, worker: _Worker | None, job: tuple[str, str]) -> _Worker:
         """Sends `job` to `worker`, or to a new one where it has ended (idle too long)."""
@@ -230,7 +234,7 @@ class CompileWorkers:
                 return worker
             except (OSError, EOFError):
                 worker.kill()
-        worker = _Worker(self._setup_path)
+        worker = _Worker(self._setup_fd)
         try:
             worker.send(job)
         except (OSError, EOFError):
@@ -246,13 +250,8 @@ class CompileWorkers:
             worker.kill()
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _serve(jobs: Connection, replies: Connection, setup_path: str) -> None:
-    """The worker's loop: its setup from `setup_path` first, then (kind, source) in and ("ok",
+def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
+    """The worker's loop: its setup from `setup_fd` first, then (kind, source) in and ("ok",
     serialized) or ("error", message) out, until the parent closes its end or nothing comes
     for IDLE_EXIT_S."""
     os.nice(COMPILE_NICENESS)
@@ -260,8 +259,10 @@ def _serve(jobs: Connection, replies: Connection, setup_path: str) -> None:
 
     from radixserve.grammar.compiled import compile_spec
 
-    with open(setup_path, "rb") as setup:
-        tokenizer_info = pickle.load(setup)
+    # pread, at offset 0: the descriptor's position is shared with every other worker's
+    size = os.fstat(setup_fd).st_size
+    tokenizer_info = pickle.loads(os.pread(setup_fd, size, 0))
+    os.close(setup_fd)
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     replies.send("ready")
@@ -297,10 +298,10 @@ def shared_workers(tokenizer_info: str, timeout_s: float) -> CompileWorkers:
         return _shared[key]
 
 
-def serve_fds(jobs_fd: int, replies_fd: int, setup_path: str) -> None:
+def serve_fds(jobs_fd: int, replies_fd: int, setup_fd: int) -> None:
     """A worker process's entry (_CHILD): `_serve` over the two pipe ends it was passed."""
-    _serve(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), setup_path)
+    _serve(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), setup_fd)
 
 
 _CHILD = ("import sys; from radixserve.grammar.compile_workers import serve_fds; "
-          "serve_fds(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
+          "serve_fds(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
