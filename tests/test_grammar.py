@@ -393,3 +393,19 @@ def test_one_spec_compiled_at_once_is_shared_but_a_failure_is_each_requests_own(
     assert anyio.run(together, bad, ("a", "b", "c")) == {"a": "a", "b": "b", "c": "c"}
     assert grammars.compiles - before == 4
     assert not compiles._in_flight
+
+
+def test_a_slow_accept_counts_against_the_pace_budget_like_a_fill(grammars: Grammars, tokenizer: PreTrainedTokenizerBase,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ambiguous grammar's accepts slow down with its fills (a third attack round: about half
+    a fill each, and untimed): one past the budget ends the request at its next check, as a
+    fill does. Within the budget nothing changes."""
+    matcher = grammars.matcher(GrammarSpec.regex("a+", "guided_regex"))
+    token = tokenizer.encode("a")[0]
+    assert matcher.accept(token)
+    matcher.check_pace()  # within the budget: nothing
+    monkeypatch.setattr(matcher_module, "FILL_BUDGET_S", -1.0)  # every accept is over it
+    assert matcher.accept(token)
+    monkeypatch.undo()
+    with pytest.raises(matcher_module.GrammarTooSlow, match="took over 50 ms of CPU"):
+        matcher.check_pace()

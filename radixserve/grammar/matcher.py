@@ -71,7 +71,7 @@ class Matcher:
         self._row_ids = array("q", [0])  # the logits row of _row_mask, as C reads it
         self._row_mask: TokenMask | None = None  # _prepared for one logits row, packed for C
         self._ready = False  # whether _prepared holds the current state's mask
-        self.too_slow = False  # a fill took longer than FILL_BUDGET_S: no more masks (check_pace)
+        self.too_slow = False  # a fill or accept took longer than FILL_BUDGET_S: no more masks (check_pace)
 
     def fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
         """Writes the allowed next tokens into `bitmask[row]` (int32 words, bit t of word
@@ -132,8 +132,13 @@ class Matcher:
         return mask
 
     def accept(self, token: int) -> bool:
-        """Advances past `token`; False (state unchanged) when the grammar does not allow it."""
+        """Advances past `token`; False (state unchanged) when the grammar does not allow it.
+        Timed like a fill: an ambiguous grammar's accepts slow down with its fills (about half
+        a fill each), and count against the same budget (check_pace)."""
+        start = time.thread_time()
         accepted = bool(self._matcher.accept_token(token))
+        if time.thread_time() - start > FILL_BUDGET_S:
+            self.too_slow = True
         self._ready = self._ready and not accepted
         return accepted
 
