@@ -242,13 +242,6 @@ class CompileWorkers:
             raise
         return worker
 
-    def close(self) -> None:
-        """Ends the idle workers (a busy one ends with its compile's timeout, or the process)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for worker in idle:
-            worker.kill()
-
 
 def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
     """The worker's loop: its setup from `setup_fd` first, then (kind, source) in and ("ok",

@@ -23,6 +23,7 @@ from radixserve.grammar.compile_workers import (
     CompileFailed,
     CompileTimeout,
     CompileTooLarge,
+    CompileWorkers,
     shared_workers,
 )
 from radixserve.grammar.matcher import Matcher
@@ -48,12 +49,15 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self._stop_token_ids or None)
         self._info = info
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
         # Compiles run in worker processes that a timeout can stop (compile_workers.py);
         # None: in the calling thread, unbounded (for callers that trust their specs).
         self.compile_timeout_s = compile_timeout_s
-        self._workers = (shared_workers(info.serialize_json(), compile_timeout_s)
-                         if compile_timeout_s is not None else None)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._workers: CompileWorkers | None = None
+        if compile_timeout_s is None:
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        else:
+            self._workers = shared_workers(info.serialize_json(), compile_timeout_s)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()
@@ -77,7 +81,7 @@ class Grammars:
         except CompileTooLarge as exc:
             raise GrammarError(f"{param}: its grammar is too large: {exc} (many optional parts, say; list more "
                                "properties in `required`); simplify it", param) from None
-        except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
+        except (RuntimeError, ValueError, CompileFailed) as exc:  # the library reports bad input as either
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
                                f"{reason.split('] ', 1)[-1][:300]}", param) from None
@@ -109,22 +113,14 @@ class Grammars:
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         if self._workers is None:
+            assert self._compiler is not None
             return compile_spec(self._compiler, spec.kind, spec.source)
-        try:
-            serialized = self._workers.compile(spec.kind, spec.source)
-        except CompileFailed as exc:
-            raise RuntimeError(str(exc)) from None
-        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
+        return xgrammar.CompiledGrammar.deserialize_json(self._workers.compile(spec.kind, spec.source), self._info)
 
     @property
     def compile_timeouts(self) -> int:
         """Compiles refused for their time (their workers killed), in this tokenizer's pool."""
         return self._workers.timeouts if self._workers is not None else 0
-
-    def close(self) -> None:
-        """Ends the compile workers' idle processes (they also end by themselves when idle)."""
-        if self._workers is not None:
-            self._workers.close()
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A matcher at the start of `spec`'s grammar; it accepts a stop token once complete."""

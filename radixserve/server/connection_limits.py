@@ -143,18 +143,23 @@ class ConnectionLimits:
         if status == 429:
             message = (f"too many open connections from this address (at most {self.per_address:,}); "
                        "reuse connections or retry later")
-            body = ErrorResponse(error=ErrorBody(message=message, type="rate_limit_error", param=None,
-                                                 code="too_many_connections"))
-            reason = "Too Many Requests"
-        else:
-            message = f"the server holds as many open connections as it may ({self.total:,}); retry later"
-            body = ErrorResponse(error=ErrorBody(message=message, type="server_overloaded", param=None,
-                                                 code="too_many_connections"))
-            reason = "Service Unavailable"
-        payload = msgspec.json.encode(body)
-        head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                f"retry-after: 1\r\ncontent-length: {len(payload)}\r\n\r\n")
-        return head.encode("ascii") + payload
+            return closing_error_response(429, "Too Many Requests", message, "rate_limit_error",
+                                          "too_many_connections", retry_after_s=1)
+        message = f"the server holds as many open connections as it may ({self.total:,}); retry later"
+        return closing_error_response(503, "Service Unavailable", message, "server_overloaded",
+                                      "too_many_connections", retry_after_s=1)
+
+
+def closing_error_response(status: int, reason: str, message: str, error_type: str, code: str,
+                           retry_after_s: int | None = None) -> bytes:
+    """A whole HTTP/1.1 response in OpenAI's error shape that closes its connection, as bytes
+    to write to a transport below the app (a refused connection, a head over its bounds)."""
+    payload = msgspec.json.encode(ErrorResponse(error=ErrorBody(message=message, type=error_type, param=None,
+                                                                code=code)))
+    retry = f"retry-after: {retry_after_s}\r\n" if retry_after_s is not None else ""
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"{retry}content-length: {len(payload)}\r\n\r\n")
+    return head.encode("ascii") + payload
 
 
 def with_connection_limits(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyncio.Protocol]:

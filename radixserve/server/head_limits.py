@@ -26,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgspec
-
-from radixserve.server.protocol import ErrorBody, ErrorResponse
+from radixserve.server.connection_limits import closing_error_response
 
 logger = logging.getLogger("radixserve.server")
 
@@ -41,11 +39,8 @@ def head_refusal() -> bytes:
     """The whole HTTP response to a head over the bounds."""
     message = (f"the request head is too large: at most {MAX_HEAD_BYTES:,} bytes of target and header "
                f"fields, and {MAX_HEAD_FIELDS} fields")
-    payload = msgspec.json.encode(ErrorResponse(error=ErrorBody(
-        message=message, type="invalid_request_error", param=None, code="request_header_fields_too_large")))
-    head = (f"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            f"connection: close\r\ncontent-length: {len(payload)}\r\n\r\n")
-    return head.encode("ascii") + payload
+    return closing_error_response(431, "Request Header Fields Too Large", message, "invalid_request_error",
+                                  "request_header_fields_too_large")
 
 
 REFUSAL = head_refusal()
