@@ -12,15 +12,14 @@ over the window (from /metrics), each the median over the repeats; and the chats
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
+from serve_process import start_server
 
 KEYS = "kflood flood;kok ok"
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -30,21 +29,10 @@ FLOOD = {"messages": [{"role": "user", "content": "Write a very long story about
 
 def serve(model: str, port: int, rows: int | None) -> subprocess.Popen:
     """A server on `port` (None: no flood will run, so the limit does not matter)."""
-    args = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port), "--kv-memory-gb", "4"]
+    flags = ["--model", model, "--kv-memory-gb", "4"]
     if rows is not None:
-        args += ["--tenant-step-rows", str(rows)]
-    process = subprocess.Popen(args, env={**os.environ, "RADIXSERVE_API_KEYS": KEYS},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the server did not start")
+        flags += ["--tenant-step-rows", str(rows)]
+    return start_server(flags, port, env={"RADIXSERVE_API_KEYS": KEYS})
 
 
 def generated(base: str) -> float:

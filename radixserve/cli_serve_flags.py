@@ -25,6 +25,7 @@ DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
 DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128  # as engine/engine.py's
 DEFAULT_CPU_TENANT_STEP_ROWS = 32  # as engine/engine.py's
+DEFAULT_GRAMMAR_PACED_SHARE = 0.1  # as engine/grammar_pace.py's
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
                     "--host-write-policy": "--host-tier-write-policy",
                     "--host-offload-min-priority": "--host-tier-min-priority"}
@@ -133,6 +134,10 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                             "fairly between them: one tenant's many streams do not set the others' "
                             "pace (0: no limit; default: "
                             f"{DEFAULT_CPU_TENANT_STEP_ROWS} on a CPU, else no limit)")
+    serve.add_argument("--grammar-paced-share", type=float, default=DEFAULT_GRAMMAR_PACED_SHARE,
+                       help="the share of the engine's time that requests whose output constraint is "
+                            "slow to follow (past 5 ms a token) may take together while others run; "
+                            "their rows sit steps out beyond it (1: no pacing) (default: %(default)s)")
     serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
                        help="generated tokens one request may ask for: prompts x n (or beam width) x "
                             "max_tokens; past it a 400 (an unset max_tokens shrinks to fit) (default: %(default)s)")

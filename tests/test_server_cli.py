@@ -283,6 +283,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--no-prefix-cache", "--host-tier-pages", "64"), "--no-prefix-cache caches nothing, so a host tier"),
     (("--public-cache-hashes", "--cache-hash-secret", "s3cret"), "--public-cache-hashes publishes unkeyed hashes"),
     (("--max-connections-per-client", "-1"), "--max-connections-per-client must be >= 0"),
+    (("--grammar-paced-share", "0"), "--grammar-paced-share: must be in (0, 1] (1: no pacing), got 0.0"),
     # Flags where they would have no effect (cli_serve._ignored_here): refused, not dropped.
     (("--router", "power-of-two", "--replica-cpus", "2"), "--router and --replica-cpus: only for a cluster"),
     (("--replica-gpus", "0.5"), "--replica-gpus: only for a cluster (give --replicas N or --ray-address)"),
@@ -357,3 +358,6 @@ def test_serve_defaults_to_the_engines_step_budget() -> None:
 
     assert args.mixed_prefill_tokens is None  # the engine's own default for its device
     assert CLI_MIXED == DEFAULT_CPU_MIXED_PREFILL_TOKENS == Engine(model="demo", num_pages=8, device="cpu").scheduler.mixed_prefill_tokens
+    from radixserve.engine.grammar_pace import PACED_SHARE
+
+    assert args.grammar_paced_share == PACED_SHARE == inspect.signature(Engine).parameters["grammar_paced_share"].default

@@ -40,6 +40,7 @@ from radixserve.engine.engine_stats import (
     new_counters,
 )
 from radixserve.engine.fair_share import FairShare
+from radixserve.engine.grammar_pace import PACED_SHARE, GrammarPace
 from radixserve.engine.params import (
     QueueFull,
     RequestOutput,
@@ -104,6 +105,9 @@ class Engine:
         tenant_step_rows: while several tenants decode, the rows a step runs, shared fairly
             between the tenants; a tenant's rows beyond its share sit the step out in turns
             (engine/step_share.py). None: 32 on a CPU, else no limit; 0: no limit.
+        grammar_paced_share: the share of the engine's time that rows of slow output
+            constraints (past 5 ms of grammar work in a step) may take together while other
+            rows run; their rows sit steps out beyond it (engine/grammar_pace.py). 1: no pacing.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache (and a
             tenant's raised retention at most, after the last request that raised it).
@@ -148,6 +152,7 @@ class Engine:
                  dtype: str | torch.dtype | None = None, max_running: int = 256,
                  max_queue: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  mixed_prefill_tokens: int | None = None, tenant_step_rows: int | None = None,
+                 grammar_paced_share: float = PACED_SHARE,
                  max_wait_s: float = 30.0, session_ttl_s: float = 600.0,
                  max_session_tokens: int | None = None,
                  enable_prefix_cache: bool = True, debug_checks: bool = False,
@@ -166,6 +171,8 @@ class Engine:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if tenant_step_rows is not None and tenant_step_rows < 0:
             raise ValueError(f"tenant_step_rows: must be >= 0 (0: no limit), got {tenant_step_rows}")
+        if not 0 < grammar_paced_share <= 1:
+            raise ValueError(f"grammar_paced_share: must be in (0, 1] (1: no pacing), got {grammar_paced_share}")
         if grammar_compile_timeout_s is not None and grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s: must be > 0 (or None), got {grammar_compile_timeout_s}")
         self._grammar_compile_timeout_s = grammar_compile_timeout_s
@@ -204,6 +211,7 @@ class Engine:
                                    max_running=max_running, max_batch_tokens=max_batch_tokens,
                                    mixed_prefill_tokens=mixed_prefill_tokens, chunk_cost=chunk_cost,
                                    tenant_step_rows=tenant_step_rows or None,
+                                   grammar_pace=GrammarPace(time.monotonic, share=grammar_paced_share),
                                    clock=time.monotonic, prefix_cache=enable_prefix_cache,
                                    window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
                                    fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))

@@ -34,6 +34,7 @@ class SchedulerCounters:
     fair_preemptions: int = 0  # of those, for a tenant served less (engine/fair_share.py)
     shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
     held_rows: int = 0  # decoding rows that sat a step out for another tenant's share (step_share.py)
+    paced_rows: int = 0  # rows of slow grammars that sat a step out for the other rows (grammar_pace.py)
     deferred_for_sharing: int = 0
     admitted: int = 0
     loaded_tokens: int = 0  # prompt tokens copied back from the host tier instead of recomputed

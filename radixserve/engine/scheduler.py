@@ -14,7 +14,9 @@ With several tenants, both orders are fair_share.py's first: tenants are interle
 the service they have had (so the tenant with the most is preempted first), and the order
 above holds within each tenant; with one tenant they are exactly the orders above. With a
 `tenant_step_rows` limit, a tenant's decoding rows beyond its share of the limit sit the step
-out (step_share.py), so that one tenant's many streams do not set the others' pace.
+out (step_share.py), so that one tenant's many streams do not set the others' pace; rows of
+slow grammars sit steps out alike, so that they take a bounded part of the engine's time
+(grammar_pace.py).
 It knows nothing of the model: the runner turns its Batch into a forward pass.
 
 With a host tier under the tree, a prefix found on the host is loaded back into device pages
@@ -44,6 +46,7 @@ import numpy as np
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
 from radixserve.engine.fair_share import FairShare
+from radixserve.engine.grammar_pace import GrammarPace
 from radixserve.engine.policy import SchedulePolicy, common_prefix_len
 from radixserve.engine.request import SequenceState
 from radixserve.engine.scheduled import ScheduledChunk, SchedulerCounters
@@ -61,7 +64,8 @@ class Scheduler:
                  max_running: int, max_batch_tokens: int, clock: Callable[[], float],
                  prefix_cache: bool = True, window: int | None = None, cache_partial_pages: bool = False,
                  fair_share: FairShare | None = None, mixed_prefill_tokens: int | None = None,
-                 chunk_cost: ChunkCost | None = None, tenant_step_rows: int | None = None) -> None:
+                 chunk_cost: ChunkCost | None = None, tenant_step_rows: int | None = None,
+                 grammar_pace: GrammarPace | None = None) -> None:
         self.pool = pool
         self.tree = tree
         self.policy = policy
@@ -80,6 +84,8 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self.counters = SchedulerCounters()
         self.fair = fair_share or FairShare()  # the order across tenants (engine/fair_share.py)
+        # Slow grammars' rows sit steps out (engine/grammar_pace.py).
+        self.grammar_pace = grammar_pace or GrammarPace(clock)
         self.pages = SequencePages(pool, tree, self.counters, prefix_cache=prefix_cache, window=window,
                                    cache_partial_pages=cache_partial_pages)
 
@@ -159,12 +165,15 @@ class Scheduler:
 
     def _units_held(self, units: list[list[SequenceState]]) -> set[int]:
         """The sequences (seq_ids) of the running units that sit this step out: tenants'
-        decoding rows beyond their shares of `tenant_step_rows` (step_share.py)."""
-        if self.tenant_step_rows is None or not self.fair.enabled:
-            return set()
-        held = units_held(units, self.tenant_step_rows)
-        self.counters.held_rows += len(held)
-        return held
+        decoding rows beyond their shares of `tenant_step_rows` (step_share.py), and rows of
+        slow grammars while their part of the engine's time is spent (grammar_pace.py)."""
+        held: set[int] = set()
+        if self.tenant_step_rows is not None and self.fair.enabled:
+            held = units_held(units, self.tenant_step_rows)
+            self.counters.held_rows += len(held)
+        paced = self.grammar_pace.held(units, held) - held
+        self.counters.paced_rows += len(paced)
+        return held | paced
 
     def _admit_claimant(self, head: SequenceState, tokens: int, cap: int) -> list[ScheduledChunk]:
         """Admits a claimant's unit now with its first chunks, within `tokens` and their cost

@@ -95,6 +95,7 @@ class StepLoop:
         if chunks:
             self._timings.steps += 1
             self.run(chunks)
+            self._scheduler.grammar_pace.bill(c.seq for c in chunks)
         self._counters["steps"] += 1
         prefilled = sum(c.num_new for c in chunks if c.num_new > 1)
         self._counters["prefill_tokens"] += prefilled  # for prefill time per token (vs. a copy's)

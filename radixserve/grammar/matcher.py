@@ -72,6 +72,9 @@ class Matcher:
         self._row_mask: TokenMask | None = None  # _prepared for one logits row, packed for C
         self._ready = False  # whether _prepared holds the current state's mask
         self.too_slow = False  # a fill or accept took longer than FILL_BUDGET_S: no more masks (check_pace)
+        self.paced = False  # its steps' work was once slow: it shares the paced part of the engine (grammar_pace.py)
+        self._work_s = 0.0  # CPU time of fills and accepts since the last take_work
+        self.last_work_s = 0.0  # what the last take_work returned
 
     def fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
         """Writes the allowed next tokens into `bitmask[row]` (int32 words, bit t of word
@@ -97,11 +100,21 @@ class Matcher:
     def _timed_fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
         start = time.thread_time()
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        if time.thread_time() - start > FILL_BUDGET_S:
-            self.too_slow = True
+        self._spent(time.thread_time() - start)
         if not bitmask[row].any() and not self._matcher.is_terminated():  # a stop token counts
             raise GrammarDeadEnd("the request's output constraint allows no next token, not even an end: "
                                  "no output can ever meet it")
+
+    def _spent(self, seconds: float) -> None:
+        self._work_s += seconds
+        if seconds > FILL_BUDGET_S:
+            self.too_slow = True
+
+    def take_work(self) -> float:
+        """The CPU seconds of fills and accepts since the last call (engine/grammar_pace.py
+        bills them to the step that did them)."""
+        self.last_work_s, self._work_s = self._work_s, 0.0
+        return self.last_work_s
 
     def check_pace(self) -> None:
         """GrammarTooSlow once a fill of this matcher took longer than FILL_BUDGET_S: the
@@ -137,14 +150,16 @@ class Matcher:
         a fill each), and count against the same budget (check_pace)."""
         start = time.thread_time()
         accepted = bool(self._matcher.accept_token(token))
-        if time.thread_time() - start > FILL_BUDGET_S:
-            self.too_slow = True
+        self._spent(time.thread_time() - start)
         self._ready = self._ready and not accepted
         return accepted
 
     def fork(self) -> Matcher:
-        """An independent copy of this state (a beam's child continues from its parent)."""
-        return Matcher(self._matcher.fork(), self._vocab_size)
+        """An independent copy of this state (a beam's child continues from its parent; paced
+        if the parent is)."""
+        child = Matcher(self._matcher.fork(), self._vocab_size)
+        child.paced = self.paced
+        return child
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` accepted tokens."""

@@ -40,6 +40,8 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "preemptions": ("preemptions", "counter", "Sequences preempted for memory."),
     "held_rows": ("held_rows", "counter",
                   "Decoding rows that sat a step out for other tenants' shares of the step (--tenant-step-rows)."),
+    "paced_rows": ("grammar_paced_rows", "counter",
+                   "Rows of slow output constraints that sat a step out for the other rows."),
     "deferred_for_sharing": ("deferred_for_sharing", "counter",
                              "Admissions deferred so that a request reuses another's prefix."),
     "steps": ("engine_steps", "counter", "Engine steps run."),

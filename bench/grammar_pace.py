@@ -1,0 +1,95 @@
+"""Clients looping an ambiguous guided_regex beside an innocent streaming client, with and
+without --grammar-paced-share (engine/grammar_pace.py).
+
+Each attacker loops a request whose regex, `((a|aa|aaa){0,100}){0,100}a{40}b`, compiles in
+milliseconds and then makes each step's grammar work 1.5-2x the last until the per-fill
+budget ends the request (a 400). Beside them one innocent client streams 32-token chats one
+after another for `--window-s` seconds. For each setting (taking turns, `--repeats` times) a
+fresh `radixserve serve`; reported per setting, each the median over the repeats: the
+innocent's chats completed in the window, its token gaps (p50/p90/p99: time between stream
+events, the first one after the request included), and the attackers' requests answered.
+The innocent alone is the reference.
+
+    python bench/grammar_pace.py --model smollm2 --attackers 8,32 --shares 1,0.1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import httpx
+from serve_process import start_server
+
+REGEX = "((a|aa|aaa){0,100}){0,100}a{40}b"
+INNOCENT = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+ATTACK = {"messages": [{"role": "user", "content": "Write a's."}], "max_tokens": 100, "guided_regex": REGEX}
+
+
+async def window(base: str, attackers: int, seconds: float) -> dict[str, float]:
+    url = base + "/v1/chat/completions"
+    gaps: list[float] = []
+    chats = answered = 0
+
+    async def attack(client: httpx.AsyncClient, stop: float) -> None:
+        nonlocal answered
+        while time.monotonic() < stop:
+            await client.post(url, json=ATTACK)
+            answered += 1
+
+    async def innocent(client: httpx.AsyncClient, stop: float) -> None:
+        nonlocal chats
+        while time.monotonic() < stop:
+            last = time.monotonic()
+            async with client.stream("POST", url, json=INNOCENT) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        now = time.monotonic()
+                        gaps.append(now - last)
+                        last = now
+            chats += 1
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=attackers + 4)) as client:
+        await client.post(url, json={**INNOCENT, "stream": False})  # warm up
+        stop = time.monotonic() + seconds
+        await asyncio.gather(innocent(client, stop), *(attack(client, stop) for _ in range(attackers)))
+    gaps.sort()
+    at = lambda q: 1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
+    return {"chats": chats, "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "attacks": answered}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--port", type=int, default=8791)
+    parser.add_argument("--attackers", default="8,32")
+    parser.add_argument("--shares", default="1,0.1", help="--grammar-paced-share values (1: no pacing)")
+    parser.add_argument("--window-s", type=float, default=20.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    cells = [(0, 1.0)] + [(int(a), float(s)) for a in args.attackers.split(",") for s in args.shares.split(",")]
+    runs: dict[tuple[int, float], list[dict[str, float]]] = {cell: [] for cell in cells}
+    for _ in range(args.repeats):
+        for attackers, share in cells:
+            process = start_server(["--model", args.model, "--grammar-paced-share", str(share)], args.port)
+            try:
+                runs[attackers, share].append(asyncio.run(window(f"http://127.0.0.1:{args.port}", attackers,
+                                                                 args.window_s)))
+            finally:
+                process.terminate()
+                process.wait(60)
+    print(f"| attackers | paced share | innocent chats in {args.window_s:g} s | token gap p50 / p90 / p99 (ms) "
+          "| attack requests answered |")
+    print("|---|---|---|---|---|")
+    for attackers, share in cells:
+        med = {key: statistics.median(run[key] for run in runs[attackers, share]) for key in runs[attackers, share][0]}
+        label = "-" if attackers == 0 else ("1 (off)" if share >= 1 else f"{share:g}")
+        print(f"| {attackers} | {label} | {med['chats']:g} | {med['p50']:.0f} / {med['p90']:.0f} / {med['p99']:.0f} "
+              f"| {med['attacks']:g} |")
+
+
+if __name__ == "__main__":
+    main()

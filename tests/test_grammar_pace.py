@@ -1,0 +1,196 @@
+"""Slow output constraints take a bounded share of the engine (engine/grammar_pace.py).
+
+The unit tests drive GrammarPace with a clock of their own and real matchers; the engine test
+runs an ambiguous regex (each step's grammar work larger than the last) beside an innocent
+request and checks, step by step, the one inequality pacing promises: after paced work W in a
+step with others running, the paced rows run again beside others only W x (1/share - 1) of
+wall time later. Wall time only grows on a loaded machine, so it holds there too; without
+the pacing it fails by about that factor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from transformers import AutoTokenizer
+
+from radixserve import Engine, SamplingParams
+from radixserve.engine.grammar_pace import SLOW_GRAMMAR_S, GrammarPace
+from radixserve.engine.params import SamplingParams as Params
+from radixserve.engine.request import Request, SequenceState
+from radixserve.grammar import Grammars, GrammarSpec
+from radixserve.grammar.matcher import Matcher
+from radixserve.models.demo import demo_checkpoint_dir
+
+AMBIGUOUS = "((a|aa|aaa){0,100}){0,100}a{40}b"  # each step's work 1.5-2x the last
+
+
+TOKENIZER = AutoTokenizer.from_pretrained(str(demo_checkpoint_dir()))
+A = TOKENIZER.encode("a")[0]
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    return Grammars(TOKENIZER, 2048, [TOKENIZER.eos_token_id], compile_timeout_s=None)
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def unit(grammar: Matcher | None, last_step: int = 0) -> list[SequenceState]:
+    """A one-sequence decoding unit with `grammar`."""
+    request = Request(f"r{id(grammar)}-{last_step}", [1, 2], Params(), 0.0, 0)
+    seq = SequenceState(request, 0, [1, 2, 3], None, None, None, grammar=grammar)  # type: ignore[arg-type]
+    seq.num_computed, seq.last_step = 2, last_step
+    return [seq]
+
+
+def worked(grammars: Grammars, pattern: str, steps: int) -> Matcher:
+    """A matcher of `pattern` that has filled and accepted "a" `steps` times (work to bill)."""
+    matcher = grammars.matcher(GrammarSpec.regex(pattern, "guided_regex"))
+    for _ in range(steps):
+        matcher.prepare()
+        assert matcher.accept(A)
+    matcher.prepare()
+    return matcher
+
+
+def ids(units: list[list[SequenceState]]) -> set[int]:
+    return {seq.seq_id for u in units for seq in u}
+
+
+def test_a_row_is_paced_once_its_step_work_passes_the_bound_and_real_grammars_never_are(grammars: Grammars) -> None:
+    pace = GrammarPace(Clock())
+    cheap = [unit(worked(grammars, "a{0,30}b", 1)) for _ in range(3)]
+    slow = unit(grammars.matcher(GrammarSpec.regex(AMBIGUOUS, "guided_regex")))
+    for _ in range(40):  # the ambiguous one passes 5 ms within some 10 steps (CPU time)
+        slow[0].grammar.accept(A)
+        slow[0].grammar.prepare()
+        pace.bill([seq for u in [*cheap, slow] for seq in u])
+        for u in cheap:
+            u[0].grammar.accept(A)
+            u[0].grammar.prepare()
+        if slow[0].grammar.paced:
+            break
+    assert slow[0].grammar.paced and slow[0].grammar.last_work_s > SLOW_GRAMMAR_S
+    assert not any(u[0].grammar.paced for u in cheap)
+    assert all(u[0].grammar.last_work_s < SLOW_GRAMMAR_S for u in cheap)
+
+
+def test_paced_rows_sit_out_until_their_work_is_paid_for_by_the_others_time(grammars: Grammars) -> None:
+    clock = Clock()
+    pace = GrammarPace(clock, slow_s=-1.0, share=0.2)  # every constrained row is paced
+    first, second = unit(worked(grammars, AMBIGUOUS, 4), last_step=3), unit(worked(grammars, AMBIGUOUS, 4), last_step=5)
+    innocent = unit(None)
+    clock.now = 10.0
+    pace.bill([first[0], second[0], innocent[0]])
+    work = first[0].grammar.last_work_s + second[0].grammar.last_work_s
+    assert work > 0 and pace.ready_at == pytest.approx(10.0 + 4 * work)  # work x (1/share - 1)
+    units = [innocent, first, second]
+    assert pace.held(units, set()) == ids([first, second])
+    clock.now = pace.ready_at - 1e-9
+    assert pace.held(units, set()) == ids([first, second])
+    clock.now = pace.ready_at
+    # Their time has come: the least recently run (step 3) goes first, the other while both
+    # (their last work doubled) fit in the step's paced budget.
+    assert pace.held(units, set()) == set()
+    pace.step_s = 0.0
+    assert pace.held(units, set()) == ids([second])
+    first[0].last_step = 9
+    assert pace.held(units, set()) == ids([first])
+    # A tenant's share holding the only other row leaves the paced rows alone: they run.
+    clock.now = 0.0
+    pace.ready_at = 5.0
+    assert pace.held(units, ids([innocent])) == ids([first])  # (the step's paced budget still applies)
+
+
+def test_alone_paced_rows_run_and_owe_nothing(grammars: Grammars) -> None:
+    clock = Clock()
+    pace = GrammarPace(clock, slow_s=-1.0, share=0.1)
+    paced = [unit(worked(grammars, AMBIGUOUS, 3), last_step=i) for i in range(3)]
+    pace.bill([u[0] for u in paced])
+    assert pace.ready_at > 0
+    assert pace.held(paced, set()) == set()  # nobody else runs: nothing held...
+    assert pace.ready_at == float("-inf")  # ...and the debt forgiven
+    innocent = unit(None)
+    assert pace.held([innocent, *paced], set()) == set()  # a newcomer does not find them in debt
+    pace.bill([paced[0][0], innocent[0]])  # (nothing new billed: no work since)
+    assert pace.ready_at == float("-inf")
+
+
+def test_a_share_of_one_paces_nothing(grammars: Grammars) -> None:
+    clock = Clock()
+    pace = GrammarPace(clock, slow_s=-1.0, share=1.0, step_s=0.0)
+    paced = [unit(worked(grammars, AMBIGUOUS, 3), last_step=i) for i in range(3)]
+    pace.bill([u[0] for u in paced])
+    assert pace.held([unit(None), *paced], set()) == set()
+    with pytest.raises(ValueError, match="share"):
+        GrammarPace(clock, share=0.0)
+    with pytest.raises(ValueError, match="grammar_paced_share"):
+        Engine("demo", num_pages=8, grammar_paced_share=1.5)
+
+
+def run(engine: Engine, requests: dict[str, tuple[str, SamplingParams]],
+        join: Iterator[tuple[str, str, SamplingParams]] | None = None,
+        watch: list | None = None) -> dict[str, tuple[list[int], str | None]]:
+    """Runs `requests` to the end (and each of `join` once a row of theirs is paced);
+    their tokens and finish reasons. `watch` gets, per step, (time before it, time after it,
+    paced work run beside an unpaced row in it)."""
+    out: dict[str, tuple[list[int], str | None]] = {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=rid)
+        out[rid] = ([], None)
+    pending = list(join or [])
+    while engine.has_work():
+        if pending and any(s.grammar is not None and s.grammar.paced for s in engine.scheduler.running):
+            rid, prompt, params = pending.pop(0)
+            engine.add_request(prompt, params, request_id=rid)
+            out[rid] = ([], None)
+        before = time.monotonic()
+        deltas = engine.step()
+        after = time.monotonic()
+        if watch is not None:
+            step = engine.scheduler._step
+            ran = [s for s in engine.scheduler.running if s.last_step == step]
+            paced_work = sum(s.grammar.last_work_s for s in ran if s.grammar is not None and s.grammar.paced)
+            beside = any(s.grammar is None for s in ran)
+            watch.append((before, after, paced_work if beside else 0.0, beside))
+        for rid, items in deltas.items():
+            for delta in items:
+                out[rid][0].extend(delta.token_ids)
+                out[rid] = (out[rid][0], delta.finish_reason or out[rid][1])
+    return out
+
+
+def test_an_ambiguous_grammar_beside_an_innocent_is_paced_and_changes_no_token() -> None:
+    # Large enough for several paced runs within the innocent's life, small enough that the
+    # paced rows' own steps (without the pacing) come sooner than the promise: 0.08 s vs 0.16.
+    share = 0.2
+    engine = Engine("demo", num_pages=512, page_size=16, debug_checks=True, grammar_compile_timeout_s=None,
+                    grammar_paced_share=share)
+    innocent = ("an innocent prompt", SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    attack = SamplingParams(max_tokens=200, temperature=0.0, grammar=GrammarSpec.regex(AMBIGUOUS, "guided_regex"))
+    alone = run(engine, {"innocent": innocent})["innocent"]
+    watch: list[tuple[float, float, float, bool]] = []
+    together = run(engine, {f"attack{i}": (f"a{i}", attack) for i in range(4)},
+                   join=iter([("innocent", *innocent)]), watch=watch)
+    assert together["innocent"] == alone  # token for token
+    for i in range(4):
+        assert together[f"attack{i}"][1] == "error"  # its grammar grew too slow: it ended alone
+    assert engine.stats()["paced_rows"] > 0
+    engine.check_invariants()
+    # The promise: paced work W run beside an unpaced row in step i, the paced rows ran beside
+    # one again no sooner than W x (1/share - 1) after step i began.
+    paced_steps = [(before, after, work) for before, after, work, beside in watch if beside and work > 0]
+    assert len(paced_steps) >= 2, paced_steps
+    for (before, _, work), (_, next_after, _) in zip(paced_steps, paced_steps[1:]):
+        assert next_after - before >= work * (1 / share - 1)
