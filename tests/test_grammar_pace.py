@@ -46,9 +46,9 @@ class Clock:
         return self.now
 
 
-def unit(grammar: Matcher | None, last_step: int = 0) -> list[SequenceState]:
-    """A one-sequence decoding unit with `grammar`."""
-    request = Request(f"r{id(grammar)}-{last_step}", [1, 2], Params(), 0.0, 0)
+def unit(grammar: Matcher | None, last_step: int = 0, tenant: str | None = None) -> list[SequenceState]:
+    """A one-sequence decoding unit of `tenant` with `grammar`."""
+    request = Request(f"r{id(grammar)}-{last_step}", [1, 2], Params(), 0.0, 0, tenant=tenant)
     seq = SequenceState(request, 0, [1, 2, 3], None, None, None, grammar=grammar)  # type: ignore[arg-type]
     seq.num_computed, seq.last_step = 2, last_step
     return [seq]
@@ -111,6 +111,26 @@ def test_paced_rows_sit_out_until_their_work_is_paid_for_by_the_others_time(gram
     clock.now = 0.0
     pace.ready_at = 5.0
     assert pace.held(units, ids([innocent])) == ids([first])  # (the step's paced budget still applies)
+
+
+def test_tenants_take_turns_at_the_paced_part(grammars: Grammars) -> None:
+    """One tenant's five slow rows and another's one, a step's paced budget for one row: the
+    lone row runs every other paced turn, not every sixth."""
+    clock = Clock()
+    pace = GrammarPace(clock, slow_s=-1.0, step_s=0.0)
+    many = [unit(worked(grammars, AMBIGUOUS, 2), last_step=i, tenant="many") for i in range(5)]
+    one = unit(worked(grammars, AMBIGUOUS, 2), last_step=0, tenant="one")
+    pace.bill([u[0] for u in [*many, one]])
+    units = [unit(None), *many, one]
+    turns = []
+    for step in range(10, 20):
+        clock.now = pace.ready_at = 0.0  # their time has come, each turn
+        (ran,) = [u for u in units[1:] if u[0].seq_id not in pace.held(units, set())]
+        ran[0].last_step = step
+        turns.append(ran[0].request.tenant)
+    assert turns == ["one", "many"] * 5
+    # Within a tenant, least recently run first: all five of "many" had a turn.
+    assert [u[0].last_step for u in many] == [11, 13, 15, 17, 19]
 
 
 def test_alone_paced_rows_run_and_owe_nothing(grammars: Grammars) -> None:

@@ -16,8 +16,9 @@ and all paced rows together may take `PACED_SHARE` of the engine's wall time whi
 rows run: each step's paced work moves a shared ready time ahead by work x (1 / share - 1);
 until then every paced row sits the step out, keeping its pages and its place in the
 preemption order (as a row held for another tenant's share does, step_share.py); after it,
-the paced rows that ran least recently run, as many as `PACED_STEP_S` of work fits (their
-last steps' work, doubled: it grows), at least one, so that no step adds up many such fills.
+paced rows run, as many as `PACED_STEP_S` of work fits (their last steps' work, doubled: it
+grows), at least one, so that no step adds up many such fills; tenants take turns, and a
+tenant's rows run least recently run first.
 The bound is on all paced rows together, whoever sends them: thirty-two attacking loops cost
 the others no more than eight. Work is billed to the step that did it, including the fills
 prepared for the next step. Pacing only makes way for others: while no other row runs, the
@@ -26,7 +27,7 @@ paced rows run (still at most `PACED_STEP_S` a step) and owe nothing for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from radixserve.engine.request import SequenceState
 
@@ -76,7 +77,7 @@ class GrammarPace:
     def held(self, units: list[list[SequenceState]], held: set[int]) -> set[int]:
         """The seq_ids of the paced units' members that sit this step out: all of them until
         the ready time. Then the paced units that ran least recently run, as many as fit in
-        `step_s` by their last step's work (at least one): the paced rows' fills in one step
+        `step_s` by their last step's work (at least one; tenants take turns): the paced rows' fills in one step
         would add up to one long pause for everyone. When no other unit (not paced, not
         already `held`) would run, the paced rows run so, and their debt is forgiven: pacing
         makes way for others, it does not hold rows back for work done while nobody waited."""
@@ -90,7 +91,7 @@ class GrammarPace:
             self.ready_at = float("-inf")
         elif self._clock() < self.ready_at:
             return {seq.seq_id for unit in paced for seq in unit}
-        paced.sort(key=lambda unit: (unit[0].last_step, unit[0].seq_id))
+        paced.sort(key=_turns(paced))
         left, runs = self.step_s, 0
         for unit in paced:
             work = 2 * sum(s.grammar.last_work_s for s in unit if s.grammar is not None)  # fills grow
@@ -99,3 +100,16 @@ class GrammarPace:
             left -= work
             runs += 1
         return {seq.seq_id for unit in paced[runs:] for seq in unit}
+
+
+def _turns(paced: list[list[SequenceState]]) -> Callable[[list[SequenceState]], tuple]:
+    """The order paced units take their turns in: tenants in turn (whose paced units ran
+    least recently first), each tenant's units least recently run first, so that one
+    tenant's many slow rows do not take the paced part from another's one."""
+    by_tenant: dict[Hashable, list[list[SequenceState]]] = {}
+    for unit in sorted(paced, key=lambda u: (u[0].last_step, u[0].seq_id)):
+        by_tenant.setdefault(unit[0].request.tenant, []).append(unit)
+    ran = {tenant: max(u[0].last_step for u in units) for tenant, units in by_tenant.items()}
+    rank = {unit[0].seq_id: (i, ran[tenant], unit[0].last_step, unit[0].seq_id)
+            for tenant, units in by_tenant.items() for i, unit in enumerate(units)}
+    return lambda unit: rank[unit[0].seq_id]
