@@ -136,7 +136,7 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                             f"{DEFAULT_CPU_TENANT_STEP_ROWS} on a CPU, else no limit)")
     serve.add_argument("--grammar-paced-share", type=float, default=DEFAULT_GRAMMAR_PACED_SHARE,
                        help="the share of the engine's time that requests whose output constraint is "
-                            "slow to follow (past 5 ms a token) may take together while others run; "
+                            "slow to follow (over 1 ms of work a token, on average) may take together while others run; "
                             "their rows sit steps out beyond it (1: no pacing) (default: %(default)s)")
     serve.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
                        help="generated tokens one request may ask for: prompts x n (or beam width) x "

@@ -69,17 +69,17 @@ class BeamDriver:
 
     def deliver(self, beams: list[tuple[SequenceState, int]], logits: torch.Tensor) -> None:
         """Hands each beam its logits row; a group whose beams have all delivered steps."""
-        groups: dict[int, BeamGroup] = {}
+        rows: dict[int, tuple[BeamGroup, list[tuple[SequenceState, int]]]] = {}
         for seq, row in beams:
             group = seq.request.beam
             if group is not None and not group.done:
-                group.deliver(seq, logits[row])
-                groups[id(group)] = group
-        for group in groups.values():
-            if not group.ready:
-                continue
+                rows.setdefault(id(group), (group, []))[1].append((seq, row))
+        for group, members in rows.values():
             try:
-                self._step(group)
+                for seq, row in members:  # (a beam's mask: its grammar may have grown too slow)
+                    group.deliver(seq, logits[row])
+                if group.ready:
+                    self._step(group)
             except GrammarFault as exc:  # the request's own constraint: its client is told, no traceback
                 logger.info("beam search of request %s ends: %s", group.request.request_id, exc)
                 self._fail(group.request, exc)

@@ -106,7 +106,7 @@ class Engine:
             between the tenants; a tenant's rows beyond its share sit the step out in turns
             (engine/step_share.py). None: 32 on a CPU, else no limit; 0: no limit.
         grammar_paced_share: the share of the engine's time that rows of slow output
-            constraints (past 5 ms of grammar work in a step) may take together while other
+            constraints (over 1 ms of grammar work a step, on average) may take together while other
             rows run; their rows sit steps out beyond it (engine/grammar_pace.py). 1: no pacing.
         max_wait_s: aging bound; a request waiting longer is admitted in arrival order.
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache (and a

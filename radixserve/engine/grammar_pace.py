@@ -10,7 +10,7 @@ about 180 ms of the thread later. Each such request is legal and ends with a 400
 clients sending them in a loop cut another client's streams by 6-10x. Ending them sooner
 does not help: every new request starts cheap.
 
-So a row whose grammar work in one step passes `SLOW_GRAMMAR_S` (CPU time, like the fill
+So a row whose mean grammar work per step passes `SLOW_GRAMMAR_S` (CPU time, like the fill
 budget: a descheduled thread is nobody's grammar's fault) is paced for the rest of its life,
 and all paced rows together may take `PACED_SHARE` of the engine's wall time while other
 rows run: each step's paced work moves a shared ready time ahead by work x (1 / share - 1);
@@ -31,9 +31,12 @@ from collections.abc import Callable, Hashable, Iterable
 
 from radixserve.engine.request import SequenceState
 
-# A step's grammar work for one row past which the row is paced: six times the most a real
-# schema, regex or tool grammar took (0.8 ms; see above).
-SLOW_GRAMMAR_S = 0.005
+# A row's mean grammar work per step (each step weighing half of it: a growing grammar is
+# caught within a step or two) past which the row is paced: six times the largest mean of a
+# real schema, regex or tool grammar (0.17 ms; one step took at most 0.8 ms, see above).
+# Not higher: rows just under the bound are never paced, and 32 rows of a regex at 3 ms a
+# step (`([b-z]+ ){300,1000}`) made another client's steps twice as slow as 32 plain streams.
+SLOW_GRAMMAR_S = 0.001
 # The share of the engine's time paced grammars may take while other rows run: the others'
 # steps come at least 1 - share as often as without them. A paced row itself runs at most
 # share / its work steps a second (5 ms a step: 20 tokens a second beside others).
@@ -60,14 +63,16 @@ class GrammarPace:
 
     def bill(self, seqs: Iterable[SequenceState]) -> None:
         """Takes the grammar work the step did for `seqs` (the rows it ran, finished ones
-        included); a row past `slow_s` becomes paced, and paced work moves the ready time."""
+        included); a row whose mean work per step passes `slow_s` becomes paced, and paced
+        work moves the ready time."""
         paced_work = 0.0
         for seq in seqs:
             grammar = seq.grammar
             if grammar is None:
                 continue
             work = grammar.take_work()
-            if work > self.slow_s:
+            grammar.mean_work_s = (grammar.mean_work_s + work) / 2
+            if grammar.mean_work_s > self.slow_s:
                 grammar.paced = True
             if grammar.paced:
                 paced_work += work
@@ -79,7 +84,7 @@ class GrammarPace:
         the ready time. Then the paced units that ran least recently run, as many as fit in
         `step_s` by their last step's work (at least one; tenants take turns): the paced rows' fills in one step
         would add up to one long pause for everyone. When no other unit (not paced, not
-        already `held`) would run, the paced rows run so, and their debt is forgiven: pacing
+        already `held`, with tokens to run) would run, the paced rows run so, and their debt is forgiven: pacing
         makes way for others, it does not hold rows back for work done while nobody waited."""
         if self.share >= 1:  # no pacing (a baseline)
             return set()
@@ -87,7 +92,7 @@ class GrammarPace:
         if not paced:
             return set()
         paced_ids = {unit[0].seq_id for unit in paced}
-        if not any(unit[0].seq_id not in paced_ids and unit[0].seq_id not in held for unit in units):
+        if not any(unit[0].seq_id not in paced_ids and unit[0].seq_id not in held and _can_run(unit) for unit in units):
             self.ready_at = float("-inf")
         elif self._clock() < self.ready_at:
             return {seq.seq_id for unit in paced for seq in unit}
@@ -101,6 +106,11 @@ class GrammarPace:
             runs += 1
         return {seq.seq_id for unit in paced[runs:] for seq in unit}
 
+
+def _can_run(unit: list[SequenceState]) -> bool:
+    """Whether the unit has a chunk to run now: tokens to compute, no copy from the host
+    pending (beams that delivered their logits wait for their siblings' step instead)."""
+    return any(seq.num_computed < seq.num_tokens and not seq.pending_loads for seq in unit)
 
 def _turns(paced: list[list[SequenceState]]) -> Callable[[list[SequenceState]], tuple]:
     """The order paced units take their turns in: tenants in turn (whose paced units ran

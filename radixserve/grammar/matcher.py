@@ -75,6 +75,7 @@ class Matcher:
         self.paced = False  # its steps' work was once slow: it shares the paced part of the engine (grammar_pace.py)
         self._work_s = 0.0  # CPU time of fills and accepts since the last take_work
         self.last_work_s = 0.0  # what the last take_work returned
+        self.mean_work_s = 0.0  # its steps' work, each step's weighing half (grammar_pace.py's)
 
     def fill(self, bitmask: torch.Tensor | np.ndarray, row: int) -> None:
         """Writes the allowed next tokens into `bitmask[row]` (int32 words, bit t of word
