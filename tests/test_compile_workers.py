@@ -61,6 +61,24 @@ def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer
     assert grammars.compile_timeouts == 1
 
 
+def test_a_grammar_whose_first_steps_pass_the_fill_budget_is_refused_before_generation(tokenizer: Any) -> None:
+    """xgrammar's fill cannot be interrupted: `(.+\\s?){0,1000}` after one long token takes a
+    fill of seconds (11 s on SmolLM2's vocabulary), which stalled every stream at that step.
+    The worker walks the first steps (grammar/probe.py) and refuses it, with the words the
+    engine uses when it finds one later; real specs pass the walk."""
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id])
+    ambiguous = GrammarSpec.regex(r"(.+\s?){0,1000}", "guided_regex")
+    with pytest.raises(GrammarError) as refused:
+        grammars.compile(ambiguous, "guided_regex")
+    message = str(refused.value)
+    assert message.startswith("guided_regex: the request's output constraint took over 50 ms of CPU to compute "
+                              "one step's allowed tokens (an ambiguous grammar or regex; one of its first steps took ")
+    assert message.endswith(" ms of CPU, found before generation); simplify it") and refused.value.param == "guided_regex"
+    assert not grammars.is_cached(ambiguous) and grammars.compile_timeouts == 0
+    for spec in specs():
+        grammars.compile(spec)
+
+
 SERVER_TIMEOUT_S = 4.0  # CPU seconds: far above an in-limit compile, far below the attack's compiles
 
 

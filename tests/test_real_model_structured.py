@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.grammar import GrammarSpec
+from radixserve.grammar import GrammarError, GrammarSpec
 from radixserve.models.registry import ModelNotInstalledError, named_model_path
 from radixserve.server.prompts import ChatRenderer, render_chat
 from radixserve.server.protocol import ChatMessage
@@ -65,3 +65,12 @@ def test_its_template_gets_the_tool_block(engine: Engine) -> None:
     assert TOOL_BLOCK.split("\n")[0] in text and '"name": "get_weather"' in text
     assert "You are a helpful AI assistant named SmolLM" not in text  # the tool block is the system prompt
     assert system_tokens > 0
+
+
+def test_a_regex_whose_second_step_takes_a_second_is_refused_at_compile(engine: Engine) -> None:
+    """On this vocabulary `(\\w+\\s?){0,100}` compiles in 2 ms, then its fill after one long
+    word token takes over a second of CPU (an attack round: each such request stalled every
+    stream). The compile worker's walk of its first steps refuses it (grammar/probe.py)."""
+    with pytest.raises(GrammarError, match="found before generation"):
+        engine.grammars.compile(GrammarSpec.regex(r"(\w+\s?){0,100}", "guided_regex"), "guided_regex")
+    engine.grammars.compile(GrammarSpec.json_schema(SCHEMA, "response_format"))  # a real one walks through

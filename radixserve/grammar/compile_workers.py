@@ -10,7 +10,9 @@ runs in a worker process and is given `timeout_s` of CPU time (wall time would r
 specs on a busy machine; 12 times it of wall time is a limit too): past it the worker is
 killed (a new one starts for the next compile) and the spec is refused (CompileTimeout).
 What a worker sends back is the compiled grammar's serialized form (xgrammar's own, a few
-milliseconds each way for a small schema).
+milliseconds each way for a small schema). Before that, the worker walks the grammar's
+first steps (probe.py): one whose early fills already pass the engine's per-fill budget is
+refused (CompileTooSlowToFollow) instead of stalling the engine thread at a request's step.
 
 Workers start on first use, with the tokenizer's serialized TokenizerInfo, and are kept for
 later compiles until idle for IDLE_EXIT_S (each holds torch, which xgrammar imports: about
@@ -64,6 +66,15 @@ class CompileFailed(Exception):
 class CompileTooLarge(Exception):
     """The compile needed more memory than a worker may take, or its grammar is larger than
     MAX_COMPILED_BYTES serialized; its worker was killed, or its grammar dropped."""
+
+
+class CompileTooSlowToFollow(Exception):
+    """The compiled grammar's early steps took a fill or accept longer than the per-fill
+    budget (probe.py); `seconds` is that step's CPU time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"one of its first steps took {seconds * 1000:,.0f} ms of CPU")
+        self.seconds = seconds
 
 
 class CompileWorkerLost(Exception):
@@ -186,6 +197,8 @@ class CompileWorkers:
         if outcome == "too_large":
             raise CompileTooLarge(f"the compiled grammar is {payload / 2**20:,.0f} MB serialized, "
                                   f"more than {MAX_COMPILED_BYTES // 2**20} MB")
+        if outcome == "too_slow":
+            raise CompileTooSlowToFollow(payload)
         return payload
 
     @contextlib.contextmanager
@@ -251,6 +264,8 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
     import xgrammar
 
     from radixserve.grammar.compiled import compile_spec
+    from radixserve.grammar.matcher import FILL_BUDGET_S
+    from radixserve.grammar.probe import first_slow_step, token_lengths
 
     # pread, at offset 0: the descriptor's position is shared with every other worker's
     size = os.fstat(setup_fd).st_size
@@ -258,6 +273,7 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
     os.close(setup_fd)
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    lengths = token_lengths(info)
     replies.send("ready")
     while True:
         try:
@@ -268,9 +284,15 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
             return  # the parent closed its end
         reply: tuple[str, Any]
         try:
-            serialized = compile_spec(compiler, kind, source).serialize_json()
-            too_large = len(serialized) > MAX_COMPILED_BYTES
-            reply = ("too_large", len(serialized)) if too_large else ("ok", serialized)
+            compiled = compile_spec(compiler, kind, source)
+            serialized = compiled.serialize_json()
+            slow = None if len(serialized) > MAX_COMPILED_BYTES else first_slow_step(compiled, lengths, FILL_BUDGET_S)
+            if len(serialized) > MAX_COMPILED_BYTES:
+                reply = ("too_large", len(serialized))
+            elif slow is not None:  # (the walk counts against the worker's CPU limit too)
+                reply = ("too_slow", slow)
+            else:
+                reply = ("ok", serialized)
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
             reply = ("error", str(exc).strip() or type(exc).__name__)
         replies.send(reply)

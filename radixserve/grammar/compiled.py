@@ -23,10 +23,11 @@ from radixserve.grammar.compile_workers import (
     CompileFailed,
     CompileTimeout,
     CompileTooLarge,
+    CompileTooSlowToFollow,
     CompileWorkers,
     shared_workers,
 )
-from radixserve.grammar.matcher import Matcher
+from radixserve.grammar.matcher import FILL_BUDGET_S, Matcher
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 
 CACHE_ENTRIES = 256
@@ -81,6 +82,10 @@ class Grammars:
         except CompileTooLarge as exc:
             raise GrammarError(f"{param}: its grammar is too large: {exc} (many optional parts, say; list more "
                                "properties in `required`); simplify it", param) from None
+        except CompileTooSlowToFollow as exc:  # (the same words as when the engine finds it: matcher.py)
+            raise GrammarError(f"{param}: the request's output constraint took over {FILL_BUDGET_S * 1000:g} ms of "
+                               f"CPU to compute one step's allowed tokens (an ambiguous grammar or regex; {exc}, "
+                               "found before generation); simplify it", param) from None
         except (RuntimeError, ValueError, CompileFailed) as exc:  # the library reports bad input as either
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
