@@ -27,6 +27,7 @@ paced rows run (still at most `PACED_STEP_S` a step) and owe nothing for it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 
 from radixserve.engine.request import SequenceState
@@ -60,6 +61,8 @@ class GrammarPace:
         self.share = share
         self.step_s = step_s
         self.ready_at = float("-inf")  # paced rows sit out until then
+        # The live paced grammars (gone with their sequences): none, and a step looks no further.
+        self._paced: weakref.WeakSet = weakref.WeakSet()
 
     def bill(self, seqs: Iterable[SequenceState]) -> None:
         """Takes the grammar work the step did for `seqs` (the rows it ran, finished ones
@@ -74,7 +77,8 @@ class GrammarPace:
             grammar.mean_work_s = (grammar.mean_work_s + work) / 2
             if grammar.mean_work_s > self.slow_s:
                 grammar.paced = True
-            if grammar.paced:
+            if grammar.paced:  # (a beam's or sample's fork of a paced grammar is paced too)
+                self._paced.add(grammar)
                 paced_work += work
         if paced_work:
             self.ready_at = max(self.ready_at, self._clock()) + paced_work * (1 / self.share - 1)
@@ -86,7 +90,7 @@ class GrammarPace:
         would add up to one long pause for everyone. When no other unit (not paced, not
         already `held`, with tokens to run) would run, the paced rows run so, and their debt is forgiven: pacing
         makes way for others, it does not hold rows back for work done while nobody waited."""
-        if self.share >= 1:  # no pacing (a baseline)
+        if self.share >= 1 or not self._paced:  # no pacing (a baseline), or nothing paced
             return set()
         paced = [unit for unit in units if any(s.grammar is not None and s.grammar.paced for s in unit)]
         if not paced:
