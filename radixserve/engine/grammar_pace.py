@@ -17,9 +17,8 @@ rows run: each step's paced work moves a shared ready time ahead by work x (1 / 
 until then every paced row sits the step out, keeping its pages and its place in the
 preemption order (as a row held for another tenant's share does, step_share.py); after it,
 paced rows run, as many as `PACED_STEP_S` of work fits (their last steps' work, doubled: it
-grows), at least one, so that no step adds up many such fills; tenants take turns, and a
-tenant's rows run least recently run first.
-The bound is on all paced rows together, whoever sends them: thirty-two attacking loops cost
+grows), at least one, so that no step adds up many such fills; tenants take turns, each
+with its least recently run rows first. The bound is on all paced rows together, whoever sends them: thirty-two attacking loops cost
 the others no more than eight. Work is billed to the step that did it, including the fills
 prepared for the next step. Pacing only makes way for others: while no other row runs, the
 paced rows run (still at most `PACED_STEP_S` a step) and owe nothing for it.

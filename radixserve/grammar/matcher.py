@@ -72,7 +72,7 @@ class Matcher:
         self._row_mask: TokenMask | None = None  # _prepared for one logits row, packed for C
         self._ready = False  # whether _prepared holds the current state's mask
         self.too_slow = False  # a fill or accept took longer than FILL_BUDGET_S: no more masks (check_pace)
-        self.paced = False  # its steps' work was once slow: it shares the paced part of the engine (grammar_pace.py)
+        self.paced = False  # its mean step work passed grammar_pace.py's bound: it shares the paced part
         self._work_s = 0.0  # CPU time of fills and accepts since the last take_work
         self.last_work_s = 0.0  # what the last take_work returned
         self.mean_work_s = 0.0  # its steps' work, each step's weighing half (grammar_pace.py's)
