@@ -18,10 +18,11 @@ until then every paced row sits the step out, keeping its pages and its place in
 preemption order (as a row held for another tenant's share does, step_share.py); after it,
 paced rows run, as many as `PACED_STEP_S` of work fits (their last steps' work, doubled: it
 grows), at least one, so that no step adds up many such fills; tenants take turns, each
-with its least recently run rows first. The bound is on all paced rows together, whoever sends them: thirty-two attacking loops cost
-the others no more than eight. Work is billed to the step that did it, including the fills
-prepared for the next step. Pacing only makes way for others: while no other row runs, the
-paced rows run (still at most `PACED_STEP_S` a step) and owe nothing for it.
+with its least recently run rows first. The bound is on all paced rows together, whoever
+sends them: thirty-two attacking loops cost the others no more than eight. Work is billed
+to the step that did it, including the fills prepared for the next step. Pacing only makes
+way for others: while no other row runs, the paced rows run (still at most `PACED_STEP_S` a
+step) and owe nothing for it.
 """
 
 from __future__ import annotations
@@ -84,18 +85,20 @@ class GrammarPace:
 
     def held(self, units: list[list[SequenceState]], held: set[int]) -> set[int]:
         """The seq_ids of the paced units' members that sit this step out: all of them until
-        the ready time. Then the paced units that ran least recently run, as many as fit in
-        `step_s` by their last step's work (at least one; tenants take turns): the paced rows' fills in one step
-        would add up to one long pause for everyone. When no other unit (not paced, not
-        already `held`, with tokens to run) would run, the paced rows run so, and their debt is forgiven: pacing
-        makes way for others, it does not hold rows back for work done while nobody waited."""
+        the ready time. Then the paced units that ran least recently run (tenants taking
+        turns), as many as fit in `step_s` by their last step's work, at least one: their
+        fills in one step would add up to one long pause for everyone. When no other unit
+        (not paced, not already `held`, with tokens to run) would run, the paced rows run so,
+        and their debt is forgiven: pacing makes way for others, it does not hold rows back
+        for work done while nobody waited."""
         if self.share >= 1 or not self._paced:  # no pacing (a baseline), or nothing paced
             return set()
         paced = [unit for unit in units if any(s.grammar is not None and s.grammar.paced for s in unit)]
         if not paced:
             return set()
         paced_ids = {unit[0].seq_id for unit in paced}
-        if not any(unit[0].seq_id not in paced_ids and unit[0].seq_id not in held and _can_run(unit) for unit in units):
+        others = (unit for unit in units if unit[0].seq_id not in paced_ids and unit[0].seq_id not in held)
+        if not any(_can_run(unit) for unit in others):
             self.ready_at = float("-inf")
         elif self._clock() < self.ready_at:
             return {seq.seq_id for unit in paced for seq in unit}
@@ -114,6 +117,7 @@ def _can_run(unit: list[SequenceState]) -> bool:
     """Whether the unit has a chunk to run now: tokens to compute, no copy from the host
     pending (beams that delivered their logits wait for their siblings' step instead)."""
     return any(seq.num_computed < seq.num_tokens and not seq.pending_loads for seq in unit)
+
 
 def _turns(paced: list[list[SequenceState]]) -> Callable[[list[SequenceState]], tuple]:
     """The order paced units take their turns in: tenants in turn (whose paced units ran

@@ -286,10 +286,9 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
         try:
             compiled = compile_spec(compiler, kind, source)
             serialized = compiled.serialize_json()
-            slow = None if len(serialized) > MAX_COMPILED_BYTES else first_slow_step(compiled, lengths, FILL_BUDGET_S)
             if len(serialized) > MAX_COMPILED_BYTES:
                 reply = ("too_large", len(serialized))
-            elif slow is not None:  # (the walk counts against the worker's CPU limit too)
+            elif (slow := first_slow_step(compiled, lengths, FILL_BUDGET_S)) is not None:  # (under the CPU limit too)
                 reply = ("too_slow", slow)
             else:
                 reply = ("ok", serialized)
