@@ -26,39 +26,53 @@ from serve_process import start_server
 REGEX = "((a|aa|aaa){0,100}){0,100}a{40}b"
 INNOCENT = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32, "temperature": 0,
             "ignore_eos": True, "stream": True}
-ATTACK = {"messages": [{"role": "user", "content": "Write a's."}], "max_tokens": 100, "guided_regex": REGEX}
 
 
-async def window(base: str, attackers: int, seconds: float) -> dict[str, float]:
+def attack_body(regex: str, max_tokens: int) -> dict:
+    """The attackers' request: `regex` as a guided_regex."""
+    return {"messages": [{"role": "user", "content": "Write a's."}], "max_tokens": max_tokens, "guided_regex": regex}
+
+
+async def window(base: str, attackers: int, seconds: float, attack_request: dict) -> dict[str, float]:
     url = base + "/v1/chat/completions"
     gaps: list[float] = []
+    ttfts: list[float] = []
     chats = answered = 0
 
     async def attack(client: httpx.AsyncClient, stop: float) -> None:
         nonlocal answered
         while time.monotonic() < stop:
-            await client.post(url, json=ATTACK)
+            await client.post(url, json=attack_request)
             answered += 1
 
     async def innocent(client: httpx.AsyncClient, stop: float) -> None:
         nonlocal chats
         while time.monotonic() < stop:
             last = time.monotonic()
+            first = True
             async with client.stream("POST", url, json=INNOCENT) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         now = time.monotonic()
                         gaps.append(now - last)
+                        if first:
+                            ttfts.append(now - last)
+                            first = False
                         last = now
             chats += 1
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=attackers + 4)) as client:
         await client.post(url, json={**INNOCENT, "stream": False})  # warm up
         stop = time.monotonic() + seconds
-        await asyncio.gather(innocent(client, stop), *(attack(client, stop) for _ in range(attackers)))
+        attacks = [asyncio.create_task(attack(client, stop)) for _ in range(attackers)]
+        await innocent(client, stop)
+        for task in attacks:  # a slow attack request still in flight is dropped (the server aborts it)
+            task.cancel()
+        await asyncio.gather(*attacks, return_exceptions=True)
     gaps.sort()
     at = lambda q: 1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
-    return {"chats": chats, "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "attacks": answered}
+    ttft = 1000 * statistics.median(ttfts) if ttfts else float("inf")  # none: no chat began in the window
+    return {"chats": chats, "ttft": ttft, "ttft_max": 1000 * max(ttfts, default=float("inf")), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "attacks": answered}
 
 
 def main() -> None:
@@ -69,25 +83,30 @@ def main() -> None:
     parser.add_argument("--shares", default="1,0.1", help="--grammar-paced-share values (1: no pacing)")
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--regex", default=REGEX, help="the attackers' guided_regex")
+    parser.add_argument("--attack-max-tokens", type=int, default=100)
+    parser.add_argument("--server-flags", default="", help="more `radixserve serve` flags, e.g. '--max-running 16'")
     args = parser.parse_args()
+    attack_request = attack_body(args.regex, args.attack_max_tokens)
     cells = [(0, 1.0)] + [(int(a), float(s)) for a in args.attackers.split(",") for s in args.shares.split(",")]
     runs: dict[tuple[int, float], list[dict[str, float]]] = {cell: [] for cell in cells}
     for _ in range(args.repeats):
         for attackers, share in cells:
-            process = start_server(["--model", args.model, "--grammar-paced-share", str(share)], args.port)
+            process = start_server(["--model", args.model, "--grammar-paced-share", str(share),
+                                    *args.server_flags.split()], args.port)
             try:
                 runs[attackers, share].append(asyncio.run(window(f"http://127.0.0.1:{args.port}", attackers,
-                                                                 args.window_s)))
+                                                                 args.window_s, attack_request)))
             finally:
                 process.terminate()
                 process.wait(60)
-    print(f"| attackers | paced share | innocent chats in {args.window_s:g} s | token gap p50 / p90 / p99 (ms) "
-          "| attack requests answered |")
-    print("|---|---|---|---|---|")
+    print(f"| attackers | paced share | innocent chats in {args.window_s:g} s | innocent TTFT p50 / max (ms) "
+          "| token gap p50 / p90 / p99 (ms) | attack requests answered |")
+    print("|---|---|---|---|---|---|")
     for attackers, share in cells:
         med = {key: statistics.median(run[key] for run in runs[attackers, share]) for key in runs[attackers, share][0]}
         label = "-" if attackers == 0 else ("1 (off)" if share >= 1 else f"{share:g}")
-        print(f"| {attackers} | {label} | {med['chats']:g} | {med['p50']:.0f} / {med['p90']:.0f} / {med['p99']:.0f} "
+        print(f"| {attackers} | {label} | {med['chats']:g} | {med['ttft']:.0f} / {med['ttft_max']:.0f} | {med['p50']:.0f} / {med['p90']:.0f} / {med['p99']:.0f} "
               f"| {med['attacks']:g} |")
 
 

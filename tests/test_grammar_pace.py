@@ -231,3 +231,75 @@ def test_a_beam_search_whose_grammar_grows_too_slow_ends_alone_and_the_engine_em
     assert together["beams"][1] == "error"
     assert not engine.has_work() and engine.stats()["pages_locked"] == 0
     engine.check_invariants()
+
+
+def _paced_engine(**kwargs: object) -> Engine:
+    """A demo engine in which every constrained row is paced after its first step."""
+    engine = Engine("demo", page_size=16, debug_checks=True, grammar_compile_timeout_s=None, **kwargs)
+    engine.scheduler.grammar_pace.slow_s = -1.0
+    return engine
+
+
+LONG = SamplingParams(max_tokens=100, temperature=0.0, grammar=GrammarSpec.regex("[a-z]{1000}", "guided_regex"))
+INNOCENT = ("an innocent prompt", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+
+
+def test_paced_rows_take_slots_of_their_own() -> None:
+    """Paced rows sit most steps out, so they take no slot of `max_running`'s, up to as many
+    again of their own: a request arriving behind them is admitted at once, not when one of
+    them ends (an attack round: 20 loops of a paced regex beside `--max-running 16` kept other
+    clients waiting minutes for a slot); paced rows past their own slots take slots."""
+    engine = _paced_engine(num_pages=512, max_running=2)
+    alone = run(engine, {"innocent": INNOCENT})["innocent"]
+
+    def paced_running() -> int:
+        return sum(1 for s in engine.scheduler.running if s.grammar is not None and s.grammar.paced)
+
+    for i in range(3):
+        engine.add_request(f"a{i}", LONG, request_id=f"attack{i}")
+    while paced_running() < 3 and engine.has_work():  # two slots, a third row once the first two are paced
+        engine.step()
+    assert paced_running() == 3
+    engine.add_request(INNOCENT[0], INNOCENT[1], request_id="innocent")
+    engine.add_request("a3", LONG, request_id="attack3")  # past the own slots: it waits for a slot
+    out: dict[str, list[int]] = {"innocent": []}
+    admitted_beside: list[int] = []  # paced rows running when the innocent was admitted
+    most_running = 0
+    while engine.has_work():
+        before = {s.request.request_id for s in engine.scheduler.running}
+        paced = paced_running()
+        for rid, items in engine.step().items():
+            out.setdefault(rid, []).extend(t for delta in items for t in delta.token_ids)
+        if "innocent" not in before and any(s.request.request_id == "innocent" for s in engine.scheduler.running):
+            admitted_beside.append(paced)
+        most_running = max(most_running, len(engine.scheduler.running))
+        engine.check_invariants()
+    assert admitted_beside == [3]  # at once, every paced row still running
+    assert most_running == 4  # 3 paced (2 of their own slots, 1 of max_running's) + the innocent
+    assert out["innocent"] == alone[0]
+
+
+def test_paced_rows_are_preempted_before_the_rows_beside_them() -> None:
+    """Out of pages, the paced rows go first: they hold pages for many more steps than their
+    tokens take, and another request must not recompute for them."""
+    engine = _paced_engine(num_pages=10, max_running=4)
+    alone = run(engine, {"innocent": INNOCENT})["innocent"]
+    for i in range(2):
+        engine.add_request(f"a{i}", LONG, request_id=f"attack{i}")
+    # Four pages each (60 tokens in), and the innocent's three will not fit beside their growth.
+    while sum(1 for s in engine.scheduler.running if s.grammar is not None and s.grammar.paced
+              and len(s.output_ids) >= 60) < 2 and engine.has_work():
+        engine.step()
+    engine.add_request(INNOCENT[0], INNOCENT[1], request_id="innocent")
+    out: dict[str, list[int]] = {"innocent": []}
+    innocent_preempted = 0
+    while engine.has_work():
+        was_running = {s.request.request_id for s in engine.scheduler.running}
+        for rid, items in engine.step().items():
+            out.setdefault(rid, []).extend(t for delta in items for t in delta.token_ids)
+        waiting = {s.request.request_id for s in engine.scheduler.waiting}
+        innocent_preempted += "innocent" in was_running and "innocent" in waiting
+        engine.check_invariants()
+    assert engine.stats()["preemptions"] > 0  # pages ran out...
+    assert innocent_preempted == 0  # ...and the paced rows made room
+    assert out["innocent"] == alone[0]

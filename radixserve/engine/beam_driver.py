@@ -122,7 +122,7 @@ class BeamDriver:
                 self._released.extend(self.scheduler.finish(parent, cache=False))
         extra = len(result.running) - len(children)
         copies = extra if parents[0].num_computed % self.scheduler.page_size else 0
-        fits = (len(self.scheduler.running) + extra <= self.scheduler.max_running
+        fits = (self.scheduler.slots_taken() + extra <= self.scheduler.max_running
                 and self.scheduler.ensure_free(copies))
         running: list[SequenceState] = [parents[0]] * len(result.running)
         for i, ranks in children.items():

@@ -64,6 +64,11 @@ class GrammarPace:
         # The live paced grammars (gone with their sequences): none, and a step looks no further.
         self._paced: weakref.WeakSet = weakref.WeakSet()
 
+    @property
+    def any_paced(self) -> bool:
+        """Whether any live grammar is paced (none: no row is, and nothing need be looked at)."""
+        return bool(self._paced)
+
     def bill(self, seqs: Iterable[SequenceState]) -> None:
         """Takes the grammar work the step did for `seqs` (the rows it ran, finished ones
         included); a row whose mean work per step passes `slow_s` becomes paced, and paced
@@ -91,7 +96,7 @@ class GrammarPace:
         (not paced, not already `held`, with tokens to run) would run, the paced rows run so,
         and their debt is forgiven: pacing makes way for others, it does not hold rows back
         for work done while nobody waited."""
-        if self.share >= 1 or not self._paced:  # no pacing (a baseline), or nothing paced
+        if self.share >= 1 or not self.any_paced:  # no pacing (a baseline), or nothing paced
             return set()
         paced = [unit for unit in units if any(s.grammar is not None and s.grammar.paced for s in unit)]
         if not paced:

@@ -249,9 +249,21 @@ class Scheduler:
         busy = sum(1 for s in self.running if s.num_tokens > s.num_computed and s.request.tenant != victim_tenant)
         return max(0, min(uncached, self.max_batch_tokens - busy))
 
+    def slots_taken(self) -> int:
+        """The running sequences that count against `max_running`: all but the rows of paced
+        grammars (grammar_pace.py), which have as many slots again of their own. A paced row
+        sits most steps out and runs a bounded part of the engine's time, so it does not take
+        the batch's place; counted, twenty loops of a paced regex held every slot of
+        `--max-running 16` for minutes while the engine sat nearly idle. Bounded, they cannot
+        take all the pool's pages, and out of pages they are preempted first (`_running_key`)."""
+        if not self.grammar_pace.any_paced:
+            return len(self.running)
+        paced = sum(1 for s in self.running if _paced(s))
+        return len(self.running) - min(paced, self.max_running)
+
     def _room_for(self, unit: list[SequenceState]) -> bool:
         """Whether `unit` could be admitted now (a slot each, and its first chunks' pages)."""
-        if len(self.running) + len(unit) > self.max_running:
+        if self.slots_taken() + len(unit) > self.max_running:
             return False
         reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
         peeks = [self.tree.match(s.prompt_ids[: s.num_tokens - 1], s.namespace, update=False)
@@ -305,8 +317,9 @@ class Scheduler:
             return chunks
         now = self.clock()
         admitted: set[int] = set()  # beams admitted with an earlier member of their group
+        slots = self.slots_taken()  # (an admitted unit counts in full until the next count)
         for seq in self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now)):
-            if budget <= 0 or prefill <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or prefill <= 0 or slots >= self.max_running:
                 break
             if seq.seq_id in admitted:
                 continue
@@ -323,13 +336,14 @@ class Scheduler:
             # Keep a page per decoding sequence in hand, so admitting does not force a preemption
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
-            if len(self.running) + len(unit) > self.max_running or not self.pages.may_fit(
+            if slots + len(unit) > self.max_running or not self.pages.may_fit(
                     [s.num_tokens for s in unit], peeks or [None] * len(unit), int(min(budget, prefill)), reserve):
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
             work = self._take_unit(unit, budget, prefill, reserve)
             if work is None:
                 break
             self._start(seq, unit)
+            slots += len(unit)
             admitted.update(member.seq_id for member in unit)
             chunks.extend(work)  # members loading from the host run once their copy is done
             budget -= sum(c.num_new for c in work)
@@ -513,5 +527,12 @@ def _extra_sample(seq: SequenceState) -> bool:
 
 
 def _running_key(seq: SequenceState) -> tuple:
-    """The order of running units within a tenant, most deserving first: the last preempted."""
-    return -seq.priority, _extra_sample(seq), seq.arrival_time, seq.seq_id
+    """The order of running units within a tenant, most deserving first: the last preempted.
+    Within a priority, rows of paced grammars come last: they hold their pages for many more
+    steps than their tokens take, and another row must not be recomputed for them."""
+    return -seq.priority, _paced(seq), _extra_sample(seq), seq.arrival_time, seq.seq_id
+
+
+def _paced(seq: SequenceState) -> bool:
+    """Whether the sequence's grammar is paced (grammar_pace.py)."""
+    return seq.grammar is not None and seq.grammar.paced

@@ -192,7 +192,7 @@ class StepLoop:
         for index in range(len(req.sequences), req.params.n):
             child = self._new_sequence(req, index, list(parent.token_ids))
             # A child past max_running waits and is admitted like any request (a cache hit).
-            if len(self._scheduler.running) < self._scheduler.max_running and self._scheduler.fork(parent, child):
+            if self._scheduler.slots_taken() < self._scheduler.max_running and self._scheduler.fork(parent, child):
                 children.append(child)
             else:
                 self._scheduler.waiting.append(child)
