@@ -4,6 +4,7 @@ reference)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anyio
@@ -133,6 +134,36 @@ def test_a_grammar_that_does_not_compile_names_the_field(grammars: Grammars) -> 
     assert caught.value.param == "guided_grammar"
     with pytest.raises(GrammarError):
         grammars.compile(GrammarSpec.json_schema({"$ref": "#/$defs/missing"}, "x"), "x")
+
+
+def test_a_refused_spec_is_refused_again_from_the_cache_naming_each_callers_field(grammars: Grammars) -> None:
+    """A client repeating a refused spec is answered at once (the refusal cached by the whole
+    spec), each time naming its own field; another scope's same spec compiles for itself
+    (a cached refusal must not tell one tenant what another sent)."""
+    bad = GrammarSpec.regex("(unclosed", "guided_regex")
+    with pytest.raises(GrammarError) as first:
+        grammars.compile(bad, "guided_regex")
+    assert str(first.value).startswith("guided_regex: cannot compile this regex: ")
+    compiles, repeated = grammars.compiles, grammars.refusals_repeated
+    with pytest.raises(GrammarError) as again:
+        grammars.compile(bad, "response_format")
+    assert again.value.param == "response_format"
+    assert str(again.value) == "response_format" + str(first.value).removeprefix("guided_regex")
+    assert (grammars.compiles, grammars.refusals_repeated) == (compiles, repeated + 1)
+    with pytest.raises(GrammarError) as other:
+        grammars.compile(dataclasses.replace(bad, scope=("another tenant", None)), "guided_regex")
+    assert str(other.value) == str(first.value)
+    assert (grammars.compiles, grammars.refusals_repeated) == (compiles + 1, repeated + 1)
+    # Through the server's compile slots: refused again while another tenant holds every slot.
+    slots = GrammarCompiles(slots=1)
+
+    async def refused_while_every_slot_is_held() -> str:
+        async with slots.slots.hold("another tenant"):
+            with anyio.fail_after(30), pytest.raises(GrammarError) as caught:
+                await slots.compile(grammars, bad, "guided_regex", "tenant")
+        return str(caught.value)
+
+    assert anyio.run(refused_while_every_slot_is_held) == str(first.value)
 
 
 def allowed_tokens(grammars: Grammars, matcher: object) -> set[int]:
@@ -366,8 +397,8 @@ def test_a_packed_mask_is_checked_against_each_calls_logits(tokenizer: PreTraine
 
 def test_one_spec_compiled_at_once_is_shared_but_a_failure_is_each_requests_own(grammars: Grammars) -> None:
     """Three requests with one new spec at once: one compile, every request served. Three with
-    one spec that cannot compile: each compiles for itself once the first failed, so each
-    error names that request's own parameter, and nothing is left in flight."""
+    one spec that cannot compile: the first's refusal is cached and answers the others, each
+    error naming that request's own parameter, and nothing is left in flight."""
     compiles = GrammarCompiles()
 
     async def together(spec: GrammarSpec, params: tuple[str, ...]) -> dict[str, str | None]:
@@ -389,9 +420,9 @@ def test_one_spec_compiled_at_once_is_shared_but_a_failure_is_each_requests_own(
     good = GrammarSpec.json_schema({"type": "object", "properties": {"shared": {"type": "integer"}}}, "x")
     assert anyio.run(together, good, ("a", "b", "c")) == {"a": None, "b": None, "c": None}
     assert grammars.compiles - before == 1
-    bad = GrammarSpec.ebnf("root ::= undefined_rule", "guided_grammar")
+    bad = GrammarSpec.ebnf("root ::= rule_of_this_test", "guided_grammar")  # refused nowhere else
     assert anyio.run(together, bad, ("a", "b", "c")) == {"a": "a", "b": "b", "c": "c"}
-    assert grammars.compiles - before == 4
+    assert grammars.compiles - before == 2
     assert not compiles._in_flight
 
 

@@ -32,12 +32,21 @@ from radixserve.grammar.spec import GrammarError, GrammarSpec
 
 CACHE_ENTRIES = 256
 CACHE_BYTES = 256 * 2**20  # and at most this much of compiled grammars (xgrammar's own measure)
+REFUSED_CHARS = 16 * 2**20  # refused specs kept, by their sources' and reasons' characters
 COMPILE_THREADS = 2
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as any character
 # but quote, backslash, CR and LF: raw control characters would get through, and JSON forbids
 # them (its unbounded strings already exclude them). Swapped in the grammar's text.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
 _JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
+class _Refused(Exception):
+    """A spec the request is at fault for: `reason` is the error after the field's name."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Grammars:
@@ -61,40 +70,35 @@ class Grammars:
             self._workers = shared_workers(info.serialize_json(), compile_timeout_s)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
+        self._refused: OrderedDict[GrammarSpec, str] = OrderedDict()  # spec -> why (a request's fault)
+        self._refused_chars = 0
         self._lock = threading.Lock()
         self.compiles = 0  # specs run through the compiler (cache misses), failed ones included
+        self.refusals_repeated = 0  # refusals answered from the cache
 
     def compile(self, spec: GrammarSpec, param: str = "response_format") -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (cached); GrammarError naming `param` if it cannot be."""
+        """The compiled grammar of `spec` (cached); GrammarError naming `param` if it cannot be.
+        A refusal is cached too (its reason, by the whole spec, scope included): a client
+        sending a refused spec again is answered at once, not with another worker's compile or
+        walk (up to the compile timeout of CPU each)."""
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
                 return compiled
+        self.raise_if_refused(spec, param)
         with self._lock:
             self.compiles += 1
         try:
-            compiled = self._compile(spec)
-        except CompileTimeout:
-            raise GrammarError(f"{param}: its grammar took more than {self.compile_timeout_s:g} s of CPU time to "
-                               "compile (nested or many optional repetitions, or many strict tools, say); simplify it",
-                               param) from None
-        except CompileTooLarge as exc:
-            raise GrammarError(f"{param}: its grammar is too large: {exc} (many optional parts, say; list more "
-                               "properties in `required`); simplify it", param) from None
-        except CompileTooSlowToFollow as exc:  # (the same words as when the engine finds it: matcher.py)
-            raise GrammarError(f"{param}: the request's output constraint took over {FILL_BUDGET_S * 1000:g} ms of "
-                               f"CPU to compute one step's allowed tokens (an ambiguous grammar or regex; {exc}, "
-                               "found before generation); simplify it", param) from None
-        except (RuntimeError, ValueError, CompileFailed) as exc:  # the library reports bad input as either
-            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise GrammarError(f"{param}: cannot compile this {spec.kind.replace('_', ' ')}: "
-                               f"{reason.split('] ', 1)[-1][:300]}", param) from None
-        if not self._allows_a_first_token(compiled):
-            # `root ::= root`, `[^\s\S]`: every token masked, so the engine could only fail the
-            # request (a 500) at its first step; the request is at fault, not the server.
-            raise GrammarError(f"{param}: this {spec.kind.replace('_', ' ')} matches no text at all "
-                               "(not even an empty output)", param)
+            compiled = self._compile_or_refuse(spec)
+        except _Refused as exc:
+            with self._lock:
+                self._refused[spec] = exc.reason
+                self._refused_chars += len(spec.source) + len(exc.reason)
+                while self._refused and (len(self._refused) > CACHE_ENTRIES or self._refused_chars > REFUSED_CHARS):
+                    dropped, reason = self._refused.popitem(last=False)
+                    self._refused_chars -= len(dropped.source) + len(reason)
+            raise GrammarError(f"{param}: {exc.reason}", param) from None
         with self._lock:
             self._cache[spec] = compiled
             self._cache_bytes += compiled.memory_size_bytes
@@ -102,6 +106,41 @@ class Grammars:
             while len(self._cache) > 1 and (len(self._cache) > CACHE_ENTRIES or self._cache_bytes > CACHE_BYTES):
                 _, dropped = self._cache.popitem(last=False)
                 self._cache_bytes -= dropped.memory_size_bytes
+        return compiled
+
+    def raise_if_refused(self, spec: GrammarSpec, param: str) -> None:
+        """GrammarError naming `param` if `spec` was refused before (its cached reason), at
+        once: no compile slot, thread or worker is needed to say it again."""
+        with self._lock:
+            refused = self._refused.get(spec)
+            if refused is None:
+                return
+            self._refused.move_to_end(spec)
+            self.refusals_repeated += 1
+        raise GrammarError(f"{param}: {refused}", param)
+
+    def _compile_or_refuse(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        """`spec` compiled, or _Refused with the reason the request is at fault."""
+        try:
+            compiled = self._compile(spec)
+        except CompileTimeout:
+            raise _Refused(f"its grammar took more than {self.compile_timeout_s:g} s of CPU time to compile "
+                           "(nested or many optional repetitions, or many strict tools, say); simplify it") from None
+        except CompileTooLarge as exc:
+            raise _Refused(f"its grammar is too large: {exc} (many optional parts, say; list more properties in "
+                           "`required`); simplify it") from None
+        except CompileTooSlowToFollow as exc:  # (the same words as when the engine finds it: matcher.py)
+            raise _Refused(f"the request's output constraint took over {FILL_BUDGET_S * 1000:g} ms of CPU to "
+                           f"compute one step's allowed tokens (an ambiguous grammar or regex; {exc}, found before "
+                           "generation); simplify it") from None
+        except (RuntimeError, ValueError, CompileFailed) as exc:  # the library reports bad input as either
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise _Refused(f"cannot compile this {spec.kind.replace('_', ' ')}: "
+                           f"{reason.split('] ', 1)[-1][:300]}") from None
+        if not self._allows_a_first_token(compiled):
+            # `root ::= root`, `[^\s\S]`: every token masked, so the engine could only fail the
+            # request (a 500) at its first step; the request is at fault, not the server.
+            raise _Refused(f"this {spec.kind.replace('_', ' ')} matches no text at all (not even an empty output)")
         return compiled
 
     def is_cached(self, spec: GrammarSpec) -> bool:

@@ -47,9 +47,11 @@ class GrammarCompiles:
     async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
         """Compiles `spec` (into `grammars`' cache) for `tenant`'s request, unless it is compiled
         already or being compiled (then waits for that); GrammarError naming `param` when it
-        cannot be. A compile that failed or was given up is not shared: its waiters then
-        compile for themselves, side by side within the slots, so that each request gets its
-        own error, naming its own parameter."""
+        cannot be. A spec refused before is refused again at once, without a slot. A compile
+        that failed or was given up is not shared: its waiters then compile for themselves
+        (a refusal answers them from the cache), side by side within the slots, so that each
+        request gets its own error, naming its own parameter."""
+        grammars.raise_if_refused(spec, param)
         key = (id(grammars), spec)
         while not grammars.is_cached(spec):
             running = self._in_flight.get(key)
@@ -57,6 +59,7 @@ class GrammarCompiles:
                 break
             await running.done.wait()
             if running.failed:
+                grammars.raise_if_refused(spec, param)
                 await self._run(grammars, spec, param, tenant)  # not registered: not shared
                 return
         else:
