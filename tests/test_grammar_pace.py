@@ -11,7 +11,7 @@ the pacing it fails by about that factor.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from transformers import AutoTokenizer
@@ -244,11 +244,26 @@ LONG = SamplingParams(max_tokens=100, temperature=0.0, grammar=GrammarSpec.regex
 INNOCENT = ("an innocent prompt", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
 
 
-def test_paced_rows_take_slots_of_their_own() -> None:
-    """Paced rows sit most steps out, so they take no slot of `max_running`'s, up to as many
-    again of their own: a request arriving behind them is admitted at once, not when one of
-    them ends (an attack round: 20 loops of a paced regex beside `--max-running 16` kept other
-    clients waiting minutes for a slot); paced rows past their own slots take slots."""
+def _drain(engine: Engine, on_step: Callable[[set[int]], None] = lambda paced_before: None) -> dict[str, list[int]]:
+    """Steps `engine` to the end; each request's tokens. `on_step` gets, after each step,
+    the seq_ids of the rows that were paced before it (running or waiting)."""
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        paced_before = {s.seq_id for s in engine.scheduler.running + engine.scheduler.waiting
+                        if s.grammar is not None and s.grammar.paced}
+        for rid, items in engine.step().items():
+            out.setdefault(rid, []).extend(t for delta in items for t in delta.token_ids)
+        on_step(paced_before)
+        engine.check_invariants()
+    return out
+
+
+def test_paced_rows_take_slots_of_their_own_and_never_keep_a_shared_one() -> None:
+    """Paced rows sit most steps out, so they take no slot of `max_running`'s but as many of
+    their own: a request arriving behind them is admitted at once, not when one of them ends
+    (an attack round: 20 loops of a paced regex beside `--max-running 16` kept other clients
+    waiting minutes for a slot). A row found slow while it held a shared slot gives it back
+    and waits for a paced one (another round: 40 loops took every slot again)."""
     engine = _paced_engine(num_pages=512, max_running=2)
     alone = run(engine, {"innocent": INNOCENT})["innocent"]
 
@@ -257,49 +272,54 @@ def test_paced_rows_take_slots_of_their_own() -> None:
 
     for i in range(3):
         engine.add_request(f"a{i}", LONG, request_id=f"attack{i}")
-    while paced_running() < 3 and engine.has_work():  # two slots, a third row once the first two are paced
-        engine.step()
-    assert paced_running() == 3
+    while not engine.stats()["paced_preemptions"] and engine.has_work():
+        engine.step()  # the third is admitted to a shared slot, found slow, and preempted
+    assert paced_running() == 2 and [s.request.request_id for s in engine.scheduler.waiting] == ["attack2"]
     engine.add_request(INNOCENT[0], INNOCENT[1], request_id="innocent")
-    engine.add_request("a3", LONG, request_id="attack3")  # past the own slots: it waits for a slot
-    out: dict[str, list[int]] = {"innocent": []}
+    engine.add_request("a3", LONG, request_id="attack3")
     admitted_beside: list[int] = []  # paced rows running when the innocent was admitted
-    most_running = 0
-    while engine.has_work():
-        before = {s.request.request_id for s in engine.scheduler.running}
-        paced = paced_running()
-        for rid, items in engine.step().items():
-            out.setdefault(rid, []).extend(t for delta in items for t in delta.token_ids)
-        if "innocent" not in before and any(s.request.request_id == "innocent" for s in engine.scheduler.running):
-            admitted_beside.append(paced)
-        most_running = max(most_running, len(engine.scheduler.running))
-        engine.check_invariants()
-    assert admitted_beside == [3]  # at once, every paced row still running
-    assert most_running == 4  # 3 paced (2 of their own slots, 1 of max_running's) + the innocent
+    over: list[int] = []  # steps that ran more rows paced before them than their own slots
+
+    def check(paced_before: set[int]) -> None:
+        running = engine.scheduler.running
+        paced_ran = sum(1 for s in running if s.seq_id in paced_before)
+        if not admitted_beside and any(s.request.request_id == "innocent" for s in running):
+            admitted_beside.append(paced_ran)
+        if paced_ran > 2:
+            over.append(engine.scheduler._step)
+
+    out = _drain(engine, check)
+    assert admitted_beside == [2]  # at once, both paced rows still running
+    assert over == []
     assert out["innocent"] == alone[0]
 
 
-def test_paced_rows_are_preempted_before_the_rows_beside_them() -> None:
-    """Out of pages, the paced rows go first: they hold pages for many more steps than their
-    tokens take, and another request must not recompute for them."""
-    engine = _paced_engine(num_pages=10, max_running=4)
+def test_an_arrival_out_of_pages_preempts_paced_rows_and_they_are_preempted_first() -> None:
+    """Out of pages, paced rows make way: a new request that does not fit preempts them (else
+    it waited for one to end: an attack round, 49.7 s for a first token), and its growth
+    preempts them first. Its tokens are unchanged."""
+    engine = _paced_engine(num_pages=8, max_running=4)
     alone = run(engine, {"innocent": INNOCENT})["innocent"]
     for i in range(2):
         engine.add_request(f"a{i}", LONG, request_id=f"attack{i}")
-    # Four pages each (60 tokens in), and the innocent's three will not fit beside their growth.
+    # Four pages each (60 tokens in): the pool is full.
     while sum(1 for s in engine.scheduler.running if s.grammar is not None and s.grammar.paced
               and len(s.output_ids) >= 60) < 2 and engine.has_work():
         engine.step()
     engine.add_request(INNOCENT[0], INNOCENT[1], request_id="innocent")
-    out: dict[str, list[int]] = {"innocent": []}
-    innocent_preempted = 0
-    while engine.has_work():
-        was_running = {s.request.request_id for s in engine.scheduler.running}
-        for rid, items in engine.step().items():
-            out.setdefault(rid, []).extend(t for delta in items for t in delta.token_ids)
-        waiting = {s.request.request_id for s in engine.scheduler.waiting}
-        innocent_preempted += "innocent" in was_running and "innocent" in waiting
-        engine.check_invariants()
-    assert engine.stats()["preemptions"] > 0  # pages ran out...
-    assert innocent_preempted == 0  # ...and the paced rows made room
+    innocent = next(s for s in engine.scheduler.waiting if s.request.request_id == "innocent")
+    steps_to_admit: list[int] = []
+    preempted: list[int] = []
+
+    def check(paced_before: set[int]) -> None:
+        if not steps_to_admit and innocent in engine.scheduler.running:
+            steps_to_admit.append(engine.scheduler._step)
+        if steps_to_admit and innocent in engine.scheduler.waiting:
+            preempted.append(engine.scheduler._step)
+
+    first_step = engine.scheduler._step + 1
+    out = _drain(engine, check)
+    assert engine.stats()["paced_preemptions"] > 0  # paced rows made room...
+    assert steps_to_admit and steps_to_admit[0] - first_step <= 3  # ...at once, for the arrival...
+    assert preempted == []  # ...and for its growth
     assert out["innocent"] == alone[0]

@@ -32,6 +32,7 @@ class SchedulerCounters:
 
     preemptions: int = 0
     fair_preemptions: int = 0  # of those, for a tenant served less (engine/fair_share.py)
+    paced_preemptions: int = 0  # of those, paced rows past their own slots or in a newcomer's way
     shrunk_chunks: int = 0  # prefill chunks cut to the pages they could have, instead of preempting
     held_rows: int = 0  # decoding rows that sat a step out for another tenant's share (step_share.py)
     paced_rows: int = 0  # rows of slow grammars that sat a step out for the other rows (grammar_pace.py)

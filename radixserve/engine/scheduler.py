@@ -114,6 +114,8 @@ class Scheduler:
         # larger than the step's prefill cap: the claimant's first chunk cannot use more, and
         # the rest would only keep the running units' decodes out of the step.
         self._step += 1
+        self._cap_paced()
+        self._room_from_paced()
         claim, claimant = self._make_room_fairly()  # first: it may preempt, and the cap counts decodes
         units = self._running_units()
         held = self._units_held(units)
@@ -251,15 +253,55 @@ class Scheduler:
 
     def slots_taken(self) -> int:
         """The running sequences that count against `max_running`: all but the rows of paced
-        grammars (grammar_pace.py), which have as many slots again of their own. A paced row
-        sits most steps out and runs a bounded part of the engine's time, so it does not take
-        the batch's place; counted, twenty loops of a paced regex held every slot of
-        `--max-running 16` for minutes while the engine sat nearly idle. Bounded, they cannot
-        take all the pool's pages, and out of pages they are preempted first (`_running_key`)."""
+        grammars (grammar_pace.py), which have `max_running` slots of their own and never keep
+        a shared one (`_cap_paced`). A paced row sits most steps out and runs a bounded part of
+        the engine's time, so it does not take the batch's place; counted, twenty loops of a
+        paced regex held every slot of `--max-running 16` for minutes while the engine sat
+        nearly idle. A row admitted unpaced takes a shared slot until it is found slow."""
         if not self.grammar_pace.any_paced:
             return len(self.running)
-        paced = sum(1 for s in self.running if _paced(s))
-        return len(self.running) - min(paced, self.max_running)
+        return len(self.running) - min(self._paced_running(), self.max_running)
+
+    def _paced_running(self) -> int:
+        return sum(1 for s in self.running if _paced(s))
+
+    def _paced_units(self) -> list[list[SequenceState]]:
+        """The running units with a paced row, in the running order (the last preempted first)."""
+        units = [u for u in self._running_units() if any(_paced(s) for s in u)]
+        units.sort(key=lambda u: _running_key(u[0]))
+        return units
+
+    def _cap_paced(self) -> None:
+        """Preempts the paced units past the paced rows' own slots (their pages stay cached):
+        a row found slow while it held a shared slot gives it back, and waits for a paced slot.
+        Else paced loops twice `max_running` deep held every shared slot again."""
+        if not self.grammar_pace.any_paced:
+            return
+        paced = self._paced_units()
+        rows = sum(len(u) for u in paced)
+        while rows > self.max_running and paced:
+            unit = paced.pop()
+            self.preempt_unit(unit)
+            rows -= len(unit)
+            self.counters.paced_preemptions += 1
+
+    def _room_from_paced(self) -> None:
+        """Preempts paced units (the last in the running order first) until the first unpaced
+        unit in the admission order has its slot and pages: paced rows make way for others,
+        and kept, their pages would hold a newcomer back for as long as they live (an attack
+        round: 50 s for a first token). Runs before chunks are picked, like `_make_room_fairly`."""
+        if not self.grammar_pace.any_paced or not self.waiting or self.slots_taken() >= self.max_running:
+            return
+        now = self.clock()
+        order = self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now))
+        head = next((seq for seq in order if not any(_paced(s) for s in self._unit_of(seq))), None)
+        if head is None:
+            return
+        unit = self._unit_of(head)
+        victims = self._paced_units()
+        while victims and not self._room_for(unit):
+            self.preempt_unit(victims.pop())
+            self.counters.paced_preemptions += 1
 
     def _room_for(self, unit: list[SequenceState]) -> bool:
         """Whether `unit` could be admitted now (a slot each, and its first chunks' pages)."""
@@ -317,13 +359,23 @@ class Scheduler:
             return chunks
         now = self.clock()
         admitted: set[int] = set()  # beams admitted with an earlier member of their group
-        slots = self.slots_taken()  # (an admitted unit counts in full until the next count)
+        slots = self.slots_taken()  # shared slots (a unit admitted unpaced counts in full)
+        paced_slots = self._paced_running() if self.grammar_pace.any_paced else 0
         for seq in self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now)):
-            if budget <= 0 or prefill <= 0 or slots >= self.max_running:
+            if budget <= 0 or prefill <= 0:
                 break
             if seq.seq_id in admitted:
                 continue
             unit = self._unit_of(seq)
+            # A paced unit (preempted, or back from a paced cap) takes a paced slot and never
+            # holds up the units behind it; an unpaced one a shared slot, in the fair order.
+            paced = any(_paced(s) for s in unit)
+            if paced and paced_slots + len(unit) > self.max_running:
+                continue
+            if not paced and slots + len(unit) > self.max_running:
+                if paced_slots >= self.max_running:
+                    break
+                continue
             aged = now - seq.arrival_time > self.policy.max_wait_s
             peeks = []  # one look at the cache per member serves both checks below
             if self.prefix_cache:
@@ -336,14 +388,19 @@ class Scheduler:
             # Keep a page per decoding sequence in hand, so admitting does not force a preemption
             # in the very next step; an empty engine admits whatever fits.
             reserve = sum(1 for s in self.running if s.num_computed % self.page_size == 0)
-            if slots + len(unit) > self.max_running or not self.pages.may_fit(
-                    [s.num_tokens for s in unit], peeks or [None] * len(unit), int(min(budget, prefill)), reserve):
+            if not self.pages.may_fit([s.num_tokens for s in unit], peeks or [None] * len(unit),
+                                      int(min(budget, prefill)), reserve):
+                if paced:
+                    continue
                 break  # before touching the tree: a hopeless attempt neither evicts nor counts
             work = self._take_unit(unit, budget, prefill, reserve)
             if work is None:
                 break
             self._start(seq, unit)
-            slots += len(unit)
+            if paced:
+                paced_slots += len(unit)
+            else:
+                slots += len(unit)
             admitted.update(member.seq_id for member in unit)
             chunks.extend(work)  # members loading from the host run once their copy is done
             budget -= sum(c.num_new for c in work)

@@ -42,6 +42,9 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                   "Decoding rows that sat a step out for other tenants' shares of the step (--tenant-step-rows)."),
     "paced_rows": ("grammar_paced_rows", "counter",
                    "Rows of slow output constraints that sat a step out for the other rows."),
+    "paced_preemptions": ("grammar_paced_preemptions", "counter",
+                          "Of the preemptions, rows of slow output constraints past their own slots or in a "
+                          "newcomer's way."),
     "deferred_for_sharing": ("deferred_for_sharing", "counter",
                              "Admissions deferred so that a request reuses another's prefix."),
     "steps": ("engine_steps", "counter", "Engine steps run."),
