@@ -323,3 +323,24 @@ def test_an_arrival_out_of_pages_preempts_paced_rows_and_they_are_preempted_firs
     assert steps_to_admit and steps_to_admit[0] - first_step <= 3  # ...at once, for the arrival...
     assert preempted == []  # ...and for its growth
     assert out["innocent"] == alone[0]
+
+
+def test_paced_rows_are_not_preempted_for_a_unit_whose_shared_slots_are_taken() -> None:
+    """A newcomer that waits for shared slots (a beam search needs one per beam) gains
+    nothing from paced rows' pages: they stay."""
+    engine = _paced_engine(num_pages=512, max_running=2)
+    for i in range(2):
+        engine.add_request(f"a{i}", LONG, request_id=f"attack{i}")
+    while sum(1 for s in engine.scheduler.running if s.grammar is not None and s.grammar.paced) < 2:
+        engine.step()
+    engine.add_request(INNOCENT[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), request_id="one")
+    engine.step()  # it takes one shared slot; the beams need two
+    engine.add_request("beams", SamplingParams(max_tokens=8, temperature=0.0, beam_width=2, n=2), request_id="beams")
+    for _ in range(5):
+        engine.step()
+        engine.check_invariants()
+    assert engine.stats()["paced_preemptions"] == 0
+    assert sum(1 for s in engine.scheduler.running if s.grammar is not None and s.grammar.paced) == 2
+    while engine.has_work():  # and everything ends
+        engine.step()
+    engine.check_invariants()

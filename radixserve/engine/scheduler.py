@@ -298,6 +298,8 @@ class Scheduler:
         if head is None:
             return
         unit = self._unit_of(head)
+        if self.slots_taken() + len(unit) > self.max_running:
+            return  # its slots are not paced rows' to give: preempting them would free none
         victims = self._paced_units()
         while victims and not self._room_for(unit):
             self.preempt_unit(victims.pop())
