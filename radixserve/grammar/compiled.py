@@ -93,8 +93,9 @@ class Grammars:
             compiled = self._compile_or_refuse(spec)
         except _Refused as exc:
             with self._lock:
-                self._refused[spec] = exc.reason
-                self._refused_chars += len(spec.source) + len(exc.reason)
+                if spec not in self._refused:  # (two threads may refuse it at once: counted once)
+                    self._refused[spec] = exc.reason
+                    self._refused_chars += len(spec.source) + len(exc.reason)
                 while self._refused and (len(self._refused) > CACHE_ENTRIES or self._refused_chars > REFUSED_CHARS):
                     dropped, reason = self._refused.popitem(last=False)
                     self._refused_chars -= len(dropped.source) + len(reason)
