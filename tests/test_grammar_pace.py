@@ -153,6 +153,8 @@ def test_a_share_of_one_paces_nothing(grammars: Grammars) -> None:
     paced = [unit(worked(grammars, AMBIGUOUS, 3), last_step=i) for i in range(3)]
     pace.bill([u[0] for u in paced])
     assert pace.held([unit(None), *paced], set()) == set()
+    # Nor are they paced: with pacing off they run every step, so they take shared slots.
+    assert not any(u[0].grammar.paced for u in paced) and not pace.any_paced
     with pytest.raises(ValueError, match="share"):
         GrammarPace(clock, share=0.0)
     with pytest.raises(ValueError, match="grammar_paced_share"):

@@ -80,7 +80,7 @@ class GrammarPace:
                 continue
             work = grammar.take_work()
             grammar.mean_work_s = (grammar.mean_work_s + work) / 2
-            if grammar.mean_work_s > self.slow_s:
+            if grammar.mean_work_s > self.slow_s and self.share < 1:  # (share 1: pacing is off)
                 grammar.paced = True
             if grammar.paced:  # (a beam's or sample's fork of a paced grammar is paced too)
                 self._paced.add(grammar)
