@@ -275,8 +275,8 @@ class Scheduler:
         """Preempts the paced units past the paced rows' own slots (their pages stay cached):
         a row found slow while it held a shared slot gives it back, and waits for a paced slot.
         Else paced loops twice `max_running` deep held every shared slot again."""
-        if not self.grammar_pace.any_paced:
-            return
+        if not self.grammar_pace.any_paced or self._paced_running() <= self.max_running:
+            return  # (the common case: no units built or sorted)
         paced = self._paced_units()
         rows = sum(len(u) for u in paced)
         while rows > self.max_running and paced:
