@@ -6,6 +6,8 @@ of spec.py) refused while an innocent client's schema is compiled and served bes
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -105,6 +107,31 @@ def test_a_grammar_too_large_compiled_or_compiling_is_refused(tokenizer: Any, mo
     assert grammars.compile(specs()[0]) is not None  # the killed worker's replacement serves
 
 
+def test_a_compile_starved_of_cpu_is_the_servers_fault_and_not_remembered(tokenizer: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile that gets too little CPU (a stopped worker here; a loaded machine in life, the
+    workers being niced) is stopped by the wall-clock limit: the server's fault, so not a
+    refusal of the spec, and the same spec compiles when the machine has room again."""
+    from radixserve.grammar import compile_workers
+
+    timeout_s = 0.3  # a pool of its own; the wall-clock limit is 12 times this
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=timeout_s)
+    send = compile_workers._Worker.send
+
+    def send_then_stop(worker: Any, job: tuple[str, str]) -> None:
+        send(worker, job)
+        os.kill(worker.process.pid, signal.SIGSTOP)  # it gets no CPU at all until killed
+
+    monkeypatch.setattr(compile_workers._Worker, "send", send_then_stop)
+    spec = specs()[0]
+    with pytest.raises(compile_workers.CompileStarved, match=r"less than 0.3 s of CPU in 3.6 s: the server is busy"):
+        grammars.compile(spec)
+    monkeypatch.undo()
+    assert grammars.compile_timeouts == 0 and grammars.refusals_repeated == 0
+    assert grammars.compile(spec).serialize_json() == Grammars(
+        tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=None).compile(spec).serialize_json()
+
+
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=256, grammar_compile_timeout_s=SERVER_TIMEOUT_S))
@@ -160,7 +187,7 @@ def test_a_lost_compile_worker_is_the_servers_503_not_the_requests_400(monkeypat
     with running_server(create_app(engine)) as url:
         answer = chat(url, {"type": "object", "properties": {"ok": {"type": "boolean"}}}, "lost")
         plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
-    assert answer.status_code == 503, answer.text
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
     assert answer.json()["error"] == {"message": "the grammar compiler is unavailable; retry", "type": "server_error",
                                       "param": None, "code": "grammar_compiler_unavailable"}
     assert plain.status_code == 200

@@ -26,6 +26,7 @@ from radixserve.engine.engine import Engine
 from radixserve.engine.params import PromptTooLong, QueueFull, StreamDelta
 from radixserve.engine.request import namespace_of
 from radixserve.grammar import GrammarError
+from radixserve.grammar.compile_workers import CompileWorkerLost
 from radixserve.engine.tree_snapshot import SnapshotOptions, TreeSnapshot
 from radixserve.server.cache_views import CacheViews
 from radixserve.server.grammar_compiles import GrammarCompiles
@@ -86,6 +87,9 @@ class EngineReplica:
                                                     request.tenant)
             except GrammarError as exc:
                 yield Refused("invalid", str(exc))
+                return
+            except CompileWorkerLost as exc:  # the replica's fault (lost or starved of CPU): a 503, retry
+                yield Refused("queue_full", f"the grammar compiler is unavailable ({exc}); retry")
                 return
         receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
         expect_seen(self.engine, request.prompt_ids, request.cluster_seen)  # ... and what the cluster saw

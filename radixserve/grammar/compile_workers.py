@@ -82,6 +82,12 @@ class CompileWorkerLost(Exception):
     the spec's: not a RuntimeError, which Grammars takes for the library refusing a spec)."""
 
 
+class CompileStarved(CompileWorkerLost):
+    """A compile still under its CPU-time limit ran past WALL_LIMIT_FACTOR times it of wall
+    time: the machine is too busy to give it the CPU, which says nothing of the spec (the
+    server's fault: a retry may succeed, so the spec is not remembered as refused)."""
+
+
 class _Worker:
     """One child process (`python -c _CHILD`: a fresh interpreter, not a fork of this threaded,
     torch-loaded one, nor multiprocessing's spawn, which would run the caller's main script
@@ -180,6 +186,9 @@ class CompileWorkers:
                     self._start_a_spare()  # its replacement starts now, not in the next compile's time
                     if overrun == "time":
                         raise CompileTimeout(f"compiling took more than {self.timeout_s:g} s of CPU time")
+                    if overrun == "wall":
+                        raise CompileStarved(f"a compile got less than {self.timeout_s:g} s of CPU in "
+                                             f"{WALL_LIMIT_FACTOR * self.timeout_s:g} s: the server is busy")
                     raise CompileTooLarge(f"compiling took more than {MAX_WORKER_RSS_BYTES // 2**20:,} MB of memory")
                 outcome, payload = worker.conn.recv()
             except (EOFError, OSError) as exc:  # the worker ended on its own (killed by the system, say)
@@ -214,7 +223,7 @@ class CompileWorkers:
     def _overrun(self, worker: _Worker) -> str | None:
         """Waits for `worker`'s answer while its compile has used less than `timeout_s` of CPU
         time (and less than WALL_LIMIT_FACTOR times that of wall time) and the worker less
-        than MAX_WORKER_RSS_BYTES of memory: None once it answered, else "time" or "memory".
+        than MAX_WORKER_RSS_BYTES of memory: None once it answered, else "time", "wall" or "memory".
         CPU time, not wall time: on a busy machine (and the workers are niced) an ordinary
         compile may wait long for the CPU, and must not be refused for the machine's load."""
         started_cpu, started = worker.cpu_seconds(), time.monotonic()
@@ -225,8 +234,10 @@ class CompileWorkers:
                 used = time.monotonic() - started
             elif started_cpu is not None:
                 used -= started_cpu
-            if used > self.timeout_s or time.monotonic() - started > wall_limit:
+            if used > self.timeout_s:
                 return "time"
+            if time.monotonic() - started > wall_limit:
+                return "wall"
             if (worker.rss_bytes() or 0) > MAX_WORKER_RSS_BYTES:
                 return "memory"
         return None
