@@ -11,6 +11,11 @@ events, the first one after the request included), and the attackers' requests a
 The innocent alone is the reference.
 
     python bench/grammar_pace.py --model smollm2 --attackers 8,32 --shares 1,0.1 --repeats 3
+
+`--attacker-address 127.0.0.2` sends the attackers' requests from another address than the
+innocent's (a server without keys shares its engine fairly between addresses); `--regex ""`
+makes the attackers' requests plain chats of `--attack-max-tokens` (a flood, no grammar), and
+`--innocent-regex` gives the innocent's chats a guided_regex of their own.
 """
 
 from __future__ import annotations
@@ -29,20 +34,24 @@ INNOCENT = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_
 
 
 def attack_body(regex: str, max_tokens: int) -> dict:
-    """The attackers' request: `regex` as a guided_regex."""
+    """The attackers' request: `regex` as a guided_regex (none: a plain chat run to max_tokens)."""
+    if not regex:
+        return {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens,
+                "ignore_eos": True}
     return {"messages": [{"role": "user", "content": "Write a's."}], "max_tokens": max_tokens, "guided_regex": regex}
 
 
-async def window(base: str, attackers: int, seconds: float, attack_request: dict) -> dict[str, float]:
+async def window(base: str, attackers: int, seconds: float, attack_request: dict, innocent_request: dict,
+                 attacker_address: str | None) -> dict[str, float]:
     url = base + "/v1/chat/completions"
     gaps: list[float] = []
     ttfts: list[float] = []
     chats = answered = 0
 
-    async def attack(client: httpx.AsyncClient, stop: float) -> None:
+    async def attack(stop: float) -> None:
         nonlocal answered
         while time.monotonic() < stop:
-            await client.post(url, json=attack_request)
+            await attack_client.post(url, json=attack_request)
             answered += 1
 
     async def innocent(client: httpx.AsyncClient, stop: float) -> None:
@@ -50,7 +59,7 @@ async def window(base: str, attackers: int, seconds: float, attack_request: dict
         while time.monotonic() < stop:
             last = time.monotonic()
             first = True
-            async with client.stream("POST", url, json=INNOCENT) as response:
+            async with client.stream("POST", url, json=innocent_request) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         now = time.monotonic()
@@ -61,10 +70,13 @@ async def window(base: str, attackers: int, seconds: float, attack_request: dict
                         last = now
             chats += 1
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=attackers + 4)) as client:
-        await client.post(url, json={**INNOCENT, "stream": False})  # warm up
+    limits = httpx.Limits(max_connections=attackers + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client, httpx.AsyncClient(
+            timeout=600, limits=limits, transport=httpx.AsyncHTTPTransport(local_address=attacker_address, limits=limits)
+            if attacker_address else None) as attack_client:
+        await client.post(url, json={**innocent_request, "stream": False})  # warm up
         stop = time.monotonic() + seconds
-        attacks = [asyncio.create_task(attack(client, stop)) for _ in range(attackers)]
+        attacks = [asyncio.create_task(attack(stop)) for _ in range(attackers)]
         await innocent(client, stop)
         for task in attacks:  # a slow attack request still in flight is dropped (the server aborts it)
             task.cancel()
@@ -85,9 +97,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--regex", default=REGEX, help="the attackers' guided_regex")
     parser.add_argument("--attack-max-tokens", type=int, default=100)
+    parser.add_argument("--attacker-address", default=None, help="the attackers' source address (127.0.0.2)")
+    parser.add_argument("--innocent-regex", default=None, help="a guided_regex for the innocent's chats")
     parser.add_argument("--server-flags", default="", help="more `radixserve serve` flags, e.g. '--max-running 16'")
     args = parser.parse_args()
     attack_request = attack_body(args.regex, args.attack_max_tokens)
+    innocent_request = INNOCENT
+    if args.innocent_regex:  # (ignore_eos is refused with a grammar: the end token closes an output)
+        innocent_request = {key: value for key, value in INNOCENT.items() if key != "ignore_eos"}
+        innocent_request["guided_regex"] = args.innocent_regex
     cells = [(0, 1.0)] + [(int(a), float(s)) for a in args.attackers.split(",") for s in args.shares.split(",")]
     runs: dict[tuple[int, float], list[dict[str, float]]] = {cell: [] for cell in cells}
     for _ in range(args.repeats):
@@ -95,8 +113,9 @@ def main() -> None:
             process = start_server(["--model", args.model, "--grammar-paced-share", str(share),
                                     *args.server_flags.split()], args.port)
             try:
-                runs[attackers, share].append(asyncio.run(window(f"http://127.0.0.1:{args.port}", attackers,
-                                                                 args.window_s, attack_request)))
+                runs[attackers, share].append(asyncio.run(window(
+                    f"http://127.0.0.1:{args.port}", attackers, args.window_s, attack_request, innocent_request,
+                    args.attacker_address)))
             finally:
                 process.terminate()
                 process.wait(60)

@@ -97,6 +97,32 @@ def test_work_done_alone_is_not_held_against_the_tenant_that_did_it() -> None:
     assert fair.claimant(bob_waits, alice_runs) == Claim("bob", "alice", preempts=True)
 
 
+def test_clients_that_left_are_forgotten_past_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server without keys counts client addresses, which an attacker can vary: the counters
+    of clients with nothing live are dropped past MAX_IDLE_COUNTERS, the backlogged and the
+    last to leave kept (a dropped one comes back as a newcomer: lifted on arrival)."""
+    from radixserve.engine import fair_share
+
+    monkeypatch.setattr(fair_share, "MAX_IDLE_COUNTERS", 3)
+    fair = FairShare()
+    fair.arrive("live")
+    fair.charge("live", input_tokens=7)
+    for i in range(5):
+        fair.arrive(i)
+        fair.charge(i, input_tokens=100)
+        fair.leave(i)
+        assert len(fair.counters) <= 1 + 3 + 1
+    assert "live" in fair.counters and 4 in fair.counters
+    fair.arrive(0)  # forgotten: lifted to the backlog's least counter, as a newcomer
+    assert fair.counters[0] == fair.counters["live"] == 7 * INPUT_WEIGHT
+
+
+def test_a_request_of_a_tenant_is_shared_as_its_tenant_from_any_client() -> None:
+    assert Request("r", [1], Params(), 0.0, tenant="acme", client=("address", "10.0.0.1")).fair_key == "acme"
+    assert Request("r", [1], Params(), 0.0, client=("address", "10.0.0.1")).fair_key == ("address", "10.0.0.1")
+    assert Request("r", [1], Params(), 0.0).fair_key is None
+
+
 def test_priority_crosses_tenants_only_for_an_admin() -> None:
     fair = FairShare()
     fair.charge("a", input_tokens=1000)
@@ -118,13 +144,13 @@ def engine_kwargs(tiny_llama_dir: Path) -> dict[str, object]:
                 debug_checks=True)
 
 
-def flood(engine: Engine, tenant: str) -> None:
+def flood(engine: Engine, tenant: str | None, **kwargs: object) -> None:
     """The issue's attack scaled down: many prompts x n samples x many tokens at once."""
     rng = random.Random(0)
     for i in range(12):
         engine.add_request([rng.randrange(3, 300) for _ in range(20)],
                            SamplingParams(max_tokens=24, n=6, temperature=1.0, seed=i, ignore_eos=True),
-                           tenant=tenant)
+                           tenant=tenant, **kwargs)
 
 
 def innocent_run(engine: Engine, **kwargs: object) -> tuple[list[int], int, int]:
@@ -143,14 +169,23 @@ def innocent_run(engine: Engine, **kwargs: object) -> tuple[list[int], int, int]
     return tokens, first, last
 
 
-def test_a_flooding_tenant_neither_delays_nor_changes_an_innocent_one(engine_kwargs: dict[str, object]) -> None:
-    alone = innocent_run(Engine(**engine_kwargs), tenant="innocent")
+# Tenants; clients of the single tenant (a server without keys passes each one's address).
+FLOODER_AND_INNOCENT = [(dict(tenant="flood"), dict(tenant="innocent")),
+                        (dict(tenant=None, client=("address", "10.0.0.1")),
+                         dict(tenant=None, client=("address", "10.0.0.2")))]
+
+
+@pytest.mark.parametrize(("flooder", "innocent"), FLOODER_AND_INNOCENT, ids=["tenants", "clients"])
+def test_a_flooding_tenant_neither_delays_nor_changes_an_innocent_one(engine_kwargs: dict[str, object],
+                                                                      flooder: dict[str, object],
+                                                                      innocent: dict[str, object]) -> None:
+    alone = innocent_run(Engine(**engine_kwargs), **innocent)
     runs = {}
     for fair in (True, False):
         engine = Engine(fair_share=fair, **engine_kwargs)
-        flood(engine, "flood")
+        flood(engine, **flooder)
         engine.step()  # the flood is running when the innocent request arrives
-        runs[fair] = innocent_run(engine, tenant="innocent")
+        runs[fair] = innocent_run(engine, **innocent)
     for tokens, _, _ in runs.values():
         assert tokens == alone[0]
     (_, first, last), (_, unfair_first, _) = runs[True], runs[False]
@@ -181,6 +216,45 @@ def test_one_tenants_long_prefill_does_not_hold_another_tenants_request(engine_k
     assert last - first == alone[2] - alone[1] + 1
     assert engine.stats()["running"] == engine.stats()["waiting"] == 0
 
+
+
+@pytest.mark.parametrize(("flooder", "innocent"), FLOODER_AND_INNOCENT, ids=["tenants", "clients"])
+def test_a_newcomer_takes_a_slot_from_a_tenant_holding_more_than_its_part(engine_kwargs: dict[str, object],
+                                                                          flooder: dict[str, object],
+                                                                          innocent: dict[str, object]) -> None:
+    """Every slot held by one tenant's long generations, more of them waiting, and far from the
+    preemption margin (4 rows earn 8 weighted tokens a step; the margin is 2,048): a newcomer
+    waited for one of them to end (150 steps here; forty 300-token loops kept another
+    address's chats over a second from a first token on SmolLM2). The tenant holds more than
+    its part of the slots (4 > 4 // 2), so one of its decoding streams is preempted (its pages
+    cached) and the newcomer's first token comes as alone. Everyone's tokens are unchanged."""
+    kwargs = {**engine_kwargs, "max_running": 4}
+    long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + (i * 11 + 5 * k) % 290 for i in range(20)] for k in range(6)]
+    flood_alone = [list(o.token_ids) for o in Engine(**kwargs).generate(prompts, long)]
+    alone = innocent_run(Engine(**kwargs), **innocent)
+    engine = Engine(**kwargs)
+    ids = [engine.add_request(prompt, long, **flooder) for prompt in prompts]
+    flood_tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    for _ in range(3):  # four of them decoding, two waiting
+        for rid, deltas in engine.step().items():
+            flood_tokens[rid] += [t for d in deltas for t in d.token_ids]
+    assert engine.stats()["running"] == 4
+    request_id = engine.add_request(list(range(40, 60)), GREEDY, **innocent)
+    tokens: list[int] = []
+    steps = first = 0
+    while engine.has_work():
+        steps += 1
+        for rid, deltas in engine.step().items():
+            got = [t for d in deltas for t in d.token_ids]
+            if rid == request_id:
+                tokens += got
+                first = first or (steps if got else 0)
+            else:
+                flood_tokens[rid] += got
+    assert tokens == alone[0] and first == alone[1], (first, alone)
+    assert [flood_tokens[rid] for rid in ids] == flood_alone
+    assert engine.stats()["fair_preemptions"] == 1
 
 
 def test_a_newcomer_is_admitted_before_the_waiting_requests_of_the_tenant_it_claims_on(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError, WorkerCrashedError
@@ -148,7 +148,7 @@ class ClusterEngine:
                        retention: Retention | None = None,
                        prefix_retention: tuple[int, Retention] | None = None,
                        session_id: str | None = None, tenant: str | None = None,
-                       admin: bool = False) -> AsyncIterator[StreamDelta]:
+                       admin: bool = False, client: Hashable = None) -> AsyncIterator[StreamDelta]:
         """As AsyncEngine.generate: QueueFull / PromptTooLong / ValueError before the first
         item; closing the iterator early cancels the replica's stream, which aborts there."""
         namespace, hashes = prompt_pages(prompt_ids, self.engine.page_size,
@@ -157,7 +157,7 @@ class ClusterEngine:
         seen = self.reuse.observe(hashes, stats)
         request = ReplicaRequest(request_id, list(prompt_ids), params, priority, cache_salt, retention,
                                  prefix_retention, session_id, namespace, hashes, tenant,
-                                 admin, records_of(stats), cluster_seen=seen)
+                                 admin, records_of(stats), cluster_seen=seen, client=client)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             stream = _fresh_call(lambda: self.handle.options(stream=True).generate.remote(request))
             self._streams[request_id] = stream

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ class ReplicaRequest:
     # The prompt's leading pages the cluster saw recently (duel_pool.ClusterReuse; None: no
     # count), what the replica's adaptive rule boosts.
     cluster_seen: int | None = None
+    client: Hashable = None  # whom the replica's fair share counts it as (Request.client)
 
     @property
     def prompt(self) -> str:

@@ -97,7 +97,7 @@ class EngineReplica:
             request.prompt_ids, request.params, request_id=request.request_id, priority=request.priority,
             cache_salt=request.cache_salt, retention=request.retention,
             prefix_retention=request.prefix_retention, session_id=request.session_id,
-            tenant=request.tenant, admin=request.admin)
+            tenant=request.tenant, admin=request.admin, client=request.client)
         try:
             async with aclosing(deltas):
                 try:

@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any, TypeVar
 
 from radixserve.cache.radix import PagesFreed, Retention
@@ -226,7 +226,7 @@ class AsyncEngine:
                        retention: Retention | None = None,
                        prefix_retention: tuple[int, Retention] | None = None,
                        session_id: str | None = None, tenant: str | None = None,
-                       admin: bool = False) -> AsyncIterator[StreamDelta]:
+                       admin: bool = False, client: Hashable = None) -> AsyncIterator[StreamDelta]:
         """Streams a request's deltas; raises QueueFull / PromptTooLong / ValueError up front.
 
         Closing the iterator early (a client that went away) aborts the request, which frees
@@ -246,7 +246,7 @@ class AsyncEngine:
             await self._call(lambda: self.engine.add_request(
                 prompt_ids, params, request_id=request_id, priority=priority, cache_salt=cache_salt,
                 retention=retention, prefix_retention=prefix_retention, session_id=session_id,
-                tenant=tenant, admin=admin))
+                tenant=tenant, admin=admin, client=client))
         except asyncio.CancelledError:
             # The caller left while the add was queued: it still runs, so abort it after.
             self._streams.pop(request_id, None)

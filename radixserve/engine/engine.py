@@ -11,7 +11,7 @@ import functools
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Any
 
@@ -251,12 +251,14 @@ class Engine:
                     retention: Retention | None = None,
                     prefix_retention: tuple[int, Retention] | None = None,
                     session_id: str | None = None, tenant: str | None = None,
-                    admin: bool = False) -> str:
+                    admin: bool = False, client: Hashable = None) -> str:
         """Queues a request; returns its id. Raises ValueError, PromptTooLong or QueueFull.
         `priority` orders it within its `tenant` (None: the single tenant), and across tenants
         too for an `admin`'s request (engine/fair_share.py). A tenant's retention above the
         default is held within the tenant's share of the raised tokens (engine/sessions.py);
-        the single tenant's and an admin's are the tree's as given."""
+        the single tenant's and an admin's are the tree's as given. `client` tells the single
+        tenant's senders apart for fair share (the server passes the client's address): they
+        share the engine as tenants do (Request.fair_key); a tenant's request ignores it."""
         params = params or self.default_sampling_params()
         params.validate()
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
@@ -267,8 +269,9 @@ class Engine:
         check_prompt(prompt_ids, params, vocab_size=self.loaded.model.vocab_size,
                      max_context_len=self.max_context_len, num_pages=self.pool.num_pages,
                      page_size=self.page_size, max_running=self.scheduler.max_running)
+        fair_key = tenant if tenant is not None else client  # (Request.fair_key)
         if self.max_queue is not None:
-            self._check_queue(tenant)
+            self._check_queue(fair_key)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -277,13 +280,14 @@ class Engine:
         if tenant is not None and not admin:
             retention, prefix_retention, held = hold_raised(retention, prefix_retention)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
-                      retention, prefix_retention, session_id, tenant, admin=admin, held_retention=held)
+                      retention, prefix_retention, session_id, tenant, admin=admin, held_retention=held,
+                      client=client)
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
             req.reused_retention = self.reuse_history.retention
         self._requests[request_id] = req
-        self.scheduler.fair.arrive(tenant)
+        self.scheduler.fair.arrive(req.fair_key)
         self._deltas.open(request_id)
         if params.beam_search:
             self.scheduler.waiting.append(self.beams.start(req))
@@ -291,12 +295,13 @@ class Engine:
             self.scheduler.waiting.append(self._new_sequence(req, 0, list(prompt_ids)))
         return request_id
 
-    def _check_queue(self, tenant: str | None) -> None:
-        """QueueFull when the waiting queue holds `max_queue` requests and `tenant` already has
-        its share of them (`max_queue` over the tenants waiting, itself counted): a tenant that
-        keeps the queue full gets the 503s, not a tenant that comes after it. The queue may so
-        pass `max_queue` by the shares of tenants that came later (each at most its share)."""
-        queued = Counter(s.request.tenant for s in self.scheduler.waiting if s.request.cached_tokens is None)
+    def _check_queue(self, tenant: Hashable) -> None:
+        """QueueFull when the waiting queue holds `max_queue` requests and `tenant` (a fair
+        key: a tenant, or a client of the single tenant) already has its share of them
+        (`max_queue` over the tenants waiting, itself counted): a tenant that keeps the queue
+        full gets the 503s, not a tenant that comes after it. The queue may so pass
+        `max_queue` by the shares of tenants that came later (each at most its share)."""
+        queued = Counter(s.request.fair_key for s in self.scheduler.waiting if s.request.cached_tokens is None)
         if sum(queued.values()) < self.max_queue:
             return
         if queued[tenant] * len(queued.keys() | {tenant}) >= self.max_queue:
@@ -444,7 +449,7 @@ class Engine:
         if req.request_id not in self._requests:
             return
         del self._requests[req.request_id]
-        self.scheduler.fair.leave(req.tenant)
+        self.scheduler.fair.leave(req.fair_key)
         self.paused.forget(req.request_id)
         count_retired(self._counters, req)
 

@@ -10,7 +10,8 @@ rule for an empty queue), so idling earns no credit to flood with later, and wor
 while nobody else asked for any is not held against the client that did it. It bounds the service gap between backlogged
 clients, whatever one of them sends.
 
-Here a client is a tenant (`Request.tenant`). Within a tenant the schedule policy's order
+Here a client is a tenant (`Request.tenant`), or on a server without tenants' keys a
+client address (`Request.fair_key`); "tenant" below means either. Within a tenant the schedule policy's order
 (longest cached prefix first, with aging) is kept; across tenants the counters pick whose
 request comes next. Service is counted as computed: tokens the cache already held cost
 nothing. Running sequences are ordered the same way, so that when pages run out the tenant
@@ -35,6 +36,10 @@ OUTPUT_WEIGHT = 2.0
 # sequences are preempted for it: about a step's prefill, so two backlogged tenants do not
 # take turns preempting each other every step.
 PREEMPT_MARGIN = 2048.0
+# Counters kept of clients with nothing live: past this many (a server without keys counts
+# client addresses, which an attacker can vary) they are forgotten. One back later is lifted
+# to the backlog's least counter on arrival, as a newcomer is.
+MAX_IDLE_COUNTERS = 4096
 
 T = TypeVar("T")
 
@@ -91,6 +96,8 @@ class FairShare:
         else:
             self._backlog.pop(tenant, None)
             self._last_left = tenant
+            if len(self.counters) - len(self._backlog) > MAX_IDLE_COUNTERS:
+                self.counters = {t: c for t, c in self.counters.items() if t in self._backlog or t == tenant}
 
     def charge(self, tenant: Hashable, input_tokens: int = 0, output_tokens: int = 0) -> None:
         """Counts service `tenant` has had: tokens computed for it."""
@@ -103,9 +110,9 @@ class FairShare:
         output token; anything else (a prompt) is input."""
         decoding = num_new == 1 and seq.num_computed >= len(seq.request.prompt_ids)
         if decoding:
-            self.charge(seq.request.tenant, output_tokens=1)
+            self.charge(seq.request.fair_key, output_tokens=1)
         else:
-            self.charge(seq.request.tenant, input_tokens=num_new)
+            self.charge(seq.request.fair_key, input_tokens=num_new)
 
     def claimant(self, waiting: Sequence[SequenceState], running: Sequence[SequenceState]) -> Claim | None:
         """A claim of a waiting tenant on the most-served tenant with running sequences: the
@@ -122,9 +129,9 @@ class FairShare:
             return None
         counter = self.counters.get
         key = lambda t: (counter(t, 0.0), _name(t))  # noqa: E731
-        serving = {s.request.tenant for s in running}
+        serving = {s.request.fair_key for s in running}
         most = max(serving, key=key)
-        others = {s.request.tenant for s in waiting} - {most}  # (a claim on itself would change nothing)
+        others = {s.request.fair_key for s in waiting} - {most}  # (a claim on itself would change nothing)
         if not others:
             return None
         least = min(others, key=key)
@@ -164,16 +171,16 @@ class FairShare:
         """Running units (a beam group, or one sequence) most deserving first: the least
         preempted last. By cross-tenant priority, then the tenant's counter, then `plain_key`
         (the scheduler's order within a tenant); with one tenant, by `plain_key` alone."""
-        if not self.enabled or len({unit[0].request.tenant for unit in units}) < 2:
+        if not self.enabled or len({unit[0].request.fair_key for unit in units}) < 2:
             return sorted(units, key=lambda u: plain_key(u[0]))
-        return sorted(units, key=lambda u: (-_cross_priority(u[0]), self.counters.get(u[0].request.tenant, 0.0),
+        return sorted(units, key=lambda u: (-_cross_priority(u[0]), self.counters.get(u[0].request.fair_key, 0.0),
                                             plain_key(u[0])))
 
 
 def _by_tenant(seqs: Sequence[SequenceState]) -> dict[Hashable, list[SequenceState]]:
     groups: dict[Hashable, list[SequenceState]] = {}
     for seq in seqs:
-        groups.setdefault(seq.request.tenant, []).append(seq)
+        groups.setdefault(seq.request.fair_key, []).append(seq)
     return groups
 
 

@@ -130,7 +130,7 @@ def _turns(paced: list[list[SequenceState]]) -> Callable[[list[SequenceState]], 
     tenant's many slow rows do not take the paced part from another's one."""
     by_tenant: dict[Hashable, list[list[SequenceState]]] = {}
     for unit in sorted(paced, key=lambda u: (u[0].last_step, u[0].seq_id)):
-        by_tenant.setdefault(unit[0].request.tenant, []).append(unit)
+        by_tenant.setdefault(unit[0].request.fair_key, []).append(unit)
     ran = {tenant: max(u[0].last_step for u in units) for tenant, units in by_tenant.items()}
     rank = {unit[0].seq_id: (i, ran[tenant], unit[0].last_step, unit[0].seq_id)
             for tenant, units in by_tenant.items() for i, unit in enumerate(units)}

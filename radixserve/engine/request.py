@@ -57,6 +57,9 @@ class Request:
     prefix_retention: tuple[int, Retention] | None = None
     session_id: str | None = None
     tenant: str | None = None  # who sent it (None: the server's one tenant); see namespace_of
+    # Within the single tenant, which client sent it (the server's client address): fair
+    # share goes round these as round tenants (`fair_key`). Ignored for a tenant's request.
+    client: Hashable = None
     # Sent with an admin key: its `priority` orders other tenants' requests too, not only its
     # own tenant's (engine/fair_share.py), and its raised retention is not held to a share.
     admin: bool = False
@@ -73,6 +76,12 @@ class Request:
     # Why the request failed when its own input was at fault (its grammar: GrammarFault), for
     # its client (a 400, not a 500); None for a failure of the server's.
     fault: str | None = None
+
+    @property
+    def fair_key(self) -> Hashable:
+        """Whom fair share, a step's rows, paced turns and the queue's shares go round: the
+        tenant; within the single tenant (no keys), the client (its address)."""
+        return self.tenant if self.tenant is not None else self.client
 
     @property
     def finished(self) -> bool:

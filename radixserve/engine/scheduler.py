@@ -213,23 +213,37 @@ class Scheduler:
         more than a running one (FairShare.claimant), and its sequence to admit first: room in
         slots and pages is not enough when the running tenant's long prefill takes every
         step's whole token budget (the waiting tenant would wait for all of its chunks).
-        Where the running tenant is served well ahead, first preempts its least important
-        units until the waiting tenant's next sequence fits: else a flood's long generations
+        Where the running tenant is served well ahead, or holds more than its part of the
+        slots, first preempts its least important units until the waiting tenant's next
+        sequence fits (their computed pages stay cached): else a flood's long generations
         would run to their end first. Runs before chunks are picked."""
         claim = self.fair.claimant(self.waiting, self.running)
         if claim is None:
             return 0, None
         now = self.clock()
-        head = self._waiting_order([s for s in self.waiting if s.request.tenant == claim.waiting_tenant], now)[0]
+        head = self._waiting_order([s for s in self.waiting if s.request.fair_key == claim.waiting_tenant], now)[0]
         unit = self._unit_of(head)
-        if claim.preempts:  # only units past their prompts: a prefill preempted is thrown away
-            victims = [u for u in self._running_units() if u[0].request.tenant == claim.running_tenant
-                       and all(s.num_tokens - s.num_computed <= 1 for s in u)]
-            victims.sort(key=lambda u: _running_key(u[0]))
-            while victims and not self._room_for(unit):
-                self.preempt_unit(victims.pop())
-                self.counters.fair_preemptions += 1
+        # Only units past their prompts: a prefill preempted is thrown away.
+        victims = [u for u in self._running_units() if u[0].request.fair_key == claim.running_tenant
+                   and all(s.num_tokens - s.num_computed <= 1 for s in u)]
+        victims.sort(key=lambda u: _running_key(u[0]))
+        while victims and (claim.preempts or self._over_its_slots(claim.running_tenant)) and not self._room_for(unit):
+            self.preempt_unit(victims.pop())
+            self.counters.fair_preemptions += 1
         return self._claimed_tokens(unit, now - head.arrival_time > self.policy.max_wait_s, claim.running_tenant), head
+
+    def _over_its_slots(self, tenant: Hashable) -> bool:
+        """Whether `tenant` holds more than its part of the shared slots: `max_running` over the
+        tenants with work, running or waiting, and at least one. A waiting tenant with nothing
+        running (a claim that does not preempt for service) then takes one of them at once,
+        instead of waiting for one of the other's long generations to end: forty loops of
+        300-token chats from one address kept another address's chats over a second from their
+        first tokens. A tenant so preempted holds two slots or more before, so it still runs
+        after, and cannot claim a slot back the same way (at one slot each, two tenants took
+        it from each other every step)."""
+        tenants = {s.request.fair_key for s in self.running} | {s.request.fair_key for s in self.waiting}
+        held = sum(1 for s in self.running if s.request.fair_key == tenant and not _paced(s))
+        return held > max(1, self.max_running // len(tenants))
 
     def _claimed_tokens(self, unit: list[SequenceState], aged: bool, victim_tenant: Hashable) -> int:
         """The tokens of this step to keep for a claimant's unit: its first chunks (its
@@ -248,7 +262,7 @@ class Scheduler:
                 if not aged and self._shares_prefill_in_flight(seq.prompt_ids, seq, hit):
                     return 0
             uncached += seq.num_tokens - max(hit, seq.num_computed)
-        busy = sum(1 for s in self.running if s.num_tokens > s.num_computed and s.request.tenant != victim_tenant)
+        busy = sum(1 for s in self.running if s.num_tokens > s.num_computed and s.request.fair_key != victim_tenant)
         return max(0, min(uncached, self.max_batch_tokens - busy))
 
     def slots_taken(self) -> int:

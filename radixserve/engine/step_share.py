@@ -32,7 +32,7 @@ def units_held(units: list[list[SequenceState]], row_limit: int) -> set[int]:
     decoding: dict[Hashable, list[list[SequenceState]]] = {}
     for unit in units:
         if all(seq.num_tokens - seq.num_computed == 1 for seq in unit):
-            decoding.setdefault(unit[0].request.tenant, []).append(unit)
+            decoding.setdefault(unit[0].request.fair_key, []).append(unit)
     rows = {tenant: sum(len(unit) for unit in group) for tenant, group in decoding.items()}
     if len(decoding) < 2 or sum(rows.values()) <= row_limit:
         return set()

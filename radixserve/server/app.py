@@ -195,7 +195,7 @@ class OpenAIServer:
         call = await self._check(share, schemas, lambda: chat_call(
             body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
             tools.grammar, WorkLimit(self.max_request_tokens), tools.strict_grammar))
-        _as_caller([call], caller)
+        _as_caller([call], caller, share)
         await self._compile_grammar([call], share)
         formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
@@ -224,7 +224,7 @@ class OpenAIServer:
         limit = WorkLimit(self.max_request_tokens, len(prompts))
         calls = await self._check(share, carries_constraint(body), lambda: completion_calls(
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
-        _as_caller(calls, caller)
+        _as_caller(calls, caller, share)
         await self._compile_grammar(calls, share)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
@@ -286,7 +286,7 @@ class OpenAIServer:
             call.prompt_ids, call.params, request_id=request_id if len(calls) == 1 else f"{request_id}-{i}",
             priority=call.priority, cache_salt=call.cache_salt, retention=call.retention,
             prefix_retention=call.prefix_retention, session_id=call.session_id, tenant=call.tenant,
-            admin=call.admin)
+            admin=call.admin, client=call.client)
             for i, call in enumerate(calls)]
         handed_over = False
         try:
@@ -539,11 +539,13 @@ def share_key(caller: Caller, request: Request) -> Hashable:
     return ("address", address_key(tuple(request.client) if request.client else None))
 
 
-def _as_caller(calls: list[EngineCall], caller: Caller) -> None:
+def _as_caller(calls: list[EngineCall], caller: Caller, share: Hashable) -> None:
     """The calls run as `caller`'s: its tenant, and whether an admin sent them (whose priority
-    orders every tenant's requests and whose raised retention is not held to a share)."""
+    orders every tenant's requests and whose raised retention is not held to a share); and
+    `share` is whom the engine's fair share counts them as (on a server without tenants'
+    keys, the client's address: one client's flood is then shared fairly with the others)."""
     for call in calls:
-        call.tenant, call.admin = caller.tenant, caller.admin
+        call.tenant, call.admin, call.client = caller.tenant, caller.admin, share
 
 
 def _response_entries(results: list[ChoiceResult]) -> int:

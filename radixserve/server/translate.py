@@ -6,7 +6,7 @@ that names the request field at fault.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import EllipsisType, MappingProxyType
 
@@ -38,6 +38,7 @@ class EngineCall:
     session_id: str | None
     tenant: str | None = None  # set by the server from the request's API key
     admin: bool = False  # sent with an admin key (Request.admin)
+    client: Hashable = None  # whom the engine's fair share counts it as (Request.client): share_key
     grammar_param: str | None = None  # the request field params.grammar came from
 
 
