@@ -346,3 +346,29 @@ def test_paced_rows_are_not_preempted_for_a_unit_whose_shared_slots_are_taken() 
     while engine.has_work():  # and everything ends
         engine.step()
     engine.check_invariants()
+
+
+def test_a_claim_for_a_shared_slot_takes_it_from_an_unpaced_row_not_the_paced_ones() -> None:
+    """One client's two paced rows (slots of their own) and two plain streams (both shared
+    slots); another client arrives with nothing running and borrows a shared slot. Paced rows
+    hold none: a claim preempted them first (three for one claim in an attack round), each for
+    nothing. Now one plain stream lends its slot and the paced rows run on."""
+    engine = _paced_engine(num_pages=512, max_running=2)
+    alone = run(engine, {"innocent": INNOCENT})["innocent"]
+    plain = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"a{i}", LONG, request_id=f"paced{i}", client="one")
+    while sum(1 for s in engine.scheduler.running if s.grammar is not None and s.grammar.paced) < 2:
+        engine.step()
+    for i in range(2):
+        engine.add_request(f"plain {i}", plain, request_id=f"plain{i}", client="one")
+    while sum(1 for s in engine.scheduler.running if s.grammar is None and s.num_tokens - s.num_computed == 1) < 2:
+        engine.step()
+    engine.add_request(INNOCENT[0], INNOCENT[1], request_id="innocent", client="other")
+    out = {rid: [t for delta in items for t in delta.token_ids] for rid, items in engine.step().items()}
+    assert engine.stats()["fair_preemptions"] == 1
+    assert [s.request.request_id for s in engine.scheduler.waiting] in (["plain0"], ["plain1"])
+    assert {s.request.request_id for s in engine.scheduler.running} >= {"paced0", "paced1", "innocent"}
+    for rid, tokens in _drain(engine).items():
+        out.setdefault(rid, []).extend(tokens)
+    assert out["innocent"] == alone[0]

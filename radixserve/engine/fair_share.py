@@ -131,6 +131,10 @@ class FairShare:
         key = lambda t: (counter(t, 0.0), _name(t))  # noqa: E731
         serving = {s.request.fair_key for s in running}
         most = max(serving, key=key)
+        since: dict[Hashable, float] = {}  # each tenant's longest wait: who claims first on a tie
+        for s in waiting:
+            since[s.request.fair_key] = min(since.get(s.request.fair_key, s.arrival_time), s.arrival_time)
+        key = lambda t: (counter(t, 0.0), since.get(t, 0.0), _name(t))  # noqa: E731
         others = {s.request.fair_key for s in waiting} - {most}  # (a claim on itself would change nothing)
         if not others:
             return None
@@ -157,7 +161,9 @@ class FairShare:
         heads = dict.fromkeys(queues, 0)
         merged: list[SequenceState] = []
         while queues:
-            tenant = min(queues, key=lambda t: (-_cross_priority(queues[t][heads[t]]), virtual[t], _name(t)))
+            # Equal counters (newcomers lifted to the same one): the head that came first.
+            tenant = min(queues, key=lambda t: (-_cross_priority(queues[t][heads[t]]), virtual[t],
+                                                queues[t][heads[t]].arrival_time, _name(t)))
             seq = queues[tenant][heads[tenant]]
             merged.append(seq)
             virtual[tenant] += self.input_weight * seq.num_tokens

@@ -213,34 +213,57 @@ class Scheduler:
         more than a running one (FairShare.claimant), and its sequence to admit first: room in
         slots and pages is not enough when the running tenant's long prefill takes every
         step's whole token budget (the waiting tenant would wait for all of its chunks).
-        Where the running tenant is served well ahead, or holds more than its part of the
-        slots, first preempts its least important units until the waiting tenant's next
-        sequence fits (their computed pages stay cached): else a flood's long generations
-        would run to their end first. Runs before chunks are picked."""
+        Where the running tenant is served well ahead, first preempts its least important
+        units until the waiting tenant's next sequence fits (their computed pages stay
+        cached, and they come back first: `_lend_slots`): else a flood's long generations
+        would run to their end first. The same where it holds more than its part of the
+        slots. Runs before chunks are picked."""
         claim = self.fair.claimant(self.waiting, self.running)
         if claim is None:
             return 0, None
         now = self.clock()
         head = self._waiting_order([s for s in self.waiting if s.request.fair_key == claim.waiting_tenant], now)[0]
         unit = self._unit_of(head)
-        # Only units past their prompts: a prefill preempted is thrown away.
+        aged = now - head.arrival_time > self.policy.max_wait_s
+        if self._room_for(unit) and any(s.lent_slot for s in self.waiting):
+            return 0, None  # a free slot goes back to a lender first (`_admit`); the claim borrows next step
+        # Only units past their prompts (a prefill preempted is thrown away), and no paced ones
+        # where the claimant lacks a shared slot: they hold none (three such were preempted for
+        # one claim, each for nothing).
+        lacks_slot = self.slots_taken() + len(unit) > self.max_running
         victims = [u for u in self._running_units() if u[0].request.fair_key == claim.running_tenant
-                   and all(s.num_tokens - s.num_computed <= 1 for s in u)]
+                   and all(s.num_tokens - s.num_computed <= 1 for s in u)
+                   and not (lacks_slot and any(_paced(s) for s in u))]
         victims.sort(key=lambda u: _running_key(u[0]))
-        while victims and (claim.preempts or self._over_its_slots(claim.running_tenant)) and not self._room_for(unit):
-            self.preempt_unit(victims.pop())
+        if not self._claim_deferred(unit, aged):
+            self._lend_slots(unit, victims, claim.running_tenant, claim.preempts)
+        return self._claimed_tokens(unit, aged, claim.running_tenant), head
+
+    def _lend_slots(self, unit: list[SequenceState], victims: list[list[SequenceState]], tenant: Hashable,
+                    served_ahead: bool) -> None:
+        """Preempts `tenant`'s units (the last of `victims` first) while `unit` (a claimant's)
+        has no room and `tenant` is `served_ahead` by the margin or holds more than its part
+        of the slots: each *lends* its slot, and comes back before any other waiting sequence
+        when a slot frees (its pages cached: a partial page to recompute), a claim's included
+        (`_make_room_fairly`: the claim borrows another). Before, a claimant beside a tenant
+        holding too many slots waited for one of its long generations to end (forty loops of
+        300-token chats from one address: another address's chats 1.1 s from their first
+        tokens); and a unit preempted without a loan waited for its tenant's counter to be
+        the least again, which a client with two streams beside thirty looping addresses did
+        for 55 s mid-stream."""
+        while victims and (served_ahead or self._over_its_slots(tenant)) and not self._room_for(unit):
+            lender = victims.pop()
+            self.preempt_unit(lender)
+            for seq in lender:
+                seq.lent_slot = True
             self.counters.fair_preemptions += 1
-        return self._claimed_tokens(unit, now - head.arrival_time > self.policy.max_wait_s, claim.running_tenant), head
 
     def _over_its_slots(self, tenant: Hashable) -> bool:
         """Whether `tenant` holds more than its part of the shared slots: `max_running` over the
-        tenants with work, running or waiting, and at least one. A waiting tenant with nothing
-        running (a claim that does not preempt for service) then takes one of them at once,
-        instead of waiting for one of the other's long generations to end: forty loops of
-        300-token chats from one address kept another address's chats over a second from their
-        first tokens. A tenant so preempted holds two slots or more before, so it still runs
-        after, and cannot claim a slot back the same way (at one slot each, two tenants took
-        it from each other every step)."""
+        tenants with work, running or waiting, and at least one: a waiting tenant with nothing
+        running may then borrow one (`_lend_slots`). A lending tenant holds two slots or more
+        before, so it still runs after, and cannot claim a slot back the same way (at one slot
+        each, two tenants took it from each other every step)."""
         tenants = {s.request.fair_key for s in self.running} | {s.request.fair_key for s in self.waiting}
         held = sum(1 for s in self.running if s.request.fair_key == tenant and not _paced(s))
         return held > max(1, self.max_running // len(tenants))
@@ -251,7 +274,7 @@ class Scheduler:
         other than the one served most (a claim holds back that tenant's chunks, not a third
         tenant's next token); none unless admission would take the unit now (room for it; not
         deferred behind a prefill of its prefix in flight, which needs the step's tokens)."""
-        if not self._room_for(unit):
+        if not self._room_for(unit) or self._claim_deferred(unit, aged):
             return 0
         uncached = 0
         for seq in unit:
@@ -259,11 +282,20 @@ class Scheduler:
             if self.prefix_cache:
                 hit = self.tree.match(seq.prompt_ids[: seq.num_tokens - 1], seq.namespace,
                                       update=False).cached_tokens
-                if not aged and self._shares_prefill_in_flight(seq.prompt_ids, seq, hit):
-                    return 0
             uncached += seq.num_tokens - max(hit, seq.num_computed)
         busy = sum(1 for s in self.running if s.num_tokens > s.num_computed and s.request.fair_key != victim_tenant)
         return max(0, min(uncached, self.max_batch_tokens - busy))
+
+    def _claim_deferred(self, unit: list[SequenceState], aged: bool) -> bool:
+        """Whether admission would defer the claimant's `unit` behind a prefill of its prefix in
+        flight (it needs the step's tokens; `aged` ones are not deferred)."""
+        if not self.prefix_cache or aged:
+            return False
+        for seq in unit:
+            hit = self.tree.match(seq.prompt_ids[: seq.num_tokens - 1], seq.namespace, update=False).cached_tokens
+            if self._shares_prefill_in_flight(seq.prompt_ids, seq, hit):
+                return True
+        return False
 
     def slots_taken(self) -> int:
         """The running sequences that count against `max_running`: all but the rows of paced
@@ -377,7 +409,10 @@ class Scheduler:
         admitted: set[int] = set()  # beams admitted with an earlier member of their group
         slots = self.slots_taken()  # shared slots (a unit admitted unpaced counts in full)
         paced_slots = self._paced_running() if self.grammar_pace.any_paced else 0
-        for seq in self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now)):
+        order = self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now))
+        # Units that lent their slots to a claim come back first: they were running.
+        order = [s for s in order if s.lent_slot] + [s for s in order if not s.lent_slot]
+        for seq in order:
             if budget <= 0 or prefill <= 0:
                 break
             if seq.seq_id in admitted:
@@ -448,6 +483,7 @@ class Scheduler:
         for member in unit:
             self.waiting.remove(member)
             self.running.append(member)
+            member.lent_slot = False
         self.counters.admitted += 1
 
     def _take_unit(self, unit: list[SequenceState], budget: int, prefill: float,
