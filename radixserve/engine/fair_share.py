@@ -11,8 +11,8 @@ while nobody else asked for any is not held against the client that did it. It b
 clients, whatever one of them sends.
 
 Here a client is a tenant (`Request.tenant`), or on a server without tenants' keys a
-client address (`Request.fair_key`); "tenant" below means either. Within a tenant the schedule policy's order
-(longest cached prefix first, with aging) is kept; across tenants the counters pick whose
+client address (`Request.fair_key`); "tenant" below means either. Within a tenant the
+schedule policy's order (longest cached prefix first, with aging) is kept; across tenants the counters pick whose
 request comes next. Service is counted as computed: tokens the cache already held cost
 nothing. Running sequences are ordered the same way, so that when pages run out the tenant
 that has had the most service is preempted first. `priority` orders across tenants only

@@ -131,8 +131,8 @@ class SequenceState:
     pending_loads: list[LoadHandle] = field(default_factory=list)  # copies not done yet: wait
     pages_out_of_window: int = 0  # leading block-table entries released (out of a sliding window)
     last_step: int = -1  # the scheduler's step that last ran a chunk of it (step_share.py)
-    # Preempted to lend its slot to a tenant that had nothing running: readmitted before any
-    # other waiting sequence (Scheduler._make_room_fairly).
+    # Preempted for another tenant's claim: it lent its slot, and is readmitted before any
+    # other waiting sequence (Scheduler._lend_slots).
     lent_slot: bool = False
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
