@@ -224,8 +224,7 @@ class Scheduler:
         now = self.clock()
         head = self._waiting_order([s for s in self.waiting if s.request.fair_key == claim.waiting_tenant], now)[0]
         unit = self._unit_of(head)
-        aged = now - head.arrival_time > self.policy.max_wait_s
-        if self._room_for(unit) and any(s.lent_slot for s in self.waiting):
+        if any(s.lent_slot for s in self.waiting) and self._room_for(unit):
             return 0, None  # a free slot goes back to a lender first (`_admit`); the claim borrows next step
         # Only units past their prompts (a prefill preempted is thrown away), and no paced ones
         # where the claimant lacks a shared slot: they hold none (three such were preempted for
@@ -235,9 +234,10 @@ class Scheduler:
                    and all(s.num_tokens - s.num_computed <= 1 for s in u)
                    and not (lacks_slot and any(_paced(s) for s in u))]
         victims.sort(key=lambda u: _running_key(u[0]))
-        if not self._claim_deferred(unit, aged):
-            self._lend_slots(unit, victims, claim.running_tenant, claim.preempts)
-        return self._claimed_tokens(unit, aged, claim.running_tenant), head
+        if self._claim_deferred(unit, now - head.arrival_time > self.policy.max_wait_s):
+            return 0, head  # admission would defer it: no slot lent, no tokens kept
+        self._lend_slots(unit, victims, claim.running_tenant, claim.preempts)
+        return self._claimed_tokens(unit, claim.running_tenant), head
 
     def _lend_slots(self, unit: list[SequenceState], victims: list[list[SequenceState]], tenant: Hashable,
                     served_ahead: bool) -> None:
@@ -268,13 +268,13 @@ class Scheduler:
         held = sum(1 for s in self.running if s.request.fair_key == tenant and not _paced(s))
         return held > max(1, self.max_running // len(tenants))
 
-    def _claimed_tokens(self, unit: list[SequenceState], aged: bool, victim_tenant: Hashable) -> int:
+    def _claimed_tokens(self, unit: list[SequenceState], victim_tenant: Hashable) -> int:
         """The tokens of this step to keep for a claimant's unit: its first chunks (its
         uncached prompt), short of one token for every running sequence with work of a tenant
         other than the one served most (a claim holds back that tenant's chunks, not a third
-        tenant's next token); none unless admission would take the unit now (room for it; not
-        deferred behind a prefill of its prefix in flight, which needs the step's tokens)."""
-        if not self._room_for(unit) or self._claim_deferred(unit, aged):
+        tenant's next token); none unless admission would take the unit now (room for it; the
+        caller checked that it is not deferred behind a prefill of its prefix in flight)."""
+        if not self._room_for(unit):
             return 0
         uncached = 0
         for seq in unit:
@@ -410,9 +410,8 @@ class Scheduler:
         slots = self.slots_taken()  # shared slots (a unit admitted unpaced counts in full)
         paced_slots = self._paced_running() if self.grammar_pace.any_paced else 0
         order = self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now))
-        # Units that lent their slots to a claim come back first: they were running.
-        order = [s for s in order if s.lent_slot] + [s for s in order if not s.lent_slot]
-        for seq in order:
+        # Units that lent their slots to a claim come back first (a stable sort): they were running.
+        for seq in sorted(order, key=lambda s: not s.lent_slot):
             if budget <= 0 or prefill <= 0:
                 break
             if seq.seq_id in admitted:
