@@ -97,6 +97,31 @@ def test_work_done_alone_is_not_held_against_the_tenant_that_did_it() -> None:
     assert fair.claimant(bob_waits, alice_runs) == Claim("bob", "alice", preempts=True)
 
 
+def test_a_lead_earned_while_nobody_waited_is_not_held_against_a_returning_tenant() -> None:
+    """Bob streamed beside carol's one stream with nobody waiting (no claim: bob's lead was
+    service nobody else asked for), bob left, then carol (the last to leave, far behind bob).
+    Alice arrives lifted to carol's counter; bob comes back lowered to the greatest backlogged
+    counter, alice's: level with her, not 30,000 weighted tokens behind her. Leaving and
+    returning never brings bob below the greatest backlogged counter."""
+    fair = FairShare()
+    for tenant in ("bob", "carol"):
+        fair.arrive(tenant)
+    fair.charge("bob", output_tokens=15_500)
+    fair.charge("carol", output_tokens=500)
+    fair.leave("bob")
+    fair.leave("carol")
+    fair.arrive("alice")
+    assert fair.counters["alice"] == 1_000 * OUTPUT_WEIGHT / 2  # carol's: 500 output tokens
+    fair.arrive("bob")
+    assert fair.counters["bob"] == fair.counters["alice"]
+    fair.charge("bob", input_tokens=2_000)
+    fair.arrive("dave")  # lifted to alice's, the least
+    fair.charge("dave", input_tokens=700)
+    fair.leave("bob")
+    fair.arrive("bob")  # back at once: as far ahead as dave, the greatest, not level with alice
+    assert fair.counters["bob"] == fair.counters["dave"] == fair.counters["alice"] + 700 * INPUT_WEIGHT
+
+
 def test_on_equal_counters_the_tenant_waiting_longest_goes_first() -> None:
     """Newcomers are lifted to one counter: the tie went by name, so addresses 127.0.0.10-19
     came before 127.0.0.2 whatever their arrival. Now the head that came first goes first."""
@@ -305,6 +330,80 @@ def test_a_stream_that_lends_its_slot_gets_the_next_free_one(engine_kwargs: dict
     assert list(streams.values()) == alone
     assert largest_gap <= 20, largest_gap
     assert engine.stats()["fair_preemptions"] >= 5  # the loans happened
+
+
+def test_one_clients_streams_take_turns_in_its_slots(engine_kwargs: dict[str, object]) -> None:
+    """One client's four 60-token streams beside eight clients looping 40-token requests, four
+    slots: the client holds about one, and its streams lend it in turn. Lenders readmitted in
+    the fair order (the client's oldest stream first, as the policy orders a client's own)
+    stalled one after another (the last for 273 steps here; on SmolLM2, four streams beside
+    forty addresses, 20.8 s); readmitted in the order they lent, every stream's largest gap
+    stays near one loop request's length (41 steps)."""
+    kwargs = {**engine_kwargs, "max_running": 4, "num_pages": 400}
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + (i * 13 + 7 * k) % 290 for i in range(20)] for k in range(4)]
+    alone = [list(o.token_ids) for o in Engine(**kwargs).generate(prompts, long)]
+    engine = Engine(**kwargs)
+    streams = {engine.add_request(prompt, long, client="streams"): [] for prompt in prompts}
+    last_token = dict.fromkeys(streams, 0)
+    gaps = dict.fromkeys(streams, 0)
+    loops: dict[str, int] = {}
+    for step in range(1, 2000):
+        if step == 3:
+            loops = {engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}"): i for i in range(8)}
+        for rid, deltas in engine.step().items():
+            got = [t for d in deltas for t in d.token_ids]
+            if rid in streams and got:
+                streams[rid] += got
+                gaps[rid] = max(gaps[rid], step - last_token[rid])
+                last_token[rid] = step
+            elif rid in loops and any(d.finish_reason for d in deltas):
+                i = loops.pop(rid)
+                loops[engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}")] = i
+        if all(len(tokens) == long.max_tokens for tokens in streams.values()):
+            break
+        engine.check_invariants()
+    assert list(streams.values()) == alone
+    assert max(gaps.values()) <= 50, gaps
+    assert engine.stats()["fair_preemptions"] >= 20  # the streams lent, again and again
+
+
+def test_a_client_back_among_newcomers_is_served_as_one_of_them(engine_kwargs: dict[str, object]) -> None:
+    """A heavy client's three streams beside a light one's, four slots, nobody waiting; the
+    light one leaves last. Eight clients looping 20-token requests arrive (lifted to the light
+    one's counter), then the heavy client asks again: lowered to their greatest counter, its
+    first token comes within a few loop requests (40 steps); kept 400 weighted tokens ahead, it
+    waited until each of the eight had caught up (440 steps)."""
+    kwargs = {**engine_kwargs, "max_running": 4, "num_pages": 400}
+    short = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt = [60, 61, 62] * 6
+    alone = list(Engine(**kwargs).generate([prompt], short)[0].token_ids)
+    engine = Engine(**kwargs)
+    for k in range(3):
+        engine.add_request([3 + k, 5, 7] * 6, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+                           client="heavy")
+    engine.add_request([9, 5, 7] * 6, SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True),
+                       client="light")
+    while engine.has_work():
+        engine.step()
+    loops = {engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}"): i for i in range(8)}
+    engine.step()
+    request_id = engine.add_request(prompt, short, client="heavy")
+    tokens: list[int] = []
+    first = 0
+    for step in range(1, 2000):
+        for rid, deltas in engine.step().items():
+            if rid == request_id:
+                tokens += [t for d in deltas for t in d.token_ids]
+                first = first or (step if tokens else 0)
+            elif rid in loops and any(d.finish_reason for d in deltas):
+                i = loops.pop(rid)
+                loops[engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}")] = i
+        if len(tokens) == short.max_tokens:
+            break
+    assert tokens == alone
+    assert first <= 3 * short.max_tokens, first
 
 
 def test_a_newcomer_is_admitted_before_the_waiting_requests_of_the_tenant_it_claims_on(

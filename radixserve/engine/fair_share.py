@@ -6,8 +6,9 @@ output `output_weight`: an output token costs a decode step of its own); the nex
 admitted is the next one of the backlogged client with the least counter; and a client that
 becomes backlogged has its counter lifted to the least counter of the backlogged ones (to
 the counter of the client that left the backlog last, when none is backlogged: the paper's
-rule for an empty queue), so idling earns no credit to flood with later, and work done
-while nobody else asked for any is not held against the client that did it. It bounds the service gap between backlogged
+rule for an empty queue), and lowered to the greatest backlogged counter, so idling earns no
+credit to flood with later, and work done while nobody else asked for any is not held
+against the client that did it. It bounds the service gap between backlogged
 clients, whatever one of them sends.
 
 Here a client is a tenant (`Request.tenant`), or on a server without tenants' keys a
@@ -79,11 +80,18 @@ class FairShare:
         lifted to the least counter of the backlogged tenants, or, with none backlogged, to
         that of the tenant that left the backlog last (VTC's counter lift). Without the
         latter, a tenant that worked alone and left would find a newcomer (or one back from
-        idling) that many tokens ahead of it, and be preempted for it until they were spent."""
+        idling) that many tokens ahead of it, and be preempted for it until they were spent.
+
+        It is also lowered to the greatest counter of the backlogged tenants: a lead beyond
+        every one of them was earned while they were not asking (they arrived since, lifted
+        to a counter below it), and held against the tenant it made it wait until each of
+        them had caught up (an address that had streamed beside a lighter one, back among
+        forty newcomers lifted to the lighter one's counter, got nothing for 105 s). Leaving
+        and coming back gains nothing on the backlogged: the greatest of them is as far ahead."""
         if not self._backlog.get(tenant):
             others = [self.counters.get(t, 0.0) for t, live in self._backlog.items() if live and t != tenant]
             if others:
-                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+                self.counters[tenant] = min(max(self.counters.get(tenant, 0.0), min(others)), max(others))
             elif self._last_left is not None:
                 self.counters[tenant] = max(self.counters.get(tenant, 0.0), self.counters.get(self._last_left, 0.0))
         self._backlog[tenant] = self._backlog.get(tenant, 0) + 1

@@ -131,9 +131,9 @@ class SequenceState:
     pending_loads: list[LoadHandle] = field(default_factory=list)  # copies not done yet: wait
     pages_out_of_window: int = 0  # leading block-table entries released (out of a sliding window)
     last_step: int = -1  # the scheduler's step that last ran a chunk of it (step_share.py)
-    # Preempted for another tenant's claim: it lent its slot, and is readmitted before any
-    # other waiting sequence (Scheduler._lend_slots).
-    lent_slot: bool = False
+    # The step it was preempted for another tenant's claim (None: it holds no loan): it lent
+    # its slot, and is readmitted before any other waiting sequence (Scheduler._lend_slots).
+    lent_step: int | None = None
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -224,7 +224,7 @@ class Scheduler:
         now = self.clock()
         head = self._waiting_order([s for s in self.waiting if s.request.fair_key == claim.waiting_tenant], now)[0]
         unit = self._unit_of(head)
-        if any(s.lent_slot for s in self.waiting) and self._room_for(unit):
+        if any(s.lent_step is not None for s in self.waiting) and self._room_for(unit):
             return 0, None  # a free slot goes back to a lender first (`_admit`); the claim borrows next step
         # Only units past their prompts (a prefill preempted is thrown away), and no paced ones
         # where the claimant lacks a shared slot: they hold none (three such were preempted for
@@ -255,7 +255,7 @@ class Scheduler:
             lender = victims.pop()
             self.preempt_unit(lender)
             for seq in lender:
-                seq.lent_slot = True
+                seq.lent_step = self._step
             self.counters.fair_preemptions += 1
 
     def _over_its_slots(self, tenant: Hashable) -> bool:
@@ -410,8 +410,10 @@ class Scheduler:
         slots = self.slots_taken()  # shared slots (a unit admitted unpaced counts in full)
         paced_slots = self._paced_running() if self.grammar_pace.any_paced else 0
         order = self.fair.order_waiting(self.waiting, lambda group: self._waiting_order(group, now))
-        # Units that lent their slots to a claim come back first (a stable sort): they were running.
-        for seq in sorted(order, key=lambda s: not s.lent_slot):
+        # Units that lent their slots to a claim come back first (they were running), in the
+        # order they lent (a stable sort): in the fair order, a client's oldest stream, lent
+        # last, came back first every time, and its other streams stalled in turn.
+        for seq in sorted(order, key=lambda s: (s.lent_step is None, s.lent_step or 0)):
             if budget <= 0 or prefill <= 0:
                 break
             if seq.seq_id in admitted:
@@ -482,7 +484,7 @@ class Scheduler:
         for member in unit:
             self.waiting.remove(member)
             self.running.append(member)
-            member.lent_slot = False
+            member.lent_step = None
         self.counters.admitted += 1
 
     def _take_unit(self, unit: list[SequenceState], budget: int, prefill: float,
