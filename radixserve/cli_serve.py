@@ -69,6 +69,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from radixserve.server import create_app
     from radixserve.server.connection_limits import connection_limits, raise_descriptor_limit
     from radixserve.server.connections import uvicorn_options
+    from radixserve.server.refusal_pacing import RefusalPacer
     from radixserve.server.startup_gc import freeze_startup_objects
 
     try:
@@ -91,9 +92,11 @@ def serve_command(args: argparse.Namespace) -> int:
         say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
              f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
     step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
+    pacer = RefusalPacer(args.refusals_per_s) if args.refusals_per_s else None
     app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
                      served_model_name=args.served_model_name, api_key=args.api_key,
-                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, **app_options(args))
+                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
+                     **app_options(args))
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
     descriptors = raise_descriptor_limit()  # before the caps are derived from it
@@ -105,9 +108,13 @@ def serve_command(args: argparse.Namespace) -> int:
         app.state.server.metrics.watch_connections(limits)
         say(f"open connections: at most {_cap(limits.per_address)} from one address, "
             f"{_cap(limits.total)} in all (then 429 / 503)")
+    if pacer is not None:
+        say(f"an address refused (4xx) more than {pacer.burst:g} times in a burst is held to "
+            f"{pacer.rate:g} refusals a second")
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
-                                              write_timeout_s=2 * args.stream_read_timeout_s, limits=limits))
+                                              write_timeout_s=2 * args.stream_read_timeout_s, limits=limits,
+                                              pacer=pacer))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
     say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{port}/v1 "
@@ -151,9 +158,9 @@ def async_engine_options(args: argparse.Namespace) -> dict[str, object]:
 def _contradiction(args: argparse.Namespace) -> str | None:
     """A flag out of range, or flags that cannot all be honoured: refused at start rather than
     one silently dropped."""
-    for flag in ("max_connections_per_client", "max_connections"):
+    for flag in ("max_connections_per_client", "max_connections", "refusals_per_s"):
         if (getattr(args, flag) or 0) < 0:
-            return f"--{flag.replace('_', '-')} must be >= 0 (0: no cap)"
+            return f"--{flag.replace('_', '-')} must be >= 0 (0: none)"
     if args.max_request_tokens < 1:
         return f"--max-request-tokens must be >= 1, got {args.max_request_tokens} (every request would be refused)"
     if args.no_prefix_cache and (args.host_kv_memory_gb or args.host_num_pages):
@@ -170,7 +177,7 @@ def _contradiction(args: argparse.Namespace) -> str | None:
 CLUSTER_ONLY = ("router", "replica_cpus", "replica_gpus")
 # Ray Serve's proxy holds a cluster's connections: these settings of our own protocol have
 # nothing to act on there.
-SINGLE_SERVER_ONLY = ("head_timeout_s", "max_connections_per_client", "max_connections")
+SINGLE_SERVER_ONLY = ("head_timeout_s", "max_connections_per_client", "max_connections", "refusals_per_s")
 HOST_TIER_POLICY = ("host_write_policy", "host_offload_min_priority")
 
 

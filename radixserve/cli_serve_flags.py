@@ -19,6 +19,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # as server/app.py's
 DEFAULT_KEEP_ALIVE_S = 5.0     # uvicorn's
 DEFAULT_PER_ADDRESS = 1024  # open connections from one address (server/connection_limits.py's)
 RESERVED_FDS = 256  # as server/connection_limits.py's
+DEFAULT_REFUSALS_PER_S = 10.0  # as server/refusal_pacing.py's
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # as grammar/compile_workers.py's
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
@@ -256,6 +257,11 @@ def _add_process_args(serve: argparse.ArgumentParser) -> None:
                             "many open connections already; 0: no cap (behind a proxy, whose connections "
                             f"all come from one address) (default: {DEFAULT_PER_ADDRESS}, or a quarter of "
                             "--max-connections where that is less)")
+    serve.add_argument("--refusals-per-s", type=float, default=DEFAULT_REFUSALS_PER_S,
+                       help="pace an address whose requests keep being refused (4xx): past a burst of 5 s of "
+                            "this rate, its connections' next requests are held until it is back under it; "
+                            "0: no pacing (behind a proxy, whose requests all come from one address) "
+                            "(default: %(default)s)")
     serve.add_argument("--max-connections", type=int, default=None,
                        help="answer 503 to a new connection while the server holds this many; 0: no cap "
                             f"(default: the descriptor limit, raised to its hard limit, less {RESERVED_FDS})")

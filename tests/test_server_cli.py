@@ -283,6 +283,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--no-prefix-cache", "--host-tier-pages", "64"), "--no-prefix-cache caches nothing, so a host tier"),
     (("--public-cache-hashes", "--cache-hash-secret", "s3cret"), "--public-cache-hashes publishes unkeyed hashes"),
     (("--max-connections-per-client", "-1"), "--max-connections-per-client must be >= 0"),
+    (("--refusals-per-s", "-1"), "--refusals-per-s must be >= 0 (0: none)"),
     (("--grammar-paced-share", "0"), "--grammar-paced-share: must be in (0, 1] (1: no pacing), got 0.0"),
     # Flags where they would have no effect (cli_serve._ignored_here): refused, not dropped.
     (("--router", "power-of-two", "--replica-cpus", "2"), "--router and --replica-cpus: only for a cluster"),
@@ -290,6 +291,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--replicas", "2", "--head-timeout-s", "3", "--max-connections", "90"),
      "--head-timeout-s and --max-connections: only for the single server; on a cluster Ray Serve's proxy"),
     (("--ray-address", "auto", "--max-connections-per-client", "0"), "--max-connections-per-client: only for the single"),
+    (("--replicas", "2", "--refusals-per-s", "0"), "--refusals-per-s: only for the single server"),
     (("--host-tier-min-priority", "10"), "--host-tier-min-priority: no host tier to apply to"),
     (("--host-write-policy", "exclusive"), "--host-tier-write-policy: no host tier to apply to"),
     (("--tensor-parallel-size", "2", "--device", "cuda:1"),

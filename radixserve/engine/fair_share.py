@@ -86,8 +86,9 @@ class FairShare:
         every one of them was earned while they were not asking (they arrived since, lifted
         to a counter below it), and held against the tenant it made it wait until each of
         them had caught up (an address that had streamed beside a lighter one, back among
-        forty newcomers lifted to the lighter one's counter, got nothing for 105 s). Leaving
-        and coming back gains nothing on the backlogged: the greatest of them is as far ahead."""
+        forty newcomers lifted to the lighter one's counter: 87 s to a first token, now 30 s
+        as one of them). Leaving and coming back never brings a tenant below the greatest
+        backlogged counter."""
         if not self._backlog.get(tenant):
             others = [self.counters.get(t, 0.0) for t, live in self._backlog.items() if live and t != tenant]
             if others:

@@ -53,6 +53,7 @@ from radixserve.server.fair_slots import FairSlots
 from radixserve.server.prompt_work import PromptWork
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
+from radixserve.server.refusal_pacing import RefusalPacer
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompts import ChatRenderer
 from radixserve.server.protocol import (
@@ -458,7 +459,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
                tool_call_parser: str | None = None, admin_api_key: str | None = None,
                tenant_keys: dict[str, Caller] | None = None,
-               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> Starlette:
+               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+               refusal_pacer: RefusalPacer | None = None) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -477,6 +479,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     deadline is the connection's (connections.py, given to uvicorn). `tool_call_parser` names
     the model's tool-call format (tool_parsers.py; default: chosen from the chat template).
     `max_request_tokens` bounds the tokens one request may ask to generate (work_limit.py).
+    `refusal_pacer` counts every 4xx against its client's address; the HTTP protocol given
+    the same pacer holds the addresses in debt (refusal_pacing.py).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
@@ -508,8 +512,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     ]
     # Exceptions no handler maps are answered by RequestGuard (a 500 that keeps the connection).
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS)],
+                    middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
+                                       pacer=refusal_pacer)],
                     exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception})
+    if refusal_pacer is not None:
+        server.metrics.watch_refusal_pacing(refusal_pacer)
     app.state.server = server
     app.state.engine_stopped = None
     return app

@@ -26,6 +26,7 @@ import h11
 
 from radixserve.server.connection_limits import ConnectionLimits, with_connection_limits
 from radixserve.server.head_limits import MAX_HEAD_BYTES, with_head_limits
+from radixserve.server.refusal_pacing import RefusalPacer, with_refusal_pacing
 
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 
@@ -134,9 +135,10 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout_s: float,
 
 
 def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, write_timeout_s: float | None = None,
-                  limits: ConnectionLimits | None = None) -> type[asyncio.Protocol]:
+                  limits: ConnectionLimits | None = None, pacer: RefusalPacer | None = None) -> type[asyncio.Protocol]:
     """uvicorn's fastest available HTTP/1.1 protocol (httptools, bounded by head_limits.py,
-    else h11), with the deadlines and, when given, the caps on open connections."""
+    else h11), with the deadlines and, when given, the pacing of refused addresses and the
+    caps on open connections."""
     base: type[asyncio.Protocol]
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -144,13 +146,17 @@ def http_protocol(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, write_timeout_
     except ImportError:  # h11 bounds a head by itself (uvicorn_options)
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     protocol = with_deadlines(base, head_timeout_s, write_timeout_s)
+    if pacer is not None:
+        protocol = with_refusal_pacing(protocol, pacer)
     return protocol if limits is None else with_connection_limits(protocol, limits)
 
 
 def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s: float = 5.0,
-                    write_timeout_s: float | None = None, limits: ConnectionLimits | None = None) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for the connection deadlines, caps and the bound on a
-    request head (head_limits.py; h11's own bound set to the same). WebSockets are off: the API
-    has none, and an upgraded connection would leave the deadlines and caps."""
-    return {"http": http_protocol(head_timeout_s, write_timeout_s, limits), "timeout_keep_alive": keep_alive_s,
+                    write_timeout_s: float | None = None, limits: ConnectionLimits | None = None,
+                    pacer: RefusalPacer | None = None) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments for the connection deadlines, caps, the pacing of
+    refused addresses (given the app's pacer) and the bound on a request head (head_limits.py;
+    h11's own bound set to the same). WebSockets are off: the API has none, and an upgraded
+    connection would leave the deadlines and caps."""
+    return {"http": http_protocol(head_timeout_s, write_timeout_s, limits, pacer), "timeout_keep_alive": keep_alive_s,
             "ws": "none", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}

@@ -20,8 +20,10 @@ from collections.abc import Mapping
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve.server.connection_limits import address_key
 from radixserve.server.errors import error_response, unexpected_error
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.refusal_pacing import RefusalPacer
 
 logger = logging.getLogger("radixserve.server")
 
@@ -29,13 +31,17 @@ logger = logging.getLogger("radixserve.server")
 class RequestGuard:
     """ASGI middleware: catch-all 500s and `radixserve_http_requests_total` counting.
 
-    `endpoints` maps a path to its metric label (only those paths are counted).
+    `endpoints` maps a path to its metric label (only those paths are counted). With a
+    `pacer`, every 4xx answered on any path is counted against its client's address
+    (refusal_pacing.py).
     """
 
-    def __init__(self, app: ASGIApp, *, metrics: ServerMetrics, endpoints: Mapping[str, str]) -> None:
+    def __init__(self, app: ASGIApp, *, metrics: ServerMetrics, endpoints: Mapping[str, str],
+                 pacer: RefusalPacer | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.endpoints = dict(endpoints)
+        self.pacer = pacer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,6 +62,9 @@ class RequestGuard:
             nonlocal started
             if message["type"] == "http.response.start" and not started:
                 started = True
+                if self.pacer is not None and 400 <= message["status"] < 500:
+                    client = scope.get("client")
+                    self.pacer.refused(address_key(tuple(client)) if client else None)
                 if endpoint is not None:
                     # uvicorn writes nothing (no access-log line) for a client that has gone.
                     if client_gone:

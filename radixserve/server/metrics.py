@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from radixserve import StreamDelta
 from radixserve.server.connection_limits import ConnectionLimits
+from radixserve.server.refusal_pacing import RefusalPacer
 
 PREFIX = "radixserve"
 
@@ -175,6 +176,18 @@ class ConnectionsCollector(Collector):
         yield refused
 
 
+class RefusalPacingCollector(Collector):
+    """Connections' reads held for their addresses' refusals, read at each scrape."""
+
+    def __init__(self, pacer: RefusalPacer) -> None:
+        self.pacer = pacer
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(f"{PREFIX}_http_refusal_holds",
+                                  "Times a connection's next request was held because its address had too "
+                                  "many requests refused (4xx) lately.", value=self.pacer.held)
+
+
 class ServerMetrics:
     """The app's registry: engine stats plus the latencies and outcomes the server observes."""
 
@@ -203,6 +216,10 @@ class ServerMetrics:
     def watch_connections(self, limits: ConnectionLimits) -> None:
         """Exports the open connections and those refused over the caps (connection_limits.py)."""
         self.registry.register(ConnectionsCollector(limits))
+
+    def watch_refusal_pacing(self, pacer: RefusalPacer) -> None:
+        """Exports how often a refused address's connection was held (refusal_pacing.py)."""
+        self.registry.register(RefusalPacingCollector(pacer))
 
     def ttft_count_sum(self) -> tuple[float, float]:
         """The TTFT histogram's count and sum, read from that histogram alone: the registry's

@@ -1,0 +1,129 @@
+"""Pacing for client addresses whose requests keep being refused (answered 4xx).
+
+A refused request does no work in the engine, but reaching the refusal does: reading the
+head and body, rendering the chat template, finding a spec among the refused grammars,
+writing the answer and its log line. On 2 cores that is about 5 ms of the event loop and a
+worker thread, and the engine thread waits for the interpreter lock meanwhile: one address
+looping a regex that does not compile (277 refusals a second over 32 connections, its own
+client on the same cores) cut another address's 32-token chats from 29 to 4-8 in 20 s.
+
+`RefusalPacer` keeps a debt per address: each refusal adds one, and the debt drains at
+`rate` a second. While an address's debt is over `burst`, the next bytes of each of its
+connections are held, reading paused (the kernel keeps them; nothing runs for it), until the
+debt is back under `burst`: the address gets its answers, `rate` refusals a second once its
+burst is spent. A client refused now and then (a typo, an expired key, a prompt too long)
+never comes near the burst; an overloaded server's 503s are not the client's doing and do
+not count. Addresses are
+connection_limits' `address_key` (IPv4, a global IPv6 /64); behind a proxy every client is
+one address, so `--refusals-per-s 0` turns pacing off there, as the connection caps are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from radixserve.server.connection_limits import address_key
+
+DEFAULT_REFUSALS_PER_S = 10.0
+BURST_S = 5.0  # the burst an address may spend at once: this many seconds of its rate
+# Addresses remembered with a debt; past this many (an attacker can vary its addresses) the
+# ones whose debts have drained are forgotten, then the least indebted.
+MAX_ADDRESSES = 4096
+
+
+class RefusalPacer:
+    """Each address's debt of refused requests (see the module docstring). The app's
+    RequestGuard calls `refused` for every 4xx it answers; the HTTP protocol
+    (`with_refusal_pacing`) asks `wait_s` before it hands a connection's bytes on."""
+
+    def __init__(self, rate: float = DEFAULT_REFUSALS_PER_S, burst: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        burst = max(1.0, BURST_S * rate) if burst is None else burst
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"refusal pacing needs a rate > 0 and a burst >= 1, got {rate} and {burst}")
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self.held = 0  # connections' reads held since start (a metric)
+        self._debts: dict[str, tuple[float, float]] = {}  # address -> (debt, when it was that)
+
+    def refused(self, address: str | None) -> None:
+        """One more request from `address` was refused (None: a Unix socket, not paced)."""
+        if address is None:
+            return
+        now = self.clock()
+        debt = self._debt(address, now) + 1.0
+        if address not in self._debts and len(self._debts) >= MAX_ADDRESSES:
+            self._forget(now)
+        self._debts[address] = (debt, now)
+
+    def wait_s(self, address: str | None) -> float:
+        """How long `address`'s next bytes wait: until its debt is back at the burst (0: none)."""
+        if address is None or address not in self._debts:
+            return 0.0
+        over = self._debt(address, self.clock()) - self.burst
+        return over / self.rate if over > 0 else 0.0
+
+    def _debt(self, address: str, now: float) -> float:
+        debt, then = self._debts.get(address, (0.0, now))
+        return max(0.0, debt - (now - then) * self.rate)
+
+    def _forget(self, now: float) -> None:
+        """Keeps the most indebted half of the addresses (the ones drained to nothing first)."""
+        debts = {address: self._debt(address, now) for address in self._debts}
+        kept = sorted((address for address, debt in debts.items() if debt > 0), key=debts.__getitem__)
+        self._debts = {address: (debts[address], now) for address in kept[-MAX_ADDRESSES // 2:]}
+
+
+def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> type[asyncio.Protocol]:
+    """`base` (uvicorn's HTTP protocol, with the deadlines) holding the bytes of connections
+    from addresses `pacer` has in debt. A held connection's head deadline still runs: a
+    client held longer than it has its connection closed, as any slow head would."""
+
+    class Paced(base):  # type: ignore[valid-type, misc]
+        """uvicorn's protocol, holding a refused address's next request until its debt drains."""
+
+        _address: str | None = None
+        _held: bytearray | None = None
+        _release_handle: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._address = address_key(transport.get_extra_info("peername"))
+            super().connection_made(transport)
+
+        def data_received(self, data: bytes) -> None:
+            if self._held is not None:  # (bytes read before the pause took effect)
+                self._held += data
+                return
+            wait = pacer.wait_s(self._address)
+            if wait <= 0:
+                super().data_received(data)
+                return
+            pacer.held += 1
+            self._held = bytearray(data)
+            self.transport.pause_reading()
+            self._release_handle = self.loop.call_later(wait, self._release)
+
+        def _release(self) -> None:
+            self._release_handle = None
+            if self._held is None or self.transport.is_closing():
+                return
+            wait = pacer.wait_s(self._address)
+            if wait > 0:  # others of the address went first and spent the burst again
+                self._release_handle = self.loop.call_later(wait, self._release)
+                return
+            data, self._held = bytes(self._held), None
+            self.transport.resume_reading()
+            super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._release_handle is not None:
+                self._release_handle.cancel()
+                self._release_handle = None
+            self._held = None
+            super().connection_lost(exc)
+
+    Paced.__name__ = Paced.__qualname__ = f"Paced{base.__name__}"
+    return Paced

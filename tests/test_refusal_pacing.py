@@ -1,0 +1,131 @@
+"""Pacing of client addresses whose requests keep being refused (server/refusal_pacing.py):
+the debt's arithmetic on a fake clock, then a real server (real sockets, two source
+addresses): an address past its burst of 4xx is held, another is not, and a held request
+still gets its answer.
+
+Times are only ever bounded from below (a hold lasts at least its debt's drain; a loaded
+machine only makes it longer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine
+from radixserve.server import create_app
+from radixserve.server.connections import uvicorn_options
+from radixserve.server.refusal_pacing import RefusalPacer
+
+ATTACKER, INNOCENT = "127.0.0.2", "127.0.0.1"
+BAD = {"prompt": "x", "max_tokens": -1}  # a 400: max_tokens must be positive
+GOOD = {"prompt": "the innocent's prompt", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_debt_grows_by_each_refusal_and_drains_at_the_rate() -> None:
+    clock = FakeClock()
+    pacer = RefusalPacer(rate=2.0, burst=3.0, clock=clock)
+    assert pacer.wait_s("10.0.0.1") == 0.0  # never refused
+    for _ in range(3):
+        pacer.refused("10.0.0.1")
+    assert pacer.wait_s("10.0.0.1") == 0.0  # at the burst, not over it
+    pacer.refused("10.0.0.1")
+    assert pacer.wait_s("10.0.0.1") == pytest.approx(0.5)  # one over, drained at 2 a second
+    assert pacer.wait_s("10.0.0.2") == 0.0  # another address owes nothing
+    clock.now += 0.25
+    assert pacer.wait_s("10.0.0.1") == pytest.approx(0.25)
+    clock.now += 10
+    assert pacer.wait_s("10.0.0.1") == 0.0
+    pacer.refused("10.0.0.1")  # drained to 0, not below: one refusal is one again
+    assert pacer.wait_s("10.0.0.1") == 0.0
+    pacer.refused(None)  # a Unix socket: not paced
+    assert pacer.wait_s(None) == 0.0
+    assert RefusalPacer(rate=10.0).burst == 50.0  # five seconds of the rate
+    with pytest.raises(ValueError):
+        RefusalPacer(rate=0.0)
+
+
+def test_addresses_past_the_bound_are_forgotten_least_indebted_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.server import refusal_pacing
+
+    monkeypatch.setattr(refusal_pacing, "MAX_ADDRESSES", 4)
+    clock = FakeClock()
+    pacer = RefusalPacer(rate=1.0, burst=1.0, clock=clock)
+    for i in range(4):  # address i refused i + 1 times
+        for _ in range(i + 1):
+            pacer.refused(f"10.0.0.{i}")
+    pacer.refused("10.0.0.9")  # a fifth address: the two least indebted are forgotten
+    assert set(pacer._debts) == {"10.0.0.2", "10.0.0.3", "10.0.0.9"}
+    assert pacer.wait_s("10.0.0.3") == pytest.approx(3.0)
+    clock.now += 2.5  # drained: 10.0.0.2 and .9 to nothing, .3 to 1.5
+    pacer.refused("10.0.0.8")
+    pacer.refused("10.0.0.7")  # past the bound again: the drained ones go first
+    assert set(pacer._debts) == {"10.0.0.3", "10.0.0.8", "10.0.0.7"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimpleNamespace]:
+    pacer = RefusalPacer(rate=2.0, burst=3.0)
+    engine = Engine(model="demo", page_size=16, num_pages=64, max_running=4)
+    with running_server(create_app(AsyncEngine(engine), refusal_pacer=pacer),
+                        **uvicorn_options(pacer=pacer)) as url:
+        yield SimpleNamespace(url=url, pacer=pacer, engine=engine)
+    engine.check_invariants()
+
+
+def _client(source: str) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60)
+
+
+def test_an_address_past_its_burst_is_held_and_another_is_not(server: SimpleNamespace) -> None:
+    """ATTACKER's four 400s are answered at once (the burst is 3; the fourth takes its debt
+    over it); its fifth is held until the debt drains back to the burst (0.5 s at 2 a
+    second) and still gets its 400 in OpenAI's shape. INNOCENT, from another address, is
+    never held, its bad request included, and its completion is what the engine gives alone."""
+    url = f"{server.url}/v1/completions"
+    alone = list(Engine(model="demo", page_size=16, num_pages=64).generate(
+        [GOOD["prompt"]], _params())[0].token_ids)
+    with _client(ATTACKER) as attacker, _client(INNOCENT) as innocent:
+        for _ in range(4):
+            assert attacker.post(url, json=BAD).status_code == 400
+        assert server.pacer.wait_s(ATTACKER) > 0 and server.pacer.held == 0
+        held_from = time.monotonic()
+        answer = attacker.post(url, json=BAD)
+        assert time.monotonic() - held_from >= 0.4  # (0.5 s less what drained before it was asked)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
+        assert server.pacer.held == 1
+        # The innocent, while the attacker is in debt again (its fifth refusal): not held.
+        assert server.pacer.wait_s(ATTACKER) > 0
+        assert innocent.post(url, json=BAD).status_code == 400
+        good = innocent.post(url, json=GOOD)
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] is not None
+        assert server.pacer.held == 1
+        assert _tokens(innocent, server.url) == alone
+        metrics = innocent.get(f"{server.url}/metrics").text
+    assert "radixserve_http_refusal_holds_total 1.0" in metrics
+
+
+def _params() -> object:
+    from radixserve import SamplingParams
+
+    return SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(client: httpx.Client, url: str) -> list[int]:
+    response = client.post(f"{url}/v1/completions", json={**GOOD, "return_tokens_as_token_ids": True,
+                                                          "logprobs": 0})
+    assert response.status_code == 200, response.text
+    return [int(token.split(":", 1)[1]) for token in response.json()["choices"][0]["logprobs"]["tokens"]]
