@@ -9,6 +9,8 @@ machine only makes it longer).
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -19,8 +21,8 @@ from server_util import running_server
 
 from radixserve import AsyncEngine, Engine
 from radixserve.server import create_app
-from radixserve.server.connections import uvicorn_options
-from radixserve.server.refusal_pacing import RefusalPacer
+from radixserve.server.connections import uvicorn_options, with_deadlines
+from radixserve.server.refusal_pacing import RefusalPacer, with_refusal_pacing
 
 ATTACKER, INNOCENT = "127.0.0.2", "127.0.0.1"
 BAD = {"prompt": "x", "max_tokens": -1}  # a 400: max_tokens must be positive
@@ -76,12 +78,18 @@ def test_addresses_past_the_bound_are_forgotten_least_indebted_first(monkeypatch
     assert set(pacer._debts) == {"10.0.0.3", "10.0.0.8", "10.0.0.7"}
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[SimpleNamespace]:
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def server(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
+    """A real server whose pacer allows 2 refusals a second past a burst of 3, on either of
+    uvicorn's protocols (they queue pipelined requests differently)."""
     pacer = RefusalPacer(rate=2.0, burst=3.0)
     engine = Engine(model="demo", page_size=16, num_pages=64, max_running=4)
-    with running_server(create_app(AsyncEngine(engine), refusal_pacer=pacer),
-                        **uvicorn_options(pacer=pacer)) as url:
+    options = uvicorn_options(pacer=pacer)
+    if request.param == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        options["http"] = with_refusal_pacing(with_deadlines(H11Protocol, 10.0), pacer)
+    with running_server(create_app(AsyncEngine(engine), refusal_pacer=pacer), **options) as url:
         yield SimpleNamespace(url=url, pacer=pacer, engine=engine)
     engine.check_invariants()
 
@@ -116,6 +124,28 @@ def test_an_address_past_its_burst_is_held_and_another_is_not(server: SimpleName
         assert _tokens(innocent, server.url) == alone
         metrics = innocent.get(f"{server.url}/metrics").text
     assert "radixserve_http_refusal_holds_total 1.0" in metrics
+
+
+def test_requests_pipelined_in_one_write_are_held_one_by_one(server: SimpleNamespace) -> None:
+    """Eight refused requests in one write from a third address: the first four are answered
+    at once (the fourth takes the debt over the burst of 3), then each next one waits for the
+    debt to drain back (0.5 s at 2 a second). Held per write alone, all eight were answered
+    at once, and a thousand in a write would be too."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(BAD).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection((host, int(port)), timeout=60, source_address=("127.0.0.3", 0)) as conn:
+        started = time.monotonic()
+        conn.sendall(request * 8)
+        received = b""
+        while received.count(b"HTTP/1.1 400") < 8:
+            chunk = conn.recv(65536)
+            assert chunk, received
+            received += chunk
+        elapsed = time.monotonic() - started
+    assert elapsed >= 1.8, elapsed  # four waits of 0.5 s (less what drains meanwhile)
+    assert received.count(b"HTTP/1.1 ") == 8 and received.count(b'"param":"max_tokens"') == 8
 
 
 def _params() -> object:

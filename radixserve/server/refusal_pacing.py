@@ -78,15 +78,19 @@ class RefusalPacer:
 
 
 def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> type[asyncio.Protocol]:
-    """`base` (uvicorn's HTTP protocol, with the deadlines) holding the bytes of connections
-    from addresses `pacer` has in debt. A held connection's head deadline still runs: a
-    client held longer than it has its connection closed, as any slow head would."""
+    """`base` (uvicorn's HTTP protocol, with the deadlines) holding the requests of connections
+    from addresses `pacer` has in debt: new bytes (reading paused), and the start of the next
+    request sent in the same bytes (pipelined: uvicorn starts it when a response completes;
+    held per chunk alone, a thousand requests in one write were all answered at once). A held
+    connection's head deadline still runs: a client held longer than it has its connection
+    closed, as any slow head would."""
 
     class Paced(base):  # type: ignore[valid-type, misc]
         """uvicorn's protocol, holding a refused address's next request until its debt drains."""
 
         _address: str | None = None
-        _held: bytearray | None = None
+        _held_bytes: bytearray | None = None
+        _held_completion = False  # a response completed; the next pipelined request waits
         _release_handle: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -94,35 +98,60 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
             super().connection_made(transport)
 
         def data_received(self, data: bytes) -> None:
-            if self._held is not None:  # (bytes read before the pause took effect)
-                self._held += data
-                return
-            wait = pacer.wait_s(self._address)
-            if wait <= 0:
+            if self._held_bytes is not None:  # (bytes read before the pause took effect)
+                self._held_bytes += data
+            elif self._release_handle is not None or self._in_debt():
+                self._held_bytes = bytearray(data)
+                self.transport.pause_reading()
+                self._hold()
+            else:
                 super().data_received(data)
-                return
-            pacer.held += 1
-            self._held = bytearray(data)
-            self.transport.pause_reading()
-            self._release_handle = self.loop.call_later(wait, self._release)
+
+        def on_response_complete(self) -> None:
+            if self._pipelined() and (self._release_handle is not None or self._in_debt()):
+                self._held_completion = True
+                self._hold()
+            else:
+                super().on_response_complete()
+
+        def _pipelined(self) -> bool:
+            """Whether a next request, sent already, waits for this response to complete
+            (httptools queues it parsed; h11 keeps its bytes)."""
+            if getattr(self, "pipeline", None):
+                return True
+            conn = getattr(self, "conn", None)
+            return conn is not None and bool(conn.trailing_data[0])
+
+        def _in_debt(self) -> bool:
+            return pacer.wait_s(self._address) > 0
+
+        def _hold(self) -> None:
+            if self._release_handle is None:
+                pacer.held += 1
+                self._release_handle = self.loop.call_later(pacer.wait_s(self._address), self._release)
 
         def _release(self) -> None:
             self._release_handle = None
-            if self._held is None or self.transport.is_closing():
+            if self.transport.is_closing():
+                self._held_bytes, self._held_completion = None, False
                 return
             wait = pacer.wait_s(self._address)
             if wait > 0:  # others of the address went first and spent the burst again
                 self._release_handle = self.loop.call_later(wait, self._release)
                 return
-            data, self._held = bytes(self._held), None
-            self.transport.resume_reading()
-            super().data_received(data)
+            if self._held_completion:  # the earlier request's end first: what was held came after it
+                self._held_completion = False
+                super().on_response_complete()
+            if self._held_bytes is not None:
+                data, self._held_bytes = bytes(self._held_bytes), None
+                self.transport.resume_reading()
+                super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._release_handle is not None:
                 self._release_handle.cancel()
                 self._release_handle = None
-            self._held = None
+            self._held_bytes, self._held_completion = None, False
             super().connection_lost(exc)
 
     Paced.__name__ = Paced.__qualname__ = f"Paced{base.__name__}"
