@@ -98,11 +98,11 @@ def test_work_done_alone_is_not_held_against_the_tenant_that_did_it() -> None:
 
 
 def test_a_lead_earned_while_nobody_waited_is_not_held_against_a_returning_tenant() -> None:
-    """Bob streamed beside carol's one stream with nobody waiting (no claim: bob's lead was
-    service nobody else asked for), bob left, then carol (the last to leave, far behind bob).
-    Alice arrives lifted to carol's counter; bob comes back lowered to the greatest backlogged
-    counter, alice's: level with her, not 30,000 weighted tokens behind her. Leaving and
-    returning never brings bob below the greatest backlogged counter."""
+    """Bob streamed beside carol's one stream with nobody waiting (bob's lead was service
+    nobody else asked for), bob left, then carol, far behind him. Alice arrives to an empty
+    backlog: lifted to the greatest counter, bob's (to carol's, the last to leave, she was
+    30,000 weighted tokens ahead of bob when he came back, and bob waited for her to use
+    them). Bob comes back level with her."""
     fair = FairShare()
     for tenant in ("bob", "carol"):
         fair.arrive(tenant)
@@ -111,15 +111,31 @@ def test_a_lead_earned_while_nobody_waited_is_not_held_against_a_returning_tenan
     fair.leave("bob")
     fair.leave("carol")
     fair.arrive("alice")
-    assert fair.counters["alice"] == 1_000 * OUTPUT_WEIGHT / 2  # carol's: 500 output tokens
+    assert fair.counters["alice"] == 15_500 * OUTPUT_WEIGHT
     fair.arrive("bob")
     assert fair.counters["bob"] == fair.counters["alice"]
-    fair.charge("bob", input_tokens=2_000)
-    fair.arrive("dave")  # lifted to alice's, the least
-    fair.charge("dave", input_tokens=700)
-    fair.leave("bob")
-    fair.arrive("bob")  # back at once: as far ahead as dave, the greatest, not level with alice
-    assert fair.counters["bob"] == fair.counters["dave"] == fair.counters["alice"] + 700 * INPUT_WEIGHT
+
+
+def test_a_lead_earned_beside_backlogged_tenants_survives_leaving_and_coming_back() -> None:
+    """Mallory sends one expensive request at a time beside alice's backlog: between two of
+    them she is not backlogged, and comes back lifted at most, never lowered, so her lead
+    (earned while alice asked too) still counts. Lowered to the greatest backlogged counter
+    on each return (this session's first version), an address sending one 1,500-token prompt
+    at a time got a third more service beside twenty looping ones."""
+    fair = FairShare()
+    fair.arrive("alice")
+    fair.arrive("mallory")
+    for _ in range(3):
+        fair.charge("mallory", input_tokens=1_500)
+        fair.charge("alice", output_tokens=100)
+        fair.leave("mallory")
+        fair.arrive("mallory")
+    assert fair.counters["mallory"] == 4_500 * INPUT_WEIGHT
+    assert fair.counters["alice"] == 300 * OUTPUT_WEIGHT
+    waiting, running = [seq("mallory", 1.0)], [seq("alice", 0.0)]
+    assert fair.claimant(waiting, running) is None  # far ahead: no claim on alice
+    assert [s.request.tenant for s in fair.order_waiting([seq("alice", 2.0), *waiting], by_arrival)] == \
+        ["alice", "mallory"]
 
 
 def test_on_equal_counters_the_tenant_waiting_longest_goes_first() -> None:

@@ -148,6 +148,53 @@ def test_requests_pipelined_in_one_write_are_held_one_by_one(server: SimpleNames
     assert received.count(b"HTTP/1.1 ") == 8 and received.count(b'"param":"max_tokens"') == 8
 
 
+def test_a_forwarded_address_is_not_taken_for_the_client(server: SimpleNamespace) -> None:
+    """uvicorn takes X-Forwarded-For from 127.0.0.1 as the client's address unless told not
+    to: a local client then had its refusals charged to an innocent address (which was held
+    until its connections closed unanswered), or to none (never held). The address is the
+    connection's."""
+    url = f"{server.url}/v1/completions"
+    with _client("127.0.0.1") as local:  # (uvicorn trusts the header from 127.0.0.1 alone)
+        for _ in range(4):
+            response = local.post(url, json=BAD, headers={"X-Forwarded-For": "127.0.0.9"})
+            assert response.status_code == 400
+    assert server.pacer.wait_s("127.0.0.1") > 0
+    assert server.pacer.wait_s("127.0.0.9") == 0
+
+
+def test_a_hold_past_its_longest_ends_in_a_429_with_retry_after() -> None:
+    """An address deep in debt (5 refusals, of its connections at once, at half a refusal a
+    second past a burst of 1: 8 s to drain) has its next request held for the longest hold
+    (2 s here), then answered 429 `too_many_refusals` with Retry-After, and the connection
+    closed. The head deadline (1 s) does not run while the request is held: it closed the
+    connection unanswered."""
+    pacer = RefusalPacer(rate=0.5, burst=1.0)
+    engine = Engine(model="demo", page_size=16, num_pages=64)
+    options = {**uvicorn_options(head_timeout_s=1.0, pacer=pacer),
+               "http": with_refusal_pacing(with_deadlines(_httptools(), 1.0), pacer, max_hold_s=2.0)}
+    with running_server(create_app(AsyncEngine(engine), refusal_pacer=pacer), **options) as url:
+        with _client(ATTACKER) as attacker:
+            assert attacker.post(f"{url}/v1/completions", json=BAD).status_code == 400
+        for _ in range(4):  # as if answered on as many connections at once
+            pacer.refused(ATTACKER)
+        with _client(ATTACKER) as attacker:
+            started = time.monotonic()
+            response = attacker.post(f"{url}/v1/completions", json=BAD)
+            held = time.monotonic() - started
+        metrics = httpx.get(f"{url}/metrics").text
+    assert response.status_code == 429 and response.json()["error"]["code"] == "too_many_refusals"
+    assert 5 <= int(response.headers["retry-after"]) <= 6 and response.headers["connection"] == "close"
+    assert held >= 1.9, held
+    assert "radixserve_http_refusal_holds_refused_total 1.0" in metrics
+
+
+def _httptools() -> type:
+    from radixserve.server.head_limits import with_head_limits
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return with_head_limits(HttpToolsProtocol)
+
+
 def _params() -> object:
     from radixserve import SamplingParams
 

@@ -5,10 +5,9 @@ each client has a counter of the service it has had, tokens weighted (input `inp
 output `output_weight`: an output token costs a decode step of its own); the next request
 admitted is the next one of the backlogged client with the least counter; and a client that
 becomes backlogged has its counter lifted to the least counter of the backlogged ones (to
-the counter of the client that left the backlog last, when none is backlogged: the paper's
-rule for an empty queue), and lowered to the greatest backlogged counter, so idling earns no
-credit to flood with later, and work done while nobody else asked for any is not held
-against the client that did it. It bounds the service gap between backlogged
+the greatest counter any client has had, when none is backlogged), so idling earns no credit
+to flood with later, and work done while nobody else asked for any is not held against the
+client that did it. It bounds the service gap between backlogged
 clients, whatever one of them sends.
 
 Here a client is a tenant (`Request.tenant`), or on a server without tenants' keys a
@@ -72,29 +71,25 @@ class FairShare:
         self.preempt_margin = preempt_margin
         self.counters: dict[Hashable, float] = {}
         self._backlog: dict[Hashable, int] = {}  # live requests per tenant (backlogged: > 0)
-        self._last_left: Hashable | None = None  # the tenant that left the backlog last
+        self._high = 0.0  # the greatest counter any tenant has had
 
     # ------------------------------------------------------------------ accounting
     def arrive(self, tenant: Hashable) -> None:
         """A request of `tenant` is queued. A tenant that was not backlogged has its counter
         lifted to the least counter of the backlogged tenants, or, with none backlogged, to
-        that of the tenant that left the backlog last (VTC's counter lift). Without the
-        latter, a tenant that worked alone and left would find a newcomer (or one back from
-        idling) that many tokens ahead of it, and be preempted for it until they were spent.
-
-        It is also lowered to the greatest counter of the backlogged tenants: a lead beyond
-        every one of them was earned while they were not asking (they arrived since, lifted
-        to a counter below it), and held against the tenant it made it wait until each of
-        them had caught up (an address that had streamed beside a lighter one, back among
-        forty newcomers lifted to the lighter one's counter: 87 s to a first token, now 30 s
-        as one of them). Leaving and coming back never brings a tenant below the greatest
-        backlogged counter."""
+        the greatest counter any tenant has had (VTC's counter lift; the paper lifts to the
+        counter of the client that left last). With none backlogged nobody is behind anyone:
+        every lead was earned while nobody else asked for any. Lifted to the one that left
+        last, a newcomer found a tenant that had worked alone that many tokens behind it and
+        had it preempted until they were spent; and forty newcomers lifted to a light
+        client's counter, the last to leave, kept a heavy client that came back waiting until
+        each of them had caught up with it (87 s to a first token; now 26 s, as one of them).
+        A tenant that leaves and comes back while others are backlogged keeps its lead: it
+        was earned beside them."""
         if not self._backlog.get(tenant):
             others = [self.counters.get(t, 0.0) for t, live in self._backlog.items() if live and t != tenant]
-            if others:
-                self.counters[tenant] = min(max(self.counters.get(tenant, 0.0), min(others)), max(others))
-            elif self._last_left is not None:
-                self.counters[tenant] = max(self.counters.get(tenant, 0.0), self.counters.get(self._last_left, 0.0))
+            floor = min(others) if others else self._high
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
         self._backlog[tenant] = self._backlog.get(tenant, 0) + 1
 
     def leave(self, tenant: Hashable) -> None:
@@ -104,14 +99,14 @@ class FairShare:
             self._backlog[tenant] = live
         else:
             self._backlog.pop(tenant, None)
-            self._last_left = tenant
             if len(self.counters) - len(self._backlog) > MAX_IDLE_COUNTERS:
                 self.counters = {t: c for t, c in self.counters.items() if t in self._backlog or t == tenant}
 
     def charge(self, tenant: Hashable, input_tokens: int = 0, output_tokens: int = 0) -> None:
         """Counts service `tenant` has had: tokens computed for it."""
-        self.counters[tenant] = (self.counters.get(tenant, 0.0) + self.input_weight * input_tokens
-                                 + self.output_weight * output_tokens)
+        counter = self.counters.get(tenant, 0.0) + self.input_weight * input_tokens + self.output_weight * output_tokens
+        self.counters[tenant] = counter
+        self._high = max(self._high, counter)
 
     def charge_chunk(self, seq: SequenceState, num_new: int) -> None:
         """Charges a computed chunk of `seq` (its `num_new` new tokens, before num_computed

@@ -157,6 +157,11 @@ def uvicorn_options(head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, keep_alive_s
     """uvicorn.Config keyword arguments for the connection deadlines, caps, the pacing of
     refused addresses (given the app's pacer) and the bound on a request head (head_limits.py;
     h11's own bound set to the same). WebSockets are off: the API has none, and an upgraded
-    connection would leave the deadlines and caps."""
+    connection would leave the deadlines and caps. Forwarded headers are not read: a client
+    is its connection's address (behind a proxy, the proxy)."""
     return {"http": http_protocol(head_timeout_s, write_timeout_s, limits, pacer), "timeout_keep_alive": keep_alive_s,
-            "ws": "none", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
+            "ws": "none", "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
+            # A client's address is its connection's: uvicorn otherwise takes X-Forwarded-For
+            # from 127.0.0.1 as the client, and a local process could then name any address
+            # (another's fair share, its refusals charged to an innocent address).
+            "proxy_headers": False}

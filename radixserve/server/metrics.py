@@ -184,8 +184,11 @@ class RefusalPacingCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(f"{PREFIX}_http_refusal_holds",
-                                  "Times a connection's next request was held because its address had too "
-                                  "many requests refused (4xx) lately.", value=self.pacer.held)
+                                  "Requests held because their address had too many requests refused (4xx) "
+                                  "lately.", value=self.pacer.held)
+        yield CounterMetricFamily(f"{PREFIX}_http_refusal_holds_refused",
+                                  "Holds that lasted their longest and ended in a 429 too_many_refusals.",
+                                  value=self.pacer.refused_holds)
 
 
 class ServerMetrics:

@@ -14,20 +14,24 @@ debt is back under `burst`: the address gets its answers, `rate` refusals a seco
 burst is spent. A client refused now and then (a typo, an expired key, a prompt too long)
 never comes near the burst; an overloaded server's 503s are not the client's doing and do
 not count. Addresses are
-connection_limits' `address_key` (IPv4, a global IPv6 /64); behind a proxy every client is
-one address, so `--refusals-per-s 0` turns pacing off there, as the connection caps are.
+connection_limits' `address_key` (IPv4, a global IPv6 /64) of the connection's peer: the
+app charges the ASGI scope's client and the protocol holds the peer, which agree because
+`uvicorn_options` turns uvicorn's forwarded headers off. Behind a proxy every client is one
+address, so `--refusals-per-s 0` turns pacing off there, as the connection caps are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 
-from radixserve.server.connection_limits import address_key
+from radixserve.server.connection_limits import address_key, closing_error_response
 
 DEFAULT_REFUSALS_PER_S = 10.0
 BURST_S = 5.0  # the burst an address may spend at once: this many seconds of its rate
+MAX_HOLD_S = 8.0  # the longest a request is held; then a 429 with Retry-After
 # Addresses remembered with a debt; past this many (an attacker can vary its addresses) the
 # ones whose debts have drained are forgotten, then the least indebted.
 MAX_ADDRESSES = 4096
@@ -46,7 +50,8 @@ class RefusalPacer:
         self.rate = rate
         self.burst = burst
         self.clock = clock
-        self.held = 0  # connections' reads held since start (a metric)
+        self.held = 0  # requests held since start (a metric)
+        self.refused_holds = 0  # holds that ended in a 429 (a metric)
         self._debts: dict[str, tuple[float, float]] = {}  # address -> (debt, when it was that)
 
     def refused(self, address: str | None) -> None:
@@ -77,13 +82,16 @@ class RefusalPacer:
         self._debts = {address: (debts[address], now) for address in kept[-MAX_ADDRESSES // 2:]}
 
 
-def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> type[asyncio.Protocol]:
-    """`base` (uvicorn's HTTP protocol, with the deadlines) holding the requests of connections
-    from addresses `pacer` has in debt: new bytes (reading paused), and the start of the next
-    request sent in the same bytes (pipelined: uvicorn starts it when a response completes;
-    held per chunk alone, a thousand requests in one write were all answered at once). A held
-    connection's head deadline still runs: a client held longer than it has its connection
-    closed, as any slow head would."""
+def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer,
+                        max_hold_s: float = MAX_HOLD_S) -> type[asyncio.Protocol]:
+    """`base` (uvicorn's HTTP protocol with the deadlines: connections.py) holding the requests
+    of connections from addresses `pacer` has in debt: new bytes while no request is under way
+    (reading paused), and the start of a next request sent in the same bytes (pipelined:
+    uvicorn starts it when a response completes; held per chunk alone, a thousand requests in
+    one write were all answered at once). The head deadline does not run while bytes are held
+    (it would close the connection unanswered), and is armed again when they are handed on;
+    a hold that would last past `max_hold_s` ends in a 429 `too_many_refusals` with
+    Retry-After, and the connection is closed."""
 
     class Paced(base):  # type: ignore[valid-type, misc]
         """uvicorn's protocol, holding a refused address's next request until its debt drains."""
@@ -91,6 +99,7 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
         _address: str | None = None
         _held_bytes: bytearray | None = None
         _held_completion = False  # a response completed; the next pipelined request waits
+        _held_since = 0.0
         _release_handle: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -100,9 +109,10 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
         def data_received(self, data: bytes) -> None:
             if self._held_bytes is not None:  # (bytes read before the pause took effect)
                 self._held_bytes += data
-            elif self._release_handle is not None or self._in_debt():
-                self._held_bytes = bytearray(data)
+            elif self._awaiting_head() and (self._release_handle is not None or self._in_debt()):
+                self._held_bytes = bytearray(data)  # (mid-request, a body's bytes are never held)
                 self.transport.pause_reading()
+                self._disarm_head_deadline()
                 self._hold()
             else:
                 super().data_received(data)
@@ -128,7 +138,9 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
         def _hold(self) -> None:
             if self._release_handle is None:
                 pacer.held += 1
-                self._release_handle = self.loop.call_later(pacer.wait_s(self._address), self._release)
+                self._held_since = self.loop.time()
+                self._release_handle = self.loop.call_later(min(pacer.wait_s(self._address), max_hold_s),
+                                                            self._release)
 
         def _release(self) -> None:
             self._release_handle = None
@@ -136,8 +148,12 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
                 self._held_bytes, self._held_completion = None, False
                 return
             wait = pacer.wait_s(self._address)
+            left = max_hold_s - (self.loop.time() - self._held_since)
+            if wait > 0 and left <= 0:
+                self._refuse(wait)
+                return
             if wait > 0:  # others of the address went first and spent the burst again
-                self._release_handle = self.loop.call_later(wait, self._release)
+                self._release_handle = self.loop.call_later(min(wait, left), self._release)
                 return
             if self._held_completion:  # the earlier request's end first: what was held came after it
                 self._held_completion = False
@@ -145,7 +161,17 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
             if self._held_bytes is not None:
                 data, self._held_bytes = bytes(self._held_bytes), None
                 self.transport.resume_reading()
+                self._arm_head_deadline()  # (disarmed again once the head is complete)
                 super().data_received(data)
+
+        def _refuse(self, wait: float) -> None:
+            """Ends a hold that lasted `max_hold_s`: a 429 where no request is under way (its
+            bytes were held before uvicorn read them), and the connection closed."""
+            pacer.refused_holds += 1
+            if not self._held_completion:
+                self.transport.write(refusal_response(wait))
+            self._held_bytes, self._held_completion = None, False
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._release_handle is not None:
@@ -156,3 +182,11 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer) -> ty
 
     Paced.__name__ = Paced.__qualname__ = f"Paced{base.__name__}"
     return Paced
+
+
+def refusal_response(wait_s: float) -> bytes:
+    """The 429 that ends a hold of `max_hold_s`: the whole response, closing its connection."""
+    message = ("too many of this address's requests were refused lately (4xx); "
+               f"send fewer invalid requests, or retry in {math.ceil(wait_s)} s")
+    return closing_error_response(429, "Too Many Requests", message, "rate_limit_error", "too_many_refusals",
+                                  retry_after_s=math.ceil(wait_s))
