@@ -162,29 +162,46 @@ def test_a_forwarded_address_is_not_taken_for_the_client(server: SimpleNamespace
     assert server.pacer.wait_s("127.0.0.9") == 0
 
 
-def test_a_hold_past_its_longest_ends_in_a_429_with_retry_after() -> None:
-    """An address deep in debt (5 refusals, of its connections at once, at half a refusal a
-    second past a burst of 1: 8 s to drain) has its next request held for the longest hold
-    (2 s here), then answered 429 `too_many_refusals` with Retry-After, and the connection
-    closed. The head deadline (1 s) does not run while the request is held: it closed the
-    connection unanswered."""
+def _deep_debt_server(head_timeout_s: float, keep_alive_s: float, max_hold_s: float) -> Iterator[str]:
+    """A real server (its URL, first); then ATTACKER in debt for 8 s (5 refusals, as of as
+    many connections at once, at half a refusal a second past a burst of 1), longer than any
+    hold here; closing the generator stops the server."""
     pacer = RefusalPacer(rate=0.5, burst=1.0)
     engine = Engine(model="demo", page_size=16, num_pages=64)
-    options = {**uvicorn_options(head_timeout_s=1.0, pacer=pacer),
-               "http": with_refusal_pacing(with_deadlines(_httptools(), 1.0), pacer, max_hold_s=2.0)}
+    options = {**uvicorn_options(head_timeout_s=head_timeout_s, keep_alive_s=keep_alive_s, pacer=pacer),
+               "http": with_refusal_pacing(with_deadlines(_httptools(), head_timeout_s), pacer, max_hold_s)}
     with running_server(create_app(AsyncEngine(engine), refusal_pacer=pacer), **options) as url:
-        with _client(ATTACKER) as attacker:
-            assert attacker.post(f"{url}/v1/completions", json=BAD).status_code == 400
-        for _ in range(4):  # as if answered on as many connections at once
+        yield url
+        for _ in range(5):
             pacer.refused(ATTACKER)
-        with _client(ATTACKER) as attacker:
-            started = time.monotonic()
-            response = attacker.post(f"{url}/v1/completions", json=BAD)
-            held = time.monotonic() - started
-        metrics = httpx.get(f"{url}/metrics").text
-    assert response.status_code == 429 and response.json()["error"]["code"] == "too_many_refusals"
-    assert 5 <= int(response.headers["retry-after"]) <= 6 and response.headers["connection"] == "close"
-    assert held >= 1.9, held
+        yield url
+
+
+@pytest.mark.parametrize(("head_timeout_s", "keep_alive_s", "reused"), [(10.0, 5.0, False), (1.5, 5.0, False),
+                                                                         (10.0, 0.5, True)],
+                         ids=["longest-hold", "head-deadline", "reused-connection"])
+def test_a_hold_ends_in_a_429_with_retry_after(head_timeout_s: float, keep_alive_s: float, reused: bool) -> None:
+    """A request of an address deep in debt is held at most 1 s (the longest hold here), and
+    never past the connection's head deadline (1.5 s from its opening), then answered 429
+    `too_many_refusals` with Retry-After and its connection closed: not closed unanswered by
+    the head deadline, which the hold does not put off either (a head sent in pieces, each
+    held, kept a connection open while the deadline restarted at each release), nor by
+    uvicorn's keep-alive timer on a reused connection (0.5 s here: it closed the held request
+    unanswered)."""
+    servers = _deep_debt_server(head_timeout_s, keep_alive_s, max_hold_s=1.0 if head_timeout_s > 5 else 5.0)
+    url = next(servers)
+    with _client(ATTACKER) as attacker:
+        if reused:  # one request on the connection before the debt
+            assert attacker.post(f"{url}/v1/completions", json=GOOD).status_code == 200
+        next(servers)
+        started = time.monotonic()
+        response = attacker.post(f"{url}/v1/completions", json=BAD)
+        held = time.monotonic() - started
+    metrics = httpx.get(f"{url}/metrics").text
+    servers.close()
+    assert response.status_code == 429 and response.json()["error"]["code"] == "too_many_refusals", response.text
+    assert 6 <= int(response.headers["retry-after"]) <= 8 and response.headers["connection"] == "close"
+    assert held >= 0.9 if head_timeout_s > 5 else held < head_timeout_s, held
     assert "radixserve_http_refusal_holds_refused_total 1.0" in metrics
 
 

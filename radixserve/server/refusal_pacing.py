@@ -32,6 +32,7 @@ from radixserve.server.connection_limits import address_key, closing_error_respo
 DEFAULT_REFUSALS_PER_S = 10.0
 BURST_S = 5.0  # the burst an address may spend at once: this many seconds of its rate
 MAX_HOLD_S = 8.0  # the longest a request is held; then a 429 with Retry-After
+HEAD_DEADLINE_MARGIN_S = 0.05  # a hold ends this long before the head deadline would close it
 # Addresses remembered with a debt; past this many (an attacker can vary its addresses) the
 # ones whose debts have drained are forgotten, then the least indebted.
 MAX_ADDRESSES = 4096
@@ -88,10 +89,12 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer,
     of connections from addresses `pacer` has in debt: new bytes while no request is under way
     (reading paused), and the start of a next request sent in the same bytes (pipelined:
     uvicorn starts it when a response completes; held per chunk alone, a thousand requests in
-    one write were all answered at once). The head deadline does not run while bytes are held
-    (it would close the connection unanswered), and is armed again when they are handed on;
-    a hold that would last past `max_hold_s` ends in a 429 `too_many_refusals` with
-    Retry-After, and the connection is closed."""
+    one write were all answered at once). A hold that would last past `max_hold_s`, or past
+    the connection's head deadline (which would close it unanswered; the deadline is never
+    put off, so pieces of a head sent slowly cannot keep a connection open), ends in a 429
+    `too_many_refusals` with Retry-After, and the connection is closed. Held bytes stop
+    uvicorn's keep-alive timer, as bytes handed on would (it closed a reused connection's held
+    request unanswered after 5 s)."""
 
     class Paced(base):  # type: ignore[valid-type, misc]
         """uvicorn's protocol, holding a refused address's next request until its debt drains."""
@@ -112,7 +115,7 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer,
             elif self._awaiting_head() and (self._release_handle is not None or self._in_debt()):
                 self._held_bytes = bytearray(data)  # (mid-request, a body's bytes are never held)
                 self.transport.pause_reading()
-                self._disarm_head_deadline()
+                self._unset_keepalive_if_required()
                 self._hold()
             else:
                 super().data_received(data)
@@ -139,8 +142,18 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer,
             if self._release_handle is None:
                 pacer.held += 1
                 self._held_since = self.loop.time()
-                self._release_handle = self.loop.call_later(min(pacer.wait_s(self._address), max_hold_s),
+                self._release_handle = self.loop.call_later(min(pacer.wait_s(self._address), self._hold_left()),
                                                             self._release)
+
+        def _hold_left(self) -> float:
+            """How much longer a hold may last: to `max_hold_s`, and to just before the head
+            deadline, if one runs (a 429 then, not a close unanswered)."""
+            now = self.loop.time()
+            left = max_hold_s - (now - self._held_since)
+            deadline = getattr(self, "_head_deadline", None)
+            if deadline is not None:
+                left = min(left, deadline.when() - now - HEAD_DEADLINE_MARGIN_S)
+            return max(0.0, left)
 
         def _release(self) -> None:
             self._release_handle = None
@@ -148,7 +161,7 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer,
                 self._held_bytes, self._held_completion = None, False
                 return
             wait = pacer.wait_s(self._address)
-            left = max_hold_s - (self.loop.time() - self._held_since)
+            left = self._hold_left()
             if wait > 0 and left <= 0:
                 self._refuse(wait)
                 return
@@ -161,7 +174,6 @@ def with_refusal_pacing(base: type[asyncio.Protocol], pacer: RefusalPacer,
             if self._held_bytes is not None:
                 data, self._held_bytes = bytes(self._held_bytes), None
                 self.transport.resume_reading()
-                self._arm_head_deadline()  # (disarmed again once the head is complete)
                 super().data_received(data)
 
         def _refuse(self, wait: float) -> None:
