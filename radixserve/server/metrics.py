@@ -177,7 +177,7 @@ class ConnectionsCollector(Collector):
 
 
 class RefusalPacingCollector(Collector):
-    """Connections' reads held for their addresses' refusals, read at each scrape."""
+    """Requests held for their addresses' refusals, and holds ended in a 429, read at each scrape."""
 
     def __init__(self, pacer: RefusalPacer) -> None:
         self.pacer = pacer
