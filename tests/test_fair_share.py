@@ -311,6 +311,40 @@ def test_a_newcomer_takes_a_slot_from_a_tenant_holding_more_than_its_part(engine
     assert engine.stats()["fair_preemptions"] == 1
 
 
+def streams_beside_loops(engine_kwargs: dict[str, object], streams: int, stream_tokens: int,
+                         loop_tokens: int) -> tuple[Engine, list[int]]:
+    """One client's `streams` greedy streams beside eight clients looping short requests from
+    step 3, four slots, the invariants checked every step; asserts the streams' tokens equal
+    theirs alone, and returns the engine and each stream's largest gap between tokens (steps)."""
+    kwargs = {**engine_kwargs, "max_running": 4, "num_pages": 400}
+    long = SamplingParams(max_tokens=stream_tokens, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=loop_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + (i * 13 + 7 * k) % 290 for i in range(20)] for k in range(streams)]
+    alone = [list(o.token_ids) for o in Engine(**kwargs).generate(prompts, long)]
+    engine = Engine(**kwargs)
+    tokens: dict[str, list[int]] = {engine.add_request(prompt, long, client="streams"): [] for prompt in prompts}
+    last_token = dict.fromkeys(tokens, 0)
+    gaps = dict.fromkeys(tokens, 0)
+    loops: dict[str, int] = {}
+    for step in range(1, 2000):
+        if step == 3:  # the streams are decoding; the loops begin
+            loops = {engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}"): i for i in range(8)}
+        for rid, deltas in engine.step().items():
+            got = [t for d in deltas for t in d.token_ids]
+            if rid in tokens and got:
+                tokens[rid] += got
+                gaps[rid] = max(gaps[rid], step - last_token[rid])
+                last_token[rid] = step
+            elif rid in loops and any(d.finish_reason for d in deltas):
+                i = loops.pop(rid)
+                loops[engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}")] = i
+        if all(len(got) == stream_tokens for got in tokens.values()):
+            break
+        engine.check_invariants()
+    assert list(tokens.values()) == alone
+    return engine, list(gaps.values())
+
+
 def test_a_stream_that_lends_its_slot_gets_the_next_free_one(engine_kwargs: dict[str, object]) -> None:
     """One client's two long streams beside eight clients looping short requests, four slots:
     each newcomer with nothing running borrows a slot from the client holding more than its
@@ -318,33 +352,8 @@ def test_a_stream_that_lends_its_slot_gets_the_next_free_one(engine_kwargs: dict
     Preempted without the loan, a stream waited for its client's counter to be the least
     again, which the client's other stream, still running, kept it from: a stall mid-stream
     (55 s on SmolLM2 beside thirty looping addresses; 200 steps and more here)."""
-    kwargs = {**engine_kwargs, "max_running": 4, "num_pages": 400}
-    long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
-    short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = [[3 + (i * 13 + 7 * k) % 290 for i in range(20)] for k in range(2)]
-    alone = [list(o.token_ids) for o in Engine(**kwargs).generate(prompts, long)]
-    engine = Engine(**kwargs)
-    streams = {engine.add_request(prompt, long, client="streams"): [] for prompt in prompts}
-    last_token = dict.fromkeys(streams, 0)
-    largest_gap = 0
-    loops: dict[str, int] = {}
-    for step in range(1, 2000):
-        if step == 3:  # the streams are decoding; the loops begin
-            loops = {engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}"): i for i in range(8)}
-        for rid, deltas in engine.step().items():
-            got = [t for d in deltas for t in d.token_ids]
-            if rid in streams and got:
-                streams[rid] += got
-                largest_gap = max(largest_gap, step - last_token[rid])
-                last_token[rid] = step
-            elif rid in loops and any(d.finish_reason for d in deltas):
-                i = loops.pop(rid)
-                loops[engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}")] = i
-        if all(len(tokens) == long.max_tokens for tokens in streams.values()):
-            break
-        engine.check_invariants()
-    assert list(streams.values()) == alone
-    assert largest_gap <= 20, largest_gap
+    engine, gaps = streams_beside_loops(engine_kwargs, streams=2, stream_tokens=150, loop_tokens=12)
+    assert max(gaps) <= 20, gaps
     assert engine.stats()["fair_preemptions"] >= 5  # the loans happened
 
 
@@ -355,33 +364,8 @@ def test_one_clients_streams_take_turns_in_its_slots(engine_kwargs: dict[str, ob
     stalled one after another (the last for 273 steps here; on SmolLM2, four streams beside
     forty addresses, 20.8 s); readmitted in the order they lent, every stream's largest gap
     stays near one loop request's length (41 steps)."""
-    kwargs = {**engine_kwargs, "max_running": 4, "num_pages": 400}
-    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    short = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = [[3 + (i * 13 + 7 * k) % 290 for i in range(20)] for k in range(4)]
-    alone = [list(o.token_ids) for o in Engine(**kwargs).generate(prompts, long)]
-    engine = Engine(**kwargs)
-    streams = {engine.add_request(prompt, long, client="streams"): [] for prompt in prompts}
-    last_token = dict.fromkeys(streams, 0)
-    gaps = dict.fromkeys(streams, 0)
-    loops: dict[str, int] = {}
-    for step in range(1, 2000):
-        if step == 3:
-            loops = {engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}"): i for i in range(8)}
-        for rid, deltas in engine.step().items():
-            got = [t for d in deltas for t in d.token_ids]
-            if rid in streams and got:
-                streams[rid] += got
-                gaps[rid] = max(gaps[rid], step - last_token[rid])
-                last_token[rid] = step
-            elif rid in loops and any(d.finish_reason for d in deltas):
-                i = loops.pop(rid)
-                loops[engine.add_request([40 + i, 41, 42] * 6, short, client=f"loop-{i}")] = i
-        if all(len(tokens) == long.max_tokens for tokens in streams.values()):
-            break
-        engine.check_invariants()
-    assert list(streams.values()) == alone
-    assert max(gaps.values()) <= 50, gaps
+    engine, gaps = streams_beside_loops(engine_kwargs, streams=4, stream_tokens=60, loop_tokens=40)
+    assert max(gaps) <= 50, gaps
     assert engine.stats()["fair_preemptions"] >= 20  # the streams lent, again and again
 
 
