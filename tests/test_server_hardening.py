@@ -3,6 +3,7 @@ operator can see and stop it (issue 9)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -193,6 +194,46 @@ def test_unexpected_exception_is_a_json_500_that_keeps_the_connection() -> None:
         again = c.get("/ok")
         assert again.text == "ok" and local_port(again) == local_port(r)
     assert metrics.requests.labels("completions", "500")._value.get() == 1
+
+
+def run_guarded(app: Any, send_fails_on: str | None) -> None:
+    """Runs one POST through a RequestGuard around `app`, with a send that raises (as uvloop's
+    closed transport does) on the message type `send_fails_on`."""
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": [], "client": ("127.0.0.1", 1)}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == send_fails_on:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    guard = RequestGuard(app, metrics=ServerMetrics(dict), endpoints={"/v1/completions": "completions"})
+    asyncio.run(guard(scope, receive, send))
+
+
+def test_a_connection_failing_under_a_write_is_one_line_and_a_bug_keeps_its_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def streams(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+
+    async def breaks_mid_stream(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise ValueError("a bug mid-stream")
+
+    with caplog.at_level(logging.INFO, logger="radixserve.server"):
+        run_guarded(streams, send_fails_on="http.response.body")
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert record.getMessage() == ("response to /v1/completions not sent: its connection failed "
+                                   "(unable to perform operation on <TCPTransport closed=True>)")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="radixserve.server"):
+        run_guarded(breaks_mid_stream, send_fails_on=None)
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+    assert record.getMessage() == "request to /v1/completions failed after its response started"
 
 
 # ---------------------------------------------------------------- metrics agree with the log (item 7)

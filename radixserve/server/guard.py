@@ -50,6 +50,7 @@ class RequestGuard:
         endpoint = self.endpoints.get(scope["path"])
         client_gone = False
         started = False
+        send_failed = False
 
         async def watched_receive() -> Message:
             nonlocal client_gone
@@ -59,7 +60,7 @@ class RequestGuard:
             return message
 
         async def counted_send(message: Message) -> None:
-            nonlocal started
+            nonlocal started, send_failed
             if message["type"] == "http.response.start" and not started:
                 started = True
                 if self.pacer is not None and 400 <= message["status"] < 500:
@@ -71,14 +72,22 @@ class RequestGuard:
                         self.metrics.disconnects.labels(endpoint).inc()
                     else:
                         self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
+            try:
+                await send(message)
+            except Exception:
+                send_failed = True
+                raise
 
         try:
             await self.app(scope, watched_receive, counted_send)
         except ClientDisconnect:  # the client left while sending its body: nobody to answer
             client_gone = True
         except Exception as exc:
-            if started:
+            if send_failed:
+                # The connection failed under a write (a client that left mid-pipeline: uvloop
+                # raises on its closed transport): the client's doing, not a bug worth a traceback.
+                logger.warning("response to %s not sent: its connection failed (%s)", scope["path"], exc)
+            elif started:
                 # A response cut short: returning lets uvicorn close the connection, as it must.
                 logger.error("request to %s failed after its response started", scope["path"], exc_info=exc)
             else:
