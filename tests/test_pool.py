@@ -125,6 +125,38 @@ def test_copy_page_copies_leading_slots_in_every_layer(num_slots):
         pool.copy_page(2, 2)
 
 
+@pytest.mark.parametrize("num_slots", [None, 0, 1, 7, 8])
+def test_copy_page_through_the_backing_touches_only_leading_slots_of_dst(num_slots):
+    """Random-filled caches: copy_page copies exactly slots [0, n) of page src into page dst in
+    every layer's K and V, and nothing else; each per-layer cache is a contiguous view of one
+    backing tensor, so writes made through `k_cache[i]` / `v_cache[i]` are what it copies."""
+    layers, pages, page_size, heads, dim = 5, 6, 8, 3, 4
+    pool = PagePool(pages, page_size, num_layers=layers, num_kv_heads=heads, head_dim=dim)
+    generator = torch.Generator().manual_seed(7)
+    for t in (*pool.k_cache, *pool.v_cache):
+        assert t.shape == (pages, page_size, heads, dim) and t.is_contiguous()
+        t.copy_(torch.randn(t.shape, generator=generator))  # written through the per-layer views
+    for caches in (pool.k_cache, pool.v_cache):
+        base = caches[0].untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in caches)  # one shared storage
+        assert len({t.data_ptr() for t in caches}) == layers  # each layer its own region
+    before = [t.clone() for t in (*pool.k_cache, *pool.v_cache)]
+    src, dst = 4, 1
+    pool.copy_page(src, dst, num_slots)
+    n = page_size if num_slots is None else num_slots
+    for old, new in zip(before, (*pool.k_cache, *pool.v_cache), strict=True):
+        assert torch.equal(new[dst, :n], old[src, :n])
+        assert torch.equal(new[dst, n:], old[dst, n:])
+        others = [p for p in range(pages) if p != dst]
+        assert torch.equal(new[others], old[others])
+    # A later write through a per-layer view is what the next copy reads.
+    pool.k_cache[layers - 1][src, 0].fill_(123.0)
+    pool.v_cache[layers - 1][src, 0].fill_(-123.0)
+    pool.copy_page(src, 2, 1)
+    assert (pool.k_cache[layers - 1][2, 0] == 123.0).all()
+    assert (pool.v_cache[layers - 1][2, 0] == -123.0).all()
+
+
 def test_sizing_from_a_memory_budget():
     per_page = PagePool.bytes_per_page(16, 4, 2, 64, torch.bfloat16)
     assert per_page == 2 * 4 * 16 * 2 * 64 * 2

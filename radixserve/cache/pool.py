@@ -35,7 +35,8 @@ class OutOfPages(RuntimeError):
 
 class PagePool:
     """Free list + reference counts over `num_pages` pages of `page_size` slots,
-    optionally backed by per-layer K/V tensors in FlashInfer's NHD layout.
+    optionally backed by per-layer K/V tensors in FlashInfer's NHD layout (views of one K
+    and one V tensor holding every layer).
 
     With `num_layers == 0` the pool holds no tensors (simulation and tree tests). `pin_memory`
     page-locks a host pool's tensors, so copies to and from a CUDA device run asynchronously.
@@ -59,11 +60,20 @@ class PagePool:
             raise ValueError("num_kv_heads and head_dim: must be >= 1 when num_layers > 0")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                                            for _ in range(num_layers)]
-        self.v_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                                            for _ in range(num_layers)]
+        # K and V are each one backing tensor [num_layers, num_pages, page_size, heads, dim];
+        # `k_cache[i]` / `v_cache[i]` are views of layer i (contiguous, the per-layer NHD shape),
+        # made once, so every user sees plain per-layer tensors while `copy_page` moves a page
+        # of every layer in one op. No tensors (and no backing) when num_layers == 0.
+        self._k_all: torch.Tensor | None = None
+        self._v_all: torch.Tensor | None = None
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        if num_layers:
+            shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+            self._k_all = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            self._v_all = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            self.k_cache = [self._k_all[i] for i in range(num_layers)]
+            self.v_cache = [self._v_all[i] for i in range(num_layers)]
         # The free list is a stack in an array (`_free[:_num_free]`), so whole block tables
         # move in and out at C speed. Popped from the end: a fresh pool hands out 0, 1, 2, ...
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
@@ -174,8 +184,12 @@ class PagePool:
             raise ValueError(f"num_slots: must be in 0..{self.page_size}, got {n}")
         if src == dst:
             raise ValueError(f"copy_page: source and destination are both page {src}")
-        for cache in (*self.k_cache, *self.v_cache):
-            cache[dst, :n].copy_(cache[src, :n])
+        if self._k_all is None or self._v_all is None:
+            return
+        # One op for K and one for V over the backing tensors (every layer at once), not one
+        # per layer per K/V: at 30 layers the 60 small copies' dispatch dominated this call.
+        self._k_all[:, dst, :n].copy_(self._k_all[:, src, :n])
+        self._v_all[:, dst, :n].copy_(self._v_all[:, src, :n])
 
     def _index(self, pages: Iterable[int] | np.ndarray, distinct: bool = False
                ) -> tuple[np.ndarray, np.ndarray | int]:
