@@ -99,11 +99,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--scenarios", default="streams,return")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--serve-args", default="", help="more `radixserve serve` flags, e.g. '--tenant-starts 0'")
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}/v1/chat/completions"
     for repeat in range(args.repeats):
         for scenario in args.scenarios.split(","):
-            process = start_server(["--model", args.model, "--max-running", "16"], args.port)
+            process = start_server(["--model", args.model, "--max-running", "16", *args.serve_args.split()], args.port)
             try:
                 run = streams(url, args.streams) if scenario == "streams" else comeback(url)
                 print(f"{scenario} (run {repeat + 1}): {asyncio.run(run)}", flush=True)

@@ -158,7 +158,7 @@ def async_engine_options(args: argparse.Namespace) -> dict[str, object]:
 def _contradiction(args: argparse.Namespace) -> str | None:
     """A flag out of range, or flags that cannot all be honoured: refused at start rather than
     one silently dropped."""
-    for flag in ("max_connections_per_client", "max_connections", "refusals_per_s"):
+    for flag in ("max_connections_per_client", "max_connections", "refusals_per_s", "tenant_starts"):
         if (getattr(args, flag) or 0) < 0:
             return f"--{flag.replace('_', '-')} must be >= 0 (0: none)"
     if args.max_request_tokens < 1:
@@ -207,7 +207,8 @@ def app_options(args: argparse.Namespace) -> dict[str, object]:
     return {"expose_cache_tokens": args.expose_cache_tokens, "cache_event_buffer": args.cache_event_buffer,
             "cache_events_idle_timeout_s": args.cache_events_idle_timeout_s,
             "turn_memory_tokens": args.turn_memory_tokens, "body_timeout_s": args.body_timeout_s,
-            "tool_call_parser": args.tool_call_parser, "max_request_tokens": args.max_request_tokens}
+            "tool_call_parser": args.tool_call_parser, "max_request_tokens": args.max_request_tokens,
+            "tenant_starts": args.tenant_starts}
 
 
 def cache_hash_secret(args: argparse.Namespace) -> str | None:

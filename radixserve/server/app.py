@@ -71,6 +71,7 @@ from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import EngineCall, chat_call, completion_calls, completion_prompts
 from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, GeneratedTurns
+from radixserve.server.start_shares import SLOT_SCOPE_KEY, LeaveAtResponseEnd, StartShares, default_tenant_starts
 from radixserve.server.work_limit import DEFAULT_MAX_REQUEST_TOKENS, WorkLimit
 
 logger = logging.getLogger("radixserve.server")
@@ -102,7 +103,7 @@ class OpenAIServer:
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  turn_memory_tokens: int = DEFAULT_TURN_TOKENS, body_timeout_s: float = BODY_TIMEOUT_S,
                  tool_call_parser: str | None = None, keys: ApiKeys | None = None,
-                 max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
+                 max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, tenant_starts: int = 0) -> None:
         self.engine = engine
         self.max_request_tokens = max_request_tokens
         self.body_timeout_s = body_timeout_s
@@ -123,6 +124,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine.stats)
         self.grammar_compiles = GrammarCompiles()
         self.request_checks = FairSlots(REQUEST_CHECKS)
+        self.starts = StartShares(tenant_starts)
         self.prompt_work = PromptWork(self.tokenizer, self.max_context_len)
         self._token_bytes: list[bytes] | None = None  # each token's bytes: built on first use
 
@@ -170,7 +172,11 @@ class OpenAIServer:
         """POST /v1/chat/completions."""
         caller = self._authorize(request)
         timer = self.metrics.timer()
-        body = await _decode(await self._read_body(request), _CHAT_DECODER)
+        share = share_key(caller, request)
+        raw = await self._read_body(request)
+        if not await self._may_start(request, share):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = await _decode(raw, _CHAT_DECODER)
         self._check_model(body.model)
         # Tokenizing a large prompt takes seconds; the tokenizer releases the GIL, so a worker
         # thread keeps the event loop (and /health) responsive meanwhile.
@@ -180,7 +186,6 @@ class OpenAIServer:
         salt = body.cache_salt or None
         scope = salt if caller.tenant is None else (caller.tenant, salt)
         schemas = bool(body.tools) or carries_constraint(body)
-        share = share_key(caller, request)
         tools = await self._check(share, schemas, lambda: plan_tools(body, self.tool_call_parser))
         chars = sum(len(message.text()) for message in body.messages)
         self.prompt_work.check_size(chars, "messages")
@@ -210,7 +215,11 @@ class OpenAIServer:
         """POST /v1/completions: one prompt, or a batch of them (n choices per prompt)."""
         caller = self._authorize(request)
         timer = self.metrics.timer()
-        body = await _decode(await self._read_body(request), _COMPLETION_DECODER)
+        share = share_key(caller, request)
+        raw = await self._read_body(request)
+        if not await self._may_start(request, share):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = await _decode(raw, _COMPLETION_DECODER)
         self._check_model(body.model)
         prompts, batch = completion_prompts(body)
         params = [f"prompt[{i}]" for i in range(len(prompts))] if batch else ["prompt"]
@@ -218,7 +227,6 @@ class OpenAIServer:
         for prompt, param in zip(prompts, params):
             if isinstance(prompt, str):
                 self.prompt_work.check_size(len(prompt), param)
-        share = share_key(caller, request)
         prompt_ids = await self.prompt_work.run(
             share, sum(len(p) for p in prompts if isinstance(p, str)),
             lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
@@ -230,6 +238,15 @@ class OpenAIServer:
         formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, bool(body.stream), params, "max_tokens", timer)
+
+    async def _may_start(self, request: Request, share: Hashable) -> bool:
+        """Waits for a start among `share`'s requests (start_shares.py), once its body is in (so
+        a disconnect can be seen meanwhile without reading it); False: its client left. The
+        slot is left at the response's end (`LeaveAtResponseEnd`), and stops counting as
+        starting once the request's first outputs are in (`_generate`)."""
+        slot = self.starts.join(share)
+        request.scope[SLOT_SCOPE_KEY] = slot
+        return slot.granted or await unless_disconnected(request, slot.wait()) is not None
 
     async def _vocab_bytes(self) -> list[bytes] | None:
         """Each token's bytes (chat logprobs' `bytes`), read from the tokenizer once, in a
@@ -294,6 +311,9 @@ class OpenAIServer:
             # The engine reports bad input and a full queue on the first item: wait for every
             # prompt's before answering, so those become proper HTTP errors.
             firsts = await unless_disconnected(request, first_of_each(streams))
+            slot = request.scope.get(SLOT_SCOPE_KEY)
+            if slot is not None:
+                slot.started()
             if firsts is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             for param, first in zip(prompt_params, firsts):
@@ -460,7 +480,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                tool_call_parser: str | None = None, admin_api_key: str | None = None,
                tenant_keys: dict[str, Caller] | None = None,
                max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
-               refusal_pacer: RefusalPacer | None = None) -> Starlette:
+               refusal_pacer: RefusalPacer | None = None, tenant_starts: int | None = None) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -480,13 +500,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     the model's tool-call format (tool_parsers.py; default: chosen from the chat template).
     `max_request_tokens` bounds the tokens one request may ask to generate (work_limit.py).
     `refusal_pacer` counts every 4xx against its client's address; the HTTP protocol given
-    the same pacer holds the addresses in debt (refusal_pacing.py).
+    the same pacer holds the addresses in debt (refusal_pacing.py). While several tenants
+    have requests in flight, each may be starting `tenant_starts` // tenants of them at once
+    (start_shares.py; 0: no limit; None: `default_tenant_starts`).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
                           body_timeout_s=body_timeout_s, tool_call_parser=tool_call_parser,
                           keys=ApiKeys.of(api_key=api_key, admin_api_key=admin_api_key, tenant_keys=tenant_keys),
-                          max_request_tokens=max_request_tokens)
+                          max_request_tokens=max_request_tokens,
+                          tenant_starts=default_tenant_starts(engine) if tenant_starts is None else tenant_starts)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
                         event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s)
 
@@ -513,10 +536,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     # Exceptions no handler maps are answered by RequestGuard (a 500 that keeps the connection).
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
-                                       pacer=refusal_pacer)],
+                                       pacer=refusal_pacer), Middleware(LeaveAtResponseEnd)],
                     exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception})
     if refusal_pacer is not None:
         server.metrics.watch_refusal_pacing(refusal_pacer)
+    server.metrics.watch_start_shares(server.starts)
     app.state.server = server
     app.state.engine_stopped = None
     return app

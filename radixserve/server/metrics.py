@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from radixserve import StreamDelta
 from radixserve.server.connection_limits import ConnectionLimits
 from radixserve.server.refusal_pacing import RefusalPacer
+from radixserve.server.start_shares import StartShares
 
 PREFIX = "radixserve"
 
@@ -191,6 +192,25 @@ class RefusalPacingCollector(Collector):
                                   value=self.pacer.refused_holds)
 
 
+class StartSharesCollector(Collector):
+    """Requests in flight, and those that waited for their tenant's share of starts, read at
+    each scrape."""
+
+    def __init__(self, starts: StartShares) -> None:
+        self.starts = starts
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(f"{PREFIX}_http_generation_requests_in_flight",
+                                "Generation requests in flight (from their body's arrival to their response's end).",
+                                value=self.starts.in_flight.total())
+        yield GaugeMetricFamily(f"{PREFIX}_http_requests_waiting_to_start",
+                                "Generation requests waiting for their tenant's share of starts (--tenant-starts).",
+                                value=self.starts.waiting)
+        yield CounterMetricFamily(f"{PREFIX}_http_start_waits",
+                                  "Generation requests that waited for their tenant's share of starts.",
+                                  value=self.starts.waited)
+
+
 class ServerMetrics:
     """The app's registry: engine stats plus the latencies and outcomes the server observes."""
 
@@ -223,6 +243,10 @@ class ServerMetrics:
     def watch_refusal_pacing(self, pacer: RefusalPacer) -> None:
         """Exports how often a refused address's connection was held (refusal_pacing.py)."""
         self.registry.register(RefusalPacingCollector(pacer))
+
+    def watch_start_shares(self, starts: StartShares) -> None:
+        """Exports the generation requests in flight and their waits for starts (start_shares.py)."""
+        self.registry.register(StartSharesCollector(starts))
 
     def ttft_count_sum(self) -> tuple[float, float]:
         """The TTFT histogram's count and sum, read from that histogram alone: the registry's
