@@ -5,9 +5,10 @@ A request costs the server most before its first token: its body decoded, its pr
 and tokenized, its checks, its admission and prefill, and each step it joins grows with its
 rows. One client looping cheap requests from many connections (one-token answers to a
 one-character prompt, 32 at once) was answered 170 times a second on 2 cores, and another
-client's 32-token chats went from 25 to 8 in 20 s: fair share (engine/fair_share.py) orders
+client's 32-token chats went from 31 to 7 in 20 s: fair share (engine/fair_share.py) orders
 the engine's queue, but that client's requests were in every stage of the server at once.
-Holding it to 4 such requests at a time (as a client with 4 connections) gave the other 17.
+Held to 4 starting at a time (the CPU default, 8, between two tenants), it left the other
+18-19 (bench/refusal_flood.py --flood valid).
 
 So while requests of two or more tenants are in flight, each tenant may have at most
 `limit // tenants` (at least one) of its requests *starting*: from the read of its body to
