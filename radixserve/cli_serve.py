@@ -97,6 +97,9 @@ def serve_command(args: argparse.Namespace) -> int:
                      served_model_name=args.served_model_name, api_key=args.api_key,
                      admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
                      **app_options(args))
+    starts = app.state.server.starts.limit
+    say(f"requests starting at once (body to first token): {starts} shared between the tenants in flight, "
+        "any number for one alone" if starts else "requests starting at once: any number")
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
     descriptors = raise_descriptor_limit()  # before the caps are derived from it

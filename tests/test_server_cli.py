@@ -138,6 +138,8 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
     assert "KV pool: 32 pages x 16 tokens = 512 tokens, 2.0 MiB" in stderr
     assert "host tier: 64 pages = 1024 tokens" in stderr
     assert "steps: up to 512 tokens; beside decoding streams, prefill to a multiple of 128" in stderr
+    assert ("requests starting at once (body to first token): 8 shared between the tenants in flight, "
+            "any number for one alone") in stderr
     logged = re.search(r"radixserve: ([\d,]+) start-up objects frozen out of the garbage collector's passes", stderr)
     assert logged is not None and int(logged.group(1).replace(",", "")) > 10_000
     assert f"serving cli-demo at http://127.0.0.1:{port}/v1" in stderr
@@ -284,6 +286,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--public-cache-hashes", "--cache-hash-secret", "s3cret"), "--public-cache-hashes publishes unkeyed hashes"),
     (("--max-connections-per-client", "-1"), "--max-connections-per-client must be >= 0"),
     (("--refusals-per-s", "-1"), "--refusals-per-s must be >= 0 (0: none)"),
+    (("--tenant-starts", "-1"), "--tenant-starts must be >= 0 (0: none)"),
     (("--grammar-paced-share", "0"), "--grammar-paced-share: must be in (0, 1] (1: no pacing), got 0.0"),
     # Flags where they would have no effect (cli_serve._ignored_here): refused, not dropped.
     (("--router", "power-of-two", "--replica-cpus", "2"), "--router and --replica-cpus: only for a cluster"),
