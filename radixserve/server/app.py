@@ -39,6 +39,7 @@ from radixserve.server.errors import (
     handle_http_exception,
     request_failure,
 )
+from radixserve.server.fair_slots import FairSlots
 from radixserve.server.formatting import (
     ChatFormatter,
     ChoiceResult,
@@ -49,12 +50,10 @@ from radixserve.server.formatting import (
     UsageCounter,
     vocab_bytes,
 )
-from radixserve.server.fair_slots import FairSlots
-from radixserve.server.prompt_work import PromptWork
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
-from radixserve.server.refusal_pacing import RefusalPacer
 from radixserve.server.metrics import RequestTimer, ServerMetrics
+from radixserve.server.prompt_work import PromptWork
 from radixserve.server.prompts import ChatRenderer
 from radixserve.server.protocol import (
     MAX_ID_CHARS,
@@ -64,14 +63,32 @@ from radixserve.server.protocol import (
     ModelCard,
     ModelList,
 )
-from radixserve.server.streams import close, first_of_each, merge_batch, prepend, unless_disconnected
+from radixserve.server.refusal_pacing import RefusalPacer
+from radixserve.server.start_shares import (
+    SLOT_SCOPE_KEY,
+    LeaveAtResponseEnd,
+    StartShares,
+    default_tenant_starts,
+)
+from radixserve.server.streams import (
+    close,
+    first_of_each,
+    merge_batch,
+    prepend,
+    unless_disconnected,
+)
 from radixserve.server.structured import carries_constraint, grammar_error
 from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
-from radixserve.server.translate import EngineCall, chat_call, completion_calls, completion_prompts
-from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS, GeneratedTurns
-from radixserve.server.start_shares import SLOT_SCOPE_KEY, LeaveAtResponseEnd, StartShares, default_tenant_starts
+from radixserve.server.translate import (
+    EngineCall,
+    chat_call,
+    completion_calls,
+    completion_prompts,
+)
+from radixserve.server.turns import DEFAULT_MAX_TOKENS as DEFAULT_TURN_TOKENS
+from radixserve.server.turns import GeneratedTurns
 from radixserve.server.work_limit import DEFAULT_MAX_REQUEST_TOKENS, WorkLimit
 
 logger = logging.getLogger("radixserve.server")
