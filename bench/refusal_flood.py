@@ -10,7 +10,7 @@ innocent's chats alone and beside the flood, its median time to a first token, t
 attacker's answers, and the server's and the attacker's CPU seconds over the window.
 
     python bench/refusal_flood.py --model smollm2 --rates 0,10 --repeats 2
-    python bench/refusal_flood.py --flood valid --rates 10 --tenant-starts 0,4,8,16 --repeats 2
+    python bench/refusal_flood.py --flood valid --rates 10 --tenant-starts 0,4 --repeats 2
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ DEFAULT_REFUSALS_PER_S = 10.0  # as server/refusal_pacing.py's
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # as grammar/compile_workers.py's
 DEFAULT_TURN_MEMORY_TOKENS = 1 << 20  # as server/turns.py's (not imported: --help must not load torch)
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
-DEFAULT_CPU_TENANT_STARTS = 8  # as server/start_shares.py's (not imported: --help must not load torch)
+DEFAULT_CPU_TENANT_STARTS = 4  # as server/start_shares.py's (not imported: --help must not load torch)
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
 DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128  # as engine/engine.py's
 DEFAULT_CPU_TENANT_STEP_ROWS = 32  # as engine/engine.py's
@@ -139,8 +139,9 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tenant-starts", type=int, default=None,
                        help="while several tenants (API keys; without keys, client addresses) have requests in "
                             "flight, how many requests the server starts at once (from the body's arrival to "
-                            "the first token), shared equally between them: one client's flood of cheap "
-                            "requests does not take the server's time from the others (0: no limit; default: "
+                            "the first token), shared equally between the tenants starting some: one client's "
+                            "flood of cheap requests does not take the server's time from the others (0: no "
+                            "limit; default: "
                             f"{DEFAULT_CPU_TENANT_STARTS} where the engine runs on a CPU, else no limit)")
     serve.add_argument("--grammar-paced-share", type=float, default=DEFAULT_GRAMMAR_PACED_SHARE,
                        help="the share of the engine's time that requests whose output constraint is "

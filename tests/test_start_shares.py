@@ -21,7 +21,7 @@ from server_util import running_server
 
 from radixserve import AsyncEngine, Engine
 from radixserve.server import create_app
-from radixserve.server.start_shares import StartShares, default_tenant_starts
+from radixserve.server.start_shares import DEFAULT_CPU_TENANT_STARTS, StartShares, default_tenant_starts
 
 ATTACKER, INNOCENT = "127.0.0.2", "127.0.0.1"
 PROMPT = {"prompt": "a prompt", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -51,18 +51,64 @@ def test_a_tenant_alone_is_never_held_and_a_second_shrinks_its_share() -> None:
     assert starts.starting["a"] == 4 and starts.starting["b"] == 1
 
 
-def test_a_tenant_leaving_grows_the_others_shares_and_nothing_is_left_behind() -> None:
-    starts = StartShares(4)
+def test_a_tenant_leaving_grows_the_others_shares_after_its_grace_and_nothing_is_left_behind() -> None:
+    clock = SimpleNamespace(now=100.0)
+    starts = StartShares(4, grace_s=0.5, clock=lambda: clock.now)
     first = [starts.join(tenant) for tenant in "abc"]  # three tenants: a share of 1 each
-    more = [starts.join("a") for _ in range(3)]
-    assert starts.share_of_starts() == 1 and granted(more) == [False] * 3
-    first[1].leave()
-    assert starts.share_of_starts() == 2 and granted(more) == [True, False, False]
-    first[2].leave()  # "a" alone: no limit
-    assert granted(more) == [True, True, True] and starts.share_of_starts() is None
+    more = [starts.join("a") for _ in range(6)]
+    assert starts.share_of_starts() == 1 and not any(granted(more))
+    first[1].leave()  # "b" has nothing left to start: two tenants split the limit
+    assert starts.share_of_starts() == 2 and granted(more) == [True] + [False] * 5
+    first[2].leave()  # "c" has nothing in flight, but a client's think time later it may be back
+    assert starts.share_of_starts() == 4 and granted(more) == [True] * 3 + [False] * 3
+    clock.now += 0.4
+    starts.end_of_grace()
+    assert granted(more) == [True] * 3 + [False] * 3
+    clock.now += 0.1
+    starts.end_of_grace()  # "a" alone now: no limit
+    assert all(granted(more)) and starts.share_of_starts() is None
     for slot in [first[0], *more, first[1]]:  # leaving twice is harmless
         slot.leave()
-    assert not starts.in_flight and not starts.starting and starts.waiting == 0
+    clock.now += 0.5
+    starts.end_of_grace()
+    assert not starts.in_flight and not starts.starting and not starts.unstarted and starts.waiting == 0
+    assert starts.share_of_starts() is None
+    starts.join("a").leave()
+    assert all(granted([starts.join("a") for _ in range(8)]))  # back within its grace, and alone
+
+
+def test_grace_timers_run_on_the_event_loop_one_after_another() -> None:
+    async def scenario() -> None:
+        starts = StartShares(2, grace_s=0.05)
+        others = [starts.join(tenant) for tenant in "bc"]
+        holders = [starts.join("a") for _ in range(3)]
+        assert granted(holders) == [True, False, False]
+        others[0].leave()  # "b" counts for its grace ...
+        await anyio.sleep(0.02)
+        others[1].leave()  # ... and "c" for its own, ending later: one timer, set again
+        assert granted(holders) == [True, True, False]
+        with anyio.fail_after(10):
+            await holders[2].wait()  # "a" alone once both graces are over
+        assert not starts._between
+
+    anyio.run(scenario)
+
+
+def test_a_tenant_whose_requests_all_stream_takes_no_part_of_the_limit() -> None:
+    starts = StartShares(8)
+    stream = starts.join("b")
+    stream.started()  # "b" streams tokens: it holds the limit for the others, takes none of it
+    flood = [starts.join("a") for _ in range(10)]
+    assert granted(flood) == [True] * 8 + [False] * 2 and starts.share_of_starts() == 8
+    newcomer = starts.join("b")  # "b" starts again: the limit is split in two
+    assert newcomer.granted and starts.share_of_starts() == 4
+    for slot in flood[:4]:
+        slot.started()
+    assert granted(flood[8:]) == [False, False]  # "a" starts 4: its share
+    flood[4].started()
+    assert granted(flood[8:]) == [True, False]
+    newcomer.started()  # "b" streams only again: "a" may start 8
+    assert granted(flood[8:]) == [True, True] and starts.starting["a"] == 5
 
 
 def test_giving_up_a_wait_takes_the_request_out_of_the_queue() -> None:
@@ -101,8 +147,9 @@ def test_no_limit_holds_nobody_and_the_default_follows_the_device() -> None:
     assert all(granted(slots)) and starts.waited == 0
     with pytest.raises(ValueError, match="limit: must be >= 0"):
         StartShares(-1)
-    assert default_tenant_starts(SimpleNamespace(engine=SimpleNamespace(device=SimpleNamespace(type="cpu")))) == 8
-    assert default_tenant_starts(SimpleNamespace(engine=SimpleNamespace(device=SimpleNamespace(type="cuda")))) == 0
+    on = {kind: SimpleNamespace(engine=SimpleNamespace(device=SimpleNamespace(type=kind))) for kind in ("cpu", "cuda")}
+    assert default_tenant_starts(on["cpu"]) == DEFAULT_CPU_TENANT_STARTS == 4
+    assert default_tenant_starts(on["cuda"]) == 0
     assert default_tenant_starts(SimpleNamespace(engine=SimpleNamespace())) == 0  # a cluster's ingress
 
 
