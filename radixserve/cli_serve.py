@@ -98,7 +98,7 @@ def serve_command(args: argparse.Namespace) -> int:
                      admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
                      **app_options(args))
     starts = app.state.server.starts.limit
-    say(f"requests starting at once (body to first token): {starts} shared between the tenants in flight, "
+    say(f"requests starting at once (body to first token): {starts}, shared by the tenants starting some, "
         "any number for one alone" if starts else "requests starting at once: any number")
     frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
     say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
