@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -91,7 +91,9 @@ class StartShares:
         # Tenants whose last request ended within `grace_s`, and when: still counted as in
         # flight, so that a client sending one request after another does not leave a flood
         # alone (and its whole queue started) between them.
-        self._between: dict[Hashable, float] = {}
+        # (An OrderedDict: its oldest entry is found in O(1) after deletions at the front,
+        # where a dict's iteration skips every deleted slot: 100,000 graces ending took 2.5 s.)
+        self._between: OrderedDict[Hashable, float] = OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
         self.starting: Counter[Hashable] = Counter()
         # Requests in flight and not yet started (waiting or starting) per tenant: the tenants
