@@ -4,10 +4,11 @@ addresses (server/refusal_pacing.py).
 The attacker (a process of its own, from 127.0.0.2) loops `--loops` requests: with `--flood
 refused`, requests whose `guided_regex` does not compile (a 400, found among the refused specs
 after the first); with `--flood valid`, one-token chats; with `--flood batch`, 64-token chats
-(a legitimate batch client, to see what sharing the server costs it). Beside it the innocent streams 32-token chats one after another from 127.0.0.1 for `--window-s`
-seconds. For each `--refusals-per-s` value (0: no pacing), a fresh `radixserve serve`: the
-innocent's chats alone and beside the flood, its median time to a first token, the
-attacker's answers, and the server's and the attacker's CPU seconds over the window.
+(a legitimate batch client, to see what sharing the server costs it). Beside it the innocent
+streams 32-token chats one after another from 127.0.0.1 for `--window-s` seconds. For each
+`--refusals-per-s` and `--tenant-starts` value, a fresh `radixserve serve`: the innocent's
+chats alone and beside the flood, its median time to a first token, the attacker's answers,
+and the server's and the attacker's CPU seconds over the window.
 
     python bench/refusal_flood.py --model smollm2 --rates 0,10 --repeats 2
     python bench/refusal_flood.py --flood valid --rates 10 --tenant-starts 0,4 --repeats 2
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--flood", choices=sorted(FLOODS), default="refused",
                         help="the attacker's request: refused (a 400), valid (a one-token chat) or batch (64 tokens)")
+    parser.add_argument("--serve-args", default="", help="more `radixserve serve` flags, e.g. '--tenant-step-rows 16'")
     parser.add_argument("--tenant-starts", default="",
                         help="--tenant-starts values to compare, e.g. 0,8 (default: the server's default)")
     args = parser.parse_args()
@@ -109,7 +111,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for rate, starts in itertools.product(args.rates.split(","), starts_values):
             flags = [] if starts == "default" else ["--tenant-starts", starts]
-            process = start_server(["--model", args.model, "--refusals-per-s", rate, *flags], args.port)
+            command = ["--model", args.model, "--refusals-per-s", rate, *flags, *args.serve_args.split()]
+            process = start_server(command, args.port)
             try:
                 httpx.post(url, json={**INNOCENT, "stream": False}, timeout=120)  # warm up
                 for loops in (0, args.loops):
