@@ -118,8 +118,9 @@ def main() -> None:
                 for loops in (0, args.loops):
                     before = cpu_s(process.pid)
                     run = asyncio.run(innocent(url, args.window_s, loops, args.flood))
-                    print(f"| {rate} | {starts} | {loops} | {run['chats']} | {run['ttft_ms']:.0f} | {run['attacker_answered']} "
-                          f"| {cpu_s(process.pid) - before:.1f} | {run['attacker_cpu_s']:.1f} |", flush=True)
+                    print(f"| {rate} | {starts} | {loops} | {run['chats']} | {run['ttft_ms']:.0f} "
+                          f"| {run['attacker_answered']} | {cpu_s(process.pid) - before:.1f} "
+                          f"| {run['attacker_cpu_s']:.1f} |", flush=True)
             finally:
                 process.terminate()
                 process.wait(60)
