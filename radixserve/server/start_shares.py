@@ -67,8 +67,7 @@ class StartSlot:
     def started(self) -> None:
         """Its first output is in: it no longer counts among its tenant's starting requests."""
         if self.starting:
-            self.starting = False
-            self._shares._stop_starting(self.share)
+            self._shares._started(self)
 
     def leave(self) -> None:
         """Its response ended (or it gave up waiting). Idempotent."""
@@ -160,23 +159,26 @@ class StartShares:
         self.starting[slot.share] += 1
         slot._event.set()
 
-    def _stop_starting(self, share: Hashable) -> None:
-        _take_one(self.starting, share)
-        self._wake_after(_take_one(self.unstarted, share), share)
+    def _started(self, slot: StartSlot) -> None:
+        self._wake_after(self._unstart(slot), slot.share)
 
-    def _leave(self, slot: StartSlot) -> None:
+    def _unstart(self, slot: StartSlot) -> bool:
+        """Takes a slot not yet started (starting, or waiting: its client gave up) out of the
+        counts; True when its tenant has nothing left to start (it leaves the split)."""
         share = slot.share
-        tenants_fewer = False
         if slot.starting:
             slot.starting = False
             _take_one(self.starting, share)
-            tenants_fewer = _take_one(self.unstarted, share)
-        elif not slot.granted:  # gave up waiting
+        else:
             queue = self._waiting[share]
             queue.remove(slot)
             if not queue:
                 del self._waiting[share]
-            tenants_fewer = _take_one(self.unstarted, share)
+        return _take_one(self.unstarted, share)
+
+    def _leave(self, slot: StartSlot) -> None:
+        share = slot.share
+        tenants_fewer = self._unstart(slot) if slot.starting or not slot.granted else False
         if _take_one(self.in_flight, share):
             if self.limit and self.grace_s > 0:  # it counts a while longer (`_between`)
                 self._between[share] = self.clock()
