@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from radixserve.benchmark.families import FAMILIES
-from radixserve.benchmark.matrix import Cell, build_workload, matrix_summary, matrix_workloads, routing_shares
+from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
+from radixserve.benchmark.matrix import Cell, build_workload, matrix_summary, matrix_workloads, routing_shares, run_cell
 from radixserve.benchmark.optimum import WorkloadBounds
+from radixserve.benchmark.simulate import SimConfig, simulate
+from radixserve.benchmark.suite import make_retention
 from radixserve.benchmark.workloads import WORKLOADS, make_workload
 from radixserve.cli import main
 
@@ -71,19 +74,35 @@ def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
 
 
 def test_the_summary_sets_replicas_against_one_cache_of_their_memory() -> None:
-    """Each multi-replica device cell meets the one-replica cell of its combined capacity
-    (scaled capacities may differ by rounding); host-tier cells and cells without such an
-    ideal are left out."""
-    def cell(name: str, capacity: int, replicas: int, rate: float, host: int = 0) -> Cell:
-        return Cell(name, capacity, host, replicas, {"adaptive": rate, "lru": rate})
+    """Each multi-replica cell meets its own ideal (one replica of the combined memory, the
+    same serving loop); one-replica cells and cells without an ideal are left out."""
+    def cell(name: str, capacity: int, replicas: int, rate: float, ideal: float | None = None) -> Cell:
+        return Cell(name, capacity, 0, replicas, {"adaptive": rate, "lru": rate}, ideal=ideal)
 
-    cells = [cell("a", 1000, 4, 0.45), cell("a", 4001, 1, 0.50), cell("a", 2000, 4, 0.58), cell("a", 8000, 1, 0.60),
-             cell("a", 4000, 4, 0.7), cell("b", 1000, 4, 0.3), cell("b", 4000, 1, 0.3, host=9000)]
+    cells = [cell("a", 1000, 4, 0.45, ideal=0.50), cell("a", 4000, 1, 0.99), cell("a", 2000, 4, 0.58, ideal=0.60),
+             cell("a", 4000, 4, 0.7), cell("b", 1000, 4, 0.0, ideal=0.0)]
     shares = routing_shares(cells)
-    assert [(c.capacity_tokens, ideal.capacity_tokens, round(share, 4)) for c, ideal, share in shares] == \
-        [(1000, 4001, 0.9), (2000, 8000, 0.9667)]
+    assert [(c.capacity_tokens, round(share, 4)) for c, share in shares] == [(1000, 0.9), (2000, 0.9667)]
     assert "at least 95% of its hit rate in 1 of 2 cells; lowest 90.0% (a 1k x 4: 45.0% vs 50.0%)" in \
         matrix_summary(cells)
+
+
+def test_a_replicas_cell_is_measured_against_one_cache_serving_the_same_requests() -> None:
+    """The ideal of a multi-replica cell is one replica of the combined memory under the
+    same serving loop, not the sequential one-replica cell of that capacity (which pays no
+    serving loop): on zipf-docs the two differ, and the cell's ideal is the serving one."""
+    workload = build_workload("zipf-docs", 1 / 32, 1 / 4)
+    bounds = WorkloadBounds(workload)
+    split = run_cell(workload, Cell("zipf-docs", 7812, 0, 4), bounds, ["adaptive", "lru"], 16)
+    sequential = run_cell(workload, Cell("zipf-docs", 4 * 7812, 0, 1), bounds, ["adaptive", "lru"], 16)
+    assert sequential.ideal is None and split.to_dict()["ideal"] == split.ideal
+    eviction, retention = EVICTION_POLICIES["adaptive"]
+    serving = simulate(workload, SimConfig(4 * 7812, page_size=16, eviction_policy=eviction,
+                                           retention=make_retention(retention, page_size=16,
+                                                                    capacity_tokens=4 * 7812))).hit_rate
+    assert split.ideal == serving
+    assert abs(serving - sequential.default) > 0.02
+    assert routing_shares([split, sequential]) == [(split, split.default / serving)]
 
 
 def test_matrix_host_cells_copy_by_the_write_policy_asked_for(tmp_path: Path) -> None:
