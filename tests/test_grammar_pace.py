@@ -101,8 +101,12 @@ def test_paced_rows_sit_out_until_their_work_is_paid_for_by_the_others_time(gram
     assert pace.held(units, set()) == ids([first, second])
     clock.now = pace.ready_at
     # Their time has come: the least recently run (step 3) goes first, the other while both
-    # (their last work doubled) fit in the step's paced budget.
+    # (their last work doubled) fit in the step's paced budget. The budget is set from the
+    # work measured (CPU time: more on a loaded machine) so that both just fit, then just not.
+    pace.step_s = 2 * work + 1e-9
     assert pace.held(units, set()) == set()
+    pace.step_s = 2 * work - 1e-9
+    assert pace.held(units, set()) == ids([second])
     pace.step_s = 0.0
     assert pace.held(units, set()) == ids([second])
     first[0].last_step = 9
