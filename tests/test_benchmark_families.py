@@ -91,15 +91,15 @@ def test_a_replicas_cell_is_measured_against_one_cache_serving_the_same_requests
     """The ideal of a multi-replica cell is one replica of the combined memory under the
     same serving loop, not the sequential one-replica cell of that capacity (which pays no
     serving loop): on zipf-docs the two differ, and the cell's ideal is the serving one."""
-    workload = build_workload("zipf-docs", 1 / 32, 1 / 4)
+    workload = build_workload("zipf-docs", 1 / 32, 1 / 16)  # 250 requests
     bounds = WorkloadBounds(workload)
-    split = run_cell(workload, Cell("zipf-docs", 7812, 0, 4), bounds, ["adaptive", "lru"], 16)
-    sequential = run_cell(workload, Cell("zipf-docs", 4 * 7812, 0, 1), bounds, ["adaptive", "lru"], 16)
+    split = run_cell(workload, Cell("zipf-docs", 1953, 0, 4), bounds, ["adaptive", "lru"], 16)
+    sequential = run_cell(workload, Cell("zipf-docs", 4 * 1953, 0, 1), bounds, ["adaptive", "lru"], 16)
     assert sequential.ideal is None and split.to_dict()["ideal"] == split.ideal
     eviction, retention = EVICTION_POLICIES["adaptive"]
-    serving = simulate(workload, SimConfig(4 * 7812, page_size=16, eviction_policy=eviction,
+    serving = simulate(workload, SimConfig(4 * 1953, page_size=16, eviction_policy=eviction,
                                            retention=make_retention(retention, page_size=16,
-                                                                    capacity_tokens=4 * 7812))).hit_rate
+                                                                    capacity_tokens=4 * 1953))).hit_rate
     assert split.ideal == serving
     assert abs(serving - sequential.default) > 0.02
     assert routing_shares([split, sequential]) == [(split, split.default / serving)]
