@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -98,7 +98,9 @@ class StartShares:
         # Requests in flight and not yet started (waiting or starting) per tenant: the tenants
         # here split the limit; one whose requests all stream tokens takes no part of it.
         self.unstarted: Counter[Hashable] = Counter()
-        self._waiting: dict[Hashable, deque[StartSlot]] = {}
+        # Each tenant's waiting requests in arrival order: an OrderedDict of slots, so that one
+        # given up leaves in O(1) (a deque's remove was O(queue): 10,000 leaving took 0.5 s).
+        self._waiting: dict[Hashable, OrderedDict[StartSlot, None]] = {}
         self.waited = 0  # requests that waited for their tenant's share (a counter, for metrics)
 
     @property
@@ -146,7 +148,7 @@ class StartShares:
         if share not in self._waiting and self._may_start(share):
             self._grant(slot)
         else:
-            self._waiting.setdefault(share, deque()).append(slot)
+            self._waiting.setdefault(share, OrderedDict())[slot] = None
             self.waited += 1
         return slot
 
@@ -171,7 +173,7 @@ class StartShares:
             _take_one(self.starting, share)
         else:
             queue = self._waiting[share]
-            queue.remove(slot)
+            del queue[slot]
             if not queue:
                 del self._waiting[share]
         return _take_one(self.unstarted, share)
@@ -199,7 +201,7 @@ class StartShares:
     def _wake(self, share: Hashable) -> None:
         queue = self._waiting.get(share)
         while queue and self._may_start(share):
-            self._grant(queue.popleft())
+            self._grant(queue.popitem(last=False)[0])
         if queue is not None and not queue:
             del self._waiting[share]
 
