@@ -143,8 +143,15 @@ def test_alone_paced_rows_run_and_owe_nothing(grammars: Grammars) -> None:
     paced = [unit(worked(grammars, AMBIGUOUS, 3), last_step=i) for i in range(3)]
     pace.bill([u[0] for u in paced])
     assert pace.ready_at > 0
+    # The step's paced budget still applies alone; it is set from the work measured (CPU
+    # time: more on a loaded machine, where three fills doubled passed the default 50 ms).
+    work = sum(u[0].grammar.last_work_s for u in paced)
+    pace.step_s = 2 * work + 1e-9
     assert pace.held(paced, set()) == set()  # nobody else runs: nothing held...
     assert pace.ready_at == float("-inf")  # ...and the debt forgiven
+    pace.step_s = 2 * work - 1e-9
+    assert pace.held(paced, set()) == ids([paced[2]])  # (the budget, not the debt, holds the last)
+    pace.step_s = 2 * work + 1e-9
     innocent = unit(None)
     assert pace.held([innocent, *paced], set()) == set()  # a newcomer does not find them in debt
     pace.bill([paced[0][0], innocent[0]])  # (nothing new billed: no work since)
