@@ -50,7 +50,9 @@ def server(ray_cluster: SimpleNamespace) -> SimpleNamespace:
 
 @pytest.fixture
 def client(server: SimpleNamespace) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    # Beyond the server's own limits: a replica's first grammar starts a compile worker, niced,
+    # which may wait for a loaded machine's CPU longer than a minute (its start is allowed 120 s).
+    with httpx.Client(base_url=server.url, timeout=300) as c:
         yield c
 
 
