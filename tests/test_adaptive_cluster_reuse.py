@@ -139,10 +139,27 @@ def test_a_prompt_sent_elsewhere_is_ghost_evidence_only() -> None:
     for r in range(8):  # fresh pages push the document out of LRU's ghost, not out of a lead's
         duel.observe([1000 * (r + 1) + i for i in range(10)], 0, 2 * r + 1, 0)
         tree = duel.tree_record.copy()
-        duel.observe_elsewhere(doc, len(doc), 2 * r + 2)
+        duel.observe_elsewhere(doc, 2 * r + 2)
         assert np.array_equal(duel.tree_record, tree)  # the tree never saw it
     assert duel._diff[-1, 0] > 0  # the unbounded lead's ghost kept it, LRU's did not
     assert duel.lead == LEADS[-1]
+
+
+def test_a_replay_boosts_no_copy_its_ghost_had_lost() -> None:
+    """The prompt is served and cached where it was sent: a replay's copies of pages a ghost
+    no longer held come back unboosted, so a lead's ghost lets them go first (boosted, they
+    stayed in the unbounded lead's ghost for good, in place of the replica's own traffic);
+    pages a ghost still held keep their boost."""
+    duel = LeadDuel(24, 16 * 24)
+    unbounded = duel.ghosts[-1]
+    kept, lost = list(range(1, 5)), list(range(100, 110))
+    duel.observe(kept, len(kept), 0, 0)  # boosted in every ghost
+    duel.observe_elsewhere(lost, 1)  # never here: plain copies
+    duel.observe_elsewhere(kept, 1)  # still held: still boosted
+    assert set(kept) <= unbounded._boosted and not set(lost) & unbounded._boosted
+    duel.observe([1000 + i for i in range(20)], 0, 2, 0)  # the replica's own traffic, plain
+    assert set(kept) <= set(unbounded._keys) and not set(lost) & set(unbounded._keys)
+    assert all(1000 + i in unbounded._keys for i in range(20))
 
 
 def test_prompts_sent_elsewhere_wait_for_the_engine_thread() -> None:
@@ -191,12 +208,14 @@ def test_the_cluster_simulation_tells_the_replica_that_lost_it() -> None:
         calls: list[tuple[int, int]] = []
         tell = first.elsewhere
         first.elsewhere = lambda request, seen: (calls.append((request.index, seen)), tell(request, seen))[1]
+        replayed: list[list[int]] = []
+        replay = first.duel.observe_elsewhere
+        first.duel.observe_elsewhere = lambda hashes, tick: (replayed.append(list(hashes)), replay(hashes, tick))[1]
         cluster.run()
         assert [cluster.served_by[i] for i in range(5)] == ["replica-0", "replica-1"] * 2 + ["replica-0"]
         told[pooled] = calls
-        if pooled:  # replayed at its next prompt: its ghosts hold the document
-            doc_hashes = first._adaptive.history.hashes(evicting_workload().requests[0].prompt_ids)
-            assert all(h in first.duel.ghosts[-1]._keys for h in doc_hashes)
+        if pooled:  # its ghosts replayed the document at its next prompt
+            assert replayed == [first._adaptive.history.hashes(evicting_workload().requests[0].prompt_ids)]
     assert told == {True: [(3, 8)], False: []}
 
 

@@ -195,13 +195,19 @@ class LeadDuel:
         tree holds the first `cached`, arrives at `tick`; returns whether the lead changed."""
         return self._replay(hashes, boosted, tick, cached)
 
-    def observe_elsewhere(self, hashes: list[int], boosted: int, tick: int) -> bool:
+    def observe_elsewhere(self, hashes: list[int], tick: int) -> bool:
         """A prompt this replica served before was sent to another one because this replica
         had lost it (`AdaptiveReuse.elsewhere`): the ghost caches replay it as if it had
         come here, since a lead that had kept the prefix would also have drawn the request
         back (a cache-aware router follows what each replica holds); the tree's record is
-        left alone (the tree never saw it). Returns whether the lead changed."""
-        return self._replay(hashes, boosted, tick, None)
+        left alone (the tree never saw it). Its pages are replayed unboosted: the prompt is
+        served and cached where it was sent, so no request will use its copies here, and a
+        lead's ghost would keep boosted copies longest (on the Mooncake trace's replicas a
+        replay's home held 1.1 of the prompt's 45 sampled pages; the other 44, boosted, stayed
+        in the unbounded lead's ghost for good and its evidence faded). Unboosted, the copies
+        weigh on every ghost as the cluster's traffic does and leave first under a lead.
+        Returns whether the lead changed."""
+        return self._replay(hashes, 0, tick, None)
 
     def _replay(self, hashes: list[int], boosted: int, tick: int, cached: int | None) -> bool:
         """Runs a prompt through every ghost cache and adds its paired differences to the
@@ -451,7 +457,7 @@ class AdaptiveReuse:
         # and prompts served elsewhere that this replica had lost (`elsewhere`); a replica's
         # event loop adds them while the engine thread takes them: under a lock.
         self._expected: dict[bytes, int] = {}
-        self._elsewhere: deque[tuple[np.ndarray, Hashable, int]] = deque(maxlen=MAX_PENDING)
+        self._elsewhere: deque[tuple[np.ndarray, Hashable]] = deque(maxlen=MAX_PENDING)
         self._pending_lock = threading.Lock()
 
     def inserted(self, tokens: np.ndarray, namespace: Hashable, retention: Retention,
@@ -479,19 +485,20 @@ class AdaptiveReuse:
     def elsewhere(self, tokens: np.ndarray | list[int], namespace: Hashable, cluster_seen: int) -> None:
         """The router sent a prompt this replica served last to another replica, because this
         one no longer held the `cluster_seen` leading pages the cluster saw (whoever routes
-        tells it: the cluster simulation, a cluster's ingress). Its ghost caches replay it at
-        the next `observe` (`LeadDuel.observe_elsewhere`), on the engine thread; at most
-        MAX_PENDING wait (the oldest are dropped)."""
+        tells it: the cluster simulation, a cluster's ingress; the count says why it is told,
+        the replay needs only the prompt). Its ghost caches replay it at the next `observe`
+        (`LeadDuel.observe_elsewhere`), on the engine thread; at most MAX_PENDING wait (the
+        oldest are dropped)."""
         with self._pending_lock:
-            self._elsewhere.append((np.asarray(tokens, dtype=np.int64), namespace, cluster_seen))
+            self._elsewhere.append((np.asarray(tokens, dtype=np.int64), namespace))
 
     def _replay_elsewhere(self) -> None:
         with self._pending_lock:
             pending = list(self._elsewhere)
             self._elsewhere.clear()
-        for tokens, namespace, seen in pending:
+        for tokens, namespace in pending:
             hashes = self.history.hashes(tokens, namespace)
-            if self.duel.observe_elsewhere(hashes, min(seen, len(hashes)), self.learner.latest_tick):
+            if self.duel.observe_elsewhere(hashes, self.learner.latest_tick):
                 self.learner.set_lead(self.duel.lead)
 
     def observe(self, tokens: np.ndarray, namespace: Hashable = None, *, boost_all: bool = False,
