@@ -10,6 +10,7 @@ import pytest
 
 from radixserve.benchmark.families import FAMILIES
 from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
+from radixserve.benchmark.cluster_sim import simulate_cluster
 from radixserve.benchmark.matrix import Cell, build_workload, matrix_summary, matrix_workloads, routing_shares, run_cell
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.simulate import SimConfig, simulate
@@ -69,6 +70,7 @@ def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
         assert set(c["hit_rates"]) == {"adaptive", "lru", "reuse-boost"}
         assert all(0 <= rate <= c["optimum"] + 1e-9 for rate in c["hit_rates"].values()) or c["replicas"] > 1
         assert c["below_lru"] == (c["hit_rates"]["adaptive"] < c["hit_rates"]["lru"])
+        assert (c["imbalance"] is None) == (c["replicas"] == 1)
     printed = capsys.readouterr().out
     assert "| workload | capacity | tiers | replicas | default (adaptive) |" in printed and "cells:" in printed
 
@@ -76,15 +78,19 @@ def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
 def test_the_summary_sets_replicas_against_one_cache_of_their_memory() -> None:
     """Each multi-replica cell meets its own ideal (one replica of the combined memory, the
     same serving loop); one-replica cells and cells without an ideal are left out."""
-    def cell(name: str, capacity: int, replicas: int, rate: float, ideal: float | None = None) -> Cell:
-        return Cell(name, capacity, 0, replicas, {"adaptive": rate, "lru": rate}, ideal=ideal)
+    def cell(name: str, capacity: int, replicas: int, rate: float, ideal: float | None = None,
+             imbalance: float | None = None) -> Cell:
+        return Cell(name, capacity, 0, replicas, {"adaptive": rate, "lru": rate}, ideal=ideal, imbalance=imbalance)
 
-    cells = [cell("a", 1000, 4, 0.45, ideal=0.50), cell("a", 4000, 1, 0.99), cell("a", 2000, 4, 0.58, ideal=0.60),
-             cell("a", 4000, 4, 0.7), cell("b", 1000, 4, 0.0, ideal=0.0)]
+    cells = [cell("a", 1000, 4, 0.45, ideal=0.50, imbalance=1.2), cell("a", 4000, 1, 0.99),
+             cell("a", 2000, 4, 0.58, ideal=0.60, imbalance=1.5), cell("a", 4000, 4, 0.7, imbalance=1.75),
+             cell("b", 1000, 4, 0.0, ideal=0.0, imbalance=1.1)]
     shares = routing_shares(cells)
     assert [(c.capacity_tokens, round(share, 4)) for c, share in shares] == [(1000, 0.9), (2000, 0.9667)]
-    assert "at least 95% of its hit rate in 1 of 2 cells; lowest 90.0% (a 1k x 4: 45.0% vs 50.0%)" in \
-        matrix_summary(cells)
+    summary = matrix_summary(cells)
+    assert "at least 95% of its hit rate in 1 of 2 cells; lowest 90.0% (a 1k x 4: 45.0% vs 50.0%)" in summary
+    # The balance half of the target counts every cell of several replicas (a scan's too).
+    assert "over any 1,000 routings at most 1.5 in 3 of 4 cells; worst 1.75 (a 4k x 4)." in summary
 
 
 def test_a_replicas_cell_is_measured_against_one_cache_serving_the_same_requests() -> None:
@@ -97,6 +103,11 @@ def test_a_replicas_cell_is_measured_against_one_cache_serving_the_same_requests
     sequential = run_cell(workload, Cell("zipf-docs", 4 * 1953, 0, 1), bounds, ["adaptive", "lru"], 16)
     assert sequential.ideal is None and split.to_dict()["ideal"] == split.ideal
     eviction, retention = EVICTION_POLICIES["adaptive"]
+    # Its imbalance is the default rule's run's worst window.
+    run = simulate_cluster(workload, SimConfig(1953, page_size=16, eviction_policy=eviction), 4, "cache-aware",
+                           retention=retention)
+    assert run.result.hit_rate == split.default and split.imbalance == run.windowed_imbalance >= 1.0
+    assert sequential.imbalance is None and split.to_dict()["imbalance"] == split.imbalance
     serving = simulate(workload, SimConfig(4 * 1953, page_size=16, eviction_policy=eviction,
                                            retention=make_retention(retention, page_size=16,
                                                                     capacity_tokens=4 * 1953))).hit_rate

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from radixserve.benchmark.cli_simulate import EVICTION_POLICIES
+from radixserve.benchmark.cluster_sim import IMBALANCE_WINDOW, simulate_cluster
 from radixserve.benchmark.families import FAMILIES
 from radixserve.benchmark.mixes import HELD_OUT
 from radixserve.benchmark.optimum import WorkloadBounds
@@ -117,6 +118,9 @@ class Cell:
     # Several replicas: the default rule on one replica of their combined memory, run the same
     # way (the serving loop, the same releases): the routing target's ideal (`routing_shares`).
     ideal: float | None = None
+    # Several replicas: the worst request imbalance (max / min per replica) of the default
+    # rule's run over any IMBALANCE_WINDOW consecutive routings: the target's other half.
+    imbalance: float | None = None
 
     @property
     def default(self) -> float:
@@ -138,6 +142,7 @@ class Cell:
         name, best = self.best_fixed()
         return {"workload": self.workload, "capacity_tokens": self.capacity_tokens, "host_tokens": self.host_tokens,
                 "replicas": self.replicas, "hit_rates": self.rates, "optimum": self.optimum, "ideal": self.ideal,
+                "imbalance": self.imbalance,
                 "best_fixed": name, "best_fixed_hit_rate": best, "below_lru": self.below_lru,
                 "points_from_best_fixed": 100 * (self.default - best)}
 
@@ -155,8 +160,6 @@ def run_cell(workload: Workload, cell: Cell, bounds: WorkloadBounds, rules: list
              write_policy: str = WRITE_BACK) -> Cell:
     """Fills `cell`'s hit rates (each rule), optimum and, on several replicas, the ideal; a
     host tier copies by `write_policy`."""
-    from radixserve.benchmark.cluster_sim import simulate_cluster
-
     total = cell.capacity_tokens * cell.replicas + cell.host_tokens
     cell.optimum = bounds.optimum(total).hit_rate
     for rule in rules:
@@ -166,8 +169,10 @@ def run_cell(workload: Workload, cell: Cell, bounds: WorkloadBounds, rules: list
         else:
             eviction, retention = EVICTION_POLICIES[rule]
             config = SimConfig(cell.capacity_tokens, page_size=page_size, eviction_policy=eviction)
-            cell.rates[rule] = simulate_cluster(workload, config, cell.replicas, "cache-aware",
-                                                retention=retention).result.hit_rate
+            run = simulate_cluster(workload, config, cell.replicas, "cache-aware", retention=retention)
+            cell.rates[rule] = run.result.hit_rate
+            if rule == DEFAULT_RULE:
+                cell.imbalance = run.windowed_imbalance
     if cell.replicas > 1:
         # Not the one-replica cell of that capacity: it runs sequentially, and a split cache
         # compared with it would also be charged for its serving loop (requests computing a
@@ -218,6 +223,7 @@ def matrix_table(cells: list[Cell]) -> str:
 
 
 ROUTING_TARGET = 0.95  # N replicas of C tokens against one replica of N x C (issue 23)
+IMBALANCE_TARGET = 1.5  # ... with at most this request imbalance over any IMBALANCE_WINDOW routings
 
 
 def routing_shares(cells: list[Cell]) -> list[tuple[Cell, float]]:
@@ -229,8 +235,9 @@ def routing_shares(cells: list[Cell]) -> list[tuple[Cell, float]]:
 
 
 def matrix_summary(cells: list[Cell]) -> str:
-    """One paragraph: cells below LRU, the largest gap to the best fixed rule, and replicas
-    against one cache of their combined memory (ROUTING_TARGET)."""
+    """One paragraph: cells below LRU, the largest gap to the best fixed rule, replicas
+    against one cache of their combined memory (ROUTING_TARGET) and their request balance
+    (IMBALANCE_TARGET)."""
     below = [c for c in cells if c.below_lru]
     gaps = [100 * (c.best_fixed()[1] - c.default) for c in cells]
     worst = max(gaps, default=0.0)
@@ -246,4 +253,11 @@ def matrix_summary(cells: list[Cell]) -> str:
                     f"least {ROUTING_TARGET:.0%} of its hit rate in {met} of {len(shares)} cells; lowest "
                     f"{share:.1%} ({cell.workload} {format_tokens(cell.capacity_tokens)} x {cell.replicas}: "
                     f"{percent(cell.default)} vs {percent(cell.ideal)}).")
+    balanced = [c for c in cells if c.imbalance is not None]
+    if balanced:
+        worst = max(balanced, key=lambda c: c.imbalance)
+        met = sum(1 for c in balanced if c.imbalance <= IMBALANCE_TARGET)
+        summary += (f" Request imbalance (max/min per replica) over any {IMBALANCE_WINDOW:,} routings at most "
+                    f"{IMBALANCE_TARGET:g} in {met} of {len(balanced)} cells; worst {worst.imbalance:.2f} "
+                    f"({worst.workload} {format_tokens(worst.capacity_tokens)} x {worst.replicas}).")
     return summary
