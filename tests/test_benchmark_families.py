@@ -77,7 +77,8 @@ def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
 
 def test_the_summary_sets_replicas_against_one_cache_of_their_memory() -> None:
     """Each multi-replica cell meets its own ideal (one replica of the combined memory, the
-    same serving loop); one-replica cells and cells without an ideal are left out."""
+    same serving loop); one-replica cells and cells without an ideal are left out. The
+    request balance is counted over every multi-replica cell."""
     def cell(name: str, capacity: int, replicas: int, rate: float, ideal: float | None = None,
              imbalance: float | None = None) -> Cell:
         return Cell(name, capacity, 0, replicas, {"adaptive": rate, "lru": rate}, ideal=ideal, imbalance=imbalance)
