@@ -1,8 +1,11 @@
-"""Routing that holds on real arrivals: balance over time (requests routed lately, decayed),
+"""Routing that holds on real arrivals: balance over time (requests routed lately, decayed
+over the requests routed after them),
 host-tier prefixes at a credit below one, the router's prediction of what a replica will
 report cached, and the windowed imbalance the cluster simulation reports."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -11,7 +14,7 @@ from radixserve.benchmark.cluster_sim import ClusterSimulator, windowed_imbalanc
 from radixserve.benchmark.simulate import SimConfig
 from radixserve.benchmark.workloads import make_workload
 from radixserve.cluster.routing import (
-    RECENT_HALF_LIFE_S,
+    RECENT_HALF_LIFE_ROUTINGS,
     CacheAwareConfig,
     ClusterState,
     ReplicaReport,
@@ -21,23 +24,14 @@ from radixserve.cluster.routing import (
 from tests.test_cluster_routing import NS, SYSTEM, hashes, request, stored
 
 
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def timed_cluster(*replicas: str) -> tuple[ClusterState, Clock]:
-    clock = Clock()
-    state = ClusterState(clock=clock)
+def timed_cluster(*replicas: str, half_life: float = math.inf) -> ClusterState:
+    """Replicas known to a router; requests routed lately halve over `half_life` routings
+    (by default never: the guards' arithmetic on whole counts)."""
+    state = ClusterState(recent_half_life=half_life)
     for r in replicas:
         state.index.apply(r, [])
         state.reports[r] = ReplicaReport(pages_free=100, pages_total=100)
-    return state, clock
+    return state
 
 
 def route_finished(state: ClusterState, tokens: list[int], rid: str, replica: str) -> None:
@@ -47,21 +41,36 @@ def route_finished(state: ClusterState, tokens: list[int], rid: str, replica: st
     state.settled(replica, [rid])
 
 
-def test_requests_routed_lately_halve_every_half_life() -> None:
-    state, clock = timed_cluster("a", "b")
-    for i in range(8):
+def test_requests_routed_lately_halve_over_every_half_life_of_routings() -> None:
+    """Each request counts 1 on its replica and halves over every `half_life` requests routed
+    after it, anywhere: the same traffic at any arrival rate, whatever the clock says."""
+    state = timed_cluster("a", "b", "c", half_life=4)
+    assert ClusterState().recent_half_life == RECENT_HALF_LIFE_ROUTINGS
+    for i in range(4):
         route_finished(state, SYSTEM + [i], f"r{i}", "a")
     assert state.requests_in_flight("a") == 0
-    assert state.recent_requests("a") == pytest.approx(8.0)
-    clock.now = RECENT_HALF_LIFE_S
-    assert state.recent_requests("a") == pytest.approx(4.0)
-    route_finished(state, SYSTEM + [99], "r99", "a")
-    clock.now = 3 * RECENT_HALF_LIFE_S
-    assert state.recent_requests("a") == pytest.approx(5.0 / 4)
-    assert state.recent_requests("b") == 0.0
+    assert state.recent_requests("a") == pytest.approx(sum(0.5 ** (k / 4) for k in range(4)))
+    for i in range(4):
+        route_finished(state, SYSTEM + [50 + i], f"b{i}", "b")   # four routings elsewhere: a halves
+    assert state.recent_requests("a") == pytest.approx(sum(0.5 ** (k / 4) for k in range(4, 8)))
+    assert state.recent_requests("b") == pytest.approx(sum(0.5 ** (k / 4) for k in range(4)))
+    assert state.recent_requests("c") == 0.0
+    before = {r: state.recent_requests(r) for r in "abc"}
     state.routed(request(SYSTEM + [98], "moved"), "a")
-    state.routed(request(SYSTEM + [98], "moved"), "b")  # Serve placed it elsewhere: taken back
-    assert state.recent_requests("a") == pytest.approx(5.0 / 4)
+    moved = {r: state.recent_requests(r) for r in "abc"}
+    state.routed(request(SYSTEM + [98], "moved"), "c")  # Serve placed it elsewhere: taken back
+    # The move is one request: a is as before, c counts it as a's did, nothing halved again.
+    assert state.recent_requests("a") == pytest.approx(before["a"] * 0.5 ** 0.25)
+    assert state.recent_requests("b") == pytest.approx(moved["b"])
+    assert state.recent_requests("c") == pytest.approx(1.0)
+    # Ray Serve's router reserves a replica, then confirms it (the same request routed to the
+    # same replica again), and a completion can overtake a routing report: neither is a new
+    # request, so neither ages the counts.
+    state.routed(request(SYSTEM + [98], "moved"), "c")
+    state.finished("moved")
+    state.routed(request(SYSTEM + [98], "moved"), "c")
+    assert {r: state.recent_requests(r) for r in "abc"} == pytest.approx(
+        {"a": before["a"] * 0.5 ** 0.25, "b": moved["b"], "c": 1.0})
 
 
 def _conversation_on_a(state: ClusterState, requests: int) -> list[int]:
@@ -82,7 +91,7 @@ def test_turns_minutes_apart_do_not_pile_new_conversations_onto_one_replica(rout
     """a served 20 turns lately, b and c none, nothing in flight anywhere; all three cache the
     system prompt, and a has the most free pages. A new conversation goes to b or c: a is
     busy lately. Counting requests in flight alone (the rule before), a looks idle and wins."""
-    state, _ = timed_cluster("a", "b", "c")
+    state = timed_cluster("a", "b", "c")
     _conversation_on_a(state, 20)
     for r in ("b", "c"):
         state.index.apply(r, [stored(2, hashes(SYSTEM))])
@@ -93,7 +102,7 @@ def test_turns_minutes_apart_do_not_pile_new_conversations_onto_one_replica(rout
 
 
 def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_go() -> None:
-    state, clock = timed_cluster("a", "b")
+    state = timed_cluster("a", "b", "c")
     prompt = _conversation_on_a(state, 12)     # 12 requests routed to a lately, 11 of others
     policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_pages=16,
                                                                                recent_hard_rel=0.35, recent_abs=4.0))
@@ -114,18 +123,19 @@ def test_a_busy_replica_keeps_a_long_conversation_and_an_overloaded_one_lets_it_
     for extra in ("x", "y"):                   # 13 of others > 12.1: overloaded
         route_finished(state, SYSTEM + [700] * 4, extra, "a")
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "b"
-    clock.now = 10 * RECENT_HALF_LIFE_S        # time passes: both decay toward 0, a is not busy
+    state.recent_half_life = 1.0               # ten half-lives of requests routed to c: a and b
+    for i in range(10):                        # decay toward 0 (within 4 of each other), a is not busy
+        route_finished(state, SYSTEM + [800 + i] * 4, f"c{i}", "c")
     assert policy.rank(request(prompt, "next"), ["a", "b"])[0] == "a"
 
 
-def _chat(state: ClusterState, policy: RoutingPolicy, name: str, turns: range, clock: Clock) -> list[str]:
-    """Turns `turns` of a conversation, a minute apart, each resending its history, routed by
+def _chat(state: ClusterState, policy: RoutingPolicy, name: str, turns: range) -> list[str]:
+    """Turns `turns` of a conversation, each resending its history, routed by
     `policy`; the chosen replica caches the prompt. Returns where each turn went."""
     base = 300 + 1000 * len(name)
     history = SYSTEM + list(range(base, base + 40)) + [t for turn in range(turns.start) for t in [base + 500 + turn] * 8]
     placed = []
     for turn in turns:
-        clock.now += 60.0
         prompt, rid = history, f"{name}{turn}"
         replica = policy.choose(request(prompt, rid), ["a", "b", "c", "d"])
         state.finished(rid)
@@ -143,15 +153,15 @@ def test_a_lone_conversation_keeps_its_replica_and_two_on_one_replica_part() -> 
     times, recomputing its history each time). Two chats on one replica are each other's
     load: the other's turns there make the replica overloaded for the first, which moves
     once and stays."""
-    state, clock = timed_cluster("a", "b", "c", "d")
+    state = timed_cluster("a", "b", "c", "d", half_life=RECENT_HALF_LIFE_ROUTINGS)
     policy = make_routing_policy("cache-aware", state)
-    assert len(set(_chat(state, policy, "lone", range(30), clock))) == 1
-    state, clock = timed_cluster("a", "b", "c", "d")
+    assert len(set(_chat(state, policy, "lone", range(30)))) == 1
+    state = timed_cluster("a", "b", "c", "d", half_life=RECENT_HALF_LIFE_ROUTINGS)
     policy = make_routing_policy("cache-aware", state)
-    first = _chat(state, policy, "one", range(6), clock)
+    first = _chat(state, policy, "one", range(6))
     for turn in range(6):                   # another chat's turns, on the first one's replica
         route_finished(state, SYSTEM + list(range(9000, 9040)) + [9500] * 8 * turn, f"two{turn}", first[0])
-    later = _chat(state, policy, "one", range(6, 10), clock)
+    later = _chat(state, policy, "one", range(6, 10))
     assert len(set(first)) == 1 and later[0] != first[0] and len(set(later)) == 1
 
 
@@ -161,7 +171,7 @@ def test_one_earlier_prompt_ending_in_a_shared_document_is_not_the_requests_own_
     runs through. That one prompt is no turn of the question's own (many questions share the
     document), so a stays overloaded for it and the question goes to b; counted as its own,
     a would keep it (12 left, and 8 pages saved over b)."""
-    state, _ = timed_cluster("a", "b")
+    state = timed_cluster("a", "b")
     document = SYSTEM + list(range(2000, 2032))                # 12 pages
     route_finished(state, document, "doc", "a")
     for i in range(12):
@@ -171,7 +181,7 @@ def test_one_earlier_prompt_ending_in_a_shared_document_is_not_the_requests_own_
     for i in range(6):
         route_finished(state, SYSTEM + [500 + i] * 4, f"b{i}", "b")
     question = request(document + list(range(3000, 3008)), "question")
-    assert state.index.prompt_ends_through("a", NS, question.page_hashes) == [0.0]
+    assert state.index.prompt_ends_through("a", NS, question.page_hashes) == [1]  # the first routing
     assert make_routing_policy("cache-aware", state).rank(question, ["a", "b"])[0] == "b"
 
 
@@ -181,7 +191,7 @@ def test_requests_routed_lately_closer_than_a_batch_are_not_a_pile_up() -> None:
     While the difference is within the replicas' mean in flight (not either replica's count)
     the replica is not busy, and even a request that saves only a short prefix there (6 pages,
     2 past the system prompt b holds too) stays; with nothing in flight it moves."""
-    state, _ = timed_cluster("a", "b")
+    state = timed_cluster("a", "b")
     prompt = _conversation_on_a(state, 12)
     policy = make_routing_policy("cache-aware", state, config=CacheAwareConfig(recent_keep_pages=16,
                                                                                recent_hard_rel=0.35, recent_abs=4.0))
@@ -206,7 +216,7 @@ def test_requests_routed_lately_closer_than_a_batch_are_not_a_pile_up() -> None:
 
 
 def test_a_prefix_on_the_host_tier_counts_at_its_credit() -> None:
-    state, _ = timed_cluster("a", "b")
+    state = timed_cluster("a", "b")
     prompt = SYSTEM + list(range(300, 332))    # 12 pages
     h = hashes(prompt)
     state.index.apply("a", [stored(1, h[:6])])                       # 6 pages on the device

@@ -138,8 +138,7 @@ class ClusterSimulator:
         self.workload = workload
         self.config = config
         self.router = router
-        self.now = 0.0  # the latest release: the router's clock (ClusterState.recent_requests)
-        self.state = ClusterState(clock=lambda: self.now)
+        self.state = ClusterState()
         self.policy = make_routing_policy(router, self.state, page_size=config.page_size, seed=seed, config=routing)
         self.sims: dict[str, Simulator] = {}
         for i in range(replicas):
@@ -206,7 +205,6 @@ class ClusterSimulator:
                                                     waiting=len(sim.waiting), running=len(sim.running))
         namespace, hashes = prompt_pages(request.prompt_ids, self.config.page_size, None)
         route = RouteRequest(str(request.index), namespace, hashes, request.prompt_len)
-        self.now = released_at
         # What each replica would report as cached, as its events say before routing: device
         # pages, those continuing them on its host tier (loaded back), and the pages of
         # requests routed there earlier that it is still computing (it waits for them).

@@ -31,16 +31,17 @@ The cache-aware rule (`CacheAwarePolicy`), in order:
 4. Balance over time: requests in flight say nothing of conversations whose turns arrive
    minutes apart (between turns nothing is in flight, yet every turn follows its
    conversation). A replica that got more requests lately (`ClusterState.recent_requests`,
-   each halving over `recent_half_life_s`) than the least by `recent_abs` plus `recent_rel`
-   of it is *busy*: it draws a request only if it saves `recent_keep_pages` of prefill over
-   every replica not busy (or `recent_keep_rel` of the prompt's pages if fewer). The
-   absolute margin is at least the replicas' mean in flight: a difference smaller than the
-   requests a replica serves at once is one batch's timing, not a pile-up (in a closed loop
-   the replica whose clients were served first sends their next turns first). Past
-   `recent_hard_rel`, what it holds draws nothing: even a conversation's next turn moves
-   (recomputed once elsewhere) rather than pile up. A request's own conversation's earlier
-   turns there (`ClusterState.own_recent_requests`, from two up) do not count against a busy
-   replica for it: moved, the conversation takes them along, and a lone chat would only hop.
+   each halving over `recent_half_life` requests routed anywhere) than the least by
+   `recent_abs` plus `recent_rel` of it is *busy*: it draws a request only if it saves
+   `recent_keep_pages` of prefill over every replica not busy (or `recent_keep_rel` of the
+   prompt's pages if fewer). The absolute margin is at least the replicas' mean in flight: a
+   difference smaller than the requests a replica serves at once is one batch's timing, not
+   a pile-up (in a closed loop the replica whose clients were served first sends their next
+   turns first). Past `recent_hard_rel`, what it holds draws nothing: even a conversation's
+   next turn moves (recomputed once elsewhere) rather than pile up. A request's own
+   conversation's earlier turns there (`ClusterState.own_recent_requests`, from two up) do
+   not count against a busy replica for it: moved, the conversation takes them along, and a
+   lone chat would only hop.
 5. Among the replicas a held prefix draws, the longest prefix (cached pages from its
    events, or pages of a request in flight there; pages continuing them in the replica's
    host tier count `host_credit` each, as NVIDIA Dynamo's router does: loaded back, not

@@ -11,10 +11,9 @@ by the Ray Serve request router and `bench simulate --replicas`.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +23,7 @@ from radixserve.cluster.index import CacheIndex
 
 ENDED_MEMORY = 65536  # finished request ids remembered (see ClusterState.finished)
 SETTLE_GRACE_BATCHES = 40  # event batches of a replica after which an unsettled request is dropped
-RECENT_HALF_LIFE_S = 300.0  # seconds over which a replica's count of recently routed requests halves
+RECENT_HALF_LIFE_ROUTINGS = 256  # requests routed (anywhere) over which a replica's count of recent ones halves
 STARTS_HALF_LIFE = 1024  # conversations started (anywhere) over which a replica's count of starts halves
 _STARTS_DECAY = 0.5 ** (1 / STARTS_HALF_LIFE)
 
@@ -84,9 +83,9 @@ class ClusterState:
     starts: dict[str, float] = field(default_factory=dict)        # replica → conversations started, decayed (`share`)
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
-    clock: Callable[[], float] = time.monotonic                    # seconds (the simulator's own clock there)
-    recent_half_life_s: float = RECENT_HALF_LIFE_S
-    _recent: dict[str, tuple[float, float]] = field(default_factory=dict)  # replica → (decayed count, as of)
+    recent_half_life: float = RECENT_HALF_LIFE_ROUTINGS             # in requests routed (`recent_requests`)
+    _routings: int = 0                                              # requests routed ever (moves not counted)
+    _recent: dict[str, tuple[float, int]] = field(default_factory=dict)  # replica → (decayed count, as of routing)
     _placed: dict[str, tuple[str, str, bool]] = field(default_factory=dict)  # request id → (replica, settle key, a start)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
     _batches: dict[str, int] = field(default_factory=dict)        # replica → event batches applied
@@ -99,6 +98,8 @@ class ClusterState:
         placed = self._placed.get(request.request_id)
         if (placed is not None and placed[0] == replica) or request.request_id in self._ended:
             return  # already there, or a late report of a request that has finished
+        if placed is None:
+            self._routings += 1  # a move is the same request: the clock of `recent_requests` stands
         self._unroute(request.request_id)
         start = not self.index.continued_pages(replica, request.namespace, request.page_hashes, in_flight=True)
         self._placed[request.request_id] = (replica, request.settle_key, start)
@@ -111,7 +112,7 @@ class ClusterState:
                 self.starts[known] *= _STARTS_DECAY
             self.starts[replica] += 1.0
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
-        self.index.add_prompt_end(replica, request.namespace, request.page_hashes, self.clock())
+        self.index.add_prompt_end(replica, request.namespace, request.page_hashes, self._routings)
         if request.session_id is not None:
             self.sessions[request.session_id] = replica
 
@@ -190,14 +191,18 @@ class ClusterState:
             del self._unsettled[key]
 
     def recent_requests(self, replica: str) -> float:
-        """Requests routed to `replica` lately: each counts 1 when routed and halves every
-        `recent_half_life_s` seconds. Unlike requests in flight, this sees the turns of
-        conversations that arrive minutes apart: between two turns nothing is in flight,
-        yet the replica serves them all."""
-        count, at = self._recent.get(replica, (0.0, 0.0))
+        """Requests routed to `replica` lately: each counts 1 when routed and halves over every
+        `recent_half_life` requests routed anywhere after it. Unlike requests in flight, this
+        sees the turns of conversations that arrive minutes apart: between two turns nothing
+        is in flight, yet the replica serves them all. Counted in requests, not seconds, so
+        that it covers the same traffic at any arrival rate: a half-life in seconds spans
+        thousands of requests at a peak (a replica drawing a third fewer for minutes stayed
+        within the margin of a count averaged over the quarter-hour before) and a handful
+        in a lull."""
+        count, at = self._recent.get(replica, (0.0, 0))
         if not count:
             return 0.0
-        return count * 0.5 ** (max(0.0, self.clock() - at) / self.recent_half_life_s)
+        return count * 0.5 ** ((self._routings - at) / self.recent_half_life)
 
     def own_recent_requests(self, replica: str, request: RouteRequest) -> float:
         """The part of `recent_requests(replica)` that is the request's own conversation: its
@@ -209,11 +214,10 @@ class ClusterState:
         ends = self.index.prompt_ends_through(replica, request.namespace, request.page_hashes)
         if len(ends) < 2:
             return 0.0
-        now = self.clock()
-        return sum(0.5 ** (max(0.0, now - at) / self.recent_half_life_s) for at in ends)
+        return sum(0.5 ** ((self._routings - at) / self.recent_half_life) for at in ends)
 
     def _add_recent(self, replica: str, amount: float) -> None:
-        self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self.clock())
+        self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self._routings)
 
     def requests_in_flight(self, replica: str) -> int:
         """Requests routed to `replica` and not yet ended."""

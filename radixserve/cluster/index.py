@@ -48,8 +48,9 @@ class CacheIndex:
         self._host: dict[str, dict[str, set[int]]] = {}  # the same, for the host tier
         self._in_flight: dict[str, dict[str, Counter[int]]] = {}
         self._requests: dict[str, _InFlight] = {}
-        # replica → (namespace, hash of a routed prompt's last full page) → when routed; oldest first
-        self._prompt_ends: dict[str, dict[tuple[str, int], float]] = {}
+        # replica → (namespace, hash of a routed prompt's last full page) → the router's routing
+        # number then (ClusterState counts its routings); oldest first
+        self._prompt_ends: dict[str, dict[tuple[str, int], int]] = {}
 
     # ------------------------------------------------------------------ events
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
@@ -97,8 +98,8 @@ class CacheIndex:
             if counts[h] <= 0:
                 del counts[h]
 
-    def add_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int], at: float = 0.0) -> None:
-        """Records the last full page of a prompt routed to `replica` at time `at` (see
+    def add_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int], at: int = 0) -> None:
+        """Records the last full page of a prompt routed to `replica` as the router's `at`-th (see
         `continued_pages` and `prompt_ends_through`)."""
         if not len(hashes):
             return
@@ -157,9 +158,9 @@ class CacheIndex:
             return 0
         return device + host_credit * host if host else device
 
-    def prompt_ends_through(self, replica: str, namespace: str, hashes: Sequence[int]) -> list[float]:
-        """When the earlier prompts routed to `replica` that this prompt runs through were
-        routed: a conversation's earlier turns there, each resent within its next (a prompt
+    def prompt_ends_through(self, replica: str, namespace: str, hashes: Sequence[int]) -> list[int]:
+        """When (counted in the router's routings) the earlier prompts routed to `replica` that
+        this prompt runs through were routed: a conversation's earlier turns there, each resent within its next (a prompt
         that ended inside a prefix many share, such as a system prompt, counts for them all)."""
         ends = self._prompt_ends.get(replica)
         if not ends:

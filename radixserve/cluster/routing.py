@@ -34,7 +34,7 @@ from radixserve.cluster.cache_aware import (
 )
 from radixserve.cluster.cluster_state import (
     ENDED_MEMORY,
-    RECENT_HALF_LIFE_S,
+    RECENT_HALF_LIFE_ROUTINGS,
     SETTLE_GRACE_BATCHES,
     STARTS_HALF_LIFE,
     ClusterState,
@@ -45,7 +45,7 @@ from radixserve.cluster.cluster_state import (
 )
 
 __all__ = [
-    "ENDED_MEMORY", "RECENT_HALF_LIFE_S", "ROUTERS", "SETTLE_GRACE_BATCHES", "STARTS_HALF_LIFE",
+    "ENDED_MEMORY", "RECENT_HALF_LIFE_ROUTINGS", "ROUTERS", "SETTLE_GRACE_BATCHES", "STARTS_HALF_LIFE",
     "CacheAwareConfig", "CacheAwarePolicy", "ClusterState", "PowerOfTwoPolicy", "PrefixAffinityPolicy",
     "ReplicaReport", "RoundRobinPolicy", "RouteRequest", "RoutingPolicy", "make_routing_policy",
     "parse_routing_config", "prompt_pages", "replica_imbalance",
