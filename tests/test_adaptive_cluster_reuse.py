@@ -165,13 +165,13 @@ def test_a_replay_boosts_no_copy_its_ghost_had_lost() -> None:
 def test_prompts_sent_elsewhere_wait_for_the_engine_thread() -> None:
     rule = adaptive()
     before = rule.duel.record()
-    rule.elsewhere(prompt(1000), None, 6)  # from a replica's event loop: queued only
+    rule.elsewhere(prompt(1000), None)  # from a replica's event loop: queued only
     assert rule.duel.record().to_list() == before.to_list()
     rule.observe(prompt(9000, 1))  # the engine thread's next prompt replays it first
     assert rule.duel.ghosts[-1].hits == 0 and len(rule.duel.ghosts[-1]) >= 6
     assert not rule._elsewhere
     for i in range(MAX_PENDING + 10):
-        rule.elsewhere([i], None, 1)
+        rule.elsewhere([i], None)
     assert len(rule._elsewhere) == MAX_PENDING
 
 
@@ -205,9 +205,9 @@ def test_the_cluster_simulation_tells_the_replica_that_lost_it() -> None:
         cluster = ClusterSimulator(evicting_workload(), SimConfig(16 * PAGE, page_size=PAGE, eviction_policy=eviction),
                                    2, "round-robin", retention=retention, pooled=pooled)
         first = cluster.sims["replica-0"].config.retention
-        calls: list[tuple[int, int]] = []
+        calls: list[int] = []
         tell = first.elsewhere
-        first.elsewhere = lambda request, seen: (calls.append((request.index, seen)), tell(request, seen))[1]
+        first.elsewhere = lambda request: (calls.append(request.index), tell(request))[1]
         replayed: list[list[int]] = []
         replay = first.duel.observe_elsewhere
         first.duel.observe_elsewhere = lambda hashes, tick: (replayed.append(list(hashes)), replay(hashes, tick))[1]
@@ -216,7 +216,7 @@ def test_the_cluster_simulation_tells_the_replica_that_lost_it() -> None:
         told[pooled] = calls
         if pooled:  # its ghosts replayed the document at its next prompt
             assert replayed == [first._adaptive.history.hashes(evicting_workload().requests[0].prompt_ids)]
-    assert told == {True: [(3, 8)], False: []}
+    assert told == {True: [3], False: []}
 
 
 def test_the_ingress_and_the_replica_pass_it_on() -> None:
@@ -226,7 +226,7 @@ def test_the_ingress_and_the_replica_pass_it_on() -> None:
     reuse.took([1, 2], reuse.observe([1, 2], stats), "a", lambda r: 0)
     assert reuse.took([1, 2], reuse.observe([1, 2], stats), "b", lambda r: 0) == "a"
     replica = engine()
-    tell_elsewhere(replica, list(prompt(1000)), None, 2)
+    tell_elsewhere(replica, list(prompt(1000)), None)
     assert len(replica.reuse_history._elsewhere) == 1
     plain = engine("priority")
-    tell_elsewhere(plain, list(prompt(1000)), None, 2)  # no adaptive rule: nothing to tell
+    tell_elsewhere(plain, list(prompt(1000)), None)  # no adaptive rule: nothing to tell

@@ -92,7 +92,7 @@ def test_every_replica_takes_the_ingress_elsewhere_call(server: SimpleNamespace)
     replicas = server.app.cache_index.remote().result()
     assert len(replicas) == 2
     for replica in replicas:
-        assert engines.elsewhere.remote(distinct_prompt(7), None, None, 3, replica=replica).result() is None
+        assert engines.elsewhere.remote(distinct_prompt(7), None, None, replica=replica).result() is None
 
 
 def test_a_constrained_request_is_served_and_a_bad_one_is_a_400(client: httpx.Client) -> None:

@@ -62,7 +62,7 @@ class ServeHandle:
     def __init__(self, route: list[str]) -> None:
         self.route = iter(route)
         self.requests: list[ReplicaRequest] = []
-        self.told: list[tuple[str, int]] = []  # (replica, cluster_seen) of each `elsewhere`
+        self.told: list[str] = []  # the replica of each `elsewhere`
         self.generate = _Method(self._generate)
         self.elsewhere = _Method(self._elsewhere)
 
@@ -74,8 +74,8 @@ class ServeHandle:
         return _Stream(next(self.route))
 
     async def _elsewhere(self, prompt_ids: list[int], cache_salt: str | None, tenant: str | None,
-                         cluster_seen: int, replica: str) -> None:
-        self.told.append((replica, cluster_seen))
+                         replica: str) -> None:
+        self.told.append(replica)
 
 
 def adaptive_stats() -> dict[str, Any]:
@@ -106,7 +106,7 @@ async def serve_doc_twice(cluster_reuse: bool) -> tuple[ServeHandle, ClusterEngi
 def test_on_the_replicas_get_the_clusters_count_and_the_elsewhere_call() -> None:
     handle, engine = asyncio.run(serve_doc_twice(cluster_reuse=True))
     assert [r.cluster_seen for r in handle.requests] == [0, 3]  # b learns the cluster saw the doc's 3 pages
-    assert handle.told == [("a", 3)]  # a served it last and lost it: its ghosts replay it
+    assert handle.told == ["a"]  # a served it last and lost it: its ghosts replay it
     assert engine.reuse.messages() == {"enabled": True, "counts_sent": 2, "elsewhere_sent": 1}
 
 

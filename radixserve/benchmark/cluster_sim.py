@@ -227,7 +227,7 @@ class ClusterSimulator:
         home = history.took(hashes, seen, key, lambda r: sum(self.state.index.tiered_pages(r, namespace, hashes)))
         self.sims[key].config.retention.expect(request, seen)
         if home is not None:
-            self.sims[home].config.retention.elsewhere(request, seen)
+            self.sims[home].config.retention.elsewhere(request)
 
     def _result(self, wall_s: float) -> ClusterSimResult:
         sims = list(self.sims.values())

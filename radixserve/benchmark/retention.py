@@ -157,12 +157,12 @@ class AdaptiveBoost(ReuseBoost):
         history of every replica's traffic: cache/adaptive.py), used when it arrives."""
         self._cluster_seen[request.index] = cluster_seen
 
-    def elsewhere(self, request: BenchRequest, cluster_seen: int) -> None:
-        """The router sent `request` to another replica because this one, which served its
-        `cluster_seen` leading pages last, had lost them (cache/adaptive.py)."""
+    def elsewhere(self, request: BenchRequest) -> None:
+        """The router sent `request` to another replica because this one, which served the
+        leading pages of it the cluster saw last, had lost them (cache/adaptive.py)."""
         if self._adaptive is None:
             raise RuntimeError("AdaptiveBoost: bind it to the tree first")
-        self._adaptive.elsewhere(request.prompt_ids, None, cluster_seen)
+        self._adaptive.elsewhere(request.prompt_ids, None)
 
     def observe(self, request: BenchRequest) -> None:
         if request.index in self._seen_pages:

@@ -482,13 +482,12 @@ class AdaptiveReuse:
                 del self._expected[next(iter(self._expected))]
             self._expected[key] = cluster_seen
 
-    def elsewhere(self, tokens: np.ndarray | list[int], namespace: Hashable, cluster_seen: int) -> None:
+    def elsewhere(self, tokens: np.ndarray | list[int], namespace: Hashable) -> None:
         """The router sent a prompt this replica served last to another replica, because this
-        one no longer held the `cluster_seen` leading pages the cluster saw (whoever routes
-        tells it: the cluster simulation, a cluster's ingress; the count says why it is told,
-        the replay needs only the prompt). Its ghost caches replay it at the next `observe`
-        (`LeadDuel.observe_elsewhere`), on the engine thread; at most MAX_PENDING wait (the
-        oldest are dropped)."""
+        one no longer held the leading pages of it the cluster saw (whoever routes tells it:
+        the cluster simulation, a cluster's ingress). Its ghost caches replay it at the next
+        `observe` (`LeadDuel.observe_elsewhere`), on the engine thread; at most MAX_PENDING
+        wait (the oldest are dropped)."""
         with self._pending_lock:
             self._elsewhere.append((np.asarray(tokens, dtype=np.int64), namespace))
 

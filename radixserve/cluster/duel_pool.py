@@ -134,10 +134,10 @@ def expect_seen(engine: Any, prompt_ids: list[int], cluster_seen: int | None) ->
         history.expect(prompt_ids, cluster_seen)
 
 
-def tell_elsewhere(engine: Any, prompt_ids: list[int], namespace: Any, cluster_seen: int) -> None:
-    """The replica: the router sent this prompt, whose `cluster_seen` leading pages it
-    served last and has lost, to another replica; its adaptive rule's ghost caches replay it
+def tell_elsewhere(engine: Any, prompt_ids: list[int], namespace: Any) -> None:
+    """The replica: the router sent this prompt, whose leading pages the cluster saw it
+    serve last and it has lost, to another replica; its adaptive rule's ghost caches replay it
     (nothing without a duel)."""
     history = getattr(engine, "reuse_history", None)
     if isinstance(history, AdaptiveReuse):
-        history.elsewhere(prompt_ids, namespace, cluster_seen)
+        history.elsewhere(prompt_ids, namespace)

@@ -195,8 +195,7 @@ class ClusterEngine:
         home = self.reuse.took(request.page_hashes, request.cluster_seen, replica, held)
         if home is None:
             return
-        call = self._call_pinned("elsewhere", home, request.prompt_ids, request.cache_salt, request.tenant,
-                                 request.cluster_seen)
+        call = self._call_pinned("elsewhere", home, request.prompt_ids, request.cache_salt, request.tenant)
         task = asyncio.ensure_future(call)
         self._telling.add(task)
         task.add_done_callback(self._told)

@@ -134,13 +134,12 @@ class EngineReplica:
             return await self.views.tree(options or SnapshotOptions(), caller)
         return await self.views.tenant_stats(caller)
 
-    def elsewhere(self, prompt_ids: list[int], cache_salt: str | None, tenant: str | None, cluster_seen: int,
-                  replica: str) -> None:
-        """The router sent this prompt, whose `cluster_seen` leading pages this replica served
-        last and has lost, to another replica: the adaptive rule's ghost caches replay it
+    def elsewhere(self, prompt_ids: list[int], cache_salt: str | None, tenant: str | None, replica: str) -> None:
+        """The router sent this prompt, whose leading pages the cluster saw this replica serve
+        last and it has lost, to another replica: the adaptive rule's ghost caches replay it
         (cluster/duel_pool.py)."""
         self._check_pin(replica)
-        tell_elsewhere(self.engine, prompt_ids, namespace_of(self.engine.model_name, cache_salt, tenant), cluster_seen)
+        tell_elsewhere(self.engine, prompt_ids, namespace_of(self.engine.model_name, cache_salt, tenant))
 
     async def close_session(self, session_id: str, tenant: str | None, replica: str) -> bool:
         self._check_pin(replica)
