@@ -196,8 +196,8 @@ class ClusterState:
         sees the turns of conversations that arrive minutes apart: between two turns nothing
         is in flight, yet the replica serves them all. Counted in requests, not seconds, so
         that it covers the same traffic at any arrival rate: a half-life in seconds spans
-        thousands of requests at a peak (a replica drawing a third fewer for minutes stayed
-        within the margin of a count averaged over the quarter-hour before) and a handful
+        thousands of requests at a peak (a replica drawing a third fewer for two minutes
+        stayed within the margin of a count averaged over some seven minutes) and a handful
         in a lull."""
         count, at = self._recent.get(replica, (0.0, 0))
         if not count:

@@ -160,8 +160,9 @@ class CacheIndex:
 
     def prompt_ends_through(self, replica: str, namespace: str, hashes: Sequence[int]) -> list[int]:
         """When (counted in the router's routings) the earlier prompts routed to `replica` that
-        this prompt runs through were routed: a conversation's earlier turns there, each resent within its next (a prompt
-        that ended inside a prefix many share, such as a system prompt, counts for them all)."""
+        this prompt runs through were routed: a conversation's earlier turns there, each
+        resent within its next (a prompt that ended inside a prefix many share, such as a
+        system prompt, counts for them all)."""
         ends = self._prompt_ends.get(replica)
         if not ends:
             return []
