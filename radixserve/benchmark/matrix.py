@@ -253,11 +253,11 @@ def matrix_summary(cells: list[Cell]) -> str:
                     f"least {ROUTING_TARGET:.0%} of its hit rate in {met} of {len(shares)} cells; lowest "
                     f"{share:.1%} ({cell.workload} {format_tokens(cell.capacity_tokens)} x {cell.replicas}: "
                     f"{percent(cell.default)} vs {percent(cell.ideal)}).")
-    balanced = [c for c in cells if c.imbalance is not None]
-    if balanced:
-        worst = max(balanced, key=lambda c: c.imbalance)
-        met = sum(1 for c in balanced if c.imbalance <= IMBALANCE_TARGET)
+    measured = [c for c in cells if c.imbalance is not None]
+    if measured:
+        uneven = max(measured, key=lambda c: c.imbalance)
+        met = sum(1 for c in measured if c.imbalance <= IMBALANCE_TARGET)
         summary += (f" Request imbalance (max/min per replica) over any {IMBALANCE_WINDOW:,} routings at most "
-                    f"{IMBALANCE_TARGET:g} in {met} of {len(balanced)} cells; worst {worst.imbalance:.2f} "
-                    f"({worst.workload} {format_tokens(worst.capacity_tokens)} x {worst.replicas}).")
+                    f"{IMBALANCE_TARGET:g} in {met} of {len(measured)} cells; worst {uneven.imbalance:.2f} "
+                    f"({uneven.workload} {format_tokens(uneven.capacity_tokens)} x {uneven.replicas}).")
     return summary
