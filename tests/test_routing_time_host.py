@@ -18,6 +18,7 @@ from radixserve.cluster.routing import (
     CacheAwareConfig,
     ClusterState,
     ReplicaReport,
+    STARTS_HALF_LIFE,
     RoutingPolicy,
     make_routing_policy,
 )
@@ -71,6 +72,27 @@ def test_requests_routed_lately_halve_over_every_half_life_of_routings() -> None
     state.routed(request(SYSTEM + [98], "moved"), "c")
     assert {r: state.recent_requests(r) for r in "abc"} == pytest.approx(
         {"a": before["a"] * 0.5 ** 0.25, "b": moved["b"], "c": 1.0})
+
+
+def test_a_request_moved_after_other_routings_moves_its_decayed_share() -> None:
+    """Moved later (Serve placing it elsewhere after others were routed), a request takes
+    back from its old replica what it weighs there now, not a whole 1 (which would count that
+    replica short of the requests it did get), and weighs as much on the new one: it is the
+    same request, routed when it first was. Its conversation start is taken back alike."""
+    state = timed_cluster("a", "b", "c", half_life=4)
+    state.routed(request(SYSTEM + [98], "moved"), "a")   # routing 1: a start on a
+    for i in range(4):
+        route_finished(state, [7000 + 16 * i + k for k in range(16)], f"b{i}", "b")  # four starts on b
+    route_finished(state, [9000 + k for k in range(16)], "a1", "a")  # routing 6, a start on a
+    state.routed(request(SYSTEM + [98], "moved"), "c")
+    # a: only a1 now (routed last: 1); c: the moved request as it weighs after 5 routings.
+    assert state.recent_requests("a") == pytest.approx(1.0, abs=1e-12)
+    assert state.recent_requests("c") == pytest.approx(0.5 ** (5 / 4), abs=1e-12)
+    # Starts: a loses the moved start as it had aged (5 starts since), keeping a1 alone, which
+    # the start counted on c (its conversation starts there now) ages once more.
+    decay = 0.5 ** (1 / STARTS_HALF_LIFE)
+    assert state.starts["a"] == pytest.approx(decay, abs=1e-12)
+    assert state.starts["c"] == pytest.approx(decay + 1.0, abs=1e-12)  # joined at the least share, a's 1
 
 
 def _conversation_on_a(state: ClusterState, requests: int) -> list[int]:

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -67,6 +68,16 @@ class ReplicaReport:
     running: int = 0
 
 
+class _Placement(NamedTuple):
+    """Where a routed request went, for as long as it may still move or be taken back."""
+
+    replica: str
+    key: str               # its settle key
+    start: bool            # it started a conversation there (`ClusterState.share`)
+    routing: int           # the routing's number when it was first routed (a move keeps it)
+    starts_counted: int    # conversation starts counted once it was placed (its start's age)
+
+
 @dataclass
 class ClusterState:
     """What the router knows about the replicas. One per router; not thread-safe.
@@ -86,7 +97,8 @@ class ClusterState:
     recent_half_life: float = RECENT_HALF_LIFE_ROUTINGS             # in requests routed (`recent_requests`)
     _routings: int = 0                                              # requests routed ever (moves not counted)
     _recent: dict[str, tuple[float, int]] = field(default_factory=dict)  # replica → (decayed count, as of routing)
-    _placed: dict[str, tuple[str, str, bool]] = field(default_factory=dict)  # request id → (replica, settle key, a start)
+    _starts_counted: int = 0                                         # conversation starts ever (the decay of `starts`)
+    _placed: dict[str, _Placement] = field(default_factory=dict)    # request id → where it went
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # recently finished ids
     _batches: dict[str, int] = field(default_factory=dict)        # replica → event batches applied
     _unsettled: dict[str, tuple[str, int]] = field(default_factory=dict)  # settle key → (replica, batch)
@@ -96,23 +108,27 @@ class ClusterState:
         Routing the same request again (a retry, or Serve choosing another replica than the
         one reserved) moves it."""
         placed = self._placed.get(request.request_id)
-        if (placed is not None and placed[0] == replica) or request.request_id in self._ended:
+        if (placed is not None and placed.replica == replica) or request.request_id in self._ended:
             return  # already there, or a late report of a request that has finished
         if placed is None:
-            self._routings += 1  # a move is the same request: the clock of `recent_requests` stands
+            self._routings += 1
+            routing = self._routings
+        else:
+            routing = placed.routing  # a move is the same request, routed when it first was
         self._unroute(request.request_id)
         start = not self.index.continued_pages(replica, request.namespace, request.page_hashes, in_flight=True)
-        self._placed[request.request_id] = (replica, request.settle_key, start)
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
-        self._add_recent(replica, 1.0)
+        self._add_recent(replica, self._recent_weight(routing))  # 1 unless moved after other routings
         if start:
             self.share(replica)  # a replica first routed to joins at the least share
             for known in self.starts:
                 self.starts[known] *= _STARTS_DECAY
             self.starts[replica] += 1.0
+            self._starts_counted += 1
+        self._placed[request.request_id] = _Placement(replica, request.settle_key, start, routing, self._starts_counted)
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
-        self.index.add_prompt_end(replica, request.namespace, request.page_hashes, self._routings)
+        self.index.add_prompt_end(replica, request.namespace, request.page_hashes, routing)
         if request.session_id is not None:
             self.sessions[request.session_id] = replica
 
@@ -124,10 +140,8 @@ class ClusterState:
         the id is remembered for a while, and a late `routed` for it is ignored (else it
         would count as in flight forever)."""
         placed = self._release(request_id)
-        if placed is not None:
-            replica, key, _ = placed
-            if self.index.in_flight_on(key) is not None:
-                self._unsettled[key] = (replica, self._batches.get(replica, 0))
+        if placed is not None and self.index.in_flight_on(placed.key) is not None:
+            self._unsettled[placed.key] = (placed.replica, self._batches.get(placed.replica, 0))
         self._ended[request_id] = None
         if len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
@@ -154,26 +168,29 @@ class ClusterState:
             if self.index.in_flight_on(key) == replica:  # a retry may hold the key elsewhere
                 self.index.end_in_flight(key)
 
-    def _release(self, request_id: str) -> tuple[str, str, bool] | None:
-        """Forgets where a request was placed and drops it from its replica's requests in flight; returns
-        (replica, settle key, whether it started a conversation), or None if it was not placed."""
+    def _release(self, request_id: str) -> _Placement | None:
+        """Forgets where a request was placed and drops it from its replica's requests in
+        flight; returns where it was, or None if it was not placed."""
         placed = self._placed.pop(request_id, None)
-        if placed is not None and placed[0] in self.in_flight:
-            self.in_flight[placed[0]] = max(0, self.in_flight[placed[0]] - 1)
+        if placed is not None and placed.replica in self.in_flight:
+            self.in_flight[placed.replica] = max(0, self.in_flight[placed.replica] - 1)
         return placed
 
     def _unroute(self, request_id: str) -> None:
-        """Takes back a routing: the request was not served there after all."""
+        """Takes back a routing: the request was not served there after all. What it added to
+        the replica's decayed counts has decayed since: that share is taken back, not a whole
+        one (which would count the replica short of requests it did get)."""
         placed = self._release(request_id)
         if placed is None:
             return
-        replica, key, start = placed
+        replica = placed.replica
         if replica in self.routed_total:
             self.routed_total[replica] -= 1
-        self._add_recent(replica, -1.0)
-        if start and replica in self.starts:
-            self.starts[replica] = max(0.0, self.starts[replica] - 1.0)
-        self.index.end_in_flight(key)
+        self._add_recent(replica, -self._recent_weight(placed.routing))
+        if placed.start and replica in self.starts:
+            share = _STARTS_DECAY ** (self._starts_counted - placed.starts_counted)
+            self.starts[replica] = max(0.0, self.starts[replica] - share)
+        self.index.end_in_flight(placed.key)
 
     def remove(self, replica: str) -> None:
         """A replica died or left: forget its cache, its requests in flight and its sessions."""
@@ -185,7 +202,7 @@ class ClusterState:
         self._batches.pop(replica, None)
         for session in [s for s, r in self.sessions.items() if r == replica]:
             del self.sessions[session]
-        for request_id in [q for q, (r, _, _) in self._placed.items() if r == replica]:
+        for request_id in [q for q, placed in self._placed.items() if placed.replica == replica]:
             del self._placed[request_id]
         for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
             del self._unsettled[key]
@@ -215,6 +232,10 @@ class ClusterState:
         if len(ends) < 2:
             return 0.0
         return sum(0.5 ** ((self._routings - at) / self.recent_half_life) for at in ends)
+
+    def _recent_weight(self, routing: int) -> float:
+        """What a request routed as routing number `routing` weighs in `recent_requests` now."""
+        return 0.5 ** ((self._routings - routing) / self.recent_half_life)
 
     def _add_recent(self, replica: str, amount: float) -> None:
         self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self._routings)
