@@ -288,7 +288,7 @@ def test_share_counts_conversations_started_not_turns_continued() -> None:
     assert state.share("b") == 0.0
     assert state.share("c") == 0.0                 # joins at the least share
     state.routed(request(SYSTEM + [90, 91, 92, 93], "s"), "b")   # Serve sent it elsewhere after all
-    assert state.share("a") == pytest.approx(decay * decay)     # taken back, then one start's decay
+    assert state.share("a") == pytest.approx(decay)     # taken back; a move ages no other start
     assert state.share("b") == 1.0
     state.remove("b")
     assert "b" not in state.starts

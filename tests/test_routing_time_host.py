@@ -78,21 +78,28 @@ def test_a_request_moved_after_other_routings_moves_its_decayed_share() -> None:
     """Moved later (Serve placing it elsewhere after others were routed), a request takes
     back from its old replica what it weighs there now, not a whole 1 (which would count that
     replica short of the requests it did get), and weighs as much on the new one: it is the
-    same request, routed when it first was. Its conversation start is taken back alike."""
+    same request, routed when it first was. Its conversation start moves alike, and its
+    prompt end leaves the old replica (no conversation of that replica's)."""
     state = timed_cluster("a", "b", "c", half_life=4)
     state.routed(request(SYSTEM + [98], "moved"), "a")   # routing 1: a start on a
     for i in range(4):
         route_finished(state, [7000 + 16 * i + k for k in range(16)], f"b{i}", "b")  # four starts on b
     route_finished(state, [9000 + k for k in range(16)], "a1", "a")  # routing 6, a start on a
-    state.routed(request(SYSTEM + [98], "moved"), "c")
+    b_before = state.recent_requests("b")
+    moved = request(SYSTEM + [98], "moved")
+    assert state.index.prompt_ends_through("a", NS, moved.page_hashes) == [1]
+    state.routed(moved, "c")
+    assert state.recent_requests("b") == b_before
+    assert state.index.prompt_ends_through("a", NS, moved.page_hashes) == []
+    assert state.index.prompt_ends_through("c", NS, moved.page_hashes) == [1]
     # a: only a1 now (routed last: 1); c: the moved request as it weighs after 5 routings.
     assert state.recent_requests("a") == pytest.approx(1.0, abs=1e-12)
     assert state.recent_requests("c") == pytest.approx(0.5 ** (5 / 4), abs=1e-12)
-    # Starts: a loses the moved start as it had aged (5 starts since), keeping a1 alone, which
-    # the start counted on c (its conversation starts there now) ages once more.
+    # Starts: the moved one had aged 5 starts; a keeps a1 alone (nothing ages again), c gets
+    # it as aged, on top of the least share (a's 1), at which a replica first routed to joins.
     decay = 0.5 ** (1 / STARTS_HALF_LIFE)
-    assert state.starts["a"] == pytest.approx(decay, abs=1e-12)
-    assert state.starts["c"] == pytest.approx(decay + 1.0, abs=1e-12)  # joined at the least share, a's 1
+    assert state.starts["a"] == pytest.approx(1.0, abs=1e-12)
+    assert state.starts["c"] == pytest.approx(1.0 + decay ** 5, abs=1e-12)
 
 
 def _conversation_on_a(state: ClusterState, requests: int) -> list[int]:
@@ -280,3 +287,18 @@ def test_the_router_predicts_what_replicas_report_cached_with_a_host_tier() -> N
     from_host = sum(int((sim.host_hits > sim.config.page_size).sum()) for sim in cluster.sims.values())
     assert from_host >= 0.3 * len(workload.requests)
     assert out["predicted_within_page"] >= 0.95
+
+
+def test_a_prompt_end_keeps_its_latest_routing_and_is_dropped_only_by_its_own() -> None:
+    """Prompts ending on the same page (a shared system prompt) share one end: a request moved
+    there late brings its first routing's number, which must not age the end; a move away
+    drops the end only if it is still that request's."""
+    state = timed_cluster("a")
+    ends = request(SYSTEM, "x").page_hashes
+    state.index.add_prompt_end("a", NS, ends, 4)
+    state.index.add_prompt_end("a", NS, ends, 1)   # moved here, routed first at 1
+    assert state.index.prompt_ends_through("a", NS, ends) == [4]
+    state.index.drop_prompt_end("a", NS, ends, 1)  # moved away again: not its end any more
+    assert state.index.prompt_ends_through("a", NS, ends) == [4]
+    state.index.drop_prompt_end("a", NS, ends, 4)
+    assert state.index.prompt_ends_through("a", NS, ends) == []

@@ -106,7 +106,8 @@ class ClusterState:
     def routed(self, request: RouteRequest, replica: str) -> None:
         """The request goes to `replica`: count it and note its prompt as in flight there.
         Routing the same request again (a retry, or Serve choosing another replica than the
-        one reserved) moves it."""
+        one reserved) moves it: it stays the request routed when it first was, so it moves
+        what it weighs by now in the decayed counts (a retry long after counts less than 1)."""
         placed = self._placed.get(request.request_id)
         if (placed is not None and placed.replica == replica) or request.request_id in self._ended:
             return  # already there, or a late report of a request that has finished
@@ -116,17 +117,23 @@ class ClusterState:
         else:
             routing = placed.routing  # a move is the same request, routed when it first was
         self._unroute(request.request_id)
+        if placed is not None:  # its prompt end there is no conversation of that replica's
+            self.index.drop_prompt_end(placed.replica, request.namespace, request.page_hashes, routing)
         start = not self.index.continued_pages(replica, request.namespace, request.page_hashes, in_flight=True)
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         self.routed_total[replica] = self.routed_total.get(replica, 0) + 1
         self._add_recent(replica, self._recent_weight(routing))  # 1 unless moved after other routings
+        counted = self._starts_counted if placed is None else placed.starts_counted
         if start:
             self.share(replica)  # a replica first routed to joins at the least share
-            for known in self.starts:
-                self.starts[known] *= _STARTS_DECAY
-            self.starts[replica] += 1.0
-            self._starts_counted += 1
-        self._placed[request.request_id] = _Placement(replica, request.settle_key, start, routing, self._starts_counted)
+            if placed is None:
+                for known in self.starts:
+                    self.starts[known] *= _STARTS_DECAY
+                self.starts[replica] += 1.0
+                self._starts_counted = counted = self._starts_counted + 1
+            else:  # a move: a start as old as its first routing, the others not aged again
+                self.starts[replica] += _STARTS_DECAY ** (self._starts_counted - counted)
+        self._placed[request.request_id] = _Placement(replica, request.settle_key, start, routing, counted)
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
         self.index.add_prompt_end(replica, request.namespace, request.page_hashes, routing)
         if request.session_id is not None:

@@ -49,7 +49,7 @@ class CacheIndex:
         self._in_flight: dict[str, dict[str, Counter[int]]] = {}
         self._requests: dict[str, _InFlight] = {}
         # replica → (namespace, hash of a routed prompt's last full page) → the router's routing
-        # number then (ClusterState counts its routings); oldest first
+        # number then (ClusterState counts its routings); in the order recorded
         self._prompt_ends: dict[str, dict[tuple[str, int], int]] = {}
 
     # ------------------------------------------------------------------ events
@@ -105,10 +105,16 @@ class CacheIndex:
             return
         ends = self._prompt_ends.setdefault(replica, {})
         key = (namespace, hashes[-1])
-        ends.pop(key, None)
-        ends[key] = at
+        ends[key] = max(at, ends.pop(key, at))  # a moved request brings its first routing's number
         if len(ends) > PROMPT_ENDS_MEMORY:
             del ends[next(iter(ends))]
+
+    def drop_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int], at: int) -> None:
+        """Forgets the prompt end `add_prompt_end` recorded for the router's `at`-th routing
+        (the request was moved elsewhere), unless a later prompt ending there replaced it."""
+        ends = self._prompt_ends.get(replica)
+        if ends is not None and len(hashes) and ends.get((namespace, hashes[-1])) == at:
+            del ends[(namespace, hashes[-1])]
 
     def in_flight_on(self, request_id: str) -> str | None:
         """The replica a request is in flight on (None: not in flight)."""
