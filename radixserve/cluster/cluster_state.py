@@ -132,7 +132,7 @@ class ClusterState:
                 self.starts[replica] += 1.0
                 self._starts_counted = counted = self._starts_counted + 1
             else:  # a move: a start as old as its first routing, the others not aged again
-                self.starts[replica] += _STARTS_DECAY ** (self._starts_counted - counted)
+                self.starts[replica] += self._start_weight(counted)
         self._placed[request.request_id] = _Placement(replica, request.settle_key, start, routing, counted)
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
         self.index.add_prompt_end(replica, request.namespace, request.page_hashes, routing)
@@ -195,8 +195,7 @@ class ClusterState:
             self.routed_total[replica] -= 1
         self._add_recent(replica, -self._recent_weight(placed.routing))
         if placed.start and replica in self.starts:
-            share = _STARTS_DECAY ** (self._starts_counted - placed.starts_counted)
-            self.starts[replica] = max(0.0, self.starts[replica] - share)
+            self.starts[replica] = max(0.0, self.starts[replica] - self._start_weight(placed.starts_counted))
         self.index.end_in_flight(placed.key)
 
     def remove(self, replica: str) -> None:
@@ -226,7 +225,7 @@ class ClusterState:
         count, at = self._recent.get(replica, (0.0, 0))
         if not count:
             return 0.0
-        return count * 0.5 ** ((self._routings - at) / self.recent_half_life)
+        return count * self._recent_weight(at)
 
     def own_recent_requests(self, replica: str, request: RouteRequest) -> float:
         """The part of `recent_requests(replica)` that is the request's own conversation: its
@@ -238,11 +237,15 @@ class ClusterState:
         ends = self.index.prompt_ends_through(replica, request.namespace, request.page_hashes)
         if len(ends) < 2:
             return 0.0
-        return sum(0.5 ** ((self._routings - at) / self.recent_half_life) for at in ends)
+        return sum(self._recent_weight(at) for at in ends)
 
     def _recent_weight(self, routing: int) -> float:
         """What a request routed as routing number `routing` weighs in `recent_requests` now."""
         return 0.5 ** ((self._routings - routing) / self.recent_half_life)
+
+    def _start_weight(self, counted: int) -> float:
+        """What a start counted as start number `counted` weighs in `starts` now."""
+        return _STARTS_DECAY ** (self._starts_counted - counted)
 
     def _add_recent(self, replica: str, amount: float) -> None:
         self._recent[replica] = (max(0.0, self.recent_requests(replica) + amount), self._routings)
