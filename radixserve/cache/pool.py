@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from radixserve.cache.pinned import page_locked_zeros
+
 
 def as_int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
     """Integers as a 1-D int64 array; no copy for an int64 array. Lists go through
@@ -39,7 +41,8 @@ class PagePool:
     and one V tensor holding every layer).
 
     With `num_layers == 0` the pool holds no tensors (simulation and tree tests). `pin_memory`
-    page-locks a host pool's tensors, so copies to and from a CUDA device run asynchronously.
+    page-locks a host pool's tensors, exactly their bytes (pinned.py), so copies to and from a
+    CUDA device run asynchronously.
     Page arguments may be any iterable of ints or an integer numpy array; the counting is
     vectorised, so releasing a long block table costs C time, not a Python loop. At page
     size 1 a block table has a page per token, and turning Python ints into an array is then
@@ -58,6 +61,8 @@ class PagePool:
             raise ValueError(f"page_size: must be a power of two >= 1, got {page_size}")
         if num_layers and (num_kv_heads < 1 or head_dim < 1):
             raise ValueError("num_kv_heads and head_dim: must be >= 1 when num_layers > 0")
+        if pin_memory and torch.device(device).type != "cpu":
+            raise ValueError(f"pin_memory: only a host pool is pinned, not one on {device}")
         self.num_pages = num_pages
         self.page_size = page_size
         # K and V are each one backing tensor [num_layers, num_pages, page_size, heads, dim];
@@ -70,8 +75,11 @@ class PagePool:
         self.v_cache: list[torch.Tensor] = []
         if num_layers:
             shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-            self._k_all = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-            self._v_all = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            if pin_memory:  # exactly the pool's bytes (torch's pinned allocator rounds up: pinned.py)
+                self._k_all, self._v_all = page_locked_zeros(shape, dtype), page_locked_zeros(shape, dtype)
+            else:
+                self._k_all = torch.zeros(shape, dtype=dtype, device=device)
+                self._v_all = torch.zeros(shape, dtype=dtype, device=device)
             self.k_cache = [self._k_all[i] for i in range(num_layers)]
             self.v_cache = [self._v_all[i] for i in range(num_layers)]
         # The free list is a stack in an array (`_free[:_num_free]`), so whole block tables
