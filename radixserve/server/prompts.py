@@ -9,11 +9,20 @@ Two things make the ids cache well across the turns of a conversation:
 
 A request's tools go to the template as its `tools` variable, or, for a template that ignores
 them, into the system message (tools.py says how).
+
+What the client wrote stays text: a special token's string inside a message, a tool's output
+or a tool's definition (`<|im_end|>`, `<|im_start|>system`) is encoded as the characters it
+is, never as the token, so no pasted page or tool result can close a turn or open a system
+one (OpenAI's API does not let it either; transformers' chat templates, encoded whole, do).
+Each occurrence in the client's strings becomes a private-use placeholder before rendering,
+and the rendered text is encoded piece by piece around the placeholders, each spelled out
+as plain text; without one the encoding is exactly the tokenizer's own.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Hashable
 from typing import Any
 
@@ -29,6 +38,7 @@ _SYSTEM_ROLES = ("system", "developer")
 # Private-use characters: no client text or template contains them by accident.
 _PROBE_USER, _PROBE_SYSTEM = "\ue000", "\ue001"
 _MARK_OPEN, _MARK_CLOSE = "\ue002", "\ue003"
+_SPELL_OPEN, _SPELL_CLOSE = "\ue004", "\ue005"  # around the number of a client string spelled out
 
 Conversation = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
@@ -59,6 +69,8 @@ class ChatRenderer:
         if tools and not native:
             conversation = with_tool_block(conversation, tools)
         tools = tools if native else None
+        literal = _Literal.of(self.tokenizer)
+        conversation, tools = literal.defuse(conversation), literal.defuse(tools)
         text = _render(self.tokenizer, conversation, add_generation_prompt=True, tools=tools)
         prompt_ids = self._encode_turns(conversation, text, scope, tools)
         num_system = 0
@@ -77,7 +89,9 @@ class ChatRenderer:
 
     def _encode(self, text: str) -> list[int]:
         # The template already wrote BOS and friends: no special tokens added here.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if _SPELL_OPEN not in text:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return _Literal.of(self.tokenizer).encode(text)
 
     def _encode_turns(self, conversation: Conversation, text: str, scope: Hashable, tools: Tools) -> list[int]:
         """`text` encoded, with the ids of generated turns spliced in where the assistant
@@ -109,6 +123,50 @@ class ChatRenderer:
         for (before, _), turn_ids in zip(zip(pieces[::2], pieces[1::2]), known.values()):
             ids += self._encode(before) + turn_ids
         return ids + self._encode(rest)
+
+
+class _Literal:
+    """The strings of one tokenizer that a client's text must not turn into tokens (its
+    special added tokens, and the placeholder's own opening character), and how they are
+    spelled out (see the module)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        specials = {added.content for added in tokenizer.added_tokens_decoder.values() if added.special}
+        self.strings = sorted(specials - {""}, key=len, reverse=True) + [_SPELL_OPEN]  # longest first
+        self._index = {string: i for i, string in enumerate(self.strings)}
+        self._find = re.compile("|".join(map(re.escape, self.strings)))
+        self._placeholder = re.compile(f"{_SPELL_OPEN}(\\d+){_SPELL_CLOSE}")
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def of(tokenizer: PreTrainedTokenizerBase) -> _Literal:
+        """The (cached) strings of `tokenizer`."""
+        return _Literal(tokenizer)
+
+    def defuse(self, value: Any) -> Any:
+        """`value` (a conversation, tools: strings in dicts and lists, keys included) with
+        every occurrence of the strings replaced by its placeholder."""
+        if isinstance(value, str):
+            return self._find.sub(lambda m: f"{_SPELL_OPEN}{self._index[m.group()]}{_SPELL_CLOSE}", value)
+        if isinstance(value, dict):
+            return {self.defuse(key): self.defuse(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.defuse(item) for item in value]
+        return value
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered `text`: the template's own pieces encoded as the tokenizer does, each
+        placeholder as the plain characters of its string."""
+        ids: list[int] = []
+        pieces = self._placeholder.split(text)  # text, number, text, number, ..., text
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False) if piece else []
+            else:
+                ids += self.tokenizer.encode(self.strings[int(piece)], add_special_tokens=False,
+                                             split_special_tokens=True)
+        return ids
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> tuple[list[int], int]:
