@@ -354,7 +354,7 @@ def test_bad_request_names_the_field(client: httpx.Client, path: str, body: Any,
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param, error
-    assert error["message"] and error["type"]
+    assert error["message"] and error["type"] and error["code"], error  # every refusal says which rule
 
 
 def test_server_serves_after_bad_requests(client: httpx.Client, server: SimpleNamespace) -> None:

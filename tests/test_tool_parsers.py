@@ -150,6 +150,16 @@ def test_arguments_that_are_not_an_object_stay_text(arguments: str) -> None:
     assert [(c.name, c.arguments) for c in HermesParser().parse(as_text)[1]] == [("get_weather", '{"city": "Oslo"}')]
 
 
+def test_arguments_keep_their_characters() -> None:
+    """Arguments re-serialized from a call's object keep non-ASCII characters as they are
+    (as the model wrote them), not as \\u escapes."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🙂"}}\n</tool_call>'
+    assert [c.arguments for c in HermesParser().parse(block)[1]] == ['{"city": "Zürich 🙂"}']
+    assert [c.arguments for c in Llama3Parser().parse('{"name": "a", "parameters": {"s": "ß"}}')[1]] == ['{"s": "ß"}']
+    assert [c.arguments for c in RequiredCallsParser().parse('[{"name": "f", "arguments": {"s": "é"}}]')[1]] == \
+        ['{"s": "é"}']
+
+
 def test_llama3_parses_json_calls() -> None:
     _, calls = Llama3Parser().parse(LLAMA_REPLIES[1])
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {}), ("b", {"y": 2})]

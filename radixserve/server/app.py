@@ -479,7 +479,8 @@ class OpenAIServer:
                         raise too_large
         except TimeoutError:
             raise APIError(408, f"The request body did not arrive within {self.body_timeout_s:g} s",
-                           code="request_timeout", headers={"Connection": "close"}) from None
+                           code="request_timeout", error_type="invalid_request_error",
+                           headers={"Connection": "close"}) from None
         return bytes(body)
 
     def _identity(self, prefix: str, stream: bool, stream_options: Any) -> ResponseIdentity:

@@ -87,7 +87,7 @@ def _call_from_json(text: str, arguments_key: str, names: Collection[str] | None
         except ValueError:
             pass
         return None
-    return ParsedCall(value["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
+    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
 
 
 class ToolCallStream:
@@ -278,7 +278,7 @@ class RequiredCallsParser:
             items, cut = leading
         if not isinstance(items, list):
             return text, []
-        calls = [ParsedCall(item["name"], json.dumps(item.get("arguments", {})))
+        calls = [ParsedCall(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False))
                  for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)]
         if (match := self._CUT_ITEM.match(cut)) is not None:
             try:

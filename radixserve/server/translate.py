@@ -230,7 +230,7 @@ def _refuse_unsupported(request: GenerationRequest) -> None:
         raise _unsupported("frequency_penalty")
     if request.logit_bias and not all(key.isascii() and key.isdigit() for key in request.logit_bias):
         raise APIError(400, "logit_bias: keys must be token ids (non-negative integers as strings)",
-                       param="logit_bias")
+                       param="logit_bias", code="invalid_value")
     if request.logit_bias and any(bias != 0 for bias in request.logit_bias.values()):
         raise _unsupported("logit_bias")
     if request.best_of is not None and request.best_of != (request.n or 1):
