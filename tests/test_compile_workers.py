@@ -5,20 +5,25 @@ of spec.py) refused while an innocent client's schema is compiled and served bes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from server_util import running_server
+import xgrammar
 from transformers import AutoTokenizer
 
 from radixserve import AsyncEngine, Engine
 from radixserve.grammar import GrammarError, GrammarSpec, Grammars
+from radixserve.grammar.compile_workers import CompileTooSlowToFollow, CompileWorkers
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server import create_app
 
@@ -71,6 +76,40 @@ def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer
     for spec in specs():  # the next compiles run in the killed worker's replacement
         grammars.compile(spec)
     assert grammars.compile_timeouts == 1
+
+
+def test_the_standby_outlives_its_idle_time_and_takes_the_next_compile(tokenizer: Any) -> None:
+    """A worker takes seconds to start: one, the standby, stays however long it idles, so a
+    new schema after a quiet spell does not wait for a start; the others end when idle, and
+    a compile alone starts no other (it would take the standby's CPU)."""
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    pool = CompileWorkers(info.serialize_json(), workers=2, idle_exit_s=0.5)
+    first = pool.compile("json_object", "")
+    standby = pool.standby
+    assert standby is not None and pool._idle == [standby]
+    # Two at once (compiles of a second or so): the second finds no worker idle and starts one.
+    slow = fat_grammar(300)
+
+    def compile_slow(_: int) -> None:
+        with contextlib.suppress(CompileTooSlowToFollow):  # its first steps may pass the fill budget: no matter here
+            pool.compile(slow.kind, slow.source)
+
+    with ThreadPoolExecutor(2) as both:
+        list(both.map(compile_slow, range(2)))
+    others = [worker for worker in pool._idle if worker is not standby]
+    assert others and standby in pool._idle
+    deadline = time.monotonic() + 120
+    while any(w.process.poll() is None for w in others) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [w.process.poll() for w in others] == [0] * len(others)  # ended by themselves, idle
+    time.sleep(1.0)  # twice the idle time more: the standby waits on
+    assert standby.process.poll() is None
+    idle_since = standby.last_used
+    assert pool.compile("json_object", "") == first  # the standby compiles it, at once
+    assert pool.standby is standby and standby.last_used > idle_since
+    standby.kill()  # a standby that ended (past a limit, say) is replaced by the next worker
+    pool.compile("json_object", "")
+    assert pool.standby is not standby and pool.standby.process.poll() is None
 
 
 def test_a_grammar_whose_first_steps_pass_the_fill_budget_is_refused_before_generation(tokenizer: Any) -> None:

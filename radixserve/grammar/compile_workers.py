@@ -15,14 +15,19 @@ first steps (probe.py): one whose early fills already pass the engine's per-fill
 refused (CompileTooSlowToFollow) instead of stalling the engine thread at a request's step.
 
 Workers start on first use, with the tokenizer's serialized TokenizerInfo, and are kept for
-later compiles until idle for IDLE_EXIT_S (each holds torch, which xgrammar imports: about
-250 MB); at most `workers` compile at once (more callers wait for one to be free). The
+later compiles until idle for `idle_exit_s` (each holds torch, which xgrammar imports: about
+250 MB); at most `workers` compile at once (more callers wait for one to be free). One of
+them, the *standby*, never ends for being idle: a worker takes seconds to start (5 s here
+beside a busy engine, 19-28 s in a Ray replica), and a new schema arriving after a quiet
+minute would otherwise wait for that; so only the pool's first compile pays a start, and
+compiles one at a time need no other worker. The
 engines of one tokenizer in a process share one pool (`shared_workers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import subprocess
@@ -93,13 +98,13 @@ class _Worker:
     torch-loaded one, nor multiprocessing's spawn, which would run the caller's main script
     again) and the parent's ends of its two pipes (the others are passed to it alone)."""
 
-    def __init__(self, setup_fd: int) -> None:
+    def __init__(self, setup_fd: int, idle_exit_s: float) -> None:
         child_reads, to_child = os.pipe()
         from_child, child_writes = os.pipe()
         # Never blocks: the setup (the tokenizer, megabytes) is read from a file by the child,
         # not pushed through the pipe, which would wait for the child to start reading it.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), str(setup_fd)],
+            [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), str(setup_fd), repr(idle_exit_s)],
             pass_fds=(child_reads, child_writes, setup_fd), stdin=subprocess.DEVNULL, close_fds=True)
         os.close(child_reads)
         os.close(child_writes)
@@ -145,10 +150,12 @@ class CompileWorkers:
     """A pool of at most `workers` compile processes for one tokenizer (see the module)."""
 
     def __init__(self, tokenizer_info: str, *, workers: int = DEFAULT_WORKERS,
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        if timeout_s <= 0 or workers < 1:
-            raise ValueError(f"CompileWorkers: timeout_s > 0 and workers >= 1, got {timeout_s}, {workers}")
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, idle_exit_s: float = IDLE_EXIT_S) -> None:
+        if timeout_s <= 0 or workers < 1 or idle_exit_s <= 0:
+            raise ValueError(f"CompileWorkers: timeout_s > 0, workers >= 1 and idle_exit_s > 0, "
+                             f"got {timeout_s}, {workers}, {idle_exit_s}")
         self.timeout_s = timeout_s
+        self.idle_exit_s = idle_exit_s
         # The workers' setup, in a file with no name (unlinked at once: nothing is left behind
         # however this process ends), which each worker reads through the descriptor it is passed.
         descriptor, path = tempfile.mkstemp(prefix="radixserve-grammar-")
@@ -158,6 +165,7 @@ class CompileWorkers:
         self._setup_fd = descriptor
         weakref.finalize(self, os.close, descriptor)
         self._idle: list[_Worker] = []
+        self.standby: _Worker | None = None  # the worker kept however long it idles
         self._lock = threading.Lock()
         self._turns = threading.BoundedSemaphore(workers)
         self._workers = workers
@@ -169,11 +177,11 @@ class CompileWorkers:
         the timeout, CompileFailed when the compiler refuses it."""
         with self._turns, self._counted_busy():
             with self._lock:
-                worker = self._idle.pop() if self._idle else None
-            if worker is not None and time.monotonic() - worker.last_used > IDLE_EXIT_S / 2:
-                worker.kill()  # it may be ending by itself as the job is sent: retired well before
-                worker = None
-            self._start_a_spare()
+                worker, retired = self._take_idle()
+            for old in retired:
+                old.kill()
+            if self._busy > 1:  # other compiles under way: the next may find none idle
+                self._start_a_spare()
             try:
                 worker = self._send(worker, (kind, source))
             except (EOFError, OSError) as exc:
@@ -242,13 +250,36 @@ class CompileWorkers:
                 return "memory"
         return None
 
+    def _take_idle(self) -> tuple[_Worker | None, list[_Worker]]:
+        """The idle worker a compile goes to (the one used last), and the idle ones passed
+        over to retire: past half of `idle_exit_s` a worker may be ending by itself as the job
+        is sent (never the standby). Under the lock."""
+        retired = []
+        while self._idle:
+            worker = self._idle.pop()
+            if worker is self.standby or time.monotonic() - worker.last_used <= self.idle_exit_s / 2:
+                return worker, retired
+            retired.append(worker)
+        return None, retired
+
     def _start_a_spare(self) -> None:
         """Starts a worker for the next compile when none is idle, up to the pool's size (each
         compile under way has one): a worker takes seconds to start, and while slow compiles
-        hold the others, the next compile should not wait for that."""
+        hold the others, the next compile should not wait for that. Not beside a compile alone:
+        the standby takes the next one, and a start beside it takes its CPU (SmolLM2, 2 cores:
+        a new schema after a quiet minute answered in 2.0 s with a spare starting, 0.45 s
+        without; 3.1-3.6 s when the worker itself had to start)."""
         with self._lock:
             if not self._idle and self._busy < self._workers:
-                self._idle.append(_Worker(self._setup_fd))
+                self._idle.append(self._new_worker())
+
+    def _new_worker(self) -> _Worker:
+        """A worker process starting; the standby when there is none (or it has ended:
+        killed past a limit, recycled, or by the system)."""
+        if self.standby is None or self.standby.process.poll() is not None:
+            self.standby = _Worker(self._setup_fd, math.inf)
+            return self.standby
+        return _Worker(self._setup_fd, self.idle_exit_s)
 
     def _send(self, worker: _Worker | None, job: tuple[str, str]) -> _Worker:
         """Sends `job` to `worker`, or to a new one where it has ended (idle too long)."""
@@ -258,7 +289,8 @@ class CompileWorkers:
                 return worker
             except (OSError, EOFError):
                 worker.kill()
-        worker = _Worker(self._setup_fd)
+        with self._lock:
+            worker = self._new_worker()
         try:
             worker.send(job)
         except (OSError, EOFError):
@@ -267,10 +299,10 @@ class CompileWorkers:
         return worker
 
 
-def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
+def _serve(jobs: Connection, replies: Connection, setup_fd: int, idle_exit_s: float) -> None:
     """The worker's loop: its setup from `setup_fd` first, then (kind, source) in and ("ok",
     serialized) or ("error", message) out, until the parent closes its end or nothing comes
-    for IDLE_EXIT_S."""
+    for `idle_exit_s` (inf: the standby)."""
     os.nice(COMPILE_NICENESS)
     import xgrammar
 
@@ -288,7 +320,7 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int) -> None:
     replies.send("ready")
     while True:
         try:
-            if not jobs.poll(IDLE_EXIT_S):
+            if not jobs.poll(None if math.isinf(idle_exit_s) else idle_exit_s):
                 return  # idle: the parent starts another when it needs one
             kind, source = jobs.recv()
         except (EOFError, OSError):
@@ -323,10 +355,10 @@ def shared_workers(tokenizer_info: str, timeout_s: float) -> CompileWorkers:
         return _shared[key]
 
 
-def serve_fds(jobs_fd: int, replies_fd: int, setup_fd: int) -> None:
+def serve_fds(jobs_fd: int, replies_fd: int, setup_fd: int, idle_exit_s: float) -> None:
     """A worker process's entry (_CHILD): `_serve` over the two pipe ends it was passed."""
-    _serve(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), setup_fd)
+    _serve(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), setup_fd, idle_exit_s)
 
 
 _CHILD = ("import sys; from radixserve.grammar.compile_workers import serve_fds; "
-          "serve_fds(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
+          "serve_fds(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))")
