@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from radixserve import AsyncEngine, Engine
 from radixserve.grammar import GrammarError, GrammarSpec, Grammars
-from radixserve.grammar.compile_workers import CompileTooSlowToFollow, CompileWorkers
+from radixserve.grammar.compile_workers import CompileTimeout, CompileTooSlowToFollow, CompileWorkers
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server import create_app
 
@@ -110,6 +110,34 @@ def test_the_standby_outlives_its_idle_time_and_takes_the_next_compile(tokenizer
     standby.kill()  # a standby that ended (past a limit, say) is replaced by the next worker
     pool.compile("json_object", "")
     assert pool.standby is not standby and pool.standby.process.poll() is None
+
+
+def test_a_standby_killed_past_the_timeout_has_a_successor_though_another_worker_idles(
+        tokenizer: Any, cpu_limit_only: None) -> None:
+    """An attack round's finding: the standby's successor was started only when no worker was
+    idle, so a standby killed beside an idle worker left none once that one idled out."""
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    pool = CompileWorkers(info.serialize_json(), workers=2, timeout_s=1.0, idle_exit_s=60)
+    pool.compile("json_object", "")
+    standby = pool.standby
+    slow = GrammarSpec.json_schema({"type": "string", "pattern": SLOW_PATTERN}, "response_format")
+    refused: list[Exception] = []
+
+    def compile_slow() -> None:
+        try:
+            pool.compile(slow.kind, slow.source)
+        except CompileTimeout as exc:
+            refused.append(exc)
+
+    attack = threading.Thread(target=compile_slow)
+    attack.start()
+    time.sleep(0.3)  # the slow compile holds the standby: this one starts another worker
+    pool.compile("json_object", "")
+    attack.join(120)
+    assert len(refused) == 1 and standby.process.poll() is not None
+    others = [worker for worker in pool._idle if worker is not pool.standby]
+    assert len(others) == 1 and others[0].process.poll() is None  # the other worker, idle
+    assert pool.standby is not standby and pool.standby.process.poll() is None and pool.standby in pool._idle
 
 
 def test_a_grammar_whose_first_steps_pass_the_fill_budget_is_refused_before_generation(tokenizer: Any) -> None:

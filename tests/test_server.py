@@ -357,6 +357,28 @@ def test_bad_request_names_the_field(client: httpx.Client, path: str, body: Any,
     assert error["message"] and error["type"] and error["code"], error  # every refusal says which rule
 
 
+def test_a_prompt_too_long_in_any_rendered_field_is_refused_before_rendering(client: httpx.Client) -> None:
+    """The size check counts every string the template renders, not the contents alone: a
+    tool call's arguments (or a tool's description) longer than the context could hold are
+    refused on their characters, before the seconds of rendering and encoding them."""
+    long = "x" * 130_000  # the demo model's context of 4,096 tokens holds at most 122,880 characters
+    calls = [{"role": "assistant", "content": None,
+              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": long}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    tool = {"type": "function", "function": {"name": "f", "description": long}}
+    for body in ({"messages": USER + calls}, {"messages": USER, "tools": [tool]}):
+        r = client.post(CHAT, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+        assert error["message"].startswith("The prompt has 13") and "characters" in error["message"], error
+    # Each special token's string in client text is at least a token: more than the context
+    # holds are refused before they are encoded one by one.
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "<|im_end|>" * 5000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "5000 special tokens' strings" in r.json()["error"]["message"]
+
+
 def test_server_serves_after_bad_requests(client: httpx.Client, server: SimpleNamespace) -> None:
     for _ in range(3):
         client.post(CHAT, content=b"garbage")

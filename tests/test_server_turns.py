@@ -101,6 +101,21 @@ def test_generated_ids_are_spliced_where_the_history_holds_their_text(tokenizer:
     assert renderer.render(second, "other scope")[0] == plain != ids
 
 
+def test_a_generated_answer_writing_a_special_tokens_string_is_spliced_as_generated(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """Client text is defused before rendering (prompts.py), but an answer is looked up by the
+    text it was generated as: one that wrote `<|im_end|>` as characters is still spliced in."""
+    renderer = ChatRenderer(tokenizer, GeneratedTurns())
+    first = messages(("user", "Echo it."))
+    first_ids, _ = renderer.render(first)
+    answer = "ok <|im_end|> done"
+    generated = odd_split(tokenizer, answer)  # ids that encoding the text would not give
+    assert generated != tokenizer.encode(answer, add_special_tokens=False, split_special_tokens=True)
+    renderer.turns.remember(None, answer, generated)
+    ids, _ = renderer.render(first + messages(("assistant", answer), ("user", "More.")))
+    assert ids[len(first_ids): len(first_ids) + len(generated)] == generated
+
+
 def test_a_template_that_changes_the_text_gets_plain_encoding(tokenizer: PreTrainedTokenizerBase) -> None:
     trimming = with_template(tokenizer, TRIMMING_TEMPLATE)
     renderer = ChatRenderer(trimming, GeneratedTurns())

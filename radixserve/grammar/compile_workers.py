@@ -201,6 +201,7 @@ class CompileWorkers:
                 outcome, payload = worker.conn.recv()
             except (EOFError, OSError) as exc:  # the worker ended on its own (killed by the system, say)
                 worker.kill()
+                self._start_a_spare()
                 raise CompileWorkerLost(f"the compiling process ended: {exc or type(exc).__name__}") from None
             worker.last_used = time.monotonic()
             if (worker.rss_bytes() or 0) > RECYCLE_RSS_BYTES:  # freed memory stays the process's
@@ -257,20 +258,24 @@ class CompileWorkers:
         retired = []
         while self._idle:
             worker = self._idle.pop()
-            if worker is self.standby or time.monotonic() - worker.last_used <= self.idle_exit_s / 2:
+            if worker.process.poll() is None and \
+                    (worker is self.standby or time.monotonic() - worker.last_used <= self.idle_exit_s / 2):
                 return worker, retired
-            retired.append(worker)
+            retired.append(worker)  # (one that ended idle is reaped here)
         return None, retired
 
     def _start_a_spare(self) -> None:
-        """Starts a worker for the next compile when none is idle, up to the pool's size (each
+        """Starts the standby's successor when it ended (killed past a limit, recycled), and
+        otherwise a worker for the next compile when none is idle, up to the pool's size (each
         compile under way has one): a worker takes seconds to start, and while slow compiles
         hold the others, the next compile should not wait for that. Not beside a compile alone:
         the standby takes the next one, and a start beside it takes its CPU (SmolLM2, 2 cores:
         a new schema after a quiet minute answered in 2.0 s with a spare starting, 0.45 s
         without; 3.1-3.6 s when the worker itself had to start)."""
         with self._lock:
-            if not self._idle and self._busy < self._workers:
+            if self.standby is not None and self.standby.process.poll() is not None:
+                self._idle.append(self._new_worker())  # its successor, though others idle: they end
+            elif not self._idle and self._busy < self._workers:
                 self._idle.append(self._new_worker())
 
     def _new_worker(self) -> _Worker:

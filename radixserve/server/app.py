@@ -54,7 +54,7 @@ from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompt_work import PromptWork
-from radixserve.server.prompts import ChatRenderer
+from radixserve.server.prompts import ChatRenderer, rendered_chars
 from radixserve.server.protocol import (
     MAX_ID_CHARS,
     ChatCompletionRequest,
@@ -127,9 +127,9 @@ class OpenAIServer:
         self.tokenizer = engine.engine.tokenizer
         self.tool_call_parser = tool_call_parser or parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self.turns = GeneratedTurns(turn_memory_tokens) if turn_memory_tokens else None
-        self.renderer = ChatRenderer(self.tokenizer, self.turns)
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self.max_context_len = engine.engine.max_context_len
+        self.renderer = ChatRenderer(self.tokenizer, self.turns, max_prompt_tokens=self.max_context_len)
         self.max_sequence_len = engine.engine.max_sequence_len
         self.sampling_defaults = engine.engine.sampling_defaults  # the checkpoint's, for unset fields
         self.model_name = served_model_name or engine.engine.model_name
@@ -204,7 +204,7 @@ class OpenAIServer:
         scope = salt if caller.tenant is None else (caller.tenant, salt)
         schemas = bool(body.tools) or carries_constraint(body)
         tools = await self._check(share, schemas, lambda: plan_tools(body, self.tool_call_parser))
-        chars = sum(len(message.text()) for message in body.messages)
+        chars = rendered_chars(body)
         self.prompt_work.check_size(chars, "messages")
         try:
             # (each message adds its template's markup: counted, so a crowd of tiny ones is large)

@@ -26,11 +26,12 @@ import re
 from collections.abc import Hashable
 from typing import Any
 
+import msgspec
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.server.errors import APIError
-from radixserve.server.protocol import ChatMessage, RefusalPart
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, RefusalPart
 from radixserve.server.tools import conversation_message, template_renders_tools, with_tool_block
 from radixserve.server.turns import GeneratedTurns
 
@@ -47,9 +48,13 @@ Tools = list[dict[str, Any]] | None
 class ChatRenderer:
     """Renders chat requests for one tokenizer, with an optional memory of generated turns."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, turns: GeneratedTurns | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, turns: GeneratedTurns | None = None, *,
+                 max_prompt_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.turns = turns
+        # A prompt of more spelled-out strings than this is refused unencoded: each is a token
+        # at least, and encoding them is work per string (the context's length, when serving).
+        self.max_prompt_tokens = max_prompt_tokens
 
     def render(self, messages: list[ChatMessage], scope: Hashable = None,
                tools: Tools = None) -> tuple[list[int], int]:
@@ -70,9 +75,10 @@ class ChatRenderer:
             conversation = with_tool_block(conversation, tools)
         tools = tools if native else None
         literal = _Literal.of(self.tokenizer)
+        written = [message.get("content") for message in conversation]  # as the client wrote them
         conversation, tools = literal.defuse(conversation), literal.defuse(tools)
         text = _render(self.tokenizer, conversation, add_generation_prompt=True, tools=tools)
-        prompt_ids = self._encode_turns(conversation, text, scope, tools)
+        prompt_ids = self._encode_turns(conversation, text, scope, tools, written)
         num_system = 0
         while num_system < len(conversation) and conversation[num_system]["role"] == "system":
             num_system += 1
@@ -91,9 +97,10 @@ class ChatRenderer:
         # The template already wrote BOS and friends: no special tokens added here.
         if _SPELL_OPEN not in text:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return _Literal.of(self.tokenizer).encode(text)
+        return _Literal.of(self.tokenizer).encode(text, self.max_prompt_tokens)
 
-    def _encode_turns(self, conversation: Conversation, text: str, scope: Hashable, tools: Tools) -> list[int]:
+    def _encode_turns(self, conversation: Conversation, text: str, scope: Hashable, tools: Tools,
+                      written: list[Any]) -> list[int]:
         """`text` encoded, with the ids of generated turns spliced in where the assistant
         messages hold their exact text; plain encoding when the template does not render
         those messages verbatim."""
@@ -102,7 +109,7 @@ class ChatRenderer:
         known: dict[int, list[int]] = {}
         for i, message in enumerate(conversation):
             if message["role"] == "assistant" and message["content"]:
-                ids = self.turns.recall(scope, message["content"])
+                ids = self.turns.recall(scope, written[i])  # generated text, special strings and all
                 if ids is not None:
                     known[i] = ids
         if not known:
@@ -133,9 +140,14 @@ class _Literal:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         specials = {added.content for added in tokenizer.added_tokens_decoder.values() if added.special}
-        self.strings = sorted(specials - {""}, key=len, reverse=True) + [_SPELL_OPEN]  # longest first
-        self._index = {string: i for i, string in enumerate(self.strings)}
-        self._find = re.compile("|".join(map(re.escape, self.strings)))
+        # Spelled out: the specials, longest first (one inside another is replaced as the
+        # longer), and, last, the placeholder's opening where a client's text writes a whole
+        # placeholder (a lone U+E004 is harmless and stays itself, at no cost).
+        self.strings = sorted(specials - {""}, key=len, reverse=True) + [_SPELL_OPEN]
+        self._replace = [(string, f"{_SPELL_OPEN}{i}{_SPELL_CLOSE}") for i, string in enumerate(self.strings[:-1])]
+        self._forged = re.compile(f"{_SPELL_OPEN}(?=\\d+{_SPELL_CLOSE})")
+        self._escape_forged = f"{_SPELL_OPEN}{len(self.strings) - 1}{_SPELL_CLOSE}"
+        self._find = re.compile("|".join([*map(re.escape, self.strings[:-1]), self._forged.pattern]))
         self._placeholder = re.compile(f"{_SPELL_OPEN}(\\d+){_SPELL_CLOSE}")
 
     @staticmethod
@@ -148,18 +160,29 @@ class _Literal:
         """`value` (a conversation, tools: strings in dicts and lists, keys included) with
         every occurrence of the strings replaced by its placeholder."""
         if isinstance(value, str):
-            return self._find.sub(lambda m: f"{_SPELL_OPEN}{self._index[m.group()]}{_SPELL_CLOSE}", value)
+            if self._find.search(value) is None:  # nearly always: the string as it is
+                return value
+            # Replaced in C, whatever their number (a Python call per occurrence, with the GIL
+            # held, slowed every other tenant's requests); the forged placeholders first.
+            value = self._forged.sub(self._escape_forged, value)
+            for string, placeholder in self._replace:
+                value = value.replace(string, placeholder)
+            return value
         if isinstance(value, dict):
             return {self.defuse(key): self.defuse(item) for key, item in value.items()}
         if isinstance(value, list | tuple):
             return [self.defuse(item) for item in value]
         return value
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Rendered `text`: the template's own pieces encoded as the tokenizer does, each
-        placeholder as the plain characters of its string (pieces in one batch: a prompt of
-        many placeholders costs about what its plain text would)."""
+        placeholder as the plain characters of its string (pieces in one batch); a 400 when it
+        holds more placeholders than `max_tokens`, which it could not fit."""
         pieces = self._placeholder.split(text)  # text, number, text, number, ..., text
+        if max_tokens is not None and len(pieces) // 2 > max_tokens:
+            raise APIError(400, f"The messages hold {len(pieces) // 2} special tokens' strings, each encoded as "
+                                f"text: more tokens than this model's context of {max_tokens} tokens could hold.",
+                           param="messages", code="context_length_exceeded")
         encoded = self.tokenizer(pieces[0::2], add_special_tokens=False)["input_ids"]
         ids: list[int] = list(encoded[0])
         for number, after in zip(pieces[1::2], encoded[1:]):
@@ -170,6 +193,23 @@ class _Literal:
     @functools.cache  # noqa: B019 (one per tokenizer, few strings: kept with it)
     def _spelled(self, index: int) -> list[int]:
         return list(self.tokenizer.encode(self.strings[index], add_special_tokens=False, split_special_tokens=True))
+
+
+def rendered_chars(request: ChatCompletionRequest) -> int:
+    """How many characters of the request's own text the chat template renders: the messages'
+    contents and names, their tool calls' names and arguments, the tools' names, descriptions
+    and parameter schemas (what sizes the work of rendering and encoding a chat prompt: a
+    prompt's length is checked on all of it, not on the contents alone)."""
+    total = 0
+    for message in request.messages:
+        total += len(message.text()) + len(message.name or "")
+        for call in message.tool_calls or ():
+            total += len(call.function.name) + len(call.function.arguments)
+    for tool in request.tools or ():
+        function = tool.function
+        total += len(function.name) + len(function.description or "") + \
+            (len(msgspec.json.encode(function.parameters)) if function.parameters else 0)
+    return total
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> tuple[list[int], int]:
