@@ -379,6 +379,28 @@ def test_a_prompt_too_long_in_any_rendered_field_is_refused_before_rendering(cli
     assert "5000 special tokens' strings" in r.json()["error"]["message"]
 
 
+def test_a_prompt_whose_prefix_alone_is_over_the_context_is_refused_on_it(client: httpx.Client,
+                                                                         server: SimpleNamespace) -> None:
+    """A prompt under the size check (122,880 characters for the demo model) but of many tokens
+    a character is refused on its first 8 characters a token of context (32,768), not encoded
+    whole first; a long prompt of long tokens that fits is served."""
+    dense = "\ue004" * 70_000  # 3 tokens a character on the demo tokenizer
+    for path, body, param in ((COMPLETIONS, {"prompt": dense}, "prompt"), (COMPLETIONS, {"prompt": ["hi", dense]}, "prompt[1]"),
+                              (CHAT, {"messages": [{"role": "user", "content": dense}]}, "messages")):
+        r = client.post(path, json={**body, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+        assert error["message"].startswith("The prompt's first 32768 characters alone are "), error
+    # " considerable" is one token (byte-level BPE writes the space as "Ġ"): the longest such word
+    word = max((w[1:] for w in server.tokenizer.get_vocab() if w[:1] == "Ġ" and w[1:].isascii() and w[1:].isalpha()),
+               key=len)
+    sparse = f" {word}" * (34_000 // (len(word) + 1))  # more than 32,768 characters, under 4,096 tokens
+    assert len(sparse) > 32_768 and len(server.tokenizer.encode(sparse)) < 4_000
+    r = client.post(COMPLETIONS, json={"prompt": sparse, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
 def test_server_serves_after_bad_requests(client: httpx.Client, server: SimpleNamespace) -> None:
     for _ in range(3):
         client.post(CHAT, content=b"garbage")

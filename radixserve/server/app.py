@@ -53,7 +53,7 @@ from radixserve.server.formatting import (
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
 from radixserve.server.metrics import RequestTimer, ServerMetrics
-from radixserve.server.prompt_work import PromptWork
+from radixserve.server.prompt_work import PromptWork, refuse_by_prefix
 from radixserve.server.prompts import ChatRenderer, rendered_chars
 from radixserve.server.protocol import (
     MAX_ID_CHARS,
@@ -244,9 +244,14 @@ class OpenAIServer:
         for prompt, param in zip(prompts, params):
             if isinstance(prompt, str):
                 self.prompt_work.check_size(len(prompt), param)
-        prompt_ids = await self.prompt_work.run(
-            share, sum(len(p) for p in prompts if isinstance(p, str)),
-            lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
+
+        def encode() -> list[list[int]]:
+            for prompt, param in zip(prompts, params):
+                if isinstance(prompt, str):
+                    refuse_by_prefix(tokenizer.encode, prompt, self.max_context_len, param)
+            return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+        prompt_ids = await self.prompt_work.run(share, sum(len(p) for p in prompts if isinstance(p, str)), encode)
         limit = WorkLimit(self.max_request_tokens, len(prompts))
         calls = await self._check(share, carries_constraint(body), lambda: completion_calls(
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))

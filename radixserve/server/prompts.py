@@ -31,6 +31,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.server.errors import APIError
+from radixserve.server.prompt_work import refuse_by_prefix
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, RefusalPart
 from radixserve.server.tools import conversation_message, template_renders_tools, with_tool_block
 from radixserve.server.turns import GeneratedTurns
@@ -78,6 +79,9 @@ class ChatRenderer:
         written = [message.get("content") for message in conversation]  # as the client wrote them
         conversation, tools = literal.defuse(conversation), literal.defuse(tools)
         text = _render(self.tokenizer, conversation, add_generation_prompt=True, tools=tools)
+        if self.max_prompt_tokens is not None:  # (placeholders left out: they spell to a token or more)
+            refuse_by_prefix(functools.partial(self.tokenizer.encode, add_special_tokens=False),
+                             literal.without_placeholders(text), self.max_prompt_tokens, "messages")
         prompt_ids = self._encode_turns(conversation, text, scope, tools, written)
         num_system = 0
         while num_system < len(conversation) and conversation[num_system]["role"] == "system":
@@ -173,6 +177,10 @@ class _Literal:
         if isinstance(value, list | tuple):
             return [self.defuse(item) for item in value]
         return value
+
+    def without_placeholders(self, text: str) -> str:
+        """`text` with its placeholders taken out."""
+        return self._placeholder.sub("", text) if _SPELL_OPEN in text else text
 
     def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Rendered `text`: the template's own pieces encoded as the tokenizer does, each
