@@ -61,11 +61,11 @@ def test_every_matrix_workload_builds_scaled() -> None:
 
 def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
     out = tmp_path / "m.json"
-    assert main(["bench", "matrix", "--quick", "--workloads", "zipf-docs,gsp", "--no-progress",
-                 "--json", str(out)]) == 0
+    # One workload: every kind of cell is there (zipf-docs would add 12 s and no kind of cell).
+    assert main(["bench", "matrix", "--quick", "--workloads", "gsp", "--no-progress", "--json", str(out)]) == 0
     cells = json.loads(out.read_text())["cells"]
     shapes = {(c["workload"], c["host_tokens"] > 0, c["replicas"]) for c in cells}
-    assert shapes == {(w, host, n) for w in ("zipf-docs", "gsp") for host, n in ((False, 1), (False, 4), (True, 1))}
+    assert shapes == {(w, host, n) for w in ("gsp",) for host, n in ((False, 1), (False, 4), (True, 1))}
     for c in cells:
         assert set(c["hit_rates"]) == {"adaptive", "lru", "reuse-boost"}
         assert all(0 <= rate <= c["optimum"] + 1e-9 for rate in c["hit_rates"].values()) or c["replicas"] > 1

@@ -406,7 +406,7 @@ class TreeMachinePage4(TreeMachine):
     max_len = 18
 
 
-SETTINGS = settings(max_examples=150, stateful_step_count=40, derandomize=True, database=None,
+SETTINGS = settings(max_examples=100, stateful_step_count=40, derandomize=True, database=None,
                     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestTreePage1 = TreeMachine.TestCase
 TestTreePage1.settings = SETTINGS
