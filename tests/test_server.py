@@ -630,6 +630,9 @@ def test_invalid_utf8_body_and_neutral_logit_bias(client: httpx.Client, server: 
     r = client.post(COMPLETIONS, content=b'{"prompt": "\xff\xfe", "max_tokens": 2}',
                     headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = client.post(CHAT, content=b'{"max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
+                    headers={"content-type": "application/json"})  # msgspec: "truncated", so near the end
+    assert r.status_code == 400 and "surrogate pair" in r.json()["error"]["message"], r.text
     r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "logit_bias": {"5": 0}})
     assert r.status_code == 200
     r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, "logit_bias": {"5": 3}})

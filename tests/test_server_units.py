@@ -192,6 +192,25 @@ def test_decode_errors_name_the_path(body: bytes, param: str | None, code: str) 
     assert (error.status, error.param, error.code) == (400, param, code)
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    (b'{"messages": "\\ud800"}', "invalid utf-16 surrogate pair (a high surrogate escape with no low one after "
+                                 "it, byte 14)"),
+    (b'{"messages": "\\\\\\uDBFFx"}', "invalid utf-16 surrogate pair (a high surrogate escape with no low one "
+                                      "after it, byte 16)"),  # after an escaped backslash
+    (b'{"messages": "\\\\ud800', "Input data was truncated"),  # a backslash, then text: truly truncated
+    (b'{"messages": "\\ud800\\udc00', "Input data was truncated"),  # a whole pair, then truncated
+    # More backslashes before it than are counted: msgspec's own message (refused either way).
+    (b'{"messages": "' + b"\\" * 4096 + b'\\ud800"}', "Input data was truncated"),
+])
+def test_a_lone_high_surrogate_is_named_not_called_truncated(body: bytes, message: str) -> None:
+    """msgspec reports a high surrogate escape with no low one after it, less than 6 bytes
+    before the body's end, as truncated input."""
+    with pytest.raises(msgspec.DecodeError) as caught:
+        msgspec.json.decode(body, type=ChatCompletionRequest)
+    error = error_from_decode(caught.value, body)
+    assert (error.status, error.code, error.message) == (400, "invalid_json", f"Request body is not valid JSON: {message}")
+
+
 # ---------------------------------------------------------------- formatting
 
 

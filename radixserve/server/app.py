@@ -577,7 +577,7 @@ async def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:
             return await anyio.to_thread.run_sync(decoder.decode, body)
         return decoder.decode(body)
     except (msgspec.DecodeError, RecursionError) as exc:
-        raise error_from_decode(exc) from exc
+        raise error_from_decode(exc, body) from exc
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The body is not valid UTF-8: {exc.reason} at byte {exc.start}.",
                        code="invalid_json") from exc

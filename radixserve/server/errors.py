@@ -19,6 +19,12 @@ _ENCODER = msgspec.json.Encoder()
 # msgspec ends a validation message with " - at `$.messages[0].role`"; the path names the field.
 _PATH_SUFFIX = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+# A high surrogate escape not followed by a low one. msgspec reports one with fewer than 6
+# bytes after it (`"\ud800"}]}` closing a chat) as "Input data was truncated", so only the
+# body's last bytes are searched; elsewhere msgspec names the surrogate itself.
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+_SURROGATE_TAIL_BYTES = 16
+_BACKSLASH_RUN_BYTES = 4096
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -53,8 +59,8 @@ def error_response(error: APIError) -> Response:
                     media_type="application/json")
 
 
-def error_from_decode(exc: msgspec.DecodeError | RecursionError) -> APIError:
-    """Maps a msgspec decode failure to a 400 naming the offending field.
+def error_from_decode(exc: msgspec.DecodeError | RecursionError, body: bytes = b"") -> APIError:
+    """Maps a msgspec decode failure of `body` to a 400 naming the offending field.
 
     A missing field is named by its full path (`messages[0].role`), a wrong type or value by
     the path msgspec reports; malformed JSON names no field.
@@ -62,6 +68,10 @@ def error_from_decode(exc: msgspec.DecodeError | RecursionError) -> APIError:
     if isinstance(exc, RecursionError):  # msgspec's decoder recurses once per nesting level
         return APIError(400, "Request body is nested too deeply", code="invalid_json")
     if not isinstance(exc, msgspec.ValidationError):
+        at = _lone_high_surrogate(body) if str(exc) == "Input data was truncated" else None
+        if at is not None:
+            return APIError(400, "Request body is not valid JSON: invalid utf-16 surrogate pair (a high "
+                                 f"surrogate escape with no low one after it, byte {at})", code="invalid_json")
         return APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json")
     message = str(exc)
     path_match = _PATH_SUFFIX.search(message)
@@ -72,6 +82,22 @@ def error_from_decode(exc: msgspec.DecodeError | RecursionError) -> APIError:
         param = f"{path}.{field}" if path else field
         return APIError(400, message, param=param, code="missing_field")
     return APIError(400, message, param=path or None, code="invalid_value")
+
+
+def _lone_high_surrogate(body: bytes) -> int | None:
+    """Where a lone high surrogate escape starts in the last bytes of `body`, or None. Its
+    backslash must not be escaped itself: an even number of backslashes comes before it,
+    counted over at most _BACKSLASH_RUN_BYTES (a longer run gets msgspec's own message: the
+    body is refused either way, and counting megabytes of backslashes would hold the loop)."""
+    for found in _LONE_HIGH_SURROGATE.finditer(body, max(0, len(body) - _SURROGATE_TAIL_BYTES)):
+        start = found.start()
+        before = body[max(0, start - _BACKSLASH_RUN_BYTES):start]
+        run = len(before) - len(before.rstrip(b"\\"))
+        if run == _BACKSLASH_RUN_BYTES:
+            return None
+        if run % 2 == 0:
+            return start
+    return None
 
 
 def error_from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
