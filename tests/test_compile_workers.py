@@ -58,11 +58,75 @@ def specs() -> list[GrammarSpec]:
                                    parallel=True, param="tools")]
 
 
-def test_workers_compile_exactly_what_the_thread_compiles(tokenizer: Any) -> None:
+@pytest.mark.parametrize("forked", [True, False], ids=["forked-by-the-zygote", "fresh-interpreters"])
+def test_workers_compile_exactly_what_the_thread_compiles(tokenizer: Any, forked: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers forked by the pool's zygote, and workers started as fresh interpreters (where
+    there is no zygote: not Linux), compile what the calling thread compiles."""
+    from radixserve.grammar import compile_workers
+
+    if not forked:
+        monkeypatch.setattr(compile_workers.zygote, "SUPPORTED", False)
     in_thread = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=None)
-    in_workers = Grammars(tokenizer, 2048, [tokenizer.eos_token_id])
+    # (fresh interpreters in a pool of their own: the default timeout's pool may have a zygote)
+    in_workers = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], **({} if forked else {"compile_timeout_s": 9.5}))
     for spec in specs():
         assert in_workers.compile(spec).serialize_json() == in_thread.compile(spec).serialize_json(), spec.kind
+    pool = in_workers._workers
+    assert pool is not None and pool.standby is not None
+    assert (pool._zygote is not None) == forked
+    assert parent_pid(pool.standby.process.pid) == (pool._zygote.process.pid if forked else os.getpid())
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def ended(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether process `pid` is gone or a zombie within `timeout_s` (dead either way)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_workers_are_forks_of_the_zygote_and_end_with_it(tokenizer: Any) -> None:
+    """A replacement worker is another fork of the same zygote (no new interpreter); the zygote
+    killed, its workers end with it and the next compile starts a new zygote; the pool's end
+    of its socket closed (the server ended), the zygote ends and its workers with it."""
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=8.5)  # a pool of its own
+    spec, other = specs()[0], specs()[1]
+    grammars.compile(spec)
+    pool = grammars._workers
+    assert pool is not None and pool._zygote is not None and pool.standby is not None
+    zygote, first = pool._zygote, pool.standby
+    assert parent_pid(first.process.pid) == zygote.process.pid
+    first.kill()  # as a worker killed past a limit
+    assert first.process.poll() == -signal.SIGKILL
+    grammars.compile(other)
+    assert pool._zygote is zygote and pool.standby is not first
+    assert parent_pid(pool.standby.process.pid) == zygote.process.pid
+
+    second = pool.standby
+    os.kill(zygote.process.pid, signal.SIGKILL)
+    zygote.process.wait(30)
+    assert ended(second.process.pid)  # PR_SET_PDEATHSIG
+    assert second.process.poll() == -signal.SIGKILL  # as the pool reads it with the zygote gone
+    grammars.compile(specs()[2])
+    assert pool._zygote is not zygote and pool._zygote.alive()
+    assert parent_pid(pool.standby.process.pid) == pool._zygote.process.pid
+
+    third, last_zygote = pool.standby, pool._zygote
+    last_zygote._socket.close()  # all the zygote sees of a server ending, or killed
+    assert last_zygote.process.wait(30) == 0
+    assert ended(third.process.pid)
 
 
 def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer: Any, cpu_limit_only: None) -> None:
@@ -261,6 +325,7 @@ def test_a_lost_compile_worker_is_the_servers_503_not_the_requests_400(monkeypat
     from radixserve.grammar import compile_workers
 
     monkeypatch.setattr(compile_workers, "_CHILD", "import sys; sys.exit(3)")
+    monkeypatch.setattr(compile_workers.zygote, "_ZYGOTE", "import sys; sys.exit(3)")
     engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=64, grammar_compile_timeout_s=7.25))
     with running_server(create_app(engine)) as url:
         answer = chat(url, {"type": "object", "properties": {"ok": {"type": "boolean"}}}, "lost")

@@ -15,13 +15,15 @@ first steps (probe.py): one whose early fills already pass the engine's per-fill
 refused (CompileTooSlowToFollow) instead of stalling the engine thread at a request's step.
 
 Workers start on first use, with the tokenizer's serialized TokenizerInfo, and are kept for
-later compiles until idle for `idle_exit_s` (each holds torch, which xgrammar imports: about
-250 MB); at most `workers` compile at once (more callers wait for one to be free). One of
-them, the *standby*, never ends for being idle: a worker takes seconds to start (5 s here
-beside a busy engine, 19-28 s in a Ray replica), and a new schema arriving after a quiet
-minute would otherwise wait for that; so only the pool's first compile pays a start, and
-compiles one at a time need no other worker. The
-engines of one tokenizer in a process share one pool (`shared_workers`).
+later compiles until idle for `idle_exit_s`; at most `workers` compile at once (more callers
+wait for one to be free). Each is a fork of the pool's zygote (zygote.py), a process that has
+imported xgrammar (and torch, which xgrammar imports) and built the compiler once: a worker is
+ready in about 30 ms, not the 4 s of a fresh interpreter here (19-28 s in a Ray replica beside
+a busy engine), and shares the zygote's pages (resident 190 MB, proportional share 100 MB,
+against 250 MB of its own as a fresh interpreter). One worker, the *standby*, never ends for
+being idle, so that a new schema after a quiet minute has nothing to wait for; only the pool's
+first compile pays a start (the zygote's). The engines of one tokenizer in a process share one
+pool (`shared_workers`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ import time
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
+
+from radixserve.grammar import zygote
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_WORKERS = 4  # as many as the server's compile slots (server/grammar_compiles.py)
@@ -53,7 +57,7 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # past these the worker is killed, or its grammar refused before it is sent. Ordinary schemas
 # are far below (100 optional properties: 3.7 MB on a 49k-token vocabulary).
 MAX_COMPILED_BYTES = 32 * 2**20
-MAX_WORKER_RSS_BYTES = 2**30  # a worker starts at about 250 MB; a schema of 362 optional properties adds 240 MB
+MAX_WORKER_RSS_BYTES = 2**30  # a worker starts at about 190-250 MB (forked or not); a schema of 362 optional properties adds 240 MB
 # A worker whose memory grew past this in a compile is ended after it, not kept: what its
 # allocator freed stays its own (idle workers kept 1.9 GB each after the attack above).
 RECYCLE_RSS_BYTES = 2**29
@@ -94,20 +98,30 @@ class CompileStarved(CompileWorkerLost):
 
 
 class _Worker:
-    """One child process (`python -c _CHILD`: a fresh interpreter, not a fork of this threaded,
-    torch-loaded one, nor multiprocessing's spawn, which would run the caller's main script
-    again) and the parent's ends of its two pipes (the others are passed to it alone)."""
+    """One child process and the parent's ends of its two pipes (the others are passed to it
+    alone). The process is a fork of the pool's zygote (zygote.py) where there is one, else
+    `python -c _CHILD`: a fresh interpreter, not a fork of this threaded, torch-loaded one,
+    nor multiprocessing's spawn, which would run the caller's main script again."""
 
-    def __init__(self, setup_fd: int, idle_exit_s: float) -> None:
+    def __init__(self, setup_fd: int, idle_exit_s: float, parent: zygote.Zygote | None) -> None:
         child_reads, to_child = os.pipe()
         from_child, child_writes = os.pipe()
-        # Never blocks: the setup (the tokenizer, megabytes) is read from a file by the child,
-        # not pushed through the pipe, which would wait for the child to start reading it.
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), str(setup_fd), repr(idle_exit_s)],
-            pass_fds=(child_reads, child_writes, setup_fd), stdin=subprocess.DEVNULL, close_fds=True)
-        os.close(child_reads)
-        os.close(child_writes)
+        try:
+            if parent is not None:
+                self.process: subprocess.Popen[bytes] | zygote.ForkedProcess = parent.fork(
+                    child_reads, child_writes, idle_exit_s)
+            else:  # never blocks: the child reads the setup (megabytes) from a file, not the pipe
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, str(child_reads), str(child_writes), str(setup_fd),
+                     repr(idle_exit_s)],
+                    pass_fds=(child_reads, child_writes, setup_fd), stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            os.close(to_child)
+            os.close(from_child)
+            raise
+        finally:
+            os.close(child_reads)
+            os.close(child_writes)
         self.sender = Connection(to_child, readable=False)
         self.conn = Connection(from_child, writable=False)
         self.ready = False
@@ -170,6 +184,7 @@ class CompileWorkers:
         self._turns = threading.BoundedSemaphore(workers)
         self._workers = workers
         self._busy = 0  # compiles under way
+        self._zygote: zygote.Zygote | None = None  # what forks the workers, from the first on
         self.timeouts = 0  # workers killed for running past the timeout
 
     def compile(self, kind: str, source: str) -> str:
@@ -267,24 +282,34 @@ class CompileWorkers:
     def _start_a_spare(self) -> None:
         """Starts the standby's successor when it ended (killed past a limit, recycled), and
         otherwise a worker for the next compile when none is idle, up to the pool's size (each
-        compile under way has one): a worker takes seconds to start, and while slow compiles
-        hold the others, the next compile should not wait for that. Not beside a compile alone:
+        compile under way has one): a start takes tens of milliseconds (seconds where there is
+        no zygote, or it has to start again), and while slow compiles hold the others, the next
+        compile should not wait for that. Not beside a compile alone:
         the standby takes the next one, and a start beside it takes its CPU (SmolLM2, 2 cores:
         a new schema after a quiet minute answered in 2.0 s with a spare starting, 0.45 s
         without; 3.1-3.6 s when the worker itself had to start)."""
         with self._lock:
-            if self.standby is not None and self.standby.process.poll() is not None:
-                self._idle.append(self._new_worker())  # its successor, though others idle: they end
-            elif not self._idle and self._busy < self._workers:
-                self._idle.append(self._new_worker())
+            try:
+                if self.standby is not None and self.standby.process.poll() is not None:
+                    self._idle.append(self._new_worker())  # its successor, though others idle: they end
+                elif not self._idle and self._busy < self._workers:
+                    self._idle.append(self._new_worker())
+            except OSError:
+                pass  # none can start now: the next compile tries again, or reports the loss
 
     def _new_worker(self) -> _Worker:
         """A worker process starting; the standby when there is none (or it has ended:
-        killed past a limit, recycled, or by the system)."""
+        killed past a limit, recycled, or by the system). OSError when none can start. Under
+        the lock (the zygote's first start, seconds, holds it: every caller waits for a worker
+        then anyway)."""
+        if zygote.SUPPORTED and (self._zygote is None or not self._zygote.alive()):
+            if self._zygote is not None:
+                self._zygote.close()
+            self._zygote = zygote.Zygote(self._setup_fd, STARTUP_TIMEOUT_S)
         if self.standby is None or self.standby.process.poll() is not None:
-            self.standby = _Worker(self._setup_fd, math.inf)
+            self.standby = _Worker(self._setup_fd, math.inf, self._zygote)
             return self.standby
-        return _Worker(self._setup_fd, self.idle_exit_s)
+        return _Worker(self._setup_fd, self.idle_exit_s, self._zygote)
 
     def _send(self, worker: _Worker | None, job: tuple[str, str]) -> _Worker:
         """Sends `job` to `worker`, or to a new one where it has ended (idle too long)."""
@@ -304,16 +329,21 @@ class CompileWorkers:
         return worker
 
 
-def _serve(jobs: Connection, replies: Connection, setup_fd: int, idle_exit_s: float) -> None:
-    """The worker's loop: its setup from `setup_fd` first, then (kind, source) in and ("ok",
-    serialized) or ("error", message) out, until the parent closes its end or nothing comes
-    for `idle_exit_s` (inf: the standby)."""
+class PreparedCompiler(NamedTuple):
+    """What a worker compiles with, built once: in the zygote before any fork (zygote.py), or
+    in a worker started as a fresh interpreter."""
+
+    compiler: Any  # xgrammar.GrammarCompiler (xgrammar is imported in worker processes only)
+    token_lengths: Any  # numpy array: each token's length in bytes, for the probe
+
+
+def prepare_compiler(setup_fd: int) -> PreparedCompiler:
+    """Lowers this process's priority, imports xgrammar and builds the compiler for the
+    TokenizerInfo in `setup_fd` (closed after)."""
     os.nice(COMPILE_NICENESS)
     import xgrammar
 
-    from radixserve.grammar.compiled import compile_spec
-    from radixserve.grammar.matcher import FILL_BUDGET_S
-    from radixserve.grammar.probe import first_slow_step, token_lengths
+    from radixserve.grammar.probe import token_lengths
 
     # pread, at offset 0: the descriptor's position is shared with every other worker's
     size = os.fstat(setup_fd).st_size
@@ -321,7 +351,17 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int, idle_exit_s: fl
     os.close(setup_fd)
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    lengths = token_lengths(info)
+    return PreparedCompiler(compiler, token_lengths(info))
+
+
+def serve_jobs(jobs: Connection, replies: Connection, prepared: PreparedCompiler, idle_exit_s: float) -> None:
+    """The worker's loop: "ready", then (kind, source) in and ("ok", serialized) or ("error",
+    message) out, until the parent closes its end or nothing comes for `idle_exit_s` (inf:
+    the standby)."""
+    from radixserve.grammar.compiled import compile_spec
+    from radixserve.grammar.matcher import FILL_BUDGET_S
+    from radixserve.grammar.probe import first_slow_step
+
     replies.send("ready")
     while True:
         try:
@@ -332,12 +372,12 @@ def _serve(jobs: Connection, replies: Connection, setup_fd: int, idle_exit_s: fl
             return  # the parent closed its end
         reply: tuple[str, Any]
         try:
-            compiled = compile_spec(compiler, kind, source)
+            compiled = compile_spec(prepared.compiler, kind, source)
             serialized = compiled.serialize_json()
             if len(serialized) > MAX_COMPILED_BYTES:
                 reply = ("too_large", len(serialized))
-            elif (slow := first_slow_step(compiled, lengths, FILL_BUDGET_S)) is not None:  # (under the CPU limit too)
-                reply = ("too_slow", slow)
+            elif (slow := first_slow_step(compiled, prepared.token_lengths, FILL_BUDGET_S)) is not None:
+                reply = ("too_slow", slow)  # (under the CPU limit too)
             else:
                 reply = ("ok", serialized)
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
@@ -360,9 +400,14 @@ def shared_workers(tokenizer_info: str, timeout_s: float) -> CompileWorkers:
         return _shared[key]
 
 
+def serve_jobs_fds(jobs_fd: int, replies_fd: int, prepared: PreparedCompiler, idle_exit_s: float) -> None:
+    """`serve_jobs` over the two pipe ends a worker was passed."""
+    serve_jobs(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), prepared, idle_exit_s)
+
+
 def serve_fds(jobs_fd: int, replies_fd: int, setup_fd: int, idle_exit_s: float) -> None:
-    """A worker process's entry (_CHILD): `_serve` over the two pipe ends it was passed."""
-    _serve(Connection(jobs_fd, writable=False), Connection(replies_fd, readable=False), setup_fd, idle_exit_s)
+    """The entry of a worker started as a fresh interpreter (_CHILD, where there is no zygote)."""
+    serve_jobs_fds(jobs_fd, replies_fd, prepare_compiler(setup_fd), idle_exit_s)
 
 
 _CHILD = ("import sys; from radixserve.grammar.compile_workers import serve_fds; "

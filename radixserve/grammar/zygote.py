@@ -1,0 +1,193 @@
+"""A preloaded parent that forks compile workers (compile_workers.py), so that a worker starts
+in milliseconds instead of seconds.
+
+A fresh interpreter needs 4.3 s of CPU before it can compile (xgrammar imports torch and
+transformers; 19-28 s of wall time in a Ray replica beside a busy engine), and a pool pays
+that for every worker it starts: its first, each replacement of one killed past a limit, each
+spare. So each pool starts one *zygote* (a fresh interpreter, so never a fork of the serving
+process with its threads and its model), which imports xgrammar, builds the compiler for the
+pool's tokenizer and then only forks: each worker is a copy of it, ready at once (a fork of
+the 250 MB zygote: about 20 ms; the pages are shared until written).
+
+The zygote reaps a worker only when the pool asks (`poll`), as a parent would: until then its
+pid cannot be reused, so signals sent to it (the pool's kill, a test's SIGSTOP) reach the worker
+and nothing else. Workers die with the zygote (PR_SET_PDEATHSIG), and the zygote ends, killing
+its workers, when the pool's end of its socket closes (the pool garbage collected, the server
+ended or killed). Linux only (a SOCK_SEQPACKET socket pair and prctl); elsewhere the pool starts
+each worker as a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+SUPPORTED = sys.platform == "linux"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+MESSAGE_BYTES = 4096
+# The zygote forks with one thread: numpy's BLAS would otherwise start a thread per core at import.
+SINGLE_THREADED_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class Zygote:
+    """The pool's side of its zygote: starts it, and asks it over a socket pair to fork a
+    worker, to poll one (reaping it once ended) or to kill one. Thread-safe."""
+
+    def __init__(self, setup_fd: int, startup_timeout_s: float) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _ZYGOTE, str(theirs.fileno()), str(setup_fd)],
+                pass_fds=(theirs.fileno(), setup_fd), stdin=subprocess.DEVNULL, close_fds=True,
+                env={**os.environ, **SINGLE_THREADED_ENV})
+        self._socket = ours
+        self._startup_timeout_s = startup_timeout_s
+        self._ready = False
+        self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, jobs_fd: int, replies_fd: int, idle_exit_s: float) -> ForkedProcess:
+        """A worker reading jobs from `jobs_fd` and answering on `replies_fd` (the pool closes
+        its copies after), ending after `idle_exit_s` idle. OSError when the zygote did not
+        start or has ended."""
+        pid = self._ask(["fork", idle_exit_s], (jobs_fd, replies_fd))
+        return ForkedProcess(self, pid)
+
+    def _ask(self, request: list[Any], fds: tuple[int, ...] = ()) -> Any:
+        with self._lock:
+            try:
+                if not self._ready:  # the zygote's imports: seconds
+                    self._socket.settimeout(self._startup_timeout_s)
+                    if self._socket.recv(MESSAGE_BYTES) != b"ready":
+                        raise OSError("the compile zygote did not start")
+                    self._ready = True
+                    self._socket.settimeout(None)
+                socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
+                reply = self._socket.recv(MESSAGE_BYTES)
+            except TimeoutError:
+                raise OSError("the compile zygote did not start") from None
+        if not reply:
+            raise OSError("the compile zygote ended")
+        outcome, value = json.loads(reply)
+        if outcome == "error":
+            raise OSError(value)
+        return value
+
+    def close(self) -> None:
+        """Ends the zygote and its workers."""
+        self._socket.close()
+        self.process.wait(30)
+
+
+class ForkedProcess:
+    """A worker forked by a zygote, seen as the few parts of subprocess.Popen the pool uses.
+    Once the zygote is gone, so is the worker (PR_SET_PDEATHSIG): it reads as killed."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = self.zygote._ask(["poll", self.pid])
+            except OSError:
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                self.zygote._ask(["kill", self.pid])
+            except OSError:
+                pass  # the zygote has ended, and its workers with it
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"compile worker {self.pid}", timeout)
+            time.sleep(0.002)
+        return code
+
+
+def serve(control_fd: int, setup_fd: int) -> None:
+    """The zygote's loop (_ZYGOTE): prepares a compiler from the setup in `setup_fd`, then
+    answers the pool's requests on `control_fd` until the pool closes its end."""
+    from radixserve.grammar.compile_workers import prepare_compiler
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the server's to handle; the zygote ends with it
+    prepared = prepare_compiler(setup_fd)
+    control = socket.socket(fileno=control_fd)
+    control.send(b"ready")
+    zygote_pid = os.getpid()
+    children: set[int] = set()
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, 2)
+        except OSError:
+            break
+        if not data:
+            break  # the pool's end closed
+        operation, argument = json.loads(data)
+        reply: list[Any]
+        if operation == "fork":
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                reply = ["error", f"could not start a compile worker: {exc}"]
+            else:
+                if pid == 0:
+                    _run_worker(control, zygote_pid, fds, prepared, argument)
+                children.add(pid)
+                reply = ["ok", pid]
+            for fd in fds:
+                os.close(fd)
+        elif operation == "poll" and argument in children:
+            ended, status = os.waitpid(argument, os.WNOHANG)
+            if ended:
+                children.discard(argument)
+            reply = ["ok", os.waitstatus_to_exitcode(status) if ended else None]
+        elif operation == "kill" and argument in children:
+            os.kill(argument, signal.SIGKILL)  # not reaped yet: still this worker's pid
+            reply = ["ok", None]
+        else:
+            reply = ["error", f"not a request for this zygote: {operation} {argument}"]
+        control.send(json.dumps(reply).encode())
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def _run_worker(control: socket.socket, zygote_pid: int, fds: list[int], prepared: Any, idle_exit_s: float) -> None:
+    """A forked worker's life: never returns to the zygote's loop."""
+    code = 1
+    try:
+        control.close()
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote_pid:  # the zygote ended before the line above
+            os._exit(code)
+        from radixserve.grammar.compile_workers import serve_jobs_fds
+
+        serve_jobs_fds(fds[0], fds[1], prepared, idle_exit_s)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+_ZYGOTE = ("import sys; from radixserve.grammar.zygote import serve; "
+           "serve(int(sys.argv[1]), int(sys.argv[2]))")
