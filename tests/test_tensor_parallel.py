@@ -169,8 +169,12 @@ def test_each_rank_holds_half_the_weights_and_half_the_kv(engines) -> None:
 
 
 def test_close_ends_every_worker(engines) -> None:
+    """... and the workers are forks of the fork server (on the CPU), not children of this process."""
     processes = engines.tp.runner.workers.processes
     assert processes and all(p.is_alive() for p in processes)
+    for process in processes:
+        parent = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent != os.getpid() and b"forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
     engines.tp.close()
     assert all(not p.is_alive() for p in processes)
     (out,) = engines.tp.generate([[5, 6, 7]], SamplingParams(max_tokens=2))

@@ -60,9 +60,10 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
     url = f"http://127.0.0.1:{port}"
     process = start_serve(port, "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2")
     try:
-        children = psutil.Process(process.pid).children(recursive=True)  # rank 1, spawn's resource tracker
+        # the fork server, rank 1 (its child), multiprocessing's resource tracker
+        children = psutil.Process(process.pid).children(recursive=True)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
-        rank1 = next(p for p in children if "spawn_main" in " ".join(p.cmdline()))
+        rank1 = next(p for p in children if p.ppid() != process.pid and "forkserver" in " ".join(p.cmdline()))
         rank1.kill()  # a zombie until the server reaps it: wait for /health, not for the pid
         assert wait_for(lambda: health_status(url) == 503, EXIT_GUARD_S)
         assert "rank 1" in httpx.get(f"{url}/health", timeout=30).json()["reason"]

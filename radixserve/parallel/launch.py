@@ -1,4 +1,4 @@
-"""Starting a tensor-parallel group from rank 0: spawn the workers, meet them, load rank 0's
+"""Starting a tensor-parallel group from rank 0: start the workers, meet them, load rank 0's
 shard; later, hand the engine its runner."""
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class TensorParallel:
         assert rendezvous is not None
         threads = max(1, (os.cpu_count() or 1) // size) if torch_device.type == "cpu" else None
         spec = WorkerSpec(model, dtype, torch_device.type, backend, rendezvous, timeout_s, threads)
-        workers = WorkerProcesses() if external else WorkerProcesses.spawn(run_worker, size, spec)
+        workers = WorkerProcesses() if external else WorkerProcesses.start(run_worker, size, spec,
+                                                                            on_cpu=torch_device.type == "cpu")
         threads_before = torch.get_num_threads()
         try:
             if threads is not None:

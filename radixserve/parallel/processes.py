@@ -8,20 +8,32 @@ from collections.abc import Callable
 from typing import Any
 
 STOP_GRACE_S = 10.0  # a worker told to stop gets this long before it is terminated
+# What the fork server imports before its first fork: a rank's code (worker.py imports torch
+# and the loaders, which import transformers' configurations), none of it touching a device.
+FORKSERVER_PRELOAD = ("radixserve.parallel.worker", "radixserve.models.loader")
 
 
 class WorkerProcesses:
-    """Ranks 1..N-1 as spawned processes (none when another launcher, e.g. torchrun, starts
+    """Ranks 1..N-1 as child processes (none when another launcher, e.g. torchrun, starts
     them: `first_dead` then knows nothing and relies on the collectives failing)."""
 
     def __init__(self, processes: list[multiprocessing.process.BaseProcess] | None = None) -> None:
         self.processes = processes or []
 
     @classmethod
-    def spawn(cls, target: Callable[..., Any], world_size: int, *args: Any) -> WorkerProcesses:
-        """Starts `target(rank, *args)` for ranks 1..world_size-1 (spawned: CUDA-safe),
-        as daemons, so that they cannot outlive rank 0's process."""
-        context = multiprocessing.get_context("spawn")
+    def start(cls, target: Callable[..., Any], world_size: int, *args: Any, on_cpu: bool) -> WorkerProcesses:
+        """Starts `target(rank, *args)` for ranks 1..world_size-1, as daemons, so that they
+        cannot outlive rank 0's process. On the CPU they are forks of multiprocessing's fork
+        server, which imports the worker's code (torch, the model loaders) once per process:
+        a group's first start pays that (8-9 s of CPU here, as a spawned rank did), later
+        ones (an engine started again; the tests' many engines) fork in milliseconds and take
+        1.7 s instead of 9. For CUDA they are spawned: a fresh interpreter is CUDA-safe
+        whatever its imports do, and a fork server's preload on a GPU machine is unchecked."""
+        if on_cpu:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        else:
+            context = multiprocessing.get_context("spawn")
         processes = [context.Process(target=target, args=(rank, *args), name=f"radixserve-tp-rank{rank}",
                                      daemon=True) for rank in range(1, world_size)]
         for process in processes:

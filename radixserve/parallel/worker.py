@@ -1,7 +1,7 @@
 """A worker rank: load its shard, build its pool, then run rank 0's plans until told to stop.
 
-Started by rank 0 (`run_worker`, spawned) or by an external launcher such as torchrun on
-another node (`python -m radixserve.parallel.worker --model M --tensor-parallel-size N`
+Started by rank 0 (`run_worker`: spawned on CUDA, forked by a fork server on the CPU) or by
+an external launcher such as torchrun on another node (`python -m radixserve.parallel.worker --model M --tensor-parallel-size N`
 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; LOCAL_RANK picks the GPU). A worker
 holds no scheduler, tree or sampler: plans tell it everything (plan.py).
 """
@@ -54,7 +54,7 @@ def worker_device(device_type: str, rank: int) -> torch.device:
 
 
 def run_worker(rank: int, spec: WorkerSpec) -> None:
-    """A worker's whole life (the spawned process's target)."""
+    """A worker's whole life (the started process's target)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
