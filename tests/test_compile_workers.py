@@ -99,8 +99,9 @@ def ended(pid: int, timeout_s: float = 30.0) -> bool:
 
 def test_workers_are_forks_of_the_zygote_and_end_with_it(tokenizer: Any) -> None:
     """A replacement worker is another fork of the same zygote (no new interpreter); the zygote
-    killed, its workers end with it and the next compile starts a new zygote; the pool's end
-    of its socket closed (the server ended), the zygote ends and its workers with it."""
+    killed, its workers end with it and the next compile starts a new zygote; a zygote that
+    stops answering is killed and replaced; the pool's end of its socket closed (the server
+    ended), the zygote ends and its workers with it."""
     grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=8.5)  # a pool of its own
     spec, other = specs()[0], specs()[1]
     grammars.compile(spec)
@@ -122,6 +123,15 @@ def test_workers_are_forks_of_the_zygote_and_end_with_it(tokenizer: Any) -> None
     grammars.compile(specs()[2])
     assert pool._zygote is not zygote and pool._zygote.alive()
     assert parent_pid(pool.standby.process.pid) == pool._zygote.process.pid
+
+    stuck = pool._zygote  # stopped: a request past its timeout kills it, and another starts
+    zygote_module = pytest.importorskip("radixserve.grammar.zygote")
+    os.kill(stuck.process.pid, signal.SIGSTOP)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zygote_module, "REQUEST_TIMEOUT_S", 0.5)
+        grammars.compile(specs()[3])  # the standby's poll times out: the zygote is killed
+    assert stuck.process.wait(30) == -signal.SIGKILL
+    assert pool._zygote is not stuck and pool._zygote.alive()
 
     third, last_zygote = pool.standby, pool._zygote
     last_zygote._socket.close()  # all the zygote sees of a server ending, or killed

@@ -13,7 +13,8 @@ The zygote reaps a worker only when the pool asks (`poll`), as a parent would: u
 pid cannot be reused, so signals sent to it (the pool's kill, a test's SIGSTOP) reach the worker
 and nothing else. Workers die with the zygote (PR_SET_PDEATHSIG), and the zygote ends, killing
 its workers, when the pool's end of its socket closes (the pool garbage collected, the server
-ended or killed). Linux only (a SOCK_SEQPACKET socket pair and prctl); elsewhere the pool starts
+ended or killed). A zygote that does not answer a request within REQUEST_TIMEOUT_S (stopped,
+say) is killed and the next start gets a new one. Linux only (a SOCK_SEQPACKET socket pair and prctl); elsewhere the pool starts
 each worker as a fresh interpreter.
 """
 
@@ -34,6 +35,7 @@ from typing import Any
 SUPPORTED = sys.platform == "linux"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 MESSAGE_BYTES = 4096
+REQUEST_TIMEOUT_S = 30.0  # a fork, a poll or a kill takes milliseconds: past this the zygote is stuck
 # The zygote forks with one thread: numpy's BLAS would otherwise start a thread per core at import.
 SINGLE_THREADED_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -52,10 +54,12 @@ class Zygote:
         self._socket = ours
         self._startup_timeout_s = startup_timeout_s
         self._ready = False
+        self._lost = False  # a request failed: never asked again
         self._lock = threading.Lock()
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        """Whether it can still fork: running, and no request to it has failed."""
+        return not self._lost and self.process.poll() is None
 
     def fork(self, jobs_fd: int, replies_fd: int, idle_exit_s: float) -> ForkedProcess:
         """A worker reading jobs from `jobs_fd` and answering on `replies_fd` (the pool closes
@@ -66,28 +70,48 @@ class Zygote:
 
     def _ask(self, request: list[Any], fds: tuple[int, ...] = ()) -> Any:
         with self._lock:
+            if self._lost:
+                raise OSError("the compile zygote was lost")
             try:
-                if not self._ready:  # the zygote's imports: seconds
-                    self._socket.settimeout(self._startup_timeout_s)
-                    if self._socket.recv(MESSAGE_BYTES) != b"ready":
-                        raise OSError("the compile zygote did not start")
-                    self._ready = True
-                    self._socket.settimeout(None)
-                socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
-                reply = self._socket.recv(MESSAGE_BYTES)
-            except TimeoutError:
-                raise OSError("the compile zygote did not start") from None
-        if not reply:
-            raise OSError("the compile zygote ended")
+                reply = self._exchange(request, fds)
+            except OSError:
+                self._lost = True  # (a stuck one was killed: its workers end with it)
+                raise
         outcome, value = json.loads(reply)
         if outcome == "error":
             raise OSError(value)
         return value
 
+    def _exchange(self, request: list[Any], fds: tuple[int, ...]) -> bytes:
+        """Sends one request and reads its reply (under the lock). OSError when the zygote did
+        not start, has ended or stopped answering."""
+        if not self._ready:  # the zygote's imports: seconds
+            self._socket.settimeout(self._startup_timeout_s)
+            try:
+                ready = self._socket.recv(MESSAGE_BYTES)
+            except TimeoutError:
+                ready = b""
+            if ready != b"ready":
+                raise OSError("the compile zygote did not start")
+            self._ready = True
+        self._socket.settimeout(REQUEST_TIMEOUT_S)
+        try:
+            socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
+            reply = self._socket.recv(MESSAGE_BYTES)
+        except TimeoutError:  # stopped, or starved: killed, so that it cannot fork again
+            self.process.kill()
+            raise OSError("the compile zygote stopped answering") from None
+        if not reply:
+            raise OSError("the compile zygote ended")
+        return reply
+
     def close(self) -> None:
-        """Ends the zygote and its workers."""
-        self._socket.close()
-        self.process.wait(30)
+        """Ends the zygote at once, and its workers with it (PR_SET_PDEATHSIG)."""
+        with self._lock:
+            self._lost = True
+            self._socket.close()
+        self.process.kill()
+        self.process.wait()
 
 
 class ForkedProcess:
