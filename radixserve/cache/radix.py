@@ -68,6 +68,11 @@ class RadixTree:
         self.host = host
         self._clock = clock
         self._tick = 0
+        # Bumped by every call that may change what a peek (match with update=False) finds:
+        # insert, evict, load_back, reset, end_retention, and match with update (a split, and
+        # host copies that may evict host pages). The scheduler's policies reuse a waiting
+        # request's lookup while it is unchanged (engine/policy.py).
+        self.version = 0
         self._forest = Forest(self.page_size)
         self._stats = CacheStats()
         self._reporter = TreeEventReporter(events, self.page_size, hashing)
@@ -119,6 +124,7 @@ class RadixTree:
         root = self._forest.root(namespace)
         if update:
             self._tick += 1
+            self.version += 1
             self._stats.lookup(n)
         if root is None:
             return MatchResult(0, [], self._forest.new_root(namespace), None, 0)
@@ -186,6 +192,7 @@ class RadixTree:
         of a `range_retention` entry's for pages overlapping its `[start, end)`. Int arrays
         of pages are converted to Python ints only where a new leaf adopts them.
         """
+        self.version += 1
         size = self.page_size
         toks = as_tokens(tokens)
         num_full = len(toks) // size
@@ -282,6 +289,7 @@ class RadixTree:
         end the retention of the page holding them too (a partial leaf, or the full page
         that superseded it): a partial leaf left raised would keep every page above it from
         eviction."""
+        self.version += 1
         now = self._clock()
         last: RadixNode | None = None
         start = end = 0  # the path's page index of the node's first page, and past its last
@@ -347,6 +355,7 @@ class RadixTree:
         device, page by page from the tail of the edge, in the policy's order. With a host
         tier the pages leave the device as `HostPlacement.leave_device` says. Returns the
         pages actually freed in the device pool."""
+        self.version += 1
         if num_pages <= 0:
             return 0
         now = self._clock()
@@ -376,6 +385,7 @@ class RadixTree:
         caller (so making room evicts nothing on the path). On CUDA the copy may still be in
         flight: its handle is in the result's `loads`.
         """
+        self.version += 1
         if self._host_tier is None:
             return match
         return self._host_tier.load_back(match, max_pages)
@@ -404,6 +414,7 @@ class RadixTree:
 
         Events: one "cleared", then "stored" for the pages that stayed because they are in use.
         """
+        self.version += 1
         free_before = self.pool.num_free
         host_free_before = 0 if self.host is None else self.host.pool.num_free
         for top in self._forest.unlocked_subtrees():
