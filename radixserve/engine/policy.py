@@ -73,8 +73,10 @@ class CachedLengths:
     The cache-aware orders look every waiting request up at every step, and most steps change
     neither: in a simulation of four replicas on the gsp workload 62% of the lookups came
     with no change to the tree since the previous ordering (a lookup there: 42 us, and the
-    engine builds the prompt's array for it). Entries of requests no longer waiting are
-    dropped at each ordering.
+    engine builds the prompt's array for it). A request's tokens only grow while it waits
+    (preempted, with its output); were they rewritten at the same length, only the order
+    would suffer, since admission looks the prompt up again. Entries of requests no longer
+    waiting are dropped at each ordering.
     """
 
     def __init__(self) -> None:
@@ -96,7 +98,7 @@ class CachedLengths:
 
     def keep_only(self, waiting: Sequence[Schedulable]) -> None:
         """Forgets every request not in `waiting`."""
-        if len(self._known) > len(waiting):  # (otherwise at most as many stale ones as new ones)
+        if len(self._known) > len(waiting):  # more entries than requests: some left (else pruned later)
             waiting_ids = {id(r) for r in waiting}
             for key in [k for k in self._known if k not in waiting_ids]:
                 del self._known[key]
