@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from radixserve import AsyncEngine, Engine
 from radixserve.grammar import GrammarError, GrammarSpec, Grammars
+from radixserve.grammar import zygote
 from radixserve.grammar.compile_workers import CompileTimeout, CompileTooSlowToFollow, CompileWorkers
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server import create_app
@@ -63,10 +64,8 @@ def test_workers_compile_exactly_what_the_thread_compiles(tokenizer: Any, forked
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers forked by the pool's zygote, and workers started as fresh interpreters (where
     there is no zygote: not Linux), compile what the calling thread compiles."""
-    from radixserve.grammar import compile_workers
-
     if not forked:
-        monkeypatch.setattr(compile_workers.zygote, "SUPPORTED", False)
+        monkeypatch.setattr(zygote, "SUPPORTED", False)
     in_thread = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=None)
     # (fresh interpreters in a pool of their own: the default timeout's pool may have a zygote)
     in_workers = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], **({} if forked else {"compile_timeout_s": 9.5}))
@@ -107,28 +106,27 @@ def test_workers_are_forks_of_the_zygote_and_end_with_it(tokenizer: Any) -> None
     grammars.compile(spec)
     pool = grammars._workers
     assert pool is not None and pool._zygote is not None and pool.standby is not None
-    zygote, first = pool._zygote, pool.standby
-    assert parent_pid(first.process.pid) == zygote.process.pid
+    first_zygote, first = pool._zygote, pool.standby
+    assert parent_pid(first.process.pid) == first_zygote.process.pid
     first.kill()  # as a worker killed past a limit
     assert first.process.poll() == -signal.SIGKILL
     grammars.compile(other)
-    assert pool._zygote is zygote and pool.standby is not first
-    assert parent_pid(pool.standby.process.pid) == zygote.process.pid
+    assert pool._zygote is first_zygote and pool.standby is not first
+    assert parent_pid(pool.standby.process.pid) == first_zygote.process.pid
 
     second = pool.standby
-    os.kill(zygote.process.pid, signal.SIGKILL)
-    zygote.process.wait(30)
+    os.kill(first_zygote.process.pid, signal.SIGKILL)
+    first_zygote.process.wait(30)
     assert ended(second.process.pid)  # PR_SET_PDEATHSIG
     assert second.process.poll() == -signal.SIGKILL  # as the pool reads it with the zygote gone
     grammars.compile(specs()[2])
-    assert pool._zygote is not zygote and pool._zygote.alive()
+    assert pool._zygote is not first_zygote and pool._zygote.alive()
     assert parent_pid(pool.standby.process.pid) == pool._zygote.process.pid
 
     stuck = pool._zygote  # stopped: a request past its timeout kills it, and another starts
-    zygote_module = pytest.importorskip("radixserve.grammar.zygote")
     os.kill(stuck.process.pid, signal.SIGSTOP)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(zygote_module, "REQUEST_TIMEOUT_S", 0.5)
+        patch.setattr(zygote, "REQUEST_TIMEOUT_S", 0.5)
         grammars.compile(specs()[3])  # the standby's poll times out: the zygote is killed
     assert stuck.process.wait(30) == -signal.SIGKILL
     assert pool._zygote is not stuck and pool._zygote.alive()
@@ -335,7 +333,7 @@ def test_a_lost_compile_worker_is_the_servers_503_not_the_requests_400(monkeypat
     from radixserve.grammar import compile_workers
 
     monkeypatch.setattr(compile_workers, "_CHILD", "import sys; sys.exit(3)")
-    monkeypatch.setattr(compile_workers.zygote, "_ZYGOTE", "import sys; sys.exit(3)")
+    monkeypatch.setattr(zygote, "_ZYGOTE", "import sys; sys.exit(3)")
     engine = AsyncEngine(Engine(model="demo", page_size=16, num_pages=64, grammar_compile_timeout_s=7.25))
     with running_server(create_app(engine)) as url:
         answer = chat(url, {"type": "object", "properties": {"ok": {"type": "boolean"}}}, "lost")

@@ -14,8 +14,8 @@ pid cannot be reused, so signals sent to it (the pool's kill, a test's SIGSTOP) 
 and nothing else. Workers die with the zygote (PR_SET_PDEATHSIG), and the zygote ends, killing
 its workers, when the pool's end of its socket closes (the pool garbage collected, the server
 ended or killed). A zygote that does not answer a request within REQUEST_TIMEOUT_S (stopped,
-say) is killed and the next start gets a new one. Linux only (a SOCK_SEQPACKET socket pair and prctl); elsewhere the pool starts
-each worker as a fresh interpreter.
+say) is killed and the next start gets a new one. Linux only (a SOCK_SEQPACKET socket pair
+and prctl); elsewhere the pool starts each worker as a fresh interpreter.
 """
 
 from __future__ import annotations
