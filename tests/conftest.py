@@ -1,14 +1,29 @@
-"""Shared fixtures: tiny random checkpoints of every supported architecture."""
+"""Shared fixtures: tiny random checkpoints of every supported architecture.
+
+Nothing heavy is imported at the top: pytest's controlling process (under -n, one that runs no
+test) reads this file too, and would otherwise spend seconds importing torch and transformers
+before it starts the workers."""
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads its OpenMP runtime (which reads this once), here and in every server or
+# worker process a test starts: under the README's `-n 2` each of two workers has a thread
+# pool as wide as the machine, and an idle pool's threads spin, waiting for the next parallel
+# region, on the core the other worker computes on (a fifth of the CPU time of the
+# compute-heavy tests, measured side by side). A passive wait sleeps instead. Timing is not
+# what the tests check; an operator's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
-from tests.model_helpers import TINY_MODEL_NAMES, write_tiny_checkpoint
-from tests.shared_loads import SharedLoads
+
+if TYPE_CHECKING:
+    from tests.shared_loads import SharedLoads
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +31,8 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     """name -> directory of a saved tiny random model (config, safetensors, tokenizer)
     for each of model_helpers.TINY_MODEL_NAMES (llama, llama3_rope, llama_tied_bias,
     mistral, qwen2, qwen3)."""
+    from tests.model_helpers import TINY_MODEL_NAMES, write_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     return {name: write_tiny_checkpoint(name, root / name) for name in TINY_MODEL_NAMES}
 
@@ -30,6 +47,8 @@ def tiny_llama_dir(tiny_checkpoints: dict[str, Path]) -> Path:
 def real_model_loads() -> SharedLoads:
     """The session's one load of the real model ("smollm2"), shared by the real-model modules'
     engines (tests/shared_loads.py); a module opens `real_model_loads.patched()` around its tests."""
+    from tests.shared_loads import SharedLoads
+
     return SharedLoads(frozenset({"smollm2"}))
 
 
@@ -57,7 +76,9 @@ class _SessionCluster:
         return next(self._running)
 
     def stop(self) -> None:
-        """Shuts Serve and Ray down (start_cluster's `finally`); again, it does nothing."""
+        """Stops the cluster's command and checks that it stopped cleanly (start_cluster's
+        `finally`: a failed check is an error in the last user's teardown); again, it does
+        nothing."""
         running, self._running = self._running, None
         if running is not None:
             running.close()
@@ -68,7 +89,8 @@ _CLUSTER = _SessionCluster()
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[SimpleNamespace]:
-    """A local Ray cluster serving 2 demo-model replicas behind the OpenAI API (cluster_util)."""
+    """A local Ray cluster serving 2 demo-model replicas behind the OpenAI API, started by
+    `radixserve serve --replicas 2` (cluster_util)."""
     try:
         yield _CLUSTER.start()
     finally:
