@@ -174,10 +174,24 @@ def _contradiction(args: argparse.Namespace) -> str | None:
     if args.tensor_parallel_size > 1 and args.device and args.device.partition(":")[2] not in ("", "0"):
         return (f"--device {args.device}: with --tensor-parallel-size rank r runs on GPU r (or LOCAL_RANK's "
                 "under torchrun); choose the GPUs with CUDA_VISIBLE_DEVICES, and give --device cuda")
-    return _ignored_here(args)
+    return _ignored_here(args) or _app_placement_problem(args.app_name, args.route_prefix)
 
 
-CLUSTER_ONLY = ("router", "replica_cpus", "replica_gpus")
+def _app_placement_problem(app_name: str, route_prefix: str) -> str | None:
+    """Why Serve would refuse the app's name or route prefix: said before Ray starts, so that
+    a typo costs no cluster start."""
+    if not app_name:
+        return "--app-name must not be empty"
+    if not route_prefix.startswith("/"):
+        return f"--route-prefix must start with '/', got {route_prefix!r}"
+    if route_prefix != "/" and route_prefix.endswith("/"):
+        return f"--route-prefix must not end with '/' (but for '/' itself), got {route_prefix!r}"
+    if "{" in route_prefix or "}" in route_prefix:
+        return f"--route-prefix cannot hold path parameters ('{{' or '}}'), got {route_prefix!r}"
+    return None
+
+
+CLUSTER_ONLY = ("router", "replica_cpus", "replica_gpus", "app_name", "route_prefix")
 # Ray Serve's proxy holds a cluster's connections: these settings of our own protocol have
 # nothing to act on there.
 SINGLE_SERVER_ONLY = ("head_timeout_s", "max_connections_per_client", "max_connections", "refusals_per_s")

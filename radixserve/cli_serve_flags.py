@@ -235,6 +235,12 @@ def _add_cluster_args(serve: argparse.ArgumentParser) -> None:
     cluster.add_argument("--ray-address", default=None,
                          help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting a "
                               "local one; implies --replicas 1 unless given")
+    cluster.add_argument("--app-name", default="radixserve",
+                         help="the Serve application's name: another name serves a second model on a cluster "
+                              "that already runs one, under its own --route-prefix (default: %(default)s)")
+    cluster.add_argument("--route-prefix", default="/",
+                         help="the path the app is served under on the cluster's proxy, e.g. /small: its API is "
+                              "then at /small/v1 (default: %(default)s)")
     cluster.add_argument("--router", default="cache-aware",
                          choices=["cache-aware", "power-of-two", "prefix-affinity"],
                          help="replica choice: radixserve's cache-aware router, or Ray Serve's "

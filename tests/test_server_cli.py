@@ -291,6 +291,11 @@ IMPOSSIBLE_SETTINGS = [
     # Flags where they would have no effect (cli_serve._ignored_here): refused, not dropped.
     (("--router", "power-of-two", "--replica-cpus", "2"), "--router and --replica-cpus: only for a cluster"),
     (("--replica-gpus", "0.5"), "--replica-gpus: only for a cluster (give --replicas N or --ray-address)"),
+    (("--app-name", "small", "--route-prefix", "/small"), "--app-name and --route-prefix: only for a cluster"),
+    (("--replicas", "1", "--route-prefix", "small"), "--route-prefix must start with '/', got 'small'"),
+    (("--replicas", "1", "--route-prefix", "/small/"), "--route-prefix must not end with '/'"),
+    (("--replicas", "1", "--route-prefix", "/{model}"), "--route-prefix cannot hold path parameters"),
+    (("--replicas", "1", "--app-name", ""), "--app-name must not be empty"),
     (("--replicas", "2", "--head-timeout-s", "3", "--max-connections", "90"),
      "--head-timeout-s and --max-connections: only for the single server; on a cluster Ray Serve's proxy"),
     (("--ray-address", "auto", "--max-connections-per-client", "0"), "--max-connections-per-client: only for the single"),

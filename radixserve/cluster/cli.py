@@ -1,4 +1,5 @@
-"""`radixserve serve --replicas N [--ray-address ADDR] [--router NAME]`: serve on Ray Serve."""
+"""`radixserve serve --replicas N [--ray-address ADDR] [--app-name NAME --route-prefix /P] [--router NAME]`:
+serve on Ray Serve."""
 
 from __future__ import annotations
 
@@ -65,28 +66,30 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
              f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
         try:
             _release(reservation)  # Serve's proxy binds it now
-            deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s)
+            deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s,
+                   name=args.app_name, route_prefix=args.route_prefix)
         except DeployRefused as exc:
             _say(f"error: {exc}")
-            _tear_down(stop, shared=True, deployed=False)  # whatever runs there is not ours
+            _tear_down(stop, args.app_name, shared=True, deployed=False)  # whatever runs there is not ours
             return 2
         except Exception as exc:  # a replica that cannot load its model fails the deployment
             _say(f"error: deployment failed: {_reason(exc)}")
-            _tear_down(stop, shared=args.ray_address is not None)
+            _tear_down(stop, args.app_name, shared=args.ray_address is not None)
             return 2
         kept_alive = running_http_options().keep_alive_timeout_s
         if kept_alive != max(1, round(args.keep_alive_timeout_s)):  # a joined cluster's Serve was started before
             _say(f"warning: the running Serve closes idle connections after {kept_alive} s; "
                  "--keep-alive-timeout-s cannot change that while it runs")
-        _say(f"serving at http://{args.host}:{args.port}/v1 with {replicas} replica(s) "
-             f"(per-replica routing at /cluster/replicas; Ctrl-C to stop)")
+        root = f"http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
+        _say(f"serving at {root}/v1 with {replicas} replica(s) as app {args.app_name!r} "
+             f"(per-replica routing at {root}/cluster/replicas; Ctrl-C to stop)")
         stop.wait()
     except StopRequested:
         pass
     finally:
         _release(reservation)  # a signal during Ray's start comes before the release above
     _say("stopping ...")
-    _tear_down(stop, shared=args.ray_address is not None)
+    _tear_down(stop, args.app_name, shared=args.ray_address is not None)
     _say("stopped")
     return 0
 
@@ -118,19 +121,17 @@ def _release(reservation: socket.socket | None) -> None:
         reservation.close()  # closing twice does nothing
 
 
-def _tear_down(stop: StopSignals, *, shared: bool, deployed: bool = True) -> None:
-    """Deletes the Serve app (unless it was never `deployed`) and ends this driver's Ray (a
-    local cluster's processes with it). On a `shared` cluster (--ray-address) only our app
-    goes: serve.shutdown() would delete every other Serve app running there too."""
+def _tear_down(stop: StopSignals, app_name: str, *, shared: bool, deployed: bool = True) -> None:
+    """Deletes the Serve app `app_name` (unless it was never `deployed`) and ends this driver's
+    Ray (a local cluster's processes with it). On a `shared` cluster (--ray-address) only our
+    app goes: serve.shutdown() would delete every other Serve app running there too."""
     import ray
     from ray import serve
-
-    from radixserve.cluster.deploy import APP_NAME
 
     stop.begin_teardown()
     if ray.is_initialized() and deployed:  # not when a signal came while Ray was starting
         if shared:
-            serve.delete(APP_NAME)
+            serve.delete(app_name)
         else:
             serve.shutdown()
     ray.shutdown()

@@ -172,8 +172,8 @@ def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000
     `keep_alive_s`; None: Serve's 90 s) and deploys the app as `name` at `route_prefix`;
     returns the ingress handle once every replica is up. DeployRefused, before anything on the
     cluster changed, when Serve already runs there at another address (Ray only logs it, and
-    the app would be served where nobody looks) or already runs an app called `name` (it
-    would be replaced: another operator's, on a shared cluster)."""
+    the app would be served where nobody looks), already runs an app called `name` (it would
+    be replaced: another operator's, on a shared cluster) or another app at `route_prefix`."""
     http_options: dict[str, Any] = {"host": host, "port": port}
     if keep_alive_s is not None:
         http_options["keep_alive_timeout_s"] = max(1, round(keep_alive_s))  # Serve takes whole seconds
@@ -185,7 +185,11 @@ def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000
                              f"address cannot change while it runs: give --host {running.host} --port {running.port}")
     if name in serve.status().applications:
         raise DeployRefused(f"this cluster already serves an app called {name!r}: stop it first "
-                            f"(serve.delete({name!r})), or serve this one on another cluster")
+                            f"(serve.delete({name!r})), or serve this one beside it under another "
+                            "--app-name and --route-prefix")
+    if (holder := route_prefix_holder(route_prefix)) is not None:
+        raise DeployRefused(f"the app {holder!r} is served at route prefix {route_prefix!r} on this cluster: "
+                            "give this one another --route-prefix")
     return serve.run(build_app(options), name=name, route_prefix=route_prefix, logging_config=logging_config)
 
 
@@ -199,6 +203,15 @@ def running_http_options() -> Any:
     from ray.serve.context import _get_global_client  # Serve keeps them only on its client
 
     return _get_global_client().http_config
+
+
+def route_prefix_holder(route_prefix: str) -> str | None:
+    """The running app served at `route_prefix` on the cluster this process joined, if any
+    (Serve would refuse a second one with a RayServeException, after our checks)."""
+    from ray.serve.context import _get_global_client
+
+    applications = _get_global_client().get_serve_details().get("applications", {})
+    return next((name for name, app in applications.items() if app.get("route_prefix") == route_prefix), None)
 
 
 def engine_replica_actors() -> list[Any]:
