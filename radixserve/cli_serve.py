@@ -48,9 +48,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
         from radixserve.cluster.cli import serve_cluster
 
-        if not _load_tenant_keys(args):
-            return 2
-        return serve_cluster(args, engine_options(args), app_options(args), async_engine_options(args))
+        return serve_cluster(args, lambda: _load_tenant_keys(args), engine_options(args), app_options(args),
+                             async_engine_options(args))
     try:  # first, so that a busy port is reported before minutes of loading
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

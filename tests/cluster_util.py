@@ -1,4 +1,5 @@
-"""A real local Ray cluster serving 2 demo-model replicas, started once per test session.
+"""A real local Ray cluster serving 2 demo-model replicas, started once per test session
+by `radixserve serve --replicas 2`, the command an operator runs.
 
 Ray tests are marked `cluster`. Without Ray they skip — except under CI (CI=true), where
 .ci/run installs the cluster extra and a missing Ray is an error, not a skip.
@@ -7,8 +8,13 @@ Ray tests are marked `cluster`. Without Ray they skip — except under CI (CI=tr
 from __future__ import annotations
 
 import os
+import re
+import signal
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +26,8 @@ from radixserve.ports import free_port
 REPLICAS = 2
 NUM_PAGES = 512      # per replica; as tests/test_server.py's single engine
 PAGE_SIZE = 16
+REPLICA_CPUS = 0.5   # Ray CPUs: a local Ray has one per core, and a second app (tests/test_cluster_health.py's
+# stalled one, test_tensor_parallel_serve.py's TP group) must fit beside the session's on two
 CLUSTER_MAX_REQUEST_TOKENS = 4096  # the ingress's --max-request-tokens: below the default 65536, so that a
 # test sees the flag reach the ingress (the demo model's context is 4,096: no unset max_tokens shrinks)
 CLUSTER_KEEP_ALIVE_S = 5.0  # the proxy's idle kept-alive connections: the CLI's default (Serve's own is 90 s)
@@ -54,24 +62,64 @@ def wait_for_replicas(url: str, count: int, timeout: float = STARTUP_TIMEOUT_S,
 
 
 def start_cluster() -> Iterator[SimpleNamespace]:
-    """Starts Ray with a few logical CPUs, deploys the app on a free port, yields its URL and
-    the stats of the whole cluster; shuts Serve and Ray down after."""
+    """Starts the session's cluster as an operator does: `radixserve serve --replicas 2` (a
+    local Ray), run as a careless parent leaves it (tests/stop_util.py). Once it serves, the
+    driver must catch both stop signals; this process then joins its Ray (Serve's API, actor
+    handles) and yields its URL, port, Ray address, stats and the app's handle. At the end it
+    leaves Ray and stops the command with SIGTERM, checking a clean stop: status 0, and every
+    Ray process the command started gone."""
     require_ray()
     import ray
     from ray import serve
 
-    from radixserve.cluster.deploy import ClusterOptions, deploy, start_ray
+    from radixserve.cluster.deploy import APP_NAME
+    from tests.stop_util import (
+        EXIT_GUARD_S,
+        STOP_SIGNALS,
+        health_status,
+        kill_tree,
+        start_hardened,
+        stop_signal_dispositions,
+        stops_cleanly,
+    )
 
-    start_ray(num_cpus=REPLICAS + 1)
     port = free_port()
-    options = ClusterOptions(replicas=REPLICAS, engine_options=dict(
-        model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES), replica_cpus=1, torch_threads=1,
-        app_options=dict(max_request_tokens=CLUSTER_MAX_REQUEST_TOKENS))
+    url = f"http://127.0.0.1:{port}"
+    descriptor, name = tempfile.mkstemp(prefix="radixserve-session-cluster-", suffix=".log")
+    os.close(descriptor)
+    log = Path(name)
+    process = start_hardened(
+        [sys.executable, "-m", "radixserve", "serve", "--replicas", str(REPLICAS), "--port", str(port),
+         "--model", "demo", "--page-size", str(PAGE_SIZE), "--num-pages", str(NUM_PAGES),
+         "--replica-cpus", str(REPLICA_CPUS), "--max-request-tokens", str(CLUSTER_MAX_REQUEST_TOKENS),
+         "--keep-alive-timeout-s", str(CLUSTER_KEEP_ALIVE_S), "--shutdown-timeout-s", str(EXIT_GUARD_S / 2)],
+        log=log)
     try:
-        deploy(options, port=port, keep_alive_s=CLUSTER_KEEP_ALIVE_S)
-        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while health_status(url) != 200:
+            assert process.poll() is None, f"serve --replicas ended: {log.read_text()}"
+            assert time.monotonic() < deadline, f"serve --replicas did not serve: {log.read_text()}"
+            time.sleep(0.2)
         wait_for_replicas(url, REPLICAS)
-        yield SimpleNamespace(url=url, stats=lambda: replicas_report(url)["total"], app=serve.get_app_handle("radixserve"))
+        dispositions = stop_signal_dispositions(process.pid)
+        assert dispositions == {"blocked": set(), "ignored": set(), "caught": STOP_SIGNALS}, dispositions
+        reported = re.search(r"local Ray at (\S+)\)", log.read_text())
+        assert reported, f"serve --replicas did not say its Ray's address: {log.read_text()}"
+        # "auto", as the docs say for a second app on the same machine: only a local cluster found
+        # that way lends the joining process its token (Ray's token auth; an explicit address
+        # would need RAY_AUTH_MODE=token). It is the Ray started last here: the command's, checked.
+        # Apps deployed from this process run the source the command serves, as its own do.
+        ray.init(address="auto", log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+        address = ray.get_runtime_context().gcs_address
+        assert address == reported.group(1), (address, reported.group(1))
+    except BaseException:
+        kill_tree(process)
+        raise
+    try:
+        yield SimpleNamespace(url=url, port=port, address=address,
+                              stats=lambda: replicas_report(url)["total"], app=serve.get_app_handle(APP_NAME))
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # this process's connection only: the cluster is the command's
+        stops_cleanly(process, signal.SIGTERM, log)
+        log.unlink()

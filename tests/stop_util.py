@@ -38,11 +38,18 @@ def as_a_careless_parent_leaves_it() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def start_hardened(command: list[str]) -> subprocess.Popen[str]:
-    """`command` in the repository, started as a careless parent leaves it."""
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                            preexec_fn=as_a_careless_parent_leaves_it)  # noqa: PLW1509 (the point)
+def start_hardened(command: list[str], log: Path | None = None) -> subprocess.Popen[str]:
+    """`command` in the repository, started as a careless parent leaves it. Its output is
+    piped, or written to `log`, for a process that outlives the test that started it: nobody
+    reads a pipe meanwhile, and a full one would stop the process at its next line."""
+    output = subprocess.PIPE if log is None else log.open("w")
+    try:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.PIPE if log is None else subprocess.STDOUT,
+                                text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                preexec_fn=as_a_careless_parent_leaves_it)  # noqa: PLW1509 (the point)
+    finally:
+        if log is not None:
+            output.close()  # the child holds its own copy
 
 
 def stop_signal_dispositions(pid: int) -> dict[str, set[signal.Signals]]:
@@ -77,14 +84,17 @@ def kill_tree(process: subprocess.Popen[str]) -> None:
     kill_all(started)
 
 
-def stops_cleanly(process: subprocess.Popen[str], sig: signal.Signals) -> None:
+def stops_cleanly(process: subprocess.Popen[str], sig: signal.Signals, log: Path | None = None) -> None:
     """Sends `sig` to a running `serve` and asserts a clean stop: status 0, both stop
-    messages, and every process it had started (Ray's daemons and workers, TP ranks) gone
-    within EXIT_GUARD_S. Whatever is left is killed, pass or fail."""
+    messages (on its stderr, or in the `log` it was started with), and every process it had
+    started (Ray's daemons and workers, TP ranks) gone within EXIT_GUARD_S. Whatever is left
+    is killed, pass or fail."""
     started = psutil.Process(process.pid).children(recursive=True)
     try:
         process.send_signal(sig)
         _, stderr = process.communicate(timeout=EXIT_GUARD_S)
+        if log is not None:
+            stderr = log.read_text()
         assert process.returncode == 0, stderr
         assert "radixserve: stopping ..." in stderr and "radixserve: stopped" in stderr
         _, alive = psutil.wait_procs(started, timeout=EXIT_GUARD_S)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from cluster_util import NUM_PAGES, PAGE_SIZE, replicas_report, wait_for_replicas
+from cluster_util import NUM_PAGES, PAGE_SIZE, REPLICA_CPUS, replicas_report, wait_for_replicas
 
 from radixserve.cluster.deploy import APP_NAME, ClusterOptions, DeployRefused, deploy, running_http_options
 from radixserve.ports import free_port
@@ -27,7 +27,7 @@ STALL_TIMEOUT_S = 1.0
 
 def options(**changes: object) -> ClusterOptions:
     base = ClusterOptions(replicas=1, engine_options=dict(model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES),
-                          replica_cpus=1, torch_threads=1)
+                          replica_cpus=REPLICA_CPUS, torch_threads=1)
     for name, value in changes.items():
         setattr(base, name, value)
     return base
@@ -44,7 +44,8 @@ def test_a_deployment_that_would_land_elsewhere_or_replace_an_app_changes_nothin
         ray_cluster: SimpleNamespace) -> None:
     """Serve keeps the address of its first start: a deployment asking for another one would be
     served where the operator does not look (Ray only logs it), and one under a running app's
-    name would replace that app. Both are refused before anything on the cluster changes."""
+    name would replace that app; another app cannot share a running app's route prefix. Each
+    is refused before anything on the cluster changes."""
     from ray import serve
 
     running = running_http_options()
@@ -55,6 +56,9 @@ def test_a_deployment_that_would_land_elsewhere_or_replace_an_app_changes_nothin
         deploy(options(), port=elsewhere)
     with pytest.raises(DeployRefused, match=f"already serves an app called '{APP_NAME}'"):
         deploy(options(), port=running.port)
+    with pytest.raises(DeployRefused, match=f"the app '{APP_NAME}' is served at route prefix '/' on this cluster: "
+                                            "give this one another --route-prefix"):
+        deploy(options(), port=running.port, name="beside", route_prefix="/")
     assert list(serve.status().applications) == [APP_NAME]
     assert len(replicas_report(ray_cluster.url)["replicas"]) == 2  # the session's app, untouched
     served(ray_cluster.url)

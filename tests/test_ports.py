@@ -106,6 +106,17 @@ def test_a_local_ray_starts_while_the_servers_port_is_held() -> None:
     assert not plain_bind_fails(port)
 
 
+def test_malformed_keys_for_a_cluster_free_the_port_it_held() -> None:
+    """`serve --replicas` holds its port first, then reads the keys: a malformed key is a
+    one-line error, and the port is free again (in process: nothing here starts Ray)."""
+    require_ray()
+    from radixserve.cli import main
+
+    port = free_port()
+    assert main(["serve", "--replicas", "1", "--port", str(port), "--api-key", ""]) == 2
+    assert not plain_bind_fails(port)
+
+
 def test_a_busy_port_stops_serve_replicas_before_ray_starts() -> None:
     require_ray()
     with socket.socket() as busy:
@@ -114,9 +125,9 @@ def test_a_busy_port_stops_serve_replicas_before_ray_starts() -> None:
         port = busy.getsockname()[1]
         script = ("import sys, ray; from radixserve.cli import main\n"
                   "code = main(['serve', '--replicas', '1', '--port', sys.argv[1], '--model', 'demo'])\n"
-                  "print(ray.is_initialized()); sys.exit(code)\n")
+                  "print(ray.is_initialized(), 'torch' in sys.modules); sys.exit(code)\n")
         done = subprocess.run([sys.executable, "-c", script, str(port)], capture_output=True, text=True,
                               cwd=REPO_ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.returncode == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
-    assert done.stdout.strip() == "False"
+    assert done.stdout.strip() == "False False"  # said before Ray started, and before torch loaded

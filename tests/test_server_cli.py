@@ -281,6 +281,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--host-tier-pages", "100000000"), "--host-tier-pages: a KV cache of 100000000 pages"),
     (("--model", "no-such-model"), "model not found: 'no-such-model'"),
     (("--api-key", ""), "API keys: an API key must not be empty"),
+    (("--replicas", "1", "--api-key", ""), "API keys: an API key must not be empty"),
     (("--max-request-tokens", "0"), "--max-request-tokens must be >= 1, got 0"),
     (("--no-prefix-cache", "--host-tier-pages", "64"), "--no-prefix-cache caches nothing, so a host tier"),
     (("--public-cache-hashes", "--cache-hash-secret", "s3cret"), "--public-cache-hashes publishes unkeyed hashes"),

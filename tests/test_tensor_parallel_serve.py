@@ -2,8 +2,9 @@
 
 The server's tokens equal a TP=1 engine's; a killed worker turns /health to 503 with the
 reason and requests end with an error; Ctrl-C ends the server and every worker. On Ray Serve
-(marked `cluster`), one replica is one TP group of two ranks; the driver catches both stop
-signals its parent ignored or blocked, and SIGTERM stops it cleanly.
+(marked `cluster`: the session's cluster, joined as a second app), one replica is one TP group
+of two ranks; the driver catches both stop signals its parent ignored or blocked, and SIGTERM
+stops it cleanly.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import psutil
 import pytest
-from cluster_util import STARTUP_TIMEOUT_S, require_ray
+from cluster_util import REPLICA_CPUS, STARTUP_TIMEOUT_S
 
 from radixserve import Engine, SamplingParams
 from radixserve.ports import free_port
@@ -30,6 +32,7 @@ from tests.stop_util import (
 )
 from tests.test_server_cli import start_serve, stop
 
+TP_APP = "tp"
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_TOKENS = 6
 
@@ -79,29 +82,41 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
 
 
 @pytest.mark.cluster
-@pytest.mark.timeout(900)  # a Ray start and a TP start, on a loaded machine
-def test_one_ray_serve_replica_is_one_tp_group_and_stops_on_a_blocked_sigterm(tiny_llama_dir: Path) -> None:
-    """Started as a careless parent leaves it (SIGINT ignored, both stop signals blocked:
-    tests/stop_util.py). Once serving, the driver catches SIGINT and SIGTERM and neither is
-    ignored or blocked (after ray.init, which replaces the SIGTERM handler); SIGTERM then stops
-    the driver, Serve, the replica (rank 0) and its worker cleanly. One Ray start covers both
-    signals here: what each does once caught, hung teardowns included, is
+@pytest.mark.timeout(900)  # a TP start on Ray, on a loaded machine
+def test_a_tp_group_joins_the_session_cluster_as_a_second_app_and_stops_on_a_blocked_sigterm(
+        tiny_llama_dir: Path, ray_cluster: SimpleNamespace) -> None:
+    """`serve --ray-address` joins the session's cluster (the local Ray that `serve --replicas`
+    started: cluster_util) as a second app, under its own name and route prefix; its one
+    replica is one TP group of two ranks, whose tokens equal TP=1's. Started as a careless
+    parent leaves it (SIGINT ignored, both stop signals blocked: tests/stop_util.py), the
+    driver catches SIGINT and SIGTERM once serving (joining, ray.init replaces the SIGTERM
+    handler too); SIGTERM then deletes its app alone: its replica and rank end, the session's
+    app serves on. What each signal does once caught, hung teardowns included, is
     test_cluster_signals.py's, without Ray."""
-    require_ray()
+    from ray import serve
+
     expected = expected_tokens(tiny_llama_dir)
-    port = free_port()
-    # Not start_serve: Ray's start on a loaded machine can take longer than its 2 minutes.
+    # Not start_serve: a replica's start on a loaded machine can take longer than its 2 minutes.
     process = start_hardened(
-        [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--model", str(tiny_llama_dir),
-         "--device", "cpu", "--tensor-parallel-size", "2", "--replicas", "1", "--num-pages", "32",
-         "--shutdown-timeout-s", str(EXIT_GUARD_S / 2)])
+        [sys.executable, "-m", "radixserve", "serve", "--ray-address", "auto",  # the session's: cluster_util
+         "--port", str(ray_cluster.port), "--app-name", TP_APP, "--route-prefix", f"/{TP_APP}",
+         "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2",
+         "--replica-cpus", str(REPLICA_CPUS), "--num-pages", "32", "--shutdown-timeout-s", str(EXIT_GUARD_S / 2)])
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = f"{ray_cluster.url}/{TP_APP}"
         assert wait_for(lambda: health_status(url) == 200, STARTUP_TIMEOUT_S)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
         both = {signal.SIGINT, signal.SIGTERM}
         assert stop_signal_dispositions(process.pid) == {"blocked": set(), "ignored": set(), "caught": both}
+        (replica,) = [p for p in psutil.process_iter(["cmdline"])
+                      if " ".join(p.info["cmdline"] or ()).startswith(f"ray::ServeReplica:{TP_APP}:EngineReplica")]
+        group = [replica, *replica.children(recursive=True)]  # the fork server, and rank 1 its child
+        assert any("forkserver" in " ".join(p.cmdline()) and p.ppid() != replica.pid for p in group)
     except BaseException:
         kill_tree(process)
         raise
     stops_cleanly(process, signal.SIGTERM)
+    assert TP_APP not in serve.status().applications
+    _, alive = psutil.wait_procs(group, timeout=EXIT_GUARD_S)
+    assert not alive, [p.pid for p in alive]
+    assert completion(ray_cluster.url, "demo")[1] == "length"  # the session's app carries on

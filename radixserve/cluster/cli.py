@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from radixserve.ports import bind_socket, cannot_listen
@@ -18,25 +19,25 @@ if TYPE_CHECKING:
 INSTALL_HINT = "pip install -e '.[cluster]' (or pip install 'ray[serve]')"
 
 
-def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_options: dict[str, Any],
-                  async_options: dict[str, Any]) -> int:
+def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool], engine_options: dict[str, Any],
+                  app_options: dict[str, Any], async_options: dict[str, Any]) -> int:
     """Deploys the replicas (each an Engine of `engine_options` under an AsyncEngine of
-    `async_options`) and the ingress (its app of `app_options`), serves until SIGINT or SIGTERM
-    (stop_signals.py: even when the parent ignored or blocked them), then tears the app down."""
+    `async_options`) and the ingress (its app of `app_options`, and the tenant keys that
+    `load_tenant_keys` sets on `args`, or False when they are malformed), serves until SIGINT
+    or SIGTERM (stop_signals.py: even when the parent ignored or blocked them), then tears the
+    app down."""
     try:
         import ray
     except ImportError:
         _say(f"error: --replicas and --ray-address need Ray Serve: {INSTALL_HINT}")
         return 2
-    from radixserve.cluster.deploy import ClusterOptions, DeployRefused, deploy, running_http_options, start_ray
-    from radixserve.cluster.stop_signals import StopRequested, StopSignals
-
     replicas = args.replicas if args.replicas is not None else 1
     if replicas < 1:
         _say(f"error: --replicas must be >= 1, got {replicas}")
         return 2
     # A local Ray's proxy listens here: the port is held from now to the proxy's bind, as Ray
     # picks its own agents' ports at random meanwhile (a cluster's proxies listen on its nodes).
+    # First, as the single server binds first: a busy port is said before seconds of imports.
     reservation: socket.socket | None = None
     if args.ray_address is None:
         try:
@@ -44,6 +45,13 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
         except OSError as exc:
             _say(cannot_listen(args.host, args.port, exc))
             return 1
+    if not load_tenant_keys():
+        _release(reservation)
+        return 2
+    # torch and the server load here, after the port is ours
+    from radixserve.cluster.deploy import ClusterOptions, DeployRefused, deploy, running_http_options, start_ray
+    from radixserve.cluster.stop_signals import StopRequested, StopSignals
+
     options = ClusterOptions(replicas=replicas, router=args.router, engine_options=engine_options,
                              replica_cpus=args.replica_cpus, served_model_name=args.served_model_name,
                              # as many torch threads as CPUs reserved (it was always one)
@@ -62,8 +70,10 @@ def serve_cluster(args: argparse.Namespace, engine_options: dict[str, Any], app_
         options.replica_gpus = replica_gpus(args.replica_gpus, args.device, args.tensor_parallel_size,
                                             ray.cluster_resources().get("GPU", 0), replicas)
         stop.install()  # again: ray.init replaced the SIGTERM handler with its crash reporter
-        _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} "
-             f"({'cluster ' + args.ray_address if args.ray_address else 'local Ray'}) ...")
+        # A local cluster's address, for its operator: a second model joins it (docs/server.md)
+        where = (f"cluster {args.ray_address}" if args.ray_address
+                 else f"local Ray at {ray.get_runtime_context().gcs_address}")
+        _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} ({where}) ...")
         try:
             _release(reservation)  # Serve's proxy binds it now
             deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s,
