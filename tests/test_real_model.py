@@ -137,9 +137,11 @@ def test_greedy_equals_transformers_at_page_size_16(engine16: Engine, prompts: l
 
 
 def test_greedy_equals_transformers_at_page_size_1(prompts: list[list[int]], expected: list[list[int]]) -> None:
-    engine = Engine(model="smollm2", page_size=1, num_pages=2600,  # checked once at the end: per step is slow here
+    """All but the 2,000-token prompt (1,698 tokens, still past a page of 512: page size 1 has no
+    case the longest adds, and it was a third of the module's compute), on 1,200 slots."""
+    engine = Engine(model="smollm2", page_size=1, num_pages=1200,  # checked once at the end: per step is slow here
                     mixed_prefill_tokens=512)  # as engine16
-    _run_cold_then_warm(engine, prompts, expected)
+    _run_cold_then_warm(engine, prompts[:-1], expected[:-1])
 
 
 def test_config_and_generation_defaults_come_from_the_file(engine16: Engine) -> None:
