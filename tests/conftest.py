@@ -13,7 +13,7 @@ import os
 # pool as wide as the machine, and an idle pool's threads spin, waiting for the next parallel
 # region, on the core the other worker computes on (a fifth of the CPU time of the
 # compute-heavy tests, measured side by side). A passive wait sleeps instead. Timing is not
-# what the tests check; an operator's own setting wins.
+# what the tests check; a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from collections.abc import Iterator
 from pathlib import Path

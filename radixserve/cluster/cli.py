@@ -45,10 +45,10 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         except OSError as exc:
             _say(cannot_listen(args.host, args.port, exc))
             return 1
+    # torch and the server load from here on (the keys' module imports them), after the hold
     if not load_tenant_keys():
         _release(reservation)
         return 2
-    # torch and the server load here, after the port is ours
     from radixserve.cluster.deploy import ClusterOptions, DeployRefused, deploy, running_http_options, start_ray
     from radixserve.cluster.stop_signals import StopRequested, StopSignals
 
