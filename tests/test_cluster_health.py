@@ -96,3 +96,30 @@ def _send_and_give_up(url: str) -> None:
         httpx.post(f"{url}/v1/completions", json={"prompt": "stall", "max_tokens": 2}, timeout=60)
     except httpx.HTTPError:
         pass  # the replica it waited on was replaced, or the app deleted under it
+
+
+def test_serve_start_waits_past_serves_fixed_proxy_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine Serve's proxy can take longer than serve.start's fixed 60 s to come
+    up (seen with four CPU hogs beside the tests): start_serve calls it again, which joins the
+    controller the first call created. Any other timeout is not swallowed."""
+    from ray import serve
+
+    from radixserve.cluster.deploy import start_serve
+
+    calls: list[dict] = []
+
+    def slow_proxy(**options: object) -> None:
+        calls.append(options)
+        if len(calls) == 1:
+            raise TimeoutError("HTTP proxies not available after 60s.")
+
+    monkeypatch.setattr(serve, "start", slow_proxy)
+    start_serve({"port": 1}, None)
+    assert calls == [{"http_options": {"port": 1}, "logging_config": None}] * 2
+
+    def other_timeout(**options: object) -> None:
+        raise TimeoutError("something else")
+
+    monkeypatch.setattr(serve, "start", other_timeout)
+    with pytest.raises(TimeoutError, match="something else"):
+        start_serve({"port": 1}, None)

@@ -178,7 +178,7 @@ def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000
     if keep_alive_s is not None:
         http_options["keep_alive_timeout_s"] = max(1, round(keep_alive_s))  # Serve takes whole seconds
     logging_config = {"log_level": options.log_level.upper()} if options.log_level else None
-    serve.start(http_options=http_options, logging_config=logging_config)
+    start_serve(http_options, logging_config)
     running = running_http_options()
     if (running.host, running.port) != (host, port):
         raise DeployRefused(f"Ray Serve already runs on this cluster at {running.host}:{running.port}, and its "
@@ -191,6 +191,19 @@ def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000
         raise DeployRefused(f"the app {holder!r} is served at route prefix {route_prefix!r} on this cluster: "
                             "give this one another --route-prefix")
     return serve.run(build_app(options), name=name, route_prefix=route_prefix, logging_config=logging_config)
+
+
+def start_serve(http_options: dict[str, Any], logging_config: dict[str, Any] | None) -> None:
+    """serve.start, past its fixed 60 s wait for the HTTP proxy: on a loaded machine a new
+    proxy process can take longer just to import its code (seen with four CPU hogs beside the
+    tests on two cores), and Serve raised although the proxy was still starting. A second call
+    joins the controller the first one created; serve.run then waits for the proxy again."""
+    try:
+        serve.start(http_options=http_options, logging_config=logging_config)
+    except TimeoutError as exc:
+        if "HTTP proxies not available" not in str(exc):
+            raise
+        serve.start(http_options=http_options, logging_config=logging_config)
 
 
 class DeployRefused(RuntimeError):
