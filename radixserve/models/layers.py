@@ -33,6 +33,20 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding (same parameter, same checkpoint name) left unfilled on the meta device.
+
+    Its default N(0, 1) fill of a meta tensor runs through torch's reference implementations,
+    whose first use imports torch._dynamo and triton: over a second of every process's start
+    (servers, replicas, TP ranks) and triton's leak warnings at exit, to compute nothing,
+    since the loader overwrites every weight."""
+
+    def reset_parameters(self) -> None:
+        """nn.Embedding's fill, except on the meta device (nothing there to fill)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in float32 and cast back before the scale (as HF does)."""
 

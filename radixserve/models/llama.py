@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from radixserve.models.decoder_kernel import decoder_weights, layer_rows
-from radixserve.models.layers import GatedMLP, Linear, RMSNorm, linear, linear_many
+from radixserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, linear, linear_many
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_qk
 from radixserve.native.decoder import DecoderWeights, run_layers
 from radixserve.native.paged_attention import PagedRows
@@ -160,7 +160,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: PretrainedConfig, head_dim: int, variant: Variant) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, head_dim, variant, window) for window in layer_windows(config)
         )
