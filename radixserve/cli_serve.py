@@ -173,7 +173,26 @@ def _contradiction(args: argparse.Namespace) -> str | None:
     if args.tensor_parallel_size > 1 and args.device and args.device.partition(":")[2] not in ("", "0"):
         return (f"--device {args.device}: with --tensor-parallel-size rank r runs on GPU r (or LOCAL_RANK's "
                 "under torchrun); choose the GPUs with CUDA_VISIBLE_DEVICES, and give --device cuda")
-    return _ignored_here(args) or _app_placement_problem(args.app_name, args.route_prefix)
+    return (_ignored_here(args) or _app_placement_problem(args.app_name, args.route_prefix)
+            or _secret_in_a_shared_job_table(args))
+
+
+SECRET_VARIABLES = {"api_key": "RADIXSERVE_API_KEY", "admin_api_key": "RADIXSERVE_ADMIN_API_KEY",
+                    "cache_hash_secret": "RADIXSERVE_CACHE_HASH_SECRET"}
+
+
+def _secret_in_a_shared_job_table(args: argparse.Namespace) -> str | None:
+    """A secret given on the command line when joining a cluster (--ray-address): Ray records
+    the driver's command line as its job's entrypoint, which every user of the cluster can read
+    (`ray list jobs`, the Ray dashboard), so it must come from the environment there."""
+    if args.ray_address is None:  # a local cluster's job table shows no more than `ps` here does
+        return None
+    for flag, variable in SECRET_VARIABLES.items():
+        value = getattr(args, flag)
+        if value and value != os.environ.get(variable):
+            return (f"--{flag.replace('_', '-')} on the command line is recorded in the Ray cluster's job "
+                    f"table, which every user of the cluster can read: give it as ${variable}")
+    return None
 
 
 def _app_placement_problem(app_name: str, route_prefix: str) -> str | None:
@@ -187,6 +206,8 @@ def _app_placement_problem(app_name: str, route_prefix: str) -> str | None:
         return f"--route-prefix must not end with '/' (but for '/' itself), got {route_prefix!r}"
     if "{" in route_prefix or "}" in route_prefix:
         return f"--route-prefix cannot hold path parameters ('{{' or '}}'), got {route_prefix!r}"
+    if "?" in route_prefix or "#" in route_prefix:  # a request's path never holds them: nothing would match
+        return f"--route-prefix is a path: it cannot hold '?' or '#', got {route_prefix!r}"
     return None
 
 

@@ -14,6 +14,8 @@ import pytest
 from browser_util import headless_chromium, wait_until
 from server_util import running_server
 
+from starlette.responses import PlainTextResponse
+
 from radixserve import AsyncEngine, Engine
 from radixserve.server import create_app
 
@@ -144,14 +146,32 @@ def test_dashboard_draws_the_tree_and_follows_requests(tiny_llama_dir: Path, bro
         page.close()
 
 
+def under_route_prefix(app: Any, prefix: str) -> Any:
+    """`app` served at `prefix` as Ray Serve's proxy serves an app at its route prefix (the
+    prefix in `root_path`, the path whole); every other path is a 404, as where no app is."""
+    async def routed(scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "lifespan" or path == prefix or path.startswith(prefix + "/"):
+            inner = scope if scope["type"] == "lifespan" else {**scope, "root_path": prefix}
+            await app(inner, receive, send)
+        else:
+            await PlainTextResponse("no app here", status_code=404)(scope, receive, send)
+    return routed
+
+
 def test_dashboard_asks_for_the_key_and_flushes(tiny_llama_dir: Path, browser: Any) -> None:
+    """... served under a route prefix (a second app on a cluster): the page's files and API
+    calls are that app's, none goes to the root."""
     engine = Engine(model=str(tiny_llama_dir), page_size=PAGE_SIZE, num_pages=128)
-    app = create_app(AsyncEngine(engine), api_key=API_KEY)
-    with running_server(app) as url, httpx.Client(base_url=url, timeout=60,
-                                                   headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    app = under_route_prefix(create_app(AsyncEngine(engine), api_key=API_KEY), "/small")
+    with running_server(app) as root, httpx.Client(base_url=f"{root}/small", timeout=60,
+                                                    headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        url = f"{root}/small"
         complete(client, HOT)
         assert httpx.get(f"{url}/v1/cache/tree").status_code == 401
         page = browser.new_page()
+        requests: list[str] = []
+        page.on("request", lambda request: requests.append(request.url))
         page.goto(f"{url}/dashboard?{POLL}")
         page.wait_for_selector("#keyform", state="visible")
         assert page.evaluate("radixDashboard.treeUpdates") == 0
@@ -164,6 +184,7 @@ def test_dashboard_asks_for_the_key_and_flushes(tiny_llama_dir: Path, browser: A
         wait_until(page, lambda: page.evaluate("radixDashboard.tree.pages_total === 0"), "the flushed tree")
         assert client.get("/v1/cache/stats").json()["tiers"]["device"]["pages_cached"] == 0
         assert page.locator("#tree text").first.text_content() == "the cache is empty"
+        assert all(r.startswith(url + "/") for r in requests), requests  # (its 401s before the key count as errors)
         page.close()
 
 

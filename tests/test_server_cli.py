@@ -300,6 +300,11 @@ IMPOSSIBLE_SETTINGS = [
     (("--replicas", "1", "--route-prefix", "/small/"), "--route-prefix must not end with '/'"),
     (("--replicas", "1", "--route-prefix", "/{model}"), "--route-prefix cannot hold path parameters"),
     (("--replicas", "1", "--app-name", ""), "--app-name must not be empty"),
+    (("--replicas", "1", "--route-prefix", "/small?x=1"), "--route-prefix is a path: it cannot hold '?' or '#'"),
+    (("--ray-address", "auto", "--api-key", "s3cret"), "--api-key on the command line is recorded in the Ray "
+                                                        "cluster's job table, which every user of the cluster can "
+                                                        "read: give it as $RADIXSERVE_API_KEY"),
+    (("--ray-address", "auto", "--cache-hash-secret", "s3cret"), "give it as $RADIXSERVE_CACHE_HASH_SECRET"),
     (("--replicas", "2", "--head-timeout-s", "3", "--max-connections", "90"),
      "--head-timeout-s and --max-connections: only for the single server; on a cluster Ray Serve's proxy"),
     (("--ray-address", "auto", "--max-connections-per-client", "0"), "--max-connections-per-client: only for the single"),

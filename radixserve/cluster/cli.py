@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,9 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     if replicas < 1:
         _say(f"error: --replicas must be >= 1, got {replicas}")
         return 2
-    # A local Ray's proxy listens here: the port is held from now to the proxy's bind, as Ray
-    # picks its own agents' ports at random meanwhile (a cluster's proxies listen on its nodes).
+    # A local Ray's proxy listens here: the port is held from now until just before Serve starts
+    # its proxy, as Ray picks its own agents' ports at random meanwhile (a cluster's proxies
+    # listen on its nodes).
     # First, as the single server binds first: a busy port is said before seconds of imports.
     reservation: socket.socket | None = None
     if args.ray_address is None:
@@ -64,6 +66,9 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     group = max(1, args.tensor_parallel_size)  # a replica reserves a bundle per tensor-parallel rank
     local_cpus = max(os.cpu_count() or 1, int(replicas * group * args.replica_cpus + 0.999))
     stop = StopSignals(args.shutdown_timeout_s)
+    # Set once deploy has passed its checks and creates the app: until then an app of this
+    # name on a joined cluster is another operator's, which a stop must leave alone.
+    ours = threading.Event()
     try:
         stop.install()  # before Ray starts: a signal during the start or the deployment stops too
         start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
@@ -77,14 +82,14 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         try:
             _release(reservation)  # Serve's proxy binds it now
             deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s,
-                   name=args.app_name, route_prefix=args.route_prefix)
+                   name=args.app_name, route_prefix=args.route_prefix, on_create=ours.set)
         except DeployRefused as exc:
             _say(f"error: {exc}")
             _tear_down(stop, args.app_name, shared=True, deployed=False)  # whatever runs there is not ours
             return 2
         except Exception as exc:  # a replica that cannot load its model fails the deployment
             _say(f"error: deployment failed: {_reason(exc)}")
-            _tear_down(stop, args.app_name, shared=args.ray_address is not None)
+            _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set())
             return 2
         kept_alive = running_http_options().keep_alive_timeout_s
         if kept_alive != max(1, round(args.keep_alive_timeout_s)):  # a joined cluster's Serve was started before
@@ -99,7 +104,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     finally:
         _release(reservation)  # a signal during Ray's start comes before the release above
     _say("stopping ...")
-    _tear_down(stop, args.app_name, shared=args.ray_address is not None)
+    _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set())
     _say("stopped")
     return 0
 
@@ -131,17 +136,21 @@ def _release(reservation: socket.socket | None) -> None:
         reservation.close()  # closing twice does nothing
 
 
-def _tear_down(stop: StopSignals, app_name: str, *, shared: bool, deployed: bool = True) -> None:
-    """Deletes the Serve app `app_name` (unless it was never `deployed`) and ends this driver's
-    Ray (a local cluster's processes with it). On a `shared` cluster (--ray-address) only our
-    app goes: serve.shutdown() would delete every other Serve app running there too."""
+def _tear_down(stop: StopSignals, app_name: str, *, shared: bool, deployed: bool) -> None:
+    """Deletes the Serve app `app_name` (unless this command never `deployed` it: not when a
+    signal came while Ray was starting or before deploy's checks had passed) and ends this
+    driver's Ray (a local cluster's processes with it). On a `shared` cluster (--ray-address)
+    only our app goes: serve.shutdown() would delete every other Serve app running there too."""
     import ray
     from ray import serve
 
     stop.begin_teardown()
-    if ray.is_initialized() and deployed:  # not when a signal came while Ray was starting
+    if ray.is_initialized() and deployed:
         if shared:
-            serve.delete(app_name)
+            try:
+                serve.delete(app_name)
+            except Exception as exc:  # e.g. Serve's controller gone with the cluster: say so, end cleanly
+                _say(f"warning: could not delete the app {app_name!r}: {_reason(exc)}")
         else:
             serve.shutdown()
     ray.shutdown()

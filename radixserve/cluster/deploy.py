@@ -12,6 +12,7 @@ local one.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ MAX_ONGOING_REQUESTS = 1024   # the engine queues and schedules; Serve should no
 SHUTDOWN_TIMEOUT_S = 3.0      # event streams never end on their own: do not wait long for them
 HEALTH_CHECK_PERIOD_S = 2.0   # how soon Serve notices a dead replica and starts another
 HEALTH_CHECK_TIMEOUT_S = 30.0  # a replica busy with long CPU steps still answers within this
+# The first path segments the ingress answers (create_app's routes and /cluster): another app's
+# route prefix must not nest with this one's at any of them (prefix_conflict).
+SERVED_ROOTS = frozenset({"v1", "health", "metrics", "dashboard", "cluster"})
 
 
 @dataclass
@@ -113,13 +117,23 @@ class OpenAIIngress:
 
 def build_app(options: ClusterOptions) -> serve.Application:
     """The Serve application for `options` (not started)."""
+    ingress = serve.deployment(
+        serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
+    ).bind(engine_deployment(options), options)
+    return ingress
+
+
+def engine_deployment(options: ClusterOptions) -> serve.Application:
+    """The replicas' deployment alone, bound (build_app puts the ingress in front of it)."""
     if options.router not in ROUTER_CLASSES:
         raise ValueError(f"router: unknown {options.router!r}, expected one of {sorted(ROUTER_CLASSES)}")
     if options.replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {options.replicas}")
     router_config = RequestRouterConfig(request_router_class=ROUTER_CLASSES[options.router],
                                         request_router_kwargs=dict(options.router_kwargs))
-    engines = serve.deployment(
+    return serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
@@ -128,12 +142,6 @@ def build_app(options: ClusterOptions) -> serve.Application:
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=router_config,
     ).bind(options.engine_options, options.torch_threads, options.async_options, options.debug_stall_engine)
-    ingress = serve.deployment(
-        serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
-        max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
-    ).bind(engines, options)
-    return ingress
 
 
 def tensor_parallel_placement(options: ClusterOptions) -> dict[str, Any]:
@@ -162,18 +170,23 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     source = str(Path(radixserve.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    # "local": a new cluster, as asked, even where RAY_ADDRESS or a `ray start` elsewhere on
+    # this machine would make Ray join that one (and refuse num_cpus for it).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
 
 
 def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000,
-           keep_alive_s: float | None = None, name: str = APP_NAME, route_prefix: str = "/") -> DeploymentHandle:
+           keep_alive_s: float | None = None, name: str = APP_NAME, route_prefix: str = "/",
+           on_create: Callable[[], object] = lambda: None) -> DeploymentHandle:
     """Starts Serve's HTTP proxy on host:port (closing idle kept-alive connections after
     `keep_alive_s`; None: Serve's 90 s) and deploys the app as `name` at `route_prefix`;
     returns the ingress handle once every replica is up. DeployRefused, before anything on the
     cluster changed, when Serve already runs there at another address (Ray only logs it, and
     the app would be served where nobody looks), already runs an app called `name` (it would
-    be replaced: another operator's, on a shared cluster) or another app at `route_prefix`."""
+    be replaced: another operator's, on a shared cluster) or another app at or nested with
+    `route_prefix` (prefix_conflict). `on_create` is called once the checks have passed, just
+    before the app is created: from then on an app called `name` is this caller's to delete."""
     http_options: dict[str, Any] = {"host": host, "port": port}
     if keep_alive_s is not None:
         http_options["keep_alive_timeout_s"] = max(1, round(keep_alive_s))  # Serve takes whole seconds
@@ -190,6 +203,10 @@ def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000
     if (holder := route_prefix_holder(route_prefix)) is not None:
         raise DeployRefused(f"the app {holder!r} is served at route prefix {route_prefix!r} on this cluster: "
                             "give this one another --route-prefix")
+    for other, other_prefix in app_route_prefixes().items():
+        if (conflict := prefix_conflict(route_prefix, other, other_prefix)) is not None:
+            raise DeployRefused(conflict)
+    on_create()
     return serve.run(build_app(options), name=name, route_prefix=route_prefix, logging_config=logging_config)
 
 
@@ -221,17 +238,44 @@ def running_http_options() -> Any:
 def route_prefix_holder(route_prefix: str) -> str | None:
     """The running app served at `route_prefix` on the cluster this process joined, if any
     (Serve would refuse a second one with a RayServeException, after our checks)."""
+    return next((name for name, prefix in app_route_prefixes().items() if prefix == route_prefix), None)
+
+
+def app_route_prefixes() -> dict[str, str]:
+    """Each running app's route prefix on the cluster this process joined (apps without one,
+    reached only through handles, left out)."""
     from ray.serve.context import _get_global_client
 
     applications = _get_global_client().get_serve_details().get("applications", {})
-    return next((name for name, app in applications.items() if app.get("route_prefix") == route_prefix), None)
+    return {name: app["route_prefix"] for name, app in applications.items() if app.get("route_prefix")}
 
 
-def engine_replica_actors() -> list[Any]:
-    """Handles of the live EngineReplica actors (for fault tests: ray.kill one)."""
-    from ray.util.state import list_actors
+def prefix_conflict(route_prefix: str, other: str, other_prefix: str) -> str | None:
+    """Why an app at `route_prefix` cannot be served beside the app `other` at `other_prefix`:
+    Serve's proxy sends a request to the app of the longest prefix that matches whole path
+    segments, so of two nested prefixes the inner one takes the outer app's paths below it.
+    Refused where those are paths this server answers (SERVED_ROOTS): an app at /v1 beside
+    one at / would take the other's whole API, and its clients' keys with it; one at / beside
+    one at /v1 would lose its own. A sibling such as /small beside / takes nothing."""
+    outer, inner = sorted((route_prefix, other_prefix), key=len)
+    if inner == outer or (outer != "/" and not inner.startswith(outer + "/")):
+        return None  # the same (route_prefix_holder's case) or not nested
+    segment = inner[len(outer):].strip("/").split("/")[0]
+    if segment not in SERVED_ROOTS:
+        return None
+    if inner == route_prefix:
+        return (f"route prefix {route_prefix!r} lies inside the app {other!r} at {other_prefix!r}: Serve would "
+                f"send that app's /{segment} paths to this one; give another --route-prefix")
+    return (f"route prefix {route_prefix!r} holds the app {other!r} at {other_prefix!r}: Serve would send this "
+            f"app's /{segment} paths to that one; give another --route-prefix")
 
-    prefix = f"ServeReplica:{APP_NAME}:{ENGINE_DEPLOYMENT}"
-    return [ray.get_actor(a.name, namespace="serve") for a in
-            list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name == prefix and a.name]
+
+def running_engine_replicas(app: str = APP_NAME) -> list[str]:
+    """The replica ids of the app's EngineReplica replicas that Serve has running (for fault
+    tests: whether one was replaced). From Serve's controller: Ray's state API needs the
+    dashboard, which this package's clusters run without."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details().get("applications", {}).get(app)
+    replicas = details["deployments"][ENGINE_DEPLOYMENT]["replicas"] if details else []
+    return [r["replica_id"] for r in replicas if r["state"] == "RUNNING"]

@@ -42,6 +42,7 @@
     $("#keyform").hidden = false;
   }
 
+  // `path` is relative ("v1/cache/stats"): the app's own under a route prefix (dashboard.html).
   async function api(path, init = {}) {
     const headers = state.key ? { Authorization: "Bearer " + state.key } : {};
     const response = await fetch(path, { ...init, headers, cache: "no-store" });
@@ -67,7 +68,7 @@
         const started = performance.now();
         // Token text is asked for only where the operator exposed it (the stats say so).
         const tokens = state.stats && state.stats.expose_tokens ? "&tokens=true" : "";
-        const tree = await api(`/v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true${tokens}`);
+        const tree = await api(`v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true${tokens}`);
         state.treeFetchMs = performance.now() - started;
         state.tree = tree;
         renderTree();
@@ -83,7 +84,7 @@
     if (!statsBusy) {
       statsBusy = true;
       try {
-        const stats = await api("/v1/cache/stats");
+        const stats = await api("v1/cache/stats");
         record(stats);
         renderStats();
         state.statsUpdates += 1;
@@ -431,7 +432,7 @@
     $("#flush").addEventListener("click", async () => {
       if (!confirm("Drop every unlocked cached page?")) return;
       try {
-        const result = await api("/v1/cache/flush", { method: "POST" });
+        const result = await api("v1/cache/flush", { method: "POST" });
         $("#status").textContent = `flushed ${result.pages_freed} pages`;
         pollTree(true);
       } catch (error) { fail(error); }
