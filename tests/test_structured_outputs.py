@@ -14,6 +14,7 @@ import pytest
 from radixserve import Engine, SamplingParams
 from radixserve.engine import sampler as sampler_module
 from radixserve.grammar import GrammarSpec
+from radixserve.grammar import compiled as compiled_module
 from radixserve.native import sampling as native_sampling
 
 # Strings and arrays are bounded: a random model picks the closing quote rarely, so unbounded
@@ -130,3 +131,31 @@ def test_constraints_refuse_ignore_eos(engine: Engine) -> None:
     spec = GrammarSpec.json_object()
     with pytest.raises(ValueError, match="ignore_eos"):
         engine.add_request("x", SamplingParams(grammar=spec, ignore_eos=True))
+
+
+def test_a_request_holds_its_grammar_so_other_specs_cannot_make_the_engine_thread_compile_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other clients' specs evict a request's from the grammar cache (here a cache of one):
+    a spec the server compiled and still holds is found when the engine takes the request,
+    and the request's further samples (n=2) and beams start from the grammar it holds. The
+    engine thread compiles nothing (one compile took seconds of a step for everyone)."""
+    monkeypatch.setattr(compiled_module, "CACHE_ENTRIES", 1)
+    engine = Engine("demo", num_pages=128, page_size=4, grammar_compile_timeout_s=None, debug_checks=True)
+    grammars = engine.grammars
+    options = ["yes", "no", "maybe"]
+    spec = GrammarSpec.choice(options, "guided_choice")
+    held = grammars.compile(spec)  # as the server does, off the engine thread
+    grammars.compile(GrammarSpec.choice(["other"], "guided_choice"))  # evicts it
+    compiles = grammars.compiles
+    ids = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=3, grammar=spec)),
+           engine.add_request([5, 6, 8], SamplingParams(max_tokens=4, beam_width=2, n=2, grammar=spec))]
+    del held  # the requests hold it now
+    grammars.compile(GrammarSpec.choice(["another"], "guided_choice"))  # evicts it again
+    texts: dict[tuple[str, int], str] = {}
+    while engine.has_work():
+        for request_id, deltas in engine.step().items():
+            for delta in deltas:
+                texts[request_id, delta.index] = texts.get((request_id, delta.index), "") + delta.text
+    assert grammars.compiles == compiles + 1  # "another" alone
+    assert sorted(texts) == sorted((i, j) for i in ids for j in range(2)), texts
+    assert set(texts.values()) <= set(options), texts

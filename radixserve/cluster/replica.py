@@ -9,6 +9,7 @@ and the call raises WrongReplica.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -32,6 +33,8 @@ from radixserve.server.cache_views import CacheViews
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.startup_gc import freeze_startup_objects
 from radixserve.server.tenancy import Caller
+
+logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
@@ -78,18 +81,20 @@ class EngineReplica:
         the event feed then settles it: a request that ran to its end has published all its
         cache events by then; an aborted one may cache its pages a step later, and the
         router then learns of them from the events alone."""
+        held_grammar = None
         if request.params.grammar is not None:
             # Compiled here in a worker thread, as the single server does before the engine
             # sees a request (the ingress has no grammar engine): on the engine thread a large
             # schema would stall every request's steps. The engine then finds it cached.
             try:
-                await self.grammar_compiles.compile(self.engine.grammars, request.params.grammar, "grammar",
-                                                    request.tenant)
+                held_grammar = await self.grammar_compiles.compile(self.engine.grammars, request.params.grammar,
+                                                               "grammar", request.tenant)
             except GrammarError as exc:
                 yield Refused("invalid", str(exc))
                 return
             except CompileWorkerLost as exc:  # the replica's fault (lost or starved of CPU): a 503, retry
-                yield Refused("queue_full", f"the grammar compiler is unavailable ({exc}); retry")
+                logger.error("grammar compile failed: %s", exc)  # for the operator; the client learns no more
+                yield Refused("queue_full", "the grammar compiler is unavailable; retry")
                 return
         receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
         expect_seen(self.engine, request.prompt_ids, request.cluster_seen)  # ... and what the cluster saw
@@ -102,6 +107,7 @@ class EngineReplica:
             async with aclosing(deltas):
                 try:
                     first = await anext(deltas)
+                    del held_grammar  # the engine holds it now (until here: Grammars.cached)
                 except QueueFull as exc:
                     yield Refused("queue_full", str(exc))
                     return

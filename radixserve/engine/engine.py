@@ -264,8 +264,9 @@ class Engine:
         if params.beam_width == 1:  # one beam is greedy decoding, as num_beams=1 in transformers
             params = replace(params, beam_width=None, temperature=0.0)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if params.grammar is not None:  # GrammarError (a ValueError) for one that cannot compile
-            self.grammars.compile(params.grammar, "grammar")
+        # GrammarError (a ValueError) for one that cannot compile. The server compiled it off
+        # this thread and holds it until here, so it is found, not compiled (compiled.py).
+        compiled_grammar = self.grammars.compile(params.grammar, "grammar") if params.grammar is not None else None
         check_prompt(prompt_ids, params, vocab_size=self.loaded.model.vocab_size,
                      max_context_len=self.max_context_len, num_pages=self.pool.num_pages,
                      page_size=self.page_size, max_running=self.scheduler.max_running)
@@ -281,7 +282,7 @@ class Engine:
             retention, prefix_retention, held = hold_raised(retention, prefix_retention)
         req = Request(request_id, prompt_ids, params, time.monotonic(), priority, namespace,
                       retention, prefix_retention, session_id, tenant, admin=admin, held_retention=held,
-                      client=client)
+                      client=client, compiled_grammar=compiled_grammar)
         if self.reuse_history is not None:
             seen_pages = self.reuse_history.observe(np.asarray(prompt_ids, dtype=np.int64), namespace)
             req.reused_tokens = seen_pages * self.page_size
@@ -331,8 +332,8 @@ class Engine:
         seed = None if req.params.beam_search else sampling_seed(req.params, index, self._rng)
         seq = SequenceState(req, index, token_ids, IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                             StopStringMatcher(list(req.params.stop)), seed)
-        if req.params.grammar is not None:
-            seq.grammar = self.grammars.matcher(req.params.grammar)
+        if req.compiled_grammar is not None:
+            seq.grammar = self.grammars.matcher_of(req.compiled_grammar)
         if output:
             req.sequences.append(seq)
         return seq

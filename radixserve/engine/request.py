@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import numpy as np
 
@@ -76,6 +76,10 @@ class Request:
     # Why the request failed when its own input was at fault (its grammar: GrammarFault), for
     # its client (a 400, not a 500); None for a failure of the server's.
     fault: str | None = None
+    # params.grammar compiled, held from the request's arrival to its end: its samples and
+    # beams start from it, and a cache that evicted the spec meanwhile cannot make the engine
+    # thread compile it again (grammar/compiled.py: what is held stays findable).
+    compiled_grammar: Any = None
 
     @property
     def fair_key(self) -> Hashable:

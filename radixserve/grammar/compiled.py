@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -70,6 +71,11 @@ class Grammars:
             self._workers = shared_workers(info.serialize_json(), compile_timeout_s)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
+        # Every compiled grammar something still holds (a request in the engine, a server's
+        # request between its compile and the engine): found here after the cache evicted
+        # it, so that no other client's flood of specs can send it back to the compiler, and
+        # the engine thread never compiles what the server compiled off it.
+        self._live: weakref.WeakValueDictionary[GrammarSpec, xgrammar.CompiledGrammar] = weakref.WeakValueDictionary()
         self._refused: OrderedDict[GrammarSpec, str] = OrderedDict()  # spec -> why (a request's fault)
         self._refused_chars = 0
         self._lock = threading.Lock()
@@ -81,11 +87,9 @@ class Grammars:
         A refusal is cached too (its reason, by the whole spec, scope included): a client
         sending a refused spec again is answered at once, not with another worker's compile or
         walk (up to the compile timeout of CPU each)."""
-        with self._lock:
-            compiled = self._cache.get(spec)
-            if compiled is not None:
-                self._cache.move_to_end(spec)
-                return compiled
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
         self.raise_if_refused(spec, param)
         with self._lock:
             self.compiles += 1
@@ -101,13 +105,30 @@ class Grammars:
                     self._refused_chars -= len(dropped.source) + len(reason)
             raise GrammarError(f"{param}: {exc.reason}", param) from None
         with self._lock:
-            self._cache[spec] = compiled
-            self._cache_bytes += compiled.memory_size_bytes
-            # The newest stays, whatever its size: the request that compiled it is about to use it.
-            while len(self._cache) > 1 and (len(self._cache) > CACHE_ENTRIES or self._cache_bytes > CACHE_BYTES):
-                _, dropped = self._cache.popitem(last=False)
-                self._cache_bytes -= dropped.memory_size_bytes
+            self._keep_locked(spec, compiled)
         return compiled
+
+    def cached(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar | None:
+        """`spec`'s compiled grammar if the cache has it, or something still holds it (then it
+        is cached again); None if only a compile would give it."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                return compiled
+            compiled = self._live.get(spec)
+            if compiled is not None:
+                self._keep_locked(spec, compiled)
+            return compiled
+
+    def _keep_locked(self, spec: GrammarSpec, compiled: xgrammar.CompiledGrammar) -> None:
+        self._cache[spec] = compiled
+        self._live[spec] = compiled
+        self._cache_bytes += compiled.memory_size_bytes
+        # The newest stays, whatever its size: the request that compiled it is about to use it.
+        while len(self._cache) > 1 and (len(self._cache) > CACHE_ENTRIES or self._cache_bytes > CACHE_BYTES):
+            _, dropped = self._cache.popitem(last=False)
+            self._cache_bytes -= dropped.memory_size_bytes
 
     def raise_if_refused(self, spec: GrammarSpec, param: str) -> None:
         """GrammarError naming `param` if `spec` was refused before (its cached reason), at
@@ -147,7 +168,7 @@ class Grammars:
     def is_cached(self, spec: GrammarSpec) -> bool:
         """Whether `spec` is compiled already (`compile` would return at once)."""
         with self._lock:
-            return spec in self._cache
+            return spec in self._cache or spec in self._live
 
     def _allows_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
         """Whether a sequence at the start of `compiled` may take any token (a stop token counts)."""
@@ -168,8 +189,13 @@ class Grammars:
         return self._workers.timeouts if self._workers is not None else 0
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
-        """A matcher at the start of `spec`'s grammar; it accepts a stop token once complete."""
-        return Matcher(xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None),
+        """A matcher at the start of `spec`'s grammar (compiled if it must be)."""
+        return self.matcher_of(self.compile(spec))
+
+    def matcher_of(self, compiled: xgrammar.CompiledGrammar) -> Matcher:
+        """A matcher at the start of a compiled grammar (`compile`'s); it accepts a stop token
+        once complete."""
+        return Matcher(xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids or None),
                        self.vocab_size)
 
 

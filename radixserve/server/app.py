@@ -306,13 +306,16 @@ class OpenAIServer:
         if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
             return
         try:
-            await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format", share)
+            compiled = await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format",
+                                                           share)
         except GrammarError as exc:
             raise grammar_error(exc) from exc
         except CompileWorkerLost as exc:  # the server's fault (lost or starved of CPU), not the request's
             logger.error("grammar compile failed: %s", exc)
             raise APIError(503, "the grammar compiler is unavailable; retry", code="grammar_compiler_unavailable",
                            error_type="server_error", headers={"Retry-After": "1"}) from exc
+        for each in calls:
+            each.compiled_grammar = compiled
 
     async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
                         stream: bool, prompt_params: list[str], max_tokens_param: str,

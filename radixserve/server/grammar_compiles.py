@@ -16,12 +16,16 @@ compiled grammar share its compile).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import anyio
 
 from radixserve.grammar import GrammarSpec
 from radixserve.grammar.compiled import Grammars
 from radixserve.server.fair_slots import FairSlots
+
+if TYPE_CHECKING:
+    import xgrammar
 
 GRAMMAR_COMPILES = 4  # grammar compiles at once, all requests together
 
@@ -44,29 +48,31 @@ class GrammarCompiles:
         self._threads = anyio.CapacityLimiter(slots)  # threads of their own: no queue behind other work
         self._in_flight: dict[tuple[int, GrammarSpec], _Compile] = {}
 
-    async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
+    async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str,
+                      tenant: Hashable) -> xgrammar.CompiledGrammar:
         """Compiles `spec` (into `grammars`' cache) for `tenant`'s request, unless it is compiled
-        already or being compiled (then waits for that); GrammarError naming `param` when it
-        cannot be. A spec refused before is refused again at once, without a slot. A compile
-        that failed or was given up is not shared: its waiters then compile for themselves
-        (a refusal answers them from the cache), side by side within the slots, so that each
-        request gets its own error, naming its own parameter."""
+        already or being compiled (then waits for that), and returns it: the caller holds it
+        until the engine has the request, so that the engine finds it whatever the cache
+        evicted meanwhile (Grammars.cached). GrammarError naming `param` when it cannot be.
+        A spec refused before is refused again at once, without a slot. A compile that failed
+        or was given up is not shared: its waiters then compile for themselves (a refusal
+        answers them from the cache), side by side within the slots, so that each request
+        gets its own error, naming its own parameter."""
         grammars.raise_if_refused(spec, param)
         key = (id(grammars), spec)
-        while not grammars.is_cached(spec):
+        while (compiled := grammars.cached(spec)) is None:
             running = self._in_flight.get(key)
             if running is None:
                 break
             await running.done.wait()
             if running.failed:
                 grammars.raise_if_refused(spec, param)
-                await self._run(grammars, spec, param, tenant)  # not registered: not shared
-                return
-        else:
-            return
+                return await self._run(grammars, spec, param, tenant)  # not registered: not shared
+        if compiled is not None:
+            return compiled
         mine = self._in_flight[key] = _Compile()
         try:
-            await self._run(grammars, spec, param, tenant)
+            return await self._run(grammars, spec, param, tenant)
         except BaseException:
             mine.failed = True
             raise
@@ -74,6 +80,7 @@ class GrammarCompiles:
             del self._in_flight[key]
             mine.done.set()
 
-    async def _run(self, grammars: Grammars, spec: GrammarSpec, param: str, tenant: Hashable) -> None:
+    async def _run(self, grammars: Grammars, spec: GrammarSpec, param: str,
+                   tenant: Hashable) -> xgrammar.CompiledGrammar:
         async with self.slots.hold(tenant):
-            await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
+            return await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)

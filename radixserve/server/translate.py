@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import EllipsisType, MappingProxyType
+from typing import Any
 
 from radixserve import Retention, SamplingParams
 from radixserve.grammar import GrammarSpec
@@ -40,6 +41,9 @@ class EngineCall:
     admin: bool = False  # sent with an admin key (Request.admin)
     client: Hashable = None  # whom the engine's fair share counts it as (Request.client): share_key
     grammar_param: str | None = None  # the request field params.grammar came from
+    # params.grammar compiled (the server's _compile_grammar), held until the engine has the
+    # request: the engine finds it then, whatever the grammar cache evicted meanwhile.
+    compiled_grammar: Any = None
 
 
 def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_tokens: int,
