@@ -24,7 +24,13 @@ from transformers import AutoTokenizer
 from radixserve import AsyncEngine, Engine
 from radixserve.grammar import GrammarError, GrammarSpec, Grammars
 from radixserve.grammar import zygote
-from radixserve.grammar.compile_workers import CompileTimeout, CompileTooSlowToFollow, CompileWorkers
+from radixserve.grammar import compile_workers
+from radixserve.grammar.compile_workers import (
+    CompileTimeout,
+    CompileTooSlowToFollow,
+    CompileWorkerLost,
+    CompileWorkers,
+)
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server import create_app
 
@@ -135,6 +141,26 @@ def test_workers_are_forks_of_the_zygote_and_end_with_it(tokenizer: Any) -> None
     last_zygote._socket.close()  # all the zygote sees of a server ending, or killed
     assert last_zygote.process.wait(30) == 0
     assert ended(third.process.pid)
+
+
+def test_a_zygote_slower_to_start_than_the_wait_is_kept_not_started_again(tokenizer: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine the zygote's niced imports can outlast the wait for them: that
+    compile fails as the server's fault, but the zygote is kept, still starting, and the next
+    compile finds it started (it was killed and started over, imports and all, on every
+    compile: none could succeed, and each left a zygote behind)."""
+    monkeypatch.setattr(compile_workers, "STARTUP_TIMEOUT_S", 0.05)  # shorter than any start
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=8.7)  # a pool of its own
+    with pytest.raises(CompileWorkerLost, match="no compiling process: the compile zygote has not started "
+                                                "within 0.05 s; it is still starting"):
+        grammars.compile(specs()[0])
+    pool = grammars._workers
+    assert pool is not None and pool._zygote is not None
+    starting = pool._zygote
+    assert starting.alive()
+    monkeypatch.setattr(starting, "_startup_timeout_s", 120.0)  # now wait for it as the pool would
+    grammars.compile(specs()[0])
+    assert pool._zygote is starting and parent_pid(pool.standby.process.pid) == starting.process.pid
 
 
 def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer: Any, cpu_limit_only: None) -> None:

@@ -155,7 +155,10 @@ class _Worker:
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.wait(5)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:  # killed, not yet reaped (a large process, a loaded
+            pass  # machine): a later poll reaps it; its pipes close now all the same
         self.sender.close()
         self.conn.close()
 

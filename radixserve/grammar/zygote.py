@@ -74,6 +74,8 @@ class Zygote:
                 raise OSError("the compile zygote was lost")
             try:
                 reply = self._exchange(request, fds)
+            except ZygoteStarting:
+                raise  # not lost: the next request waits for its "ready" again
             except OSError:
                 self._lost = True  # (a stuck one was killed: its workers end with it)
                 raise
@@ -90,7 +92,10 @@ class Zygote:
             try:
                 ready = self._socket.recv(MESSAGE_BYTES)
             except TimeoutError:
-                ready = b""
+                # Still importing, niced, on a loaded machine: kept, so that its work so far
+                # counts (a new zygote would start its imports over, every time).
+                raise ZygoteStarting(f"the compile zygote has not started within {self._startup_timeout_s:g} s; "
+                                     "it is still starting") from None
             if ready != b"ready":
                 raise OSError("the compile zygote did not start")
             self._ready = True
@@ -112,6 +117,10 @@ class Zygote:
             self._socket.close()
         self.process.kill()
         self.process.wait()
+
+
+class ZygoteStarting(OSError):
+    """The zygote has not finished its start within the wait: it is kept, not lost."""
 
 
 class ForkedProcess:
