@@ -211,3 +211,40 @@ def test_a_wave_of_one_new_schema_compiles_it_once_per_tenant(server: SimpleName
 
     assert asyncio.run(run()) == [200] * 7
     assert grammars.compiles - before == 2
+
+
+def test_a_popular_schema_queued_behind_one_clients_flood_does_not_hold_another_client_back() -> None:
+    """Without keys, clients share a spec's compile (the scope is the cache salt) while the
+    slots go round their addresses. Mallory floods slow schemas, then sends a popular one,
+    queued behind her flood; the victim's request for it must not wait for her turn: a
+    compile is shared only once it holds its slot (it waited for the flood before)."""
+    engine = Engine(model="demo", page_size=16, num_pages=256)
+    app = create_app(AsyncEngine(engine))
+    slots = app.state.server.grammar_compiles.slots
+    mallory, victim = ("address", "127.0.0.2"), ("address", "127.0.0.3")
+    popular = {"type": "object", "properties": {"popular": {"type": "integer"}}}
+    done: list[str] = []
+
+    async def run(url: str) -> None:
+        clients = {who: httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=64),
+                                          transport=httpx.AsyncHTTPTransport(local_address=who[1]))
+                   for who in (mallory, victim)}
+
+        async def send(who: tuple[str, str], body: dict, name: str) -> None:
+            response = await clients[who].post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            done.append(name)
+
+        flood = [asyncio.create_task(send(mallory, _body(_slow_schema(i)), "mallory")) for i in range(FLOOD)]
+        assert await asyncio.to_thread(wait_for, lambda: slots.held(mallory) + slots.waiting(mallory) == FLOOD)
+        flood.append(asyncio.create_task(send(mallory, _body(popular), "mallory popular")))
+        assert await asyncio.to_thread(wait_for, lambda: slots.held(mallory) + slots.waiting(mallory) == FLOOD + 1)
+        await send(victim, _body(popular), "victim popular")
+        await asyncio.gather(*flood)
+        for client in clients.values():
+            await client.aclose()
+
+    with running_server(app) as url:
+        asyncio.run(run(url))
+    assert done.index("victim popular") <= GRAMMAR_COMPILES + 2, done
+    assert len(done) == FLOOD + 2

@@ -54,33 +54,37 @@ class GrammarCompiles:
         already or being compiled (then waits for that), and returns it: the caller holds it
         until the engine has the request, so that the engine finds it whatever the cache
         evicted meanwhile (Grammars.cached). GrammarError naming `param` when it cannot be.
-        A spec refused before is refused again at once, without a slot. A compile that failed
-        or was given up is not shared: its waiters then compile for themselves (a refusal
-        answers them from the cache), side by side within the slots, so that each request
-        gets its own error, naming its own parameter."""
+        A spec refused before is refused again at once, without a slot. A compile counts as
+        being compiled only once it holds its slot: one queued behind its tenant's other
+        compiles must not hold another tenant's request of the same spec back with it (a
+        client's flood of slow specs, then a popular one). A compile that failed or was given
+        up is not shared: its waiters then compile for themselves (a refusal answers them from
+        the cache), side by side within the slots, so that each request gets its own error,
+        naming its own parameter."""
         grammars.raise_if_refused(spec, param)
         key = (id(grammars), spec)
         while (compiled := grammars.cached(spec)) is None:
             running = self._in_flight.get(key)
-            if running is None:
-                break
-            await running.done.wait()
-            if running.failed:
-                grammars.raise_if_refused(spec, param)
-                return await self._run(grammars, spec, param, tenant)  # not registered: not shared
-        if compiled is not None:
-            return compiled
-        mine = self._in_flight[key] = _Compile()
-        try:
-            return await self._run(grammars, spec, param, tenant)
-        except BaseException:
-            mine.failed = True
-            raise
-        finally:
-            del self._in_flight[key]
-            mine.done.set()
+            if running is not None:
+                await running.done.wait()
+                if running.failed:
+                    grammars.raise_if_refused(spec, param)
+                    async with self.slots.hold(tenant):  # not registered: not shared
+                        return await self._in_thread(grammars, spec, param)
+                continue
+            async with self.slots.hold(tenant):
+                if grammars.is_cached(spec) or key in self._in_flight:
+                    continue  # compiled, or started, while this waited for its turn: take that
+                mine = self._in_flight[key] = _Compile()
+                try:
+                    return await self._in_thread(grammars, spec, param)
+                except BaseException:
+                    mine.failed = True
+                    raise
+                finally:
+                    del self._in_flight[key]
+                    mine.done.set()
+        return compiled
 
-    async def _run(self, grammars: Grammars, spec: GrammarSpec, param: str,
-                   tenant: Hashable) -> xgrammar.CompiledGrammar:
-        async with self.slots.hold(tenant):
-            return await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
+    async def _in_thread(self, grammars: Grammars, spec: GrammarSpec, param: str) -> xgrammar.CompiledGrammar:
+        return await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
