@@ -116,7 +116,10 @@ class Zygote:
             self._lost = True
             self._socket.close()
         self.process.kill()
-        self.process.wait()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:  # unkillable for now (uninterruptible sleep): not
+            pass  # not waited on under the pool's lock; it ends with its kill (subprocess reaps it later)
 
 
 class ZygoteStarting(OSError):
@@ -164,7 +167,10 @@ def serve(control_fd: int, setup_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the server's to handle; the zygote ends with it
     prepared = prepare_compiler(setup_fd)
     control = socket.socket(fileno=control_fd)
-    control.send(b"ready")
+    try:
+        control.send(b"ready")
+    except OSError:  # the server ended while this imported: nothing to serve, nothing to say
+        return
     zygote_pid = os.getpid()
     children: set[int] = set()
     while True:
