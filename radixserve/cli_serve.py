@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from radixserve.ports import bind_socket, cannot_listen
+from radixserve.ports import bind_socket, cannot_listen, url_host
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
 
@@ -119,7 +119,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                               pacer=pacer))
     server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
-    say(f"serving {args.served_model_name or engine.model_name} at http://{_url_host(args.host)}:{port}/v1 "
+    say(f"serving {args.served_model_name or engine.model_name} at http://{url_host(args.host)}:{port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
     # uvicorn re-raises the signals it caught once it has stopped: let them land here quietly.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -309,10 +309,6 @@ def _exit_now(status: int) -> None:
 
 def _cap(cap: int) -> str:
     return f"{cap:,}" if cap else "any number"
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def _as_flags(message: str) -> str:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixserve.ports import bind_socket, cannot_listen
+from radixserve.ports import bind_socket, cannot_listen, url_host
 
 if TYPE_CHECKING:
     from radixserve.cluster.stop_signals import StopSignals
@@ -95,7 +95,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         if kept_alive != max(1, round(args.keep_alive_timeout_s)):  # a joined cluster's Serve was started before
             _say(f"warning: the running Serve closes idle connections after {kept_alive} s; "
                  "--keep-alive-timeout-s cannot change that while it runs")
-        root = f"http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
+        root = f"http://{url_host(args.host)}:{args.port}{args.route_prefix.rstrip('/')}"
         _say(f"serving at {root}/v1 with {replicas} replica(s) as app {args.app_name!r} "
              f"(per-replica routing at {root}/cluster/replicas; Ctrl-C to stop)")
         stop.wait()
