@@ -188,8 +188,7 @@ def _secret_in_a_shared_job_table(args: argparse.Namespace) -> str | None:
     if args.ray_address is None:  # a local cluster's job table shows no more than `ps` here does
         return None
     for flag, variable in SECRET_VARIABLES.items():
-        value = getattr(args, flag)
-        if value and value != os.environ.get(variable):
+        if flag in getattr(args, "given_on_command_line", ()):  # (even with the variable's value)
             return (f"--{flag.replace('_', '-')} on the command line is recorded in the Ray cluster's job "
                     f"table, which every user of the cluster can read: give it as ${variable}")
     return None

@@ -158,9 +158,20 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                             "float32 server measures whether one thread is faster (a busy machine) and uses it")
 
 
+class GivenOnCommandLine(argparse.Action):
+    """Stores a secret's value and notes (in `given_on_command_line`) that the command line
+    gave it, not the environment: Ray records a joined cluster's command line where every
+    user of the cluster can read it (cli_serve._secret_in_a_shared_job_table)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given_on_command_line = {*getattr(namespace, "given_on_command_line", ()), self.dest}
+
+
 def _add_api_args(serve: argparse.ArgumentParser) -> None:
     """What the HTTP API requires and exposes."""
-    serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY") or None,
+    serve.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY") or None, action=GivenOnCommandLine,
                        help="require 'Authorization: Bearer KEY' on /v1 routes "
                             "(default: $RADIXSERVE_API_KEY, else no key; an empty variable is no key); its caller sees "
                             "the whole cache")
@@ -168,10 +179,10 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
                        help="API keys of tenants: JSON ({\"keys\": [{\"key\", \"tenant\", \"admin\"}]}) or "
                             "lines 'key tenant [admin]'; more keys from $RADIXSERVE_API_KEYS (same lines, ';' "
                             "between them). A tenant's cache is its own; its key sees only its own namespaces")
-    serve.add_argument("--admin-api-key", default=os.environ.get("RADIXSERVE_ADMIN_API_KEY") or None,
+    serve.add_argument("--admin-api-key", default=os.environ.get("RADIXSERVE_ADMIN_API_KEY") or None, action=GivenOnCommandLine,
                        help="a key that sees the whole cache and may flush it (default: "
                             "$RADIXSERVE_ADMIN_API_KEY, else none)")
-    serve.add_argument("--cache-hash-secret", default=os.environ.get("RADIXSERVE_CACHE_HASH_SECRET"),
+    serve.add_argument("--cache-hash-secret", default=os.environ.get("RADIXSERVE_CACHE_HASH_SECRET"), action=GivenOnCommandLine,
                        help="key the page hashes and namespace ids that cache events and views publish "
                             "with this secret, so none can be tested offline (default: "
                             "$RADIXSERVE_CACHE_HASH_SECRET, else a random one per start)")

@@ -314,6 +314,23 @@ IMPOSSIBLE_SETTINGS = [
     (("--tensor-parallel-size", "2", "--device", "cuda:1"),
      "--device cuda:1: with --tensor-parallel-size rank r runs on GPU r"),
 ]
+def test_a_secret_on_a_joined_clusters_command_line_is_refused_though_the_variable_holds_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the command line gave counts, not the value: `--admin-api-key "$VAR"` puts the
+    secret in the job table as surely as the literal does; the variable alone does not."""
+    from radixserve.cli_serve import _contradiction
+
+    monkeypatch.setenv("RADIXSERVE_ADMIN_API_KEY", "s3cret")
+    parser = build_parser()  # the variables are its defaults
+    for given in (["--admin-api-key", "s3cret"], ["--admin-api", "s3cret"]):  # argparse takes an abbreviation
+        args = parser.parse_args(["serve", "--ray-address", "auto", *given])
+        assert _contradiction(args) == ("--admin-api-key on the command line is recorded in the Ray cluster's job "
+                                        "table, which every user of the cluster can read: give it as "
+                                        "$RADIXSERVE_ADMIN_API_KEY"), given
+    from_environment = parser.parse_args(["serve", "--ray-address", "auto"])
+    assert from_environment.admin_api_key == "s3cret" and _contradiction(from_environment) is None
+
+
 CUDA_ON_CPU = ("--device", "cuda")
 
 
