@@ -158,9 +158,31 @@ def test_a_zygote_slower_to_start_than_the_wait_is_kept_not_started_again(tokeni
     assert pool is not None and pool._zygote is not None
     starting = pool._zygote
     assert starting.alive()
+    monkeypatch.setattr(compile_workers, "STARTUP_TIMEOUT_S", 120.0)  # (the forked worker's wait too)
     monkeypatch.setattr(starting, "_startup_timeout_s", 120.0)  # now wait for it as the pool would
     grammars.compile(specs()[0])
     assert pool._zygote is starting and parent_pid(pool.standby.process.pid) == starting.process.pid
+
+
+def test_a_zygote_that_makes_no_progress_in_its_start_is_killed_and_replaced(tokenizer: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """... but one that used no CPU since the last wait ran out (stopped, blocked) is killed,
+    and the next compile starts another (kept, it would fail every compile for good)."""
+    monkeypatch.setattr(compile_workers, "STARTUP_TIMEOUT_S", 0.05)
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=8.8)  # a pool of its own
+    with pytest.raises(CompileWorkerLost, match="it is still starting"):
+        grammars.compile(specs()[1])
+    pool = grammars._workers
+    assert pool is not None and pool._zygote is not None
+    stuck = pool._zygote
+    os.kill(stuck.process.pid, signal.SIGSTOP)
+    monkeypatch.setattr(stuck, "_startup_timeout_s", 0.3)
+    with pytest.raises(CompileWorkerLost, match="the compile zygote did not start: no progress in its last 0.3 s"):
+        grammars.compile(specs()[1])
+    assert stuck.process.wait(30) == -signal.SIGKILL and not stuck.alive()
+    monkeypatch.setattr(compile_workers, "STARTUP_TIMEOUT_S", 120.0)
+    grammars.compile(specs()[1])
+    assert pool._zygote is not stuck and parent_pid(pool.standby.process.pid) == pool._zygote.process.pid
 
 
 def test_a_compile_past_the_timeout_is_refused_and_its_worker_replaced(tokenizer: Any, cpu_limit_only: None) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anyio
 import numpy as np
@@ -440,3 +443,24 @@ def test_a_slow_accept_counts_against_the_pace_budget_like_a_fill(grammars: Gram
     monkeypatch.undo()
     with pytest.raises(matcher_module.GrammarTooSlow, match="took over 50 ms of CPU"):
         matcher.check_pace()
+
+
+def test_a_spec_compiled_twice_side_by_side_is_cached_and_counted_once(tokenizer: PreTrainedTokenizerBase,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two compiles of one spec can run at once (the waiters of a failed shared compile, two
+    engines' callers): the second to finish must not count the grammar's bytes again, which
+    would shrink the cache for good."""
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=None)
+    barrier = threading.Barrier(2)
+    compile_or_refuse = grammars._compile_or_refuse
+
+    def both_inside(spec: GrammarSpec) -> Any:
+        barrier.wait(30)  # both missed the cache before either stores its result
+        return compile_or_refuse(spec)
+
+    monkeypatch.setattr(grammars, "_compile_or_refuse", both_inside)
+    spec = GrammarSpec.choice(["yes", "no"], "guided_choice")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: grammars.compile(spec), range(2)))
+    assert grammars.compiles == 2
+    assert grammars._cache_bytes == grammars._cache[spec].memory_size_bytes > 0

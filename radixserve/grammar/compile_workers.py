@@ -50,7 +50,6 @@ IDLE_EXIT_S = 60.0   # a worker with nothing to compile for this long ends
 COMPILE_NICENESS = 10  # compiles yield the CPU to serving: the engine's steps, the event loop
 POLL_S = 0.05  # how often a compile's CPU time is read
 WALL_LIMIT_FACTOR = 12  # ... and past this many times the timeout of wall time it is refused anyway
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # A grammar cheap to compile can be huge compiled (`root ::= r0 .. r999`, `rJ ::= "a"?`: 19 KB of
 # source, 132 MB serialized, 2.2 GB of worker memory, 1.25 s to deserialize in the server):
@@ -138,12 +137,7 @@ class _Worker:
 
     def cpu_seconds(self) -> float | None:
         """The worker process's CPU time so far (user and system), or None where /proc is not."""
-        try:
-            with open(f"/proc/{self.process.pid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
+        return zygote.process_cpu_seconds(self.process.pid)
 
     def rss_bytes(self) -> int | None:
         """The worker process's resident memory, or None where /proc is not."""
@@ -158,7 +152,7 @@ class _Worker:
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:  # killed, not yet reaped (a large process, a loaded
-            pass  # machine): a later poll reaps it; its pipes close now all the same
+            pass  # machine): left to its parent to reap; its pipes close now all the same
         self.sender.close()
         self.conn.close()
 

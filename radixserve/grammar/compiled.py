@@ -122,6 +122,9 @@ class Grammars:
             return compiled
 
     def _keep_locked(self, spec: GrammarSpec, compiled: xgrammar.CompiledGrammar) -> None:
+        if spec in self._cache:  # compiled twice side by side (waiters of a failed shared compile)
+            self._cache.move_to_end(spec)
+            return
         self._cache[spec] = compiled
         self._live[spec] = compiled
         self._cache_bytes += compiled.memory_size_bytes

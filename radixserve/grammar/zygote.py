@@ -53,6 +53,7 @@ class Zygote:
                 env={**os.environ, **SINGLE_THREADED_ENV})
         self._socket = ours
         self._startup_timeout_s = startup_timeout_s
+        self._cpu_at_last_wait: float | None = None  # its CPU time when a wait for its start last ran out
         self._ready = False
         self._lost = False  # a request failed: never asked again
         self._lock = threading.Lock()
@@ -93,7 +94,14 @@ class Zygote:
                 ready = self._socket.recv(MESSAGE_BYTES)
             except TimeoutError:
                 # Still importing, niced, on a loaded machine: kept, so that its work so far
-                # counts (a new zygote would start its imports over, every time).
+                # counts (a new zygote would start its imports over, every time); but one that
+                # made no progress since the last wait (stopped, blocked) is killed and lost.
+                cpu = process_cpu_seconds(self.process.pid)
+                if cpu is not None and self._cpu_at_last_wait is not None and cpu <= self._cpu_at_last_wait:
+                    self.process.kill()
+                    raise OSError("the compile zygote did not start: no progress in its last "
+                                  f"{self._startup_timeout_s:g} s") from None
+                self._cpu_at_last_wait = cpu
                 raise ZygoteStarting(f"the compile zygote has not started within {self._startup_timeout_s:g} s; "
                                      "it is still starting") from None
             if ready != b"ready":
@@ -120,6 +128,19 @@ class Zygote:
             self.process.wait(5)
         except subprocess.TimeoutExpired:  # unkillable for now (uninterruptible sleep): not
             pass  # not waited on under the pool's lock; it ends with its kill (subprocess reaps it later)
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time so far (user and system), or None where /proc is not (or it ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
 
 
 class ZygoteStarting(OSError):

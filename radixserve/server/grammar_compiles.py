@@ -78,8 +78,10 @@ class GrammarCompiles:
                 mine = self._in_flight[key] = _Compile()
                 try:
                     return await self._in_thread(grammars, spec, param)
-                except BaseException:
-                    mine.failed = True
+                except BaseException as exc:
+                    # Cancelled before its thread ran (the client left): nothing failed, and
+                    # one of its waiters takes the compile over rather than each running it.
+                    mine.failed = not isinstance(exc, anyio.get_cancelled_exc_class())
                     raise
                 finally:
                     del self._in_flight[key]
