@@ -177,7 +177,7 @@ def test_close_ends_every_worker(engines) -> None:
         assert parent != os.getpid() and b"forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
         # It forks with one thread: a fork copies only the caller, and a lock another thread
         # held stays held in the child (Python 3.12 warns of it). Its preload (torch, numpy's
-        # OpenBLAS, the loaders) must start none.
+        # OpenBLAS, the loaders) must start none (parallel/forkserver_env.py).
         assert len(list(Path(f"/proc/{parent}/task").iterdir())) == 1
     engines.tp.close()
     assert all(not p.is_alive() for p in processes)

@@ -9,8 +9,9 @@ from typing import Any
 
 STOP_GRACE_S = 10.0  # a worker told to stop gets this long before it is terminated
 # What the fork server imports before its first fork: a rank's code (worker.py imports torch
-# and the loaders, which import transformers' configurations), none of it touching a device.
-FORKSERVER_PRELOAD = ("radixserve.parallel.worker", "radixserve.models.loader")
+# and the loaders, which import transformers' configurations), none of it touching a device,
+# after forkserver_env.py, which keeps numpy's BLAS from starting threads there.
+FORKSERVER_PRELOAD = ("radixserve.parallel.forkserver_env", "radixserve.parallel.worker", "radixserve.models.loader")
 
 
 class WorkerProcesses:
