@@ -103,7 +103,8 @@ def test_a_stalled_replica_fails_its_health_check_and_is_replaced(ray_cluster: S
         started = time.monotonic()
         stuck = handle.generate.options(stream=True).remote(
             ReplicaRequest(request_id="stall", prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=2)))
-        threading.Thread(target=_wait_and_give_up, args=(stuck,), daemon=True).start()  # its step never ends
+        reader = threading.Thread(target=_wait_and_give_up, args=(stuck,), daemon=True)
+        reader.start()  # its step never ends
         deadline = started + STARTUP_TIMEOUT_S
         while not (live := running_engine_replicas(STALL_APP)) or stalled in live:
             assert time.monotonic() < deadline, f"not replaced: {live}, {_replica_states()}"
@@ -112,6 +113,11 @@ def test_a_stalled_replica_fails_its_health_check_and_is_replaced(ray_cluster: S
         served(ray_cluster.url)  # the session's app carries on
     finally:
         serve.delete(STALL_APP)
+    # Its reader ends with the app: no thread of this process is left inside Ray's gRPC calls
+    # (a later test's fork beside one lost its child: gRPC skips its fork handlers then).
+    stuck.cancel()
+    reader.join(60)
+    assert not reader.is_alive()
     assert list(serve.status().applications) == [APP_NAME]
 
 

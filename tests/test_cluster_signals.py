@@ -42,8 +42,11 @@ HUNG_TEARDOWN = textwrap.dedent("""
 
 def start_hung_teardown(shutdown_timeout_s: float) -> subprocess.Popen[str]:
     process = start_hardened([sys.executable, "-c", HUNG_TEARDOWN, str(shutdown_timeout_s)])
-    assert process.stdout is not None
-    assert process.stdout.readline() == "waiting\n"
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    if first != "waiting\n":  # (seen once in a full run: say why it ended)
+        process.kill()
+        raise AssertionError(f"{first!r}; status {process.wait(30)}; stderr: {process.stderr.read()[-2000:]}")
     return process
 
 
