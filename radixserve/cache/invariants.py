@@ -124,9 +124,9 @@ def _check_window(i: int, table: np.ndarray, out_of_window: int, seq: SequenceVi
         _fail("window-out_of_window", f"sequence {i}: {out_of_window} out_of_window pages but no sliding window")
     if (table[out_of_window:] == OUT_OF_WINDOW_PAGE).any():
         _fail("window-out_of_window", f"sequence {i}: a out_of_window page after a held one: {table.tolist()}")
-    out_of_window = max(0, seq.num_tokens - seq.window + 1) // size
-    if out_of_window != out_of_window:
-        _fail("window-out_of_window", f"sequence {i}: {out_of_window} pages out_of_window, but {out_of_window} lie wholly "
+    expected = max(0, seq.num_tokens - seq.window + 1) // size
+    if out_of_window != expected:
+        _fail("window-out_of_window", f"sequence {i}: {out_of_window} pages out_of_window, but {expected} lie wholly "
               f"before the window of {seq.window} ending at position {seq.num_tokens}")
 
 

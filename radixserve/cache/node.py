@@ -201,6 +201,8 @@ class MatchResult:
     host_tokens: int = 0       # len(host_pages) * page_size
     loads: list[LoadHandle] = field(default_factory=list)  # unfinished copies into `pages`
     page_chunks: list[np.ndarray] = field(default_factory=list, repr=False)  # nodes' page arrays
+    # An unfinished copy from the host into `partial_page`: a reader of it fences it first.
+    partial_load: LoadHandle | None = None
 
     @property
     def page_array(self) -> np.ndarray:

@@ -33,6 +33,7 @@ from radixserve.cache.forest import Forest
 from radixserve.cache.node import MatchResult, RadixNode
 from radixserve.cache.placement import HostPlacement, TreeOps
 from radixserve.cache.pool import PagePool
+from radixserve.cache.transfer import LoadHandle
 from radixserve.cache.retention import DEFAULT_PRIORITY, PageRange, PageRetention, Retention, page_ranges, raise_retention
 from radixserve.cache.stats import CacheStats, Histogram, PagesFreed
 from radixserve.cache.tiers import HostTier
@@ -132,6 +133,7 @@ class RadixTree:
         walk = MatchWalk(root)
         at, pos = root, 0  # where the walk is
         partial_page: int | None = None
+        partial_load: LoadHandle | None = None
         partial_tokens = 0
         while True:
             rest = n - pos
@@ -140,7 +142,7 @@ class RadixTree:
                 if walk.host_node is None:
                     best, partial_tokens = best_partial(at, toks[pos:pos + size])
                     if best is not None:
-                        partial_page = best.pages[0]
+                        partial_page, partial_load = best.pages[0], best.unfinished_load()
                         if update and best.partial:  # a partial leaf is used like any leaf
                             self._touch(best, tick, now)
                 break
@@ -163,8 +165,9 @@ class RadixTree:
                 source, index = child, full
             if child.pages and matched > full * size:  # partial reuse, from the device only
                 partial_page, partial_tokens = source.pages[index], matched - full * size
+                partial_load = source.unfinished_load()
             break
-        result = walk.result(size, partial_page, partial_tokens)
+        result = walk.result(size, partial_page, partial_tokens, partial_load)
         if update:
             self._stats.hit(result.num_tokens, result.host_tokens)
             if self._host_tier is not None:
@@ -375,6 +378,12 @@ class RadixTree:
         freed = self._queue.drain(num_pages, now, self._order.tail_run, leave)
         tier.end_eviction(call, now)
         return freed
+
+    def fence_load(self, load: LoadHandle | None) -> None:
+        """Orders the next device work after an unfinished copy from the host (`load`: a
+        match's `partial_load`, whose page a caller copies at once rather than waiting)."""
+        if load is not None and self._host_tier is not None and not load.done():
+            self._host_tier.tier.copier.fence(load)
 
     def load_back(self, match: MatchResult, max_pages: int | None = None) -> MatchResult:
         """Copies the leading pages of `match`'s host continuation (at most `max_pages`, and

@@ -129,14 +129,16 @@ class MatchWalk:
         else:
             self.host_pages += child.host[:head]
 
-    def result(self, page_size: int, partial_page: int | None, partial_tokens: int) -> MatchResult:
-        """The match these pages make, with the partial page found after them."""
+    def result(self, page_size: int, partial_page: int | None, partial_tokens: int,
+               partial_load: LoadHandle | None = None) -> MatchResult:
+        """The match these pages make, with the partial page found after them (and the
+        unfinished load into it, if any)."""
         host_node = self.host_node
         if self.host_pages and host_node is None:  # a peek that ended inside the first host edge
             host_node = self.node
         return MatchResult(len(self.pages) * page_size + partial_tokens, self.pages, self.node, partial_page,
                            partial_tokens, self.host_pages, host_node if self.host_pages else None,
-                           len(self.host_pages) * page_size, self.loads, self.chunks)
+                           len(self.host_pages) * page_size, self.loads, self.chunks, partial_load)
 
 
 class GivenPages:

@@ -90,6 +90,9 @@ class SequencePages:
         if (match.partial_page is not None and self.ensure_free(1)
                 and self.pool.refcount(match.partial_page) > 0):
             (page,) = self.pool.allocate(1)
+            # The page may still be loading from the host for another request (a CUDA side
+            # stream): the copy, on the compute stream, is ordered after that load.
+            self.tree.fence_load(match.partial_load)
             self.pool.copy_page(match.partial_page, page, match.partial_tokens)
             seq.block_table.append(page)
             seq.num_computed += match.partial_tokens
@@ -155,6 +158,9 @@ class SequencePages:
                         self.pool.decref([table[i]])
                         table[i] = page
                 seq.block_table = table
+                # The tree's pages may still be loading from the host (another request's load
+                # back): the sequence sits out until they land, as after its own load.
+                seq.pending_loads += [load for load in match.loads if not load.done()]
             self.tree.lock(node)
             if seq.lock_node is not None:
                 self.tree.unlock(seq.lock_node)
