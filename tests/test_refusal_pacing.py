@@ -25,6 +25,7 @@ from radixserve.server.connections import uvicorn_options, with_deadlines
 from radixserve.server.refusal_pacing import RefusalPacer, with_refusal_pacing
 
 ATTACKER, INNOCENT = "127.0.0.2", "127.0.0.1"
+QUITTER = "127.0.0.4"  # gives up on its requests
 BAD = {"prompt": "x", "max_tokens": -1}  # a 400: max_tokens must be positive
 GOOD = {"prompt": "the innocent's prompt", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -124,6 +125,32 @@ def test_an_address_past_its_burst_is_held_and_another_is_not(server: SimpleName
         assert _tokens(innocent, server.url) == alone
         metrics = innocent.get(f"{server.url}/metrics").text
     assert "radixserve_http_refusal_holds_total 1.0" in metrics
+
+
+def test_a_client_that_gives_up_is_not_charged_with_refusals(server: SimpleNamespace) -> None:
+    """A client that leaves before its answer (its own timeout; a server too slow to start
+    its request) was not refused: the 499 written for nobody must not build a debt that holds
+    its address, and everyone behind its NAT, once past the burst (a review saw /health take
+    4.5 s after 100 of them)."""
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True}  # seconds here (a pool of 1,024 slots)
+    gone_before = _disconnects(server.url)
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=QUITTER),
+                      timeout=httpx.Timeout(60, read=0.05)) as quitter:
+        for _ in range(6):
+            with pytest.raises(httpx.ReadTimeout):
+                quitter.post(url, json=body)
+    deadline = time.monotonic() + 60
+    while _disconnects(server.url) < gone_before + 6:  # the server has seen each leave
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.pacer.wait_s(QUITTER) == 0
+
+
+def _disconnects(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=60).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("radixserve_http_disconnects_total"))
 
 
 def test_requests_pipelined_in_one_write_are_held_one_by_one(server: SimpleNamespace) -> None:

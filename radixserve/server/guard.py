@@ -63,7 +63,9 @@ class RequestGuard:
             nonlocal started, send_failed
             if message["type"] == "http.response.start" and not started:
                 started = True
-                if self.pacer is not None and 400 <= message["status"] < 500:
+                # A client that left was not refused (the 499 is written for nobody): its own
+                # timeouts, or a server too slow to start its requests, must not hold its address.
+                if self.pacer is not None and 400 <= message["status"] < 500 and not client_gone:
                     client = scope.get("client")
                     self.pacer.refused(address_key(tuple(client)) if client else None)
                 if endpoint is not None:
