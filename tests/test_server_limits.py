@@ -118,6 +118,23 @@ def test_batch_over_the_queue_is_503_and_leaves_nothing(client: httpx.Client, se
     assert server.stats()["pages_locked"] == 0
 
 
+def test_a_batch_with_a_refused_prompt_is_answered_at_once_and_leaves_nothing(client: httpx.Client,
+                                                                              server: SimpleNamespace) -> None:
+    """One prompt of a batch refused (a token id past the vocabulary): the 400 comes at once,
+    not after the other prompts' first tokens (with the engine paused, as behind a long queue,
+    it never came), and the others leave the queue instead of being prefilled for nobody."""
+    engine = server.engine
+    engine.pause()
+    try:
+        r = client.post("/v1/completions", headers=AUTH, timeout=30,
+                        json={"prompt": [[1, 2, 3] * 10, [10**8]], "max_tokens": 3})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert wait_for(lambda: server.stats()["waiting"] == 0 and server.stats()["running"] == 0)
+    finally:
+        engine.resume()
+    assert server.stats()["pages_locked"] == 0
+
+
 def test_model_retrieve_needs_the_key_and_knows_both_names(client: httpx.Client) -> None:
     assert client.get("/v1/models/tiny-demo").status_code == 401
     for name in ("tiny-demo", "demo"):

@@ -18,10 +18,30 @@ _END = object()
 INBOX_ITEMS_PER_STREAM = 4  # deltas a batch's merged stream holds per request before pumps wait
 
 
-async def first_of_each(streams: list[AsyncIterator[_T]]) -> list[_T | BaseException]:
+async def first_of_each(streams: list[AsyncIterator[_T]]) -> list[_T | BaseException | None]:
     """The first item of every stream, awaited together (so a batch's requests are all queued
-    before any of them has to produce a token); a stream's exception takes its item's place."""
-    return await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
+    before any of them has to produce a token); a stream's exception takes its item's place.
+    Once one has failed (a refusal: bad input, a full queue), the others are given up at once
+    and their places are None: the caller answers the error without their first tokens, and
+    their requests leave the queue (they were queued and prefilled for nobody)."""
+    tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    try:
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # the caller was cancelled (its client left): so are the waits
+        for task in tasks:
+            task.cancel()
+        raise
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    return [_outcome(task) for task in tasks]
+
+
+def _outcome(task: asyncio.Future[_T]) -> _T | BaseException | None:
+    if task.cancelled():
+        return None
+    return task.exception() or task.result()
 
 
 async def prepend(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
