@@ -185,3 +185,24 @@ def test_stats_follow_every_step_that_moves_the_load(ckpt: Path) -> None:
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_closed_output_buffer_takes_no_late_delivery() -> None:
+    """A step's deltas already on their way to the loop when the reader left land after
+    `close`: they must not pause the request or arm a read timeout for nobody (a review saw
+    streams_paused stay at 1 for good and a false read timeout 2 s later)."""
+    from radixserve.engine.output_buffer import OutputBuffer
+    from radixserve.engine.params import StreamDelta
+
+    async def run() -> list[str]:
+        calls: list[str] = []
+        buffer = OutputBuffer(asyncio.get_running_loop(), limit=4, read_timeout_s=0.01,
+                              pause=lambda: calls.append("pause"), resume=lambda: calls.append("resume"),
+                              on_timeout=lambda: calls.append("timeout"))
+        buffer.close()
+        buffer.put([StreamDelta(0, list(range(8)), "x", None, None, 1, 0)])
+        await asyncio.sleep(0.05)
+        assert buffer.queue.empty() and buffer.buffered == 0 and not buffer.paused
+        return calls
+
+    assert asyncio.run(run()) == []

@@ -36,9 +36,14 @@ class OutputBuffer:
         self._read_timeout_s = read_timeout_s
         self._pause, self._resume, self._on_timeout = pause, resume, on_timeout
         self._timer: asyncio.TimerHandle | None = None
+        self.closed = False
 
     def put(self, items: list[StreamDelta]) -> None:
-        """Adds a step's deltas; pauses the request once more than `limit` tokens wait."""
+        """Adds a step's deltas; pauses the request once more than `limit` tokens wait. After
+        `close` nothing: a delivery already on its way to the loop must not pause a request
+        nobody reads (nor arm a read timeout for it)."""
+        if self.closed:
+            return
         self.queue.put_nowait(items)
         self.buffered += delta_tokens(items)
         if self.buffered > self._limit and not self.paused:
@@ -57,7 +62,8 @@ class OutputBuffer:
         return items
 
     def close(self) -> None:
-        """The reader is gone: no timer may fire for it."""
+        """The reader is gone: no timer may fire for it, and nothing more is kept."""
+        self.closed = True
         self._disarm()
 
     def _timed_out(self) -> None:
