@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import msgspec
 import pytest
@@ -372,3 +373,39 @@ def test_chat_logprobs_leave_out_any_special_stop_token() -> None:
     whole = ChoiceResult(text="Paris.", token_ids=[*ids, sep], logprobs=entries, finish_reason="stop")
     listed = msgspec.to_builtins(formatter.response([whole], usage_of(len(ids) + 1)))["choices"][0]["logprobs"]
     assert b"".join(bytes(e["bytes"]) for e in listed["content"]) == b"Paris."
+
+
+def test_closing_a_response_stream_closes_the_engine_streams_under_it() -> None:
+    """A response's stream (its first delta put back, one request or a batch merged) closed
+    by the server closes each engine stream at once, which aborts its request: not when the
+    garbage collector finalizes the generator (disabled here), which may be much later."""
+    import asyncio
+    import gc
+
+    from radixserve.server.streams import merge_batch, prepend
+
+    closed: list[int] = []
+
+    async def engine_stream(i: int) -> Any:
+        try:
+            while True:
+                yield StreamDelta(0, [i], "x", None, None, 1, 0)
+        finally:
+            closed.append(i)
+
+    async def run() -> None:
+        for count in (1, 2):
+            streams = [engine_stream(i) for i in range(count)]
+            firsts = [await anext(stream) for stream in streams]
+            merged = merge_batch([prepend(first, rest) for first, rest in zip(firsts, streams)], n=1)
+            await anext(merged)
+            closed.clear()
+            await merged.aclose()  # as Starlette's response ends, or the client leaves
+            # Now, not when the loop ends (asyncio closes leftover generators at its shutdown).
+            assert sorted(closed) == list(range(count))
+
+    gc.disable()
+    try:
+        asyncio.run(run())
+    finally:
+        gc.enable()

@@ -45,10 +45,14 @@ def _outcome(task: asyncio.Future[_T]) -> _T | BaseException | None:
 
 
 async def prepend(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
-    """`first`, then the items of `rest`."""
-    yield first
-    async for item in rest:
-        yield item
+    """`first`, then the items of `rest`; closing it closes `rest` (an engine stream: its
+    request is aborted then, not whenever the garbage collector finalizes it)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await close(rest)
 
 
 async def close(stream: AsyncIterator[object]) -> None:
@@ -65,8 +69,11 @@ async def merge_batch(streams: list[AsyncIterator[StreamDelta]], n: int) -> Asyn
     The inbox is bounded, so a reader that stops reading stops the pumps too, and each
     request's own output buffer then fills and pauses it (backpressure, output_buffer.py)."""
     if len(streams) == 1:
-        async for delta in streams[0]:
-            yield delta
+        try:
+            async for delta in streams[0]:
+                yield delta
+        finally:
+            await close(streams[0])
         return
     inbox: asyncio.Queue[tuple[int, object]] = asyncio.Queue(maxsize=INBOX_ITEMS_PER_STREAM * len(streams))
 
