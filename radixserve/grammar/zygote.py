@@ -126,8 +126,8 @@ class Zygote:
         self.process.kill()
         try:
             self.process.wait(5)
-        except subprocess.TimeoutExpired:  # unkillable for now (uninterruptible sleep): not
-            pass  # not waited on under the pool's lock; it ends with its kill (subprocess reaps it later)
+        except subprocess.TimeoutExpired:  # in uninterruptible sleep: it ends with its kill,
+            pass  # reaped by subprocess later, not waited for under the pool's lock
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
