@@ -252,6 +252,28 @@ def test_a_tool_result_goes_back_and_the_prefix_is_cached(client: openai.OpenAI)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
+TEXT_THEN_CALL_GRAMMAR = ('root ::= "Let me look.\\n<tool_call>\\n{\\"name\\": \\"get_weather\\", '
+                          '\\"arguments\\": {\\"city\\": \\"Paris\\"}}\\n</tool_call>"')
+
+
+def test_a_turn_with_text_before_its_call_is_found_again_next_turn(client: openai.OpenAI) -> None:
+    """The model says something, then calls ("Let me look.\\n<tool_call>..."): sent back as
+    history, the assistant turn renders as it was generated, so the next turn's prompt is
+    cached through the whole turn (the content kept its newline and got a second one: the
+    cache stopped where the assistant turn began)."""
+    first = client.chat.completions.create(**COMMON, messages=USER, tools=TOOLS, temperature=0.0,
+                                           extra_body={"guided_grammar": TEXT_THEN_CALL_GRAMMAR})
+    message = first.choices[0].message
+    assert message.content == "Let me look.\n" and first.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls
+    history = USER + [message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = client.chat.completions.create(**{**COMMON, "max_tokens": 2}, messages=history, tools=TOOLS,
+                                            temperature=0.0)
+    generated = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= generated - 1, (second.usage, generated)
+
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},

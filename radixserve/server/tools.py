@@ -210,7 +210,10 @@ def conversation_message(message: ChatMessage, text: str, role: str, native: boo
     if message.tool_calls:
         blocks = [f"<tool_call>\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)}, ensure_ascii=False)}\n</tool_call>"
                   for c in message.tool_calls]
-        text = "\n".join(([text] if text else []) + blocks)
+        # As the model wrote it: text it ended with a newline before its first call ("Let me
+        # add.\n<tool_call>...") gets no second one, so the generated turn is found again.
+        lead = text if not text or text.endswith("\n") else text + "\n"
+        text = lead + "\n".join(blocks)
     elif role == "tool":
         text = f"<tool_response>\n{text}\n</tool_response>"
     return {"role": role, "content": text}
