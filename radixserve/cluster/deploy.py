@@ -200,10 +200,11 @@ def deploy(options: ClusterOptions, *, host: str = "127.0.0.1", port: int = 8000
         raise DeployRefused(f"this cluster already serves an app called {name!r}: stop it first "
                             f"(serve.delete({name!r})), or serve this one beside it under another "
                             "--app-name and --route-prefix")
-    if (holder := route_prefix_holder(route_prefix)) is not None:
+    prefixes = app_route_prefixes()
+    if (holder := next((app for app, prefix in prefixes.items() if prefix == route_prefix), None)) is not None:
         raise DeployRefused(f"the app {holder!r} is served at route prefix {route_prefix!r} on this cluster: "
                             "give this one another --route-prefix")
-    for other, other_prefix in app_route_prefixes().items():
+    for other, other_prefix in prefixes.items():
         if (conflict := prefix_conflict(route_prefix, other, other_prefix)) is not None:
             raise DeployRefused(conflict)
     on_create()
@@ -235,12 +236,6 @@ def running_http_options() -> Any:
     return _get_global_client().http_config
 
 
-def route_prefix_holder(route_prefix: str) -> str | None:
-    """The running app served at `route_prefix` on the cluster this process joined, if any
-    (Serve would refuse a second one with a RayServeException, after our checks)."""
-    return next((name for name, prefix in app_route_prefixes().items() if prefix == route_prefix), None)
-
-
 def app_route_prefixes() -> dict[str, str]:
     """Each running app's route prefix on the cluster this process joined (apps without one,
     reached only through handles, left out)."""
@@ -259,7 +254,7 @@ def prefix_conflict(route_prefix: str, other: str, other_prefix: str) -> str | N
     one at /v1 would lose its own. A sibling such as /small beside / takes nothing."""
     outer, inner = sorted((route_prefix, other_prefix), key=len)
     if inner == outer or (outer != "/" and not inner.startswith(outer + "/")):
-        return None  # the same (route_prefix_holder's case) or not nested
+        return None  # the same (deploy refuses that first) or not nested
     segment = inner[len(outer):].strip("/").split("/")[0]
     if segment not in SERVED_ROOTS:
         return None
