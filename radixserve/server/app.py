@@ -219,7 +219,8 @@ class OpenAIServer:
             body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
             tools.grammar, WorkLimit(self.max_request_tokens), tools.strict_grammar))
         _as_caller([call], caller, share)
-        await self._compile_grammar([call], share)
+        if not await self._compile_grammar(request, [call], share):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
                                              await self._vocab_bytes() if body.logprobs else None), tools.parser)
@@ -256,7 +257,8 @@ class OpenAIServer:
         calls = await self._check(share, carries_constraint(body), lambda: completion_calls(
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
         _as_caller(calls, caller, share)
-        await self._compile_grammar(calls, share)  # one spec for the whole batch
+        if not await self._compile_grammar(request, calls, share):  # one spec for the whole batch
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, bool(body.stream), params, "max_tokens", timer)
@@ -289,33 +291,38 @@ class OpenAIServer:
         async with self.request_checks.hold(share):
             return await anyio.to_thread.run_sync(check)
 
-    async def _compile_grammar(self, calls: list[EngineCall], share: Hashable) -> None:
+    async def _compile_grammar(self, request: Request, calls: list[EngineCall], share: Hashable) -> bool:
         """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker
         thread, so that a large schema neither holds the event loop nor stalls the engine's
         step; a 400 naming the field when it cannot be compiled. The spec is scoped to the
         tenant and cache salt first (`GrammarSpec.scope`): no tenant reuses, or can time,
         another's compiles. A spec compiled already takes no slot, and the slots go round
-        (`share_key`): one tenant's flood of slow schemas delays another's by one compile."""
+        (`share_key`): one tenant's flood of slow schemas delays another's by one compile.
+        False: the client left meanwhile (its wait for a slot ends then; a compile that runs
+        already finishes into the cache)."""
         call = calls[0]
         if call.params.grammar is None:
-            return
+            return True
         spec = replace(call.params.grammar, scope=(call.tenant, call.cache_salt or None))  # "" is no salt
         for each in calls:
             each.params.grammar = spec
         grammars = getattr(self.engine.engine, "grammars", None)
         if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
-            return
+            return True
         try:
-            compiled = await self.grammar_compiles.compile(grammars, spec, call.grammar_param or "response_format",
-                                                           share)
+            compiled = await unless_disconnected(request, self.grammar_compiles.compile(
+                grammars, spec, call.grammar_param or "response_format", share))
         except GrammarError as exc:
             raise grammar_error(exc) from exc
         except CompileWorkerLost as exc:  # the server's fault (lost or starved of CPU), not the request's
             logger.error("grammar compile failed: %s", exc)
             raise APIError(503, "the grammar compiler is unavailable; retry", code="grammar_compiler_unavailable",
                            error_type="server_error", headers={"Retry-After": "1"}) from exc
+        if compiled is None:
+            return False
         for each in calls:
             each.compiled_grammar = compiled
+        return True
 
     async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
                         stream: bool, prompt_params: list[str], max_tokens_param: str,
