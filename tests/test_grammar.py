@@ -429,6 +429,45 @@ def test_one_spec_compiled_at_once_is_shared_but_a_failure_is_each_requests_own(
     assert not compiles._in_flight
 
 
+def test_a_request_queued_for_a_slot_takes_its_specs_compile_once_another_request_starts_it(
+        grammars: Grammars) -> None:
+    """One tenant's slot is held; S, then a slow Y, then S again queue for it. Once the first S
+    gets the slot and starts compiling, the second S leaves the queue and waits for that
+    compile: it is answered with the first, not after Y's compile (its turn)."""
+    compiles = GrammarCompiles(slots=1)
+    same = GrammarSpec.json_schema({"type": "object", "properties": {"queued_same": {"type": "integer"}}}, "x")
+    slow = GrammarSpec.json_schema({"type": "object", "properties": {
+        "queued_slow": {"type": "string", "pattern": "^.{0,1024}$"}}}, "x")
+    done: list[str] = []
+
+    async def run() -> None:
+        gate = anyio.Event()
+
+        async def hold() -> None:
+            async with compiles.slots.hold("tenant"):
+                await gate.wait()
+
+        async def one(name: str, spec: GrammarSpec) -> None:
+            await compiles.compile(grammars, spec, "response_format", "tenant")
+            done.append(name)
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as group:
+                group.start_soon(hold)
+                for name, spec in (("same 1", same), ("slow", slow), ("same 2", same)):
+                    await anyio.sleep(0.01)  # queued in this order
+                    group.start_soon(one, name, spec)
+                await anyio.sleep(0.01)
+                assert compiles.slots.waiting("tenant") == 3
+                gate.set()
+
+    before = grammars.compiles
+    anyio.run(run)
+    assert done == ["same 1", "same 2", "slow"]
+    assert grammars.compiles - before == 2
+    assert not compiles._in_flight and not compiles._queued
+
+
 def test_a_slow_accept_counts_against_the_pace_budget_like_a_fill(grammars: Grammars, tokenizer: PreTrainedTokenizerBase,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """An ambiguous grammar's accepts slow down with its fills (a third attack round: about half

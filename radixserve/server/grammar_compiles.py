@@ -47,6 +47,7 @@ class GrammarCompiles:
         self.slots = FairSlots(slots, reserve=1 if slots > 1 else 0)
         self._threads = anyio.CapacityLimiter(slots)  # threads of their own: no queue behind other work
         self._in_flight: dict[tuple[int, GrammarSpec], _Compile] = {}
+        self._queued: dict[tuple[int, GrammarSpec], set[anyio.CancelScope]] = {}  # waiting for a slot
 
     async def compile(self, grammars: Grammars, spec: GrammarSpec, param: str,
                       tenant: Hashable) -> xgrammar.CompiledGrammar:
@@ -72,21 +73,43 @@ class GrammarCompiles:
                     async with self.slots.hold(tenant):  # not registered: not shared
                         return await self._in_thread(grammars, spec, param)
                 continue
-            async with self.slots.hold(tenant):
-                if grammars.is_cached(spec) or key in self._in_flight:
-                    continue  # compiled, or started, while this waited for its turn: take that
-                mine = self._in_flight[key] = _Compile()
+            # Queued for a slot until it gets one or another request starts this spec's
+            # compile (then it waits for that instead of for its turn: `_start`).
+            with anyio.CancelScope() as queued:
+                self._queued.setdefault(key, set()).add(queued)
                 try:
-                    return await self._in_thread(grammars, spec, param)
-                except BaseException as exc:
-                    # Cancelled before its thread ran (the client left): nothing failed, and
-                    # one of its waiters takes the compile over rather than each running it.
-                    mine.failed = not isinstance(exc, anyio.get_cancelled_exc_class())
-                    raise
+                    async with self.slots.hold(tenant):
+                        self._unqueue(key, queued)
+                        if grammars.is_cached(spec) or key in self._in_flight:
+                            continue  # compiled, or started, while this waited for its turn: take that
+                        return await self._start(key, grammars, spec, param)
                 finally:
-                    del self._in_flight[key]
-                    mine.done.set()
+                    self._unqueue(key, queued)
         return compiled
+
+    async def _start(self, key: tuple[int, GrammarSpec], grammars: Grammars, spec: GrammarSpec,
+                     param: str) -> xgrammar.CompiledGrammar:
+        """Compiles `spec` in a slot the caller holds, shared with requests of the same spec."""
+        mine = self._in_flight[key] = _Compile()
+        for queued in self._queued.pop(key, ()):
+            queued.cancel()
+        try:
+            return await self._in_thread(grammars, spec, param)
+        except BaseException as exc:
+            # Cancelled before its thread ran (the client left): nothing failed, and
+            # one of its waiters takes the compile over rather than each running it.
+            mine.failed = not isinstance(exc, anyio.get_cancelled_exc_class())
+            raise
+        finally:
+            del self._in_flight[key]
+            mine.done.set()
+
+    def _unqueue(self, key: tuple[int, GrammarSpec], queued: anyio.CancelScope) -> None:
+        waiting = self._queued.get(key)
+        if waiting is not None:
+            waiting.discard(queued)
+            if not waiting:
+                del self._queued[key]
 
     async def _in_thread(self, grammars: Grammars, spec: GrammarSpec, param: str) -> xgrammar.CompiledGrammar:
         return await anyio.to_thread.run_sync(grammars.compile, spec, param, limiter=self._threads)
