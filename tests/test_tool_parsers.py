@@ -36,6 +36,7 @@ HERMES_REPLIES = [
     "Broken <tool_call>\n{not json}\n</tool_call>",
     "<tool",
     "<tool_call>\n{\"name\": \"unclosed\", \"arguments\": {\"k\": 1}}",
+    " \n\n ",  # only whitespace: content, whole and streamed alike
 ]
 LLAMA_REPLIES = [
     '{"name": "get_weather", "parameters": {"city": "Paris"}}',
@@ -43,6 +44,7 @@ LLAMA_REPLIES = [
     "Plain words, no call.",
     '{"name": 3}',
     "  <|python",
+    "\n ",
 ]
 
 

@@ -125,9 +125,8 @@ class ToolCallStream:
         """Events for what was held back when the reply ends."""
         content, calls = self.parser.parse(self.text)
         self.calls = calls
-        if not calls:  # nothing parsed: the reply is content (all of it, unless the format says less)
-            content = content or ""
-            return self._content(content) if content.strip() or self.content_sent else []
+        if not calls:  # nothing parsed: the reply is content (all of it, unless the format says less),
+            return self._content(content or "")  # whitespace too, as the whole answer has it
         events = self._content(content or "") if not self.calls_sent else []
         return events + self._calls(calls)
 
