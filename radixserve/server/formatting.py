@@ -192,7 +192,7 @@ class ChatFormatter:
         if logprobs is not None:
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)]))
         if delta.finish_reason is not None:
-            reason = _calls_reason(delta.finish_reason, stream.calls)
+            reason = _calls_reason(delta.finish_reason, stream.calls, self.tool_parser)
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)]))
         return out
 
@@ -215,7 +215,7 @@ class ChatFormatter:
             return ChatChoice(index=index, message=AssistantMessage(content=content),
                               finish_reason=result.finish_reason, logprobs=logprobs)
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        reason = _calls_reason(result.finish_reason, calls)
+        reason = _calls_reason(result.finish_reason, calls, self.tool_parser)
         return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                           finish_reason=reason, logprobs=logprobs)
 
@@ -241,11 +241,13 @@ class ChatFormatter:
             for e in entries])
 
 
-def _calls_reason(finish_reason: str | None, calls: list[ParsedCall]) -> str | None:
-    """A reply that stopped after complete calls finishes with "tool_calls"; one a stop string
-    cut inside a call keeps "stop" (as one cut by max_tokens keeps "length"): the agent must
-    not run a call whose arguments are not JSON."""
-    return "tool_calls" if finish_reason == "stop" and calls_complete(calls) else finish_reason
+def _calls_reason(finish_reason: str | None, calls: list[ParsedCall], parser: ToolCallParser) -> str | None:
+    """A reply that stopped after complete calls finishes with "tool_calls" (unless its format
+    says "stop": a named tool_choice); one a stop string cut inside a call keeps "stop" (as one
+    cut by max_tokens keeps "length"): the agent must not run a call whose arguments are not
+    JSON."""
+    complete = finish_reason == "stop" and calls_complete(calls)
+    return "tool_calls" if complete and parser.calls_finish else finish_reason
 
 
 def _tool_messages(event: StreamEvent) -> list[DeltaMessage]:

@@ -57,7 +57,11 @@ class StreamEvent:
 
 
 class ToolCallParser(Protocol):
-    """One output format of tool calls."""
+    """One output format of tool calls. `calls_finish` says whether a reply of complete calls
+    finishes with "tool_calls" (OpenAI: for "auto" and "required"; a named tool_choice's
+    forced call finishes with "stop")."""
+
+    calls_finish: bool
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The content and the tool calls of a whole reply."""
@@ -149,6 +153,8 @@ class HermesParser:
     """`<tool_call>{...}</tool_call>` blocks; a block that is not a call of one of `names` is
     dropped, and blocks past the first `max_calls` calls."""
 
+    calls_finish = True
+
     OPENING, CLOSING = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -189,6 +195,8 @@ class _HermesStream(ToolCallStream):
 class Llama3Parser:
     """Llama 3's JSON tool calls: the reply is one or more `{"name", "parameters"}` objects
     (of functions in `names`; else the reply is content), the first `max_calls` of them."""
+
+    calls_finish = True
 
     PYTHON_TAG = "<|python_tag|>"
 
@@ -232,6 +240,8 @@ class NamedCallParser:
     """tool_choice naming a function: the reply, constrained to the function's parameters
     schema, is that call's arguments; they stream as they are generated."""
 
+    calls_finish = False  # as OpenAI answers a named choice: "stop"
+
     def __init__(self, name: str) -> None:
         self.name = name
 
@@ -264,6 +274,8 @@ class RequiredCallsParser:
     name is complete, with the arguments as far as they got — as a named tool_choice's call
     cut short is (finish_reason "length" says so). A reply that is no array of calls the
     server can use (one nested past what it parses, say) stays text, as in the other formats."""
+
+    calls_finish = True
 
     _CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
 
