@@ -213,39 +213,6 @@ def test_a_wave_of_one_new_schema_compiles_it_once_per_tenant(server: SimpleName
     assert grammars.compiles - before == 2
 
 
-def test_a_request_whose_client_leaves_while_it_waits_for_a_compile_slot_leaves_the_queue(
-        server: SimpleNamespace) -> None:
-    """Mallory's slow schemas hold her slots and queue; a further request of hers whose client
-    gives up while it waits leaves the queue at once and its schema is never compiled (it
-    waited for its slot, then compiled for nobody)."""
-    headers = {"Authorization": f"Bearer {MALLORY}"}
-    grammars, slots = server.grammars, server.slots
-    before = grammars.compiles
-    flood_size = GRAMMAR_COMPILES + 1  # more than her slots: some wait
-
-    async def run() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=300,
-                                     limits=httpx.Limits(max_connections=64)) as client:
-            async def send(body: dict) -> int:
-                return (await client.post("/v1/completions", headers=headers, json=body)).status_code
-
-            flood = [asyncio.create_task(send(_body(_slow_schema(100 + i)))) for i in range(flood_size)]
-            assert await asyncio.to_thread(wait_for, lambda: slots.held("mallory") + slots.waiting("mallory")
-                                           == flood_size)
-            waiting = slots.waiting("mallory")
-            assert waiting > 0
-            leaver = asyncio.create_task(send(_body(_slow_schema(200))))
-            assert await asyncio.to_thread(wait_for, lambda: slots.waiting("mallory") == waiting + 1)
-            leaver.cancel()  # the client closes its connection
-            assert await asyncio.to_thread(wait_for, lambda: slots.waiting("mallory") <= waiting)
-            assert await asyncio.gather(*flood) == [200] * flood_size
-
-    asyncio.run(run())
-    # (the leaver, had it stayed queued, would hold a slot until its compile had ended)
-    assert wait_for(lambda: slots.held("mallory") == slots.waiting("mallory") == 0)
-    assert grammars.compiles - before == flood_size
-
-
 def test_a_popular_schema_queued_behind_one_clients_flood_does_not_hold_another_client_back() -> None:
     """Without keys, clients share a spec's compile (the scope is the cache salt) while the
     slots go round their addresses. Mallory floods slow schemas, then sends a popular one,

@@ -71,11 +71,13 @@ from radixserve.server.start_shares import (
     default_tenant_starts,
 )
 from radixserve.server.streams import (
+    ClientLeft,
     close,
     first_of_each,
     merge_batch,
     prepend,
     unless_disconnected,
+    while_connected,
 )
 from radixserve.server.structured import carries_constraint, grammar_error
 from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller
@@ -203,24 +205,23 @@ class OpenAIServer:
         salt = body.cache_salt or None
         scope = salt if caller.tenant is None else (caller.tenant, salt)
         schemas = bool(body.tools) or carries_constraint(body)
-        tools = await self._check(share, schemas, lambda: plan_tools(body, self.tool_call_parser))
+        tools = await self._check(request, share, schemas, lambda: plan_tools(body, self.tool_call_parser))
         chars = rendered_chars(body)
         self.prompt_work.check_size(chars, "messages")
         try:
             # (each message adds its template's markup: counted, so a crowd of tiny ones is large)
-            prompt_ids, system_tokens = await self.prompt_work.run(
+            prompt_ids, system_tokens = await while_connected(request, self.prompt_work.run(
                 share, chars + MESSAGE_MARKUP_CHARS * len(body.messages),
-                lambda: self.renderer.render(body.messages, scope, tools.tools))
+                lambda: self.renderer.render(body.messages, scope, tools.tools)))
         except RecursionError:  # the template recursed into something nested: the request's doing
             raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "
                                 "parameters or a tool call's arguments)", param="messages",
                            code="invalid_value") from None
-        call = await self._check(share, schemas, lambda: chat_call(
+        call = await self._check(request, share, schemas, lambda: chat_call(
             body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
             tools.grammar, WorkLimit(self.max_request_tokens), tools.strict_grammar))
         _as_caller([call], caller, share)
-        if not await self._compile_grammar(request, [call], share):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        await self._compile_grammar(request, [call], share)
         formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
                                              await self._vocab_bytes() if body.logprobs else None), tools.parser)
@@ -252,13 +253,13 @@ class OpenAIServer:
                     refuse_by_prefix(tokenizer.encode, prompt, self.max_context_len, param)
             return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-        prompt_ids = await self.prompt_work.run(share, sum(len(p) for p in prompts if isinstance(p, str)), encode)
+        prompt_ids = await while_connected(request, self.prompt_work.run(
+            share, sum(len(p) for p in prompts if isinstance(p, str)), encode))
         limit = WorkLimit(self.max_request_tokens, len(prompts))
-        calls = await self._check(share, carries_constraint(body), lambda: completion_calls(
+        calls = await self._check(request, share, carries_constraint(body), lambda: completion_calls(
             body, prompt_ids, params, self.max_context_len, self.max_sequence_len, self.sampling_defaults, limit))
         _as_caller(calls, caller, share)
-        if not await self._compile_grammar(request, calls, share):  # one spec for the whole batch
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        await self._compile_grammar(request, calls, share)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
                                         TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
         return await self._generate(request, calls, formatter, bool(body.stream), params, "max_tokens", timer)
@@ -279,7 +280,8 @@ class OpenAIServer:
             self._token_bytes = await anyio.to_thread.run_sync(vocab_bytes, self.tokenizer)
         return self._token_bytes
 
-    async def _check(self, share: Hashable, schemas: bool, check: Callable[[], _Checked]) -> _Checked:
+    async def _check(self, request: Request, share: Hashable, schemas: bool,
+                     check: Callable[[], _Checked]) -> _Checked:
         """Runs a request's checks: inline when it carries no schema (they take microseconds),
         else in a worker thread, in one of REQUEST_CHECKS slots shared fairly (`share_key`).
         Checking JSON Schemas (tools', the reply's) takes time in proportion to their size in
@@ -288,29 +290,32 @@ class OpenAIServer:
         the engine thread of the GIL."""
         if not schemas:
             return check()
+        return await while_connected(request, self._check_in_thread(share, check))
+
+    async def _check_in_thread(self, share: Hashable, check: Callable[[], _Checked]) -> _Checked:
         async with self.request_checks.hold(share):
             return await anyio.to_thread.run_sync(check)
 
-    async def _compile_grammar(self, request: Request, calls: list[EngineCall], share: Hashable) -> bool:
+    async def _compile_grammar(self, request: Request, calls: list[EngineCall], share: Hashable) -> None:
         """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker
         thread, so that a large schema neither holds the event loop nor stalls the engine's
         step; a 400 naming the field when it cannot be compiled. The spec is scoped to the
         tenant and cache salt first (`GrammarSpec.scope`): no tenant reuses, or can time,
         another's compiles. A spec compiled already takes no slot, and the slots go round
         (`share_key`): one tenant's flood of slow schemas delays another's by one compile.
-        False: the client left meanwhile (its wait for a slot ends then; a compile that runs
-        already finishes into the cache)."""
+        ClientLeft when the client leaves meanwhile (its wait for a slot ends then; a compile
+        that runs already finishes into the cache)."""
         call = calls[0]
         if call.params.grammar is None:
-            return True
+            return
         spec = replace(call.params.grammar, scope=(call.tenant, call.cache_salt or None))  # "" is no salt
         for each in calls:
             each.params.grammar = spec
         grammars = getattr(self.engine.engine, "grammars", None)
         if grammars is None:  # a cluster's ingress: the replica compiles it when it takes the request
-            return True
+            return
         try:
-            compiled = await unless_disconnected(request, self.grammar_compiles.compile(
+            compiled = await while_connected(request, self.grammar_compiles.compile(
                 grammars, spec, call.grammar_param or "response_format", share))
         except GrammarError as exc:
             raise grammar_error(exc) from exc
@@ -318,11 +323,8 @@ class OpenAIServer:
             logger.error("grammar compile failed: %s", exc)
             raise APIError(503, "the grammar compiler is unavailable; retry", code="grammar_compiler_unavailable",
                            error_type="server_error", headers={"Retry-After": "1"}) from exc
-        if compiled is None:
-            return False
         for each in calls:
             each.compiled_grammar = compiled
-        return True
 
     async def _generate(self, request: Request, calls: list[EngineCall], formatter: ResponseFormatter,
                         stream: bool, prompt_params: list[str], max_tokens_param: str,
@@ -570,13 +572,19 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
                                        pacer=refusal_pacer), Middleware(LeaveAtResponseEnd)],
-                    exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception})
+                    exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
+                                        ClientLeft: _client_left})
     if refusal_pacer is not None:
         server.metrics.watch_refusal_pacing(refusal_pacer)
     server.metrics.watch_start_shares(server.starts)
     app.state.server = server
     app.state.engine_stopped = None
     return app
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    """The answer to a request whose client left while it waited (ClientLeft): for nobody."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _decode(body: bytes, decoder: msgspec.json.Decoder) -> Any:

@@ -107,6 +107,20 @@ async def merge_batch(streams: list[AsyncIterator[StreamDelta]], n: int) -> Asyn
                 await stream.aclose()  # type: ignore[attr-defined]
 
 
+class ClientLeft(Exception):
+    """The client disconnected while its request waited (`while_connected`): answered with
+    a 499, which nobody reads."""
+
+
+async def while_connected(request: Request, work: Awaitable[_T]) -> _T:
+    """`unless_disconnected` for work that never returns None: ClientLeft if the client
+    leaves first (a wait for a fair slot, then the work, for nobody, ends then)."""
+    result = await unless_disconnected(request, work)
+    if result is None:
+        raise ClientLeft
+    return result
+
+
 async def unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
     """Awaits `work` unless the client disconnects first (then cancels it, returns None).
 
