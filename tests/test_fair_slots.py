@@ -97,6 +97,38 @@ def test_one_tenant_is_served_first_come_first_served() -> None:
     assert order == [("a", i) for i in range(5)]
 
 
+def test_new_tenants_do_not_go_before_a_waiting_tenant_served_before_and_idle_ones_are_forgotten() -> None:
+    """Without keys a tenant is an address: a client served once, then waiting behind one job,
+    goes next, not after every new address that came after it (an attacker's many addresses);
+    a tenant that holds and waits for nothing leaves no state behind."""
+    slots = FairSlots(1)
+    order: list[str] = []
+
+    async def job(tenant: str, gate: anyio.Event | None = None) -> None:
+        async with slots.hold(tenant):
+            order.append(tenant)
+            if gate is not None:
+                await gate.wait()
+
+    async def run() -> None:
+        await job("victim")  # served once: stamped
+        gate = anyio.Event()
+        async with anyio.create_task_group() as group:
+            group.start_soon(job, "attacker-0", gate)
+            await anyio.sleep(0.01)
+            group.start_soon(job, "victim")
+            await anyio.sleep(0.01)
+            for i in range(1, 21):
+                group.start_soon(job, f"attacker-{i}")
+            await anyio.sleep(0.01)
+            gate.set()
+
+    anyio.run(run)
+    assert order[:3] == ["victim", "attacker-0", "victim"]
+    assert order[3:] == [f"attacker-{i}" for i in range(1, 21)]  # the new ones in the order they came
+    assert not slots._served and not slots._held and not slots._waiting
+
+
 def test_a_waiter_cancelled_leaves_the_queue_and_a_granted_one_gives_its_slot_back() -> None:
     slots = FairSlots(1)
 

@@ -4,9 +4,13 @@ JSON Schema checks).
 A plain FIFO limiter lets one tenant's queue of slow jobs stand in front of every other
 tenant's: a flood of 24 schemas that take two seconds each delays another tenant's one
 compile by the whole flood. Here each tenant waits in its own FIFO, and a freed slot goes to
-the waiting tenant that holds the fewest slots, among equals the one granted a slot longest
-ago (so tenants take turns even with one slot, where every waiting tenant holds none when it
-frees), so another tenant waits for one job to finish, never for a flood.
+the waiting tenant that holds the fewest slots, among equals the one served longest ago (its
+last slot granted or given back; so tenants take turns even with one slot, where every
+waiting tenant holds none when it frees), so another tenant waits for one job to finish,
+never for a flood. A tenant that holds and waits for nothing is forgotten (state only for the
+tenants active now: without keys a tenant is a client address), and one not served since it
+came ranks by when it came: a stream of new addresses does not go before a client that came
+first.
 
 With `reserve`, the last `reserve` free slots go only to tenants that hold none: where each
 job may take long (a grammar compile, up to its timeout), one tenant's jobs would otherwise
@@ -44,7 +48,7 @@ class FairSlots:
         self.reserve = reserve
         self._free = slots
         self._held: Counter[Hashable] = Counter()
-        self._granted: dict[Hashable, int] = {}  # when each tenant was last granted a slot (a count)
+        self._served: dict[Hashable, int] = {}  # when each active tenant last took or gave back a slot (a count)
         self._waiting: dict[Hashable, deque[_Waiter]] = {}
         self._order = itertools.count()
 
@@ -84,13 +88,15 @@ class FairSlots:
     def _take(self, tenant: Hashable) -> None:
         self._free -= 1
         self._held[tenant] += 1
-        self._granted[tenant] = next(self._order)
+        self._served[tenant] = next(self._order)
 
     def _release(self, tenant: Hashable) -> None:
         self._free += 1
         self._held[tenant] -= 1
+        self._served[tenant] = next(self._order)
         if not self._held[tenant]:
             del self._held[tenant]
+            self._forget_if_idle(tenant)
         self._grant()
 
     def _leave(self, tenant: Hashable, waiter: _Waiter) -> None:
@@ -98,11 +104,21 @@ class FairSlots:
         queue.remove(waiter)
         if not queue:
             del self._waiting[tenant]
+            self._forget_if_idle(tenant)
+
+    def _forget_if_idle(self, tenant: Hashable) -> None:
+        if tenant not in self._held and tenant not in self._waiting:
+            self._served.pop(tenant, None)
+
+    def _rank(self, tenant: Hashable) -> tuple[int, int, int]:
+        """Fewest slots held first; among equals, the longest since it was last served, or
+        since it came if it was not served since (both stamps count on one clock: `_order`)."""
+        first_waiting = self._waiting[tenant][0].order
+        return self._held[tenant], self._served.get(tenant, first_waiting), first_waiting
 
     def _grant(self) -> None:
         while self._free and self._waiting:
-            tenant = min(self._waiting, key=lambda t: (self._held[t], self._granted.get(t, -1),
-                                                       self._waiting[t][0].order))
+            tenant = min(self._waiting, key=self._rank)
             if not self._may_take(tenant):  # it holds fewest: none of the others may either
                 return
             waiter = self._waiting[tenant].popleft()
