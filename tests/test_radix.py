@@ -542,3 +542,48 @@ def test_node_page_arrays_and_match_arrays_mirror_the_page_lists() -> None:
                 assert node.page_array.dtype == np.int64 and node.page_array.tolist() == pages
         tree.reset()
         assert pool.num_free == pool.num_pages
+
+
+def test_a_retention_raised_by_every_request_keeps_the_expiry_heaps_bounded_and_still_decays():
+    """A system prompt every request raises for 300 s (100 requests a second, nothing
+    evicted): each raise supersedes the expiry times before it, so neither tier's expiry heap
+    grows with the requests (it kept one entry a request, and the nodes they named); the
+    prompt still decays 300 s after its last raise."""
+    from radixserve.cache.tiers import HostTier
+    from radixserve.cache.transfer import PageCopier
+
+    clock = FakeClock()
+    pool, host = PagePool(64, 4), PagePool(64, 4)
+    tree = RadixTree(pool, clock=clock, host=HostTier(host, PageCopier(pool, host)))
+    system = seq(0, 16)
+    for _ in range(5000):
+        clock.now += 0.01
+        cache(pool, tree, system, retention=Retention(80, duration_s=300.0))
+    bound = 2 * tree._forest.num_nodes + 64
+    assert len(tree._queue._expiries) <= bound and len(tree._host_tier._queue._expiries) <= bound
+    plain = cache(pool, tree, seq(100, 4))
+    clock.now += 299.0
+    tree.evict(1)
+    assert pool.refcount(plain[0]) == 0  # the prompt is still raised
+    plain = cache(pool, tree, seq(100, 4))
+    clock.now += 1.0  # 300 s after the last raise: default, and older than `plain`
+    tree.evict(4)
+    assert tree.match(system, update=False).pages == [] and pool.refcount(plain[0]) == 1
+    ok(pool, tree)
+
+
+def test_a_raise_after_an_unprocessed_decay_keeps_the_decayed_key_through_expiry_compaction():
+    """X held at 80 for 5 s decays unnoticed (nothing evicted), is raised to 60 at 6 s, then
+    another prompt's raises make the expiry heap drop superseded entries: X must be queued
+    with its key of 60, not still with the 80 of before its decay (evicted after Z at 70)."""
+    pool, tree, clock = make(1)
+    x = cache(pool, tree, seq(0, 1), retention=Retention(80, duration_s=5.0))
+    z = cache(pool, tree, seq(100, 1), retention=Retention(70))
+    clock.now = 6.0
+    cache(pool, tree, seq(0, 1), retention=Retention(60, duration_s=100.0))
+    for _ in range(200):  # superseded expiry entries, past the heap's bound
+        clock.now += 0.01
+        cache(pool, tree, seq(200, 1), retention=Retention(90, duration_s=300.0))
+    tree.evict(1)
+    assert pool.refcount(x[0]) == 0 and pool.refcount(z[0]) == 1
+    ok(pool, tree)

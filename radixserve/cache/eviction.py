@@ -151,11 +151,12 @@ class EvictionOrder:
 
 
 class Queueable(Protocol):
-    """What the queue needs of a node: a slot for the sequence number of its live entry
-    (`heap_seq`, or the attribute named by the queue's `slot`: a node in two queues, one
-    per tier, has one slot per queue)."""
+    """What the queue needs of a node: slots for the sequence numbers of its live entry and
+    of its live expiry times (`heap_seq` and `expiry_seq`, or the attributes named by the
+    queue's `slot` and `expiry_slot`: a node in two queues, one per tier, has two per queue)."""
 
     heap_seq: int
+    expiry_seq: int
 
 
 N = TypeVar("N", bound=Queueable)
@@ -171,19 +172,22 @@ class EvictionQueue(Generic[N]):
 
     `key_of(node, now)` gives a node's current key; `is_candidate(node)` whether it may be
     evicted now (an unlocked leaf still in the tree); `num_nodes()` how many nodes exist, to
-    bound the heap (superseded entries are dropped once they outnumber the nodes). `slot`
-    names the node attribute holding the sequence number of its live entry. When `epoch()`
+    bound both heaps (superseded entries are dropped once they outnumber the nodes). `slot`
+    names the node attribute holding the sequence number of its live entry, `expiry_slot` the
+    one of its live expiry times (each scheduling gives all of a node's pending times and
+    supersedes the times given before). When `epoch()`
     changes (the adaptive policy changed its lead, which can shrink keys), every live entry
     is re-keyed before the next pop.
     """
 
     def __init__(self, key_of: Callable[[N, float], EvictionKey], is_candidate: Callable[[N], bool],
-                 num_nodes: Callable[[], int], slot: str = "heap_seq",
+                 num_nodes: Callable[[], int], slot: str = "heap_seq", expiry_slot: str = "expiry_seq",
                  epoch: Callable[[], int] = lambda: 0) -> None:
         self._key_of = key_of
         self._is_candidate = is_candidate
         self._num_nodes = num_nodes
         self._slot = slot
+        self._expiry_slot = expiry_slot
         self._epoch = epoch
         self._keyed_in = epoch()
         self._heap: list[tuple[EvictionKey, int, N]] = []
@@ -201,11 +205,23 @@ class EvictionQueue(Generic[N]):
             self._heap[:] = [e for e in self._heap if e[1] == getattr(e[2], slot)]
             heapq.heapify(self._heap)
 
-    def schedule_expiries(self, node: N, times: list[float]) -> None:
-        """Remembers that `node`'s key may drop at each of `times`."""
+    def schedule_expiries(self, node: N, times: list[float], now: float) -> None:
+        """Remembers that `node`'s key may drop at each of `times`: all its pending expiries
+        after `now`, superseding those given before. (A retention raised by every request,
+        a shared system prompt's, gave one more entry a request for as long as nothing was
+        evicted: the superseded ones go once they outnumber the nodes.)"""
+        # Times already past are acted on first, so that every superseded entry left is in the future:
+        # its time is among `times` if some page still decays then, and means nothing if none does.
+        self.requeue_expired(now)
+        self._seq += 1
+        generation = self._seq
+        setattr(node, self._expiry_slot, generation)
         for when in times:
-            self._seq += 1
-            heapq.heappush(self._expiries, (when, self._seq, node))
+            heapq.heappush(self._expiries, (when, generation, node))
+        if len(self._expiries) > 2 * self._num_nodes() + 64:
+            slot = self._expiry_slot
+            self._expiries[:] = [e for e in self._expiries if e[1] == getattr(e[2], slot)]
+            heapq.heapify(self._expiries)
 
     def requeue_expired(self, now: float) -> None:
         """Re-queues the candidates whose retention decayed by `now`."""

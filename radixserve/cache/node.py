@@ -43,7 +43,8 @@ class RadixNode:
     """
 
     __slots__ = ("parent", "children", "key", "tokens", "_pages", "_page_array", "host", "retention",
-                 "lock_ref", "tick", "inserted_at", "hits", "heap_seq", "host_heap_seq", "sorted_keys",
+                 "lock_ref", "tick", "inserted_at", "hits", "heap_seq", "host_heap_seq", "expiry_seq",
+                 "host_expiry_seq", "sorted_keys",
                  "namespace", "chain", "device_children", "loading", "left_device_in", "partial")
 
     def __init__(self, namespace: Hashable, key: bytes | None, tokens: np.ndarray,
@@ -62,6 +63,8 @@ class RadixNode:
         self.hits = 0                       # matches that used these pages
         self.heap_seq = -1                  # sequence number of its live device eviction-queue entry
         self.host_heap_seq = -1             # ... and of its live host eviction-queue entry
+        self.expiry_seq = -1                # the generation of its live device expiry times
+        self.host_expiry_seq = -1           # ... and of its live host expiry times
         self.sorted_keys: list[bytes] | None = [] if sorted_children else None
         self.namespace = namespace
         # Page-hash chain state at the end of the edge and pages from the root through it,

@@ -77,7 +77,8 @@ class HostPlacement:
         self._stats = stats
         self._clock = clock
         self._queue: EvictionQueue[RadixNode] = EvictionQueue(tree.order.key, self.is_candidate, tree.num_nodes,
-                                                              slot="host_heap_seq", epoch=tree.order.epoch)
+                                                              slot="host_heap_seq", expiry_slot="host_expiry_seq",
+                                                              epoch=tree.order.epoch)
         self._cached = 0     # host pages held
         self._host_only = 0  # pages held on the host only
         self._calls = 0      # numbers device-eviction calls (see `leave_device`)
@@ -111,9 +112,9 @@ class HostPlacement:
         if self.is_candidate(node):
             self._queue.push(node, now)
 
-    def schedule_expiries(self, node: RadixNode, times: list[float]) -> None:
-        """Remembers that `node`'s key may drop at each of `times`."""
-        self._queue.schedule_expiries(node, times)
+    def schedule_expiries(self, node: RadixNode, times: list[float], now: float) -> None:
+        """Remembers that `node`'s key may drop at each of `times` (all of them after `now`)."""
+        self._queue.schedule_expiries(node, times, now)
 
     def queued(self) -> Iterator[RadixNode]:
         """Nodes with a live entry in the host eviction queue (for checkers)."""

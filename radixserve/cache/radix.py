@@ -278,9 +278,9 @@ class RadixTree:
 
     def _schedule_expiries(self, node: RadixNode, now: float) -> None:
         times = node.retention.pending_expiries(now)
-        self._queue.schedule_expiries(node, times)
+        self._queue.schedule_expiries(node, times, now)
         if self._host_tier is not None:
-            self._host_tier.schedule_expiries(node, times)
+            self._host_tier.schedule_expiries(node, times, now)
 
     def end_retention(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
                       priority: int, keep_pages: int = 0) -> None:
