@@ -587,3 +587,40 @@ def test_a_raise_after_an_unprocessed_decay_keeps_the_decayed_key_through_expiry
     tree.evict(1)
     assert pool.refcount(x[0]) == 0 and pool.refcount(z[0]) == 1
     ok(pool, tree)
+
+
+def test_ending_a_retention_requeues_a_device_leaf_above_pages_on_the_host_only():
+    """A session's pages A, B held at 80; B leaves for the host, so A is a device leaf. The
+    session ends (both back to the default) and C, an ordinary page, is newer: A goes first
+    (it kept its queued key of 80 and C went, though only the path's last node was re-queued)."""
+    from radixserve.cache.tiers import HostTier
+    from radixserve.cache.transfer import PageCopier
+
+    clock = FakeClock()
+    pool, host = PagePool(8, 1), PagePool(8, 1)
+    tree = RadixTree(pool, clock=clock, host=HostTier(host, PageCopier(pool, host)))
+    a = cache(pool, tree, [1, 2], retention=Retention(80, duration_s=100.0))
+    tree.evict(1)
+    assert tree.match([1, 2], update=False).pages == a[:1] and tree.host_only_pages == 1
+    clock.now = 1.0
+    c = cache(pool, tree, [7])
+    tree.end_retention([1, 2], None, 80)
+    tree.evict(1)
+    assert pool.refcount(a[0]) == 0 and pool.refcount(c[0]) == 1
+    ok(pool, tree)
+
+
+def test_a_namespace_emptied_while_a_request_holds_its_root_is_forgotten_at_unlock():
+    """A request of a namespace that matched nothing holds its root; eviction empties the
+    namespace meanwhile. Once the request lets go, the root goes (it stayed until a flush:
+    one node for every tenant or cache salt ever seen)."""
+    pool, tree, _ = make(1, num_pages=4)
+    for i in range(50):
+        namespace = ("tenant", i)
+        cache(pool, tree, [5], namespace)
+        held = tree.match([9], namespace)
+        tree.lock(held.node)
+        tree.evict(1)
+        tree.unlock(held.node)
+    assert tree.cached_pages == 0 and not tree._forest._roots
+    ok(pool, tree)

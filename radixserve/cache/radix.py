@@ -295,6 +295,7 @@ class RadixTree:
         self.version += 1
         now = self._clock()
         last: RadixNode | None = None
+        ended: list[RadixNode] = []
         start = end = 0  # the path's page index of the node's first page, and past its last
         for node, num_pages in retention_path(self._forest.root(namespace), as_tokens(tokens), self.page_size):
             if node is not last:  # the path may name a node twice: its full pages, then one more
@@ -302,10 +303,14 @@ class RadixTree:
             end = start + num_pages
             if end > keep_pages:
                 self._end_temporary(node, priority, now, num_pages, max(0, keep_pages - start))
+                if not ended or ended[-1] is not node:
+                    ended.append(node)
             last = node
-        # Keys only shrink here, and only the last node can be a leaf: re-queue it now.
-        if last is not None:
-            self._requeue(last, now)
+        # Keys only shrink here: re-queue now each node that may be a leaf of either queue (not
+        # only the path's last: with a host tier, a node whose child is on the host only is a
+        # device leaf).
+        for node in ended:
+            self._requeue(node, now)
 
     def _end_temporary(self, node: RadixNode, priority: int, now: float, num_pages: int, first: int) -> None:
         """Ends the temporary retention at `priority` of `node`'s pages `first:num_pages`."""
@@ -347,7 +352,10 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._device.locking(node, False)
-                if self._device.is_candidate(node) or (self._host_tier is not None and self._host_tier.is_candidate(node)):
+                if node.is_root:  # emptied while held (its pages evicted): it goes now
+                    self._forest.forget_if_empty(node)
+                elif self._device.is_candidate(node) or (self._host_tier is not None
+                                                         and self._host_tier.is_candidate(node)):
                     now = self._clock() if now is None else now
                     self._requeue(node, now)
             node = node.parent
