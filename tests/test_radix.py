@@ -624,3 +624,22 @@ def test_a_namespace_emptied_while_a_request_holds_its_root_is_forgotten_at_unlo
         tree.unlock(held.node)
     assert tree.cached_pages == 0 and not tree._forest._roots
     ok(pool, tree)
+
+
+def test_a_partial_match_passes_over_a_sibling_on_the_host_only():
+    """Pages [36, 1] on the host only and [36, 19] on the device: a query [36, 7] shares one
+    token with both; the device page is copied from (the host-only neighbour in sorted order
+    hid it: nothing was reused)."""
+    from radixserve.cache.tiers import HostTier
+    from radixserve.cache.transfer import PageCopier
+
+    pool, host = PagePool(8, 2), PagePool(8, 2)
+    tree = RadixTree(pool, host=HostTier(host, PageCopier(pool, host)))
+    cache(pool, tree, [36, 1])
+    tree.evict(1)
+    assert tree.host_only_pages == 1
+    (device_page,) = cache(pool, tree, [36, 19])
+    for query in ([36], [36, 7], [36, 0]):
+        m = tree.match(query, update=False)
+        assert (m.partial_page, m.partial_tokens) == (device_page, 1), query
+    ok(pool, tree)

@@ -39,22 +39,26 @@ def shared_length(a: np.ndarray, b: np.ndarray) -> int:
 def best_partial(node: RadixNode, query: np.ndarray) -> tuple[RadixNode | None, int]:
     """The device child of `node` whose first page shares the longest (< page_size) prefix
     with `query` (a full child or a partial leaf), and that prefix's length; (None, 0) when
-    none does or the best child is on the host only."""
+    none does."""
     keys = node.sorted_keys
     if not keys or not len(query):
         return None, 0
     i = bisect_left(keys, query.tobytes())
     best, best_common = None, 0
-    # In sorted order the longest common prefix is with a neighbour of the insertion point
-    # (keys of any lengths: lexicographic order keeps that property).
-    for j in (i - 1, i):
-        if 0 <= j < len(keys):
+    # In sorted order the common prefix with `query` only shrinks away from the insertion
+    # point (keys of any lengths: lexicographic order keeps that property), so on each side
+    # the first child on the device is that side's best; children on the host only (whose
+    # pages would have to be loaded to be copied) are passed over.
+    for j, step in ((i - 1, -1), (i, 1)):
+        while 0 <= j < len(keys):
             child = node.children[keys[j]]
             common = shared_length(child.tokens, query)
-            if common > best_common:
+            if common <= best_common:
+                break
+            if child.pages:
                 best, best_common = child, common
-    if best is None or not best.pages:  # none, or the best one is on the host only
-        return None, 0
+                break
+            j += step
     return best, best_common
 
 
