@@ -112,8 +112,8 @@ class TieredModel(ReferenceCache):
 
     # ---------------------------------------------------------------- operations
     def match(self, namespace, tokens, touch: bool, now: float, locks: list[Key]):
-        """(device pages, host-only keys, partial candidates on the device, best partial
-        length, whether a host page ties for it)."""
+        """(device pages, host-only keys, the best partial candidates on the device, their
+        shared length)."""
         if touch:
             self.tick += 1
         matched: list[Key] = []
@@ -129,20 +129,19 @@ class TieredModel(ReferenceCache):
                 self.pages[key].tick = self.tick
                 self.pages[key].hits += 1
         start = len(matched) * self.size
-        best, device_best, host_best = 0, set(), False
+        best, device_best = 0, set()
         if not host_keys:
             rest = tuple(tokens[start:start + self.size])
             for key, page in self.pages.items():
-                if self.parent_of(key) == (namespace, *tokens[:start]) and len(key) - 1 > start:
+                # (pages on the host only are passed over: a partial match copies a device page)
+                if page.page is not None and self.parent_of(key) == (namespace, *tokens[:start]) \
+                        and len(key) - 1 > start:
                     tail = key[start + 1:]
                     common = next((i for i, (a, b) in enumerate(zip(tail, rest)) if a != b), min(len(tail), len(rest)))
                     if common > best:
-                        best, device_best, host_best = common, set(), False
+                        best, device_best = common, set()
                     if common == best and common:
-                        if page.page is not None:
-                            device_best.add(page.page)
-                        else:
-                            host_best = True
+                        device_best.add(page.page)
         if touch and self.write_through:
             path_lock = [matched[-1]] if matched else []
             for key in on_device:
@@ -151,7 +150,7 @@ class TieredModel(ReferenceCache):
                     if not self.host_room(1, now, locks + path_lock):
                         break
                     page.host = True
-        return [self.pages[k].page for k in on_device], host_keys, device_best, best, host_best
+        return [self.pages[k].page for k in on_device], host_keys, device_best, best
 
     def insert(self, namespace, tokens, pages, retention, ranges, now, partial: bool = False) -> list[int]:
         self.tick += 1
@@ -276,8 +275,7 @@ class TieredTreeMachine(TreeMachine):
 
     def _match(self, namespace, tokens, update: bool):
         m = self.tree.match(tokens, namespace, update=update)
-        pages, host_keys, device_best, best, host_best = self.ref.match(namespace, tokens, update, self.now,
-                                                                        self._locks())
+        pages, host_keys, device_best, best = self.ref.match(namespace, tokens, update, self.now, self._locks())
         if update:
             self.ref.touch_partial(m.partial_page)
         assert m.pages == pages
@@ -285,7 +283,7 @@ class TieredTreeMachine(TreeMachine):
         if m.partial_tokens:
             assert m.partial_tokens == best and m.partial_page in device_best
         else:
-            assert m.partial_page is None and (best == 0 or host_best)
+            assert m.partial_page is None and best == 0
         assert m.num_tokens == len(pages) * self.page_size + m.partial_tokens
         self.host_keys = host_keys
         return m
