@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any, TypeVar
 
-from ray.exceptions import RayActorError, WorkerCrashedError
+from ray.exceptions import ActorUnavailableError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -50,6 +50,8 @@ RESUBSCRIBE_DELAY_S = 0.5   # before following a replica's events again after it
 PINNED_ATTEMPTS = 5         # a call pinned to a live replica is sent this many times at most
 PINNED_RETRY_DELAY_S = 0.05  # times the attempt, between them
 _T = TypeVar("_T")
+# What ends a replica for good. RayActorError covers ActorUnavailableError too, a temporary
+# state: `_follow` catches that first and resubscribes; a generate call retries elsewhere.
 REPLICA_GONE = (RayActorError, WorkerCrashedError, ReplicaUnavailableError, WrongReplica)
 
 
@@ -133,6 +135,12 @@ class ClusterEngine:
             except WrongReplica:
                 if not self._misdelivered(replica):
                     return  # it left the live set: the view has forgotten it already
+            except ActorUnavailableError:
+                # Ray: "temporarily unavailable but may be available later" (Serve itself only
+                # retries on it). The replica stays live and is followed again from a fresh
+                # snapshot: dropping it left Serve routing to a replica the view no longer
+                # followed (its prompts in flight there for good, its stats gone).
+                logger.warning("replica %s is unavailable for now; following it again", replica)
             except REPLICA_GONE:
                 logger.warning("replica %s is gone; no longer routing to it", replica)
                 self.view.replica_gone(replica)

@@ -1,0 +1,128 @@
+"""The ingress's view of the replica set when streams break and replicas come and go: a
+ClusterEngine over a real ClusterView, following event streams from a stand-in for Ray
+Serve's deployment handle (no Ray cluster). Ray's own error classes are raised as Ray
+would raise them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from radixserve.cache.events import AllCleared, BlockStored
+from radixserve.cluster import engine as cluster_engine
+from radixserve.cluster.engine import ClusterEngine
+from radixserve.cluster.protocol import EventBatch, ReplicaInfo
+
+PAGE = 4
+_apps = itertools.count()
+
+
+def _stored(hashes: list[int], tier: str = "device") -> BlockStored:
+    return BlockStored(seq=0, namespace="ns", tier=tier, page_size=PAGE, parent_hash=None,
+                       hashes=hashes, token_ids=None)
+
+
+class _EventStream:
+    """A replica's event stream: a snapshot of `pages`, then heartbeats, or `error` raised
+    right after the snapshot."""
+
+    def __init__(self, replica: str, number: int, pages: list[int], error: Exception | None) -> None:
+        self.replica, self.number, self.pages, self.error = replica, number, pages, error
+
+    def __aiter__(self) -> AsyncIterator[EventBatch]:
+        return self._batches()
+
+    async def _batches(self) -> AsyncIterator[EventBatch]:
+        yield EventBatch(self.replica, [AllCleared(seq=0), _stored(self.pages)], {"pages_free": 10})
+        if self.error is not None:
+            raise self.error
+        while True:
+            await asyncio.sleep(0.01)
+            yield EventBatch(self.replica, [], {"pages_free": 10})
+
+    def cancel(self) -> None:
+        pass
+
+
+class EventsHandle:
+    """Stands in for the engine deployment's handle: `events(replica=...)` streams; the
+    first subscription of a replica in `errors` raises that error after its snapshot."""
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        self.errors = errors
+        self.subscriptions: dict[str, int] = {}
+        self.events = SimpleNamespace(remote=self._events)
+
+    def options(self, **_: Any) -> EventsHandle:
+        return self
+
+    def _events(self, replica: str) -> _EventStream:
+        number = self.subscriptions[replica] = self.subscriptions.get(replica, 0) + 1
+        return _EventStream(replica, number, [1, 2, 3], self.errors.pop(replica, None))
+
+
+def _engine(handle: EventsHandle) -> ClusterEngine:
+    info = ReplicaInfo("demo", 100, 100, PAGE, None)
+    return ClusterEngine(handle, info, app_name=f"router-set-{next(_apps)}", deployment="engines")  # type: ignore[arg-type]
+
+
+async def _settle(seconds: float = 0.15) -> None:
+    await asyncio.sleep(seconds)
+
+
+def test_a_replica_unavailable_for_a_moment_stays_live_and_is_followed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_engine, "RESUBSCRIBE_DELAY_S", 0.01)
+    handle = EventsHandle({"a": ActorUnavailableError("network blip", None)})
+    engine = _engine(handle)
+
+    async def run() -> None:
+        engine.view.set_replicas(["a", "b"])
+        await engine.start()
+        await _settle()
+        try:
+            assert engine.view.replicas == {"a", "b"}
+            assert handle.subscriptions == {"a": 2, "b": 1}  # a resubscribed once, from a snapshot
+            assert sorted(engine.view.replica_stats()) == ["a", "b"]
+            assert engine.health() is None
+            with engine.view.lock:
+                assert engine.view.state.index.cached_pages("a") == 3
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_replica_whose_actor_died_is_dropped_until_serve_lists_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_engine, "RESUBSCRIBE_DELAY_S", 0.01)
+    handle = EventsHandle({"a": ActorDiedError()})
+    engine = _engine(handle)
+
+    async def run() -> None:
+        engine.view.set_replicas(["a", "b"])
+        await engine.start()
+        await _settle()
+        try:
+            assert engine.view.replicas == {"b"}
+            assert handle.subscriptions == {"a": 1, "b": 1}
+            assert sorted(engine.view.replica_stats()) == ["b"]
+            engine.view.set_replicas(["a", "b"])  # Serve still lists it: followed again
+            await _settle()
+            assert engine.view.replicas == {"a", "b"}
+            assert handle.subscriptions == {"a": 2, "b": 1}
+            with engine.view.lock:
+                assert engine.view.state.index.cached_pages("a") == 3
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
