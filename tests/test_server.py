@@ -263,6 +263,13 @@ def test_session_close(client: httpx.Client, server: SimpleNamespace) -> None:
     assert r.status_code == 200 and r.json()["closed"] is True
     r = client.post("/v1/sessions/sess-42/close")
     assert r.status_code == 404 and r.json()["error"]["param"] == "session_id"
+    # An id with slashes closes too, as sent or percent-encoded (the route matched no "/").
+    for sent in ("a/b/close", "a%2Fb%2Fclose"):
+        body = chat_body("A session turn", max_tokens=2, session_id="a/b/close")
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert wait_for(lambda: server.stats()["sessions_open"] >= 1)
+        r = client.post(f"/v1/sessions/{sent}/close")
+        assert r.status_code == 200 and r.json()["id"] == "a/b/close", r.text
 
 
 # ---------------------------------------------------------------- bad input

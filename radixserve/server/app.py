@@ -562,7 +562,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
-        Route("/v1/sessions/{session_id}/close", server.close_session, methods=["POST"]),
+        # (any id closes: one holding "/", sent as is or as %2F, which is decoded before routing)
+        Route("/v1/sessions/{session_id:path}/close", server.close_session, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
         *cache.routes(),
