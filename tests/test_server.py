@@ -147,6 +147,24 @@ def test_chat_logprobs(client: httpx.Client, server: SimpleNamespace) -> None:
         assert entry["bytes"] == list(entry["token"].encode())  # whole characters here
         # Greedy: the chosen token is the most likely one.
         assert entry["logprob"] == pytest.approx(max(t["logprob"] for t in entry["top_logprobs"]), abs=1e-5)
+    # Asked for, a choice whose content has no token has an empty list (not null: OpenAI's
+    # clients read `.content`).
+    empty = client.post("/v1/chat/completions", json={**body, "guided_regex": "", "ignore_eos": False}).json()
+    assert empty["choices"][0]["message"]["content"] == ""
+    assert empty["choices"][0]["logprobs"] == {"content": []}
+
+
+def test_completion_top_logprobs_list_the_sampled_token(client: httpx.Client) -> None:
+    """OpenAI lists the sampled token among `top_logprobs` (up to logprobs + 1 entries), also
+    when sampling chose one outside the top: with logprobs 0, only it."""
+    for logprobs in (0, 1):
+        r = client.post("/v1/completions", json={"prompt": "Sampled", "max_tokens": 8, "temperature": 2.0,
+                                                 "seed": 7, "logprobs": logprobs})
+        got = r.json()["choices"][0]["logprobs"]
+        for token, logprob, top in zip(got["tokens"], got["token_logprobs"], got["top_logprobs"]):
+            assert top[token] == logprob and len(top) <= logprobs + 1
+            if logprobs == 0:
+                assert list(top) == [token]
 
 
 # ---------------------------------------------------------------- completions and engine parity

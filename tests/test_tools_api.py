@@ -206,7 +206,9 @@ def test_strict_tools_under_auto_are_served_and_a_bad_strict_schema_is_a_400(cli
 def test_null_booleans_are_openais_defaults(client: openai.OpenAI) -> None:
     body = {**COMMON, "max_tokens": 4, "messages": USER, "temperature": 0.0}
     expected = client.chat.completions.create(**body).choices[0].message.content
-    nulls = {"stream": None, "logprobs": None, "parallel_tool_calls": None}
+    nulls = {"stream": None, "logprobs": None, "parallel_tool_calls": None, "ignore_eos": None,
+             "return_tokens_as_token_ids": None, "priority": None, "use_beam_search": None,
+             "length_penalty": None, "early_stopping": None}
     assert client.chat.completions.create(**body, extra_body=nulls).choices[0].message.content == expected
     legacy = client.completions.create(model="demo", prompt="Hi", max_tokens=4, temperature=0.0,
                                        extra_body={"echo": None, "stream": None})

@@ -224,7 +224,8 @@ class OpenAIServer:
         await self._compile_grammar(request, [call], share)
         formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),
                                   TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
-                                             await self._vocab_bytes() if body.logprobs else None), tools.parser)
+                                             await self._vocab_bytes() if body.logprobs else None), tools.parser,
+                                  logprobs=bool(body.logprobs))
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         remember = (lambda results: self._remember_turns(scope, results)) if self.turns is not None else None
         return await self._generate(request, [call], formatter, bool(body.stream), ["messages"], max_tokens_param,

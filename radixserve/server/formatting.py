@@ -158,10 +158,12 @@ class ChatFormatter:
     reply's tool calls become `message.tool_calls` (finish_reason "tool_calls"), or, streaming,
     OpenAI's tool-call deltas: each call's id and name first, then its arguments."""
 
-    def __init__(self, identity: ResponseIdentity, namer: TokenNamer, tool_parser: ToolCallParser | None = None) -> None:
+    def __init__(self, identity: ResponseIdentity, namer: TokenNamer, tool_parser: ToolCallParser | None = None,
+                 logprobs: bool = False) -> None:
         self.identity = identity
         self.namer = namer
         self.tool_parser = tool_parser
+        self.logprobs = logprobs  # asked for: a whole choice has them, an empty list if no token of its content
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice index → its parser state
 
     def opening_chunks(self, n: int) -> list[Struct]:
@@ -207,6 +209,8 @@ class ChatFormatter:
 
     def _choice(self, index: int, result: ChoiceResult) -> ChatChoice:
         logprobs = self._logprobs(result.logprobs, result.finish_reason)
+        if logprobs is None and self.logprobs:  # OpenAI's clients read `.content` of what they asked for
+            logprobs = ChatLogprobs(content=[])
         if self.tool_parser is None:
             return ChatChoice(index=index, message=AssistantMessage(content=result.text),
                               finish_reason=result.finish_reason, logprobs=logprobs)
@@ -304,6 +308,13 @@ class CompletionFormatter:
                      for i, c in enumerate(choices)],
             usage=usage)
 
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        """The `logprobs` most likely tokens and the sampled one, which OpenAI always lists
+        (up to logprobs + 1 of them)."""
+        top = {self.namer(t): lp for t, lp in entry.top}
+        top.setdefault(self.namer(entry.token_id), entry.logprob)
+        return top
+
     def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> CompletionLogprobs | None:
         if not entries:
             return None
@@ -316,5 +327,5 @@ class CompletionFormatter:
         return CompletionLogprobs(
             tokens=[self.namer(e.token_id) for e in entries],
             token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{self.namer(t): lp for t, lp in e.top} for e in entries],
+            top_logprobs=[self._top(e) for e in entries],
             text_offset=offsets)

@@ -150,6 +150,11 @@ class StructuredOutputs(Struct, kw_only=True):
     grammar: str | None = None
 
 
+# Fields whose default is not null: a null sent for them means the default.
+_NULL_IS_DEFAULT: dict[str, object] = {"ignore_eos": False, "return_tokens_as_token_ids": False, "priority": 0,
+                                       "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
+
+
 class GenerationRequest(Struct, kw_only=True):
     """Fields shared by chat and completions requests, OpenAI's and radixserve's own."""
 
@@ -172,9 +177,9 @@ class GenerationRequest(Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM-compatible extensions.
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = False
     # Structured-output extensions as vLLM names them (also as one `structured_outputs` object).
     guided_json: dict | bool | str | None = None
     guided_regex: str | None = None
@@ -182,16 +187,22 @@ class GenerationRequest(Struct, kw_only=True):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     # radixserve extensions: scheduling, cache isolation and retention.
-    priority: SchedulingPriority = 0  # higher first; across tenants only for an admin key
+    priority: SchedulingPriority | None = 0  # higher first; across tenants only for an admin key
     cache_salt: Salt | None = None
     retention_priority: RetentionPriority | None = None
     retention_duration_s: Duration | None = None
     session_id: Identifier | None = None
     # Beam search (extension): the n best of beam_width beams (beam_width defaults to n).
-    use_beam_search: bool = False
+    use_beam_search: bool | None = False
     beam_width: NumChoices | None = None
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    length_penalty: float | None = 1.0
+    early_stopping: bool | Literal["never"] | None = False
+
+    def __post_init__(self) -> None:
+        # null is each optional field's default (docs/server.md), these extensions' too
+        for name, default in _NULL_IS_DEFAULT.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
