@@ -11,6 +11,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
 from radixserve.cache.page_hash import namespace_id
 from radixserve.cli import build_parser, main
+from radixserve.cluster import cluster_state
 from radixserve.cluster.cache_aware import keep_pages
 from radixserve.cluster.feed import EventFeed
 from radixserve.cluster.index import CacheIndex
@@ -405,9 +406,50 @@ def test_session_sticks_while_its_replica_lives() -> None:
     state.in_flight["b"] = 50
     assert policy.choose(request(turn + [6, 7, 8], "t2", session_id="s"), ["a", "b"]) == "b"
     state.remove("b")
-    assert "s" not in state.sessions
+    assert (None, "s") not in state.sessions
     assert policy.choose(request(turn + [6, 7, 8], "t3", session_id="s"), ["a"]) == "a"
-    assert state.sessions["s"] == "a"
+    assert state.sessions[(None, "s")][0] == "a"
+
+
+def _tenant_request(tokens: list[int], request_id: str, tenant: str, session_id: str) -> RouteRequest:
+    return RouteRequest(request_id, NS, hashes(tokens), len(tokens), session_id, tenant=tenant)
+
+
+def test_a_session_id_pins_only_its_own_tenant_s_requests() -> None:
+    state = cluster("x", "y")
+    policy = make_routing_policy("cache-aware", state)
+    state.index.apply("y", [stored(1, hashes(PROMPT))])  # tenant B's warmed prefix
+    assert policy.choose(_tenant_request([1, 2, 3, 4, 5], "a1", "A", "chat-42"), ["x"]) == "x"
+    # B guessing A's session id is routed by its own cache, as for an unused id: nothing
+    # tells B that A holds "chat-42", and B's load is not pinned onto A's replica.
+    assert policy.rank(_tenant_request(PROMPT, "b1", "B", "chat-42"), ["x", "y"])[0] == "y"
+    assert policy.rank(_tenant_request(PROMPT, "b2", "B", "unused"), ["x", "y"])[0] == "y"
+    assert policy.rank(_tenant_request(PROMPT, "a2", "A", "chat-42"), ["x", "y"])[0] == "x"
+    assert list(state.sessions) == [("A", "chat-42")]
+
+
+def test_sessions_are_forgotten_when_closed_idle_past_the_ttl_or_past_the_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    state = cluster("x", "y")
+    state.clock = lambda: now[0]
+    state.session_ttl_s = 600.0
+    policy = make_routing_policy("cache-aware", state)
+    state.index.apply("y", [stored(1, hashes(PROMPT))])
+    assert policy.choose(_tenant_request([1, 2, 3, 4, 5], "r1", "A", "s1"), ["x"]) == "x"
+    assert policy.choose(_tenant_request([1, 2, 3, 4, 5], "r2", "A", "s2"), ["x"]) == "x"
+    now[0] = 300.0
+    assert policy.choose(_tenant_request(PROMPT, "r3", "A", "s2"), ["x", "y"]) == "x"  # routed again: kept
+    state.end_session("s1", "A")  # closed on its replica
+    assert list(state.sessions) == [("A", "s2")]
+    now[0] = 900.5  # 600.5 s since s2's last routing: the replicas have expired it
+    assert policy.rank(_tenant_request(PROMPT, "r4", "A", "s2"), ["x", "y"])[0] == "y"
+    assert len(state.sessions) == 0
+    # The least recently routed go first past the cap.
+    monkeypatch.setattr(cluster_state, "SESSION_MEMORY", 3)
+    for i in range(5):
+        state.routed(_tenant_request([1, 2, 3, 4, 5], f"c{i}", "A", f"c{i}"), "x")
+    assert list(state.sessions) == [("A", "c2"), ("A", "c3"), ("A", "c4")]
 
 
 def test_a_finished_request_stays_in_flight_until_its_replica_settles_it() -> None:

@@ -21,6 +21,7 @@ from radixserve.cache.events import AllCleared, BlockStored
 from radixserve.cluster import engine as cluster_engine
 from radixserve.cluster.engine import ClusterEngine
 from radixserve.cluster.protocol import EventBatch, ReplicaInfo
+from radixserve.cluster.routing import RouteRequest
 
 PAGE = 4
 _apps = itertools.count()
@@ -126,3 +127,35 @@ def test_a_replica_whose_actor_died_is_dropped_until_serve_lists_it_again(
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+class SessionsHandle:
+    """Stands in for the engine deployment's handle for `close_session`: replica `holder`
+    holds the sessions in `open_sessions` ((tenant, session id)); every other replica none."""
+
+    def __init__(self, holder: str, open_sessions: set[tuple[str | None, str]]) -> None:
+        self.holder, self.open = holder, open_sessions
+        self.close_session = SimpleNamespace(remote=self._close)
+
+    async def _close(self, session_id: str, tenant: str | None, replica: str) -> bool:
+        if replica != self.holder or (tenant, session_id) not in self.open:
+            return False
+        self.open.discard((tenant, session_id))
+        return True
+
+
+def test_closing_a_session_unpins_it_from_its_replica() -> None:
+    handle = SessionsHandle("a", {("A", "s1")})
+    info = ReplicaInfo("demo", 100, 100, PAGE, None)
+    engine = ClusterEngine(handle, info, app_name=f"router-set-{next(_apps)}",  # type: ignore[arg-type]
+                           deployment="engines")
+    engine.view.set_replicas(["a", "b"])
+    for tenant, session in [("A", "s1"), ("B", "s1")]:
+        engine.view.routed(RouteRequest(f"{tenant}-{session}", "ns", [1, 2], 8, session, tenant=tenant), "a")
+
+    async def run() -> tuple[bool, bool]:
+        return await engine.close_session("s1", "B"), await engine.close_session("s1", "A")
+
+    assert asyncio.run(run()) == (False, True)  # B's was never open on a replica: kept
+    with engine.view.lock:
+        assert list(engine.view.state.sessions) == [("B", "s1")]

@@ -125,7 +125,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
         state, cfg = self.state, self.config
-        sticky = state.sessions.get(request.session_id) if request.session_id is not None else None
+        sticky = state.session_replica(request)
         in_flight = {r: state.requests_in_flight(r) for r in replicas}
         least = min(in_flight.values())
         mean = sum(in_flight.values()) / len(replicas)

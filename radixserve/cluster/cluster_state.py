@@ -11,9 +11,10 @@ by the Ray Serve request router and `bench simulate --replicas`.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,6 +28,8 @@ SETTLE_GRACE_BATCHES = 40  # event batches of a replica after which an unsettled
 RECENT_HALF_LIFE_ROUTINGS = 256  # requests routed (anywhere) over which a replica's count of recent ones halves
 STARTS_HALF_LIFE = 1024  # conversations started (anywhere) over which a replica's count of starts halves
 _STARTS_DECAY = 0.5 ** (1 / STARTS_HALF_LIFE)
+SESSION_MEMORY = 65536  # sessions remembered (the least recently routed are forgotten)
+SESSION_TTL_S = 600.0   # a session unrouted this long is forgotten (Engine's default session_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class RouteRequest:
     prompt_tokens: int
     session_id: str | None = None
     replica_request_id: str | None = None  # the id the replica knows it by (default: request_id)
+    tenant: str | None = None   # whose session `session_id` is (replicas key sessions by both)
 
     @property
     def settle_key(self) -> str:
@@ -93,7 +97,10 @@ class ClusterState:
     routed_total: dict[str, int] = field(default_factory=dict)   # replica → requests routed ever
     starts: dict[str, float] = field(default_factory=dict)        # replica → conversations started, decayed (`share`)
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
-    sessions: dict[str, str] = field(default_factory=dict)        # session id → replica
+    # (tenant, session id) → (replica, when last routed), least recently routed first
+    sessions: OrderedDict[tuple[str | None, str], tuple[str, float]] = field(default_factory=OrderedDict)
+    session_ttl_s: float = SESSION_TTL_S                           # the replicas' idle TTL of a session
+    clock: Callable[[], float] = time.monotonic                     # seconds, for the sessions' TTL
     recent_half_life: float = RECENT_HALF_LIFE_ROUTINGS             # in requests routed (`recent_requests`)
     _routings: int = 0                                              # requests routed ever (moves not counted)
     _recent: dict[str, tuple[float, int]] = field(default_factory=dict)  # replica → (decayed count, as of routing)
@@ -137,7 +144,10 @@ class ClusterState:
         self.index.add_in_flight(request.settle_key, replica, request.namespace, request.page_hashes)
         self.index.add_prompt_end(replica, request.namespace, request.page_hashes, routing)
         if request.session_id is not None:
-            self.sessions[request.session_id] = replica
+            key = (request.tenant, request.session_id)
+            self.sessions.pop(key, None)
+            self.sessions[key] = (replica, self.clock())
+            self._expire_sessions()
 
     def finished(self, request_id: str) -> None:
         """The request ended (done, failed or cancelled): its replica's requests in flight drop by one; its
@@ -206,12 +216,35 @@ class ClusterState:
         self._recent.pop(replica, None)
         self.reports.pop(replica, None)
         self._batches.pop(replica, None)
-        for session in [s for s, r in self.sessions.items() if r == replica]:
+        for session in [s for s, (r, _) in self.sessions.items() if r == replica]:
             del self.sessions[session]
         for request_id in [q for q, placed in self._placed.items() if placed.replica == replica]:
             del self._placed[request_id]
         for key in [k for k, (r, _) in self._unsettled.items() if r == replica]:
             del self._unsettled[key]
+
+    def session_replica(self, request: RouteRequest) -> str | None:
+        """The replica the request's session is on (None: no session, or one not routed within
+        the replicas' TTL, which they have closed by now). Keyed by tenant as the replicas
+        key sessions: another tenant's id neither pins the request nor reveals the session."""
+        if request.session_id is None:
+            return None
+        self._expire_sessions()
+        held = self.sessions.get((request.tenant, request.session_id))
+        return held[0] if held is not None else None
+
+    def end_session(self, session_id: str, tenant: str | None = None) -> None:
+        """The session was closed: its next request is placed afresh."""
+        self.sessions.pop((tenant, session_id), None)
+
+    def _expire_sessions(self) -> None:
+        """Forgets sessions past the cap (least recently routed first) and past the TTL: the
+        map is in routing order, so the expired ones lead it."""
+        while len(self.sessions) > SESSION_MEMORY:
+            self.sessions.popitem(last=False)
+        deadline = self.clock() - self.session_ttl_s
+        while self.sessions and next(iter(self.sessions.values()))[1] < deadline:
+            self.sessions.popitem(last=False)
 
     def recent_requests(self, replica: str) -> float:
         """Requests routed to `replica` lately: each counts 1 when routed and halves over every

@@ -80,7 +80,8 @@ class OpenAIIngress:
         self.engine = ClusterEngine(engines, info, app_name=serve.get_replica_context().app_name,
                                     deployment=ENGINE_DEPLOYMENT,
                                     hash_secret=options.engine_options.get("cache_hash_secret"),
-                                    cluster_reuse=options.cluster_reuse)
+                                    cluster_reuse=options.cluster_reuse,
+                                    session_ttl_s=options.engine_options.get("session_ttl_s"))
         self._app = create_app(self.engine, served_model_name=options.served_model_name, api_key=options.api_key,
                                admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys,
                                **options.app_options)

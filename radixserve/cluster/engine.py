@@ -66,10 +66,12 @@ class ClusterEngine:
     `engine` carries what the HTTP layer reads from a local engine: model_name, tokenizer,
     max_context_len, max_sequence_len (a ReplicaInfo from one replica; all are alike).
     `cluster_reuse=False` sends the replicas no cluster reuse history (duel_pool.ClusterReuse).
+    `session_ttl_s` is the replicas' (Engine's): the router forgets a session idle that long.
     """
 
     def __init__(self, handle: DeploymentHandle, info: ReplicaInfo, *, app_name: str, deployment: str,
-                 hash_secret: str | bytes | None = None, cluster_reuse: bool = True) -> None:
+                 hash_secret: str | bytes | None = None, cluster_reuse: bool = True,
+                 session_ttl_s: float | None = None) -> None:
         self.handle = handle
         self.engine = info
         self.hashing = PageHashing(hash_secret)
@@ -77,6 +79,8 @@ class ClusterEngine:
         # replica that left (None): the merged /v1/cache/events stream (event_hub.py).
         self.cache_listener: Callable[[str, list[CacheEvent] | None], None] | None = None
         self.view: ClusterView = cluster_view(app_name, deployment)
+        if session_ttl_s is not None:
+            self.view.set_session_ttl(session_ttl_s)
         self.reuse = ClusterReuse(cluster_reuse)  # what the cluster has seen: the replicas' adaptive rule boosts it
         self._telling: set[asyncio.Future[Any]] = set()  # `elsewhere` calls under way (kept from the GC)
         self._followers: dict[str, asyncio.Task[None]] = {}
@@ -222,7 +226,10 @@ class ClusterEngine:
     async def close_session(self, session_id: str, tenant: str | None = None) -> bool:
         """Ends `tenant`'s session on whichever replica holds it; False if none did."""
         results = await self._on_every_replica("close_session", session_id, tenant)
-        return any(r is True for r in results)
+        closed = any(r is True for r in results)
+        if closed:  # its id no longer pins a request to that replica
+            self.view.session_closed(session_id, tenant)
+        return closed
 
     async def flush_cache(self) -> PagesFreed:
         """Flushes every replica; returns the pages freed in all (device, with `host`)."""

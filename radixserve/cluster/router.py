@@ -37,7 +37,7 @@ def route_request(pending_request: PendingRequest | None) -> RouteRequest | None
         return None
     return RouteRequest(pending_request.metadata.internal_request_id, request.namespace,
                         request.page_hashes, len(request.prompt_ids), request.session_id,
-                        replica_request_id=request.request_id)
+                        replica_request_id=request.request_id, tenant=request.tenant)
 
 
 class _ClusterHooks:

@@ -121,6 +121,16 @@ class ClusterView:
         with self._lock:
             self.state.finished(request_id)
 
+    def session_closed(self, session_id: str, tenant: str | None) -> None:
+        """A replica closed `tenant`'s session: it pins no more requests."""
+        with self._lock:
+            self.state.end_session(session_id, tenant)
+
+    def set_session_ttl(self, seconds: float) -> None:
+        """The replicas' session TTL (Engine's session_ttl_s): a session idle longer is forgotten."""
+        with self._lock:
+            self.state.session_ttl_s = seconds
+
     def _forget_locked(self, replica: str) -> None:
         self.state.remove(replica)
         self._stats.pop(replica, None)
