@@ -71,6 +71,23 @@ def test_turns_are_bounded_by_tokens_and_forget_the_least_recent() -> None:
     assert turns.num_tokens == 7
 
 
+def test_one_tenants_turns_do_not_push_out_anothers_within_its_share() -> None:
+    """Past the bound the tenant holding the most loses its least recent turn: b's flood of
+    answers pushes out its own, never a's (which holds less than half); alone, a tenant has
+    the whole memory."""
+    turns = GeneratedTurns(max_tokens=20)
+    turns.remember(("a", None), "a's answer", [1, 2, 3, 4], "a")
+    for i in range(10):
+        turns.remember(("b", None), f"b's answer {i}", [5, 6, 7, 8], "b")
+    assert turns.recall(("a", None), "a's answer") == [1, 2, 3, 4]
+    assert turns.held("a") == 4 and turns.held("b") == 16 and turns.num_tokens == 20
+    assert [turns.recall(("b", None), f"b's answer {i}") is not None for i in range(10)] == [False] * 6 + [True] * 4
+    alone = GeneratedTurns(max_tokens=20)
+    for i in range(5):
+        alone.remember(("b", None), f"b's answer {i}", [5, 6, 7, 8], "b")
+    assert alone.num_tokens == 20 and len(alone) == 5
+
+
 def test_turns_are_scoped() -> None:
     turns = GeneratedTurns()
     turns.remember("tenant-a", "Hello there", [1, 2, 3])

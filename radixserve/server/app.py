@@ -227,7 +227,8 @@ class OpenAIServer:
                                              await self._vocab_bytes() if body.logprobs else None), tools.parser,
                                   logprobs=bool(body.logprobs))
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        remember = (lambda results: self._remember_turns(scope, results)) if self.turns is not None else None
+        remember = ((lambda results: self._remember_turns(scope, caller.tenant, results)) if self.turns is not None
+                    else None)
         return await self._generate(request, [call], formatter, bool(body.stream), ["messages"], max_tokens_param,
                                     timer, remember)
 
@@ -433,17 +434,17 @@ class OpenAIServer:
             await close(deltas)
         yield _DONE
 
-    async def _remember_turns(self, scope: Hashable, results: Sequence[ChoiceResult]) -> None:
+    async def _remember_turns(self, scope: Hashable, tenant: Hashable, results: Sequence[ChoiceResult]) -> None:
         """Remembers a request's finished choices in a worker thread: decoding a long answer
         would hold the event loop (and every other stream). Awaited before the response ends,
         so a later turn of the conversation finds this one remembered."""
         def remember_each() -> None:
             for result in results:
-                self._remember_turn(scope, result)
+                self._remember_turn(scope, tenant, result)
 
         await anyio.to_thread.run_sync(remember_each)
 
-    def _remember_turn(self, scope: Hashable, result: ChoiceResult) -> None:
+    def _remember_turn(self, scope: Hashable, tenant: Hashable, result: ChoiceResult) -> None:
         """Keeps a finished choice's token ids for later turns that send its text back, when
         they decode to exactly that text (not when a stop string cut it short)."""
         if result.finish_reason not in ("stop", "length"):
@@ -453,7 +454,7 @@ class OpenAIServer:
         while end and ids[end - 1] in self._special_ids:  # the end token is not in the text
             end -= 1
         if end and self.tokenizer.decode(ids[:end], skip_special_tokens=False) == result.text:
-            self.turns.remember(scope, result.text, ids[:end])
+            self.turns.remember(scope, result.text, ids[:end], tenant)
 
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> Caller:

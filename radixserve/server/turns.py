@@ -12,8 +12,11 @@ text.
 
 The scope is the request's cache namespace (its tenant and its `cache_salt`; app.py): ids learnt in one namespace are
 never used in another, so how a prompt is tokenized (and so its `prompt_tokens`) tells nothing
-about other tenants' completions. Memory is bounded by the number of token ids kept; the
-least recently used completions are forgotten first.
+about other tenants' completions. Memory is bounded by the number of token ids kept, shared
+fairly between tenants: past the bound the least recently used completion of the tenant
+holding the most goes first, so one tenant's flood of long answers does not push out another
+tenant's turns (their next turns would be tokenized from text again, their cache hits ending
+where the text splits differently). Without tenants' keys it is one LRU.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ MIN_TOKENS = 2  # shorter completions gain nothing from the splice
 
 
 class GeneratedTurns:
-    """A bounded LRU map (scope, completion text) -> the token ids the model generated.
+    """A bounded map (scope, completion text) -> the token ids the model generated, shared
+    fairly between tenants (each tenant's entries least recently used first).
 
     Thread-safe: the event loop records completions while worker threads render prompts.
     """
@@ -37,40 +41,62 @@ class GeneratedTurns:
         if max_tokens < 0:
             raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
-        self._turns: OrderedDict[tuple[Hashable, str], array] = OrderedDict()
+        self._by_tenant: dict[Hashable, OrderedDict[tuple[Hashable, str], array]] = {}
+        self._tenant_of: dict[tuple[Hashable, str], Hashable] = {}
+        self._held: dict[Hashable, int] = {}  # token ids each tenant's entries hold
         self._tokens = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._turns)
+        return len(self._tenant_of)
 
     @property
     def num_tokens(self) -> int:
         """Token ids held, over every remembered completion."""
         return self._tokens
 
-    def remember(self, scope: Hashable, text: str, token_ids: Sequence[int]) -> None:
-        """Keeps `token_ids` as how `text` was generated in `scope` (replacing an older entry)."""
+    def held(self, tenant: Hashable) -> int:
+        """Token ids `tenant`'s remembered completions hold."""
+        return self._held.get(tenant, 0)
+
+    def remember(self, scope: Hashable, text: str, token_ids: Sequence[int], tenant: Hashable = None) -> None:
+        """Keeps `token_ids` as how `text` was generated in `scope`, one of `tenant`'s scopes
+        (replacing an older entry)."""
         if len(token_ids) < MIN_TOKENS or len(token_ids) > self.max_tokens or not text:
             return
         ids = array("i", token_ids)
         key = (scope, text)
         with self._lock:
-            old = self._turns.pop(key, None)
-            if old is not None:
-                self._tokens -= len(old)
-            self._turns[key] = ids
+            self._drop(key)
+            self._by_tenant.setdefault(tenant, OrderedDict())[key] = ids
+            self._tenant_of[key] = tenant
+            self._held[tenant] = self._held.get(tenant, 0) + len(ids)
             self._tokens += len(ids)
             while self._tokens > self.max_tokens:
-                _, dropped = self._turns.popitem(last=False)
-                self._tokens -= len(dropped)
+                largest = max(self._held, key=self._held.__getitem__)
+                self._drop(next(iter(self._by_tenant[largest])))
 
     def recall(self, scope: Hashable, text: str) -> list[int] | None:
         """The ids `text` was generated as in `scope`, or None; a hit counts as a use."""
         key = (scope, text)
         with self._lock:
-            ids = self._turns.get(key)
-            if ids is None:
+            tenant = self._tenant_of.get(key, _NONE)
+            if tenant is _NONE:
                 return None
-            self._turns.move_to_end(key)
-            return ids.tolist()
+            entries = self._by_tenant[tenant]
+            entries.move_to_end(key)
+            return entries[key].tolist()
+
+    def _drop(self, key: tuple[Hashable, str]) -> None:
+        tenant = self._tenant_of.pop(key, _NONE)
+        if tenant is _NONE:
+            return
+        entries = self._by_tenant[tenant]
+        size = len(entries.pop(key))
+        self._tokens -= size
+        self._held[tenant] -= size
+        if not entries:
+            del self._by_tenant[tenant], self._held[tenant]
+
+
+_NONE = object()  # no entry (None is a tenant: the single one)
