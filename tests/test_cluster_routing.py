@@ -29,6 +29,7 @@ from radixserve.cluster.routing import (
     replica_imbalance,
 )
 from radixserve.cluster.stats import merge_stats
+from radixserve.cluster.view import ClusterView
 
 PAGE = 4
 NS = namespace_id(("demo", None))
@@ -380,6 +381,40 @@ def test_prompt_ends_are_bounded_and_forgotten_with_their_replica(monkeypatch: p
     index.forget("a")
     index.apply("a", [stored(2, hashes(prompts[2]))])
     assert index.continued_pages("a", NS, hashes(prompts[2])) == 0
+
+
+def test_a_replica_that_joins_does_not_draw_the_conversations_held_elsewhere() -> None:
+    # 40 conversations of 8 turns minutes apart over a-d (nothing in flight between turns);
+    # then Serve replaces d with e. e joins at the least count of requests routed lately:
+    # had it joined at 0, every other replica would be past the hard limit next to it and
+    # their conversations would move to e, each recomputed whole.
+    view = ClusterView()
+    view.set_replicas(["a", "b", "c", "d"])
+    state = view.state
+    pages: dict[int, int] = {}
+    home: dict[int, str] = {}
+
+    def turn(conv: int, number: int) -> str:
+        pages[conv] = pages.get(conv, 0) + 4
+        hs = [conv * 10_000 + p for p in range(pages[conv])]
+        routed = RouteRequest(f"q{number}", NS, hs, pages[conv] * PAGE)
+        target = view.rank(routed, sorted(view.replicas))[0]
+        view.routed(routed, target)
+        state.index.apply(target, [stored(number, hs)])  # served: cached, settled, finished
+        state.settled(target, [routed.request_id])
+        view.finished(routed.request_id)
+        state.batch_applied(target)
+        return target
+
+    numbers = iter(range(1, 1000))
+    for _ in range(8):
+        for conv in range(40):
+            home[conv] = turn(conv, next(numbers))
+    view.set_replicas(["a", "b", "c", "e"])
+    targets = {conv: turn(conv, next(numbers)) for conv in range(40)}
+    assert {conv: targets[conv] for conv in home if home[conv] != "d"} == {
+        conv: home[conv] for conv in home if home[conv] != "d"}
+    assert sorted(targets[conv] for conv in home if home[conv] == "d") == list("aabbcceeee")
 
 
 def test_cache_aware_without_a_match_takes_least_loaded_then_most_free() -> None:

@@ -260,6 +260,15 @@ class ClusterState:
             return 0.0
         return count * self._recent_weight(at)
 
+    def joined(self, replica: str) -> None:
+        """`replica` joined the live set (a replacement, a scale-up): its count of requests
+        routed lately starts at the least of the others', as its `share` does. At 0, every
+        established replica looked busy past the hard limit next to it, and their
+        conversations moved to it, each recomputed whole (26 of 30 when one replaced another)."""
+        if replica not in self._recent:
+            least = min((self.recent_requests(r) for r in self._recent), default=0.0)
+            self._recent[replica] = (least, self._routings)
+
     def own_recent_requests(self, replica: str, request: RouteRequest) -> float:
         """The part of `recent_requests(replica)` that is the request's own conversation: its
         earlier turns routed there (the prompts it runs through, `CacheIndex.prompt_ends_through`),

@@ -48,6 +48,8 @@ class ClusterView:
             changed = new != self._replicas
             for gone in self._replicas - new:
                 self._forget_locked(gone)
+            for joined in new - self._replicas:
+                self.state.joined(joined)
             self._replicas = new
             listener = self._listener
         if changed and listener is not None:
