@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -168,8 +168,18 @@ class CacheRoutes:
         if self._reader_refused(caller.tenant):
             raise APIError(503, f"Too many cache-event readers (at most {MAX_EVENT_READERS}, shared between tenants)",
                            code="too_many_readers", headers={"Retry-After": "5"})
-        return SendTimeoutStreamingResponse(self._sse(caller), self.events_idle_timeout_s, media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # The slot is taken here, before any await: counted only once the stream started,
+        # readers arriving together all passed the check first (300 opened at once were all
+        # admitted, and every other tenant got a 503). The stream gives it back when it ends,
+        # or the response does when its stream never started.
+        release = self._take_reader(caller.tenant)
+        try:
+            return SendTimeoutStreamingResponse(self._sse(caller, release), self.events_idle_timeout_s,
+                                                on_close=release, media_type="text/event-stream",
+                                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        except BaseException:
+            release()
+            raise
 
     # ------------------------------------------------------------------ helpers
     def _reader_refused(self, tenant: str | None) -> bool:
@@ -181,11 +191,27 @@ class CacheRoutes:
         return (self._tenant_readers[tenant] >= max(1, MAX_EVENT_READERS // holders)
                 or self._readers >= 2 * MAX_EVENT_READERS)
 
-    async def _sse(self, caller: Caller) -> AsyncIterator[bytes]:
+    def _take_reader(self, tenant: str | None) -> Callable[[], None]:
+        """Counts one more event stream of `tenant`; the function returned gives it back
+        (only its first call does: the stream and its response both call it)."""
+        self._readers += 1
+        self._tenant_readers[tenant] += 1
+        taken = True
+
+        def release() -> None:
+            nonlocal taken
+            if taken:
+                taken = False
+                self._readers -= 1
+                self._tenant_readers[tenant] -= 1
+                if not self._tenant_readers[tenant]:
+                    del self._tenant_readers[tenant]
+
+        return release
+
+    async def _sse(self, caller: Caller, release: Callable[[], None]) -> AsyncIterator[bytes]:
         # The reader is opened here, not in the handler: a stream that never starts (the
         # client left at once) then leaves nothing subscribed behind.
-        self._readers += 1
-        self._tenant_readers[caller.tenant] += 1
         reader: EventReader | None = None
         try:
             reader = await self.hub.open_reader(None if caller.admin else self._sees_id(caller))
@@ -205,10 +231,7 @@ class CacheRoutes:
                 yield b"".join(b"data: " + data + b"\n\n" for data in batch)
                 last_sent = loop.time()
         finally:
-            self._readers -= 1
-            self._tenant_readers[caller.tenant] -= 1
-            if not self._tenant_readers[caller.tenant]:
-                del self._tenant_readers[caller.tenant]
+            release()
             if reader is not None:
                 with anyio.CancelScope(shield=True):
                     await reader.close()
@@ -253,11 +276,21 @@ def _json(value: Any) -> Response:
 
 class SendTimeoutStreamingResponse(StreamingResponse):
     """A StreamingResponse that gives up on a client whose every send has stalled for
-    `send_timeout_s` (it does not read): the stream ends and its connection closes."""
+    `send_timeout_s` (it does not read): the stream ends and its connection closes.
+    `on_close` is called once the response is over, whether or not its stream ever started."""
 
-    def __init__(self, content: AsyncIterator[bytes], send_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], send_timeout_s: float, *,
+                 on_close: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.send_timeout_s = send_timeout_s
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
     async def stream_response(self, send: Any) -> None:
         async def timed_send(message: Any) -> None:
