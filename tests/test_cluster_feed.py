@@ -70,6 +70,31 @@ def test_a_feed_resubscribed_after_its_snapshot_rebuilds_the_cache_exactly() -> 
     assert feed._subscribers == []
 
 
+def test_a_feed_snapshot_carries_the_host_tier_too() -> None:
+    """A conversation's 4 pages cached, offloaded to the host tier, 2 of them freed on the
+    device: a router that subscribes afterwards holds what one following all along holds."""
+    feed = EventFeed(PAGE)
+    events = [BlockStored(seq=1, namespace="ns", tier="device", page_size=PAGE, parent_hash=None, hashes=[1, 2, 3, 4]),
+              BlockStored(seq=2, namespace="ns", tier="host", page_size=PAGE, parent_hash=None, hashes=[1, 2, 3, 4]),
+              BlockRemoved(seq=3, namespace="ns", tier="device", hashes=[3, 4])]
+    for event in events:
+        feed.publish(event)
+    following = CacheIndex()
+    following.apply("r", events)
+
+    async def subscribed() -> CacheIndex:
+        index = CacheIndex()
+        stream = feed.subscribe(batch_interval_s=0.0, heartbeat_s=0.05)
+        index.apply("r", (await anext(stream)).events)
+        await stream.aclose()
+        return index
+
+    index = asyncio.run(subscribed())
+    assert following.tiered_pages("r", "ns", [1, 2, 3, 4]) == (2, 2)
+    assert index.tiered_pages("r", "ns", [1, 2, 3, 4]) == (2, 2)
+    assert index.page_set("r", "host") == {("ns", h) for h in (1, 2, 3, 4)}
+
+
 def _stored(seq: int, namespace: str, hashes: list[int]) -> BlockStored:
     return BlockStored(seq=seq, namespace=namespace, tier="device", page_size=PAGE, parent_hash=None, hashes=hashes)
 

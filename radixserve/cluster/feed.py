@@ -2,7 +2,8 @@
 
 The engine calls `publish` on its own thread for every cache event (Engine.subscribe_events).
 The feed keeps the replica's current page set (a one-replica CacheIndex), so a new
-subscriber starts from a snapshot — AllCleared, then BlockStored for every cached page —
+subscriber starts from a snapshot — AllCleared, then BlockStored for every cached page of
+each tier —
 taken atomically with its registration: the snapshot plus the events after it are exactly
 the replica's cache, whenever the subscriber joins (a restarted ingress, a new router).
 
@@ -18,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from radixserve.cache.events import DEVICE, AllCleared, BlockStored, CacheEvent
+from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockStored, CacheEvent
 from radixserve.cluster.index import CacheIndex
 
 _SELF = "self"
@@ -103,12 +104,15 @@ class EventFeed:
 
     def _snapshot_locked(self) -> list[CacheEvent]:
         events: list[CacheEvent] = [AllCleared(seq=self._last_seq, tier=None)]
-        by_namespace: dict[str, list[int]] = {}
-        for namespace, page_hash in self._mirror.page_set(_SELF):
-            by_namespace.setdefault(namespace, []).append(page_hash)
-        for namespace, hashes in sorted(by_namespace.items()):
-            # Order inside a snapshot does not matter to a set; parent_hash is unknown here.
-            events.append(BlockStored(seq=self._last_seq, namespace=namespace, tier=DEVICE,
-                                      page_size=self.page_size, parent_hash=None,
-                                      hashes=sorted(hashes), token_ids=None))
+        # Both tiers: without the host pages, a router that (re)subscribed lost every page
+        # offloaded before, and its host credit and cached-token predictions with them.
+        for tier in (DEVICE, HOST):
+            by_namespace: dict[str, list[int]] = {}
+            for namespace, page_hash in self._mirror.page_set(_SELF, tier):
+                by_namespace.setdefault(namespace, []).append(page_hash)
+            for namespace, hashes in sorted(by_namespace.items()):
+                # Order inside a snapshot does not matter to a set; parent_hash is unknown here.
+                events.append(BlockStored(seq=self._last_seq, namespace=namespace, tier=tier,
+                                          page_size=self.page_size, parent_hash=None,
+                                          hashes=sorted(hashes), token_ids=None))
         return events

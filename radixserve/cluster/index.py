@@ -178,9 +178,10 @@ class CacheIndex:
         """Pages the replica's cache holds (all namespaces)."""
         return sum(len(s) for s in self._cached.get(replica, {}).values())
 
-    def page_set(self, replica: str) -> set[tuple[str, int]]:
-        """(namespace id, hash) of every cached page of a replica (for tests and checks)."""
-        return {(ns, h) for ns, hashes in self._cached.get(replica, {}).items() for h in hashes}
+    def page_set(self, replica: str, tier: str = DEVICE) -> set[tuple[str, int]]:
+        """(namespace id, hash) of every page of a replica in `tier` (snapshots, tests)."""
+        spaces = self._cached if tier == DEVICE else self._host
+        return {(ns, h) for ns, hashes in spaces.get(replica, {}).items() for h in hashes}
 
     @property
     def replicas(self) -> list[str]:
