@@ -95,6 +95,31 @@ def test_index_in_flight_counts_until_the_request_ends() -> None:
     assert index.matched_pages("a", NS, h) == 0 and index.replicas == []
 
 
+def test_index_keeps_no_empty_namespace_and_counts_pages_as_events_apply() -> None:
+    # A cache salt per request: 200 namespaces used once, each page later evicted (both
+    # tiers) and each prompt settled. Nothing of them stays, and the page count follows.
+    index = CacheIndex()
+    for i in range(200):
+        ns = f"salt-{i}"
+        index.add_in_flight(f"q{i}", "a", ns, [1, 2, 3])
+        index.apply("a", [BlockStored(seq=i, namespace=ns, tier=tier, page_size=PAGE, parent_hash=None,
+                                      hashes=[1, 2, 3], token_ids=None) for tier in ("device", "host")])
+        index.end_in_flight(f"q{i}")
+    index.apply("a", [stored(1000, [7, 8])])
+    assert index.cached_pages("a") == 602
+    for i in range(200):
+        index.apply("a", [BlockRemoved(seq=2000 + i, namespace=f"salt-{i}", tier=tier, hashes=[1, 2, 3, 9])
+                          for tier in ("device", "host")])
+    assert index.cached_pages("a") == 2
+    assert (index._cached["a"], index._host["a"], index._in_flight["a"]) == ({NS: {7, 8}}, {}, {})
+    index.apply("a", [stored(3000, [7, 9]), AllCleared(seq=3001, tier="host")])
+    assert index.cached_pages("a") == 3
+    index.apply("a", [AllCleared(seq=3002, tier=None), stored(3003, [5])])
+    assert index.cached_pages("a") == 1
+    index.forget("a")
+    assert index.cached_pages("a") == 0
+
+
 # ---------------------------------------------------------------- the cache-aware rule
 
 

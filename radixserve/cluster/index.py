@@ -47,6 +47,7 @@ class CacheIndex:
         self._cached: dict[str, dict[str, set[int]]] = {}
         self._host: dict[str, dict[str, set[int]]] = {}  # the same, for the host tier
         self._in_flight: dict[str, dict[str, Counter[int]]] = {}
+        self._device_pages: dict[str, int] = {}  # replica → its device pages, kept as events apply
         self._requests: dict[str, _InFlight] = {}
         # replica → (namespace, hash of a routed prompt's last full page) → the router's routing
         # number then (ClusterState counts its routings); in the order recorded
@@ -54,26 +55,43 @@ class CacheIndex:
 
     # ------------------------------------------------------------------ events
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
-        """Applies one replica's events, in the order the replica emitted them."""
+        """Applies one replica's events, in the order the replica emitted them. A namespace
+        whose last page goes is dropped: namespaces are (model, tenant, salt), and a salt per
+        user or per request would otherwise leave one empty entry each, kept for good."""
         tiers = {DEVICE: self._cached.setdefault(replica, {}), HOST: self._host.setdefault(replica, {})}
+        device = self._device_pages.get(replica, 0)
         for event in events:
             if isinstance(event, BlockStored):
-                tiers[event.tier].setdefault(event.namespace, set()).update(event.hashes)
+                held = tiers[event.tier].setdefault(event.namespace, set())
+                before = len(held)
+                held.update(event.hashes)
+                if event.tier == DEVICE:
+                    device += len(held) - before
             elif isinstance(event, BlockRemoved):
                 held = tiers[event.tier].get(event.namespace)
                 if held is not None:
+                    before = len(held)
                     held.difference_update(event.hashes)
+                    if event.tier == DEVICE:
+                        device -= before - len(held)
+                    if not held:
+                        del tiers[event.tier][event.namespace]
             elif isinstance(event, AllCleared):
                 for tier, spaces in tiers.items():
                     if event.tier in (None, tier):
                         spaces.clear()
+                        if tier == DEVICE:
+                            device = 0
             else:
+                self._device_pages[replica] = device
                 raise TypeError(f"not a cache event: {event!r}")
+        self._device_pages[replica] = device
 
     def forget(self, replica: str) -> None:
         """Drops everything known about a replica (it died or left)."""
         self._cached.pop(replica, None)
         self._host.pop(replica, None)
+        self._device_pages.pop(replica, None)
         self._in_flight.pop(replica, None)
         self._prompt_ends.pop(replica, None)
         for request_id in [r for r, f in self._requests.items() if f.replica == replica]:
@@ -92,11 +110,14 @@ class CacheIndex:
         flight = self._requests.pop(request_id, None)
         if flight is None:
             return
-        counts = self._in_flight[flight.replica][flight.namespace]
+        spaces = self._in_flight[flight.replica]
+        counts = spaces[flight.namespace]
         counts.subtract(flight.hashes)
         for h in flight.hashes:
             if counts[h] <= 0:
                 del counts[h]
+        if not counts:  # as in `apply`: no empty entry per namespace ever routed
+            del spaces[flight.namespace]
 
     def add_prompt_end(self, replica: str, namespace: str, hashes: Sequence[int], at: int = 0) -> None:
         """Records the last full page of a prompt routed to `replica` as the router's `at`-th (see
@@ -175,8 +196,9 @@ class CacheIndex:
         return [at for h in hashes if (at := ends.get((namespace, h))) is not None]
 
     def cached_pages(self, replica: str) -> int:
-        """Pages the replica's cache holds (all namespaces)."""
-        return sum(len(s) for s in self._cached.get(replica, {}).values())
+        """Pages the replica's cache holds (all namespaces). Counted as events apply: routing
+        asks for it per replica per request, and a sum walked every namespace."""
+        return self._device_pages.get(replica, 0)
 
     def page_set(self, replica: str, tier: str = DEVICE) -> set[tuple[str, int]]:
         """(namespace id, hash) of every page of a replica in `tier` (snapshots, tests)."""
