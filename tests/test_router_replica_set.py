@@ -159,3 +159,26 @@ def test_closing_a_session_unpins_it_from_its_replica() -> None:
     assert asyncio.run(run()) == (False, True)  # B's was never open on a replica: kept
     with engine.view.lock:
         assert list(engine.view.state.sessions) == [("B", "s1")]
+
+
+def test_a_replica_that_leaves_and_returns_before_the_loop_runs_is_followed_afresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_engine, "RESUBSCRIBE_DELAY_S", 0.01)
+    handle = EventsHandle({})
+    engine = _engine(handle)
+
+    async def run() -> None:
+        engine.view.set_replicas(["a", "b"])
+        await engine.start()
+        await _settle()
+        try:
+            engine.view.set_replicas(["b"])  # both before the loop runs the listener
+            engine.view.set_replicas(["a", "b"])
+            await _settle()
+            assert handle.subscriptions == {"a": 2, "b": 1}  # a's snapshot again
+            with engine.view.lock:
+                assert engine.view.state.index.cached_pages("a") == 3
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())

@@ -84,6 +84,7 @@ class ClusterEngine:
         self.reuse = ClusterReuse(cluster_reuse)  # what the cluster has seen: the replicas' adaptive rule boosts it
         self._telling: set[asyncio.Future[Any]] = set()  # `elsewhere` calls under way (kept from the GC)
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._following: dict[str, int] = {}  # replica → the view's generation of it its follower started at
         self._streams: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -105,6 +106,7 @@ class ClusterEngine:
             task.cancel()
         await asyncio.gather(*self._followers.values(), return_exceptions=True)
         self._followers.clear()
+        self._following.clear()
         return True
 
     def health(self) -> str | None:
@@ -117,11 +119,17 @@ class ClusterEngine:
         if self._stopping:
             return
         live = self.view.replicas
-        for replica in set(self._followers) - live:
+        # A replica the view forgot since its follower started (it left and came back before
+        # this ran, or its actor died and Serve still lists it) is followed afresh: the old
+        # stream would send only deltas over the emptied index, and no snapshot again.
+        wiped = {r for r in live & set(self._followers) if self.view.generation(r) != self._following.get(r)}
+        for replica in (set(self._followers) - live) | wiped:
             self._followers.pop(replica).cancel()
+            self._following.pop(replica, None)
             if self.cache_listener is not None:
                 self.cache_listener(replica, None)
         for replica in live - set(self._followers):
+            self._following[replica] = self.view.generation(replica)
             self._followers[replica] = asyncio.create_task(self._follow(replica))
 
     async def _follow(self, replica: str) -> None:

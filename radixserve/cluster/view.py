@@ -34,6 +34,9 @@ class ClusterView:
         self._replicas: frozenset[str] = frozenset()
         self._stats: dict[str, dict[str, Any]] = {}
         self._listener: Callable[[], None] | None = None
+        # replica → times the view forgot it: a stream followed since before must start over
+        # from a snapshot, or its deltas land on an emptied index (see `generation`)
+        self._forgotten: dict[str, int] = {}
 
     def configure(self, config: CacheAwareConfig) -> None:
         """The cache-aware rule's thresholds (from the router's request_router_kwargs)."""
@@ -73,6 +76,12 @@ class ClusterView:
     def replicas(self) -> frozenset[str]:
         with self._lock:
             return self._replicas
+
+    def generation(self, replica: str) -> int:
+        """How many times the view forgot `replica`. A replica that leaves and comes back
+        before the listener runs looks unchanged to it; its generation says it was wiped."""
+        with self._lock:
+            return self._forgotten.get(replica, 0)
 
     def listen(self, listener: Callable[[], None] | None) -> None:
         """`listener()` runs (on the caller's thread) whenever the replica set changes."""
@@ -134,6 +143,7 @@ class ClusterView:
             self.state.session_ttl_s = seconds
 
     def _forget_locked(self, replica: str) -> None:
+        self._forgotten[replica] = self._forgotten.get(replica, 0) + 1
         self.state.remove(replica)
         self._stats.pop(replica, None)
 
