@@ -731,3 +731,22 @@ def test_replicas_on_cuda_share_the_gpus_out_unless_tensor_parallel() -> None:
     assert replica_gpus(None, "cpu", 1, cluster_gpus=8, replicas=2) == 0.0
     assert replica_gpus(None, None, 2, cluster_gpus=8, replicas=2) == 0.0  # its ranks must see the GPUs
     assert replica_gpus(0.5, "cpu", 1, cluster_gpus=0, replicas=2) == 0.5  # --replica-gpus wins
+
+
+def test_routing_reports_for_a_replica_gone_leave_no_state() -> None:
+    # x dies while 50 requests are reserved on it; Serve's reports of them arrive later.
+    view = ClusterView()
+    view.set_replicas(["x", "y"])
+    requests = [RouteRequest(f"r{i}", NS, [i, i + 1000], 8, replica_request_id=f"c{i}") for i in range(50)]
+    for routed in requests:
+        view.routed(routed, "x")
+    view.replica_gone("x")
+    assert view.rank(requests[0], ["x", "y"]) == ["y", "x"]  # x last, not looked up
+    for routed in requests:
+        view.routed(routed, "x")
+        view.finished(routed.request_id)
+    view.set_replicas(["y", "z"])
+    state = view.state
+    assert ("x" in state.in_flight, "x" in state.starts, "x" in state._recent) == (False, False, False)
+    assert (state._unsettled, state.index._requests, state.index._prompt_ends.get("x")) == ({}, {}, None)
+    assert state._routings == 50

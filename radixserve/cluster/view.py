@@ -121,12 +121,20 @@ class ClusterView:
 
     # ------------------------------------------------------------------ routing
     def rank(self, request: RouteRequest, replicas: Sequence[str]) -> list[str]:
+        """`replicas` best first; those the view no longer counts live (Serve has not noticed
+        yet) last, in the order given, and never looked up: that would recreate their state."""
         with self._lock:
-            return self._policy.rank(request, replicas)
+            live = [r for r in replicas if r in self._replicas]
+            gone = [r for r in replicas if r not in self._replicas]
+            return (self._policy.rank(request, live) if live else []) + gone
 
     def routed(self, request: RouteRequest, replica: str) -> None:
+        """A request went to `replica`; ignored once the replica left: late reports (Serve
+        still routing to a replica that died) recreated its counts and in-flight prompts,
+        and nothing removed them again."""
         with self._lock:
-            self.state.routed(request, replica)
+            if replica in self._replicas:
+                self.state.routed(request, replica)
 
     def finished(self, request_id: str) -> None:
         with self._lock:
