@@ -5,15 +5,19 @@ cache_views.py)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import httpx
 import pytest
 from server_util import running_server, wait_for
+from starlette.applications import Starlette
 
-from radixserve import AsyncEngine, Engine
+from radixserve import AsyncEngine, Engine, SamplingParams
 from radixserve.server import cache_routes, create_app
+from radixserve.server.cache_routes import CacheRoutes
 from radixserve.server.tenancy import Caller
 
 VICTIM, MALLORY, ADMIN = "k-victim", "k-mallory", "k-admin"
@@ -68,3 +72,60 @@ def test_event_readers_opened_at_once_are_held_to_their_share(monkeypatch: pytes
     assert wait_for(lambda: _readers(keyed_url) == 0)
     again, streams = asyncio.run(_open_streams(keyed_url, MALLORY, 1))
     assert again == {"200": 1}
+
+
+def _tree_routes(app: Starlette) -> CacheRoutes:
+    return next(route.endpoint.__self__ for route in app.routes if getattr(route, "path", "") == "/v1/cache/tree")
+
+
+def test_a_tree_view_whose_clients_all_left_stops() -> None:
+    """Each view was built in a shielded task that went on after its clients had left (100
+    abandoned views ran 23,777 pieces on the engine thread and held a live view up 28-fold).
+    The engine thread is held by a piece of work of our own while the clients come and go, so
+    nothing of theirs can run before they leave: afterwards, none of it runs at all."""
+    engine = Engine(model="demo", page_size=2, num_pages=2048)
+    engine.generate([[group, 7, 8, 9, branch, 1] for group in range(1, 9) for branch in range(1, 9)],
+                    SamplingParams(max_tokens=1, temperature=0))
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine)
+    views = _tree_routes(app).views
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> Generator[None, None, None]:
+        holding.set()
+        release.wait(timeout=300)  # the engine thread runs nothing else meanwhile
+        return
+        yield
+
+    with running_server(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        loop = async_engine._loop
+        held = asyncio.run_coroutine_threadsafe(_run_sliced(async_engine, hold), loop)
+        assert holding.wait(timeout=300)
+        try:
+            pieces = async_engine.stats()["view_pieces"]
+            clients = []
+            for max_nodes in range(100, 110):  # ten distinct views, one client each
+                client = socket.create_connection(("127.0.0.1", port))
+                client.sendall(f"GET /v1/cache/tree?max_nodes={max_nodes} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                clients.append(client)
+            assert wait_for(lambda: len(views._inflight) == 10)
+            builds = [getattr(build, "future", build) for build in views._inflight.values()]
+            for client in clients:
+                client.close()
+            # Each build is cancelled once the server has seen its client leave.
+            assert wait_for(lambda: all(build.cancelling() or build.done() for build in builds))
+        finally:
+            release.set()  # whatever happened, the engine thread goes on
+        held.result(timeout=300)
+        assert wait_for(lambda: not views._inflight and all(build.done() for build in builds))
+        assert [build.cancelled() for build in builds] == [True] * 10
+        # Not one piece of theirs ran: the shared copy they waited for was dropped with them.
+        assert async_engine.stats()["view_pieces"] == pieces
+        # A view asked for now is built as ever.
+        tree = httpx.get(f"{url}/v1/cache/tree", timeout=300).json()
+        assert tree["nodes_total"] == engine.stats()["cache_nodes"] == 72
+
+
+async def _run_sliced(async_engine: AsyncEngine, make_work: Callable[[], Generator[None, None, None]]) -> None:
+    await async_engine.run_sliced(make_work)

@@ -16,6 +16,7 @@ class SharedWork(Generic[_T]):
     def __init__(self, future: asyncio.Future[_T]) -> None:
         self.future = future
         self._waiters = 0
+        self.stopped = False  # cancelled as its last caller left: a newcomer must start anew
 
     async def wait(self) -> _T:
         """The work's result, shared with every other caller."""
@@ -25,4 +26,7 @@ class SharedWork(Generic[_T]):
         finally:
             self._waiters -= 1
             if not self._waiters and not self.future.done():
+                # A task is done only once it has run its cancellation; till then a newcomer
+                # that joined it would get its CancelledError.
+                self.stopped = True
                 self.future.cancel()  # no one waits any more: sliced work stops before its next piece
