@@ -9,6 +9,7 @@ import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +17,8 @@ from server_util import running_server, wait_for
 from starlette.applications import Starlette
 
 from radixserve import AsyncEngine, Engine, SamplingParams
+from radixserve.cache import page_hash
+from radixserve.engine.request import namespace_of
 from radixserve.server import cache_routes, create_app
 from radixserve.server.cache_routes import CacheRoutes
 from radixserve.server.tenancy import Caller
@@ -129,3 +132,28 @@ def test_a_tree_view_whose_clients_all_left_stops() -> None:
 
 async def _run_sliced(async_engine: AsyncEngine, make_work: Callable[[], Generator[None, None, None]]) -> None:
     await async_engine.run_sliced(make_work)
+
+
+def test_page_hashing_remembers_a_bounded_number_of_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every namespace ever named stayed in PageHashing's tables, long after it had left the
+    cache (a distinct cache_salt per request: about 0.7 KB each). They now hold the most
+    recently named or looked up; a namespace named again gets the same id."""
+    monkeypatch.setattr(page_hash, "MAX_NAMESPACES", 8, raising=False)
+    engine = Engine(model="demo", page_size=4, num_pages=512, cache_hash_secret="secret")
+    events: list[Any] = []
+    engine.subscribe_events(events.append)  # as an open event stream does: events name namespaces
+    hashing = engine.hashing
+    live = namespace_of(engine.model_name, "kept", "acme")
+    for salt in range(40):
+        engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0),
+                           cache_salt=f"salt-{salt:04d}", tenant="acme")
+        while engine.has_work():
+            engine.step()
+        engine.flush_cache()
+        kept_id = hashing.namespace_id(live)  # a namespace in use all along
+    assert len(hashing._namespaces) == len(hashing._named) == 8
+    assert hashing.namespace_of_id(kept_id) == live
+    forgotten = namespace_of(engine.model_name, "salt-0000", "acme")
+    assert hashing.namespace_of_id(events[0].namespace) is None  # its first event's id: forgotten
+    assert hashing.namespace_id(forgotten) == events[0].namespace  # named anew: the same id
+    assert hashing.namespace_of_id(events[0].namespace) == forgotten and len(hashing._namespaces) == 8

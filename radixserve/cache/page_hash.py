@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Hashable
 
 import numpy as np
@@ -37,6 +39,10 @@ _MIX_A = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_B = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MASK64 = 0xFFFFFFFFFFFFFFFF
+# Namespaces a PageHashing remembers, the least recently named or looked up forgotten first:
+# every client picks its own cache_salt, and each one ever named stayed (about 0.7 KB with a
+# 256-character salt: 0.7 GB per million salts). At most about 45 MB.
+MAX_NAMESPACES = 65_536
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -103,16 +109,26 @@ class PageHashing:
     all name pages through it (or through one with the same secret).
 
     It remembers which namespace each id it handed out names (`namespace_of_id`), so that the
-    server can show a tenant only its own namespaces' events.
+    server can show a tenant only its own namespaces' events: the `max_namespaces` (default
+    MAX_NAMESPACES) named or looked up most recently. Every event names its namespace as it is
+    made, and a view or a reader's first snapshot names every namespace in the tree, so what a
+    reader is shown was named shortly before; an id forgotten since reads as no one's (a
+    tenant's stream leaves it out). Naming a namespace again gives the same id and seed.
     """
 
-    def __init__(self, secret: str | bytes | None = None) -> None:
+    def __init__(self, secret: str | bytes | None = None, max_namespaces: int | None = None) -> None:
         self.keyed = secret is not None
         key = secret_key(secret) if secret is not None else b""
         self._ids_key = key
         self._page_mac = hashlib.blake2b(key=key, digest_size=8, person=b"page") if self.keyed else None
-        self._named: dict[Hashable, tuple[str, int]] = {}
+        self.max_namespaces = MAX_NAMESPACES if max_namespaces is None else max_namespaces
+        if self.max_namespaces < 1:
+            raise ValueError(f"max_namespaces: must be >= 1, got {self.max_namespaces}")
+        # Least recently used first. Named on the engine thread (events, views) and the event
+        # loop (a cluster's router), looked up on the loop: the lock keeps the pair in step.
+        self._named: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()
         self._namespaces: dict[str, Hashable] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def random(cls) -> PageHashing:
@@ -125,21 +141,37 @@ class PageHashing:
 
     def named(self, namespace: Hashable) -> tuple[str, int]:
         """`namespace`'s published id and hash seed (cached)."""
-        known = self._named.get(namespace)
-        if known is None:
-            if self.keyed:
-                parts = namespace if isinstance(namespace, tuple) else (namespace,)
-                text = "\x00".join("" if part is None else str(part) for part in parts)
-                ns_id = hashlib.blake2b(text.encode(), key=self._ids_key, digest_size=8, person=b"ns").hexdigest()
-            else:
-                ns_id = namespace_id(namespace)
-            known = self._named[namespace] = (ns_id, self.namespace_seed(ns_id))
+        with self._lock:
+            known = self._named.get(namespace)
+            if known is not None:
+                self._named.move_to_end(namespace)
+                return known
+        if self.keyed:
+            parts = namespace if isinstance(namespace, tuple) else (namespace,)
+            text = "\x00".join("" if part is None else str(part) for part in parts)
+            ns_id = hashlib.blake2b(text.encode(), key=self._ids_key, digest_size=8, person=b"ns").hexdigest()
+        else:
+            ns_id = namespace_id(namespace)
+        known = (ns_id, self.namespace_seed(ns_id))
+        with self._lock:
+            self._named[namespace] = known
+            self._named.move_to_end(namespace)
             self._namespaces[ns_id] = namespace
+            while len(self._named) > self.max_namespaces:
+                old, (old_id, _) = self._named.popitem(last=False)
+                if self._namespaces.get(old_id) == old:  # not a newer namespace with a colliding id
+                    del self._namespaces[old_id]
         return known
 
     def namespace_of_id(self, ns_id: str) -> Hashable | None:
-        """The namespace this object published as `ns_id` (None: none it has named)."""
-        return self._namespaces.get(ns_id)
+        """The namespace this object published as `ns_id` (None: none of the namespaces it
+        remembers, see the class docstring)."""
+        with self._lock:
+            if ns_id not in self._namespaces:
+                return None
+            namespace = self._namespaces[ns_id]
+            self._named.move_to_end(namespace)  # still asked about: kept
+            return namespace
 
     def namespace_seed(self, ns_id: str) -> int:
         """The hash seed of the namespace whose id is `ns_id`."""
