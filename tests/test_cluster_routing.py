@@ -118,6 +118,13 @@ def test_index_keeps_no_empty_namespace_and_counts_pages_as_events_apply() -> No
     assert index.cached_pages("a") == 1
     index.forget("a")
     assert index.cached_pages("a") == 0
+    # A prompt of no full page in flight beside one of the same namespace: the other's end
+    # empties the namespace's entry; its own end then finds none (it raised KeyError).
+    index.add_in_flight("short", "a", NS, [])
+    index.add_in_flight("long", "a", NS, [1, 2])
+    index.end_in_flight("long")
+    index.end_in_flight("short")
+    assert index._in_flight["a"] == {}
 
 
 # ---------------------------------------------------------------- the cache-aware rule

@@ -111,7 +111,9 @@ class CacheIndex:
         if flight is None:
             return
         spaces = self._in_flight[flight.replica]
-        counts = spaces[flight.namespace]
+        counts = spaces.get(flight.namespace)
+        if counts is None:  # a prompt of no full page, whose namespace's entry another's end emptied
+            return
         counts.subtract(flight.hashes)
         for h in flight.hashes:
             if counts[h] <= 0:
