@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,8 +76,17 @@ def _engine(handle: EventsHandle) -> ClusterEngine:
     return ClusterEngine(handle, info, app_name=f"router-set-{next(_apps)}", deployment="engines")  # type: ignore[arg-type]
 
 
-async def _settle(seconds: float = 0.15) -> None:
-    await asyncio.sleep(seconds)
+async def _until(holds: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Waits for a state the followers reach on their own (never a fixed delay: the machine
+    may be loaded)."""
+    async with asyncio.timeout(timeout):
+        while not holds():
+            await asyncio.sleep(0.01)
+
+
+def _cached(engine: ClusterEngine, replica: str) -> int:
+    with engine.view.lock:
+        return engine.view.state.index.cached_pages(replica)
 
 
 def test_a_replica_unavailable_for_a_moment_stays_live_and_is_followed_again(
@@ -89,7 +98,8 @@ def test_a_replica_unavailable_for_a_moment_stays_live_and_is_followed_again(
     async def run() -> None:
         engine.view.set_replicas(["a", "b"])
         await engine.start()
-        await _settle()
+        await _until(lambda: handle.subscriptions.get("a") == 2 and _cached(engine, "a") == 3
+                     and handle.subscriptions.get("b") == 1)
         try:
             assert engine.view.replicas == {"a", "b"}
             assert handle.subscriptions == {"a": 2, "b": 1}  # a resubscribed once, from a snapshot
@@ -112,13 +122,12 @@ def test_a_replica_whose_actor_died_is_dropped_until_serve_lists_it_again(
     async def run() -> None:
         engine.view.set_replicas(["a", "b"])
         await engine.start()
-        await _settle()
+        await _until(lambda: engine.view.replicas == {"b"} and handle.subscriptions.get("b") == 1)
         try:
-            assert engine.view.replicas == {"b"}
-            assert handle.subscriptions == {"a": 1, "b": 1}
+            assert handle.subscriptions == {"a": 1, "b": 1}  # dropped for good: no resubscribing
             assert sorted(engine.view.replica_stats()) == ["b"]
             engine.view.set_replicas(["a", "b"])  # Serve still lists it: followed again
-            await _settle()
+            await _until(lambda: handle.subscriptions.get("a") == 2 and _cached(engine, "a") == 3)
             assert engine.view.replicas == {"a", "b"}
             assert handle.subscriptions == {"a": 2, "b": 1}
             with engine.view.lock:
@@ -170,11 +179,11 @@ def test_a_replica_that_leaves_and_returns_before_the_loop_runs_is_followed_afre
     async def run() -> None:
         engine.view.set_replicas(["a", "b"])
         await engine.start()
-        await _settle()
+        await _until(lambda: _cached(engine, "a") == 3 and _cached(engine, "b") == 3)
         try:
             engine.view.set_replicas(["b"])  # both before the loop runs the listener
             engine.view.set_replicas(["a", "b"])
-            await _settle()
+            await _until(lambda: handle.subscriptions.get("a") == 2 and _cached(engine, "a") == 3)
             assert handle.subscriptions == {"a": 2, "b": 1}  # a's snapshot again
             with engine.view.lock:
                 assert engine.view.state.index.cached_pages("a") == 3
