@@ -18,10 +18,11 @@ from radixserve.cache.radix import RadixTree
 
 
 class PageIndexer:
-    """The set of cached pages, rebuilt from events alone."""
+    """The set of cached pages, rebuilt from events alone: `pages` the device's, `tiers`
+    each tier's (one set per tier, as docs/server.md tells an indexer to keep)."""
 
     def __init__(self) -> None:
-        self.pages: set[tuple[str, int]] = set()
+        self.tiers: dict[str, set[tuple[str, int]]] = {"device": set(), "host": set()}
         self.seq: int | None = None  # the last event applied; None before a snapshot or event
         self.counts = {"snapshot": 0, "stored": 0, "removed": 0, "cleared": 0, "reset": 0}
         self.token_ids_seen = 0
@@ -33,33 +34,46 @@ class PageIndexer:
         kind = message["type"]
         self.counts[kind] += 1
         if kind == "reset":
-            self.pages.clear()  # a snapshot follows
+            for pages in self.tiers.values():
+                pages.clear()  # a snapshot follows
             self.seq = None
             return
         if kind == "snapshot":
-            self.pages = {(block["namespace"], h) for block in message["blocks"] for h in block["hashes"]}
+            for tier, pages in self.tiers.items():
+                pages.clear()
+                pages.update((block["namespace"], h) for block in message["blocks"] if block["tier"] == tier
+                             for h in block["hashes"])
             self.seq = message["seq"]
             return
         if self.seq is not None:
             assert message["seq"] == self.seq + 1, f"event {message['seq']} after {self.seq}"
         self.seq = message["seq"]
         if kind == "cleared":
-            self.pages.clear()
+            for tier, pages in self.tiers.items():
+                if message["tier"] in (None, tier):
+                    pages.clear()
             return
         namespace = message["namespace"]
+        pages = self.tiers[message["tier"]]
         if kind == "stored":
             parent = message["parent_hash"]
-            assert parent is None or (namespace, parent) in self.pages, f"stored under unknown page: {message}"
+            assert parent is None or (namespace, parent) in self.tiers["device"] | pages, \
+                f"stored under unknown page: {message}"
             new = {(namespace, h) for h in message["hashes"]}
-            assert not new & self.pages, f"stored twice: {message}"
-            self.pages |= new
+            assert not new & pages, f"stored twice: {message}"
+            pages |= new
             if message.get("token_ids") is not None:
                 assert len(message["token_ids"]) == len(message["hashes"]) * message["page_size"]
                 self.token_ids_seen += 1
         else:
             gone = {(namespace, h) for h in message["hashes"]}
-            assert gone <= self.pages, f"removed pages that were not cached: {message}"
-            self.pages -= gone
+            assert gone <= pages, f"removed pages that were not cached: {message}"
+            pages -= gone
+
+    @property
+    def pages(self) -> set[tuple[str, int]]:
+        """The device's pages."""
+        return self.tiers["device"]
 
 
 def tree_page_hashes(tree: RadixTree) -> set[tuple[str, int]]:

@@ -27,7 +27,7 @@ from radixserve.engine.event_stream import PageMirror
 from radixserve.engine.tree_copy import (
     NODES_PER_PIECE,
     copy_tree,
-    device_page_hashes,
+    page_hashes,
     run_to_end,
 )
 from radixserve.server import create_app
@@ -235,8 +235,8 @@ def test_a_sliced_copy_corrected_by_its_events_is_exact(seed: int) -> None:
         elif roll < 0.6:
             engine.generate(_branchy_prompts(rng.randrange(1, 4), rng.randrange(3, 30), rng.randrange(10**6)), params)
     assert len(events) > 20 and any(e.seq > start_seq for e in events)
-    pages = run_to_end(device_page_hashes(copy, namespace_id))
+    pages = run_to_end(page_hashes(copy, namespace_id))
     mirror = PageMirror(pages, seq=start_seq, cursor=0, generation=0, page_size=1)
     mirror.apply([e for e in events if e.seq > start_seq])
-    got = {(ns, h) for ns, hashes in mirror.pages.items() for h in hashes}
+    got = {(ns, h) for ns, hashes in mirror.pages["device"].items() for h in hashes}
     assert got == engine.cache_page_hashes()

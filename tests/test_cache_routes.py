@@ -213,6 +213,40 @@ def test_flush_answers_the_pages_freed_on_each_tier(tiny_llama_dir: Path) -> Non
         assert client.post("/v1/cache/flush").json()["tiers"] == {"device": 0, "host": 0}
 
 
+def test_a_snapshot_lists_the_pages_of_both_tiers(tiny_llama_dir: Path) -> None:
+    """With a host tier the snapshot holds each tier's pages (it held the device's only, so
+    an indexer of host pages that joined late never learnt those cached before it): the
+    first reader's from a copy of the tree, a later reader's from the mirror the events
+    kept since."""
+    engine = Engine(model=str(tiny_llama_dir), page_size=PAGE_SIZE, num_pages=16, host_num_pages=64)
+    rng = random.Random(5)
+
+    def traffic() -> None:  # pushes pages to the host tier
+        prompts = [[rng.randrange(3, 250) for _ in range(21)] for _ in range(6)]
+        engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+
+    def by_tier(snapshot: dict[str, Any]) -> dict[str, set[tuple[str, int]]]:
+        tiers: dict[str, set[tuple[str, int]]] = {"device": set(), "host": set()}
+        for block in snapshot["blocks"]:
+            tiers[block["tier"]] |= {(block["namespace"], h) for h in block["hashes"]}
+        return tiers
+
+    traffic()
+    with running_server(create_app(AsyncEngine(engine), api_key=API_KEY)) as url:
+        first = StreamFollower(url, AUTH)
+        assert engine.cache_page_hashes("host")
+        assert by_tier(first.messages[0]) == {tier: engine.cache_page_hashes(tier) for tier in ("device", "host")}
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+            for _ in range(3):
+                body = {"prompt": [rng.randrange(3, 250) for _ in range(21)], "max_tokens": 2, "temperature": 0}
+                assert client.post("/v1/completions", json=body).status_code == 200
+            idle(client)
+        later = first_message(url)
+        assert later["seq"] > first.messages[0]["seq"]
+        assert by_tier(later) == {tier: engine.cache_page_hashes(tier) for tier in ("device", "host")}
+        first.close()
+
+
 def test_a_reader_that_falls_behind_gets_a_reset_then_a_snapshot(tiny_llama_dir: Path) -> None:
     """The engine produces more events than the ring holds while the reader does not read
     (they are all made inside one engine-thread command), so the outcome is certain."""

@@ -11,7 +11,7 @@ unbounded queue. Nothing else grows with a slow reader.
 A reader starts with a snapshot: the set of cached page hashes and the `seq` of the last event
 it reflects, and its cursor is placed at the event right after it, so "snapshot, then every
 event with a larger seq" is exactly the cache's history. The snapshot comes from the hub's
-`PageMirror`, the cached device pages kept on the event loop by applying the ring's events as
+`PageMirror`, the cached pages of both tiers kept on the event loop by applying the ring's events as
 they come: a reader joining a hub that already listens costs the engine thread nothing, and
 readers that join at the same `seq` share one encoded message. The mirror is built from a
 copy of the tree only when there is none (the first reader, or a burst of events larger than
@@ -48,11 +48,10 @@ import msgspec
 from radixserve.cache.events import AllCleared, BlockRemoved, BlockStored
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.shared_work import SharedWork
-from radixserve.engine.tree_copy import copy_tree, device_page_hashes
+from radixserve.engine.tree_copy import copy_tree, page_hashes
 
 DEFAULT_CAPACITY = 4096
 SERVER_LINGER_S = 5.0  # the server's hub keeps listening this long after its last reader left
-DEVICE_TIER = "device"
 
 
 class SnapshotBlock(msgspec.Struct):
@@ -156,7 +155,7 @@ class CacheEventHub:
         with self._lock:
             start = (self._end, self._last_seq, self._generation)
         copy = yield from copy_tree(engine.tree)
-        pages = yield from device_page_hashes(copy, hashing=engine.hashing)
+        pages = yield from page_hashes(copy, hashing=engine.hashing)
         return start, pages
 
     def _unsubscribe_if_idle(self) -> None:
@@ -282,11 +281,11 @@ class CacheEventHub:
 
 
 class PageMirror:
-    """The device pages the cache held after event `seq`, per namespace id, and the ring
+    """The pages the cache held after event `seq`, per tier and namespace id, and the ring
     position of the next event; advanced on the event loop by applying events. Its snapshot
     message is encoded once per `seq` and shared by every reader that starts there."""
 
-    def __init__(self, pages: dict[str, set[int]], *, seq: int, cursor: int, generation: int,
+    def __init__(self, pages: dict[str, dict[str, set[int]]], *, seq: int, cursor: int, generation: int,
                  page_size: int) -> None:
         self.pages = pages
         self.seq = seq
@@ -296,21 +295,21 @@ class PageMirror:
         self._encoded: tuple[int, bytes] | None = None
 
     def apply(self, events: list[Any]) -> None:
-        """Applies events in order: stored and removed device pages, and clears."""
+        """Applies events in order: stored and removed pages, and clears."""
         for event in events:
             if isinstance(event, AllCleared):
-                if event.tier in (None, DEVICE_TIER):
-                    self.pages.clear()
-            elif event.tier != DEVICE_TIER:
-                pass
+                for tier, spaces in self.pages.items():
+                    if event.tier in (None, tier):
+                        spaces.clear()
             elif isinstance(event, BlockStored):
-                self.pages.setdefault(event.namespace, set()).update(event.hashes)
+                self.pages.setdefault(event.tier, {}).setdefault(event.namespace, set()).update(event.hashes)
             elif isinstance(event, BlockRemoved):
-                held = self.pages.get(event.namespace)
+                spaces = self.pages.get(event.tier, {})
+                held = spaces.get(event.namespace)
                 if held is not None:
                     held.difference_update(event.hashes)
                     if not held:
-                        del self.pages[event.namespace]
+                        del spaces[event.namespace]
             self.seq = event.seq
 
     def encoded(self, encoder: msgspec.json.Encoder) -> bytes:
@@ -322,8 +321,9 @@ class PageMirror:
     def encoded_for(self, encoder: msgspec.json.Encoder, visible: Callable[[str], bool] | None,
                     seq: int) -> bytes:
         """The snapshot message of the namespaces that pass `visible` (None: all), numbered `seq`."""
-        blocks = [SnapshotBlock(namespace=ns, tier=DEVICE_TIER, hashes=sorted(hashes))
-                  for ns, hashes in sorted(self.pages.items()) if hashes and (visible is None or visible(ns))]
+        blocks = [SnapshotBlock(namespace=ns, tier=tier, hashes=sorted(hashes))
+                  for tier, spaces in sorted(self.pages.items())
+                  for ns, hashes in sorted(spaces.items()) if hashes and (visible is None or visible(ns))]
         return encoder.encode(StreamSnapshot(seq=seq, page_size=self.page_size, blocks=blocks))
 
 

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from radixserve.cache.events import DEVICE, HOST
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import RadixNode, RadixTree
 
@@ -123,15 +124,15 @@ def run_to_end(work: Generator[None, None, _R]) -> _R:
             return stop.value
 
 
-def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str] | None = None, *,
-                       hashing: PageHashing | None = None) -> Generator[None, None, dict[str, set[int]]]:
-    """The page hash (page_hash.py, as cache events name pages) of every device page of the
-    copy, per namespace id; sliced work like the copy (it yields every HASHED_NODES_PER_PIECE nodes).
-    Pages are named through `hashing` (default: the public spec), namespaces by `namespace_id`
-    (default: `hashing`'s)."""
+def page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str] | None = None, *,
+                hashing: PageHashing | None = None) -> Generator[None, None, dict[str, dict[str, set[int]]]]:
+    """The page hash (page_hash.py, as cache events name pages) of every cached page of the
+    copy, per tier ("device", "host") and namespace id; sliced work like the copy (it yields
+    every HASHED_NODES_PER_PIECE nodes). Pages are named through `hashing` (default: the
+    public spec), namespaces by `namespace_id` (default: `hashing`'s)."""
     hashing = hashing or PageHashing()
     namespace_id = namespace_id or hashing.namespace_id
-    out: dict[str, set[int]] = {}
+    out: dict[str, dict[str, set[int]]] = {DEVICE: {}, HOST: {}}
     seeds: dict[Hashable, tuple[str, int]] = {}
     chain: list[tuple[int, int]] = [(0, 0)] * len(copy.nodes)  # (state, pages) at each edge's end
     for i, node in enumerate(copy.nodes):
@@ -148,7 +149,9 @@ def device_page_hashes(copy: TreeCopy, namespace_id: Callable[[Hashable], str] |
         hashes, end = hashing.page_hashes(node.tokens, copy.page_size, known[1], state, depth)
         chain[i] = (end, depth + len(node.tokens) // copy.page_size)
         if node.device_pages:
-            out.setdefault(known[0], set()).update(hashes.tolist())
+            out[DEVICE].setdefault(known[0], set()).update(hashes.tolist())
+        if node.on_host:
+            out[HOST].setdefault(known[0], set()).update(hashes.tolist())
         if i % HASHED_NODES_PER_PIECE == 0:
             yield
     return out
