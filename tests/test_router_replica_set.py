@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 pytest.importorskip("ray.serve")
@@ -20,6 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from radixserve.cache.events import AllCleared, BlockStored
 from radixserve.cluster import engine as cluster_engine
 from radixserve.cluster.engine import ClusterEngine
+from radixserve.cluster.event_hub import ClusterEventHub
 from radixserve.cluster.protocol import EventBatch, ReplicaInfo
 from radixserve.cluster.routing import RouteRequest
 
@@ -191,3 +193,21 @@ def test_a_replica_that_leaves_and_returns_before_the_loop_runs_is_followed_afre
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_the_merged_event_streams_snapshot_lists_each_tiers_pages() -> None:
+    """A reader of a cluster's merged /v1/cache/events starts from the router's index: the
+    replicas' host-tier pages are in it, as in a single server's snapshot (it listed the
+    device pages only)."""
+    engine = _engine(EventsHandle({}))
+    hub = ClusterEventHub(engine, capacity=64)
+    engine.view.set_replicas(["a"])
+    engine.view.apply(EventBatch("a", [AllCleared(seq=0), _stored([1, 2]), _stored([3], tier="host")],
+                                 {"pages_free": 10}))
+
+    async def snapshot() -> dict[str, Any]:
+        mirror = await hub.current_mirror()
+        return msgspec.json.decode(mirror.encoded(msgspec.json.Encoder()))
+
+    blocks = asyncio.run(snapshot())["blocks"]
+    assert [(b["replica"], b["tier"], b["hashes"]) for b in blocks] == [("a", "device", [1, 2]), ("a", "host", [3])]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from radixserve.cache.events import DEVICE, AllCleared, BlockRemoved, BlockStored, CacheEvent
+from radixserve.cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored, CacheEvent
 from radixserve.engine.event_stream import SERVER_LINGER_S, CacheEventHub, SnapshotBlock, StreamSnapshot
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class ClusterEventHub(CacheEventHub):
         view = self.cluster.view
         with view.lock:
             index = view.state.index
-            pages = {(r, ns): hashes for r in view.replicas for ns, hashes in _by_namespace(index.page_set(r))}
+            pages = {(r, tier, ns): hashes for r in view.replicas for tier in (DEVICE, HOST)
+                     for ns, hashes in _by_namespace(index.page_set(r, tier))}
         return ClusterMirror(pages, seq=self._last_seq, cursor=self._end, page_size=self.cluster.engine.page_size)
 
 
@@ -94,9 +95,10 @@ def _by_namespace(pairs: Any) -> list[tuple[str, list[int]]]:
 
 
 class ClusterMirror:
-    """PageMirror's interface for a reader's snapshot: pages per (replica, namespace id)."""
+    """PageMirror's interface for a reader's snapshot: pages per (replica, tier, namespace id)."""
 
-    def __init__(self, pages: dict[tuple[str, str], list[int]], *, seq: int, cursor: int, page_size: int) -> None:
+    def __init__(self, pages: dict[tuple[str, str, str], list[int]], *, seq: int, cursor: int,
+                 page_size: int) -> None:
         self.pages = pages
         self.seq = seq
         self.cursor = cursor
@@ -108,7 +110,7 @@ class ClusterMirror:
 
     def encoded_for(self, encoder: msgspec.json.Encoder, visible: Any, seq: int) -> bytes:
         """The snapshot message of the namespaces that pass `visible` (None: all), numbered `seq`."""
-        blocks = [ReplicaSnapshotBlock(namespace=ns, tier=DEVICE, hashes=sorted(hashes), replica=replica)
-                  for (replica, ns), hashes in sorted(self.pages.items())
+        blocks = [ReplicaSnapshotBlock(namespace=ns, tier=tier, hashes=sorted(hashes), replica=replica)
+                  for (replica, tier, ns), hashes in sorted(self.pages.items())
                   if hashes and (visible is None or visible(ns))]
         return encoder.encode(StreamSnapshot(seq=seq, page_size=self.page_size, blocks=blocks))
