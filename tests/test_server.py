@@ -167,6 +167,24 @@ def test_completion_top_logprobs_list_the_sampled_token(client: httpx.Client) ->
                 assert list(top) == [token]
 
 
+def test_completion_logprobs_name_partial_characters_by_their_bytes(client: httpx.Client) -> None:
+    """Tokens holding part of a character are named `bytes:\\xNN...` (OpenAI's legacy format),
+    their bytes joined give the text back, and `text_offset` counts the characters completed
+    before each token (each token decoded alone counted one U+FFFD a piece: offsets ran past
+    the end of the text)."""
+    r = client.post("/v1/completions", json={"prompt": "Emoji:", "max_tokens": 16, "temperature": 0,
+                                             "logprobs": 0, "guided_choice": ["😀😃"]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "😀😃"
+    got = choice["logprobs"]
+    raw = b"".join(bytes.fromhex(t[len("bytes:"):].replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+                   for t in got["tokens"])
+    assert raw == "😀😃".encode() and any(t.startswith("bytes:") for t in got["tokens"])
+    offsets = got["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= 1
+    assert set(offsets) == {0, 1}  # the second emoji's tokens start once the first is complete
+
+
 # ---------------------------------------------------------------- completions and engine parity
 
 

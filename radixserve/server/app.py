@@ -263,7 +263,8 @@ class OpenAIServer:
         _as_caller(calls, caller, share)
         await self._compile_grammar(request, calls, share)  # one spec for the whole batch
         formatter = CompletionFormatter(self._identity("cmpl", bool(body.stream), body.stream_options),
-                                        TokenNamer(self.tokenizer, body.return_tokens_as_token_ids))
+                                        TokenNamer(self.tokenizer, body.return_tokens_as_token_ids,
+                                                   await self._vocab_bytes() if body.logprobs is not None else None))
         return await self._generate(request, calls, formatter, bool(body.stream), params, "max_tokens", timer)
 
     async def _may_start(self, request: Request, share: Hashable) -> bool:

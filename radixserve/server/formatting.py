@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -103,6 +104,19 @@ class TokenNamer:
     def text(self, token_id: int) -> str:
         """The token decoded on its own."""
         return self.tokenizer.decode([token_id])
+
+    def legacy_name(self, token_id: int) -> str:
+        """The token as the legacy (completions) logprobs name it: its text, or, for a token
+        holding part of a character, `bytes:` and its bytes escaped (`bytes:\\xe2\\x80`), as
+        OpenAI writes them (its text alone would be U+FFFD)."""
+        if self.as_ids or self.vocab_bytes is None:
+            return self(token_id)
+        raw = bytes(self.bytes_of(token_id))
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.text(token_id)
 
     def bytes_of(self, token_id: int) -> list[int]:
         """The token's UTF-8 bytes as chat logprobs give them: its own, which may be part of
@@ -278,12 +292,15 @@ class CompletionFormatter:
         self.identity = identity
         self.namer = namer
         self.text_offsets: dict[int, int] = {}  # choice index → characters of its tokens so far
+        # choice index → its tokens' bytes decoded so far: a character split over tokens
+        # counts where it completes (each token decoded alone counted one U+FFFD a piece)
+        self._decoders: dict[int, codecs.IncrementalDecoder] = {}
 
     def opening_chunks(self, n: int) -> list[Struct]:
         return []
 
     def chunk(self, delta: StreamDelta) -> Struct | None:
-        logprobs = self._logprobs(delta.index, delta.logprobs)
+        logprobs = self._logprobs(delta.index, delta.logprobs, delta.finish_reason)
         if not delta.text and logprobs is None and delta.finish_reason is None:
             return None
         choice = CompletionChoice(index=delta.index, text=delta.text,
@@ -304,28 +321,36 @@ class CompletionFormatter:
         return Completion(
             id=self.identity.id, created=self.identity.created, model=self.identity.model,
             choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                      logprobs=self._logprobs(i, c.logprobs))
+                                      logprobs=self._logprobs(i, c.logprobs, c.finish_reason))
                      for i, c in enumerate(choices)],
             usage=usage)
 
     def _top(self, entry: TokenLogprob) -> dict[str, float]:
         """The `logprobs` most likely tokens and the sampled one, which OpenAI always lists
         (up to logprobs + 1 of them)."""
-        top = {self.namer(t): lp for t, lp in entry.top}
-        top.setdefault(self.namer(entry.token_id), entry.logprob)
+        top = {self.namer.legacy_name(t): lp for t, lp in entry.top}
+        top.setdefault(self.namer.legacy_name(entry.token_id), entry.logprob)
         return top
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None,
+                  finish_reason: str | None) -> CompletionLogprobs | None:
+        # The special token a sample stopped on is not in its text: not listed (as in chat).
+        if entries and finish_reason == "stop" and self.namer.is_special(entries[-1].token_id):
+            entries = entries[:-1]
         if not entries:
             return None
         offsets = []
         offset = self.text_offsets.get(index, 0)
+        decoder = self._decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
         for entry in entries:
             offsets.append(offset)
-            offset += len(self.namer.text(entry.token_id))
+            if self.namer.vocab_bytes is None:
+                offset += len(self.namer.text(entry.token_id))
+            elif not self.namer.is_special(entry.token_id):  # (the text leaves those out)
+                offset += len(decoder.decode(bytes(self.namer.bytes_of(entry.token_id))))
         self.text_offsets[index] = offset
         return CompletionLogprobs(
-            tokens=[self.namer(e.token_id) for e in entries],
+            tokens=[self.namer.legacy_name(e.token_id) for e in entries],
             token_logprobs=[e.logprob for e in entries],
             top_logprobs=[self._top(e) for e in entries],
             text_offset=offsets)
