@@ -503,3 +503,25 @@ def test_a_spec_compiled_twice_side_by_side_is_cached_and_counted_once(tokenizer
         list(pool.map(lambda _: grammars.compile(spec), range(2)))
     assert grammars.compiles == 2
     assert grammars._cache_bytes == grammars._cache[spec].memory_size_bytes > 0
+
+
+def test_tokens_the_text_leaves_out_never_spell_grammar_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Special tokens are decoded away (skip_special_tokens), so the grammar must not take
+    them as their text: xgrammar read none of the demo's (SmolLM2's) as special, and
+    "<|im_start|>" could stand for itself in a JSON string or a choice (the reply then ended
+    "stop" with text that matched nothing). The end token stays the end of a document."""
+    from radixserve import Engine
+    from radixserve.engine.spelling import hidden_token_ids
+
+    grammars = Engine(model="demo", num_pages=16).grammars
+    hidden = hidden_token_ids(tokenizer)
+    eos = tokenizer.eos_token_id
+    assert hidden - {eos}  # the case at hand: specials besides the end token
+    choice = grammars.matcher(GrammarSpec.choice(["<|im_start|>", "ab"], "guided_choice"))
+    assert not allowed_tokens(grammars, choice) & hidden
+    string = grammars.matcher(GrammarSpec.json_schema({"type": "string"}, "x"))
+    assert string.accept(tokenizer.encode('"', add_special_tokens=False)[0])
+    assert not allowed_tokens(grammars, string) & hidden
+    for token in tokenizer.encode('ab"', add_special_tokens=False):
+        assert string.accept(token)
+    assert allowed_tokens(grammars, string) == {eos}

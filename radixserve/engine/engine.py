@@ -56,6 +56,7 @@ from radixserve.engine.sampler import sampling_seed
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.step_cost import ChunkCost
 from radixserve.engine.sessions import PendingHold, SessionTable, hold_raised
+from radixserve.engine.spelling import hidden_token_ids
 from radixserve.engine.step_loop import StepLoop
 from radixserve.engine.timing import StepTimings
 from radixserve.engine.token_output import DeltaQueue
@@ -320,7 +321,8 @@ class Engine:
     def grammars(self) -> Grammars:
         """The grammar engine of this model's tokenizer and logits (built on first use)."""
         return Grammars(self.tokenizer, self.loaded.model.vocab_size, self.eos_token_ids,
-                        compile_timeout_s=self._grammar_compile_timeout_s)
+                        compile_timeout_s=self._grammar_compile_timeout_s,
+                        textless_token_ids=hidden_token_ids(self.tokenizer))
 
     @property
     def max_sequence_len(self) -> int:

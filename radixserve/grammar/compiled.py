@@ -54,11 +54,23 @@ class Grammars:
     """The grammar engine for one tokenizer and logits width: compile (cached) and match."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int],
-                 *, compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+                 *, compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S,
+                 textless_token_ids: Iterable[int] = ()) -> None:
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self._stop_token_ids or None)
+        textless = set(textless_token_ids) - set(info.special_token_ids)
+        if textless:
+            # Tokens the output's text leaves out (special tokens, decoded with
+            # skip_special_tokens) must not spell grammar text: xgrammar read SmolLM2's none
+            # as special, so "<|im_start|>" could stand inside a JSON string or as a choice
+            # (the reply then "stop"ped with text that matched nothing). A token that
+            # decodes to nothing is special to xgrammar: never allowed, stop tokens apart.
+            vocab = [b"" if i in textless else token for i, token in enumerate(info.decoded_vocab)]
+            info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size,
+                                          stop_token_ids=self._stop_token_ids or None,
+                                          add_prefix_space=info.add_prefix_space)
         self._info = info
         # Compiles run in worker processes that a timeout can stop (compile_workers.py);
         # None: in the calling thread, unbounded (for callers that trust their specs).
