@@ -86,6 +86,10 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     # a reference outside the schema: the engine fetches nothing and took it for any value
     ({"$ref": "https://example.com/person.json"}, 'at the top: $ref "https://example.com/person.json" points outside'),
     ({"type": "object", "properties": {"p": {"$ref": "person.json#/name"}}}, "at properties.p: $ref"),
+    # kept for integers only: {"multipleOf": 0.5} gave 5.996446
+    ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.5}}},
+     'at properties.price: multipleOf on type "number"'),
+    ({"type": ["number", "null"], "multipleOf": 2}, 'multipleOf on type "number"'),
 ])
 def test_bad_schemas_are_refused_naming_the_field(schema: object, fragment: str) -> None:
     with pytest.raises(GrammarError) as caught:
@@ -113,6 +117,7 @@ def test_optional_properties_within_the_bound_and_required_ones_pass() -> None:
     {"properties": {"a": {"type": "integer"}}, "required": ["a"]},  # an object, taken from properties
     {"items": {"type": "integer"}, "minItems": 1},  # an array, from items
     {"format": "date"},  # an annotation
+    {"type": "integer", "multipleOf": 5},  # enforced for integers
 ])
 def test_what_the_engine_honours_whole_passes(schema: object) -> None:
     assert GrammarSpec.json_schema(schema, "s").kind == "json_schema"

@@ -217,6 +217,11 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
             if not any(_is_of_type(value, t) for t in types):
                 return (f"the value {json.dumps(value)[:64]} of enum/const is not of type {json.dumps(declared)}: "
                         "no output may take it, but the grammar engine would generate it")
+    types = declared if isinstance(declared, list) else [declared]
+    if "multipleOf" in node and "number" in types:
+        # xgrammar keeps multipleOf for integers only: {"multipleOf": 0.5} gave 5.996446
+        return ('multipleOf on type "number": the grammar engine keeps it for integers only; use type '
+                '"integer" (scaled) or drop it')
     if declared is None and not any(key in node for key in _TYPE_GIVERS):
         untyped = [key for key in node if key in _TYPED_CONSTRAINTS]
         if untyped:
