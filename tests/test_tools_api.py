@@ -381,3 +381,19 @@ WIDE_TOOLS = [{"type": "function", "function": {"name": name, "parameters": wide
 def test_schemas_too_deep_or_too_large_together_are_400s(client: openai.OpenAI, request_fields: dict[str, Any],
                                                           param: str) -> None:
     test_errors_are_400s_naming_the_field(client, request_fields, param)
+
+
+def test_required_calls_of_a_tool_whose_parameters_refer_to_their_defs(client: openai.OpenAI) -> None:
+    """pydantic writes $defs for every nested model; nested under the calls' array, the
+    references pointed at the array (a 400, "cannot find $defs"). Each call validates."""
+    parameters = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+                  "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                      "required": ["city"]}}}
+    tool = {"type": "function", "function": {"name": "visit", "parameters": parameters}}
+    plain, streamed = both(client, tools=[tool, ADD], tool_choice="required", temperature=1.0, seed=4,
+                           max_tokens=80, n=2)
+    assert plain == streamed
+    for choice in plain:
+        assert choice["finish_reason"] == "tool_calls" and choice["tool_calls"], choice
+        for name, arguments in choice["tool_calls"]:
+            jsonschema.validate(json.loads(arguments), parameters if name == "visit" else SCHEMAS[name])

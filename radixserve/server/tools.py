@@ -121,14 +121,42 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
 
 
 def required_calls_schema(names: list[str], schemas: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON array of one or more (one only, unless `parallel`) calls of the given tools."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-              "required": ["name", "arguments"]} for name, schema in zip(names, schemas)]
+    """A JSON array of one or more (one only, unless `parallel`) calls of the given tools. A
+    tool's schema that refers within itself (`#/$defs/...`: pydantic writes one for every
+    nested model) is kept whole under the array's `$defs`, its references rewritten to start
+    there: nested as `arguments`, they pointed at the array (a 400, "cannot find $defs")."""
+    definitions: dict[str, Any] = {}
+    calls = []
+    for i, (name, schema) in enumerate(zip(names, schemas)):
+        if _refers_within(schema):
+            definitions[f"tool{i}"] = _rerooted(schema, f"#/$defs/tool{i}")
+            schema = {"$ref": f"#/$defs/tool{i}"}
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                      "required": ["name", "arguments"]})
     array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                              "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
+    if definitions:
+        array["$defs"] = definitions
     return array
+
+
+def _refers_within(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return any((key == "$ref" and isinstance(value, str) and value.startswith("#")) or _refers_within(value)
+                   for key, value in schema.items())
+    return isinstance(schema, list) and any(_refers_within(item) for item in schema)
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """`schema` with its references within itself ("#...") made to start at `root`."""
+    if isinstance(schema, dict):
+        return {key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rerooted(value, root) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    return schema
 
 
 def check_tool_messages(messages: list[ChatMessage]) -> None:
