@@ -23,6 +23,7 @@ import uvicorn
 from radixserve.ports import bind_socket, cannot_listen, url_host
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
+LISTEN_BACKLOG = 2048  # uvicorn's default: connections waiting to be accepted
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -53,6 +54,16 @@ def serve_command(args: argparse.Namespace) -> int:
     try:  # first, so that a busy port is reported before minutes of loading
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
+        say(cannot_listen(args.host, args.port, exc))
+        return 1
+    try:
+        # Listening at once: a bound socket that does not listen lets another server (uvicorn,
+        # a second radixserve) bind the port with SO_REUSEADDR and listen; this one's listen
+        # then failed inside uvloop without a word, and it said "serving" on nothing.
+        # Connections made meanwhile wait in the backlog until the model is loaded.
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
         say(cannot_listen(args.host, args.port, exc))
         return 1
     sock.set_inheritable(True)

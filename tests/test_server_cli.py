@@ -23,7 +23,7 @@ from server_util import running_server
 
 from radixserve import AsyncEngine, Engine
 from radixserve.cli import build_parser, main
-from radixserve.ports import free_port
+from radixserve.ports import bind_socket, free_port
 from radixserve.server import create_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -149,6 +149,29 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
     # Nothing imported triton (xgrammar's dependency; building the model on the meta device
     # did, through torch._dynamo: models/layers.Embedding), whose objects leak at exit.
     assert "nanobind" not in stderr
+
+
+def test_the_port_listens_while_the_model_loads() -> None:
+    """The port is taken listening before anything loads: held bound but not listening, it
+    let another server bind it with SO_REUSEADDR and listen, and this one's own listen then
+    failed silently (uvloop): it logged "serving" on a port it did not hold."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port),
+                                "--num-pages", "32"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:  # printed before torch is imported: seconds before serving
+            if "loading model" in line:
+                break
+        with pytest.raises(OSError):
+            other = bind_socket("127.0.0.1", port)  # as uvicorn binds, SO_REUSEADDR
+            try:
+                other.listen()
+            finally:
+                other.close()
+    finally:
+        stop(process)
 
 
 def hold_a_request(port: int) -> threading.Thread:
