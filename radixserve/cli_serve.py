@@ -9,6 +9,7 @@ only once the port is bound, so a busy port is reported at once.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import signal
@@ -174,6 +175,24 @@ def _contradiction(args: argparse.Namespace) -> str | None:
     for flag in ("max_connections_per_client", "max_connections", "refusals_per_s", "tenant_starts"):
         if (getattr(args, flag) or 0) < 0:
             return f"--{flag.replace('_', '-')} must be >= 0 (0: none)"
+    if not 0 < args.port < 65536:
+        return f"--port must be in 1..65535, got {args.port}"
+    at_least_one = {"max_queue": "every request would be refused", "stream_buffer_tokens": "no stream could send",
+                    "cache_event_buffer": "no event could be kept"}
+    for flag, why in at_least_one.items():
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {value} ({why})"
+    for flag in ("stream_read_timeout_s", "cache_events_idle_timeout_s"):
+        value = getattr(args, flag, None)
+        if value is not None and not value > 0:  # (NaN too)
+            return f"--{flag.replace('_', '-')} must be > 0 seconds, got {value}"
+    if args.turn_memory_tokens < 0:
+        return f"--turn-memory-tokens must be >= 0 (0: off), got {args.turn_memory_tokens}"
+    for flag in ("kv_memory_gb", "host_kv_memory_gb"):
+        value = getattr(args, flag, None)
+        if value is not None and not math.isfinite(value):
+            return f"--{flag.replace('_', '-').replace('host-kv', 'host-tier')} must be a finite number of GiB, got {value}"
     if args.max_request_tokens < 1:
         return f"--max-request-tokens must be >= 1, got {args.max_request_tokens} (every request would be refused)"
     if args.no_prefix_cache and (args.host_kv_memory_gb or args.host_num_pages):
