@@ -8,6 +8,7 @@ import importlib.util
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -430,3 +431,18 @@ def test_serve_defaults_to_the_engines_step_budget() -> None:
     from radixserve.engine.grammar_pace import PACED_SHARE
 
     assert args.grammar_paced_share == PACED_SHARE == inspect.signature(Engine).parameters["grammar_paced_share"].default
+
+
+def test_a_corrupt_checkpoint_is_a_one_line_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A truncated safetensors file or GGUF file is named as such in one line (exit 2), not a
+    SafetensorError or an IndexError traceback from the readers."""
+    checkpoint = tmp_path / "truncated"
+    shutil.copytree(tiny_llama_dir, checkpoint)
+    weights = next(checkpoint.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:200])
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    runs = refuse_in_process(("--model", str(checkpoint)), ("--model", str(gguf)))
+    for model, (code, stderr) in zip((weights, gguf), runs.values()):
+        assert code == 2 and "Traceback" not in stderr, stderr
+        assert f"{model}: not a readable" in stderr and "(corrupt or truncated?)" in stderr, stderr

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from struct import error as struct_error
 from typing import Any
 
 import numpy as np
@@ -95,8 +96,13 @@ class PlainArrayGGUFReader(GGUFReader):
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """The reader over `path` (memory-mapped: tensors are read when dequantized)."""
-    return PlainArrayGGUFReader(path)
+    """The reader over `path` (memory-mapped: tensors are read when dequantized); ValueError
+    naming the file when it cannot be read as GGUF (gguf's own errors on a truncated or
+    garbled file are IndexErrors and numpy messages that never say so)."""
+    try:
+        return PlainArrayGGUFReader(path)
+    except (IndexError, ValueError, KeyError, struct_error, OverflowError) as exc:
+        raise ValueError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from None
 
 
 def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:

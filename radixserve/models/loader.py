@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from radixserve.models.generation_defaults import GenerationDefaults
@@ -231,9 +231,12 @@ def load_weights(model: CausalLM, path: Path) -> None:
     """
     loaded: set[str] = set()
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as tensors:
-            names = list(tensors.keys())  # safe_open is not a mapping
-            copy_tensors(model, ((name, tensors.get_tensor(name)) for name in names), file, loaded)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as tensors:
+                names = list(tensors.keys())  # safe_open is not a mapping
+                copy_tensors(model, ((name, tensors.get_tensor(name)) for name in names), file, loaded)
+        except SafetensorError as exc:  # a truncated or garbled file: said as such, not a traceback
+            raise ValueError(f"{file}: not a readable safetensors file (corrupt or truncated?): {exc}") from None
     check_complete(model, loaded, path)
 
 
