@@ -71,65 +71,78 @@ def serve_command(args: argparse.Namespace) -> int:
     if not _load_tenant_keys(args):  # after the bind: the keys' module imports torch
         sock.close()
         return 2
-    say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
-    started = time.perf_counter()
-    from radixserve import (  # torch loads here, after the port is ours
-        AsyncEngine,
-        Engine,
-    )
-    from radixserve.server import create_app
-    from radixserve.server.connection_limits import connection_limits, raise_descriptor_limit
-    from radixserve.server.connections import uvicorn_options
-    from radixserve.server.refusal_pacing import RefusalPacer
-    from radixserve.server.startup_gc import freeze_startup_objects
-
+    # Ctrl-C or SIGTERM while loading stops as it does while serving (a KeyboardInterrupt
+    # traceback, or a silent exit 143, before): uvicorn takes the signals over once it serves.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    engine: Any = None
     try:
-        engine = Engine(**engine_options(args))
-    except (OSError, ValueError, MemoryError) as exc:
+        say(f"loading model {args.model!r} (device: {args.device or 'auto'}, dtype: {args.dtype}) ...")
+        started = time.perf_counter()
+        from radixserve import (  # torch loads here, after the port is ours
+            AsyncEngine,
+            Engine,
+        )
+        from radixserve.server import create_app
+        from radixserve.server.connection_limits import connection_limits, raise_descriptor_limit
+        from radixserve.server.connections import uvicorn_options
+        from radixserve.server.refusal_pacing import RefusalPacer
+        from radixserve.server.startup_gc import freeze_startup_objects
+
+        try:
+            engine = Engine(**engine_options(args))
+        except (OSError, ValueError, MemoryError) as exc:
+            sock.close()
+            say(f"error: cannot load {args.model!r}: {_as_flags(_first_line(exc))}")
+            return 2
+        stats = engine.stats()
+        say(f"loaded {engine.model_name} in {time.perf_counter() - started:.1f} s, "
+             f"context {engine.max_context_len} tokens")
+        say(engine.describe())
+        say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
+             f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
+        scheduler = engine.scheduler
+        say(f"steps: up to {scheduler.max_batch_tokens} tokens" + (
+            f"; beside decoding streams, prefill to a multiple of {scheduler.mixed_prefill_tokens}"
+            if scheduler.mixed_prefill_tokens is not None else ""))
+        if stats["host_pages_total"]:
+            say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
+                 f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
+        step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
+        pacer = RefusalPacer(args.refusals_per_s) if args.refusals_per_s else None
+        app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
+                         served_model_name=args.served_model_name, api_key=args.api_key,
+                         admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
+                         **app_options(args))
+        starts = app.state.server.starts.limit
+        say(f"requests starting at once (body to first token): {starts}, shared by the tenants starting some, "
+            "any number for one alone" if starts else "requests starting at once: any number")
+        frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
+        say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
+        descriptors = raise_descriptor_limit()  # before the caps are derived from it
+        if args.max_connections and args.max_connections > descriptors:
+            say(f"warning: --max-connections {args.max_connections:,} is more than this process's "
+                f"{descriptors:,} file descriptors (ulimit -n): past them new connections fail, unanswered")
+        limits = connection_limits(args.max_connections_per_client, args.max_connections)
+        if limits is not None:
+            app.state.server.metrics.watch_connections(limits)
+            say(f"open connections: at most {_cap(limits.per_address)} from one address, "
+                f"{_cap(limits.total)} in all (then 429 / 503)")
+        if pacer is not None:
+            say(f"an address refused (4xx) more than {pacer.burst:g} times in a burst is held to "
+                f"{pacer.rate:g} refusals a second")
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
+                                                  write_timeout_s=2 * args.stream_read_timeout_s, limits=limits,
+                                                  pacer=pacer))
+        server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
+    except KeyboardInterrupt:
         sock.close()
-        say(f"error: cannot load {args.model!r}: {_as_flags(_first_line(exc))}")
-        return 2
-    stats = engine.stats()
-    say(f"loaded {engine.model_name} in {time.perf_counter() - started:.1f} s, "
-         f"context {engine.max_context_len} tokens")
-    say(engine.describe())
-    say(f"KV pool: {stats['pages_total']} pages x {stats['page_size']} tokens = "
-         f"{stats['kv_tokens_capacity']} tokens, {_format_bytes(stats['kv_bytes'])}")
-    scheduler = engine.scheduler
-    say(f"steps: up to {scheduler.max_batch_tokens} tokens" + (
-        f"; beside decoding streams, prefill to a multiple of {scheduler.mixed_prefill_tokens}"
-        if scheduler.mixed_prefill_tokens is not None else ""))
-    if stats["host_pages_total"]:
-        say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
-             f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
-    step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
-    pacer = RefusalPacer(args.refusals_per_s) if args.refusals_per_s else None
-    app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
-                     served_model_name=args.served_model_name, api_key=args.api_key,
-                     admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
-                     **app_options(args))
-    starts = app.state.server.starts.limit
-    say(f"requests starting at once (body to first token): {starts}, shared by the tenants starting some, "
-        "any number for one alone" if starts else "requests starting at once: any number")
-    frozen = freeze_startup_objects()  # after the model and the app: they live as long as the process
-    say(f"{frozen:,} start-up objects frozen out of the garbage collector's passes")
-    descriptors = raise_descriptor_limit()  # before the caps are derived from it
-    if args.max_connections and args.max_connections > descriptors:
-        say(f"warning: --max-connections {args.max_connections:,} is more than this process's "
-            f"{descriptors:,} file descriptors (ulimit -n): past them new connections fail, unanswered")
-    limits = connection_limits(args.max_connections_per_client, args.max_connections)
-    if limits is not None:
-        app.state.server.metrics.watch_connections(limits)
-        say(f"open connections: at most {_cap(limits.per_address)} from one address, "
-            f"{_cap(limits.total)} in all (then 429 / 503)")
-    if pacer is not None:
-        say(f"an address refused (4xx) more than {pacer.burst:g} times in a burst is held to "
-            f"{pacer.rate:g} refusals a second")
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
-                                              write_timeout_s=2 * args.stream_read_timeout_s, limits=limits,
-                                              pacer=pacer))
-    server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
+        if engine is not None:
+            engine.close()
+        say("stopped while loading")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
     say(f"serving {args.served_model_name or engine.model_name} at http://{url_host(args.host)}:{port}/v1 "
          f"(metrics at /metrics, dashboard at /dashboard; Ctrl-C to stop)")
@@ -143,6 +156,11 @@ def serve_command(args: argparse.Namespace) -> int:
         _exit_now(1)
     say("stopped")
     return 0
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM as Ctrl-C: the load stops where it is."""
+    raise KeyboardInterrupt
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

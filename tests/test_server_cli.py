@@ -175,6 +175,26 @@ def test_the_port_listens_while_the_model_loads() -> None:
         stop(process)
 
 
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_the_model_loads_stops_cleanly(stop_signal: signal.Signals) -> None:
+    """Ctrl-C while loading printed a KeyboardInterrupt traceback (status 130), SIGTERM ended
+    the process silently (143); both stop as they do while serving: a line, status 0."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(free_port()),
+                                "--num-pages", "32"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:  # printed before torch is imported: seconds before serving
+            if "loading model" in line:
+                break
+        process.send_signal(stop_signal)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        stop(process)
+    assert process.returncode == 0, stderr
+    assert "radixserve: stopped while loading" in stderr and "Traceback" not in stderr, stderr
+
+
 def hold_a_request(port: int) -> threading.Thread:
     """Sends a request the stalled engine never answers (the client gives up when the server goes)."""
     def send() -> None:
