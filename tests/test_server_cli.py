@@ -152,19 +152,26 @@ def test_serve_runs_reports_the_pool_and_stops_on_ctrl_c() -> None:
     assert "nanobind" not in stderr
 
 
+def start_loading(port: int) -> subprocess.Popen[str]:
+    """`radixserve serve` on `port` in a subprocess, once it says it is loading the model
+    (printed before torch is imported: seconds before it serves)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port),
+                                "--num-pages", "32"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "loading model" in line:
+            break
+    return process
+
+
 def test_the_port_listens_while_the_model_loads() -> None:
     """The port is taken listening before anything loads: held bound but not listening, it
     let another server bind it with SO_REUSEADDR and listen, and this one's own listen then
     failed silently (uvloop): it logged "serving" on a port it did not hold."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port),
-                                "--num-pages", "32"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    process = start_loading(port)
     try:
-        assert process.stderr is not None
-        for line in process.stderr:  # printed before torch is imported: seconds before serving
-            if "loading model" in line:
-                break
         with pytest.raises(OSError):
             other = bind_socket("127.0.0.1", port)  # as uvicorn binds, SO_REUSEADDR
             try:
@@ -179,14 +186,8 @@ def test_the_port_listens_while_the_model_loads() -> None:
 def test_a_signal_while_the_model_loads_stops_cleanly(stop_signal: signal.Signals) -> None:
     """Ctrl-C while loading printed a KeyboardInterrupt traceback (status 130), SIGTERM ended
     the process silently (143); both stop as they do while serving: a line, status 0."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(free_port()),
-                                "--num-pages", "32"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    process = start_loading(free_port())
     try:
-        assert process.stderr is not None
-        for line in process.stderr:  # printed before torch is imported: seconds before serving
-            if "loading model" in line:
-                break
         process.send_signal(stop_signal)
         _, stderr = process.communicate(timeout=60)
     finally:
