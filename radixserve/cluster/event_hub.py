@@ -83,15 +83,8 @@ class ClusterEventHub(CacheEventHub):
         with view.lock:
             index = view.state.index
             pages = {(r, tier, ns): hashes for r in view.replicas for tier in (DEVICE, HOST)
-                     for ns, hashes in _by_namespace(index.page_set(r, tier))}
+                     for ns, hashes in index.pages_by_namespace(r, tier).items()}
         return ClusterMirror(pages, seq=self._last_seq, cursor=self._end, page_size=self.cluster.engine.page_size)
-
-
-def _by_namespace(pairs: Any) -> list[tuple[str, list[int]]]:
-    out: dict[str, list[int]] = {}
-    for namespace, page_hash in pairs:
-        out.setdefault(namespace, []).append(page_hash)
-    return list(out.items())
 
 
 class ClusterMirror:

@@ -107,12 +107,9 @@ class EventFeed:
         # Both tiers: without the host pages, a router that (re)subscribed lost every page
         # offloaded before, and its host credit and cached-token predictions with them.
         for tier in (DEVICE, HOST):
-            by_namespace: dict[str, list[int]] = {}
-            for namespace, page_hash in self._mirror.page_set(_SELF, tier):
-                by_namespace.setdefault(namespace, []).append(page_hash)
-            for namespace, hashes in sorted(by_namespace.items()):
+            for namespace, hashes in self._mirror.pages_by_namespace(_SELF, tier).items():
                 # Order inside a snapshot does not matter to a set; parent_hash is unknown here.
                 events.append(BlockStored(seq=self._last_seq, namespace=namespace, tier=tier,
                                           page_size=self.page_size, parent_hash=None,
-                                          hashes=sorted(hashes), token_ids=None))
+                                          hashes=hashes, token_ids=None))
         return events

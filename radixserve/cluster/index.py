@@ -202,6 +202,11 @@ class CacheIndex:
         asks for it per replica per request, and a sum walked every namespace."""
         return self._device_pages.get(replica, 0)
 
+    def pages_by_namespace(self, replica: str, tier: str = DEVICE) -> dict[str, list[int]]:
+        """The page hashes of a replica in `tier`, sorted, per namespace id (snapshots)."""
+        spaces = self._cached if tier == DEVICE else self._host
+        return {ns: sorted(hashes) for ns, hashes in sorted(spaces.get(replica, {}).items()) if hashes}
+
     def page_set(self, replica: str, tier: str = DEVICE) -> set[tuple[str, int]]:
         """(namespace id, hash) of every page of a replica in `tier` (snapshots, tests)."""
         spaces = self._cached if tier == DEVICE else self._host
