@@ -489,7 +489,10 @@ def test_a_client_that_reads_nothing_is_cut_and_a_slow_reader_is_not(parser: str
             pass
         return received
 
-    deadlines = with_deadlines(base, 10.0, write_timeout_s=1.0)
+    # Every time below is a multiple of the write deadline (halved from 1.0 s with the reader's
+    # pause, the ratio kept: 25 pauses of the slow reader to a deadline).
+    write_timeout_s = 0.5
+    deadlines = with_deadlines(base, 10.0, write_timeout_s=write_timeout_s)
     pauses: list[float] = []  # how long each pause of the server's writes lasted
 
     class Timed(deadlines):  # type: ignore[valid-type, misc]
@@ -506,18 +509,21 @@ def test_a_client_that_reads_nothing_is_cut_and_a_slow_reader_is_not(parser: str
     app = Starlette(routes=[Route("/{size}", body)])
     # Small kernel buffers on both ends: the server's writes pause after little output.
     with running_server(app, send_buffer=8192, http=Timed) as url:
-        with connect(url) as idle:
+        # The idle client and the slow reader at once (their times overlap, the checks do not).
+        with connect(url) as idle, connect(url) as slow:
             idle.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            time.sleep(4)  # reads nothing, well past the deadline
-            with pytest.raises(ConnectionResetError):  # cut, the kernel's buffers dropped too (a reset)
-                while idle.recv(65536):
-                    pass
-        with connect(url) as slow:  # 512 KiB, 4 KiB every 40 ms: paused for seconds, never idle 1 s
+            idle_since = time.monotonic()
+            # 512 KiB, 4 KiB every 20 ms: paused for several deadlines, never idle one
             slow.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             started = time.monotonic()
-            assert read_all(slow, pause_s=0.04, size=4096) > len(small)  # the whole body, and its head
-            assert time.monotonic() - started > 3.0
-        assert max(pauses) > 3.0  # paused for several deadlines while it read: the case is tested
+            assert read_all(slow, pause_s=write_timeout_s / 25, size=4096) > len(small)  # the whole body, and its head
+            assert time.monotonic() - started > 3 * write_timeout_s
+            # The idle one reads nothing, well past the deadline (4 of them, as before)...
+            time.sleep(max(0.0, idle_since + 4 * write_timeout_s - time.monotonic()))
+            with pytest.raises(ConnectionResetError):  # ... and is cut, the kernel's buffers dropped too (a reset)
+                while idle.recv(65536):
+                    pass
+        assert max(pauses) > 3 * write_timeout_s  # paused for several deadlines while it read: the case is tested
 
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
