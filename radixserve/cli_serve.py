@@ -9,13 +9,17 @@ only once the port is bound, so a busy port is reported at once.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import math
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -24,6 +28,7 @@ import uvicorn
 from radixserve.ports import bind_socket, cannot_listen, url_host
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
+END_REQUESTS_BEFORE_S = 1.0  # then those left are ended this long before the grace is over
 LISTEN_BACKLOG = 2048  # uvicorn's default: connections waiting to be accepted
 
 
@@ -107,7 +112,9 @@ def serve_command(args: argparse.Namespace) -> int:
         if stats["host_pages_total"]:
             say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
                  f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
-        step_hook = threading.Event().wait if args.debug_stall_engine else None  # waits forever
+        step_hook = (threading.Event().wait if args.debug_stall_engine  # waits forever
+                     else functools.partial(time.sleep, args.debug_step_delay_s) if args.debug_step_delay_s
+                     else None)
         pacer = RefusalPacer(args.refusals_per_s) if args.refusals_per_s else None
         app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
                          served_model_name=args.served_model_name, api_key=args.api_key,
@@ -134,7 +141,8 @@ def serve_command(args: argparse.Namespace) -> int:
                                 **uvicorn_options(args.head_timeout_s, args.keep_alive_timeout_s,
                                                   write_timeout_s=2 * args.stream_read_timeout_s, limits=limits,
                                                   pacer=pacer))
-        server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s)
+        server = BoundedServer(config, shutdown_timeout_s=args.shutdown_timeout_s,
+                               end_requests=app.state.server.end_requests)
     except KeyboardInterrupt:
         sock.close()
         if engine is not None:
@@ -326,11 +334,31 @@ def tenant_keys(args: argparse.Namespace) -> dict[str, Any]:
 
 class BoundedServer(uvicorn.Server):
     """uvicorn's Server whose shutdown cannot hang: after the first SIGINT/SIGTERM it exits
-    with status 1 once `shutdown_timeout_s` have passed, and at once on a second signal."""
+    with status 1 once `shutdown_timeout_s` have passed, and at once on a second signal.
+    Requests still running shortly before the grace (GRACEFUL_SHUTDOWN_S) runs out are
+    ended by `end_requests` (the app's), so that they answer with an error instead of
+    being cancelled."""
 
-    def __init__(self, config: uvicorn.Config, *, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, *, shutdown_timeout_s: float,
+                 end_requests: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.end_requests = end_requests
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn cancels the requests still running when its grace is over: a stream then
+        # stopped without its last event or [DONE], and the log showed a CancelledError
+        # traceback per request. Ended by the engine a little before, each answers a 503
+        # (an error event and [DONE], in a stream) and returns by itself.
+        ending = None
+        if self.end_requests is not None:
+            ending = asyncio.get_running_loop().call_later(GRACEFUL_SHUTDOWN_S - END_REQUESTS_BEFORE_S,
+                                                           self.end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if ending is not None:
+                ending.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:

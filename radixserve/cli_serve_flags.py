@@ -300,3 +300,6 @@ def _add_process_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--debug-stall-engine", action="store_true",
                        help="debugging: hold the engine thread inside its first step for good, to see the "
                             "watchdog (/health 503) and the bounded shutdown at work")
+    serve.add_argument("--debug-step-delay-s", type=float, default=0.0,
+                       help="debugging: wait this long before every engine step (a slow engine, to see "
+                            "requests outlive the shutdown's grace and end with a 503) (default: %(default)s)")

@@ -273,6 +273,15 @@ class AsyncEngine:
         """Aborts a request (a no-op if it already finished)."""
         self._command(lambda: self.engine.abort(request_id))
 
+    def abort_all(self) -> None:
+        """Aborts every request and delivers their ends at once, not with a next step (the
+        server is stopping: its streams must end before their connections are cut)."""
+        def abort_and_tell() -> None:
+            self.engine.abort_all()
+            self._deliver(self.engine.take_deltas())
+
+        self._command(abort_and_tell)
+
     def _command(self, command: Callable[[], Any]) -> None:
         """Runs `command` on the engine thread, not waiting for it."""
         self._commands.put(command)

@@ -347,6 +347,13 @@ class Engine:
             return
         self._end_request(req, "abort")
 
+    def abort_all(self) -> int:
+        """Aborts every request (the server is stopping); returns how many there were."""
+        requests = list(self._requests.values())
+        for req in requests:
+            self._end_request(req, "abort")
+        return len(requests)
+
     def pause_request(self, request_id: str) -> bool:
         """Stops scheduling a request (its client is not reading): it is preempted and held
         until `resume_request` (engine/paused.py). False if unknown, paused or a beam search."""

@@ -38,6 +38,7 @@ from radixserve.server.errors import (
     handle_api_error,
     handle_http_exception,
     request_failure,
+    server_stopping,
 )
 from radixserve.server.fair_slots import FairSlots
 from radixserve.server.formatting import (
@@ -146,6 +147,14 @@ class OpenAIServer:
         self.starts = StartShares(tenant_starts)
         self.prompt_work = PromptWork(self.tokenizer, self.max_context_len)
         self._token_bytes: list[bytes] | None = None  # each token's bytes: built on first use
+        self.stopping = False  # end_requests was called: an aborted request was ended by the server
+
+    def end_requests(self) -> None:
+        """Ends every request the engine holds, answered with a 503 (server_stopping): the
+        seam through which a stopping server (cli_serve.BoundedServer) ends what would
+        otherwise be cancelled mid-response when its grace runs out."""
+        self.stopping = True
+        self.engine.abort_all()
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
@@ -361,6 +370,8 @@ class OpenAIServer:
             failed = next((first for first in firsts if first.finish_reason == "error"), None)
             if failed is not None:  # before any token: a plain 4xx or 500, streaming or not
                 raise request_failure(failed, grammar_param)
+            if self.stopping and any(first.finish_reason == "abort" for first in firsts):
+                raise server_stopping()
             deltas = merge_batch([prepend(first, rest) for first, rest in zip(firsts, streams)], n)
             handed_over = True  # from here `deltas` owns the engine streams and closes them
             choices = n * len(calls)
@@ -388,6 +399,8 @@ class OpenAIServer:
             async for delta in deltas:
                 if delta.finish_reason == "error":
                     raise request_failure(delta, grammar_param)
+                if delta.finish_reason == "abort" and self.stopping:
+                    raise server_stopping()
                 timer.observe(delta)
                 usage.add(delta)
                 results[delta.index].add(delta)
@@ -412,6 +425,9 @@ class OpenAIServer:
                     # The engine ended this request (its step failed, or its grammar could not
                     # be followed); the rest is aborted.
                     yield _event(_error_event(request_failure(delta, grammar_param)))
+                    break
+                if delta.finish_reason == "abort" and self.stopping:
+                    yield _event(_error_event(server_stopping()))
                     break
                 timer.observe(delta)
                 usage.add(delta)

@@ -139,6 +139,14 @@ def engine_failure() -> APIError:
                     code="engine_error")
 
 
+def server_stopping() -> APIError:
+    """The 503 of a request the server ended unfinished because it is stopping (its grace
+    after Ctrl-C or SIGTERM ran out)."""
+    return APIError(503, "The server is shutting down and ended this request before it finished; "
+                         "retry it once the server is back, or on another.", code="server_shutting_down",
+                    error_type="server_error")
+
+
 def request_failure(delta: StreamDelta, grammar_param: str) -> APIError:
     """Why the engine ended a request with finish_reason "error": a 400 on the grammar's field
     when the request's own grammar was at fault (too slow to follow, or a dead end: the
