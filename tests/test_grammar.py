@@ -195,6 +195,30 @@ def test_matcher_follows_a_document_and_then_allows_only_the_end(tokenizer: PreT
     assert matcher.accept(tokenizer.eos_token_id) and matcher.terminated
 
 
+def accepts_whole(grammars: Grammars, tokenizer: PreTrainedTokenizerBase, spec: GrammarSpec, text: str) -> bool:
+    """Whether a fresh matcher of `spec` takes `text` and may end right after it."""
+    matcher = grammars.matcher(spec)
+    return (all(matcher.accept(token) for token in tokenizer.encode(text, add_special_tokens=False))
+            and matcher.accept(tokenizer.eos_token_id))
+
+
+@pytest.mark.parametrize(("bounds", "allowed"), [
+    ({"minimum": 1.5, "maximum": 4.5}, [2, 3, 4]),
+    ({"exclusiveMinimum": 1.5, "exclusiveMaximum": 4.5}, [2, 3, 4]),
+    ({"minimum": -2.5, "exclusiveMaximum": 1.0}, [-2, -1, 0]),  # a whole float bound as it is
+    ({"minimum": 3, "exclusiveMinimum": 1.5, "maximum": 4.9, "exclusiveMaximum": 4}, [3]),  # the tighter kept
+])
+def test_fractional_integer_bounds_allow_the_integers_between_them(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase, bounds: dict[str, float], allowed: list[int]) -> None:
+    """xgrammar refuses an integer bound that is not whole ("must be a whole number": a 400 for a
+    valid schema); the spec rounds each to the whole one allowing the same integers."""
+    for schema in ({"type": "integer", **bounds}, {"type": ["integer", "null"], **bounds}):
+        spec = GrammarSpec.json_schema(schema, "response_format")
+        assert [n for n in range(-4, 7) if accepts_whole(grammars, tokenizer, spec, str(n))] == allowed
+    assert json.loads(spec.source)["minimum"] == allowed[0]  # the schema's own object is not changed
+    assert "minimum" not in bounds or bounds["minimum"] == schema["minimum"]
+
+
 def test_fork_and_rollback_keep_states_apart(tokenizer: PreTrainedTokenizerBase, grammars: Grammars) -> None:
     matcher = grammars.matcher(GrammarSpec.choice(["yes", "no"], "guided_choice"))
     start = allowed_tokens(grammars, matcher)

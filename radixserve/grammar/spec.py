@@ -118,6 +118,8 @@ class GrammarSpec:
             problem = _half_honoured(node)
             if problem is not None:
                 raise GrammarError(f"{param}: at {where or 'the top'}: {problem}", param)
+        if any(_fractional_integer_bounds(node) for node, _ in _schema_nodes(schema, "")):
+            source = json.dumps(_whole_integer_bounds(json.loads(source)))
         return GrammarSpec("json_schema", source)
 
     @staticmethod
@@ -228,6 +230,36 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
             return (f"{', '.join(untyped)} without a type: the grammar engine would ignore "
                     f"{'it' if len(untyped) == 1 else 'them'} (any JSON value); add the type they constrain")
     return None
+
+
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+
+
+def _fractional_integer_bounds(node: dict[str, Any]) -> list[str]:
+    """The bounds of an integers-only schema object that are not whole numbers (minimum 1.5)."""
+    declared = node.get("type")
+    types = declared if isinstance(declared, list) else [declared]
+    if "integer" not in types or "number" in types:
+        return []
+    return [key for key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS)
+            if isinstance(node.get(key), float) and not node[key].is_integer()]
+
+
+def _whole_integer_bounds(schema: Any) -> Any:
+    """`schema` (a copy the caller owns) with every integer bound that is not a whole number
+    rounded to the whole one that allows the same integers: xgrammar refuses a fractional one
+    ("Integer constraint must be a whole number": a 400 for a valid schema). minimum 1.5 and
+    exclusiveMinimum 1.5 both allow 2 and up (minimum 2); maximum 2.5 and exclusiveMaximum 2.5,
+    2 and down (maximum 2)."""
+    for node, _ in _schema_nodes(schema, ""):
+        for key in _fractional_integer_bounds(node):
+            bound = node.pop(key)
+            if key in _LOWER_BOUNDS:
+                node["minimum"] = max(math.ceil(bound), node.get("minimum", -math.inf))
+            else:
+                node["maximum"] = min(math.floor(bound), node.get("maximum", math.inf))
+    return schema
 
 
 def _is_of_type(value: Any, name: str) -> bool:
