@@ -1,5 +1,5 @@
 """The scheduler over a two-tier cache: load-back at admission, waiting for a copy in flight
-without holding up the running batch, and a load that does not fit.
+without holding up the running batch (a forked sample too), and a load that does not fit.
 
 Real scheduler, tree and pools (no tensors); the copy engine is the benchmark's simulated
 one, whose loads complete when the clock reaches their finish time (as a CUDA copy on a side
@@ -29,12 +29,13 @@ class Clock:
         return self.now
 
 
-def make(num_pages: int, load_s_per_page: float = 0.0):
+def make(num_pages: int, load_s_per_page: float = 0.0, max_batch_tokens: int = 256):
     clock = Clock()
     pool = PagePool(num_pages, P)
     tier = HostTier(PagePool(64, P), SimulatedCopier(clock, load_s_per_page))
     tree = RadixTree(pool, clock=clock, host=tier)
-    scheduler = Scheduler(pool, tree, make_schedule_policy("fcfs"), max_running=8, max_batch_tokens=256, clock=clock)
+    scheduler = Scheduler(pool, tree, make_schedule_policy("fcfs"), max_running=8, max_batch_tokens=max_batch_tokens,
+                          clock=clock)
     return clock, pool, tree, scheduler
 
 
@@ -115,3 +116,34 @@ def test_a_load_that_finds_no_device_room_loads_what_fits_and_the_request_waits(
     assert returning.request.cached_tokens == 40 and returning.request.host_cached_tokens == 24
     run(scheduler, chunks)
     check(pool, tree, scheduler)
+
+
+def test_a_sample_forked_while_its_parent_waits_for_a_load_waits_too() -> None:
+    """n > 1: the parent's last prompt chunk finds the tree holding its tokens in pages another
+    request is still loading back, so it switches to them and waits for the load; its forked
+    sample shares those pages and must wait as well (it ran at once and read them unloaded)."""
+    clock, pool, tree, scheduler = make(32, load_s_per_page=0.01, max_batch_tokens=12)
+    prefix = list(range(100, 116))  # 4 pages
+    parent = submit(scheduler, prefix + [1])
+    chunks = scheduler.schedule()
+    assert [c.num_new for c in chunks] == [12]  # 3 pages now, the last prefix page next step
+    run(scheduler, chunks)
+    # Meanwhile another request cached the whole prefix, and memory pressure sent its last
+    # page (the only one the parent does not lock) to the host.
+    pages = pool.allocate(4)
+    tree.insert(prefix, pages)
+    pool.decref(pages)
+    assert tree.evict(1) == 1 and tree.host_only_pages == 1
+    loader = submit(scheduler, prefix + [2], arrival=clock.now)  # loads that page back
+    chunks = scheduler.schedule()
+    assert [c.seq for c in chunks] == [parent] and loader.pending_loads
+    run(scheduler, chunks)  # the parent switches to the loading page...
+    assert parent.block_table[3] == loader.block_table[3] and parent.pending_loads
+    child = SequenceState(parent.request, 1, list(parent.token_ids), None, None, None)
+    parent.request.sequences.append(child)
+    assert scheduler.fork(parent, child)  # ...and forks its second sample at once
+    assert child.block_table[:4] == parent.block_table[:4]
+    assert [c.seq.index for c in scheduler.schedule()] == []  # nobody reads the page before it lands
+    check(pool, tree, scheduler)
+    clock.now += 0.02
+    assert {c.seq for c in scheduler.schedule()} == {parent, child, loader}

@@ -226,8 +226,9 @@ class SequencePages:
         return True
 
     def share_full_pages(self, parent: SequenceState, holder: SequenceState) -> None:
-        """Makes `holder` hold the parent's computed full pages (increfs, and the parent's tree
-        lock): a beam hypothesis frozen at the parent's state, or the start of a fork."""
+        """Makes `holder` hold the parent's computed full pages (increfs, the parent's tree
+        lock, and its loads from the host still in flight: a fork waits for them as the parent
+        does): a beam hypothesis frozen at the parent's state, or the start of a fork."""
         full = parent.num_computed // self.page_size
         holder.block_table = list(parent.block_table[:full])
         holder.pages_out_of_window = min(parent.pages_out_of_window, full)
@@ -236,3 +237,4 @@ class SequencePages:
         holder.lock_node, holder.locked_tokens = parent.lock_node, parent.locked_tokens
         if holder.lock_node is not None:
             self.tree.lock(holder.lock_node)
+        holder.pending_loads = [load for load in parent.pending_loads if not load.done()]
