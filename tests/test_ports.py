@@ -131,3 +131,31 @@ def test_a_busy_port_stops_serve_replicas_before_ray_starts() -> None:
     assert done.returncode == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
     assert done.stdout.strip() == "False False"  # said before Ray started, and before torch loaded
+
+
+def test_the_port_hint_comes_only_with_a_port_in_use_and_a_bracketed_ipv6_host_is_taken() -> None:
+    """A host that does not resolve was reported with "is another server using port N?"; an
+    IPv6 literal written as in a URL ([::1]) was refused as a host name."""
+    import contextlib
+    import io
+
+    from radixserve.cli import build_parser, main
+
+    port = free_port()
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(["serve", "--port", str(port), "--host", "no-such-host.invalid"])
+    assert code == 1
+    (line,) = stderr.getvalue().splitlines()
+    assert line.startswith(f"radixserve: error: cannot listen on no-such-host.invalid:{port}: ")
+    assert "another server" not in line
+    with bind_socket("127.0.0.1", port) as held:
+        held.listen()
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            assert main(["serve", "--port", str(port)]) == 1
+    assert stderr.getvalue().strip().endswith(f"(is another server using port {port}?)")
+    parse = build_parser().parse_args
+    assert parse(["serve", "--host", "[::1]"]).host == "::1"
+    assert parse(["serve", "--host", "::1"]).host == "::1"
+    assert parse(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
