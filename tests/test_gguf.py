@@ -265,6 +265,8 @@ def test_hub_id_offline_fails_fast_in_one_line(monkeypatch: pytest.MonkeyPatch) 
     message = str(error.value)
     assert "\n" not in message
     assert "'radixserve-tests/no-such-model'" in message and "HF_HUB_OFFLINE is set" in message
+    # The mistyped local path it may also be is named as such.
+    assert "nor is there a local path 'radixserve-tests/no-such-model'" in message
 
 
 def test_hub_ids_are_strings_with_one_slash_that_are_not_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,7 +93,8 @@ def hub_snapshot(repo_id: str) -> Path:
         reason = "HF_HUB_OFFLINE is set" if offline else _first_line(error)
         raise HubUnavailableError(
             f"cannot fetch model {repo_id!r} from the Hugging Face Hub ({reason}) and it is not "
-            f"in the local cache; pass a local checkpoint directory or .gguf file instead"
+            f"in the local cache; nor is there a local path {repo_id!r} (a path is taken for a Hub "
+            f"id only where none exists: check it, or write ./{repo_id} for a path)"
         ) from error
 
 
