@@ -181,7 +181,7 @@ class HostPlacement:
 
     def _place_on_host(self, call: EvictionCall, now: float) -> None:
         """Copies the device-only pages that left the device in `call` to host pages, making
-        room as `leave_device` says."""
+        room as `leave_device` says; top down, each node after its parent."""
         size = self._tree.page_size
         self._settle_loaded()
         need = sum(node.num_pages(size) for node, _ in call.leaving if node.parent is not None)
@@ -194,7 +194,10 @@ class HostPlacement:
                 if node.parent is not None and self.is_candidate(node):
                     self._queue.push(node, now)
             self._evict(short, now)
-        for node, device_pages in call.leaving:
+        # Parent first (events name a stored run's parent, which must be known by then): a
+        # node leaves the device only after its children on the device, so in the call's
+        # order every child comes before its parent.
+        for node, device_pages in reversed(call.leaving):
             if node.parent is None:
                 continue  # dropped since
             count = node.num_pages(size)
