@@ -29,10 +29,10 @@ class Clock:
         return self.now
 
 
-def make(num_pages: int, load_s_per_page: float = 0.0, max_batch_tokens: int = 256):
+def make(num_pages: int, load_s_per_page: float = 0.0, max_batch_tokens: int = 256, write_policy: str = "write-back"):
     clock = Clock()
     pool = PagePool(num_pages, P)
-    tier = HostTier(PagePool(64, P), SimulatedCopier(clock, load_s_per_page))
+    tier = HostTier(PagePool(64, P), SimulatedCopier(clock, load_s_per_page), write_policy=write_policy)
     tree = RadixTree(pool, clock=clock, host=tier)
     scheduler = Scheduler(pool, tree, make_schedule_policy("fcfs"), max_running=8, max_batch_tokens=max_batch_tokens,
                           clock=clock)
@@ -147,3 +147,30 @@ def test_a_sample_forked_while_its_parent_waits_for_a_load_waits_too() -> None:
     check(pool, tree, scheduler)
     clock.now += 0.02
     assert {c.seq for c in scheduler.schedule()} == {parent, child, loader}
+
+
+def test_under_exclusive_a_loaded_node_split_before_its_load_is_done_keeps_no_page_on_both_tiers() -> None:
+    """Under `exclusive`, a node loaded back keeps its host copy until the load is done. Split
+    by a shorter hit meanwhile, its lower part then leaving the device (back to its host copy),
+    the upper part's host copy goes at the next settling too (it stayed for good: both tiers)."""
+    clock, pool, tree, scheduler = make(32, load_s_per_page=0.01, write_policy="exclusive")
+    conversation = list(range(100, 132))  # 8 pages
+    on_host(pool, tree, conversation)
+    match = tree.match(conversation + [1])
+    tree.lock(match.host_node)
+    assert tree.load_back(match).loads  # in flight: the 8 pages keep their host copies meanwhile
+    tree.unlock(match.host_node)
+    tree.match(conversation[:16] + [1])  # splits the loaded node: upper 4 pages, lower 4
+    assert tree.evict(4) == 4  # the lower part leaves the device; its host copy stays
+    assert tree.host_cached_pages == 8 and tree.host_only_pages == 4
+    clock.now += 1.0  # the load is done
+    upper = tree.match(conversation[:16]).node
+    tree.lock(upper)  # in use: the next eviction takes other pages
+    pages = pool.allocate(2)
+    tree.insert(list(range(500, 508)), pages)
+    pool.decref(pages)
+    assert tree.evict(2) == 2  # an offload, which first settles the loads done
+    tree.unlock(upper)
+    assert tree.host_only_pages == 4 + 2 and tree.host_cached_pages == 4 + 2
+    assert tree.cached_pages == 4
+    check(pool, tree, scheduler)

@@ -302,13 +302,16 @@ class HostPlacement:
     def _settle_loaded(self) -> None:
         """Frees the host copies that `_settle_on_device` left to loads now done. A node
         split meanwhile left its upper part, on both tiers too, above it: those go as well
-        (under `exclusive` no other node keeps both copies)."""
+        (under `exclusive` no other node keeps both copies), also when the lower part has
+        left the device since (it is settled from there up)."""
         if not self._settling:
             return
         waiting: list[RadixNode] = []
         for node in self._settling:
-            if node.parent is None or node.host is None or not node.pages:
-                continue  # dropped, or back on the host only: nothing to free
+            while node.parent is not None and not node.pages:
+                node = node.parent  # back on the host only: an upper part may still hold both
+            if node.parent is None or node.host is None:
+                continue  # dropped (or the root reached), or its host copy freed: nothing to free
             if node.unfinished_load() is not None:
                 waiting.append(node)
                 continue
