@@ -757,3 +757,27 @@ def test_routing_reports_for_a_replica_gone_leave_no_state() -> None:
     assert ("x" in state.in_flight, "x" in state.starts, "x" in state._recent) == (False, False, False)
     assert (state._unsettled, state.index._requests, state.index._prompt_ends.get("x")) == ({}, {}, None)
     assert state._routings == 50
+
+
+def test_a_reservation_withdrawn_is_taken_back_whole() -> None:
+    """The cache-aware router reserves a replica as it ranks; a request cancelled while Serve
+    waits for a replica with room is reported neither routed nor completed: withdrawn, it
+    leaves nothing behind, and a late report of it is ignored."""
+    state = cluster("a", "b")
+    state.routed(request(PROMPT, "r0"), "a")  # another request, finished: what stays is its
+    state.finished("r0")
+
+    def counts() -> list[dict[str, int]]:
+        return [{r: n for r, n in counted.items() if n} for counted in (state.in_flight, state.routed_total)]
+
+    before = counts()
+    state.routed(request(PROMPT, "r1"), "b")
+    assert state.in_flight["b"] == 1 and state.index.in_flight_on("r1") == "b"
+    state.withdrawn(request(PROMPT, "r1"))
+    assert counts() == before
+    assert state.starts["b"] == pytest.approx(state.starts["a"])  # joined at the least share, its start taken back
+    assert state.index.in_flight_on("r1") is None and state.recent_requests("b") == pytest.approx(0)
+    assert state.index.matched_pages("b", NS, hashes(PROMPT), in_flight=True) == 0
+    state.routed(request(PROMPT, "r1"), "b")  # late
+    assert state.in_flight["b"] == 0
+    state.withdrawn(request(PROMPT, "r9"))  # never reserved: nothing to do

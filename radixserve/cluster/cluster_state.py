@@ -159,6 +159,22 @@ class ClusterState:
         placed = self._release(request_id)
         if placed is not None and self.index.in_flight_on(placed.key) is not None:
             self._unsettled[placed.key] = (placed.replica, self._batches.get(placed.replica, 0))
+        self._remember_ended(request_id)
+
+    def withdrawn(self, request: RouteRequest) -> None:
+        """A request reserved on a replica (the cache-aware router reserves as it ranks) was
+        cancelled before Ray Serve sent it anywhere: Serve reports neither its routing nor its
+        completion, so the reservation is taken back whole here (else it counted in flight on
+        that replica for good). A late report of it is ignored, as of a finished request."""
+        placed = self._placed.get(request.request_id)
+        if placed is None:
+            return
+        self._unroute(request.request_id)
+        self.index.drop_prompt_end(placed.replica, request.namespace, request.page_hashes, placed.routing)
+        self._remember_ended(request.request_id)
+
+    def _remember_ended(self, request_id: str) -> None:
+        """A late routing report of this request is to be ignored (the last ENDED_MEMORY ids)."""
         self._ended[request_id] = None
         if len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)

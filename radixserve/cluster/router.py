@@ -13,6 +13,7 @@ and every routed/completed request are reported to the ClusterView.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
@@ -93,6 +94,10 @@ class CacheAwareRouter(_ClusterHooks, RequestRouter):
     balance guard, longest prefix really cached, requests in flight and free pages. Its thresholds come
     from `request_router_kwargs` (CacheAwareConfig's fields)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._watched: set[asyncio.Future[Any]] = set()  # pending requests whose reservation is watched
+
     def initialize_state(self, **config: Any) -> None:
         self.view.configure(CacheAwareConfig(**config))
 
@@ -109,7 +114,24 @@ class CacheAwareRouter(_ClusterHooks, RequestRouter):
         # Reserved now, so that the next request of a burst sees this one in flight and its prefix
         # (Serve confirms or moves it in on_request_routed once the replica accepted).
         self.view.routed(request, ranked[0])
+        self._watch(pending_request, request)
         return [[by_key[key]] for key in ranked]
+
+    def _watch(self, pending_request: PendingRequest, request: RouteRequest) -> None:
+        """Takes the reservation back if the request is cancelled while Serve waits for a
+        replica with room (every one at its limit): Serve then reports neither its routing nor
+        its completion, and the reservation counted in flight on its replica for good."""
+        future = pending_request.future
+        if future in self._watched:
+            return
+        self._watched.add(future)
+
+        def over(done: asyncio.Future[Any]) -> None:
+            self._watched.discard(done)
+            if done.cancelled():
+                self.view.withdrawn(request)
+
+        future.add_done_callback(over)
 
 
 class PowerOfTwoRouter(_ClusterHooks, PowerOfTwoChoicesRequestRouter):

@@ -140,6 +140,11 @@ class ClusterView:
         with self._lock:
             self.state.finished(request_id)
 
+    def withdrawn(self, request: RouteRequest) -> None:
+        """A reserved request was cancelled before Serve sent it to a replica (ClusterState.withdrawn)."""
+        with self._lock:
+            self.state.withdrawn(request)
+
     def session_closed(self, session_id: str, tenant: str | None) -> None:
         """A replica closed `tenant`'s session: it pins no more requests."""
         with self._lock:
