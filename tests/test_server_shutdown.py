@@ -9,9 +9,12 @@ import time
 from typing import Any
 
 import httpx
+from server_util import running_server
 from test_server_cli import start_serve, stop
 
+from radixserve import AsyncEngine, Engine
 from radixserve.ports import free_port
+from radixserve.server import create_app
 
 LONG = {"prompt": "a", "max_tokens": 400, "ignore_eos": True}  # 400 steps, 20 s at least: past the 5 s grace
 
@@ -59,3 +62,14 @@ def test_requests_left_when_the_grace_runs_out_answer_503_and_the_log_stays_clea
     assert 0 < len(tokens) < LONG["max_tokens"]  # it was cut, after some tokens
     status, body = answers["whole"]
     assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+
+
+def test_a_request_that_reaches_the_engine_after_the_end_is_answered_503() -> None:
+    """One that waited (for a grammar compile, its prompt's tokenizing) past the end would
+    have started generating, to be cancelled mid-response a moment later."""
+    app = create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=64)))
+    with running_server(app) as url:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+        app.state.server.end_requests()
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "server_shutting_down"

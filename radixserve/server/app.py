@@ -344,6 +344,8 @@ class OpenAIServer:
         """Runs one engine request per call (one per prompt of a batch) and answers with their
         choices: prompt i's choice j has index i * n + j. `remember` sees the choices once they
         all finished (a chat completion's generated turns), before the response ends."""
+        if self.stopping:  # it waited (a compile, the prompt's tokenizing) past end_requests
+            raise server_stopping()
         request_id = formatter.identity.id
         n = calls[0].params.n
         streams = [self.engine.generate(
