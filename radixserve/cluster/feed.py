@@ -72,7 +72,8 @@ class EventFeed:
     def snapshot(self) -> list[CacheEvent]:
         """Events that rebuild the current cache from nothing."""
         with self._lock:
-            return self._snapshot_locked()
+            captured = self._capture_locked()
+        return self._snapshot(*captured)
 
     async def subscribe(self, batch_interval_s: float = 0.02,
                         heartbeat_s: float = 0.25) -> AsyncIterator[FeedBatch]:
@@ -81,9 +82,10 @@ class EventFeed:
         the caller also uses to send fresh stats)."""
         queue: asyncio.Queue[CacheEvent | _Settled] = asyncio.Queue()
         entry = (asyncio.get_running_loop(), queue)
-        with self._lock:
-            first = FeedBatch(self._snapshot_locked())
+        with self._lock:  # what is captured and what is sent after it, with nothing between
+            captured = self._capture_locked()
             self._subscribers.append(entry)
+        first = FeedBatch(self._snapshot(*captured))
         try:
             yield first
             while True:
@@ -102,14 +104,20 @@ class EventFeed:
             with self._lock:
                 self._subscribers.remove(entry)
 
-    def _snapshot_locked(self) -> list[CacheEvent]:
-        events: list[CacheEvent] = [AllCleared(seq=self._last_seq, tier=None)]
+    def _capture_locked(self) -> tuple[int, dict[str, dict[str, list[int]]]]:
+        """The cache's pages as of the last event, copied (C speed) under the lock: the engine
+        thread's publish waits on it; sorting them and making the events does not (0.04 s at
+        100k pages, per subscriber that starts, held the engine's steps)."""
         # Both tiers: without the host pages, a router that (re)subscribed lost every page
         # offloaded before, and its host credit and cached-token predictions with them.
-        for tier in (DEVICE, HOST):
-            for namespace, hashes in self._mirror.pages_by_namespace(_SELF, tier).items():
+        return self._last_seq, {tier: self._mirror.pages_by_namespace(_SELF, tier, ordered=False)
+                                for tier in (DEVICE, HOST)}
+
+    def _snapshot(self, seq: int, pages: dict[str, dict[str, list[int]]]) -> list[CacheEvent]:
+        events: list[CacheEvent] = [AllCleared(seq=seq, tier=None)]
+        for tier, spaces in pages.items():
+            for namespace in sorted(spaces):
                 # Order inside a snapshot does not matter to a set; parent_hash is unknown here.
-                events.append(BlockStored(seq=self._last_seq, namespace=namespace, tier=tier,
-                                          page_size=self.page_size, parent_hash=None,
-                                          hashes=hashes, token_ids=None))
+                events.append(BlockStored(seq=seq, namespace=namespace, tier=tier, page_size=self.page_size,
+                                          parent_hash=None, hashes=sorted(spaces[namespace]), token_ids=None))
         return events
