@@ -1,7 +1,9 @@
 """`radixserve serve --tensor-parallel-size 2`: the server over a TP group, alone and on Ray Serve.
 
-The server's tokens equal a TP=1 engine's; a killed worker turns /health to 503 with the
-reason and requests end with an error; Ctrl-C ends the server and every worker. On Ray Serve
+The server's tokens equal a TP=1 engine's; a terminal's Ctrl-C, which reaches every process of
+the server's group, leaves the workers to finish the streams in flight; a killed worker turns
+/health to 503 with the reason and requests end with an error; Ctrl-C ends the server and every
+worker. On Ray Serve
 (marked `cluster`: the session's cluster, joined as a second app), one replica is one TP group
 of two ranks; the driver catches both stop signals its parent ignored or blocked, and SIGTERM
 stops it cleanly.
@@ -9,8 +11,14 @@ stops it cleanly.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import os
 import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,28 +65,75 @@ def completion(url: str, model: str) -> tuple[list[int], str]:
     return [int(t.removeprefix("token_id:")) for t in tokens], choice["finish_reason"]
 
 
-def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: Path) -> None:
+def stream_completion(url: str, model: str, max_tokens: int, first_chunk: threading.Event) -> dict[str, object]:
+    """A greedy streamed completion of PROMPT: its chunks' count, finish_reason and error
+    event, if any; `first_chunk` is set once one has arrived (or the stream has ended)."""
+    got: dict[str, object] = {"chunks": 0, "finish_reason": None, "error": None}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    got["error"] = event["error"]
+                    continue
+                got["chunks"] = int(got["chunks"]) + 1
+                got["finish_reason"] = event["choices"][0].get("finish_reason") or got["finish_reason"]
+                first_chunk.set()
+    except httpx.HTTPError as error:
+        got["error"] = repr(error)
+    finally:
+        first_chunk.set()
+    return got
+
+
+def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     expected = expected_tokens(tiny_llama_dir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # Its own process group, as a shell's job: a terminal's Ctrl-C goes to every process in it.
+    monkeypatch.setattr(subprocess, "Popen", functools.partial(subprocess.Popen, start_new_session=True))
     process = start_serve(port, "--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2")
+    monkeypatch.undo()
+    children: list[psutil.Process] = []
     try:
         # the fork server, rank 1 (its child), multiprocessing's resource tracker
         children = psutil.Process(process.pid).children(recursive=True)
+        assert all(os.getpgid(p.pid) == process.pid for p in children)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
+        # Ctrl-C's SIGINT as the rest of the group gets it, a stream in flight: the workers
+        # carry on (the server's own SIGINT, its drain, comes last, as a real os.killpg).
+        first_chunk, streamed = threading.Event(), {}
+        streaming = threading.Thread(target=lambda: streamed.update(
+            stream_completion(url, str(tiny_llama_dir), 200, first_chunk)), daemon=True)
+        streaming.start()
+        assert first_chunk.wait(EXIT_GUARD_S)
+        assert streaming.is_alive(), streamed  # still in flight when the signal lands
+        for child in children:
+            os.kill(child.pid, signal.SIGINT)
+        streaming.join(EXIT_GUARD_S)
+        assert streamed["error"] is None and streamed["finish_reason"] == "length", streamed
+        assert all(p.is_running() for p in children) and health_status(url) == 200
         rank1 = next(p for p in children if p.ppid() != process.pid and "forkserver" in " ".join(p.cmdline()))
         rank1.kill()  # a zombie until the server reaps it: wait for /health, not for the pid
         assert wait_for(lambda: health_status(url) == 503, EXIT_GUARD_S)
         assert "rank 1" in httpx.get(f"{url}/health", timeout=30).json()["reason"]
         failed = post_completion(url, str(tiny_llama_dir))  # ends at once, as an engine error
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C
         process.wait(EXIT_GUARD_S)
         assert process.returncode == 0
         _, alive = psutil.wait_procs(children, timeout=EXIT_GUARD_S)
         assert not alive
     finally:
         stop(process)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
 
 @pytest.mark.cluster

@@ -20,7 +20,7 @@ from radixserve.parallel.group import (
 from radixserve.parallel.loading import load_shard
 from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.runner import TensorParallelRunner
-from radixserve.parallel.worker import WorkerSpec, run_worker
+from radixserve.parallel.worker import WorkerSpec, run_started_worker
 
 
 def launched_externally() -> bool:
@@ -61,7 +61,7 @@ class TensorParallel:
         assert rendezvous is not None
         threads = max(1, (os.cpu_count() or 1) // size) if torch_device.type == "cpu" else None
         spec = WorkerSpec(model, dtype, torch_device.type, backend, rendezvous, timeout_s, threads)
-        workers = WorkerProcesses() if external else WorkerProcesses.start(run_worker, size, spec,
+        workers = WorkerProcesses() if external else WorkerProcesses.start(run_started_worker, size, spec,
                                                                             on_cpu=torch_device.type == "cpu")
         threads_before = torch.get_num_threads()
         try:

@@ -1,6 +1,6 @@
 """A worker rank: load its shard, build its pool, then run rank 0's plans until told to stop.
 
-Started by rank 0 (`run_worker`: spawned on CUDA, forked by a fork server on the CPU) or by
+Started by rank 0 (`run_started_worker`: spawned on CUDA, forked by a fork server on the CPU) or by
 an external launcher such as torchrun on another node (`python -m radixserve.parallel.worker --model M --tensor-parallel-size N`
 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; LOCAL_RANK picks the GPU). A worker
 holds no scheduler, tree or sampler: plans tell it everything (plan.py).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,18 @@ def worker_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", int(local) if local is not None else rank % torch.cuda.device_count())
 
 
+def run_started_worker(rank: int, spec: WorkerSpec) -> None:
+    """The life of a worker that rank 0 started (its process's target): `run_worker`, deaf to
+    SIGINT. A terminal's Ctrl-C goes to the whole process group, the workers included (a fork
+    server's child gets Python's handlers back): a rank that died of it broke the group, and
+    the server's streams in flight failed instead of draining. Rank 0 ends its workers itself
+    (STOP at close, its sockets closing, or a kill)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_worker(rank, spec)
+
+
 def run_worker(rank: int, spec: WorkerSpec) -> None:
-    """A worker's whole life (the started process's target)."""
+    """A worker's whole life: joins the group, loads its shard, serves plans until STOP."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
