@@ -191,3 +191,22 @@ def test_failures_are_reported_for_tiers_results_too(capsys: pytest.CaptureFixtu
     assert _report_failures({"server_failures": {}, "token_mismatches": {"HTTP, cache on": "3 tokens short"}}) is True
     err = capsys.readouterr().err
     assert "server run 'host tier' failed: exit 1" in err and "'HTTP, cache on' did not do the same work" in err
+
+
+def _bench_parse(argv: list[str]) -> argparse.Namespace:
+    from radixserve.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_limit_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--limit -1` was a Python slice (every request but the last), `--limit 0` an empty run."""
+    simulate = ["simulate", "--workload", "gsp", "--capacity-tokens", "1k"]
+    serve = ["serve", "--url", "http://127.0.0.1:1", "--workload", "gsp"]
+    for command in (simulate, serve):
+        assert _bench_parse([*command, "--limit", "3"]).limit == 3
+        for bad in ("-1", "0", "x"):
+            with pytest.raises(SystemExit) as exit_:
+                _bench_parse([*command, "--limit", bad])
+            assert exit_.value.code == 2
+            assert f"argument --limit: expected a positive integer, got {bad!r}" in capsys.readouterr().err

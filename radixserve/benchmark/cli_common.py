@@ -25,10 +25,21 @@ def add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) ->
         group.add_argument("--trace", type=Path, help="Mooncake trace (JSONL) to replay")
     parser.add_argument("--workload-args", default="", metavar="K=V,...",
                         help="generator overrides, e.g. num_groups=8,prompts_per_group=4")
-    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="first N requests only")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="Poisson arrivals at this many requests/s (synthetic workloads arrive at t=0 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def parse_workload_args(text: str) -> dict[str, Any]:
