@@ -210,3 +210,48 @@ def test_limit_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
                 _bench_parse([*command, "--limit", bad])
             assert exit_.value.code == 2
             assert f"argument --limit: expected a positive integer, got {bad!r}" in capsys.readouterr().err
+
+
+SIMULATE = ["simulate", "--workload", "gsp", "--capacity-tokens", "1k"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--capacity-tokens", "abc"], "argument --capacity-tokens: expected token counts"),
+    (["--host-capacity-tokens", "1x"], "argument --host-capacity-tokens: expected token counts"),
+    (["--capacity-tokens", "0"], "argument --capacity-tokens: expected token counts of at least 1"),
+    (["--capacity-tokens=-5k"], "argument --capacity-tokens: expected token counts of at least 1"),
+    (["--capacity-tokens", "1k,,2k"], "argument --capacity-tokens: expected token counts"),
+    (["--host-capacity-tokens=-1"], "argument --host-capacity-tokens: expected token counts of at least 0"),
+    (["--page-size", "0"], "argument --page-size: expected a power of two"),
+    (["--page-size", "3"], "argument --page-size: expected a power of two"),
+    (["--max-running", "0"], "argument --max-running: expected a positive integer"),
+    (["--max-batch-tokens", "0"], "argument --max-batch-tokens: expected a positive integer"),
+    (["--request-rate", "0"], "argument --request-rate: expected a positive number"),
+    (["--request-rate", "-1"], "argument --request-rate: expected a positive number"),
+    (["--decode-step-ms", "nan"], "argument --decode-step-ms: expected a positive number"),
+])
+def test_simulate_refuses_bad_numbers_as_it_parses(flags: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of these was a traceback (ValueError, IndexError, ZeroDivisionError, a stalled
+    simulated server) from deep inside the run."""
+    with pytest.raises(SystemExit) as exit_:
+        _bench_parse([*SIMULATE, *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulate_parses_token_counts_to_lists() -> None:
+    args = _bench_parse([*SIMULATE, "--capacity-tokens", "0.5k, 2k", "--page-size", "1"])
+    assert args.capacity_tokens == [500, 2000] and args.host_capacity_tokens == [0] and args.page_size == 1
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--workload-args", "system_prompt_len=64"],
+     "error: --workload-args: gsp takes no 'system_prompt_len' (it takes: num_groups, prompts_per_group,"),
+    (["--capacity-tokens", "8"], "error: --capacity-tokens 8 holds no page of 16 tokens"),
+])
+def test_simulate_refuses_bad_inputs_in_one_line(flags: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *SIMULATE, "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1

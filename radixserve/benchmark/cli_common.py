@@ -4,7 +4,9 @@ files, progress bars and status lines."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) ->
     parser.add_argument("--workload-args", default="", metavar="K=V,...",
                         help="generator overrides, e.g. num_groups=8,prompts_per_group=4")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="first N requests only")
-    parser.add_argument("--request-rate", type=float, default=None,
+    parser.add_argument("--request-rate", type=positive_float, default=None,
                         help="Poisson arrivals at this many requests/s (synthetic workloads arrive at t=0 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
 
@@ -40,6 +42,46 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse `type`: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    """An argparse `type`: 1, 2, 4, 8, ... (a page size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two, got {text!r}")
+    return value
+
+
+def token_counts(minimum: int):  # -> Callable[[str], list[int]]
+    """An argparse `type`: '0.5M,1M' -> [500000, 1000000], each at least `minimum`."""
+    from radixserve.benchmark.report import parse_tokens
+
+    def parse(text: str) -> list[int]:
+        try:
+            counts = [parse_tokens(part) for part in text.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < minimum:
+            raise argparse.ArgumentTypeError(f"expected token counts of at least {minimum} such as 64k or "
+                                             f"0.5M,1M, got {text!r}")
+        return counts
+
+    parse.__name__ = "token counts"
+    return parse
 
 
 def parse_workload_args(text: str) -> dict[str, Any]:
@@ -69,13 +111,27 @@ def load_workload(args: argparse.Namespace, **extra: Any) -> Workload:
     if getattr(args, "trace", None) is not None:
         workload = mooncake_trace(args.trace, limit=args.limit, vocab_size=getattr(args, "vocab_size", None))
     else:
-        params = {"seed": args.seed, **extra, **parse_workload_args(args.workload_args)}
-        workload = make_workload(args.workload, **params)
+        overrides = parse_workload_args(args.workload_args)
+        check_workload_args(args.workload, overrides)
+        workload = make_workload(args.workload, **{"seed": args.seed, **extra, **overrides})
         if args.limit is not None:
             workload = Workload(workload.name, workload.requests[: args.limit], workload.params)
     if args.request_rate is not None:
         workload = with_poisson_arrivals(workload, args.request_rate, seed=args.seed)
     return workload
+
+
+def check_workload_args(name: str, overrides: dict[str, Any]) -> None:
+    """ValueError naming the keywords of `--workload-args` that workload `name`'s generator
+    does not take (and those it does)."""
+    parameters = inspect.signature(WORKLOADS[name]).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return  # a generator that forwards its keywords: it reports them itself
+    taken = [p for p in parameters if p != "seed"]
+    unknown = [key for key in overrides if key not in parameters]
+    if unknown:
+        raise ValueError(f"--workload-args: {name} takes no {', '.join(map(repr, unknown))} "
+                         f"(it takes: {', '.join(taken)})")
 
 
 def write_json(path: Path, obj: Any) -> None:

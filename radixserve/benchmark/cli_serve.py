@@ -37,7 +37,11 @@ def serve_command(args: argparse.Namespace) -> int:
     from radixserve.benchmark.serve import run_serve_benchmark
 
     extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None and args.workload else {}
-    workload = load_workload(args, **extra)
+    try:
+        workload = load_workload(args, **extra)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
     result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
                                              open_loop=args.open_loop, model=args.model,
                                              timeout_s=args.timeout_s, progress=not args.no_progress,

@@ -7,11 +7,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from radixserve.benchmark.cli_common import add_workload_args, load_workload, progress_bar, say, write_json
+from radixserve.benchmark.cli_common import (
+    add_workload_args,
+    load_workload,
+    positive_float,
+    positive_int,
+    power_of_two,
+    progress_bar,
+    say,
+    token_counts,
+    write_json,
+)
 from radixserve.benchmark.report import (
     format_capacity,
     format_tokens,
-    parse_tokens,
     percent,
     plot_hit_rate_vs_capacity,
     plot_hit_rate_vs_host_capacity,
@@ -39,9 +48,9 @@ HOST_WRITE_POLICIES = ["write-back", "write-through-selective", "exclusive"]
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="replay a workload through the real cache and policies, no model")
     add_workload_args(p)
-    p.add_argument("--capacity-tokens", required=True, metavar="N[,N...]",
+    p.add_argument("--capacity-tokens", required=True, type=token_counts(1), metavar="N[,N...]",
                    help="cache capacity in tokens, e.g. 1M or a sweep 0.5M,1M,2M,4M")
-    p.add_argument("--host-capacity-tokens", default="0", metavar="N[,N...]",
+    p.add_argument("--host-capacity-tokens", default="0", type=token_counts(0), metavar="N[,N...]",
                    help="host tier capacity in tokens, e.g. 8M or a sweep 0,2M,8M (default: none); "
                         "with several device and host capacities every pair runs")
     p.add_argument("--host-write-policy", default="write-back", choices=HOST_WRITE_POLICIES,
@@ -49,9 +58,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-offload-min-priority", type=int, default=35,
                    help="device-only pages below this retention priority are dropped, not offloaded "
                         "(default: %(default)s)")
-    p.add_argument("--load-tokens-per-s", type=float, default=1_000_000.0,
+    p.add_argument("--load-tokens-per-s", type=positive_float, default=1_000_000.0,
                    help="simulated speed of loads from the host tier (default: %(default)s)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: %(default)s)")
+    p.add_argument("--page-size", type=power_of_two, default=16, help="tokens per page (default: %(default)s)")
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                    help="schedule policy of the main configuration, as `radixserve serve --schedule-policy` "
                         "(default: %(default)s)")
@@ -70,13 +79,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "(default: full pages only, as in the published tables)")
     p.add_argument("--no-baselines", action="store_true", help="run the main configuration only")
     p.add_argument("--study", action="store_true", help="also run every retention rule (eviction study)")
-    p.add_argument("--max-running", type=int, default=64,
+    p.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoding at once, as in `radixserve serve` (default: %(default)s)")
-    p.add_argument("--max-batch-tokens", type=int, default=8192,
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
                    help="tokens per simulated forward step (default: %(default)s)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0,
+    p.add_argument("--prefill-tokens-per-s", type=positive_float, default=100_000.0,
                    help="simulated prefill speed (default: %(default)s)")
-    p.add_argument("--decode-step-ms", type=float, default=20.0,
+    p.add_argument("--decode-step-ms", type=positive_float, default=20.0,
                    help="simulated time of one forward step (default: %(default)s)")
     p.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="simulate N replicas of --capacity-tokens each behind a router, next to one "
@@ -107,10 +116,19 @@ def simulate_command(args: argparse.Namespace) -> int:
     from radixserve.benchmark.simulate import SimConfig
     from radixserve.benchmark.suite import run_suite, suite_configs
 
-    capacities = [parse_tokens(c) for c in args.capacity_tokens.split(",")]
-    host_capacities = [parse_tokens(c) for c in args.host_capacity_tokens.split(",")]
+    capacities, host_capacities = args.capacity_tokens, args.host_capacity_tokens
     points = [(device, host) for device in capacities for host in host_capacities]
-    workload = load_workload(args)
+    if min(capacities) < args.page_size:
+        say(f"error: --capacity-tokens {min(capacities)} holds no page of {args.page_size} tokens")
+        return 2
+    if args.window is not None and args.window < 1:
+        say("error: --window must be >= 1")
+        return 2
+    try:
+        workload = load_workload(args)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
     if args.replicas is not None:
         if len(host_capacities) != 1:
             say("error: --replicas takes one --host-capacity-tokens (per replica)")
@@ -128,9 +146,6 @@ def simulate_command(args: argparse.Namespace) -> int:
                      host_offload_min_priority=args.host_offload_min_priority,
                      load_tokens_per_s=args.load_tokens_per_s, window=args.window,
                      cache_partial_pages=args.cache_partial_pages)
-    if args.window is not None and args.window < 1:
-        say("error: --window must be >= 1")
-        return 2
     bounds = WorkloadBounds(workload)
     batch_in_dfs_order = None if args.sequential else dfs_order(workload)
     dfs_bounds = WorkloadBounds(batch_in_dfs_order) if batch_in_dfs_order else None
