@@ -255,3 +255,17 @@ def test_simulate_refuses_bad_inputs_in_one_line(flags: list[str], message: str,
     assert main(["bench", *SIMULATE, "--no-progress", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags", [["--plot", "x.png"], ["--window", "32"], ["--study"], ["--cache-partial-pages"],
+                                   ["--no-baselines"], ["--sequential"], ["--study", "--plot", "x.png"]])
+def test_replicas_refuses_the_flags_it_would_ignore(flags: list[str], capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster simulation ran with rc 0 and silently wrote no plot, no window table, no
+    study, cached no partial page and ran every router anyway."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *SIMULATE, "--replicas", "2", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("radixserve bench: error: --replicas does not take ")
+    assert all(flag in err for flag in flags if flag.startswith("--"))
+    assert not (tmp_path / "x.png").exists()

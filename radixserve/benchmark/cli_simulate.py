@@ -117,6 +117,15 @@ def simulate_command(args: argparse.Namespace) -> int:
     from radixserve.benchmark.suite import run_suite, suite_configs
 
     capacities, host_capacities = args.capacity_tokens, args.host_capacity_tokens
+    if args.replicas is not None:
+        ignored = [flag for flag, given in (
+            ("--sequential", args.sequential), ("--window", args.window is not None), ("--study", args.study),
+            ("--cache-partial-pages", args.cache_partial_pages), ("--no-baselines", args.no_baselines),
+            ("--plot", args.plot is not None)) if given]
+        if ignored:
+            say(f"error: --replicas does not take {', '.join(ignored)} (the cluster simulation runs the routers "
+                "given and one replica of their memory, in the serving loop, and writes --json and --markdown)")
+            return 2
     points = [(device, host) for device in capacities for host in host_capacities]
     if min(capacities) < args.page_size:
         say(f"error: --capacity-tokens {min(capacities)} holds no page of {args.page_size} tokens")
@@ -213,8 +222,8 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
 
     routers = args.router.split(",")
     unknown = [r for r in routers if r not in ROUTERS]
-    if unknown or args.sequential or args.replicas < 1:
-        say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1, without --sequential")
+    if unknown or args.replicas < 1:
+        say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1")
         return 2
     try:
         speeds = [float(x) for x in args.replica_speeds.split(",")] if args.replica_speeds else None
