@@ -135,3 +135,46 @@ def test_http_errors_are_recorded_not_raised(server) -> None:
     summary = result.summary()
     assert summary["errors"] == 1 and summary["completed"] == 1
     assert "HTTP 400" in result.records[0].error
+
+
+def test_ctrl_c_writes_what_finished_and_exits_130(server, tmp_path, capsys) -> None:
+    """Ctrl-C mid-run was a KeyboardInterrupt traceback with no table and no JSON, although
+    requests had finished. Now: the finished ones' summary (table and JSON, marked
+    interrupted, the others counted as errors 'interrupted'), one line, rc 130."""
+    import os
+    import signal
+
+    from radixserve.cli import main
+
+    url, scripted = server
+    out = tmp_path / "serve.json"
+
+    def interrupt_after_three() -> None:
+        deadline = time.monotonic() + 30
+        while len(scripted.spans) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's Ctrl-C finds it
+    watcher = threading.Thread(target=interrupt_after_three, daemon=True)
+    try:
+        watcher.start()
+        try:
+            code = main(["bench", "serve", "--url", url, "--workload", "gsp", "--workload-args",
+                         "num_groups=4,prompts_per_group=50,system_len=8,question_len=4,output_len=5",
+                         "--concurrency", "2", "--no-progress", "--json", str(out)])
+        except KeyboardInterrupt:
+            code = None
+        watcher.join(timeout=30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    captured = capsys.readouterr()
+    assert code == 130, captured.err
+    summary = json.loads(out.read_text())
+    assert summary["interrupted"] is True and summary["requests"] == 200
+    assert 3 <= summary["completed"] < 200 and summary["completed"] + summary["errors"] == 200
+    assert summary["error_messages"] == {"interrupted": summary["errors"]}
+    assert summary["completion_tokens"] == 5 * summary["completed"]
+    assert "| gsp |" in captured.out
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
+    assert f"interrupted: {summary['completed']} of 200 requests finished" in captured.err

@@ -11,6 +11,9 @@ from radixserve.benchmark.cli_common import add_workload_args, load_workload, sa
 from radixserve.benchmark.report import serve_table
 
 
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="drive a running server over HTTP (/v1/completions, token ids)")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
@@ -42,15 +45,26 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         say(f"error: {error}")
         return 2
-    result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
-                                             open_loop=args.open_loop, model=args.model,
-                                             timeout_s=args.timeout_s, progress=not args.no_progress,
-                                             api_key=args.api_key))
+    try:
+        # Ctrl-C: asyncio.run cancels the run, which returns what finished (interrupted).
+        result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
+                                                 open_loop=args.open_loop, model=args.model,
+                                                 timeout_s=args.timeout_s, progress=not args.no_progress,
+                                                 api_key=args.api_key, keep_on_cancel=True))
+    except KeyboardInterrupt:  # a second Ctrl-C, or one that came before the run began
+        say("interrupted: no results kept")
+        return INTERRUPTED
     summary = result.summary()
     if summary["completed"]:
         print(serve_table({workload.name: summary}))
     if args.json:
         write_json(args.json, summary | {"error_messages": dict(result.errors())})
+    if result.interrupted:
+        failed = summary["errors"] - sum(1 for r in result.records if r.error == "interrupted")
+        say(f"interrupted: {summary['completed']} of {summary['requests']} requests finished"
+            + (f", {failed} failed" if failed else "") + "; the others are counted as errors 'interrupted'"
+            + (f"; summary of those that finished written to {args.json}" if args.json else ""))
+        return INTERRUPTED
     if summary["errors"]:
         say(f"FAILED: {summary['errors']} of {summary['requests']} requests failed"
              + ("" if summary["completed"] else " (none completed: no table)") + "; errors:")

@@ -52,6 +52,7 @@ class ServeResult:
     records: list[RequestRecord]
     duration_s: float
     replica_requests: dict[str, int] | None = None  # a cluster's requests per replica in this run
+    interrupted: bool = False  # cancelled (Ctrl-C) before every request finished: see run_serve_benchmark
 
     def summary(self) -> dict[str, object]:
         """Latency, throughput and hit-rate figures (JSON-ready)."""
@@ -74,6 +75,7 @@ class ServeResult:
             "total_token_throughput": (prompt + output) / duration,
             **_stats("ttft", ttft), **_stats("itl", itl), **_stats("latency", latency),
             **_replica_figures(self.replica_requests),
+            **({"interrupted": True} if self.interrupted else {}),
         }
 
     def errors(self) -> list[tuple[str, int]]:
@@ -164,12 +166,15 @@ async def send_request(client: httpx.AsyncClient, url: str, request: BenchReques
 async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int | None = 16,
                               open_loop: bool = False, model: str | None = None, isolate: bool = False,
                               timeout_s: float = 600.0, progress: bool = False,
-                              api_key: str | None = None) -> ServeResult:
+                              api_key: str | None = None, keep_on_cancel: bool = False) -> ServeResult:
     """Replays `workload` against the server at `url` (e.g. http://127.0.0.1:8000).
 
     `open_loop` sends each request at its `arrival_time`; otherwise `concurrency` workers
     keep that many requests in flight. `isolate` gives every request its own cache_salt.
     `api_key` is sent as `Authorization: Bearer` (a keyed server answers 401 without it).
+    With `keep_on_cancel`, a cancellation (asyncio.run's answer to Ctrl-C) ends the run and
+    returns what finished, `interrupted`, every other request recorded with the error
+    "interrupted"; without it the cancellation propagates.
     """
     url = url.rstrip("/")
     requests = workload.requests
@@ -192,28 +197,38 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
         routed_before = await cluster_routed(client, url)
         start = time.perf_counter()
-        if open_loop:
-            async def at_arrival(request: BenchRequest) -> None:
-                await asyncio.sleep(max(0.0, request.arrival_time - (time.perf_counter() - start)))
-                await one(client, request)
-            await asyncio.gather(*(at_arrival(r) for r in requests))
-        else:
-            queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
-            for r in requests:
-                queue.put_nowait(r)
+        interrupted = False
+        try:
+            if open_loop:
+                async def at_arrival(request: BenchRequest) -> None:
+                    await asyncio.sleep(max(0.0, request.arrival_time - (time.perf_counter() - start)))
+                    await one(client, request)
+                await asyncio.gather(*(at_arrival(r) for r in requests))
+            else:
+                queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
+                for r in requests:
+                    queue.put_nowait(r)
 
-            async def worker() -> None:
-                while not queue.empty():
-                    await one(client, queue.get_nowait())
-            await asyncio.gather(*(worker() for _ in range(max(concurrency or 1, 1))))
+                async def worker() -> None:
+                    while not queue.empty():
+                        await one(client, queue.get_nowait())
+                await asyncio.gather(*(worker() for _ in range(max(concurrency or 1, 1))))
+        except asyncio.CancelledError:
+            if not keep_on_cancel:
+                raise
+            interrupted = True  # gather cancelled the requests still running
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
         duration = time.perf_counter() - start
-        routed_after = await cluster_routed(client, url) if routed_before is not None else None
+        routed_after = await cluster_routed(client, url) if routed_before is not None and not interrupted else None
     if bar is not None:
         bar.close()
     per_replica = None
     if routed_before is not None and routed_after is not None:
         per_replica = {r: n - routed_before.get(r, 0) for r, n in routed_after.items()}
-    return ServeResult(url, workload.name, [records[r.index] for r in requests], duration, per_replica)
+    return ServeResult(url, workload.name, [records.get(r.index) or RequestRecord(r.index, error="interrupted")
+                                            for r in requests], duration, per_replica, interrupted)
 
 
 def _progress_bar(total: int, enabled: bool):  # -> tqdm | None
