@@ -3,6 +3,7 @@ says, follows new requests, works with an API key, and stays exact on a 100k-nod
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 from browser_util import headless_chromium, wait_until
 from server_util import running_server
-
 from starlette.responses import PlainTextResponse
 
 from radixserve import AsyncEngine, Engine
@@ -234,3 +234,41 @@ def test_dashboard_on_a_100k_node_tree(tiny_llama_dir: Path, browser: Any) -> No
                                "snapshot: radixDashboard.tree.took_ms})")
         print(f"100k-node tree, 2000 drawn: {timing}")  # figures for docs, not asserted
         page.close()
+
+
+SALTED = 300  # one-page namespaces in the key-less server below
+
+
+@pytest.fixture(scope="module")
+def salted_url() -> Iterator[str]:
+    """A key-less server whose cache holds SALTED namespaces of one page each (what SALTED
+    requests with distinct cache_salt values leave behind), cached before the engine starts."""
+    engine = Engine(model="demo", page_size=2, num_pages=SALTED + 200, eviction_policy="lru")
+    for i in range(SALTED):
+        pages = engine.pool.allocate(1)
+        engine.tree.insert(np.array([i % 200, i // 200]), pages, (engine.model_name, f"salt-{i}"))
+        engine.pool.decref(pages)
+    with running_server(create_app(AsyncEngine(engine))) as url:
+        yield url
+
+
+def test_max_nodes_bounds_the_namespaces_drawn(salted_url: str, browser: Any) -> None:
+    """300 namespaces and max_nodes=20: 20 are drawn, the other 280 as one grey aggregate in
+    the top row (they were all sent and drawn, a top row quadratic in namespaces)."""
+    page = browser.new_page()
+    page.goto(f"{salted_url}/dashboard?tree_ms=60000&stats_ms=60000&max_nodes=20")
+    wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1"), "the first tree")
+    tree = page.evaluate("radixDashboard.tree")
+    top_row = [(v["kind"], v.get("namespaces")) for v in tree["root"]["children"]]
+    assert top_row == [("namespace", None)] * 20 + [("aggregate", SALTED - 20)]
+    assert tree["nodes_shown"] == 20 and tree["nodes_total"] == SALTED and tree["truncated"]
+    assert drawn(page) == sorted((v["id"], v["kind"]) for v in views(tree["root"]))
+    # The top row spans the drawing, left to right without gap or overlap.
+    xs = page.eval_on_selector_all(
+        "#tree rect", "rs => rs.filter(r => Number(r.getAttribute('y')) === 0)"
+        ".map(r => [Number(r.getAttribute('x')), Number(r.getAttribute('width')) + 0.5])")
+    xs.sort()
+    assert xs[0][0] == 0 and all(abs(x + w - nx) < 0.02 for (x, w), (nx, _) in itertools.pairwise(xs))
+    assert xs[-1][0] + xs[-1][1] == pytest.approx(float(page.get_attribute("#tree", "viewBox").split()[2]), abs=0.02)
+    assert f"+{SALTED - 20} namespaces" in page.text_content("#tree")
+    page.close()

@@ -179,3 +179,24 @@ def test_a_partial_leaf_is_drawn_as_one_page_holding_its_tokens_with_no_hash() -
     assert (partial.pages, partial.tokens, partial.prefix_tokens, partial.token_ids) == (1, 2, 10, [8, 9])
     assert partial.hash is None and full.hash is not None  # events name full pages only
     assert view.pages_total == 3
+
+
+def test_max_nodes_bounds_the_namespaces_too() -> None:
+    """Each namespace that a shown node lies in is listed; the others (a tenant can make
+    thousands with distinct cache salts) fold into one aggregate child of the top, totals exact."""
+    pool, tree = make_tree(num_pages=512)
+    for i in range(24):  # 24 namespaces, namespace i holding i + 1 pages in one node
+        cache(pool, tree, [i + 1] * (4 * (i + 1)), f"salt-{i}")
+    for _ in range(2):
+        tree.match([1, 1, 1, 1, 0], "salt-0")  # a hot prefix in the smallest
+    s = snap(tree, max_nodes=5, top_k=1)
+    *listed, rest = s.root.children
+    assert [v.kind for v in listed] == ["namespace"] * 6 and rest.kind == "aggregate"
+    assert [v.namespace for v in listed] == [f"ns-salt-{i}" for i in (23, 22, 21, 20, 19, 0)]
+    assert (rest.namespaces, rest.subtree_nodes, rest.namespace, rest.prefix_tokens) == (18, 18, None, 0)
+    assert rest.subtree_pages == rest.pages == sum(range(2, 20)) and rest.tokens == rest.pages * P
+    assert s.nodes_shown == 6 and s.truncated and s.top_prefixes[0].namespace == "ns-salt-0"
+    assert sum(v.subtree_pages for v in s.root.children) == s.root.subtree_pages == s.pages_total == 300
+    assert sum(v.subtree_nodes for v in s.root.children) == s.root.subtree_nodes == s.nodes_total == 24
+    everything = snap(tree)  # everything fits: every namespace listed, nothing aggregated
+    assert [v.kind for v in everything.root.children] == ["namespace"] * 24 and not everything.truncated

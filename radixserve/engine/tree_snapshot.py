@@ -5,7 +5,9 @@ the `max_nodes` nodes with the largest subtrees (by cached pages), never deeper 
 `max_depth` below their namespace, plus the `top_k` most-hit nodes (the hottest shared
 prefixes) with their ancestors. Every node left out is folded into one "aggregate" child of its
 shown parent that carries the pages and node counts of what it stands for, so page totals stay
-exact at every level and an icicle drawn from the view has the true proportions.
+exact at every level and an icicle drawn from the view has the true proportions. Namespaces are
+bounded the same way: those that hold a shown node are listed, the others (a client can make
+thousands, one per cache salt) fold into one aggregate child of the top.
 
 It is built from a `TreeCopy` (tree_copy.py), which the engine thread takes in small
 slices between steps; the view itself is built from the copy anywhere (the server does it in
@@ -51,7 +53,8 @@ def _tier(node: NodeCopy) -> str:
 class TreeNodeView(msgspec.Struct, omit_defaults=True):
     """One drawn node. `kind`: "cache" (the top, one per snapshot), "namespace" (a tenant's
     root, `namespace` its opaque id), "node" (one edge of the tree) or "aggregate" (the
-    children of its parent that were left out, `subtree_nodes` of them); a cluster's view
+    children of its parent that were left out, `subtree_nodes` of them; below the top, the
+    `namespaces` namespaces left out, with `subtree_nodes` nodes in them); a cluster's view
     has a "replica" node per replica below the top, and every node names its `replica`."""
 
     id: int
@@ -76,6 +79,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     text: str | None = None             # the edge decoded, only with --expose-cache-tokens
     partial: bool = False           # a partial leaf: one page, fewer than page_size tokens, no hash
     replica: str | None = None      # the replica whose cache holds it (a cluster's view only)
+    namespaces: int | None = None   # an aggregate of namespaces: how many it stands for
     children: list[TreeNodeView] = []
 
 
@@ -225,18 +229,21 @@ def _choose_shown(facts: _Facts, options: SnapshotOptions) -> Generator[None, No
                                   position, siblings))
 
     for root in facts.roots:
-        facts.shown[root] = True
+        if root not in facts.kids:  # an empty namespace (held by a request): nothing to leave out
+            facts.shown[root] = True
         offer(facts.children(root), 0)
     while heap and budget > 0:
         _, i, position, siblings = heapq.heappop(heap)
         facts.shown[i] = True
+        facts.shown[facts.parent[i]] = True  # its namespace root, when it is one (else shown already)
         budget -= 1
         offer(siblings, position + 1)
         if facts.depth[i] < options.max_depth:
             offer(facts.children(i), 0)
         if budget % NODES_PER_PIECE == 0:
             yield
-    # The hottest prefixes are drawn whatever their size: the dashboard lists and marks them.
+    # The hottest prefixes are drawn whatever their size (their namespace too): the dashboard
+    # lists and marks them.
     for i in _hottest(facts, options.top_k):
         if facts.depth[i] <= options.max_depth:
             while i >= 0 and not facts.shown[i]:
@@ -277,13 +284,25 @@ class _Builder:
                            subtree_pages=sum(f.subtree_pages[r] for r in roots),
                            subtree_nodes=sum(f.subtree_nodes[r] - 1 for r in roots),
                            lock_count=sum(f.nodes[r].lock_ref for r in roots), hits=0, tier=DEVICE_TIER)
+        hidden = []  # namespaces holding no shown node: one aggregate, however many there are
         for root in roots:
+            if not f.shown[root]:
+                hidden.append(root)
+                continue
             view = TreeNodeView(id=self._id(), kind="namespace", pages=0, tokens=0, prefix_tokens=0,
                                 subtree_pages=f.subtree_pages[root], subtree_nodes=f.subtree_nodes[root] - 1,
                                 lock_count=f.nodes[root].lock_ref, hits=0, tier=DEVICE_TIER,
                                 namespace=self._namespace(f.nodes[root].namespace))
             top.children.append(view)
             yield from self._fill(root, view)
+        if hidden:
+            self.truncated = True
+            pages = sum(f.subtree_pages[r] for r in hidden)
+            top.children.append(TreeNodeView(
+                id=self._id(), kind="aggregate", pages=pages, tokens=pages * self.page_size, prefix_tokens=0,
+                subtree_pages=pages, subtree_nodes=sum(f.subtree_nodes[r] - 1 for r in hidden),
+                lock_count=sum(f.nodes[r].lock_ref for r in hidden), hits=0, tier=DEVICE_TIER,
+                namespaces=len(hidden)))
         return top
 
     def _fill(self, root: int, root_view: TreeNodeView) -> Generator[None, None, None]:

@@ -178,8 +178,14 @@
     if (total === 0) {
       svg("text", { x: 12, y: 24 }, fragment).textContent = "the cache is empty";
     }
-    // The cache root is not drawn: its children (namespaces) form the top row.
-    const queue = total ? (tree.root.children || []).map((c, i, all) => [c, 0, offset(all, i, total, width)]) : [];
+    // The cache root is not drawn: its children (namespaces) form the top row, laid out with a
+    // running sum (linear in the namespaces, as every other row is in its siblings).
+    const queue = [];
+    let topX = 0;
+    for (const child of total ? tree.root.children || [] : []) {
+      queue.push([child, 0, topX]);
+      topX += (child.subtree_pages / total) * width;
+    }
     while (queue.length) {
       const [node, level, x] = queue.pop();
       const w = total ? (node.subtree_pages / total) * width : 0;
@@ -197,7 +203,7 @@
       drawn += 1;
       if (w > 56 && rowHeight > 12) {
         const label = svg("text", { x: (x + 3).toFixed(1), y: (y + Math.min(rowHeight - 4, 13)).toFixed(1) }, fragment);
-        label.textContent = node.kind === "aggregate" ? `+${node.subtree_nodes} nodes`
+        label.textContent = node.kind === "aggregate" ? aggregateLabel(node)
           : node.kind === "namespace" ? `ns ${node.namespace.slice(0, 8)}` : `${node.pages}p ${node.hits}h`;
       }
       let childX = x;
@@ -225,10 +231,9 @@
     return node.hash != null ? `h${node.hash}` : `${node.kind}${node.id}`;
   }
 
-  function offset(siblings, index, total, width) {
-    let x = 0;
-    for (let i = 0; i < index; i++) x += (siblings[i].subtree_pages / total) * width;
-    return x;
+  // An aggregate of nodes, or (below the top) of the namespaces left out.
+  function aggregateLabel(node) {
+    return node.namespaces != null ? `+${node.namespaces} namespaces` : `+${node.subtree_nodes} nodes`;
   }
 
   function renderLegend() {
@@ -257,6 +262,9 @@
   }
 
   function describe(node) {
+    if (node.kind === "aggregate" && node.namespaces != null) {
+      return `${node.namespaces} smaller namespaces, ${node.subtree_nodes} nodes, ${node.pages} pages`;
+    }
     if (node.kind === "aggregate") return `${node.subtree_nodes} smaller subtrees, ${node.pages} pages`;
     if (node.kind === "namespace") return `namespace ${node.namespace}: ${node.subtree_pages} pages`;
     return `${node.pages} pages (${node.tokens} tokens) at ${node.prefix_tokens} tokens deep, ` +
@@ -282,6 +290,7 @@
       rows.push(["retention priority", `${node.priority} (max ${node.priority_max})`],
                 ["age", `${node.age_s.toFixed(1)} s`], ["tier", node.tier]);
     }
+    if (node.namespaces != null) rows.push(["namespaces", node.namespaces]);
     if (node.namespace) rows.push(["namespace", node.namespace]);
     if (node.text != null) rows.push(["text", node.text]);
     for (const [name, value] of rows) add(details, name, String(value));
