@@ -158,10 +158,12 @@ def serve_command(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
-    engine.close()  # ends tensor-parallel workers, if any
     if app.state.engine_stopped is False:
+        # No close(): a tensor-parallel STOP waits on a group that the stuck step holds (10 s
+        # and more, past --shutdown-timeout-s); _exit_now kills the workers instead.
         say("the engine thread did not stop (a step is stuck); exiting anyway")
         _exit_now(1)
+    engine.close()  # ends tensor-parallel workers, if any
     say("stopped")
     return 0
 
@@ -376,7 +378,12 @@ def _shutdown_overdue(timeout_s: float) -> None:
 
 
 def _exit_now(status: int) -> None:
-    """Ends the process without waiting for any thread (a stuck engine thread included)."""
+    """Ends the process without waiting for any thread (a stuck engine thread included),
+    killing its tensor-parallel workers first: os._exit runs no close() and no atexit, and a
+    hung rank (with the fork server) outlived the server."""
+    processes = sys.modules.get("radixserve.parallel.processes")  # not imported: no workers
+    if processes is not None:
+        processes.kill_all()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

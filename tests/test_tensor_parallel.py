@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from radixserve import AsyncEngine, Engine, SamplingParams
+from radixserve import AsyncEngine, Engine, SamplingParams, cli_serve
 from radixserve.cli import build_parser, engine_options
 from radixserve.engine.engine_setup import bytes_per_page
 from radixserve.models.demo import build_tokenizer
@@ -258,8 +258,11 @@ def test_gguf_shards_then_a_killed_worker_fails_cleanly(tiny_llama_dir: Path, tm
     assert not any(p.is_alive() for p in tp.runner.workers.processes)
 
 
-def test_a_hung_worker_fails_the_engine_after_the_collective_timeout(tiny_llama_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hung_worker_fails_the_engine_after_the_collective_timeout_and_dies_with_a_server_exiting_now(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and a server that exits at once (`_exit_now`: a step stuck, a second Ctrl-C, the
+    shutdown overdue) kills it first: os._exit runs no close and no atexit, and the hung rank
+    (and the fork server, which lives while a child holds its fd) outlived the server."""
     monkeypatch.setenv("RADIXSERVE_TP_TIMEOUT_S", "5")
     tp = Engine(str(tiny_llama_dir), page_size=4, num_pages=64, tensor_parallel_size=2)
     worker = tp.runner.workers.processes[0]
@@ -273,6 +276,16 @@ def test_a_hung_worker_fails_the_engine_after_the_collective_timeout(tiny_llama_
         assert not runner.is_alive(), "a hung worker hung the engine"
         assert [o.finish_reason for o in result["outs"]] == ["error"]
         assert tp.fault() is not None
+
+        def exit_now(status: int) -> None:
+            raise SystemExit(status)
+
+        monkeypatch.setattr(os, "_exit", exit_now)  # what cli_serve._exit_now ends with
+        with pytest.raises(SystemExit):
+            cli_serve._exit_now(1)
+        monkeypatch.undo()
+        worker.join(HANG_GUARD_S)  # killed: no close() has run
+        assert not worker.is_alive()
     finally:
-        tp.close()  # a stopped process is killed
+        tp.close()
     assert not worker.is_alive()

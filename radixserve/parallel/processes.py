@@ -12,6 +12,7 @@ STOP_GRACE_S = 10.0  # a worker told to stop gets this long before it is termina
 # and the loaders, which import transformers' configurations), none of it touching a device,
 # after forkserver_env.py, which keeps numpy's BLAS from starting threads there.
 FORKSERVER_PRELOAD = ("radixserve.parallel.forkserver_env", "radixserve.parallel.worker", "radixserve.models.loader")
+_RUNNING: list[WorkerProcesses] = []  # started here and not yet stopped: what `kill_all` ends
 
 
 class WorkerProcesses:
@@ -37,9 +38,11 @@ class WorkerProcesses:
             context = multiprocessing.get_context("spawn")
         processes = [context.Process(target=target, args=(rank, *args), name=f"radixserve-tp-rank{rank}",
                                      daemon=True) for rank in range(1, world_size)]
+        workers = cls(processes)
+        _RUNNING.append(workers)
         for process in processes:
             process.start()
-        return cls(processes)
+        return workers
 
     def first_dead(self) -> str | None:
         """Why the first worker that has exited did, or None while all run."""
@@ -59,3 +62,20 @@ class WorkerProcesses:
             if process.is_alive():
                 process.kill()
                 process.join(2.0)
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+
+    def kill(self) -> None:
+        """SIGKILLs the workers still running, waiting for none (a process about to exit)."""
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                process.kill()
+
+
+def kill_all() -> None:
+    """Kills every worker this process started and has not stopped: for a process that exits
+    without closing its engines (os._exit runs neither close() nor multiprocessing's atexit
+    terminate). A hung rank would otherwise outlive it, and with it the fork server, which
+    serves while any of its children holds its descriptor."""
+    for workers in list(_RUNNING):
+        workers.kill()
