@@ -21,7 +21,7 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-from server_util import running_server
+from server_util import running_server, wait_for
 
 from radixserve import AsyncEngine, Engine
 from radixserve.cache.page_hash import namespace_id, namespace_seed, page_hashes
@@ -207,6 +207,66 @@ def test_a_tenants_event_stream_carries_only_its_events_numbered_by_what_it_saw(
         event = _data(lines, 1)[0]
     assert event["type"] == "stored" and event["seq"] == start + 1  # no gap for the victim's events
     assert tenant_of(engine.hashing.namespace_of_id(event["namespace"])) == "mallory"
+
+
+def _settled(url: str, finished: int) -> None:
+    """Waits until `finished` requests are done and the engine's published stats say so (a
+    tree view after that is of a fresh copy: a copy is reused only while the stats stand still)."""
+    with _client(url, ADMIN) as admin:
+        def done() -> bool:
+            requests = admin.get("/v1/cache/stats").json()["requests"]
+            return requests["requests_finished"] >= finished and requests["running"] == requests["waiting"] == 0
+        assert wait_for(done), "the engine did not settle"
+
+
+def test_a_tenants_recency_ticks_tell_nothing_of_the_others_traffic(keyed: tuple[Engine, str]) -> None:
+    """The tick of a tenant's node was the pool-wide recency counter: a tenant that looked its
+    own prompt up twice read from the difference how many lookups and inserts (so requests,
+    and roughly how long their prompts were) the other tenants made in between. In its view
+    the ticks are ranks among its own nodes shown: the same whether the victim worked or not."""
+    _, url = keyed
+    with _client(url, ADMIN) as admin:
+        finished = admin.get("/v1/cache/stats").json()["requests"]["requests_finished"]
+
+    def probe(prompt: str) -> None:
+        nonlocal finished
+        with _client(url, MALLORY) as mallory:
+            response = mallory.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                             "cache_salt": "ticks"})
+            assert response.status_code == 200, response.text
+        finished += 1
+        _settled(url, finished)
+
+    def ticks(key: str) -> tuple[int, dict[tuple[int, str | None], int]]:
+        with _client(url, key) as client:
+            tree = client.get("/v1/cache/tree", params={"hashes": "true", "max_nodes": 100_000}).json()
+        out, stack = {}, [tree["root"]]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.get("children", ()))
+            if node["kind"] == "node":
+                out[(node["prefix_tokens"], node.get("hash"))] = node["tick"]
+        return tree["recency_tick"], out
+
+    for prompt in ("mallory counts the ticks, one", "mallory counts the ticks, two", "mallory counts"):
+        probe(prompt)
+    probe("mallory counts the ticks, one")
+    quiet = ticks(MALLORY)  # nothing but its own probe since the last one
+    for pin in range(3):  # the victim works: several lookups and inserts of its own
+        with _client(url, VICTIM) as victim:
+            response = victim.post("/v1/chat/completions", json={**_chat_body(pin), "max_tokens": 4})
+            assert response.status_code == 200, response.text
+        finished += 1
+    _settled(url, finished)
+    probe("mallory counts the ticks, one")
+    busy, (_, admins) = ticks(MALLORY), ticks(ADMIN)
+    assert busy == quiet, "the victim's work moved the attacker's ticks"
+    recency, mine = busy
+    assert sorted(set(mine.values())) == list(range(1, recency + 1)) and len(mine) > 2  # dense ranks
+    for a in mine:  # in the admin's order (its raw counter, unchanged)
+        for b in mine:
+            if a[1] and b[1]:
+                assert (mine[a] < mine[b]) == (admins[a] < admins[b]), (a, b)
 
 
 def _data(lines: Iterator[str], count: int) -> list[dict]:

@@ -70,7 +70,8 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     priority: int | None = None     # retention priority in force for the tail page (evicted first)
     priority_max: int | None = None  # highest retention priority of its pages
     age_s: float | None = None      # seconds since its pages were cached
-    tick: int | None = None         # recency counter of the last use (larger = more recent)
+    tick: int | None = None         # recency counter of the last use (larger = more recent); ranked
+                                    # among the nodes shown in a tenant's view (build_view)
     namespace: str | None = None
     # The cache-event hash of its last page, in decimal: a string, because JavaScript numbers
     # cannot hold 64-bit integers exactly (events carry the same digits as a JSON integer).
@@ -109,7 +110,7 @@ class TreeSnapshot(msgspec.Struct):
     truncated: bool           # some node was folded into an aggregate
     max_nodes: int
     max_depth: int
-    recency_tick: int         # the largest tick in the tree: "now" for `tick`
+    recency_tick: int         # the largest tick in the tree: "now" for `tick` (ranked: the highest rank)
     root: TreeNodeView
     top_prefixes: list[TopPrefix]
     took_ms: float            # time spent on the engine thread copying the tree for it
@@ -138,7 +139,7 @@ def snapshot_tree(tree: RadixTree, options: SnapshotOptions, *,
 
 def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callable[[Hashable], str],
                decode: Callable[[list[int]], str] | None = None,
-               hashing: PageHashing | None = None) -> Generator[None, None, TreeSnapshot]:
+               hashing: PageHashing | None = None, rank_ticks: bool = False) -> Generator[None, None, TreeSnapshot]:
     """The bounded view of a tree copy, as sliced work (sliced_work.py): it yields every few
     hundred nodes, so the engine thread can build it between steps. (Built in another thread
     instead, its Python work would hold the interpreter lock against the engine's.)
@@ -147,6 +148,12 @@ def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callab
     with, page_hash.py); page hashes are named through `hashing` (default: the public
     spec). `decode` turns token ids into text; it is used only with
     `options.include_tokens`. Ages are counted to the time the copy began.
+
+    `rank_ticks` (a tenant's view): each node's `tick` is its dense rank among the nodes shown
+    (1 = least recently used) and `recency_tick` the highest. The tick is the tree's one
+    counter, moved by every lookup and insert of every tenant: differences of a tenant's own
+    ticks told it how many the others made (and, by chunked prefill, roughly how long their
+    prompts were). The ranks keep the order the dashboard colours by, and nothing else.
     """
     facts = _Facts(copy)
     yield from facts.compute()
@@ -156,13 +163,14 @@ def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callab
     top = yield from builder.build()
     hottest = _hottest(facts, options.top_k)
     yield
+    recency = builder.rank_ticks() if rank_ticks else max((node.tick for node in facts.nodes), default=0)
     return TreeSnapshot(
         object="cache.tree", page_size=copy.page_size,
         tiers=[DEVICE_TIER, HOST_TIER] if copy.has_host_tier else [DEVICE_TIER],
         nodes_total=len(facts.nodes) - len(facts.roots), pages_total=sum(facts.pages),
         locked_pages=copy.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
         max_nodes=options.max_nodes, max_depth=options.max_depth,
-        recency_tick=max((node.tick for node in facts.nodes), default=0), root=top,
+        recency_tick=recency, root=top,
         top_prefixes=builder.top_prefixes(hottest), took_ms=round(copy.engine_ms, 3))
 
 
@@ -372,6 +380,14 @@ class _Builder:
             lock_count=sum(f.nodes[h].lock_ref for h in hidden),
             hits=sum(f.nodes[h].hits for h in hidden), tier=DEVICE_TIER,
             namespace=self._namespace(f.nodes[parent].namespace))
+
+    def rank_ticks(self) -> int:
+        """Replaces each shown node's tick by its dense rank among them (1 = least recent);
+        returns the highest rank (0: no node shown)."""
+        ranks = {tick: rank for rank, tick in enumerate(sorted({view.tick for view in self.views.values()}), 1)}
+        for view in self.views.values():
+            view.tick = ranks[view.tick]
+        return len(ranks)
 
     def top_prefixes(self, hottest: list[int]) -> list[TopPrefix]:
         out = []

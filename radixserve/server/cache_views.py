@@ -85,8 +85,10 @@ class CacheViews:
 
         def work() -> Any:
             seen = copy if caller.admin else (yield from restrict(copy, caller.sees))
+            # A tenant's ticks are ranks among its own nodes: the tree's counter moves with
+            # every tenant's lookups and inserts (build_view).
             return (yield from build_view(seen, options, namespace_id=hashing.namespace_id, decode=decode,
-                                          hashing=hashing))
+                                          hashing=hashing, rank_ticks=not caller.admin))
 
         return await self.engine.run_sliced(work)
 
