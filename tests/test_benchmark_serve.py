@@ -150,8 +150,9 @@ def test_ctrl_c_writes_what_finished_and_exits_130(server, tmp_path, capsys) -> 
     out = tmp_path / "serve.json"
 
     def interrupt_after_three() -> None:
+        # Two workers: the fifth request is sent only once the client has finished three.
         deadline = time.monotonic() + 30
-        while len(scripted.spans) < 3 and time.monotonic() < deadline:
+        while len(scripted.spans) < 5 and time.monotonic() < deadline:
             time.sleep(0.005)
         os.kill(os.getpid(), signal.SIGINT)
 
