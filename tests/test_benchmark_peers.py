@@ -146,3 +146,65 @@ def test_rendered_prompts_are_the_tokens_the_server_renders_for_the_chat() -> No
     first = render([{"role": "system", "content": conversation.system}, {"role": "user", "content": conversation.turns[0].user}],
                    conversation.tools)
     assert len(first) in {t.prompt_tokens for t in turns}  # a first step, rendered by the client
+
+
+def _keyed_chat_app(key: str):
+    """A scripted OpenAI-style chat server: 401 without `Authorization: Bearer key`, else
+    `max_tokens` one-character chunks and a usage chunk."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request):  # noqa: ANN001, ANN202
+        if request.headers.get("authorization") != f"Bearer {key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
+        body = await request.json()
+
+        async def events():  # noqa: ANN202
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.001)
+                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}}]}) + "\n\n"
+            usage = {"prompt_tokens": 10, "completion_tokens": body["max_tokens"]}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n" + "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+PEERS_SMALL = ["--workloads", "shared", "--repeat", "1", "--requests", "2", "--concurrency", "2",
+               "--max-tokens", "2", "--system-chars", "100", "--prompt-chars", "50"]
+
+
+def test_a_server_down_or_refusing_the_key_is_reported_and_the_others_measured(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A down server (or a keyed one) was a RuntimeError traceback from the warm-up, with no
+    table and no JSON for the healthy ones; there was no --api-key. The key comes from
+    --api-key or $RADIXSERVE_API_KEY, as in `bench serve`."""
+    from radixserve.ports import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.delenv("RADIXSERVE_API_KEY", raising=False)
+    with running_server(_keyed_chat_app("sk-test")) as keyed:
+        for key_args, env in (([], "sk-test"), (["--api-key", "sk-test"], None), ([], None)):
+            if env:
+                monkeypatch.setenv("RADIXSERVE_API_KEY", env)
+            else:
+                monkeypatch.delenv("RADIXSERVE_API_KEY", raising=False)
+            out = tmp_path / "peers.json"
+            code = main(["bench", "peers", "--server", f"keyed={keyed}", "--server", f"dead={dead}",
+                         *PEERS_SMALL, *key_args, "--json", str(out)])
+            captured = capsys.readouterr()
+            assert code == 1 and "Traceback" not in captured.err
+            result = json.loads(out.read_text())
+            assert set(result["unreachable"]) == ({"dead"} if (key_args or env) else {"keyed", "dead"})
+            assert "warm-up request failed: ConnectError" in result["unreachable"]["dead"]
+            table = {line.split("|")[2].strip(): line for line in captured.out.splitlines() if line.startswith("| shared")}
+            assert "warm-up request failed: ConnectError" in table["dead"]
+            if key_args or env:  # measured: every request answered
+                assert [(r["server"], r["errors"], r["output_tokens"]) for r in result["runs"]] == [("keyed", 0, 4)]
+                assert "warm-up" not in table["keyed"]
+            else:
+                assert result["runs"] == [] and "HTTP 401" in table["keyed"]

@@ -7,6 +7,7 @@ import argparse
 import inspect
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,13 @@ def add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) ->
     parser.add_argument("--request-rate", type=positive_float, default=None,
                         help="Poisson arrivals at this many requests/s (synthetic workloads arrive at t=0 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
+
+
+def add_api_key_arg(parser: argparse.ArgumentParser, to: str = "the server") -> None:
+    """`--api-key`, by default $RADIXSERVE_API_KEY (`bench serve`, `bench peers`)."""
+    parser.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                        help=f"sent to {to} as 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY, "
+                             "else none)")
 
 
 def positive_int(text: str) -> int:

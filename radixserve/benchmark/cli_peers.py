@@ -7,7 +7,7 @@ import asyncio
 import math
 from pathlib import Path
 
-from radixserve.benchmark.cli_common import say, write_json
+from radixserve.benchmark.cli_common import add_api_key_arg, say, write_json
 from radixserve.benchmark.peer_workloads import WORKLOAD_NAMES, build_workloads
 
 
@@ -29,6 +29,7 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-chars", type=int, default=2200,
                    help="characters of each distinct prompt, about 500 tokens (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name to put in requests")
+    add_api_key_arg(p, "every server")
     p.add_argument("--render-with", default=None, metavar="MODEL",
                    help="render every chat request in the client with radixserve's chat renderer for MODEL's "
                         "tokenizer (e.g. smollm2) and send the token ids to each server's /v1/completions: "
@@ -72,22 +73,28 @@ def peers_command(args: argparse.Namespace) -> int:
             + (f", {int(f['errors'])} errors" if f["errors"] else ""))
 
     render = TokenRenderer(args.render_with) if args.render_with else None
-    runs = asyncio.run(run_peers(servers, per_repeat, max_tokens=args.max_tokens, model=args.model,
-                                 timeout_s=args.timeout_s, on_run=progress, render=render))
+    runs, unreachable = asyncio.run(run_peers(servers, per_repeat, max_tokens=args.max_tokens, model=args.model,
+                                              timeout_s=args.timeout_s, on_run=progress, render=render,
+                                              api_key=args.api_key))
+    for name, error in unreachable.items():
+        say(f"{name} ({servers[name]}) not measured: {error}")
     summary = summarise(runs)
     baseline = next(iter(servers))
     relative = ratios(runs, baseline)
-    print(peers_table(summary, relative, baseline))
+    print(peers_table(summary, relative, baseline, unreachable, workloads=names))
     if args.json:
         write_json(args.json, {
-            "servers": servers, "rendered_with": args.render_with, "summary": summary, "ratios_to": baseline, "ratios": relative,
+            "servers": servers, "rendered_with": args.render_with, "unreachable": unreachable, "summary": summary,
+            "ratios_to": baseline, "ratios": relative,
             "runs": [{"server": r.server, "workload": r.workload, "repeat": r.repeat, **r.figures()}
                      for r in runs],
         })
     failed = sum(t.error is not None for r in runs for t in r.turns)
-    if failed:
+    if failed or unreachable:
         errors = sorted({t.error for r in runs for t in r.turns if t.error})
-        say(f"FAILED: {failed} requests failed, e.g. {errors[0]}")
+        say("FAILED: " + "; ".join(filter(None, [
+            f"{len(unreachable)} of {len(servers)} servers not measured" if unreachable else "",
+            f"{failed} requests failed, e.g. {errors[0]}" if failed else ""])))
         return 1
     return 0
 
@@ -97,15 +104,20 @@ def _fmt(value: float, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def peers_table(summary: dict[str, dict[str, dict[str, float]]],
-                relative: dict[str, dict[str, dict[str, float]]], baseline: str) -> str:
-    """A markdown table: one row per workload and server (medians), ratios to `baseline`."""
+                relative: dict[str, dict[str, dict[str, float]]], baseline: str,
+                unreachable: dict[str, str] | None = None, workloads: list[str] | None = None) -> str:
+    """A markdown table: one row per workload and server (medians), ratios to `baseline`;
+    a server of `unreachable` (name -> why it was not measured) has a row per workload of
+    `workloads` (default: the summary's) saying why."""
     lines = [
         "| workload | server | wall s | out tok/s | TTFT p50 s | TTFT p90 s | ITL p50 ms | ITL p99 ms "
-        "| decode ms/tok | cached | tok/s ratio | TTFT p50 ratio | TTFT p90 ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| decode ms/tok | cached | tok/s ratio | TTFT p50 ratio | TTFT p90 ratio | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload, by_server in summary.items():
-        for server, f in by_server.items():
+    for workload in dict.fromkeys([*(workloads or []), *summary]):
+        for server, error in (unreachable or {}).items():
+            lines.append(f"| {workload} | {server} |" + " - |" * 11 + f" not measured: {_cell(error)} |")
+        for server, f in summary.get(workload, {}).items():
             r = relative.get(workload, {}).get(server, {})
             ratio = (lambda key: _fmt(r.get(key, float("nan"))) + "x" if key in r else "-")
             lines.append(
@@ -114,5 +126,10 @@ def peers_table(summary: dict[str, dict[str, dict[str, float]]],
                 f"| {_fmt(f['itl_p99_s'], 1000, 1)} | {_fmt(f['decode_ms_per_token'], digits=1)} "
                 f"| {_fmt(f['cached_share'], 100, 1)}% | {ratio('output_tok_s') if server != baseline else '1.00x'} "
                 f"| {ratio('ttft_p50_s') if server != baseline else '1.00x'} "
-                f"| {ratio('ttft_p90_s') if server != baseline else '1.00x'} |")
+                f"| {ratio('ttft_p90_s') if server != baseline else '1.00x'} | {_fmt(f['errors'], digits=0)} |")
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """`text` on one line of a markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")

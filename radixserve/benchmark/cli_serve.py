@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from pathlib import Path
 
-from radixserve.benchmark.cli_common import add_workload_args, load_workload, say, write_json
+from radixserve.benchmark.cli_common import add_api_key_arg, add_workload_args, load_workload, say, write_json
 from radixserve.benchmark.report import serve_table
 
 
@@ -23,8 +22,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--open-loop", action="store_true",
                    help="send each request at its arrival time (trace timestamps or --request-rate)")
     p.add_argument("--model", default=None, help="model name to put in requests")
-    p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' (default: $RADIXSERVE_API_KEY, else none)")
+    add_api_key_arg(p)
     p.add_argument("--vocab-size", type=int, default=None,
                    help="keep token ids below the model's vocabulary size (synthetic default: 32000; "
                         "trace ids are rehashed into it)")

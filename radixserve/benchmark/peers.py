@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from radixserve.benchmark.peer_workloads import Conversation, PeerWorkload, append_turn
-from radixserve.benchmark.serve import RequestRecord
+from radixserve.benchmark.serve import RequestRecord, auth_headers
 from radixserve.benchmark.sse import StreamFailed, stream_chunks
 
 
@@ -171,10 +171,11 @@ def read_usage(chunk: dict[str, object], record: RequestRecord) -> None:
 
 
 async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, model: str | None,
-                       timeout_s: float, render: Renderer | None = None) -> tuple[float, list[RequestRecord]]:
+                       timeout_s: float, render: Renderer | None = None,
+                       api_key: str | None = None) -> tuple[float, list[RequestRecord]]:
     """All of `workload`'s conversations, `workload.concurrency` at a time (closed loop);
     returns the wall time and every turn's record. With `render`, each request is rendered
-    by the client and sent as token ids to /v1/completions."""
+    by the client and sent as token ids to /v1/completions. `api_key`: sent as a Bearer token."""
     url = url.rstrip("/")
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for conversation in workload.conversations:
@@ -203,43 +204,52 @@ async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, mod
         while not queue.empty():
             await converse(client, queue.get_nowait())
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(max(workload.concurrency, 1))))
         return time.perf_counter() - start, records
 
 
-async def warm_up(url: str, model: str | None, timeout_s: float) -> None:
-    """One short request, so that no server pays its first-request costs inside a run."""
+async def warm_up(url: str, model: str | None, timeout_s: float, api_key: str | None = None) -> str | None:
+    """One short request, so that no server pays its first-request costs inside a run; the
+    reason it failed (a server down, a key refused), else None."""
     conversation = Conversation("warm up", [])
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), headers=auth_headers(api_key)) as client:
         record = await stream_turn(client, url.rstrip("/"),
                                    chat_payload([{"role": "user", "content": "Hello"}], conversation, 4, model))
-    if record.error is not None:
-        raise RuntimeError(f"{url}: warm-up request failed: {record.error}")
+    return None if record.error is None else f"warm-up request failed: {record.error}"
 
 
 async def run_peers(servers: dict[str, str], workloads_by_repeat: list[list[PeerWorkload]], *,
                     max_tokens: int, model: str | None = None, timeout_s: float = 600.0,
-                    on_run: object = None, render: Renderer | None = None) -> list[RunRecord]:
-    """Every workload of every repeat on every server, the servers' order rotating per
-    repeat. `servers`: name -> base URL. `on_run(record)` is called after each run; `render`
-    as in `run_workload`."""
-    names = list(servers)
-    for name in names:
-        await warm_up(servers[name], model, timeout_s)
+                    on_run: object = None, render: Renderer | None = None,
+                    api_key: str | None = None) -> tuple[list[RunRecord], dict[str, str]]:
+    """Every workload of every repeat on every server that answers a warm-up request, the
+    servers' order rotating per repeat. `servers`: name -> base URL. `on_run(record)` is
+    called after each run; `render` and `api_key` as in `run_workload`. Returns the runs and,
+    by name, why each server left out failed its warm-up."""
+    unreachable: dict[str, str] = {}
+    for name, url in servers.items():
+        error = await warm_up(url, model, timeout_s, api_key)
+        if error is not None:
+            unreachable[name] = error
+    names = [name for name in servers if name not in unreachable]
     runs: list[RunRecord] = []
+    if not names:
+        return runs, unreachable
     for repeat, workloads in enumerate(workloads_by_repeat):
         for workload in workloads:
             shift = repeat % len(names)
             for name in names[shift:] + names[:shift]:
                 wall, turns = await run_workload(servers[name], workload, max_tokens=max_tokens,
-                                                 model=model, timeout_s=timeout_s, render=render)
+                                                 model=model, timeout_s=timeout_s, render=render,
+                                                 api_key=api_key)
                 run = RunRecord(name, workload.name, repeat, wall, turns)
                 runs.append(run)
                 if callable(on_run):
                     on_run(run)
-    return runs
+    return runs, unreachable
 
 
 def summarise(runs: list[RunRecord]) -> dict[str, dict[str, dict[str, float]]]:

@@ -193,8 +193,8 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
         if bar is not None:
             bar.update(1)
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         routed_before = await cluster_routed(client, url)
         start = time.perf_counter()
         interrupted = False
@@ -229,6 +229,11 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
         per_replica = {r: n - routed_before.get(r, 0) for r, n in routed_after.items()}
     return ServeResult(url, workload.name, [records.get(r.index) or RequestRecord(r.index, error="interrupted")
                                             for r in requests], duration, per_replica, interrupted)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that carries `api_key` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _progress_bar(total: int, enabled: bool):  # -> tqdm | None
