@@ -208,3 +208,38 @@ def test_a_server_down_or_refusing_the_key_is_reported_and_the_others_measured(
                 assert "warm-up" not in table["keyed"]
             else:
                 assert result["runs"] == [] and "HTTP 401" in table["keyed"]
+
+
+def _turn(index: int, ttft: float, error: str | None = None) -> RequestRecord:
+    return RequestRecord(index, prompt_tokens=100, cached_tokens=50, completion_tokens=4, ttft_s=ttft,
+                         latency_s=ttft + 0.3, itl_s=[0.1, 0.1, 0.1], error=error)
+
+
+def test_a_row_is_one_run_and_ratios_compare_the_same_requests() -> None:
+    """Each column was its own median over repeats (with two repeats, averages no run had:
+    wall 2.0 s and 3 tok/s from runs of 1 s / 12 tok/s and 3 s / 4 tok/s), the table had no
+    errors, and ratios compared a server's successful requests with the baseline's, whichever
+    those were."""
+    from radixserve.benchmark.cli_peers import peers_table
+    from radixserve.benchmark.peers import RunRecord, ratios, summarise
+
+    runs = [RunRecord("a", "w", 0, 1.0, [_turn(0, 0.9), _turn(1, 0.1), _turn(2, 0.1)]),
+            RunRecord("b", "w", 0, 1.0, [_turn(0, 5.0, "HTTP 500"), _turn(1, 0.2), _turn(2, 0.2)]),
+            RunRecord("a", "w", 1, 3.0, [_turn(0, 0.1), _turn(1, 0.1), _turn(2, 0.1)]),
+            RunRecord("b", "w", 1, 2.0, [_turn(0, 0.2), _turn(1, 0.2), _turn(2, 0.2)])]
+    summary = summarise(runs)
+    a, b = summary["w"]["a"], summary["w"]["b"]
+    # the lower-median run by wall time, whole: repeat 0 for a (1 s of 1 s and 3 s), repeat 0 for b
+    assert (a["repeat"], a["wall_s"], a["output_tok_s"]) == (0, 1.0, 12.0)
+    assert a == {**runs[0].figures(), "repeat": 0, "errors_all_repeats": 0}
+    assert (b["repeat"], b["errors"], b["errors_all_repeats"]) == (0, 1, 1)
+    relative = ratios(runs, "a")["w"]["b"]
+    # repeat 0 over requests 1 and 2 only (0.2 / 0.1), repeat 1 over all three (0.2 / 0.1)
+    assert relative["ttft_p50_s"] == pytest.approx(2.0) and relative["ttft_p90_s"] == pytest.approx(2.0)
+    # throughput only from the repeat where both completed everything: 12 / 4 tok/s... b 6 tok/s, a 4
+    assert relative["output_tok_s"] == pytest.approx((12 / 2.0) / (12 / 3.0))
+    table = peers_table(summary, ratios(runs, "a"), "a")
+    header, _, row_a, row_b = table.splitlines()
+    assert "| run |" in header and header.endswith("| errors (all repeats) |")
+    assert row_a.startswith("| w | a | 1 | 1.0 | 12.0 |") and row_a.endswith("| 0 |")
+    assert row_b.startswith("| w | b | 1 | 1.0 | 8.0 |") and row_b.endswith("| 1 |")

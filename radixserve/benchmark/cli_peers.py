@@ -15,7 +15,9 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peers", help="the same chat workloads against several OpenAI-compatible servers",
                        description="Drive several OpenAI-compatible servers (radixserve, llama-server, ...) "
                                    "with one client and one set of chat workloads, alternating servers "
-                                   "between repeats; prints medians and ratios to the first server.")
+                                   "between repeats; prints per server the run of median wall time, the "
+                                   "failed requests and ratios to the first server over the requests both "
+                                   "completed.")
     p.add_argument("--server", action="append", required=True, metavar="NAME=URL",
                    help="a server to drive (repeat the flag; the first is the baseline of the ratios)")
     p.add_argument("--workloads", default="shared,multiturn,agent,distinct,single",
@@ -106,27 +108,29 @@ def _fmt(value: float, scale: float = 1.0, digits: int = 2) -> str:
 def peers_table(summary: dict[str, dict[str, dict[str, float]]],
                 relative: dict[str, dict[str, dict[str, float]]], baseline: str,
                 unreachable: dict[str, str] | None = None, workloads: list[str] | None = None) -> str:
-    """A markdown table: one row per workload and server (medians), ratios to `baseline`;
+    """A markdown table: one row per workload and server, the figures of one run (the median
+    repeat by wall time: `summarise`), ratios to `baseline` (`ratios`) and the failed
+    requests of all the repeats;
     a server of `unreachable` (name -> why it was not measured) has a row per workload of
     `workloads` (default: the summary's) saying why."""
     lines = [
-        "| workload | server | wall s | out tok/s | TTFT p50 s | TTFT p90 s | ITL p50 ms | ITL p99 ms "
-        "| decode ms/tok | cached | tok/s ratio | TTFT p50 ratio | TTFT p90 ratio | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | server | run | wall s | out tok/s | TTFT p50 s | TTFT p90 s | ITL p50 ms | ITL p99 ms "
+        "| decode ms/tok | cached | tok/s ratio | TTFT p50 ratio | TTFT p90 ratio | errors (all repeats) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in dict.fromkeys([*(workloads or []), *summary]):
         for server, error in (unreachable or {}).items():
-            lines.append(f"| {workload} | {server} |" + " - |" * 11 + f" not measured: {_cell(error)} |")
+            lines.append(f"| {workload} | {server} |" + " - |" * 12 + f" not measured: {_cell(error)} |")
         for server, f in summary.get(workload, {}).items():
             r = relative.get(workload, {}).get(server, {})
             ratio = (lambda key: _fmt(r.get(key, float("nan"))) + "x" if key in r else "-")
             lines.append(
-                f"| {workload} | {server} | {_fmt(f['wall_s'], digits=1)} | {_fmt(f['output_tok_s'], digits=1)} "
+                f"| {workload} | {server} | {int(f['repeat']) + 1} | {_fmt(f['wall_s'], digits=1)} | {_fmt(f['output_tok_s'], digits=1)} "
                 f"| {_fmt(f['ttft_p50_s'])} | {_fmt(f['ttft_p90_s'])} | {_fmt(f['itl_p50_s'], 1000, 1)} "
                 f"| {_fmt(f['itl_p99_s'], 1000, 1)} | {_fmt(f['decode_ms_per_token'], digits=1)} "
                 f"| {_fmt(f['cached_share'], 100, 1)}% | {ratio('output_tok_s') if server != baseline else '1.00x'} "
                 f"| {ratio('ttft_p50_s') if server != baseline else '1.00x'} "
-                f"| {ratio('ttft_p90_s') if server != baseline else '1.00x'} | {_fmt(f['errors'], digits=0)} |")
+                f"| {ratio('ttft_p90_s') if server != baseline else '1.00x'} | {int(f['errors_all_repeats'])} |")
     return "\n".join(lines)
 
 

@@ -44,9 +44,11 @@ class RunRecord:
     wall_s: float
     turns: list[RequestRecord]
 
-    def figures(self) -> dict[str, float]:
-        """wall time, throughput, latency percentiles and cache share of this run."""
-        ok = [t for t in self.turns if t.error is None]
+    def figures(self, only: set[int] | None = None) -> dict[str, float]:
+        """wall time, throughput, latency percentiles and cache share of this run (`only`: of
+        the requests with these indices, for a ratio over the requests two runs completed)."""
+        turns = self.turns if only is None else [t for t in self.turns if t.index in only]
+        ok = [t for t in turns if t.error is None]
         ttft = np.array([t.ttft_s for t in ok]) if ok else np.full(1, np.nan)
         itl = np.array([g for t in ok for g in t.itl_s]) if any(t.itl_s for t in ok) else np.full(1, np.nan)
         output = sum(t.completion_tokens for t in ok)
@@ -63,8 +65,12 @@ class RunRecord:
             "decode_ms_per_token": 1000 * statistics.median(decode) if decode else float("nan"),
             "prompt_tokens": float(prompt),
             "cached_share": sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
-            "errors": float(len(self.turns) - len(ok)),
+            "errors": float(len(turns) - len(ok)),
         }
+
+    def completed(self) -> set[int]:
+        """The indices of the requests this run completed."""
+        return {t.index for t in self.turns if t.error is None}
 
 
 def chat_payload(messages: list[dict[str, object]], conversation: Conversation, max_tokens: int,
@@ -177,13 +183,15 @@ async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, mod
     returns the wall time and every turn's record. With `render`, each request is rendered
     by the client and sent as token ids to /v1/completions. `api_key`: sent as a Bearer token."""
     url = url.rstrip("/")
-    queue: asyncio.Queue[Conversation] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Conversation]] = asyncio.Queue()
+    first = 0  # each turn's index: the same request of the workload has the same one on every server
     for conversation in workload.conversations:
-        queue.put_nowait(conversation)
+        queue.put_nowait((first, conversation))
+        first += len(conversation.turns)
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=max(workload.concurrency, 1))
 
-    async def converse(client: httpx.AsyncClient, conversation: Conversation) -> None:
+    async def converse(client: httpx.AsyncClient, first: int, conversation: Conversation) -> None:
         messages: list[dict[str, object]] = [{"role": "system", "content": conversation.system}]
         for step, turn in enumerate(conversation.turns):
             append_turn(messages, turn, step)
@@ -194,7 +202,7 @@ async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, mod
                 # other conversations' chunks and show up in their latencies.
                 ids = await asyncio.to_thread(render, messages, conversation.tools)
                 payload = completion_payload(ids, max_tokens, model)
-            record = await stream_turn(client, url, payload, index=len(records))
+            record = await stream_turn(client, url, payload, index=first + step)
             records.append(record)
             if record.error is not None:
                 return
@@ -202,13 +210,13 @@ async def run_workload(url: str, workload: PeerWorkload, *, max_tokens: int, mod
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            await converse(client, queue.get_nowait())
+            await converse(client, *queue.get_nowait())
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits,
                                  headers=auth_headers(api_key)) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(max(workload.concurrency, 1))))
-        return time.perf_counter() - start, records
+        return time.perf_counter() - start, sorted(records, key=lambda r: r.index)
 
 
 async def warm_up(url: str, model: str | None, timeout_s: float, api_key: str | None = None) -> str | None:
@@ -253,16 +261,21 @@ async def run_peers(servers: dict[str, str], workloads_by_repeat: list[list[Peer
 
 
 def summarise(runs: list[RunRecord]) -> dict[str, dict[str, dict[str, float]]]:
-    """workload -> server -> the median over repeats of each figure."""
-    grouped: dict[str, dict[str, list[dict[str, float]]]] = {}
+    """workload -> server -> the figures of one run, the median of its repeats by wall time
+    (the lower one of an even number), so that a row's figures are those of a run that
+    happened; with `repeat`, that run's, and `errors_all_repeats`, the failed requests of all
+    the repeats."""
+    grouped: dict[str, dict[str, list[RunRecord]]] = {}
     for run in runs:
-        grouped.setdefault(run.workload, {}).setdefault(run.server, []).append(run.figures())
-    return {
-        workload: {server: {key: float(np.nanmedian([f[key] for f in figures])) if not all(
-            np.isnan(f[key]) for f in figures) else float("nan") for key in figures[0]}
-            for server, figures in by_server.items()}
-        for workload, by_server in grouped.items()
-    }
+        grouped.setdefault(run.workload, {}).setdefault(run.server, []).append(run)
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for workload, by_server in grouped.items():
+        for server, repeats in by_server.items():
+            median = sorted(repeats, key=lambda r: (r.wall_s, r.repeat))[(len(repeats) - 1) // 2]
+            failed = sum(t.error is not None for r in repeats for t in r.turns)
+            summary.setdefault(workload, {})[server] = {**median.figures(), "repeat": median.repeat,
+                                                        "errors_all_repeats": failed}
+    return summary
 
 
 RATIO_FIGURES = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "decode_ms_per_token")
@@ -270,15 +283,21 @@ RATIO_FIGURES = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "decod
 
 def ratios(runs: list[RunRecord], baseline: str) -> dict[str, dict[str, dict[str, float]]]:
     """workload -> server -> figure -> the median over repeats of (server / `baseline`), each
-    ratio taken within one repeat (the two ran back to back)."""
-    by_key = {(r.workload, r.server, r.repeat): r.figures() for r in runs}
+    ratio taken within one repeat (the two ran back to back) over the requests both runs
+    completed; throughput only from repeats where both completed every request."""
+    by_key = {(r.workload, r.server, r.repeat): r for r in runs}
     out: dict[str, dict[str, dict[str, list[float]]]] = {}
-    for (workload, server, repeat), figures in by_key.items():
-        base = by_key.get((workload, baseline, repeat))
-        if server == baseline or base is None:
+    for (workload, server, repeat), run in by_key.items():
+        base_run = by_key.get((workload, baseline, repeat))
+        if server == baseline or base_run is None:
             continue
+        both = run.completed() & base_run.completed()
+        figures, base = run.figures(only=both), base_run.figures(only=both)
+        whole = len(both) == len(run.turns) == len(base_run.turns)
         per_figure = out.setdefault(workload, {}).setdefault(server, {})
         for key in RATIO_FIGURES:
+            if key == "output_tok_s" and not whole:
+                continue  # the runs' output tokens are not of the same requests
             if base[key] and not np.isnan(base[key]) and not np.isnan(figures[key]):
                 per_figure.setdefault(key, []).append(figures[key] / base[key])
     return {w: {s: {k: float(np.median(v)) for k, v in f.items()} for s, f in by_server.items()}
