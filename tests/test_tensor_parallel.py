@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -166,6 +167,24 @@ def test_each_rank_holds_half_the_weights_and_half_the_kv(engines) -> None:
     assert rank_replicated == full_replicated
     assert rank_sharded * 2 == full_sharded
     assert bytes_per_page(engines.tp.loaded, 4) * 2 == bytes_per_page(engines.single.loaded, 4)
+
+
+def group_sockets(worker_pid: int) -> list:
+    """This process's sockets of the group whose rank 1 is `worker_pid`: those listening on a
+    port rank 1 is connected to (the store, gloo's), and those connected to rank 1's ports."""
+    theirs = psutil.Process(worker_pid).net_connections("inet")
+    connected_to = {c.raddr.port for c in theirs if c.raddr}
+    their_ports = {c.laddr.port for c in theirs}
+    return [c for c in psutil.Process().net_connections("inet")
+            if (c.status == psutil.CONN_LISTEN and c.laddr.port in connected_to)
+            or (c.raddr and c.raddr.port in their_ports)]
+
+
+def test_rank0_listens_on_loopback_only(engines) -> None:
+    """Its store (unauthenticated) listened on every interface, whatever the rendezvous host."""
+    listening = [c.laddr for c in group_sockets(engines.tp.runner.workers.processes[0].pid)
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and all(ip == "127.0.0.1" for ip, _ in listening), listening
 
 
 def test_close_ends_every_worker(engines) -> None:

@@ -16,7 +16,9 @@ Two groups over the one store:
 from __future__ import annotations
 
 import datetime
+import errno
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ def collective_timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"{TIMEOUT_ENV}: must be > 0, got {value:g}")
     return value
+_LISTEN_TRIES = 16
 _IDLE_WAIT = datetime.timedelta(days=365)  # a worker's wait for the next plan
 _HEADER_INTS = 1
 
@@ -55,9 +58,23 @@ class Rendezvous:
     world_size: int
 
     @classmethod
-    def local(cls, world_size: int) -> Rendezvous:
-        """A rendezvous on this host at a free port."""
-        return cls("127.0.0.1", free_port(), world_size)
+    def local(cls, world_size: int) -> tuple[Rendezvous, socket.socket]:
+        """A rendezvous on this host, with the socket rank 0's store is to serve on (give it
+        to rank 0's TensorParallelGroup): listening on 127.0.0.1 alone, since the store
+        authenticates nobody (a store bound by port listens on every interface), and held
+        from here on, so that no other process takes the port before the store starts."""
+        for _ in range(_LISTEN_TRIES):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind(("127.0.0.1", free_port()))
+                listener.listen(world_size * 4)
+            except OSError as error:
+                listener.close()
+                if error.errno != errno.EADDRINUSE:
+                    raise
+                continue  # taken between the probe and the bind
+            return cls("127.0.0.1", listener.getsockname()[1], world_size), listener
+        raise OSError(errno.EADDRINUSE, "no free port on 127.0.0.1 for the tensor-parallel rendezvous")
 
     @classmethod
     def from_env(cls, world_size: int | None = None) -> Rendezvous | None:
@@ -80,9 +97,12 @@ class TensorParallelGroup:
     """
 
     def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, peers_failed: Callable[[], str | None] = lambda: None) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, peers_failed: Callable[[], str | None] = lambda: None,
+                 listener: socket.socket | None = None) -> None:
         """Joins the group (blocks until every rank has). `peers_failed`: rank 0 polls it
-        while waiting, so a worker that dies at start-up fails the join at once."""
+        while waiting, so a worker that dies at start-up fails the join at once. `listener`:
+        rank 0's store serves on it (`Rendezvous.local`; the store takes it over), else it
+        binds the rendezvous port on every interface (several nodes)."""
         if not 0 <= rank < rendezvous.world_size:
             raise ValueError(f"rank {rank} is not in 0..{rendezvous.world_size - 1}")
         self.rank = rank
@@ -91,9 +111,17 @@ class TensorParallelGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         # Under torchrun its agent already hosts the store at MASTER_PORT: every rank is a client.
         hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        store = dist.PrefixStore("radixserve-tp", dist.TCPStore(
-            rendezvous.host, rendezvous.port, rendezvous.world_size, hosts_store,
-            timeout=timeout, wait_for_workers=False))
+        listen = {"master_listen_fd": listener.fileno()} if hosts_store and listener is not None else {}
+        try:
+            tcp_store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, hosts_store,
+                                      timeout=timeout, wait_for_workers=False, **listen)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
+        if listen:
+            listener.detach()  # the store closes it
+        store = dist.PrefixStore("radixserve-tp", tcp_store)
         self._store = store
         self.peers_failed = peers_failed
         self.announce("joined")

@@ -57,21 +57,30 @@ class TensorParallel:
         external = launched_externally()
         if external and int(os.environ["RANK"]) != 0:
             raise ValueError("only rank 0 builds the engine; start the other ranks with radixserve.parallel.worker")
-        rendezvous = Rendezvous.from_env(size) if external else Rendezvous.local(size)
+        listener = None
+        if external:
+            rendezvous = Rendezvous.from_env(size)
+        else:
+            rendezvous, listener = Rendezvous.local(size)
         assert rendezvous is not None
         threads = max(1, (os.cpu_count() or 1) // size) if torch_device.type == "cpu" else None
         spec = WorkerSpec(model, dtype, torch_device.type, backend, rendezvous, timeout_s, threads)
-        workers = WorkerProcesses() if external else WorkerProcesses.start(run_started_worker, size, spec,
-                                                                            on_cpu=torch_device.type == "cpu")
+        workers, group = WorkerProcesses(), None
         threads_before = torch.get_num_threads()
         try:
+            if not external:
+                workers = WorkerProcesses.start(run_started_worker, size, spec, on_cpu=torch_device.type == "cpu")
             if threads is not None:
                 torch.set_num_threads(threads)
             group = TensorParallelGroup(rendezvous, 0, torch_device, timeout_s=timeout_s,
-                                        peers_failed=workers.first_dead)
+                                        peers_failed=workers.first_dead, listener=listener)
             loaded = load_shard(model, group, dtype=dtype, device=torch_device)
         except BaseException:
             workers.stop(grace_s=0.0)
+            if group is not None:
+                group.close()
+            elif listener is not None and listener.fileno() != -1:
+                listener.close()
             torch.set_num_threads(threads_before)
             raise
         return cls(group, workers, loaded, backend, threads_before)
