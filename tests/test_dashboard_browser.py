@@ -272,3 +272,19 @@ def test_max_nodes_bounds_the_namespaces_drawn(salted_url: str, browser: Any) ->
     assert xs[-1][0] + xs[-1][1] == pytest.approx(float(page.get_attribute("#tree", "viewBox").split()[2]), abs=0.02)
     assert f"+{SALTED - 20} namespaces" in page.text_content("#tree")
     page.close()
+
+
+def test_a_malformed_key_fragment_is_taken_raw_and_leaves_the_address_bar(salted_url: str, browser: Any) -> None:
+    """`#key=50%off` (a key with a '%' pasted unencoded) threw URIError before the fragment was
+    removed: the page never polled, and the key stayed in the address bar. The fragment's value
+    is URL-encoded (a key holding '&' or '%' is written %26, %25); one that does not decode is
+    taken as it is."""
+    for fragment, key in (("50%off", "50%off"), ("%E0%A4%A", "%E0%A4%A"), ("a%26b%25c", "a&b%c")):
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error, errors=errors: errors.append(str(error)))
+        page.goto(f"{salted_url}/dashboard?tree_ms=60000&stats_ms=60000#key={fragment}")
+        wait_until(page, lambda page=page: page.evaluate("radixDashboard.treeUpdates >= 1"), "the first tree")
+        assert "key=" not in page.url and errors == []
+        assert page.evaluate("[radixDashboard.key, sessionStorage.getItem('radixserve-api-key')]") == [key, key]
+        page.close()

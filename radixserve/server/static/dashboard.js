@@ -28,12 +28,16 @@
   // ------------------------------------------------------------------ API key
   // The key comes from the URL fragment (#key=..., never sent to the server nor logged) or the
   // form shown after a 401; it is kept in sessionStorage (this tab only) and the fragment is
-  // removed from the address bar at once.
+  // removed from the address bar at once, before anything that could fail. Its value is
+  // URL-encoded (a key holding "&" or "%" is written %26, %25); one that does not decode (a
+  // stray "%") is taken as it is, and a wrong key gets the form after its 401.
   function loadKey() {
     const match = /(?:^#|&)key=([^&]*)/.exec(location.hash);
     if (match) {
-      sessionStorage.setItem(KEY_STORAGE, decodeURIComponent(match[1]));
       history.replaceState(null, "", location.pathname + location.search);
+      let key = match[1];
+      try { key = decodeURIComponent(key); } catch (_) { /* not URL-encoded: as it is */ }
+      if (key) sessionStorage.setItem(KEY_STORAGE, key);
     }
     state.key = sessionStorage.getItem(KEY_STORAGE);
   }
