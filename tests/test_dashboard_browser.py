@@ -288,3 +288,35 @@ def test_a_malformed_key_fragment_is_taken_raw_and_leaves_the_address_bar(salted
         assert "key=" not in page.url and errors == []
         assert page.evaluate("[radixDashboard.key, sessionStorage.getItem('radixserve-api-key')]") == [key, key]
         page.close()
+
+
+def test_another_site_cannot_flush_a_keyless_server(salted_url: str, browser: Any) -> None:
+    """A page of another site that the operator visits fires the POSTs a cross-site page can
+    (no-cors fetch, a form's text/plain body): refused (403), nothing flushed. A client with no
+    Origin (curl), and the dashboard itself (same origin, the other tests), still flush."""
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    async def bait(request: Any) -> HTMLResponse:
+        return HTMLResponse("<!doctype html><title>cats</title><p>cute cats</p>")
+
+    flush = f"{salted_url}/v1/cache/flush"
+    with running_server(Starlette(routes=[Route("/", bait)])) as other:
+        page = browser.new_page()
+        page.goto(other.replace("127.0.0.1", "localhost") + "/")  # another site: localhost, not 127.0.0.1
+        for init in ("{method: 'POST', mode: 'no-cors'}",
+                     "{method: 'POST', mode: 'no-cors', headers: {'Content-Type': 'text/plain'}, body: '{}'}"):
+            # The answer is opaque to the page; it has come back once the promise resolves.
+            assert page.evaluate(f"url => fetch(url, {init}).then(r => r.type)", flush) == "opaque"
+        page.close()
+    cached = httpx.get(f"{salted_url}/v1/cache/stats").json()["tiers"]["device"]["pages_cached"]
+    assert cached == SALTED
+    for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Sec-Fetch-Site": "same-site", "Origin": salted_url.replace("127.0.0.1", "localhost")}):
+        response = httpx.post(flush, headers=headers)
+        assert response.status_code == 403 and response.json()["error"]["code"] == "cross_origin", headers
+    # Same origin (what the dashboard sends), then no Origin at all (curl): flushed.
+    same = httpx.post(flush, headers={"Origin": salted_url, "Sec-Fetch-Site": "same-origin"})
+    assert same.status_code == 200 and same.json()["pages_freed"] == SALTED
+    assert httpx.post(flush).status_code == 200

@@ -43,5 +43,6 @@ def test_a_tenants_dashboard_shows_only_its_own_cache(tiny_llama_dir: Path, brow
         tree = page.evaluate("radixDashboard.tree")
         assert tree["pages_total"] == 4 and len(tree["root"]["children"]) == 1  # globex's 16 tokens, one namespace
         assert "tenant globex: 4 pages" in page.text_content("#pool-summary")
+        assert page.is_hidden("#flush")  # a tenant may not flush (403): no button that always fails
         assert errors == []
         page.close()

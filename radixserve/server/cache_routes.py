@@ -15,6 +15,11 @@ out, the event stream carries only its namespaces' pages, numbered by what it wa
 its stats are counted over its own namespaces alone (no pool-wide counter, which would tell
 of the others' traffic). A tenant may not flush (403): a flush drops every tenant's pages.
 
+A flush needs no body, so a page of another site could fire it from the operator's browser
+(a no-cors fetch, a form) at a server without keys; a browser says where a request comes from
+(`Sec-Fetch-Site`, else `Origin`), and a flush that another origin sent is refused (403
+`cross_origin`). Clients that are not browsers send neither and are unaffected.
+
 Views stay off the engine's critical path (cache_views.py: one sliced copy of the tree shared
 by every view; a request whose client left stops waiting). An event stream that has sent no event for
 `events_idle_timeout_s` (or cannot send one for that long: a client that does not read) is
@@ -28,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -155,8 +161,11 @@ class CacheRoutes:
 
     async def flush(self, request: Request) -> Response:
         """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`);
-        an admin's only."""
+        an admin's only, and never sent by a page of another origin."""
         admin_only(self.authorize(request))  # a flush drops every tenant's pages
+        if _cross_origin(request):
+            raise APIError(403, "A flush may not come from a page of another origin", code="cross_origin",
+                           error_type="permission_error")
         freed = await self.engine.flush_cache()
         # `pages_freed` stays the device count (what it always was); "tiers" names both.
         tiers = {"device": int(freed), "host": getattr(freed, "host", 0)}
@@ -248,6 +257,20 @@ class CacheRoutes:
                                 "--expose-cache-tokens to allow it", param="tokens",
                            code="tokens_not_exposed", error_type="permission_error")
         return wanted
+
+
+def _cross_origin(request: Request) -> bool:
+    """Whether a browser sent `request` from a page of another origin: its `Sec-Fetch-Site`
+    (what every current browser sends) is not "same-origin", or, from a browser without it,
+    its `Origin` is not this server's host. A request with neither (curl, an SDK) is not."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site != "same-origin"
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    host = request.headers.get("host", "")
+    return origin == "null" or urlsplit(origin).netloc.lower() != host.lower()
 
 
 def _bool_param(request: Request, name: str) -> bool:

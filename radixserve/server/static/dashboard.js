@@ -330,6 +330,7 @@
   // ------------------------------------------------------------------ stats panels
   // A tenant's key sees only its own namespaces' pages (docs/server.md): no pool, no rates.
   function renderTenantStats(s) {
+    $("#flush").hidden = true; // a tenant may not flush (403)
     const d = s.tiers.device;
     const bar = $("#pool");
     bar.replaceChildren();
@@ -347,6 +348,7 @@
   function renderStats() {
     const s = state.stats;
     if (s.requests === null) return renderTenantStats(s);
+    $("#flush").hidden = false;
     const d = s.tiers.device;
     const segments = [["running", d.pages_running, "held by running requests only"],
                       ["locked", d.pages_locked, "cached, locked"],
