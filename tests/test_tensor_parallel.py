@@ -188,8 +188,12 @@ def test_rank0_listens_on_loopback_only(engines) -> None:
 
 
 def test_close_ends_every_worker(engines) -> None:
-    """... and the workers are forks of the fork server (on the CPU), not children of this process."""
+    """... and the workers are forks of the fork server (on the CPU), not children of this
+    process; close() releases the group's sockets (they stayed open until the engine was
+    garbage-collected)."""
     processes = engines.tp.runner.workers.processes
+    ports = {c.laddr.port for c in group_sockets(processes[0].pid)}
+    assert ports
     assert processes and all(p.is_alive() for p in processes)
     for process in processes:
         parent = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -200,6 +204,7 @@ def test_close_ends_every_worker(engines) -> None:
         assert len(list(Path(f"/proc/{parent}/task").iterdir())) == 1
     engines.tp.close()
     assert all(not p.is_alive() for p in processes)
+    assert not [c for c in psutil.Process().net_connections("inet") if c.laddr.port in ports]
     (out,) = engines.tp.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     assert out.finish_reason == "error" and "shut down" in engines.tp.fault()
 

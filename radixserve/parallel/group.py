@@ -211,11 +211,16 @@ class TensorParallelGroup:
         self._control.broadcast([tensor], opts).wait()
 
     def close(self) -> None:
-        """Ends the group's connections (peers' pending collectives fail)."""
+        """Ends the group's connections (peers' pending collectives fail) and releases its
+        sockets, the store's included: they stayed open as long as the group was referenced
+        (an engine closed but kept). No collective may run after (the runner's fault state
+        sees to that on rank 0)."""
         for group in (self._compute, self._control):
             try:
-                group.abort()
+                if group is not None:
+                    group.abort()
             except (RuntimeError, AttributeError):
                 pass
+        self._compute = self._control = self._store = None  # type: ignore[assignment]
 
 
