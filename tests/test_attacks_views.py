@@ -76,30 +76,53 @@ def _innocent_run(url: str) -> tuple[str, float, list[float]]:
 CROWD_SCRIPT = """
 import sys, threading, httpx
 url, count, attack = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "attack"
-done = [0] * count
+go = threading.Event()  # set: the clients loop; clear: each parks after its round
+lock = threading.Condition()
+since_go = [0] * count  # rounds each client finished since the last "go"
+parked = [False] * count
 
 def run(i):
     with httpx.Client(base_url=url, timeout=300) as client:
         round_ = 0
         while True:
+            if not go.is_set():
+                with lock:
+                    parked[i] = True
+                    lock.notify_all()
+                go.wait()
+                with lock:
+                    parked[i] = False
             round_ += 1
-            if not attack:
-                client.get("/health").raise_for_status()
-            elif i % 2:
-                max_nodes = 20 + (97 * i + round_) % 400  # a new value each time: no view to share
-                client.get(f"/v1/cache/tree?max_nodes={max_nodes}&hashes=true").raise_for_status()
-            else:
-                with client.stream("GET", "/v1/cache/events") as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: "):
-                            break  # the snapshot: then leave, and subscribe again
-            done[i] += 1
-            if done[i] == 1 and all(done):
-                print("ready", flush=True)
+            try:
+                if not attack:
+                    client.get("/health").raise_for_status()
+                elif i % 2:
+                    max_nodes = 20 + (97 * i + round_) % 400  # a new value each time: no view to share
+                    client.get(f"/v1/cache/tree?max_nodes={max_nodes}&hashes=true").raise_for_status()
+                else:
+                    with client.stream("GET", "/v1/cache/events") as response:
+                        for line in response.iter_lines():
+                            if line.startswith("data: "):
+                                break  # the snapshot: then leave, and subscribe again
+            except httpx.TransportError:  # a kept-alive connection the server closed while parked
+                continue
+            with lock:
+                since_go[i] += 1
+                if since_go[i] == 1 and all(since_go):
+                    print("ready", flush=True)
 
 for i in range(count):
     threading.Thread(target=run, args=(i,), daemon=True).start()
-threading.Event().wait()
+for command in sys.stdin:
+    if command.strip() == "go":
+        with lock:
+            since_go[:] = [0] * count
+        go.set()
+    else:  # pause: every client parked, none in a request
+        go.clear()
+        with lock:
+            lock.wait_for(lambda: all(parked))
+        print("paused", flush=True)
 """
 
 
@@ -108,13 +131,27 @@ class Crowd:
     own work does not compete with the server's threads inside this one): attackers (event
     subscribes and tree views of distinct max_nodes) or benign clients (the health route: as
     many connections and requests, little work; eight clients looping on the stats route
-    saturated the event loop, a baseline so slow that no stall of the views could show)."""
+    saturated the event loop, a baseline so slow that no stall of the views could show).
+    Started once, parked between the runs it is used for (a process per run cost each run a
+    start of Python and httpx): `start` lets it loop until every client has been served once,
+    `park` until every client has finished its request and waits."""
 
     def __init__(self, url: str, count: int, attack: bool) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", CROWD_SCRIPT, url, str(count),
-                                         "attack" if attack else "benign"], stdout=subprocess.PIPE, text=True)
-        assert self.process.stdout is not None
-        assert self.process.stdout.readline().strip() == "ready"  # every client has been served once
+                                         "attack" if attack else "benign"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def _say(self, command: str, answer: str) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == answer
+
+    def start(self) -> None:
+        self._say("go", "ready")  # every client has been served once
+
+    def park(self) -> None:
+        self._say("park", "paused")
 
     def close(self) -> None:
         self.process.kill()
@@ -126,14 +163,19 @@ def test_many_views_beside_an_innocent_stream_do_not_stall_it(big_tree_server: t
     expected, _, _ = _innocent_run(url)
     ttfts: dict[bool, list[float]] = {False: [], True: []}
     gaps: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(REPETITIONS):
-        for attack in (False, True):  # alternated, so both see the same machine load
-            crowd = Crowd(url, ATTACKERS, attack)
-            text, ttft, run_gaps = _innocent_run(url)
+    crowds = {attack: Crowd(url, ATTACKERS, attack) for attack in (False, True)}
+    try:
+        for _ in range(REPETITIONS):
+            for attack in (False, True):  # alternated, so both see the same machine load
+                crowds[attack].start()
+                text, ttft, run_gaps = _innocent_run(url)
+                crowds[attack].park()
+                assert text == expected
+                ttfts[attack].append(ttft)
+                gaps[attack].extend(run_gaps)
+    finally:
+        for crowd in crowds.values():
             crowd.close()
-            assert text == expected
-            ttfts[attack].append(ttft)
-            gaps[attack].extend(run_gaps)
     benign_ttft, attack_ttft = (statistics.median(ttfts[k]) for k in (False, True))
     # The 90th percentile of all the runs' gaps: a stall the views caused comes with every
     # view, so in many gaps, where one descheduling of this process is one gap (the longest
