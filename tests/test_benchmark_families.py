@@ -68,6 +68,7 @@ def test_matrix_quick_runs_every_kind_of_cell(tmp_path: Path, capsys) -> None:
     assert shapes == {(w, host, n) for w in ("gsp",) for host, n in ((False, 1), (False, 4), (True, 1))}
     for c in cells:
         assert set(c["hit_rates"]) == {"adaptive", "lru", "reuse-boost"}
+        assert c["hit_rates"]["adaptive"] > 0  # the quick lengths leave gsp's system prompt pages to hit
         assert all(0 <= rate <= c["optimum"] + 1e-9 for rate in c["hit_rates"].values()) or c["replicas"] > 1
         assert c["below_lru"] == (c["hit_rates"]["adaptive"] < c["hit_rates"]["lru"])
         assert (c["imbalance"] is None) == (c["replicas"] == 1)
@@ -131,3 +132,28 @@ def test_matrix_host_cells_copy_by_the_write_policy_asked_for(tmp_path: Path) ->
         (host_cell,) = [c for c in report["cells"] if c["host_tokens"]]
         rates[policy] = round(100 * host_cell["hit_rates"]["lru"], 2)
     assert rates == {"write-back": 13.36, "exclusive": 14.16}
+
+
+def test_every_quick_row_measures_the_cache() -> None:
+    """At the old quick settings (lengths 1/256, page 16) gsp's system prompt was 8 tokens and
+    zipf-docs' documents about 12, under one page: gsp hit 0% in every cell against an 83.3%
+    optimum, and one-replica zipf-docs stayed at 27.6% at any capacity. Each quick workload
+    now hits, and more with the larger quick capacity."""
+    from radixserve.benchmark.cli_matrix import QUICK_CAPACITIES, QUICK_COUNT_SCALE, QUICK_SCALE, QUICK_WORKLOADS
+    from radixserve.benchmark.report import parse_tokens
+
+    small, large = (int(parse_tokens(c) * QUICK_SCALE * QUICK_COUNT_SCALE) for c in QUICK_CAPACITIES.split(","))
+    for name in QUICK_WORKLOADS:
+        workload = build_workload(name, QUICK_SCALE, QUICK_COUNT_SCALE)
+        bounds = WorkloadBounds(workload)
+        rates = [run_cell(workload, Cell(name, capacity, 0, 1), bounds, ["adaptive"], 16).default
+                 for capacity in (small, large)]
+        assert 0 < rates[0] < rates[1], (name, rates)
+
+
+def test_quick_refuses_the_flags_it_sets(capsys) -> None:
+    """--quick silently replaced --capacity-tokens, --scale and --count-scale."""
+    for flags in (["--capacity-tokens", "1M"], ["--scale", "0.1"], ["--count-scale", "0.5"]):
+        assert main(["bench", "matrix", "--quick", "--workloads", "gsp", "--no-progress", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"error: --quick sets {flags[0]} itself" in err and err.count("\n") == 1

@@ -10,26 +10,35 @@ from radixserve.benchmark.cli_common import progress_bar, say
 from radixserve.benchmark.cli_simulate import HOST_WRITE_POLICIES
 from radixserve.benchmark.report import parse_tokens
 
-QUICK_SCALE = 1 / 256  # --quick: a smoke test of every part of the matrix, in seconds
-QUICK_COUNT_SCALE = 1 / 8  # ... on an eighth of the conversations, documents and requests
-QUICK_CAPACITIES = "4M,16M"
+# --quick: a smoke test of every part of the matrix in seconds. Lengths at 1/64 keep every
+# shared part of the quick workloads a page or more (at 1/256 gsp's system prompt and
+# zipf-docs' documents were under one 16-token page: nothing to hit), on a thirty-second of
+# the conversations, documents and requests; the smaller capacity is under pressure, the
+# larger holds nearly all.
+QUICK_SCALE = 1 / 64
+QUICK_COUNT_SCALE = 1 / 32
+QUICK_CAPACITIES = "0.5M,4M"
+QUICK_WORKLOADS = ("chat-gaps", "zipf-docs", "gsp")
+DEFAULT_SCALE = 1 / 32
+DEFAULT_COUNT_SCALE = 1 / 4
+DEFAULT_CAPACITIES = "0.5M,1M,2M,4M,8M,16M"
 
 
 def _add_matrix(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("matrix", help="every workload x capacity x tiers x replicas: the default eviction rule "
                                       "vs LRU, the best fixed rule and the optimum")
-    p.add_argument("--scale", type=float, default=1 / 32,
+    p.add_argument("--scale", type=float, default=None,
                    help="multiplies every capacity, the host tier and the size of every workload (default "
                         "1/32: the 0.5M-16M matrix as 16k-500k tokens, minutes on one core)")
-    p.add_argument("--count-scale", type=float, default=1 / 4,
+    p.add_argument("--count-scale", type=float, default=None,
                    help="multiplies the number of conversations, documents and requests (the trace: its "
-                        "first requests) and, again, every capacity (default %(default)s)")
+                        f"first requests) and, again, every capacity (default {DEFAULT_COUNT_SCALE:g})")
     p.add_argument("--workloads", default=None, metavar="W,W,...",
                    help="these workloads only (default: every one of the matrix, see "
                         "`matrix.matrix_workloads`; the held-out mixes phases, blend, scan-burst and drift "
                         "run only when named)")
-    p.add_argument("--capacity-tokens", default="0.5M,1M,2M,4M,8M,16M", metavar="N,N,...",
-                   help="device capacities before scaling (default: %(default)s)")
+    p.add_argument("--capacity-tokens", default=None, metavar="N,N,...",
+                   help=f"device capacities before scaling (default: {DEFAULT_CAPACITIES})")
     p.add_argument("--host-capacity-tokens", default="8M", metavar="N",
                    help="the host tier of the device+host cells, before scaling (0: none; default %(default)s)")
     p.add_argument("--replicas", default="1,4", metavar="N,N",
@@ -37,7 +46,9 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fixed-rules", default="lru,reuse-boost", metavar="R,R,...",
                    help="the fixed rules the default is compared with (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
-                   help=f"scale {QUICK_SCALE:g}, capacities {QUICK_CAPACITIES}, three workloads: a smoke test")
+                   help=f"a smoke test: scale 1/{1 / QUICK_SCALE:g}, count scale 1/{1 / QUICK_COUNT_SCALE:g}, "
+                        f"capacities {QUICK_CAPACITIES}, workloads {','.join(QUICK_WORKLOADS)} (unless "
+                        "--workloads); not with --scale, --count-scale or --capacity-tokens")
     p.add_argument("--json", type=Path, help="write every cell here")
     p.add_argument("--markdown", type=Path, help="write the table here")
     p.add_argument("--host-write-policy", default="write-back", choices=HOST_WRITE_POLICIES,
@@ -50,10 +61,20 @@ def matrix_command(args: argparse.Namespace) -> int:
     """`radixserve bench matrix`."""
     from radixserve.benchmark.matrix import known_workloads, matrix_summary, matrix_table, matrix_workloads, run_matrix
 
-    scale = QUICK_SCALE if args.quick else args.scale
-    capacities = [parse_tokens(c) for c in (QUICK_CAPACITIES if args.quick else args.capacity_tokens).split(",")]
+    if args.quick:
+        given = [flag for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--scale", args.scale),
+                                          ("--count-scale", args.count_scale)) if value is not None]
+        if given:
+            say(f"error: --quick sets {', '.join(given)} itself; leave out --quick to choose")
+            return 2
+        scale, count_scale, capacity_text = QUICK_SCALE, QUICK_COUNT_SCALE, QUICK_CAPACITIES
+    else:
+        scale = DEFAULT_SCALE if args.scale is None else args.scale
+        count_scale = DEFAULT_COUNT_SCALE if args.count_scale is None else args.count_scale
+        capacity_text = args.capacity_tokens or DEFAULT_CAPACITIES
+    capacities = [parse_tokens(c) for c in capacity_text.split(",")]
     names = args.workloads.split(",") if args.workloads else (
-        ["chat-gaps", "zipf-docs", "gsp"] if args.quick else matrix_workloads())
+        list(QUICK_WORKLOADS) if args.quick else matrix_workloads())
     unknown = [n for n in names if n not in known_workloads()]
     if unknown or scale <= 0:
         say(f"error: --workloads among {known_workloads()}, --scale > 0 (got {unknown or scale})")
@@ -62,7 +83,6 @@ def matrix_command(args: argparse.Namespace) -> int:
     host = parse_tokens(args.host_capacity_tokens)
     total = len(names) * len(capacities) * (len(replicas) + (1 if host else 0))
     bar = None if args.no_progress else progress_bar(total, "cells")
-    count_scale = QUICK_COUNT_SCALE if args.quick else args.count_scale
     cells = run_matrix(names, capacities, scale=scale, count_scale=count_scale, host_tokens=host, replicas=replicas,
                        fixed=args.fixed_rules.split(","), write_policy=args.host_write_policy,
                        on_cell=(lambda _: bar.update(1)) if bar else None)
