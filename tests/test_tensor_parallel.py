@@ -27,6 +27,7 @@ from radixserve.engine.engine_setup import bytes_per_page
 from radixserve.models.demo import build_tokenizer
 from radixserve.parallel.layers import vocab_rows
 from radixserve.parallel.plan import STEP, KvOpLog, PlanBuilder, StepPlan, TableReplica
+from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.sharding import HeadLayout, parameter_bytes
 from tests.engine_util import cached_paths
 from tests.gguf_helpers import write_gguf
@@ -98,6 +99,18 @@ def test_head_layout_replicates_kv_heads_and_pads_the_vocabulary() -> None:
         (0, 161, 161), (161, 321, 161)]
     with pytest.raises(ValueError, match="divisible"):
         HeadLayout.of(6, 2, 16, 4, 0)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One error naming the heads: every worker raised it too, each with its own traceback (23
+    to 110 lines from `serve`), and rank 0's named the product num_attention_heads * head_dim."""
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(WorkerProcesses, "start", no_workers)
+    with pytest.raises(ValueError, match=r"^num_attention_heads: 4 is not divisible by tensor_parallel_size 3$"):
+        Engine(str(tiny_llama_dir), page_size=4, num_pages=16, tensor_parallel_size=3)
 
 
 def test_serve_has_the_flag() -> None:

@@ -17,7 +17,7 @@ from radixserve.parallel.group import (
     TensorParallelGroup,
     collective_timeout_s,
 )
-from radixserve.parallel.loading import load_shard
+from radixserve.parallel.loading import check_split, load_shard
 from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.runner import TensorParallelRunner
 from radixserve.parallel.worker import WorkerSpec, run_started_worker
@@ -54,6 +54,7 @@ class TensorParallel:
         if torch_device.index not in (None, 0):  # rank r runs on GPU r: a second rank would share this one
             raise ValueError(f"device: rank r of a tensor-parallel group runs on GPU r; give cuda, not "
                              f"{torch_device} (choose the GPUs with CUDA_VISIBLE_DEVICES)")
+        check_split(model, size)  # before any worker starts: one error, not one per rank
         external = launched_externally()
         if external and int(os.environ["RANK"]) != 0:
             raise ValueError("only rank 0 builds the engine; start the other ranks with radixserve.parallel.worker")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from radixserve.models.generation_defaults import GenerationDefaults
 from radixserve.models.gguf_checkpoint import (
@@ -40,7 +40,7 @@ from radixserve.models.registry import resolve_model
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies
 from radixserve.parallel.group import TensorParallelGroup
 from radixserve.parallel.layers import ShardSpec
-from radixserve.parallel.sharding import TensorParallelLM
+from radixserve.parallel.sharding import TensorParallelLM, check_layout
 
 
 def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dtype | None,
@@ -48,17 +48,7 @@ def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dty
     """Rank `group.rank`'s shard of `model` (a checkpoint directory, a .gguf file or a
     named model; not "demo") on `device`, as a LoadedModel. `with_tokenizer`: workers skip it
     (they see token ids only), and get None."""
-    path = resolve_model(model)
-    gguf = is_gguf_file(path)
-    reader = open_gguf(path) if gguf else None
-    if reader is not None:
-        metadata = gguf_metadata(reader)
-        config = gguf_config(metadata, tensor_shapes(reader))
-    elif (path / "config.json").is_file():
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    else:
-        raise ValueError(f"tensor parallelism needs a checkpoint directory or a .gguf file; {model!r} is neither")
-    check_architecture(config)
+    path, reader, metadata, config = _open(model)
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         shard = TensorParallelLM(config, group)
@@ -84,6 +74,31 @@ def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dty
     return LoadedModel(model=shard, tokenizer=tokenizer, config=config, name=model,
                        max_context_len=max_context_len(config), dtype=torch_dtype, device=device,
                        generation_defaults=defaults)
+
+
+def check_split(model: str, world_size: int) -> None:
+    """ValueError, naming the heads or columns, when `model` cannot be split over
+    `world_size` ranks: rank 0 checks before any worker starts (each then raised it alike, with
+    its own traceback). Reads the configuration only."""
+    config = _open(model)[3]
+    heads = config.num_attention_heads
+    check_layout(heads, getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, world_size)
+
+
+def _open(model: str) -> tuple[Path, object, dict | None, PretrainedConfig]:
+    """(path, GGUF reader or None, GGUF metadata or None, configuration) of `model`."""
+    path = resolve_model(model)
+    reader = open_gguf(path) if is_gguf_file(path) else None
+    metadata = None
+    if reader is not None:
+        metadata = gguf_metadata(reader)
+        config = gguf_config(metadata, tensor_shapes(reader))
+    elif (path / "config.json").is_file():
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        raise ValueError(f"tensor parallelism needs a checkpoint directory or a .gguf file; {model!r} is neither")
+    check_architecture(config)
+    return path, reader, metadata, config
 
 
 def _take(spec: ShardSpec | None, tensor: torch.Tensor) -> torch.Tensor:

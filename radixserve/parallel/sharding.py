@@ -40,9 +40,9 @@ class HeadLayout:
     @classmethod
     def of(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, world_size: int, rank: int) -> HeadLayout:
         """Rank `rank`'s heads; ValueError when the heads cannot be split over `world_size`."""
-        q_rows = even_split(num_qo_heads * head_dim, world_size, rank, "num_attention_heads * head_dim")
         if num_qo_heads % world_size:
             raise ValueError(f"num_attention_heads: {num_qo_heads} is not divisible by tensor_parallel_size {world_size}")
+        q_rows = even_split(num_qo_heads * head_dim, world_size, rank, "num_attention_heads * head_dim")
         if num_kv_heads >= world_size:
             if num_kv_heads % world_size:
                 raise ValueError(f"num_key_value_heads: {num_kv_heads} is not divisible by "
@@ -57,6 +57,13 @@ class HeadLayout:
             kv_rows = ShardSpec(0, head * head_dim, (head + 1) * head_dim, head_dim)
             local_kv = 1
         return cls(num_qo_heads // world_size, local_kv, q_rows, kv_rows)
+
+
+def check_layout(num_qo_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int) -> None:
+    """ValueError, naming what does not divide, unless the heads and the MLP columns split
+    over `world_size` ranks (as every rank's TensorParallelLM will split them)."""
+    HeadLayout.of(num_qo_heads, num_kv_heads, 1, world_size, 0)
+    even_split(intermediate_size, world_size, 0, "intermediate_size")
 
 
 class TensorParallelLM(CausalLM):
