@@ -113,6 +113,25 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_star
         Engine(str(tiny_llama_dir), page_size=4, num_pages=16, tensor_parallel_size=3)
 
 
+def test_an_engine_refused_after_its_group_started_ends_the_workers(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Options checked once the model is loaded (a pool too small, a policy's name): the
+    workers lived on until rank 0's half-built engine was collected, then each died with a
+    gloo traceback."""
+    started: list[WorkerProcesses] = []
+    start = WorkerProcesses.start
+
+    def recorded(*args, **kwargs) -> WorkerProcesses:
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(WorkerProcesses, "start", recorded)
+    with pytest.raises(ValueError, match="schedule"):
+        Engine(str(tiny_llama_dir), page_size=4, num_pages=16, tensor_parallel_size=2, schedule_policy="nonsense")
+    (workers,) = started
+    assert workers.processes and not any(p.is_alive() for p in workers.processes)
+
+
 def test_serve_has_the_flag() -> None:
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert engine_options(args)["tensor_parallel_size"] == 2

@@ -184,43 +184,48 @@ class Engine:
             self.loaded = self.tensor_parallel.loaded
         else:
             self.loaded = load_model(model, dtype=dtype, device=device)
-        self.tokenizer = self.loaded.tokenizer
-        self.model_name = self.loaded.name
-        self.max_context_len = self.loaded.max_context_len
-        self.device = self.loaded.device
-        self.page_size = page_size
-        cache = build_cache(self.loaded, page_size, num_pages=num_pages, kv_memory_gb=kv_memory_gb,
-                            eviction_policy=eviction_policy, prefix_cache=enable_prefix_cache,
-                            host_num_pages=host_num_pages, host_kv_memory_gb=host_kv_memory_gb,
-                            host_write_policy=host_write_policy,
-                            host_offload_min_priority=host_offload_min_priority,
-                            hashing=PageHashing(cache_hash_secret))
-        self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
-        self.cache_events, self.reuse_history = cache.events, cache.reuse_history
-        self.hashing = self.tree.hashing
-        if mixed_prefill_tokens is None and self.device.type == "cpu":
-            mixed_prefill_tokens = DEFAULT_CPU_MIXED_PREFILL_TOKENS
-        if tenant_step_rows is None:
-            tenant_step_rows = DEFAULT_CPU_TENANT_STEP_ROWS if self.device.type == "cpu" else 0
-        # The cap counts a chunk's attention too: late chunks of a long prompt would pause the
-        # streams beside them several times longer than early ones (engine/step_cost.py).
-        # At least an eighth of the cap a step, however deep the context: a step costs too.
-        chunk_cost = (ChunkCost.of_model(self.loaded.config, self.loaded.model.kv_window,
-                                         max(1, mixed_prefill_tokens // 8))
-                      if mixed_prefill_tokens is not None else None)
-        self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
-                                   max_running=max_running, max_batch_tokens=max_batch_tokens,
-                                   mixed_prefill_tokens=mixed_prefill_tokens, chunk_cost=chunk_cost,
-                                   tenant_step_rows=tenant_step_rows or None,
-                                   grammar_pace=GrammarPace(time.monotonic, share=grammar_paced_share),
-                                   clock=time.monotonic, prefix_cache=enable_prefix_cache,
-                                   window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
-                                   fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))
-        attention = create_backend(backend, self.device, self.loaded.dtype)
-        self.runner = (ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks,
-                                   adaptive_threads=adaptive_threads)
-                       if self.tensor_parallel is None else
-                       self.tensor_parallel.runner(self.pool, self.host_tier, attention, verify_tables=debug_checks))
+        try:  # a refusal below (a policy name, a pool too small) must end a started group's workers
+            self.tokenizer = self.loaded.tokenizer
+            self.model_name = self.loaded.name
+            self.max_context_len = self.loaded.max_context_len
+            self.device = self.loaded.device
+            self.page_size = page_size
+            cache = build_cache(self.loaded, page_size, num_pages=num_pages, kv_memory_gb=kv_memory_gb,
+                                eviction_policy=eviction_policy, prefix_cache=enable_prefix_cache,
+                                host_num_pages=host_num_pages, host_kv_memory_gb=host_kv_memory_gb,
+                                host_write_policy=host_write_policy,
+                                host_offload_min_priority=host_offload_min_priority,
+                                hashing=PageHashing(cache_hash_secret))
+            self.pool, self.host_tier, self.tree = cache.pool, cache.host_tier, cache.tree
+            self.cache_events, self.reuse_history = cache.events, cache.reuse_history
+            self.hashing = self.tree.hashing
+            if mixed_prefill_tokens is None and self.device.type == "cpu":
+                mixed_prefill_tokens = DEFAULT_CPU_MIXED_PREFILL_TOKENS
+            if tenant_step_rows is None:
+                tenant_step_rows = DEFAULT_CPU_TENANT_STEP_ROWS if self.device.type == "cpu" else 0
+            # The cap counts a chunk's attention too: late chunks of a long prompt would pause the
+            # streams beside them several times longer than early ones (engine/step_cost.py).
+            # At least an eighth of the cap a step, however deep the context: a step costs too.
+            chunk_cost = (ChunkCost.of_model(self.loaded.config, self.loaded.model.kv_window,
+                                             max(1, mixed_prefill_tokens // 8))
+                          if mixed_prefill_tokens is not None else None)
+            self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(schedule_policy, max_wait_s=max_wait_s),
+                                       max_running=max_running, max_batch_tokens=max_batch_tokens,
+                                       mixed_prefill_tokens=mixed_prefill_tokens, chunk_cost=chunk_cost,
+                                       tenant_step_rows=tenant_step_rows or None,
+                                       grammar_pace=GrammarPace(time.monotonic, share=grammar_paced_share),
+                                       clock=time.monotonic, prefix_cache=enable_prefix_cache,
+                                       window=self.loaded.model.kv_window, cache_partial_pages=cache_partial_pages,
+                                       fair_share=FairShare(enabled=fair_share, preempt_margin=max_batch_tokens))
+            attention = create_backend(backend, self.device, self.loaded.dtype)
+            self.runner = (ModelRunner(self.loaded, self.pool, attention, verify_tables=debug_checks,
+                                       adaptive_threads=adaptive_threads)
+                           if self.tensor_parallel is None else
+                           self.tensor_parallel.runner(self.pool, self.host_tier, attention, verify_tables=debug_checks))
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.abandon()
+            raise
         self.max_queue = max_queue
         if max_session_tokens is None:
             max_session_tokens = self.pool.num_pages * page_size // 2

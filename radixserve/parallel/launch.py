@@ -88,13 +88,16 @@ class TensorParallel:
 
     def runner(self, pool: PagePool, host_tier: HostTier | None, attention: AttentionBackend, *,
                verify_tables: bool) -> TensorParallelRunner:
-        """Rank 0's runner over the engine's pool; sizes the workers' pools to match."""
-        try:
-            return TensorParallelRunner(self.loaded, pool, attention, self.group, self.workers, host_tier,
-                                        verify_tables=verify_tables,
-                                        on_close=lambda: torch.set_num_threads(self.threads_before))
-        except BaseException:  # a worker failed to load or size its pool: end the rest
-            self.workers.stop(grace_s=1.0)
-            self.group.close()
-            torch.set_num_threads(self.threads_before)
-            raise
+        """Rank 0's runner over the engine's pool; sizes the workers' pools to match (a
+        failure, a worker's included, leaves the group to the caller's `abandon`)."""
+        return TensorParallelRunner(self.loaded, pool, attention, self.group, self.workers, host_tier,
+                                    verify_tables=verify_tables,
+                                    on_close=lambda: torch.set_num_threads(self.threads_before))
+
+    def abandon(self) -> None:
+        """Ends the workers and the group of an engine that will not be built after all (its
+        construction failed after the group started: else the workers lived on until rank 0's
+        half-built engine was collected, then died with a gloo traceback each)."""
+        self.workers.stop(grace_s=1.0)
+        self.group.close()
+        torch.set_num_threads(self.threads_before)
