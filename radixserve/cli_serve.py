@@ -87,6 +87,7 @@ def serve_command(args: argparse.Namespace) -> int:
             AsyncEngine,
             Engine,
         )
+        from radixserve.parallel.group import TensorParallelFault
         from radixserve.server import create_app
         from radixserve.server.connection_limits import connection_limits, raise_descriptor_limit
         from radixserve.server.connections import uvicorn_options
@@ -95,7 +96,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
         try:
             engine = Engine(**engine_options(args))
-        except (OSError, ValueError, MemoryError) as exc:
+        except (OSError, ValueError, MemoryError, TensorParallelFault) as exc:  # a worker's death included
             sock.close()
             say(f"error: cannot load {args.model!r}: {_as_flags(_first_line(exc))}")
             return 2

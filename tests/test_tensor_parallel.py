@@ -22,13 +22,14 @@ import torch
 from transformers import Qwen3Config
 
 from radixserve import AsyncEngine, Engine, SamplingParams, cli_serve
-from radixserve.cli import build_parser, engine_options
+from radixserve.cli import build_parser, engine_options, main
 from radixserve.engine.engine_setup import bytes_per_page
 from radixserve.models.demo import build_tokenizer
 from radixserve.parallel.layers import vocab_rows
 from radixserve.parallel.plan import STEP, KvOpLog, PlanBuilder, StepPlan, TableReplica
 from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.sharding import HeadLayout, parameter_bytes
+from radixserve.ports import free_port
 from tests.engine_util import cached_paths
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import load_reference, save_random_checkpoint, write_tiny_checkpoint
@@ -130,6 +131,29 @@ def test_an_engine_refused_after_its_group_started_ends_the_workers(
         Engine(str(tiny_llama_dir), page_size=4, num_pages=16, tensor_parallel_size=2, schedule_policy="nonsense")
     (workers,) = started
     assert workers.processes and not any(p.is_alive() for p in workers.processes)
+
+
+def test_a_worker_dying_at_start_up_is_a_one_line_load_error(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As the OOM killer ends a rank loading a large shard: `serve` printed a traceback and
+    exited 1 where rank 0's own load errors are one line and status 2."""
+    start = WorkerProcesses.start
+
+    def killed(*args, **kwargs) -> WorkerProcesses:
+        workers = start(*args, **kwargs)
+        for process in workers.processes:
+            process.kill()
+        return workers
+
+    monkeypatch.setattr(WorkerProcesses, "start", killed)
+    code = main(["serve", "--port", str(free_port()), "--model", str(tiny_llama_dir), "--device", "cpu",
+                 "--tensor-parallel-size", "2", "--num-pages", "16"])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    (error,) = [line for line in stderr.splitlines() if "error" in line]
+    assert error.startswith(f"radixserve: error: cannot load {str(tiny_llama_dir)!r}: tensor-parallel start-up")
+    assert "rank 1" in error
 
 
 def test_serve_has_the_flag() -> None:

@@ -45,6 +45,11 @@ _IDLE_WAIT = datetime.timedelta(days=365)  # a worker's wait for the next plan
 _HEADER_INTS = 1
 
 
+class TensorParallelFault(RuntimeError):
+    """The tensor-parallel group is broken (a worker died or hangs, at start-up or in a step);
+    the engine cannot step."""
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where the ranks of one group meet: rank 0 hosts a TCP store at `host:port`.
@@ -140,7 +145,7 @@ class TensorParallelGroup:
         self._store.set(f"{stage}/{self.rank}", "1")
 
     def wait_for_all(self, stage: str, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Rank 0: waits until every rank has announced `stage`; RuntimeError at once when
+        """Rank 0: waits until every rank has announced `stage`; TensorParallelFault at once when
         `peers_failed` reports a failure, or after `timeout_s` (start-up: a worker importing
         torch or loading a large shard may take minutes, longer than any collective should)."""
         keys = [f"{stage}/{rank}" for rank in range(self.world_size)]
@@ -148,9 +153,10 @@ class TensorParallelGroup:
         while not self._store.check(keys):
             failed = self.peers_failed()
             if failed is not None:
-                raise RuntimeError(f"tensor-parallel start-up ({stage}) failed: {failed}")
+                raise TensorParallelFault(f"tensor-parallel start-up ({stage}) failed: {failed}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel start-up: not every rank reached {stage!r} within {timeout_s:g} s")
+                raise TensorParallelFault(f"tensor-parallel start-up: not every rank reached {stage!r} "
+                                          f"within {timeout_s:g} s")
             time.sleep(0.05)
 
     @property

@@ -27,16 +27,12 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.scheduler import ScheduledChunk
 from radixserve.models.loader import LoadedModel
 from radixserve.parallel.executor import PlanExecutor
-from radixserve.parallel.group import TensorParallelGroup
+from radixserve.parallel.group import TensorParallelFault, TensorParallelGroup
 from radixserve.parallel.plan import CHECK, SETUP, STOP, KvOpLog, PlanBuilder, StepPlan
 from radixserve.parallel.processes import STOP_GRACE_S, WorkerProcesses
 from radixserve.parallel.recording import record_page_copies
 
 logger = logging.getLogger(__name__)
-
-
-class TensorParallelFault(RuntimeError):
-    """The tensor-parallel group is broken (a worker died or hangs); the engine cannot step."""
 
 
 class TensorParallelRunner(ModelRunner):
