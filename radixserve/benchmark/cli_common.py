@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,19 @@ def add_api_key_arg(parser: argparse.ArgumentParser, to: str = "the server") -> 
                              "else none)")
 
 
-def positive_int(text: str) -> int:
-    """An argparse `type`: an integer >= 1."""
+def _checked_int(text: str, ok: Callable[[int], bool], expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: an integer >= 1."""
+    return _checked_int(text, lambda value: value >= 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
@@ -65,13 +70,7 @@ def positive_float(text: str) -> float:
 
 def power_of_two(text: str) -> int:
     """An argparse `type`: 1, 2, 4, 8, ... (a page size)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or value & (value - 1):
-        raise argparse.ArgumentTypeError(f"expected a power of two, got {text!r}")
-    return value
+    return _checked_int(text, lambda value: value >= 1 and not value & (value - 1), "a power of two")
 
 
 def token_counts(minimum: int):  # -> Callable[[str], list[int]]
