@@ -40,7 +40,9 @@ def collective_timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"{TIMEOUT_ENV}: must be > 0, got {value:g}")
     return value
-_LISTEN_TRIES = 16
+
+
+_LISTEN_TRIES = 16  # binds of a free port for the rendezvous (another process may take one first)
 _IDLE_WAIT = datetime.timedelta(days=365)  # a worker's wait for the next plan
 _HEADER_INTS = 1
 
