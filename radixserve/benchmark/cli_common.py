@@ -73,7 +73,7 @@ def power_of_two(text: str) -> int:
     return _checked_int(text, lambda value: value >= 1 and not value & (value - 1), "a power of two")
 
 
-def token_counts(minimum: int):  # -> Callable[[str], list[int]]
+def token_counts(minimum: int) -> Callable[[str], list[int]]:
     """An argparse `type`: '0.5M,1M' -> [500000, 1000000], each at least `minimum`."""
     from radixserve.benchmark.report import parse_tokens
 

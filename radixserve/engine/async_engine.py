@@ -274,13 +274,18 @@ class AsyncEngine:
         self._command(lambda: self.engine.abort(request_id))
 
     def abort_all(self) -> None:
-        """Aborts every request and delivers their ends at once, not with a next step (the
-        server is stopping: its streams must end before their connections are cut)."""
-        def abort_and_tell() -> None:
-            self.engine.abort_all()
+        """Aborts every request, their ends delivered at once (the server is stopping: its
+        streams must end before their connections are cut)."""
+        self._end_now(self.engine.abort_all)
+
+    def _end_now(self, end: Callable[[], Any]) -> None:
+        """Runs `end` (aborts) on the engine thread and delivers the ends it made at once, not
+        with a next step, which may never come."""
+        def end_and_tell() -> None:
+            end()
             self._deliver(self.engine.take_deltas())
 
-        self._command(abort_and_tell)
+        self._command(end_and_tell)
 
     def _command(self, command: Callable[[], Any]) -> None:
         """Runs `command` on the engine thread, not waiting for it."""
@@ -300,11 +305,7 @@ class AsyncEngine:
                        self.stream_read_timeout_s)
         self._read_timeouts += 1
 
-        def abort_and_tell() -> None:  # its reader may come back: the end must reach it now,
-            self.engine.abort(request_id)  # not with a next step that may never come
-            self._deliver(self.engine.take_deltas())
-
-        self._command(abort_and_tell)
+        self._end_now(lambda: self.engine.abort(request_id))  # its reader may come back for the end
 
     def run_sliced(self, make_work: Callable[[], SlicedGenerator]) -> asyncio.Future[Any]:
         """Runs the generator `make_work()` makes on the engine thread, a piece between steps

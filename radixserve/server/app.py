@@ -369,11 +369,9 @@ class OpenAIServer:
                     with engine_errors(param, max_tokens_param, RETRY_AFTER_S):
                         raise first
             grammar_param = calls[0].grammar_param or "response_format"
-            failed = next((first for first in firsts if first.finish_reason == "error"), None)
-            if failed is not None:  # before any token: a plain 4xx or 500, streaming or not
-                raise request_failure(failed, grammar_param)
-            if self.stopping and any(first.finish_reason == "abort" for first in firsts):
-                raise server_stopping()
+            failure = next(filter(None, (self._failure(first, grammar_param) for first in firsts)), None)
+            if failure is not None:  # before any token: a plain 4xx, 500 or 503, streaming or not
+                raise failure
             deltas = merge_batch([prepend(first, rest) for first, rest in zip(firsts, streams)], n)
             handed_over = True  # from here `deltas` owns the engine streams and closes them
             choices = n * len(calls)
@@ -399,10 +397,9 @@ class OpenAIServer:
         usage = UsageCounter(n)
         async with aclosing(deltas):
             async for delta in deltas:
-                if delta.finish_reason == "error":
-                    raise request_failure(delta, grammar_param)
-                if delta.finish_reason == "abort" and self.stopping:
-                    raise server_stopping()
+                failure = self._failure(delta, grammar_param)
+                if failure is not None:
+                    raise failure
                 timer.observe(delta)
                 usage.add(delta)
                 results[delta.index].add(delta)
@@ -423,13 +420,9 @@ class OpenAIServer:
             for chunk in formatter.opening_chunks(choices):
                 yield _event(chunk)
             async for delta in deltas:
-                if delta.finish_reason == "error":
-                    # The engine ended this request (its step failed, or its grammar could not
-                    # be followed); the rest is aborted.
-                    yield _event(_error_event(request_failure(delta, grammar_param)))
-                    break
-                if delta.finish_reason == "abort" and self.stopping:
-                    yield _event(_error_event(server_stopping()))
+                failure = self._failure(delta, grammar_param)
+                if failure is not None:  # the rest is aborted
+                    yield _event(_error_event(failure))
                     break
                 timer.observe(delta)
                 usage.add(delta)
@@ -452,6 +445,16 @@ class OpenAIServer:
             # aborts the requests and frees their pages, even while the cancellation unwinds.
             await close(deltas)
         yield _DONE
+
+    def _failure(self, delta: StreamDelta, grammar_param: str) -> APIError | None:
+        """The error of a request the engine ended unfinished, or None: its step failed or its
+        grammar could not be followed ("error"), or the stopping server ended it ("abort"
+        after end_requests; otherwise an abort is its reader's timeout and ends it as usual)."""
+        if delta.finish_reason == "error":
+            return request_failure(delta, grammar_param)
+        if delta.finish_reason == "abort" and self.stopping:
+            return server_stopping()
+        return None
 
     async def _remember_turns(self, scope: Hashable, tenant: Hashable, results: Sequence[ChoiceResult]) -> None:
         """Remembers a request's finished choices in a worker thread: decoding a long answer
