@@ -301,26 +301,72 @@ SERVER_TIMEOUT_S = 2.0  # CPU seconds: far above an in-limit compile (millisecon
 
 
 def fat_grammar(rules: int) -> GrammarSpec:
-    """Cheap to compile, huge compiled: `root ::= r0 r1 ..`, each `rJ ::= "a"?` (600 rules: 11 KB
-    of source, about 45 MB serialized on the demo tokenizer)."""
+    """Cheap to compile, many rules, ambiguous: `root ::= r0 r1 ..`, each `rJ ::= "a"?` (300
+    rules: its first steps take the probe a few hundred ms)."""
     return GrammarSpec("ebnf", "root ::= " + " ".join(f"r{i}" for i in range(rules)) + "\n"
                        + "\n".join(f'r{i} ::= "a"?' for i in range(rules)))
 
 
-def test_a_grammar_too_large_compiled_or_compiling_is_refused(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past MAX_COMPILED_BYTES the worker sends no grammar (a second attack round's 132 MB ones
-    filled the server's memory), and past MAX_WORKER_RSS_BYTES it is killed mid-compile."""
-    from radixserve.grammar import compile_workers
+def many_rules(rules: int) -> GrammarSpec:
+    """Cheap to compile, small in memory, large serialized: `root ::= r0 r1 ..`, each
+    `rJ ::= "a" | "b"` (600 rules: 0.6 MB in memory, 20 MB serialized on the demo tokenizer)."""
+    return GrammarSpec("ebnf", "root ::= " + " ".join(f"r{i}" for i in range(rules)) + "\n"
+                       + "\n".join(f'r{i} ::= "a" | "b"' for i in range(rules)))
 
+
+def test_a_grammar_large_serialized_is_compiled_again_here_and_one_large_in_memory_is_refused(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar's serialized form grows with the square of the rules (a second attack round's
+    132 MB ones filled the server's memory; 128 strict tools took 31 s to serialize): such a
+    grammar is not sent; the caller compiles it itself, the worker having shown it compiles in
+    time. Past MAX_COMPILED_BYTES in memory it is refused, and past MAX_WORKER_RSS_BYTES of
+    compiling the worker is killed mid-compile."""
     grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=30.0)
-    with pytest.raises(GrammarError, match=r"guided_grammar: its grammar is too large: the compiled grammar is "
-                                           r"\d+ MB serialized, more than 32 MB"):
-        grammars.compile(fat_grammar(600), "guided_grammar")
+    workers = grammars._workers
+    assert workers is not None
+    assert workers.compile("ebnf", many_rules(600).source) is None  # too large to send
+    assert isinstance(workers.compile(specs()[0].kind, specs()[0].source), str)  # small: sent
+    fat = grammars.compile(many_rules(600), "guided_grammar")
+    matcher = grammars.matcher_of(fat)
+    assert all(matcher.accept(token) for token in tokenizer.encode("ab" * 300, add_special_tokens=False))
+    monkeypatch.setattr(compile_workers, "MAX_COMPILED_BYTES", 2**18)  # read by the parent on each reply
+    with pytest.raises(GrammarError, match=r"guided_grammar: its grammar is too large: the compiled grammar takes "
+                                           r"[\d.]+ MB of memory, more than 0.25 MB"):
+        grammars.compile(many_rules(601), "guided_grammar")
     monkeypatch.setattr(compile_workers, "MAX_WORKER_RSS_BYTES", 1)  # read by the parent at each poll
     with pytest.raises(GrammarError, match="too large: compiling took more than 0 MB of memory"):
-        grammars.compile(fat_grammar(601), "guided_grammar")
+        grammars.compile(many_rules(602), "guided_grammar")
     monkeypatch.undo()
     assert grammars.compile(specs()[0]) is not None  # the killed worker's replacement serves
+
+
+def test_a_hundred_and_twenty_eight_distinct_tools_compile_required_or_strict(tokenizer: Any) -> None:
+    """OpenAI's limit of tools, each with its own schema: their grammar is over 100 MB
+    serialized on the demo tokenizer (88 MB strict under "auto", 135 MB under "required"; a
+    400 "too large" before), 1-2 MB in memory: compiled again here, not sent."""
+    import msgspec
+
+    from radixserve.server.protocol import ChatCompletionRequest
+    from radixserve.server.tools import plan_tools
+
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "strict": True, "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         f"q{i}": {"type": "string", "maxLength": 4}},
+        "required": [f"p{i}", f"q{i}"]}}} for i in range(128)]
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=30.0)
+    for choice in ("required", "auto"):
+        request = msgspec.json.decode(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                  "tool_choice": choice}), type=ChatCompletionRequest)
+        plan = plan_tools(request, "hermes")
+        spec = plan.grammar[0] if plan.grammar else plan.auto_calls.constraint(None)[0]
+        matcher = grammars.matcher(spec)
+        call = '{"name": "tool_77", "arguments": {"p77": 7, "q77": "ab"}}'
+        text = f"[{call}]" if choice == "required" else f"<tool_call>\n{call}\n</tool_call>"
+        assert all(matcher.accept(token) for token in tokenizer.encode(text, add_special_tokens=False)), choice
+        assert matcher.accept(tokenizer.eos_token_id), choice
+        wrong = grammars.matcher(spec)  # a tool's arguments are held to its own schema
+        assert not all(wrong.accept(token) for token in tokenizer.encode(text.replace("q77", "q78"),
+                                                                         add_special_tokens=False)), choice
 
 
 def test_a_compile_starved_of_cpu_is_the_servers_fault_and_not_remembered(tokenizer: Any,

@@ -66,6 +66,12 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
         f"p{i}": {} for i in range(400)}}}, "required": ["default"]}, "add up to 160000"),
     ({"$defs": {"enum": {"properties": {f"p{i}": {} for i in range(400)}}}, "$ref": "#/$defs/enum"}, "add up to 160000"),
     ({"properties": {"examples": {"type": "string", "pattern": "a{0,100000}"}}}, "repeat too much"),
+    # what failed only the compile (xgrammar's source file in the 400) or became any value: a
+    # pointer at nothing, a named anchor, an empty enum
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}, 'at properties.a: $ref "#/$defs/X" points at nothing'),
+    ({"$defs": {"A/B": {"type": "integer"}}, "$ref": "#/$defs/A~1C"}, "points at nothing"),
+    ({"$defs": {"X": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "names an anchor"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "at properties.a: enum [] allows no value"),
     # the size is checked before the schema (the validator takes seconds over a megabyte): an
     # invalid schema too large is refused for its size
     ({"type": "nonsense", "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}] * 2000},
@@ -140,8 +146,21 @@ def test_a_grammar_that_does_not_compile_names_the_field(grammars: Grammars) -> 
     with pytest.raises(GrammarError) as caught:
         grammars.compile(GrammarSpec.ebnf("root ::= undefined_rule", "guided_grammar"), "guided_grammar")
     assert caught.value.param == "guided_grammar"
+    # the library's message without its own source place ("/project/cpp/...cc:123: ")
+    assert str(caught.value) == "guided_grammar: cannot compile this ebnf: EBNF parser error at line 1, column 10: " \
+                                "Rule \"undefined_rule\" is not defined"
     with pytest.raises(GrammarError):
         grammars.compile(GrammarSpec.json_schema({"$ref": "#/$defs/missing"}, "x"), "x")
+
+
+def test_references_within_the_schema_are_followed() -> None:
+    schema = {"$defs": {"A/B": {"type": "integer"}, "C D": {"type": "string"}, "x~y": {"type": "boolean"}},
+              "type": "object", "properties": {"a": {"$ref": "#/$defs/A~1B"}, "c": {"$ref": "#/$defs/C%20D"},
+                                               "x": {"$ref": "#/$defs/x~0y"}, "b": {"$ref": "#/properties/a"},
+                                               "r": {"type": "array", "items": {"$ref": "#"}},
+                                               "t": {"type": "array", "prefixItems": [{"type": "null"}]},
+                                               "u": {"$ref": "#/properties/t/prefixItems/0"}}}
+    assert GrammarSpec.json_schema(schema, "x").kind == "json_schema"
 
 
 def test_a_refused_spec_is_refused_again_from_the_cache_naming_each_callers_field(grammars: Grammars) -> None:

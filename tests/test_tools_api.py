@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -168,19 +169,20 @@ def strict(tool: dict[str, Any]) -> dict[str, Any]:
 
 def test_strict_tools_under_auto_constrain_the_calls_in_the_hermes_format() -> None:
     """The request's calls of strict tools are constrained to their schemas (xgrammar's
-    structural tag: any text, then after `<tool_call>` a call of a declared tool), unless the
-    request asks for a structured output of its own, or ignore_eos; not in the llama3 format."""
+    structural tag: any text, then after `<tool_call>` a call of a declared tool), unless
+    the request asks for ignore_eos; not in the llama3 format. Beside a structured output of
+    its own, the reply is that output or calls (strict or not, either format)."""
     import msgspec
 
     from radixserve.server.protocol import ChatCompletionRequest
     from radixserve.server.tools import plan_tools
     from radixserve.server.translate import chat_call
 
-    def grammar_of(parser: str, **fields: Any) -> Any:
-        request = msgspec.json.decode(json.dumps({"messages": USER, "tools": [strict(WEATHER), ADD], **fields}),
+    def grammar_of(parser: str, tools: list[dict[str, Any]] = [strict(WEATHER), ADD], **fields: Any) -> Any:
+        request = msgspec.json.decode(json.dumps({"messages": USER, "tools": tools, **fields}),
                                       type=ChatCompletionRequest)
         plan = plan_tools(request, parser)
-        call = chat_call(request, [1, 2, 3], 0, 4096, tool_grammar=plan.grammar, strict_grammar=plan.strict_grammar)
+        call = chat_call(request, [1, 2, 3], 0, 4096, tool_grammar=plan.grammar, auto_calls=plan.auto_calls)
         return call.params.grammar
 
     spec = grammar_of("hermes")
@@ -189,9 +191,70 @@ def test_strict_tools_under_auto_constrain_the_calls_in_the_hermes_format() -> N
                                        "parallel": True}
     assert json.loads(grammar_of("hermes", parallel_tool_calls=False).source)["parallel"] is False
     assert grammar_of("llama3") is None
+    assert grammar_of("hermes", tools=TOOLS) is None  # no strict tool: the reply is free
     assert grammar_of("hermes", ignore_eos=True) is None
-    assert grammar_of("hermes", response_format={"type": "json_object"}).kind == "json_object"
     assert grammar_of("hermes", tool_choice="required").kind == "json_schema"
+    for parser in ("hermes", "llama3"):
+        beside = json.loads(grammar_of(parser, tools=TOOLS, response_format={"type": "json_object"}).source)
+        assert beside == {"tools": [["get_weather", None], ["add", None]], "parallel": True,
+                          "answer": ["json_object", ""], **({"format": "llama3"} if parser == "llama3" else {})}
+    assert grammar_of("hermes", tool_choice="none", response_format={"type": "json_object"}).kind == "json_object"
+
+
+def test_a_structured_output_beside_tools_under_auto_is_that_output_or_calls(client: openai.OpenAI) -> None:
+    """What the OpenAI Agents SDK sends for an agent with an output type and tools: the reply
+    is the output (valid under its schema) or a reply opening with calls of the tools (held
+    to the strict one's schema); the grammar's two sides checked token by token, and both
+    served (the demo model picks one; a Hermes grammar of its own cannot be asked beside)."""
+    from radixserve.grammar import GrammarSpec, Grammars
+    from radixserve.models.demo import demo_checkpoint_dir
+    from transformers import AutoTokenizer
+
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    tokenizer = AutoTokenizer.from_pretrained(demo_checkpoint_dir())
+    grammars = Grammars(tokenizer, 2048, [tokenizer.eos_token_id], compile_timeout_s=None)
+    calls = [("get_weather", GrammarSpec.json_schema(SCHEMAS["get_weather"], "p")), ("add", None)]
+
+    def accepts(spec: GrammarSpec, text: str) -> bool:
+        matcher = grammars.matcher(spec)
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.accept(tokenizer.eos_token_id)
+
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>'
+    add = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    for parallel in (True, False):
+        spec = GrammarSpec.tool_calls(calls, parallel, "p", GrammarSpec.json_schema(answer, "q"))
+        assert accepts(spec, '{"city": "Paris"}') and accepts(spec, weather)
+        assert accepts(spec, f"{weather}\n{add}") is parallel and accepts(spec, f"{weather}\nDone.") is parallel
+        for wrong in ('{"city": 5}', '{"town": "Paris"}', "Paris", "Let me look.\n" + weather, weather.replace("Rome", "Constantinople"),
+                      weather.replace('"unit": "celsius"', '"unit": "kelvin"'), weather.replace("get_weather", "get_news")):
+            assert not accepts(spec, wrong), wrong
+    llama = GrammarSpec.tool_calls(calls, True, "p", GrammarSpec.json_schema(answer, "q"), "llama3")
+    call = '{"name": "add", "parameters": {"a": 1}}'
+    assert accepts(llama, '{"city": "Paris"}') and accepts(llama, call) and accepts(llama, f"{call}; {call}")
+    assert not accepts(llama, f"<tool_call>{call}") and not accepts(llama, '{"name": "sub", "parameters": {}}')
+    for seed in range(3):
+        reply = client.chat.completions.create(**COMMON, messages=USER, tools=[strict(WEATHER), ADD], seed=seed,
+                                               temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                                                   "name": "answer", "schema": answer}}).choices[0]
+        if reply.message.tool_calls:
+            assert reply.finish_reason == "tool_calls"
+            assert_valid_calls(whole(SimpleNamespace(choices=[reply])))
+        else:
+            jsonschema.validate(json.loads(reply.message.content), answer)
+
+
+def test_streamed_logprobs_with_tools_come_with_their_content(client: openai.OpenAI) -> None:
+    """As without tools: one chunk has the text and the logprobs of its tokens (they came in a
+    second, empty chunk after it, so clients pairing them misread both)."""
+    stream = client.chat.completions.create(**{**COMMON, "max_tokens": 12}, messages=USER, tools=TOOLS, stream=True,
+                                            logprobs=True, temperature=0.0)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert "<" not in text  # nothing held back as a possible call: every token's text is content at once
+    with_logprobs = [c for c in chunks if c.logprobs is not None]
+    assert len(with_logprobs) == 12
+    assert all(c.delta.content == "".join(t.token for t in c.logprobs.content) for c in with_logprobs)
 
 
 def test_strict_tools_under_auto_are_served_and_a_bad_strict_schema_is_a_400(client: openai.OpenAI) -> None:
@@ -334,6 +397,14 @@ def test_a_schema_that_cannot_fit_max_tokens_ends_with_length(client: openai.Ope
      "tools[0].function.parameters"),
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "g", "parameters": {"type": ["object", "null"]}}}]},
      "tools[1].function.parameters"),
+    # OpenAI's deprecated forms, refused rather than ignored; an empty call id answers nothing
+    ({"extra_body": {"functions": [WEATHER["function"]]}}, "functions"),
+    ({"extra_body": {"function_call": "auto"}}, "function_call"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]}, "messages[2].tool_calls[0].id"),
+    # a schema the compile would refuse is refused whatever tool_choice (under "auto" it was taken)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}}}]}, "tools[0].function.parameters"),
     # a constraint the grammar engine would drop beside a combinator is refused, not ignored
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"], "allOf": [{}]}}}]},

@@ -10,7 +10,12 @@ runs in a worker process and is given `timeout_s` of CPU time (wall time would r
 specs on a busy machine; 12 times it of wall time is a limit too): past it the worker is
 killed (a new one starts for the next compile) and the spec is refused (CompileTimeout).
 What a worker sends back is the compiled grammar's serialized form (xgrammar's own, a few
-milliseconds each way for a small schema). Before that, the worker walks the grammar's
+milliseconds each way for a small schema) when that form is small; otherwise only its size,
+and the server compiles the spec again itself (`compile` returns None): xgrammar 0.2.9 writes
+the grammar's whole state machine once per rule, so the serialized form grows with the square
+of the rules while the grammar in memory grows with them (128 strict tools of 3 properties:
+7 MB in memory, 413 MB serialized, 31 s and 6 GB to serialize; compiled in 0.6 s). The worker's
+compile has shown by then that the spec compiles within the limits. Before that, the worker walks the grammar's
 first steps (probe.py): one whose early fills already pass the engine's per-fill budget is
 refused (CompileTooSlowToFollow) instead of stalling the engine thread at a request's step.
 
@@ -51,11 +56,16 @@ COMPILE_NICENESS = 10  # compiles yield the CPU to serving: the engine's steps, 
 POLL_S = 0.05  # how often a compile's CPU time is read
 WALL_LIMIT_FACTOR = 12  # ... and past this many times the timeout of wall time it is refused anyway
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-# A grammar cheap to compile can be huge compiled (`root ::= r0 .. r999`, `rJ ::= "a"?`: 19 KB of
-# source, 132 MB serialized, 2.2 GB of worker memory, 1.25 s to deserialize in the server):
-# past these the worker is killed, or its grammar refused before it is sent. Ordinary schemas
-# are far below (100 optional properties: 3.7 MB on a 49k-token vocabulary).
+# A grammar cheap to compile can be large compiled (`root ::= r0 .. r2999`, `rJ ::= "a"?`: 60 KB
+# of source, 37 MB in memory by xgrammar's measure): past these the worker is killed, or its
+# grammar refused (the parent checks). Ordinary schemas are far below (100 optional properties:
+# 0.35 MB on a 49k-token vocabulary; 128 tools under "required", 3.5 MB).
 MAX_COMPILED_BYTES = 32 * 2**20
+# A grammar is sent serialized when its rules times its size in memory, a bound on the
+# serialized size (each rule's copy of the state machine is at most the whole grammar), and the
+# serialized form itself are at most this; otherwise the server compiles it again (about the worker's compile time, where
+# deserializing a large form took longer: 100 optional properties 118 ms against 12 ms).
+MAX_SENT_BYTES = 32 * 2**20
 MAX_WORKER_RSS_BYTES = 2**30  # a worker starts at about 190-250 MB (forked or not); a schema of 362 optional properties adds 240 MB
 # A worker whose memory grew past this in a compile is ended after it, not kept: what its
 # allocator freed stays its own (idle workers kept 1.9 GB each after the attack above).
@@ -72,8 +82,8 @@ class CompileFailed(Exception):
 
 
 class CompileTooLarge(Exception):
-    """The compile needed more memory than a worker may take, or its grammar is larger than
-    MAX_COMPILED_BYTES serialized; its worker was killed, or its grammar dropped."""
+    """The compile needed more memory than a worker may take, or its grammar takes more than
+    MAX_COMPILED_BYTES of memory; its worker was killed, or its grammar dropped."""
 
 
 class CompileTooSlowToFollow(Exception):
@@ -184,9 +194,11 @@ class CompileWorkers:
         self._zygote: zygote.Zygote | None = None  # what forks the workers, from the first on
         self.timeouts = 0  # workers killed for running past the timeout
 
-    def compile(self, kind: str, source: str) -> str:
-        """The serialized compiled grammar of a spec's `kind` and `source`; CompileTimeout past
-        the timeout, CompileFailed when the compiler refuses it."""
+    def compile(self, kind: str, source: str) -> str | None:
+        """The serialized compiled grammar of a spec's `kind` and `source`, or None where the
+        caller should compile it itself (its serialized form would be large; it compiles
+        within the limits); CompileTimeout past the timeout, CompileFailed when the compiler
+        refuses it, CompileTooLarge past MAX_COMPILED_BYTES in memory."""
         with self._turns, self._counted_busy():
             with self._lock:
                 worker, retired = self._take_idle()
@@ -224,12 +236,13 @@ class CompileWorkers:
                     self._idle.append(worker)
         if outcome == "error":
             raise CompileFailed(payload)
-        if outcome == "too_large":
-            raise CompileTooLarge(f"the compiled grammar is {payload / 2**20:,.0f} MB serialized, "
-                                  f"more than {MAX_COMPILED_BYTES // 2**20} MB")
         if outcome == "too_slow":
             raise CompileTooSlowToFollow(payload)
-        return payload
+        serialized, memory_bytes = payload
+        if memory_bytes > MAX_COMPILED_BYTES:
+            raise CompileTooLarge(f"the compiled grammar takes {memory_bytes / 2**20:,.1f} MB of memory, "
+                                  f"more than {MAX_COMPILED_BYTES / 2**20:g} MB")
+        return serialized
 
     @contextlib.contextmanager
     def _counted_busy(self) -> Iterator[None]:
@@ -352,9 +365,9 @@ def prepare_compiler(setup_fd: int) -> PreparedCompiler:
 
 
 def serve_jobs(jobs: Connection, replies: Connection, prepared: PreparedCompiler, idle_exit_s: float) -> None:
-    """The worker's loop: "ready", then (kind, source) in and ("ok", serialized) or ("error",
-    message) out, until the parent closes its end or nothing comes for `idle_exit_s` (inf:
-    the standby)."""
+    """The worker's loop: "ready", then (kind, source) in and ("ok", (serialized or None,
+    bytes in memory)), ("too_slow", seconds) or ("error", message) out, until the parent closes
+    its end or nothing comes for `idle_exit_s` (inf: the standby)."""
     from radixserve.grammar.compiled import compile_spec
     from radixserve.grammar.matcher import FILL_BUDGET_S
     from radixserve.grammar.probe import first_slow_step
@@ -370,16 +383,24 @@ def serve_jobs(jobs: Connection, replies: Connection, prepared: PreparedCompiler
         reply: tuple[str, Any]
         try:
             compiled = compile_spec(prepared.compiler, kind, source)
-            serialized = compiled.serialize_json()
-            if len(serialized) > MAX_COMPILED_BYTES:
-                reply = ("too_large", len(serialized))
+            memory_bytes = compiled.memory_size_bytes
+            if memory_bytes > MAX_COMPILED_BYTES:
+                reply = ("ok", (None, memory_bytes))  # refused by the parent (which a test can set)
             elif (slow := first_slow_step(compiled, prepared.token_lengths, FILL_BUDGET_S)) is not None:
                 reply = ("too_slow", slow)  # (under the CPU limit too)
+            elif rule_count(compiled) * memory_bytes > MAX_SENT_BYTES:
+                reply = ("ok", (None, memory_bytes))
             else:
-                reply = ("ok", serialized)
+                serialized = compiled.serialize_json()
+                reply = ("ok", (serialized if len(serialized) <= MAX_SENT_BYTES else None, memory_bytes))
         except (RuntimeError, ValueError) as exc:  # the library reports bad input as either
             reply = ("error", str(exc).strip() or type(exc).__name__)
         replies.send(reply)
+
+
+def rule_count(compiled: Any) -> int:
+    """The rules of a compiled grammar (its text writes one per line)."""
+    return str(compiled.grammar).count("\n") + 1
 
 
 _shared: dict[tuple[str, float], CompileWorkers] = {}

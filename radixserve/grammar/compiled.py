@@ -11,6 +11,7 @@ share one instance.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -40,6 +41,7 @@ COMPILE_THREADS = 2
 # them (its unbounded strings already exclude them). Swapped in the grammar's text.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
 _JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+_SOURCE_PLACE = re.compile(r"^\S+\.(?:cc|h|cpp):\d+: ")
 
 
 class _Refused(Exception):
@@ -75,11 +77,11 @@ class Grammars:
         # Compiles run in worker processes that a timeout can stop (compile_workers.py);
         # None: in the calling thread, unbounded (for callers that trust their specs).
         self.compile_timeout_s = compile_timeout_s
+        # In this process: every compile without a timeout, and a grammar the workers compiled
+        # but found too large to send (built on first use).
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._workers: CompileWorkers | None = None
-        if compile_timeout_s is None:
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        else:
+        if compile_timeout_s is not None:
             self._workers = shared_workers(info.serialize_json(), compile_timeout_s)
         self._cache: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
@@ -164,16 +166,17 @@ class Grammars:
             raise _Refused(f"its grammar took more than {self.compile_timeout_s:g} s of CPU time to compile "
                            "(nested or many optional repetitions, or many strict tools, say); simplify it") from None
         except CompileTooLarge as exc:
-            raise _Refused(f"its grammar is too large: {exc} (many optional parts, say; list more properties in "
-                           "`required`); simplify it") from None
+            raise _Refused(f"its grammar is too large: {exc} (many optional properties or alternatives, "
+                           "say); simplify it") from None
         except CompileTooSlowToFollow as exc:  # (the same words as when the engine finds it: matcher.py)
             raise _Refused(f"the request's output constraint took over {FILL_BUDGET_S * 1000:g} ms of CPU to "
                            f"compute one step's allowed tokens (an ambiguous grammar or regex; {exc}, found before "
                            "generation); simplify it") from None
         except (RuntimeError, ValueError, CompileFailed) as exc:  # the library reports bad input as either
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise _Refused(f"cannot compile this {spec.kind.replace('_', ' ')}: "
-                           f"{reason.split('] ', 1)[-1][:300]}") from None
+            # xgrammar's messages start "[time] /project/cpp/file.cc:line: ": its own source, not the request's
+            reason = _SOURCE_PLACE.sub("", reason.split("] ", 1)[-1])
+            raise _Refused(f"cannot compile this {spec.kind.replace('_', ' ')}: {reason[:300]}") from None
         if not self._allows_a_first_token(compiled):
             # `root ::= root`, `[^\s\S]`: every token masked, so the engine could only fail the
             # request (a 500) at its first step; the request is at fault, not the server.
@@ -193,10 +196,20 @@ class Grammars:
         return bool(bitmask.any())
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        if self._workers is None:
-            assert self._compiler is not None
-            return compile_spec(self._compiler, spec.kind, spec.source)
-        return xgrammar.CompiledGrammar.deserialize_json(self._workers.compile(spec.kind, spec.source), self._info)
+        if self._workers is not None:
+            serialized = self._workers.compile(spec.kind, spec.source)
+            if serialized is not None:
+                return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
+            # Its serialized form would be large (compile_workers.MAX_SENT_BYTES):
+            # compiled again here, in about the time the worker's compile took within its limit.
+        return compile_spec(self._local_compiler(), spec.kind, spec.source)
+
+    def _local_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=COMPILE_THREADS,
+                                                          cache_enabled=False)
+            return self._compiler
 
     @property
     def compile_timeouts(self) -> int:
@@ -216,21 +229,26 @@ class Grammars:
 
 def compile_spec(compiler: xgrammar.GrammarCompiler, kind: str, source: str) -> xgrammar.CompiledGrammar:
     """A spec's `kind` and `source` compiled by `compiler` (in this process, or a compile worker's)."""
-    if kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-    if kind == "json_schema":
-        return compiler.compile_grammar(_schema_ebnf(source))
     if kind == "tool_calls":
         return compiler.compile_structural_tag(_tool_calls_tag(json.loads(source)))
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return compiler.compile_regex(source)
+    return compiler.compile_grammar(_ebnf(kind, source))
+
+
+def _ebnf(kind: str, source: str) -> str:
+    """The EBNF text of a spec of kind json_schema, json_object, choice or ebnf."""
+    if kind == "json_schema":
+        return _schema_ebnf(source)
+    if kind == "json_object":
+        return _schema_ebnf('{"type": "object"}')
     if kind == "choice":
-        options = json.loads(source)
         # Raw characters, not \u escapes: xgrammar reads a surrogate pair's two escapes as two
         # lone surrogates, so an option past the BMP (an emoji) could never be produced.
-        literals = (json.dumps(option, ensure_ascii=False) for option in options)
-        return compiler.compile_grammar("root ::= " + " | ".join(literals))
-    return compiler.compile_grammar(source)
+        return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in json.loads(source))
+    return source
 
 
 def _schema_ebnf(schema: str) -> str:
@@ -246,12 +264,29 @@ HERMES_CALL_CLOSING = "}\n</tool_call>"
 
 
 def _tool_calls_tag(plan: dict) -> str:
-    """xgrammar's structural tag for a GrammarSpec.tool_calls plan: any text until the opening
-    of a call; then the call of one of the tools, its arguments under the tool's schema; then
-    any text again (or nothing more, for a single call)."""
-    tags = [{"begin": f'{HERMES_CALL_OPENING}\n{{"name": {json.dumps(name)}, "arguments": ',
-             "content": {"type": "grammar", "grammar": _schema_ebnf(json.dumps(schema or {"type": "object"}))},
-             "end": HERMES_CALL_CLOSING} for name, schema in plan["tools"]]
-    return json.dumps({"type": "structural_tag",
-                       "format": {"type": "triggered_tags", "triggers": [HERMES_CALL_OPENING], "tags": tags,
-                                  "stop_after_first": not plan["parallel"]}})
+    """xgrammar's structural tag for a GrammarSpec.tool_calls plan. Without an answer: any text
+    until the opening of a call; then the call of one of the tools, its arguments under the
+    tool's schema; then any text again (or nothing more, for a single call). With one: the
+    answer, or a reply that opens with a call (a Hermes block, or Llama 3's JSON calls)."""
+    answer = plan.get("answer")
+    arguments = [{"type": "grammar", "grammar": _schema_ebnf(json.dumps(schema or {"type": "object"}))}
+                 for _, schema in plan["tools"]]
+    if plan.get("format") == "llama3":
+        calls: dict = {"type": "tags_with_separator", "separator": "; ", "at_least_one": True,
+                       "stop_after_first": not plan["parallel"],
+                       "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(name)}, "parameters": ',
+                                 "content": content, "end": "}"}
+                                for (name, _), content in zip(plan["tools"], arguments)]}
+    else:
+        calls = {"type": "triggered_tags", "triggers": [HERMES_CALL_OPENING], "stop_after_first": not plan["parallel"],
+                 # beside an answer a reply of calls opens with one: a free-text start could
+                 # take any turn, the answer's JSON left unfinished
+                 "at_least_one": answer is not None,
+                 "tags": [{"type": "tag", "begin": f'{HERMES_CALL_OPENING}\n{{"name": {json.dumps(name)}, "arguments": ',
+                           "content": content, "end": HERMES_CALL_CLOSING}
+                          for (name, _), content in zip(plan["tools"], arguments)]}
+    if answer is not None:
+        kind, source = answer
+        reply = {"type": "regex", "pattern": source} if kind == "regex" else {"type": "grammar", "grammar": _ebnf(kind, source)}
+        calls = {"type": "or", "elements": [reply, calls]}
+    return json.dumps({"type": "structural_tag", "format": calls})

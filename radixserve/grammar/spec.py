@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import urllib.parse
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -115,7 +116,7 @@ class GrammarSpec:
                                f"of their counts add up to {optional}, at most {MAX_OPTIONAL_COST} (one object "
                                f"of {math.isqrt(MAX_OPTIONAL_COST)}); list more of them in `required`", param)
         for node, where in _schema_nodes(schema, ""):
-            problem = _half_honoured(node)
+            problem = _half_honoured(node) or _unresolved_reference(node, schema)
             if problem is not None:
                 raise GrammarError(f"{param}: at {where or 'the top'}: {problem}", param)
         if any(_fractional_integer_bounds(node) for node, _ in _schema_nodes(schema, "")):
@@ -140,12 +141,23 @@ class GrammarSpec:
         return GrammarSpec("ebnf", _bounded(grammar, param))
 
     @staticmethod
-    def tool_calls(tools: list[tuple[str, GrammarSpec | None]], parallel: bool, param: str) -> GrammarSpec:
-        """Free text whose tool-call blocks (Hermes: `<tool_call>` JSON `</tool_call>`) each call
-        one of `tools` by name with arguments valid under its schema (a json_schema spec), or
-        any JSON object (None); with `parallel` False, at most one block."""
-        calls = [[name, None if spec is None else json.loads(spec.source)] for name, spec in tools]
-        return GrammarSpec("tool_calls", _bounded(json.dumps({"tools": calls, "parallel": parallel}), param))
+    def tool_calls(tools: list[tuple[str, GrammarSpec | None]], parallel: bool, param: str,
+                   answer: GrammarSpec | None = None, call_format: str = "hermes") -> GrammarSpec:
+        """Calls of `tools`, each by name with arguments valid under its schema (a json_schema
+        spec) or any JSON object (None); with `parallel` False, one call at most. Without an
+        `answer`: free text whose tool-call blocks (Hermes: `<tool_call>` JSON `</tool_call>`)
+        are such calls. With one: either the answer (any other spec but tool_calls) or a reply
+        that opens with such calls (Hermes blocks, text allowed after them; in `call_format`
+        "llama3", `{"name": ..., "parameters": ...}` objects separated by "; ")."""
+        plan: dict[str, Any] = {"tools": [[name, None if spec is None else json.loads(spec.source)]
+                                          for name, spec in tools], "parallel": parallel}
+        if answer is not None:
+            if answer.kind == "tool_calls":
+                raise ValueError("an answer beside tool calls cannot be tool calls itself")
+            plan["answer"] = [answer.kind, answer.source]
+        if call_format != "hermes":
+            plan["format"] = call_format
+        return GrammarSpec("tool_calls", _bounded(json.dumps(plan), param))
 
 
 def _bounded(source: str, param: str) -> str:
@@ -229,6 +241,32 @@ def _half_honoured(node: dict[str, Any]) -> str | None:
         if untyped:
             return (f"{', '.join(untyped)} without a type: the grammar engine would ignore "
                     f"{'it' if len(untyped) == 1 else 'them'} (any JSON value); add the type they constrain")
+    return None
+
+
+def _unresolved_reference(node: dict[str, Any], root: dict[str, Any]) -> str | None:
+    """Why a reference within the schema would not be followed, or None. xgrammar follows
+    JSON pointers ("#/$defs/X"): one that points at nothing failed the compile (a 400 naming
+    the compiler's source file, and only once a tool_choice compiled the tool's schema); a
+    named anchor ("#x") it took for any JSON value. An empty `enum` failed alike: refused here,
+    whatever constrains the reply."""
+    if node.get("enum") == []:
+        return "enum [] allows no value"
+    reference = node.get("$ref")
+    if not isinstance(reference, str) or not reference.startswith("#") or reference == "#":
+        return None
+    shown = json.dumps(reference)[:80]
+    if not reference.startswith("#/"):
+        return f"$ref {shown} names an anchor: only JSON pointers (#/$defs/...) are followed"
+    target: Any = root
+    for part in reference[2:].split("/"):
+        key = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and key in target:
+            target = target[key]
+        elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+            target = target[int(key)]
+        else:
+            return f"$ref {shown} points at nothing in the schema"
     return None
 
 

@@ -228,7 +228,7 @@ class OpenAIServer:
                            code="invalid_value") from None
         call = await self._check(request, share, schemas, lambda: chat_call(
             body, prompt_ids, system_tokens, self.max_context_len, self.max_sequence_len, self.sampling_defaults,
-            tools.grammar, WorkLimit(self.max_request_tokens), tools.strict_grammar))
+            tools.grammar, WorkLimit(self.max_request_tokens), tools.auto_calls))
         _as_caller([call], caller, share)
         await self._compile_grammar(request, [call], share)
         formatter = ChatFormatter(self._identity("chatcmpl", bool(body.stream), body.stream_options),

@@ -203,10 +203,14 @@ class ChatFormatter:
             events += stream.finish()
         out: list[Struct] = []
         logprobs = self._logprobs(delta.logprobs, delta.finish_reason)
-        for event in events:
-            out += [self._chunk([ChatChunkChoice(index=delta.index, delta=message)]) for message in _tool_messages(event)]
+        choices = [ChatChunkChoice(index=delta.index, delta=message) for event in events for message in _tool_messages(event)]
         if logprobs is not None:
-            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)]))
+            if choices and isinstance(choices[-1].delta.content, str):
+                # with the content they came with, as without tools (one chunk, not two)
+                choices[-1].logprobs = logprobs
+            else:  # their text held back (it may open a call) or a call's: a chunk of their own
+                choices.append(ChatChunkChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs))
+        out += [self._chunk([choice]) for choice in choices]
         if delta.finish_reason is not None:
             reason = _calls_reason(delta.finish_reason, stream.calls, self.tool_parser)
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)]))

@@ -69,7 +69,7 @@ class FunctionCall(Struct, kw_only=True):
 class ToolCall(Struct, kw_only=True):
     """One tool call of an assistant message (in a request's history or a response)."""
 
-    id: Name
+    id: Identifier  # a tool message answers it by this id: an empty one answers nothing
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -112,7 +112,7 @@ class ChatMessage(Struct, kw_only=True):
     content: str | list[TextPart | RefusalPart] | None = None
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: Name | None = None
+    tool_call_id: Identifier | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -217,6 +217,10 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # null: true
+    # OpenAI's deprecated forms of tools and tool_choice: refused (tools.plan_tools), not
+    # ignored (an old agent would get text and never know why its functions went uncalled)
+    functions: list[object] | None = None
+    function_call: object = None
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):

@@ -57,22 +57,54 @@ _PROBE_TOOL = [{"type": "function", "function": {"name": "\ue004", "description"
                                                    "parameters": {"type": "object", "properties": {}}}}]
 
 
+@dataclass(frozen=True)
+class AutoCalls:
+    """Under tool_choice "auto": the calls a reply may make, for the constraint they put on it
+    beside what else the request asks (`constraint`)."""
+
+    calls: list[tuple[str, GrammarSpec | None]]  # each tool's name and, if strict, its arguments' spec
+    parallel: bool
+    call_format: str  # the reply's parser: "hermes" or "llama3"
+
+    def constraint(self, answer: tuple[GrammarSpec, str] | None) -> tuple[GrammarSpec, str] | None:
+        """What the reply must match, and the field named if it cannot be compiled. Beside a
+        `response_format` the request asks for (`answer`): that output, or calls of the tools
+        (the OpenAI Agents SDK sends both for an agent with an output type and tools; the
+        output's grammar alone left no way to call one). vLLM's guided_* fields constrain the
+        whole reply, as in vLLM: their grammar is returned as it is. Else, with a strict tool
+        in the Hermes format: free text whose calls are held to the tools' schemas (the llama3
+        format's calls have no opening marker to trigger on). Else nothing."""
+        if answer is not None and not answer[1].startswith("response_format"):
+            return answer
+        if answer is None and (self.call_format != "hermes" or all(spec is None for _, spec in self.calls)):
+            return None
+        param = "tools" if answer is None else answer[1]
+        try:
+            return GrammarSpec.tool_calls(self.calls, self.parallel, param, None if answer is None else answer[0],
+                                          self.call_format), param
+        except GrammarError as exc:
+            raise grammar_error(exc) from None
+
+
 @dataclass
 class ToolPlan:
     """What a chat request's tools mean: `tools` for the template (None: no tools), the parser
-    of its reply (None: plain content), and the constraint tool_choice puts on the reply."""
+    of its reply (None: plain content), the constraint tool_choice "required" or a named
+    choice puts on the reply (`grammar`), and under "auto" the calls the reply may make
+    (translate.chat_call constrains them unless the request asks for ignore_eos)."""
 
     tools: list[dict[str, Any]] | None = None
     parser: ToolCallParser | None = None
     grammar: tuple[GrammarSpec, str] | None = None
-    # Under "auto" with a `strict` tool, in the Hermes format: the reply's calls constrained to
-    # the tools' schemas (GrammarSpec.tool_calls). Yields to a structured output the request
-    # asks for, and to ignore_eos (translate.chat_call).
-    strict_grammar: tuple[GrammarSpec, str] | None = None
+    auto_calls: AutoCalls | None = None
 
 
 def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     """Checks `tools`, `tool_choice` and the history's tool messages; 400s name the field."""
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(request, legacy) is not None:
+            raise APIError(400, f"{legacy} (OpenAI's deprecated form) is not supported by radixserve; use {current}",
+                           param=legacy, code="unsupported_parameter")
     check_tool_messages(request.messages)
     choice = request.tool_choice
     if not request.tools:
@@ -93,21 +125,16 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     names = [tool.function.name for tool in request.tools]
     if len(set(names)) < len(names):
         raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")
-    schemas = [_parameters(tool, i) for i, tool in enumerate(request.tools)]
+    specs = [_parameters(tool, i) for i, tool in enumerate(request.tools)]
     plan = ToolPlan(tools=[_template_tool(tool) for tool in request.tools])
     parallel = request.parallel_tool_calls is not False  # null: OpenAI's default, true
     if choice is None or choice == "auto":
         plan.parser = make_parser(parser_name, frozenset(names), None if parallel else 1)
-        if parser_name == "hermes" and any(tool.function.strict for tool in request.tools):
-            calls = [(name, json_schema_spec(schema, f"tools[{i}].function.parameters") if tool.function.strict
-                      else None) for i, (name, schema, tool) in enumerate(zip(names, schemas, request.tools))]
-            try:
-                plan.strict_grammar = (GrammarSpec.tool_calls(calls, parallel, "tools"), "tools")
-            except GrammarError as exc:
-                raise grammar_error(exc) from None
+        plan.auto_calls = AutoCalls([(name, spec if tool.function.strict else None)
+                                     for name, spec, tool in zip(names, specs, request.tools)], parallel, parser_name)
     elif choice == "required":
         plan.parser = RequiredCallsParser()
-        schema = required_calls_schema(names, schemas, parallel)
+        schema = required_calls_schema(names, [json.loads(spec.source) for spec in specs], parallel)
         plan.grammar = (json_schema_spec(schema, "tools"), "tools")  # 400 if all of them together are too large
     elif isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -115,8 +142,7 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
                            param="tool_choice.function.name", code="invalid_value")
         position = names.index(choice.function.name)
         plan.parser = NamedCallParser(choice.function.name)
-        param = f"tools[{position}].function.parameters"
-        plan.grammar = (json_schema_spec(schemas[position], param), param)
+        plan.grammar = (specs[position], f"tools[{position}].function.parameters")
     return plan
 
 
@@ -178,9 +204,9 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
                                param=f"messages[{i}].tool_call_id", code="invalid_value")
 
 
-def _parameters(tool: Tool, position: int) -> dict[str, Any]:
+def _parameters(tool: Tool, position: int) -> GrammarSpec:
     """The tool's parameters schema, checked (the grammar engine compiles it only when a
-    tool_choice constrains the reply to it)."""
+    tool_choice, or `strict`, constrains the reply to it)."""
     schema = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
     param = f"tools[{position}].function.parameters"
     if isinstance(schema, dict) and schema.get("type", "object") != "object":
@@ -188,8 +214,7 @@ def _parameters(tool: Tool, position: int) -> dict[str, Any]:
         # raw text for arguments, which no client can parse.
         raise APIError(400, f"{param}: a tool's parameters must be a JSON Schema of type \"object\", "
                             f"not {json.dumps(schema['type'])}", param=param, code="invalid_value")
-    json_schema_spec(schema, param)
-    return schema
+    return json_schema_spec(schema, param)
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:

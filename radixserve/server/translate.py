@@ -16,6 +16,7 @@ from radixserve.grammar import GrammarSpec
 from radixserve.server.errors import APIError, error_from_value_error
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from radixserve.server.structured import requested_grammar
+from radixserve.server.tools import AutoCalls
 from radixserve.server.work_limit import WorkLimit
 
 # Completions default to OpenAI's 16 new tokens; chat defaults to the rest of the context.
@@ -50,13 +51,14 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
               max_context_len: int, max_sequence_len: int | None = None,
               defaults: SamplingDefaults = NO_DEFAULTS,
               tool_grammar: tuple[GrammarSpec, str] | None = None, work_limit: WorkLimit | None = None,
-              strict_grammar: tuple[GrammarSpec, str] | None = None) -> EngineCall:
+              auto_calls: AutoCalls | None = None) -> EngineCall:
     """The engine call for a chat request whose messages rendered to `prompt_ids`; sampling
     fields it leaves unset take `defaults` (the model's recommendations) first;
     `tool_grammar` is the constraint its tool_choice puts on the reply (tools.plan_tools);
-    `work_limit` bounds its samples x max_tokens (work_limit.py); `strict_grammar` constrains
-    the calls of strict tools under "auto" unless the request asks for a structured output
-    of its own or for ignore_eos (the end token closes a constrained output)."""
+    `work_limit` bounds its samples x max_tokens (work_limit.py); `auto_calls`, under
+    tool_choice "auto", constrain the reply with the structured output it asks for (either)
+    or alone (strict tools), unless it asks for ignore_eos (the end token closes a constrained
+    output: such a request's own structured output is refused)."""
     _refuse_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
@@ -73,10 +75,10 @@ def chat_call(request: ChatCompletionRequest, prompt_ids: list[int], system_toke
                                   request.system_retention_duration_s, "system_retention")
     if system_retention is not None and system_tokens > 0:
         prefix_retention = (system_tokens, system_retention)
-    if strict_grammar is not None and tool_grammar is None and not request.ignore_eos \
-            and requested_grammar(request) is None:
-        tool_grammar = strict_grammar
-    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention, defaults, tool_grammar)
+    grammar = requested_grammar(request)
+    if auto_calls is not None and tool_grammar is None and not request.ignore_eos:
+        grammar = auto_calls.constraint(grammar) or grammar
+    return _call(request, prompt_ids, max_tokens, logprobs, prefix_retention, defaults, tool_grammar, grammar)
 
 
 def completion_prompts(request: CompletionRequest) -> tuple[list[str | list[int]], bool]:
