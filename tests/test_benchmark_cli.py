@@ -179,7 +179,6 @@ def test_simulate_window_runs_full_attention_beside_it(tmp_path: Path, capsys) -
     printed = capsys.readouterr().out
     assert "| capacity | attention | hit rate | pages cached at the end |" in printed
     assert "| 100k | sliding window (16) |" in printed and "| 100k | full |" in printed
-    assert main(args[:-4] + ["--window", "0", "--no-progress"]) == 2
 
 
 def test_failures_are_reported_for_tiers_results_too(capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,6 +228,9 @@ SIMULATE = ["simulate", "--workload", "gsp", "--capacity-tokens", "1k"]
     (["--request-rate", "0"], "argument --request-rate: expected a positive number"),
     (["--request-rate", "-1"], "argument --request-rate: expected a positive number"),
     (["--decode-step-ms", "nan"], "argument --decode-step-ms: expected a positive number"),
+    (["--window", "0"], "argument --window: expected a positive integer"),
+    (["--replicas", "0"], "argument --replicas: expected a positive integer"),
+    (["--replicas", "2", "--concurrency", "0"], "argument --concurrency: expected a positive integer"),
 ])
 def test_simulate_refuses_bad_numbers_as_it_parses(flags: list[str], message: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,6 +242,20 @@ def test_simulate_refuses_bad_numbers_as_it_parses(flags: list[str], message: st
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["serve", "--url", "http://127.0.0.1:1", "--workload", "gsp", "--concurrency", "0"],
+    ["serve", "--url", "http://127.0.0.1:1", "--workload", "gsp", "--timeout-s", "0"],
+    ["peers", "--concurrency", "0"],
+    ["compare", "--concurrency", "0"],
+])
+def test_other_commands_refuse_non_positive_counts_as_they_parse(argv: list[str],
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _bench_parse(argv)
+    assert exit_.value.code == 2
+    assert f"argument {argv[-2]}: expected a positive" in capsys.readouterr().err
+
+
 def test_simulate_parses_token_counts_to_lists() -> None:
     args = _bench_parse([*SIMULATE, "--capacity-tokens", "0.5k, 2k", "--page-size", "1"])
     assert args.capacity_tokens == [500, 2000] and args.host_capacity_tokens == [0] and args.page_size == 1
@@ -249,6 +265,9 @@ def test_simulate_parses_token_counts_to_lists() -> None:
     (["--workload-args", "system_prompt_len=64"],
      "error: --workload-args: gsp takes no 'system_prompt_len' (it takes: num_groups, prompts_per_group,"),
     (["--capacity-tokens", "8"], "error: --capacity-tokens 8 holds no page of 16 tokens"),
+    # a generator imported on use (it imports the workloads module) is checked too: a TypeError before
+    (["--workload", "gapped-chat", "--workload-args", "bogus=1"],
+     "error: --workload-args: gapped-chat takes no 'bogus' (it takes: num_conversations, start_rate,"),
 ])
 def test_simulate_refuses_bad_inputs_in_one_line(flags: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from radixserve.benchmark.cli_common import parse_workload_args, say, write_json
+from radixserve.benchmark.cli_common import parse_workload_args, positive_float, positive_int, say, write_json
 from radixserve.benchmark.lengths import LENGTH_DISTRIBUTIONS
 from radixserve.benchmark.report import plot_ttft_cdf, serve_table
 from radixserve.benchmark.workloads import WORKLOADS, Workload, make_workload
@@ -22,9 +22,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="generator overrides (default: a CPU-sized gsp)")
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=8,
+    p.add_argument("--concurrency", type=positive_int, default=8,
                    help="requests in flight against each server (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="transformers static batch size")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="transformers static batch size")
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated "
                                                      "(--dtype and --page-size apply in process too)")
     p.add_argument("--mode", choices=["both", "in-process", "http"], default="both",
@@ -97,14 +97,14 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
                    help="generator overrides (default: a CPU-sized multiturn)")
     p.add_argument("--device-fraction", type=float, default=0.25,
                    help="device pool as a fraction of the working set (default: %(default)s)")
-    p.add_argument("--host-factor", type=float, default=2.0,
+    p.add_argument("--host-factor", type=positive_float, default=2.0,
                    help="host tier as a multiple of the working set (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4,
+    p.add_argument("--concurrency", type=positive_int, default=4,
                    help="conversations in flight at once (default: %(default)s)")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", type=positive_int, default=3,
                    help="runs of each server, alternating; medians are reported (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")

@@ -7,7 +7,7 @@ import asyncio
 import math
 from pathlib import Path
 
-from radixserve.benchmark.cli_common import add_api_key_arg, say, write_json
+from radixserve.benchmark.cli_common import add_api_key_arg, positive_int, say, write_json
 from radixserve.benchmark.peer_workloads import WORKLOAD_NAMES, build_workloads
 
 
@@ -24,7 +24,7 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="alternating runs per workload (default: %(default)s)")
     p.add_argument("--requests", type=int, default=64, help="requests per workload (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=16, help="conversations in flight (default: %(default)s)")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="conversations in flight (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each reply has (default: %(default)s)")
     p.add_argument("--system-chars", type=int, default=4500,
                    help="characters of the shared system prompt, about 1,000 tokens (default: %(default)s)")

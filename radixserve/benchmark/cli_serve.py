@@ -6,7 +6,15 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from radixserve.benchmark.cli_common import add_api_key_arg, add_workload_args, load_workload, say, write_json
+from radixserve.benchmark.cli_common import (
+    add_api_key_arg,
+    add_workload_args,
+    load_workload,
+    positive_float,
+    positive_int,
+    say,
+    write_json,
+)
 from radixserve.benchmark.report import serve_table
 
 
@@ -17,16 +25,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="drive a running server over HTTP (/v1/completions, token ids)")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     add_workload_args(p)
-    p.add_argument("--concurrency", type=int, default=16,
+    p.add_argument("--concurrency", type=positive_int, default=16,
                    help="requests in flight (closed loop; default: %(default)s)")
     p.add_argument("--open-loop", action="store_true",
                    help="send each request at its arrival time (trace timestamps or --request-rate)")
     p.add_argument("--model", default=None, help="model name to put in requests")
     add_api_key_arg(p)
-    p.add_argument("--vocab-size", type=int, default=None,
+    p.add_argument("--vocab-size", type=positive_int, default=None,
                    help="keep token ids below the model's vocabulary size (synthetic default: 32000; "
                         "trace ids are rehashed into it)")
-    p.add_argument("--timeout-s", type=float, default=600.0,
+    p.add_argument("--timeout-s", type=positive_float, default=600.0,
                    help="per-request timeout in seconds (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the summary here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

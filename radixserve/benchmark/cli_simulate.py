@@ -71,7 +71,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--sequential", action="store_true",
                    help="one request at a time in arrival order (the Mooncake README's setting)")
-    p.add_argument("--window", type=int, default=None, metavar="N",
+    p.add_argument("--window", type=positive_int, default=None, metavar="N",
                    help="simulate a model with a sliding window of N tokens on every layer (pages that "
                         "leave the window are released), next to the same model with full attention")
     p.add_argument("--cache-partial-pages", action="store_true",
@@ -87,14 +87,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="simulated prefill speed (default: %(default)s)")
     p.add_argument("--decode-step-ms", type=positive_float, default=20.0,
                    help="simulated time of one forward step (default: %(default)s)")
-    p.add_argument("--replicas", type=int, default=None, metavar="N",
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="simulate N replicas of --capacity-tokens each behind a router, next to one "
                         "replica with N times the memory (the ideal)")
     p.add_argument("--router", default="cache-aware", metavar="NAME[,NAME...]",
                    help="with --replicas: cache-aware, power-of-two, round-robin, prefix-affinity "
                         "(the routing code the server uses; several: compared, the first reported "
                         "at the top of the JSON; default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+    p.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                    help="with --replicas: release the requests as `bench serve` does, by a closed loop "
                         "of N clients taking them in order (default: as the workload says)")
     p.add_argument("--router-kwargs", default="", metavar="K=V,...",
@@ -129,9 +129,6 @@ def simulate_command(args: argparse.Namespace) -> int:
     points = [(device, host) for device in capacities for host in host_capacities]
     if min(capacities) < args.page_size:
         say(f"error: --capacity-tokens {min(capacities)} holds no page of {args.page_size} tokens")
-        return 2
-    if args.window is not None and args.window < 1:
-        say("error: --window must be >= 1")
         return 2
     try:
         workload = load_workload(args)
@@ -222,8 +219,8 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
 
     routers = args.router.split(",")
     unknown = [r for r in routers if r not in ROUTERS]
-    if unknown or args.replicas < 1:
-        say(f"error: --router must be among {list(ROUTERS)}, --replicas >= 1")
+    if unknown:
+        say(f"error: --router must be among {list(ROUTERS)}")
         return 2
     try:
         speeds = [float(x) for x in args.replica_speeds.split(",")] if args.replica_speeds else None
@@ -231,9 +228,6 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
         speeds = []
     if speeds is not None and (len(speeds) != args.replicas or min(speeds, default=0) <= 0):
         say(f"error: --replica-speeds needs {args.replicas} positive numbers, got {args.replica_speeds!r}")
-        return 2
-    if args.concurrency is not None and args.concurrency < 1:
-        say("error: --concurrency must be >= 1")
         return 2
     try:
         routing = parse_routing_config(args.router_kwargs)

@@ -9,6 +9,8 @@ prefix start with distinct first tokens.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -259,13 +261,25 @@ from radixserve.benchmark.families import FAMILIES  # noqa: E402 (families impor
 WORKLOADS.update(FAMILIES)
 
 
-def _gapped_chat(**params: Any) -> Workload:
-    from radixserve.benchmark.gapped_chat import gapped_conversations  # it imports this module
+class _ImportedOnUse:
+    """A generator of a module that imports this one, imported when first called; its
+    signature is the generator's (bench checks --workload-args against it)."""
 
-    return gapped_conversations(**params)
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def _generator(self) -> Callable[..., Workload]:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, **params: Any) -> Workload:
+        return self._generator()(**params)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._generator())
 
 
-WORKLOADS["gapped-chat"] = _gapped_chat
+WORKLOADS["gapped-chat"] = _ImportedOnUse("radixserve.benchmark.gapped_chat", "gapped_conversations")
 
 
 def make_workload(name: str, **params: Any) -> Workload:
