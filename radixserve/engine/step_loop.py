@@ -124,6 +124,13 @@ class StepLoop:
             self._timings.add("metadata", t1 - t0)
             self._timings.add("model", clock() - t1)
         except Exception as exc:
+            if getattr(self._runner, "fault", None) is not None:
+                # The tensor-parallel group is broken (its runner logged why, once): no retry
+                # or half can succeed, and a traceback per request would say it again each time.
+                for chunk in chunks:
+                    if not chunk.seq.finished:
+                        self._fail(chunk.seq.request, exc)
+                return
             if len(chunks) == 1:
                 logger.exception("forward pass failed for request %s; it ends with finish_reason "
                                  "'error'", chunks[0].seq.request.request_id)

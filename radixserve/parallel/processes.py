@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.process
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +45,12 @@ class WorkerProcesses:
             process.start()
         return workers
 
-    def first_dead(self) -> str | None:
-        """Why the first worker that has exited did, or None while all run."""
+    def first_dead(self, wait_s: float = 0.0) -> str | None:
+        """Why the first worker that has exited did, or None while all run; waiting up to
+        `wait_s` for one to exit (after a collective failed: its peer's exit is seen a moment
+        after the connection it held closed)."""
+        if wait_s > 0 and self.processes:
+            multiprocessing.connection.wait([process.sentinel for process in self.processes], timeout=wait_s)
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
                 return f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"

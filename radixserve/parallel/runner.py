@@ -33,6 +33,7 @@ from radixserve.parallel.processes import STOP_GRACE_S, WorkerProcesses
 from radixserve.parallel.recording import record_page_copies
 
 logger = logging.getLogger(__name__)
+FAULT_EXIT_WAIT_S = 1.0  # how long a failed collective waits to see which worker exited
 
 
 class TensorParallelRunner(ModelRunner):
@@ -128,6 +129,8 @@ class TensorParallelRunner(ModelRunner):
 
     def _fail(self, reason: str) -> TensorParallelFault:
         if self._fault is None:
-            self._fault = self.workers.first_dead() or reason
+            # A worker that died mid-step closed its connections before its exit shows: the
+            # collective's error ("Connection closed by peer") named no rank and no exit code.
+            self._fault = self.workers.first_dead(wait_s=FAULT_EXIT_WAIT_S) or reason
             logger.error("tensor parallelism failed: %s; every request from now on ends with an error", self._fault)
         return TensorParallelFault(self._fault)
