@@ -119,3 +119,13 @@ def test_each_replica_gets_the_sum_of_the_others_records() -> None:
     for i, duel in enumerate(duels):
         others = [r for j, r in enumerate(records) if j != i]
         assert duel.peers.to_list() == sum(others[1:], others[0]).to_list()
+
+
+def test_a_duel_left_alone_drops_the_others_records() -> None:
+    # The pool shrinks to one duel: the record it was handed last came from replicas that
+    # are gone, which no traffic decays any more; the lone duel decides on its own.
+    duels = replicas(pooled=False, rounds=1)
+    share_evidence(duels)
+    assert duels[0].peers is not None
+    share_evidence(duels[:1])
+    assert duels[0].peers is None

@@ -54,3 +54,19 @@ def test_a_record_of_another_shape_is_ignored() -> None:
     lone = engine()
     receive(lone, {"a": good}, "a")  # only its own: nothing to pool
     assert lone.reuse_history.duel.peers is None
+
+
+def test_a_replica_left_alone_decides_on_its_own_record() -> None:
+    # Its peer leaves: the ingress passes on only the replica's own record (or only records
+    # of another shape, mid-upgrade). The peer's last record no longer decays (only its own
+    # traffic decayed it), so keeping it would weigh a departed replica's evidence for good.
+    replica = engine()
+    peer = engine().reuse_history.duel.record().to_list()
+    own = replica.reuse_history.duel.record().to_list()
+    receive(replica, {"a": own, "b": peer}, "a")
+    assert replica.reuse_history.duel.peers is not None
+    receive(replica, {"a": own}, "a")
+    assert replica.reuse_history.duel.peers is None
+    receive(replica, {"a": own, "b": peer}, "a")
+    receive(replica, {"a": own, "b": peer[:-1]}, "a")  # the only other record: of another shape
+    assert replica.reuse_history.duel.peers is None

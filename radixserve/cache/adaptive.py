@@ -380,9 +380,13 @@ class DuelRecord:
 
 def share_evidence(duels: list[LeadDuel]) -> None:
     """Pools the evidence of the duels of one model's replicas: each one's `peers` becomes
-    the sum of the others' records as they are now."""
+    the sum of the others' records as they are now. A lone duel's `peers` is cleared: a
+    record decays only with its own replica's traffic, so one kept from a replica that has
+    left would count, undecayed, for good."""
     records = [duel.record() for duel in duels]
     if len(records) < 2:
+        for duel in duels:
+            duel.peers = None
         return
     total = sum(records[1:], records[0])
     for duel, own in zip(duels, records):

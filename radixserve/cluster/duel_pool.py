@@ -62,7 +62,9 @@ def records_of(replica_stats: dict[str, dict[str, Any]]) -> dict[str, list[float
 def receive(engine: Any, records: dict[str, list[float]], own: str) -> None:
     """The replica `own`: its duel decides from now on with the sum of the other replicas'
     `records` (its own is left out: the duel has it first-hand). A record of another shape
-    (a replica of another version) is ignored."""
+    (a replica of another version) is ignored. With no other record, the duel decides on its
+    own evidence alone: a record is decayed only by its replica's traffic, so one kept from a
+    replica that left would count, undecayed, for good."""
     duel = duel_of(engine)
     if duel is None:
         return
@@ -74,8 +76,7 @@ def receive(engine: Any, records: dict[str, list[float]], own: str) -> None:
             others.append(DuelRecord.from_list(values))
         except ValueError:
             continue
-    if others:
-        duel.peers = sum(others[1:], others[0])
+    duel.peers = sum(others[1:], others[0]) if others else None
 
 
 class ClusterReuse:
