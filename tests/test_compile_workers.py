@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -329,6 +330,10 @@ def test_a_grammar_large_serialized_is_compiled_again_here_and_one_large_in_memo
     fat = grammars.compile(many_rules(600), "guided_grammar")
     matcher = grammars.matcher_of(fat)
     assert all(matcher.accept(token) for token in tokenizer.encode("ab" * 300, add_special_tokens=False))
+    # compiled here on a thread as low in priority as the workers: serving goes first
+    (compiler,) = [t for t in threading.enumerate() if t.name.startswith("radixserve-compile")]
+    stat = Path(f"/proc/self/task/{compiler.native_id}/stat").read_text()
+    assert int(stat.rsplit(")", 1)[1].split()[16]) == compile_workers.COMPILE_NICENESS  # field 19: nice
     monkeypatch.setattr(compile_workers, "MAX_COMPILED_BYTES", 2**18)  # read by the parent on each reply
     with pytest.raises(GrammarError, match=r"guided_grammar: its grammar is too large: the compiled grammar takes "
                                            r"[\d.]+ MB of memory, more than 0.25 MB"):

@@ -10,7 +10,11 @@ share one instance.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import functools
 import json
+import os
 import re
 import threading
 import weakref
@@ -21,6 +25,7 @@ import xgrammar
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.grammar.compile_workers import (
+    COMPILE_NICENESS,
     DEFAULT_COMPILE_TIMEOUT_S,
     CompileFailed,
     CompileTimeout,
@@ -196,13 +201,15 @@ class Grammars:
         return bool(bitmask.any())
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        if self._workers is not None:
-            serialized = self._workers.compile(spec.kind, spec.source)
-            if serialized is not None:
-                return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
-            # Its serialized form would be large (compile_workers.MAX_SENT_BYTES):
-            # compiled again here, in about the time the worker's compile took within its limit.
-        return compile_spec(self._local_compiler(), spec.kind, spec.source)
+        if self._workers is None:
+            return compile_spec(self._local_compiler(), spec.kind, spec.source)
+        serialized = self._workers.compile(spec.kind, spec.source)
+        if serialized is not None:
+            return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info)
+        # Its serialized form would be large (compile_workers.MAX_SENT_BYTES): compiled again
+        # here, in about the time the worker's compile took within its limit, on a thread as
+        # low in priority as the workers (serving goes first: the engine's steps, the loop).
+        return _niced_compiles().submit(lambda: compile_spec(self._local_compiler(), spec.kind, spec.source)).result()
 
     def _local_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -225,6 +232,19 @@ class Grammars:
         once complete."""
         return Matcher(xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids or None),
                        self.vocab_size)
+
+
+@functools.cache
+def _niced_compiles() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads of this process that compile at the workers' niceness (on Linux a thread's nice
+    value is its own, and the threads xgrammar starts from one inherit it)."""
+    return concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="radixserve-compile",
+                                                 initializer=_lower_priority)
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # (elsewhere than Linux: the process, or nothing)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
 
 
 def compile_spec(compiler: xgrammar.GrammarCompiler, kind: str, source: str) -> xgrammar.CompiledGrammar:
