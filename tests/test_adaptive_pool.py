@@ -129,3 +129,34 @@ def test_a_duel_left_alone_drops_the_others_records() -> None:
     assert duels[0].peers is not None
     share_evidence(duels[:1])
     assert duels[0].peers is None
+
+
+def test_a_decision_reads_one_peers_record_whole() -> None:
+    # A replica's event loop replaces `peers` while the engine thread decides: a decision
+    # that read it part by part could test one record's differences against another's
+    # variances. Here the swap happens when the first part is read, as a thread switch would.
+    zero = LeadDuel(24, 16 * 24).record()
+    noisy = zero - zero  # the lead ahead by one sigma: no case
+    noisy.diff[1:, 0], noisy.diff[0, 1:], noisy.var[1:, 0], noisy.var[0, 1:] = 10.0, -10.0, 100.0, 100.0
+    noisy.hits[1:] = 5
+    flat = zero - zero  # no case at all, with a tiny variance
+    flat.var[1:, 0] = flat.var[0, 1:] = 0.01
+    for peers in (noisy, flat):
+        alone = LeadDuel(24, 16 * 24)
+        alone.peers = peers
+        assert not alone._decide()
+
+    class Swapped:
+        """`noisy`, replaced by `flat` on the duel as soon as its differences are read."""
+
+        def __init__(self, duel: LeadDuel) -> None:
+            self.duel = duel
+
+        def __getattr__(self, name: str) -> np.ndarray:
+            if name == "diff":
+                self.duel.peers = flat
+            return getattr(noisy, name)
+
+    duel = LeadDuel(24, 16 * 24)
+    duel.peers = Swapped(duel)  # type: ignore[assignment]
+    assert not duel._decide() and duel.lead == 0.0

@@ -271,10 +271,14 @@ class LeadDuel:
         diff, var, tree = self._diff, self._var, self.tree_record
         recent_diff, recent_var = self._recent_diff, self._recent_var
         hits = np.array([g.hits for g in self.ghosts])
-        if self.peers is not None:
-            diff, var, tree = diff + self.peers.diff, var + self.peers.var, tree + self.peers.tree
-            recent_diff, recent_var = recent_diff + self.peers.recent_diff, recent_var + self.peers.recent_var
-            hits = hits + self.peers.hits
+        # Read once: a replica's event loop replaces `peers` while this runs on the engine
+        # thread, and one record's differences tested against another's variances support
+        # moves that neither record does.
+        peers = self.peers
+        if peers is not None:
+            diff, var, tree = diff + peers.diff, var + peers.var, tree + peers.tree
+            recent_diff, recent_var = recent_diff + peers.recent_diff, recent_var + peers.recent_var
+            hits = hits + peers.hits
         if self.current != 0 and _ahead(-tree[0], tree[1], SWITCH_SIGMAS):
             # Since it took this lead, the tree itself hits less than LRU's ghost cache: the
             # ghost caches' model of the tree is wrong here. Back to LRU, and the case they

@@ -23,7 +23,9 @@ few dozen floats. A replica's view of the others is as fresh as their last event
 
 Threads: a record is copied on the replica's event loop while the engine thread may be
 updating the duel (a copy may mix two updates: one prompt's evidence, at most); `peers` is
-replaced whole, which the engine thread reads at its next decision.
+replaced whole, and the engine thread reads it once per decision (`LeadDuel._decide`), so a
+decision never mixes two replacements. With no other replica's record (the others left, or
+send records of another shape) `peers` is cleared.
 """
 
 from __future__ import annotations
