@@ -160,3 +160,23 @@ def test_a_decision_reads_one_peers_record_whole() -> None:
     duel = LeadDuel(24, 16 * 24)
     duel.peers = Swapped(duel)  # type: ignore[assignment]
     assert not duel._decide() and duel.lead == 0.0
+
+
+def test_a_tree_trailing_at_lru_blocks_no_replica_s_lead() -> None:
+    # At LRU each replica's tree misses a few prompts its LRU ghost hits (pages pinned in
+    # flight, say): no lead caused that, so it judges no lead, the replica's own (as one duel
+    # alone: test_adaptive) nor, pooled, the others'. Then every replica's case for the lead
+    # builds, the trees hitting as their lead: each takes it once and keeps it.
+    duels = [LeadDuel(24, 16 * 24) for _ in range(REPLICAS)]
+    for k in range(6):
+        for duel in duels:
+            duel.observe([7000, 7001, 7002, 7003], 0, k, 0)
+    assert all(not d.record().tree.any() for d in duels)
+    doc = list(range(1, 21))
+    for r in range(6):
+        for duel in duels:
+            share_evidence(duels)
+            duel.observe(doc, len(doc), 100 + 2 * r, len(doc) if duel.current else 0)
+            duel.observe([1000 * (r + 1) + i for i in range(10)], 0, 101 + 2 * r, 0)
+    assert [d.lead for d in duels] == [LEADS[-1]] * REPLICAS
+    assert [d.switches for d in duels] == [1] * REPLICAS

@@ -53,7 +53,9 @@ the decays are the reuse window and the cache itself.
 
 Replicas of one model behind a router can pool their evidence: `LeadDuel.record()` is a
 duel's record as it travels (`DuelRecord`: records add), and a duel whose `peers` holds the
-sum of the other replicas' records decides on all of it, its guard included. Each replica
+sum of the other replicas' records decides on all of it, its guard included (a tree's
+record counts only what it did under a lead), and on its own record alone when it gets no
+other. Each replica
 still keeps its own ghost caches (its traffic, its capacity) and its own lead.
 `share_evidence` pools duels in one process (the cluster simulation does, before every
 routing).
@@ -178,7 +180,8 @@ class LeadDuel:
         self._recent_var = np.zeros((len(LEADS), len(LEADS)))
         self._recent_accesses = 0
         # The tree's own record against LRU's ghost cache on the sampled pages (peeked at
-        # arrival), as one more row of the same test: its hits minus the ghost's, squared.
+        # arrival), as one more row of the same test: its hits minus the ghost's, squared;
+        # built only under a lead, reset when the duel leaves LRU.
         self.tree_record = np.zeros(2)
         # The other replicas' evidence (the sum of their records), when the replicas of one
         # model pool theirs (`share_evidence`, or a cluster's ingress): every decision reads
@@ -230,7 +233,13 @@ class LeadDuel:
         self._var += diff * diff
         self._recent_diff += diff
         self._recent_var += diff * diff
-        if cached is not None:
+        if cached is not None and self.current != 0:
+            # Only under a lead: at LRU the tree may trail its flat ghost for reasons no lead
+            # causes (pages pinned in flight, leaf-only eviction; `_move`). The record travels
+            # to the other replicas, whose guards judge their own leads by it: a trail built
+            # at LRU would trip theirs the moment they take one, or drown a real loss in its
+            # spread. What it held under a lead it keeps at LRU (decaying), so that the
+            # others' guards still count a tree that refuted the lead.
             tree = float(sum(1 for i, _ in sampled if i < cached)) - hits[0]
             self.tree_record += (tree, tree * tree)
         self._accesses += len(sampled)
@@ -261,7 +270,8 @@ class LeadDuel:
                 ghost.access(h, at, boost, False)
 
     def record(self) -> DuelRecord:
-        """A copy of this duel's own evidence, to pool with other replicas' (`peers`)."""
+        """A copy of this duel's own evidence, to pool with other replicas' (`peers`); its
+        tree record holds only what the tree did under a lead (`_replay`)."""
         return DuelRecord(self._diff.copy(), self._var.copy(), np.array([g.hits for g in self.ghosts]),
                           self.tree_record.copy(), self._recent_diff.copy(), self._recent_var.copy())
 
@@ -327,9 +337,9 @@ class LeadDuel:
 
     def _move(self, index: int) -> bool:
         if self.current == 0:
-            # The tree's record judges the leads it takes, from the moment it leaves LRU (at
-            # LRU the tree may trail its flat ghost for reasons no lead causes: pages pinned by
-            # requests in flight, leaf-only eviction).
+            # The tree's record judges the lead it takes from the moment it leaves LRU: what
+            # it held at LRU is an earlier lead's (kept for the other replicas' guards), not
+            # this one's.
             self.tree_record[:] = 0.0
         self.current = index
         self.switches += 1
