@@ -78,10 +78,10 @@ class AutoCalls:
             return answer
         if answer is None and (self.call_format != "hermes" or all(spec is None for _, spec in self.calls)):
             return None
-        param = "tools" if answer is None else answer[1]
-        try:
-            return GrammarSpec.tool_calls(self.calls, self.parallel, param, None if answer is None else answer[0],
-                                          self.call_format), param
+        try:  # (too long together: the tools' schemas are most of it, and the 400 names them)
+            spec = GrammarSpec.tool_calls(self.calls, self.parallel, "tools", None if answer is None else answer[0],
+                                          self.call_format)
+            return spec, "tools" if answer is None else answer[1]
         except GrammarError as exc:
             raise grammar_error(exc) from None
 
