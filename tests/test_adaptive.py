@@ -142,6 +142,40 @@ def test_a_lead_is_kept_only_while_it_still_beats_lru() -> None:
     assert duel.lead == 0.0
 
 
+def test_the_long_record_halves_at_its_decay_boundary_keeping_its_z_scores() -> None:
+    # Every `_decay_every` sampled accesses the long record's weight halves: the differences
+    # and hits halve, the squares (variances) quarter, the tree's record likewise, so every
+    # z-score (difference over spread) is unchanged; older prompts only weigh less against
+    # new ones. A variance quartered wrongly would make the record look surer (or less sure)
+    # at every decay.
+    duel = LeadDuel(24, 16 * 24)
+    replay_rounds(duel, 8)  # at the lead, with a long, a recent and a tree record
+    assert duel.lead == LEADS[-1] and duel.tree_record[0] > 0
+    fresh = iter(range(50_000, 50_100))
+
+    def fresh_prompt(tick: int) -> None:
+        """4 pages no ghost and no tree holds: they add nothing to any record."""
+        duel.observe([next(fresh) for _ in range(4)], 0, tick, 0)
+
+    duel._accesses, duel._recent_accesses = duel._decay_every - 5, 0
+    diff, var, tree = duel._diff.copy(), duel._var.copy(), duel.tree_record.copy()
+    hits = np.array([g.hits for g in duel.ghosts])
+    recent = duel._recent_diff.copy(), duel._recent_var.copy()
+    fresh_prompt(100)  # one access short of the boundary: nothing decays
+    assert np.array_equal(duel._diff, diff) and np.array_equal(duel.tree_record, tree)
+    fresh_prompt(101)  # crosses it
+    assert duel._accesses == 0
+    assert np.array_equal(duel._diff, diff / 2) and np.array_equal(duel._var, var / 4)
+    assert np.array_equal(duel.tree_record, tree / (2, 4))
+    assert np.array_equal([g.hits for g in duel.ghosts], hits / 2)
+    z = diff[-1, 0] / np.sqrt(var[-1, 0])
+    assert z > 2 and duel._diff[-1, 0] / np.sqrt(duel._var[-1, 0]) == z
+    assert duel.tree_record[0] / np.sqrt(duel.tree_record[1]) == tree[0] / np.sqrt(tree[1])
+    # The recent record keeps its own clock (a cache's worth of accesses): not decayed here.
+    assert np.array_equal(duel._recent_diff, recent[0]) and np.array_equal(duel._recent_var, recent[1])
+    assert duel.lead == LEADS[-1]
+
+
 def test_a_lead_losing_on_recent_traffic_is_left_before_the_long_record_turns() -> None:
     duel = LeadDuel(24, 16 * 24)  # the engine's horizon: 16 caches of page accesses
     replay_rounds(duel, 8)
