@@ -85,9 +85,9 @@ def adaptive_stats() -> dict[str, Any]:
     return with_record({"pages_total": 16, "pages_free": 16}, replica)
 
 
-async def serve_doc_twice(cluster_reuse: bool) -> tuple[ServeHandle, ClusterEngine]:
+async def serve_doc_twice(cluster_reuse: bool, a_leaves: bool = False) -> tuple[ServeHandle, ClusterEngine]:
     """One document asked twice: first on replica a, then (a holding none of it, as its
-    events say) on replica b."""
+    events say, or gone with `a_leaves`) on replica b."""
     handle = ServeHandle(["a", "b"])
     info = ReplicaInfo("demo", 1024, 1024, PAGE, tokenizer=None)
     engine = ClusterEngine(handle, info, app_name=f"reuse-switch-{next(_apps)}", deployment="EngineReplica",
@@ -97,6 +97,8 @@ async def serve_doc_twice(cluster_reuse: bool) -> tuple[ServeHandle, ClusterEngi
         engine.view.apply(EventBatch(replica, [], adaptive_stats()))
     doc = list(range(100, 100 + 3 * PAGE))
     for i, question in enumerate((7, 8)):
+        if i == 1 and a_leaves:
+            engine.view.set_replicas(["b"])
         async for _ in engine.generate(doc + [question], SamplingParams(max_tokens=1), request_id=f"r{i}"):
             pass
     await asyncio.gather(*engine._telling)  # the `elsewhere` call runs in the background
@@ -127,3 +129,12 @@ def test_the_switch_is_on_by_default() -> None:
     off = ClusterReuse(enabled=False)
     assert off.observe([1, 2], stats) is None and off.observe([1, 2], stats) is None
     assert off.took([1, 2], 2, "a", lambda r: 0) is None  # even handed a count, it has no history
+
+
+def test_a_home_that_left_is_not_told() -> None:
+    # The replica that served the document last has left: the view says so, and nothing is
+    # sent to it (the call would only fail: no replica, no duel to replay the prompt).
+    handle, engine = asyncio.run(serve_doc_twice(cluster_reuse=True, a_leaves=True))
+    assert [r.cluster_seen for r in handle.requests] == [0, 3]  # the cluster's count still goes to b
+    assert handle.told == []
+    assert engine.reuse.messages() == {"enabled": True, "counts_sent": 2, "elsewhere_sent": 0}

@@ -30,7 +30,7 @@ send records of another shape) `peers` is cleared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from radixserve.cache.adaptive import AdaptiveReuse, DuelRecord, LeadDuel
@@ -113,15 +113,18 @@ class ClusterReuse:
         return self.history.observe_hashes(hashes)
 
     def took(self, hashes: list[int], seen: int | None, replica: str,
-             held: Callable[[str], int]) -> str | None:
+             held: Callable[[str], int], live: Container[str] | None = None) -> str | None:
         """`replica` took the prompt (`seen`: what `observe` returned for it); returns the
         replica to tell that the prompt went elsewhere (`ClusterHistory.took`; `held`: the
-        leading pages a replica holds, as its events say), or None."""
+        leading pages a replica holds, as its events say), or None. A home not among the
+        `live` replicas (when given) is told nothing: it has left, so it holds nothing
+        (`held` says 0) and there is no duel to replay the prompt, only a call that fails."""
         if self.history is None or seen is None:
             return None
         home = self.history.took(hashes, seen, replica, held)
-        if home is not None:
-            self.elsewhere_sent += 1
+        if home is None or (live is not None and home not in live):
+            return None
+        self.elsewhere_sent += 1
         return home
 
     def messages(self) -> dict[str, int | bool]:

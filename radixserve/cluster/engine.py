@@ -205,14 +205,14 @@ class ClusterEngine:
 
     def _took(self, request: ReplicaRequest, replica: str) -> None:
         """`replica` accepted `request`: the cluster's reuse history records it, and the
-        replica that served its seen pages last, if it lost them, is told it went elsewhere
-        (duel_pool.py; in the background: nothing waits for it, and a failure only costs
-        that replica one prompt of evidence)."""
+        replica that served its seen pages last, if it lost them and is still live, is told
+        it went elsewhere (duel_pool.py; in the background: nothing waits for it, and a
+        failure only costs that replica one prompt of evidence)."""
         def held(home: str) -> int:
             with self.view.lock:
                 return sum(self.view.state.index.tiered_pages(home, request.namespace, request.page_hashes))
 
-        home = self.reuse.took(request.page_hashes, request.cluster_seen, replica, held)
+        home = self.reuse.took(request.page_hashes, request.cluster_seen, replica, held, self.view.replicas)
         if home is None:
             return
         call = self._call_pinned("elsewhere", home, request.prompt_ids, request.cache_salt, request.tenant)
