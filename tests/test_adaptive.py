@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.cache.adaptive import LEADS, AdaptiveReuse, GhostCache, LeadDuel
+from radixserve.cache.adaptive import LEADS, AdaptiveReuse, GhostCache, LeadDuel, prompt_ticks
 from radixserve.cache.invariants import check_invariants
 from radixserve.cache.pool import PagePool
 from radixserve.cache.radix import RadixTree, Retention
@@ -95,13 +95,27 @@ def test_adaptive_state_stays_bounded(case: tuple[list[np.ndarray], int]) -> Non
 
 
 def test_the_ghost_cache_orders_boosted_pages_by_their_lead() -> None:
-    lru, boosted = GhostCache(2, 0.0), GhostCache(2, 1e15)
+    lru, boosted = GhostCache(2, 0.0), GhostCache(2, LEADS[-1])
     for ghost in (lru, boosted):
         ghost.access(1, 0, True, True)    # page 1, boosted
         ghost.access(2, 1, False, True)
         ghost.access(3, 2, False, True)   # evicts the smallest key
         ghost.access(1, 3, False, True)
     assert lru.hits == 0 and boosted.hits == 1  # LRU evicted page 1, the boosted one kept it
+
+
+def test_every_lead_s_ghost_evicts_a_prompt_tail_first() -> None:
+    # A prompt's pages are keyed a fraction of a tick apart, deepest earliest, so that a ghost
+    # too small for all of them drops the deepest, as the tree evicts a leaf's tail. Under
+    # every lead, the unbounded one included (its keys sit near UNBOUNDED, where a float64's
+    # spacing must stay finer than the fractions), on a clock that has run a long while.
+    pages = [int(h) for h in np.random.default_rng(1).permutation(10**6)[:40]]  # hash order != depth order
+    for tick in (123_456, 10**9):
+        for lead in LEADS:
+            ghost = GhostCache(30, lead)
+            for page, at in zip(pages, prompt_ticks(tick, len(pages))):
+                ghost.access(page, at, True, False)
+            assert [i for i, page in enumerate(pages) if page in ghost._keys] == list(range(30)), (tick, lead)
 
 
 def test_the_duel_leaves_lru_only_on_clear_evidence() -> None:

@@ -91,7 +91,13 @@ if TYPE_CHECKING:  # radix.py imports this module (through eviction.py)
     from radixserve.cache.radix import RadixTree
 
 REUSE_BOOST = Retention(boost=True)  # what a re-seen prefix gets under the adaptive rule
-UNBOUNDED = 1e15  # a lead no tick count reaches (reuse-boost's order), exact in a float64
+# A lead no tick count reaches (reuse-boost's order: the tree's clock moves a few ticks per
+# request, so 2**40 is decades of traffic), small enough that a float64 near it still tells
+# a prompt's pages apart: the ghost caches key them `tick + lead` a fraction of a tick apart
+# (`prompt_ticks`), and the spacing at 2**40 is 2**-12, exact for prompts of up to 4,095
+# pages (at 1e15 it was 0.125: a 40-page prompt fell into 9 keys and its pages left the
+# unbounded lead's ghost in hash order, not tail first, leaving holes the tree never has).
+UNBOUNDED = 2.0 ** 40
 LEADS = (0.0, *(float(8 ** k) for k in range(1, 6)), UNBOUNDED)  # 0, 8 .. 32,768 ticks, unbounded
 MIN_GHOST_PAGES = 1024    # sample fewer pages only while each ghost cache keeps at least this many
 MAX_SAMPLE_RATE = 32       # at most 1 page in 32 sampled
