@@ -93,9 +93,14 @@ def serve_command(args: argparse.Namespace) -> int:
         from radixserve.server.connections import uvicorn_options
         from radixserve.server.refusal_pacing import RefusalPacer
         from radixserve.server.startup_gc import freeze_startup_objects
+        from torch import OutOfMemoryError
 
         try:
             engine = Engine(**engine_options(args))
+        except OutOfMemoryError as exc:  # a RuntimeError, not a MemoryError: the model or KV pool is too big
+            sock.close()
+            say(f"error: cannot load {args.model!r}: out of memory: {_first_line(exc)}")
+            return 2
         except (OSError, ValueError, MemoryError, TensorParallelFault) as exc:  # a worker's death included
             sock.close()
             say(f"error: cannot load {args.model!r}: {_as_flags(_first_line(exc))}")

@@ -16,13 +16,15 @@ the engine sees an ordinary Llama-family model:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from struct import error as struct_error
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
@@ -94,27 +96,50 @@ class PlainArrayGGUFReader(GGUFReader):
     def data(self, mapped: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap here
         self._plain_data = mapped.view(np.ndarray)
 
+    def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+             override_order: Literal["I", "S", "<"] | None = None) -> np.ndarray:
+        """gguf's `_get`, refusing a read past the end of the file.
+
+        gguf slices the mapping, and a slice past the end is empty rather than an error: an
+        array whose length field says 2**40 over 3 bytes of data then loops 2**40 times without
+        advancing, appending to lists (a 56-byte file hung the loader with growing memory)."""
+        count = int(count)
+        end = int(offset) + np.dtype(dtype).itemsize * count
+        if count < 0 or end > len(self._plain_data):
+            raise ValueError(f"a field at byte {offset} ({count} x {np.dtype(dtype).name}) runs past the end "
+                             f"of the file ({len(self._plain_data)} bytes)")
+        return super()._get(offset, dtype, count, override_order)
+
 
 def open_gguf(path: Path) -> GGUFReader:
     """The reader over `path` (memory-mapped: tensors are read when dequantized); ValueError
     naming the file when it cannot be read as GGUF (gguf's own errors on a truncated or
     garbled file are IndexErrors and numpy messages that never say so)."""
     try:
-        return PlainArrayGGUFReader(path)
+        reader = PlainArrayGGUFReader(path)
     except (IndexError, ValueError, KeyError, struct_error, OverflowError) as exc:
         raise ValueError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from None
+    if reader.byte_order == "S":  # gguf.quants dequantizes as little-endian: every weight would be garbage
+        raise ValueError(f"{path}: big-endian GGUF files are not supported")
+    return reader
 
 
 def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """The file's metadata as plain values: scalars, strings and short arrays (long arrays such
-    as the vocabulary are left out; the tokenizer reads them itself)."""
+    """The file's metadata as plain values: scalars, strings and arrays, except the tokenizer's
+    long arrays (the vocabulary, merges, scores: the tokenizer reads them itself). Other arrays
+    are kept whatever their length: a per-layer value (`head_count_kv` of an 80-layer model) left
+    out would read as missing and fall back to a default silently."""
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if not field.types:
             continue
-        if field.types[0] == GGUFValueType.ARRAY and len(field.data) > _MAX_METADATA_ARRAY:
+        if (field.types[0] == GGUFValueType.ARRAY and len(field.data) > _MAX_METADATA_ARRAY
+                and key.startswith("tokenizer.")):
             continue
-        value = field.contents()
+        try:
+            value = field.contents()
+        except UnicodeDecodeError as exc:  # gguf's message names neither the key nor the file
+            raise ValueError(f"GGUF metadata {key} is not valid UTF-8: {exc}") from None
         metadata[key] = value.item() if isinstance(value, np.generic) else value
     return metadata
 
@@ -140,55 +165,178 @@ def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
 
 
 def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> PretrainedConfig:
-    """A transformers config of the file's model_type, from its metadata and tensor shapes."""
+    """A transformers config of the file's model_type, from its metadata and tensor shapes.
+
+    Every value is checked for presence, type and range first: a file is untrusted input, and
+    without the checks a missing key was `int(None)`, a head count of 0 a ZeroDivisionError and
+    an odd head size a huggingface_hub validation error, each a traceback instead of a refusal.
+    Raises ValueError naming the key (the loader adds the file's path)."""
     model_type = gguf_model_type(metadata)
     arch = metadata["general.architecture"]
 
-    def key(name: str, default: Any = None) -> Any:
-        return metadata.get(f"{arch}.{name}", default)
+    def count(name: str, *, minimum: int = 1, default: int | None = None) -> int:
+        value = metadata_int(metadata, f"{arch}.{name}", minimum=minimum, default=default)
+        assert value is not None  # required, or with an int default
+        return value
 
-    hidden_size = int(key("embedding_length"))
-    num_heads = int(key("attention.head_count"))
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden_size // num_heads
+    def optional(name: str) -> int | None:  # absent, or 0 for "not stated" as llama.cpp writes it
+        return metadata_int(metadata, f"{arch}.{name}", minimum=0, required=False) or None
+
+    hidden_size = count("embedding_length")
+    num_heads = count("attention.head_count")
+    num_kv_heads = count("attention.head_count_kv", default=num_heads)
+    if num_heads % num_kv_heads:  # each KV head serves a whole group of query heads
+        raise ValueError(f"GGUF metadata {arch}.attention.head_count {num_heads} is not a multiple of "
+                         f"{arch}.attention.head_count_kv {num_kv_heads}")
+    head_dim = optional("attention.key_length") or optional("rope.dimension_count") or hidden_size // num_heads
+    if head_dim < 2 or head_dim % 2:  # RoPE rotates pairs of dimensions
+        raise ValueError(f"GGUF metadata of {arch}: head size {head_dim} is not a positive even number "
+                         f"(embedding_length {hidden_size}, head_count {num_heads})")
     names = set(shapes)
-    # older files state no vocab_size: the embedding's row count says it
-    vocab_size = key("vocab_size") or shapes["token_embd.weight"][0]
+    vocab_size = optional("vocab_size")
+    if vocab_size is None:  # older files state no vocab_size: the embedding's row count says it
+        embedding = shapes.get("token_embd.weight")
+        if embedding is None or len(embedding) != 2:
+            raise ValueError(f"GGUF file has neither {arch}.vocab_size nor a 2-D token_embd.weight tensor")
+        vocab_size = embedding[0]
     fields: dict[str, Any] = dict(
         architectures=[ARCHITECTURE_NAMES[model_type]],
-        vocab_size=int(vocab_size),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        intermediate_size=count("feed_forward_length"),
+        num_hidden_layers=count("block_count"),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(head_dim),
-        max_position_embeddings=int(key("context_length")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=count("context_length"),
+        rms_norm_eps=metadata_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, above=0.0),
         rope_parameters=_rope_parameters(metadata, arch),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        bos_token_id=_token_id(metadata, "tokenizer.ggml.bos_token_id", vocab_size),
+        eos_token_id=_token_id(metadata, "tokenizer.ggml.eos_token_id", vocab_size),
+        pad_token_id=_token_id(metadata, "tokenizer.ggml.padding_token_id", vocab_size),
     )
     if model_type in ("llama", "qwen3"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
     if model_type == "llama":
         fields["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if model_type == "mistral":
-        fields["sliding_window"] = key("attention.sliding_window")
-    return AutoConfig.for_model(model_type, **fields)
+        fields["sliding_window"] = metadata_int(metadata, f"{arch}.attention.sliding_window", minimum=0,
+                                                required=False)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # transformers' and huggingface_hub's validation errors are no ValueErrors
+        raise ValueError(f"transformers refuses the config from the GGUF metadata: "
+                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def metadata_int(metadata: dict[str, Any], key: str, *, minimum: int = 1, default: int | None = None,
+                 required: bool = True) -> int | None:
+    """The integer at `key`, at least `minimum`; `default` (or None when not `required`) when absent.
+
+    A per-layer array (llama.cpp allows one for the head and FFN sizes) is taken when all its
+    values are equal; this engine builds every layer alike, so differing values are refused.
+    ValueError naming the key for a missing, non-integer or out-of-range value."""
+    value = metadata.get(key)
+    if value is None:
+        if default is not None or not required:
+            return default
+        raise ValueError(f"GGUF metadata {key} is missing")
+    if isinstance(value, list):
+        if not value or any(item != value[0] for item in value):
+            shown = f"{value[:8]}{'...' if len(value) > 8 else ''}"
+            raise ValueError(f"GGUF metadata {key} differs per layer ({shown}): radixserve builds every "
+                             f"layer alike and cannot serve that")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int):  # bool is an int to Python
+        raise ValueError(f"GGUF metadata {key} must be an integer, not {value!r}")
+    if value < minimum:
+        raise ValueError(f"GGUF metadata {key} must be >= {minimum}, got {value}")
+    return value
+
+
+def metadata_float(metadata: dict[str, Any], key: str, default: float, *, above: float | None = None,
+                   at_least: float | None = None) -> float:
+    """The finite number at `key` (`default` when absent), > `above` and >= `at_least` where given.
+
+    A NaN or infinite RoPE base or norm epsilon loads and then turns every logit into NaN, so
+    each request fails instead of the load. ValueError naming the key otherwise."""
+    value = metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"GGUF metadata {key} must be a number, not {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or (above is not None and number <= above) or (
+            at_least is not None and number < at_least):
+        bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
+        raise ValueError(f"GGUF metadata {key} must be a finite number {bound}, got {number!r}")
+    return number
+
+
+def _token_id(metadata: dict[str, Any], key: str, vocab_size: int) -> int | None:
+    """The special-token id at `key`, None when absent; ValueError for a non-integer or one
+    outside the vocabulary (transformers' tokenizer builder fails on it with an IndexError)."""
+    value = metadata_int(metadata, key, minimum=0, required=False)
+    if value is not None and value >= vocab_size:
+        raise ValueError(f"GGUF metadata {key} {value} is outside the vocabulary of {vocab_size} tokens")
+    return value
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (pydantic-style errors run to many lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _rope_parameters(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
-    """RoPE settings in transformers 5's `rope_parameters` form (default or linear scaling)."""
-    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    """RoPE settings in transformers 5's `rope_parameters` form (default or linear scaling);
+    ValueError naming the key for a base that is not finite and > 0, or a linear scaling whose
+    factor is missing or below 1 (a factor below 1 would extrapolate, not interpolate)."""
+    theta = metadata_float(metadata, f"{arch}.rope.freq_base", 10000.0, above=0.0)
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling in ("none", None):
         return {"rope_type": "default", "rope_theta": theta}
     if scaling == "linear":
-        factor = float(metadata[f"{arch}.rope.scaling.factor"])
+        factor_key = f"{arch}.rope.scaling.factor"
+        if factor_key not in metadata:
+            raise ValueError(f"GGUF metadata {factor_key} is missing (rope.scaling.type is linear)")
+        factor = metadata_float(metadata, factor_key, 1.0, at_least=1.0)
         return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
     raise ValueError(f"unsupported GGUF rope scaling {scaling!r} (supported: none, linear)")
+
+
+def check_tensor_table(reader: GGUFReader, config: PretrainedConfig) -> None:
+    """Check the tensor table against the config before anything is allocated: every name
+    known, every storage type one we dequantize, and a blk.N tensor for exactly the
+    `block_count` layers. Only names and types are read, no tensor data.
+
+    Without this a 376 KiB file claiming 5000 layers built all 5000 (18 s) before its missing
+    tensors were noticed. The shapes are compared with the model's parameters by the loader.
+    ValueError naming the tensor or the key."""
+    layers: set[int] = set()
+    for tensor in reader.tensors:
+        if tensor.name != ROPE_FREQS_TENSOR:
+            hf_tensor_name(tensor.name)
+        check_storage_type(tensor)
+        match = _LAYER_NAME.fullmatch(tensor.name)
+        if match:
+            layers.add(int(match.group(1)))
+    expected = config.num_hidden_layers
+    if layers != set(range(expected)):
+        arch = reader.fields["general.architecture"].contents()
+        found = sorted(layers)
+        shown = ", ".join(map(str, found[:8])) + (f", ... {found[-1]}" if len(found) > 8 else "")
+        raise ValueError(f"GGUF metadata {arch}.block_count is {expected} (blocks 0 to {expected - 1}), but the "
+                         f"file has tensors for {len(found)} blocks: {shown or 'none'}")
+
+
+def check_storage_type(tensor: Any) -> None:
+    """ValueError naming the tensor and its storage type when it is not one we dequantize."""
+    kind = tensor.tensor_type
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
+        name = getattr(kind, "name", str(kind))
+        raise ValueError(f"tensor {tensor.name!r} is stored as {name}, which radixserve cannot "
+                         f"dequantize (supported: {supported})")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -219,13 +367,8 @@ def dequantized(tensor: Any) -> np.ndarray:
 
     ValueError naming the storage type when it is not one of SUPPORTED_TENSOR_TYPES.
     """
-    kind = tensor.tensor_type
-    if kind not in SUPPORTED_TENSOR_TYPES:
-        supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
-        name = getattr(kind, "name", str(kind))
-        raise ValueError(f"tensor {tensor.name!r} is stored as {name}, which radixserve cannot "
-                         f"dequantize (supported: {supported})")
-    values = dequantize(tensor.data, kind)
+    check_storage_type(tensor)
+    values = dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest dim first
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
@@ -254,7 +397,11 @@ def rope_frequency_divisors(reader: GGUFReader) -> torch.Tensor | None:
     rotation frequency by its entry. None when the file has no such tensor."""
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
-            return torch.from_numpy(dequantized(tensor).reshape(-1).copy())
+            divisors = torch.from_numpy(dequantized(tensor).reshape(-1).copy())
+            # a zero, negative or NaN divisor loads and makes every logit NaN: refused here instead
+            if not bool(torch.isfinite(divisors).all()) or bool((divisors <= 0).any()):
+                raise ValueError(f"tensor {ROPE_FREQS_TENSOR!r} holds values that are not finite and > 0")
+            return divisors
     return None
 
 
@@ -264,5 +411,16 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     The fast-tokenizer class directly, not AutoTokenizer: AutoTokenizer first re-parses the
     whole file (vocabulary included) with GGUFReader only to learn the model type, which costs
     seconds, and then builds this same class.
+
+    Raises ValueError for any failure: transformers' GGUF tokenizer builder answers a file
+    without tokens or merges with a KeyError, an out-of-range special-token id with an
+    IndexError and a token missing from the vocabulary with a bare Exception, and `serve`
+    reports only ValueErrors (and OSErrors) as a file it cannot load.
     """
-    return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except OSError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"cannot build the tokenizer stored in the GGUF file: "
+                         f"{type(exc).__name__}: {_first_line(exc)}") from exc

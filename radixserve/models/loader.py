@@ -9,19 +9,25 @@ a GGUF file holds all of it and is translated by models/gguf_checkpoint.py.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
+from gguf import GGUFReader
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from radixserve.models.generation_defaults import GenerationDefaults
 from radixserve.models.gguf_checkpoint import (
+    ROPE_FREQS_TENSOR,
+    check_tensor_table,
     gguf_config,
     gguf_metadata,
     gguf_tensors,
+    hf_tensor_name,
     is_gguf_file,
     load_gguf_tokenizer,
     open_gguf,
@@ -80,6 +86,11 @@ def load_model(
     path = resolve_model(model)
     if is_gguf_file(path):
         return load_gguf_model(path, name=model, dtype=dtype, device=device)
+    if path.is_file():  # an existing file that is not GGUF: "not found" would send one looking elsewhere
+        with path.open("rb") as file:
+            magic = file.read(4)
+        raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); a Hugging Face "
+                         f"checkpoint is loaded from its directory")
     if not path.is_dir():
         raise FileNotFoundError(f"model not found: {str(path)!r} is no checkpoint directory, .gguf file, "
                                 f"Hub id (org/name) or named model ({', '.join(['demo', *NAMED_MODELS])})")
@@ -130,19 +141,25 @@ def load_gguf_model(
     path: Path, *, name: str, dtype: str | torch.dtype | None = None, device: str | None = None
 ) -> LoadedModel:
     """Load the GGUF file `path` (see load_model for dtype and device; "auto" on CUDA is
-    bfloat16, since a GGUF's block formats are no serving dtype)."""
+    bfloat16, since a GGUF's block formats are no serving dtype).
+
+    Everything that can be checked without the weights is checked before any parameter is
+    allocated (`check_gguf_file`): a hostile or broken file is refused in milliseconds with
+    a ValueError naming it, not after minutes of dequantizing or a terabyte allocation."""
     reader = open_gguf(path)
-    metadata = gguf_metadata(reader)
-    config = gguf_config(metadata, tensor_shapes(reader))
-    check_architecture(config)
+    try:
+        metadata = gguf_metadata(reader)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    checked = check_gguf_file(path, reader, metadata)
+    config, divisors = checked.config, checked.rope_divisors
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
 
-    causal_lm = empty_model(config, torch_dtype, torch_device)
+    causal_lm = materialize(checked.skeleton, torch_dtype, torch_device)
     loaded: set[str] = set()
     copy_tensors(causal_lm, gguf_tensors(reader, config), path, loaded, adopt=True)
     check_complete(causal_lm, loaded, path)
-    divisors = rope_frequency_divisors(reader)
     if divisors is not None:  # llama.cpp divides each frequency by its factor (Llama 3.1 scaling)
         causal_lm.rotary = RotaryEmbedding(inverse_frequencies(config, causal_lm.head_dim) / divisors)
     causal_lm.eval().requires_grad_(False)
@@ -150,22 +167,132 @@ def load_gguf_model(
 
     return LoadedModel(
         model=causal_lm,
-        tokenizer=load_gguf_tokenizer(path),
+        tokenizer=checked.tokenizer,
         config=config,
         name=name,
         max_context_len=max_context_len(config),
         dtype=torch_dtype,
         device=torch_device,
-        generation_defaults=GenerationDefaults.from_gguf_metadata(metadata),
+        generation_defaults=checked.generation_defaults,
     )
+
+
+class CheckedGGUF(NamedTuple):
+    """What a GGUF file says, checked before its weights are read (see check_gguf_file)."""
+
+    config: PretrainedConfig
+    skeleton: CausalLM  # on the meta device: the parameters' shapes, nothing allocated
+    tokenizer: PreTrainedTokenizerBase
+    rope_divisors: torch.Tensor | None  # rope_freqs.weight (Llama 3.1 scaling), if the file has it
+    generation_defaults: GenerationDefaults
+
+
+def check_gguf_file(path: Path, reader: GGUFReader, metadata: dict[str, Any]) -> CheckedGGUF:
+    """The GGUF file's config, its model on the meta device, tokenizer, RoPE divisors and
+    generation defaults, each checked against the others.
+
+    The metadata is checked for presence, type and range (gguf_config), the tensor table for
+    names, storage types and block count (check_tensor_table) and every tensor's shape against
+    the model's parameter; then the tokenizer, which costs a fraction of a second, where it
+    once came after the minutes of loading. Raises ValueError beginning with `path`.
+    """
+    try:
+        config = gguf_config(metadata, tensor_shapes(reader))
+        check_architecture(config)
+        check_tensor_table(reader, config)  # before the skeleton: block_count bounds its size
+        skeleton = meta_model(config)
+        check_tensor_shapes(skeleton, reader)
+        divisors = rope_frequency_divisors(reader)
+        if divisors is not None and divisors.numel() != skeleton.head_dim // 2:
+            raise ValueError(f"tensor {ROPE_FREQS_TENSOR!r} has {divisors.numel()} values, not one per "
+                             f"rotated pair ({skeleton.head_dim // 2})")
+        template = metadata.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):  # each chat request failed on it
+            raise ValueError(f"GGUF metadata tokenizer.chat_template must be a string, not {template!r}")
+        tokenizer = load_gguf_tokenizer(path)
+        if len(tokenizer) > config.vocab_size:  # ids past the embedding would be refused per prompt
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the {config.vocab_size} "
+                             f"rows of the embedding")
+        defaults = checked_generation_defaults(metadata)
+    except ValueError as exc:
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: {exc}") from exc
+    return CheckedGGUF(config, skeleton, tokenizer, divisors, defaults)
+
+
+def check_tensor_shapes(skeleton: CausalLM, reader: GGUFReader) -> None:
+    """ValueError when a tensor of the file does not have its parameter's shape, or some
+    parameter has no tensor: the shapes follow from the metadata, so a file whose metadata
+    claims a 2**30-wide embedding over a 64-wide tensor is refused here, not by the allocator."""
+    params = {name: tuple(param.shape) for name, param in skeleton.named_parameters()}
+    found: set[str] = set()
+    for gguf_name, shape in tensor_shapes(reader).items():
+        if gguf_name == ROPE_FREQS_TENSOR:
+            continue
+        name = hf_tensor_name(gguf_name)
+        if name == "lm_head.weight" and skeleton.tie_word_embeddings:
+            continue
+        if name not in params:
+            raise ValueError(f"unexpected tensor {gguf_name!r}")
+        if shape != params[name]:
+            raise ValueError(f"{name}: checkpoint shape {shape} != model shape {params[name]} (from the metadata)")
+        found.add(name)
+    missing = sorted(set(params) - found)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def checked_generation_defaults(metadata: dict[str, Any]) -> GenerationDefaults:
+    """The file's stop tokens and sampling defaults; ValueError naming a sampling default
+    outside what a request may ask for. Refused at load because the engine applies them to
+    every request that leaves them unset, and each such request was then refused with a 400
+    naming a field the client never sent."""
+    try:
+        defaults = GenerationDefaults.from_gguf_metadata(metadata)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"GGUF metadata: a stop token id or general.sampling.* value is not a number ({exc})") from None
+    # (key, value, allowed?, what is allowed): the ranges SamplingParams.validate accepts
+    checks = [
+        ("general.sampling.temp", defaults.temperature, lambda v: 0.0 <= v <= 2.0, "in [0, 2]"),
+        ("general.sampling.top_p", defaults.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+        ("general.sampling.top_k", defaults.top_k, lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("general.sampling.penalty_repeat", defaults.repetition_penalty, lambda v: 0.0 < v < math.inf,
+         "finite and > 0"),
+    ]
+    for key, value, allowed, wanted in checks:
+        if value is not None and not allowed(value):  # NaN fails every comparison, so it is refused too
+            raise ValueError(f"GGUF metadata {key} must be {wanted}, got {value!r}")
+    return defaults
+
+
+def meta_model(config: PretrainedConfig) -> CausalLM:
+    """A CausalLM for `config` on the meta device: its parameters' shapes, no memory."""
+    with torch.device("meta"):
+        return CausalLM(config)
+
+
+def materialize(skeleton: CausalLM, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """`skeleton` (from meta_model) with uninitialised parameters of `dtype` on `device`.
+
+    MemoryError saying how much did not fit where: torch.OutOfMemoryError (CUDA) and the CPU
+    allocator's "can't allocate memory" are RuntimeErrors, which `serve` would print as a
+    traceback rather than as a model it cannot load."""
+    try:
+        return skeleton.to(dtype).to_empty(device=device)
+    except RuntimeError as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+            raise
+        size = sum(param.numel() for param in skeleton.parameters()) * dtype.itemsize
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MemoryError(f"out of memory: {size / 2**30:.1f} GiB of {dtype} parameters do not fit on "
+                          f"{device}: {first}") from None
 
 
 def empty_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """A CausalLM for `config` with uninitialised parameters of `dtype` on `device` (built on
     the meta device, so nothing is computed that the weights overwrite)."""
-    with torch.device("meta"):
-        causal_lm = CausalLM(config)
-    return causal_lm.to(dtype).to_empty(device=device)
+    return materialize(meta_model(config), dtype, device)
 
 
 def check_architecture(config: PretrainedConfig) -> str:
