@@ -126,6 +126,9 @@ BROKEN_METADATA: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("chat template an integer", {"tokenizer.chat_template": (V.UINT32, 5)}, {},
      r"tokenizer\.chat_template must be a string, not 5"),
     ("no tokens", {"tokenizer.ggml.tokens": DROP}, {}, r"cannot build the tokenizer .*KeyError: 'tokens'"),
+    # LOW-10: a template that cannot compile failed every chat request with a 400 blaming the messages
+    ("chat template syntax error", {"tokenizer.chat_template": (V.STRING, "{% if %}{% endif %}")}, {},
+     r"tokenizer\.chat_template does not compile: Expected an expression.* \(template line 1\)"),
     # MEDIUM-5: out-of-range values loaded, then every request failed
     ("context_length 0", {f"{ARCH}.context_length": (V.UINT32, 0)}, {}, rf"{ARCH}\.context_length must be >= 1"),
     ("heads not a multiple of kv heads", {f"{ARCH}.attention.head_count_kv": (V.UINT32, 3)}, {},
@@ -277,3 +280,17 @@ def test_serve_reports_broken_metadata_in_one_line(base_gguf: Path, tmp_path: Pa
     code, stderr = serve_in_process(str(path))
     assert code == 2 and "Traceback" not in stderr, stderr
     assert f"error: cannot load '{path}': {path}: GGUF metadata llama.block_count is missing" in stderr, stderr
+
+
+def test_overlapping_tensor_data_is_refused(base_gguf: Path, tmp_path: Path) -> None:
+    """llama.cpp writes each tensor's data after the one before; tensors sharing bytes loaded as a
+    silently wrong model (LOW-12). The last tensor's offset is pointed at the first's data."""
+    reader = GGUFReader(base_gguf)
+    first, last = min(reader.tensors, key=lambda t: t.data_offset), reader.tensors[-1]
+    *leading, _ = last.field.parts  # a tensor info ends with its data offset (uint64, relative)
+    at = last.field.offset + sum(part.nbytes for part in leading)
+    data = bytearray(base_gguf.read_bytes())
+    data[at:at + 8] = struct.pack("<Q", first.data_offset - reader.data_offset)
+    path = tmp_path / "overlap.gguf"
+    path.write_bytes(bytes(data))
+    refused(path, r"tensors '.+' and '.+' overlap in the file")

@@ -320,6 +320,7 @@ def check_tensor_table(reader: GGUFReader, config: PretrainedConfig) -> None:
         match = _LAYER_NAME.fullmatch(tensor.name)
         if match:
             layers.add(int(match.group(1)))
+    _check_no_overlap(reader)
     expected = config.num_hidden_layers
     if layers != set(range(expected)):
         arch = reader.fields["general.architecture"].contents()
@@ -327,6 +328,42 @@ def check_tensor_table(reader: GGUFReader, config: PretrainedConfig) -> None:
         shown = ", ".join(map(str, found[:8])) + (f", ... {found[-1]}" if len(found) > 8 else "")
         raise ValueError(f"GGUF metadata {arch}.block_count is {expected} (blocks 0 to {expected - 1}), but the "
                          f"file has tensors for {len(found)} blocks: {shown or 'none'}")
+
+
+def _check_no_overlap(reader: GGUFReader) -> None:
+    """ValueError when two tensors' data overlap. llama.cpp writes each tensor after the one
+    before and refuses anything else; a file whose tensors share bytes would load as a silently
+    wrong model (gguf's reader already refuses data past the end of the file)."""
+    spans = sorted((int(tensor.data_offset), int(tensor.n_bytes), tensor.name) for tensor in reader.tensors)
+    for (start, size, name), (next_start, _, next_name) in zip(spans, spans[1:]):
+        if next_start < start + size:
+            raise ValueError(f"tensors {name!r} and {next_name!r} overlap in the file (bytes {start} to "
+                             f"{start + size} and from {next_start})")
+
+
+def check_chat_template(metadata: dict[str, Any]) -> None:
+    """ValueError when the file's chat template is not a string or does not compile: each chat
+    request would fail on it (a 400 blaming the messages) while the server looked healthy.
+    Compiled by transformers' own compiler, the one `apply_chat_template` uses (and caches)."""
+    template = metadata.get("tokenizer.chat_template")
+    if template is None:
+        return
+    if not isinstance(template, str):
+        raise ValueError(f"GGUF metadata tokenizer.chat_template must be a string, not {template!r}")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a private function: without it the template is checked per request, as before
+        return
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"GGUF metadata tokenizer.chat_template does not compile: {exc.message} "
+                         f"(template line {exc.lineno})") from None
+    except MemoryError:  # Jinja folds constants as it compiles: `{{ 'a' * 3000000000 }}` is built here
+        raise ValueError("GGUF metadata tokenizer.chat_template does not compile: it builds a constant "
+                         "larger than the memory there is") from None
 
 
 def check_storage_type(tensor: Any) -> None:

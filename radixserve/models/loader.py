@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from radixserve.models.generation_defaults import GenerationDefaults
 from radixserve.models.gguf_checkpoint import (
     ROPE_FREQS_TENSOR,
+    check_chat_template,
     check_tensor_table,
     gguf_config,
     gguf_metadata,
@@ -206,9 +207,7 @@ def check_gguf_file(path: Path, reader: GGUFReader, metadata: dict[str, Any]) ->
         if divisors is not None and divisors.numel() != skeleton.head_dim // 2:
             raise ValueError(f"tensor {ROPE_FREQS_TENSOR!r} has {divisors.numel()} values, not one per "
                              f"rotated pair ({skeleton.head_dim // 2})")
-        template = metadata.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):  # each chat request failed on it
-            raise ValueError(f"GGUF metadata tokenizer.chat_template must be a string, not {template!r}")
+        check_chat_template(metadata)
         tokenizer = load_gguf_tokenizer(path)
         if len(tokenizer) > config.vocab_size:  # ids past the embedding would be refused per prompt
             raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the {config.vocab_size} "
