@@ -280,6 +280,57 @@ def test_the_tree_trailing_lru_sends_it_back_and_voids_the_evidence() -> None:
     assert not duel._diff.any()  # the ghosts' case must be made again from fresh traffic
 
 
+def mismatch_rounds(duel: LeadDuel, rounds: int) -> tuple[str, int]:
+    """Steady traffic on which the ghosts' model is wrong: each round 5 re-seen documents
+    (boosted; a lead's ghost keeps them, LRU's loses them, the tree never hits them), 10
+    fresh pages, then the first 4 of those again, which the tree hits only at LRU. Returns
+    the rounds at a lead ('L') or LRU ('.'), and the pages the tree missed that LRU hit."""
+    docs = [[100 * d + i for i in range(1, 5)] for d in range(5)]
+    tick, lost, timeline, again = 0, 0, "", None
+    for r in range(rounds):
+        if again is not None:
+            lost += len(again) if duel.current else 0
+            duel.observe(again, 0, tick, 0 if duel.current else len(again))
+            tick += 1
+        for doc in docs:
+            duel.observe(doc, len(doc), tick, 0)
+            tick += 1
+        fresh = [10_000 * (r + 1) + i for i in range(10)]
+        duel.observe(fresh, 0, tick, 0)
+        tick += 1
+        again = fresh[:4]
+        timeline += "L" if duel.current else "."
+    return timeline, lost
+
+
+def test_a_refuted_lead_is_not_retaken_on_the_same_ghost_evidence() -> None:
+    # The guard's trip is the tree's own measurement of the lead; the ghosts that made the
+    # case for it make it again from the next round of the same traffic. Without a memory of
+    # the trip the rule retook the lead within a round and cycled (29 of 30 rounds at a lead,
+    # 112 pages lost to LRU); with it the refutation holds until it fades (z / sqrt 2 with
+    # every window at LRU), and a retry, judged from the kept record, trips within two rounds.
+    duel = LeadDuel(24, 16 * 24)
+    timeline, lost = mismatch_rounds(duel, 30)
+    assert timeline.startswith(".LLLLL.")  # the first try, until the guard trips
+    assert timeline.count("L") <= 10 and lost <= 40 and duel.switches <= 6
+    assert "LLL" not in timeline[6:]  # every retry is short
+
+
+def test_a_trip_keeps_the_tree_s_record_until_it_fades() -> None:
+    duel = LeadDuel(24, 16 * 24)
+    mismatch_rounds(duel, 7)
+    assert duel.lead == 0.0 and duel.switches == 2  # tripped in the seventh round
+    # Both ghost records were voided: they hold only the 5 documents since the trip.
+    assert duel._diff[-1, 0] == 20.0 and 0 < duel._recent_diff[-1, 0] <= 12.0  # the recent one decayed since
+    refutation = duel.tree_record.copy()
+    assert refutation[0] < -2 * np.sqrt(refutation[1])  # kept: it is what blocks a retake...
+    assert duel._diff[-1, 0] > 2 * np.sqrt(duel._var[-1, 0])  # ...of the lead the ghosts show ahead again
+    duel._accesses = duel._decay_every - 1  # a window of traffic at LRU ends
+    duel.observe([60_000], 0, 10_000, 0)
+    assert np.array_equal(duel.tree_record, refutation / 2)  # z / sqrt 2: below the margin
+    assert duel.lead == LEADS[-1]  # so the lead is tried again, judged from the kept record on
+
+
 def test_a_tree_trailing_while_at_lru_does_not_block_a_lead() -> None:
     # At LRU the tree may trail its flat ghost for reasons no lead causes (pages pinned in
     # flight): that record does not judge a lead.

@@ -33,8 +33,11 @@ lead can gain while the tree's contents change over), keeps it only while it sti
 beats LRU at all (the evidence must last, not only appear) and while the recent traffic does
 not turn against it (below), and a guard watches the tree itself: from the moment it leaves LRU, its own hits on the sampled pages (peeked at arrival)
 are compared with LRU's ghost cache in the same paired test, and when LRU's would have hit
-more by two standard deviations it returns to LRU and voids the ghost caches' record (their
-model of the tree is wrong here; a new try needs fresh evidence). The record that takes a
+more by two standard deviations it returns to LRU and voids the ghost caches' records (their
+model of the tree is wrong here; a new try needs fresh evidence). It keeps the tree's record
+of the refuted lead, which the same ghosts would otherwise outvote within a round of the
+same traffic: no lead is taken while it still shows the tree behind by the guard's margin
+(at LRU it fades, z / sqrt 2 a window), and the next lead is judged from it on. The record that takes a
 lead spans the reuse window, since that is where a lead's gains build up; but traffic
 changes, and a lead that loses on today's traffic keeps the support of yesterday's for half a
 window or more (on the Mooncake trace at 1M the unbounded lead, taken at request 2,474 of
@@ -187,8 +190,14 @@ class LeadDuel:
         self._recent_accesses = 0
         # The tree's own record against LRU's ghost cache on the sampled pages (peeked at
         # arrival), as one more row of the same test: its hits minus the ghost's, squared;
-        # built only under a lead, reset when the duel leaves LRU.
+        # built only under a lead, reset when the duel leaves LRU (unless `_refuted`).
         self.tree_record = np.zeros(2)
+        # The guard sent the rule back to LRU: the tree's record of that lead is the only
+        # measurement of what a lead does on this tree, and the ghost caches that made the
+        # case for it will make it again from the same traffic (their model is what was
+        # wrong). So it is kept: no lead is taken while it shows the tree behind by the
+        # guard's margin, and a lead taken after it is judged from it on.
+        self._refuted = False
         # The other replicas' evidence (the sum of their records), when the replicas of one
         # model pool theirs (`share_evidence`, or a cluster's ingress): every decision reads
         # this duel's record plus this.
@@ -260,7 +269,11 @@ class LeadDuel:
                 ghost.hits /= 2
             self._diff /= 2
             self._var /= 4
-            self.tree_record /= (2, 4)
+            # Under a lead the tree's record decays as the others do (its z unchanged). At LRU
+            # it only keeps what a past lead showed, and nothing new is measured: there its
+            # variance halves too, so that a refutation weighs less (z / sqrt 2) with every
+            # window of traffic since (see `_refuted`), and the rule can try a lead again.
+            self.tree_record /= (2, 4) if self.current != 0 else (2, 2)
         return self._decide()
 
     def cached(self, hashes: list[int], boosted: np.ndarray, tick: int) -> None:
@@ -298,10 +311,21 @@ class LeadDuel:
         if self.current != 0 and _ahead(-tree[0], tree[1], SWITCH_SIGMAS):
             # Since it took this lead, the tree itself hits less than LRU's ghost cache: the
             # ghost caches' model of the tree is wrong here. Back to LRU, and the case they
-            # made is void: another try needs fresh evidence, not the refuted record.
+            # made is void, the recent record's too: another try needs fresh evidence, not
+            # the refuted record. The tree's record stays (`_refuted`).
             self._diff[:] = 0.0
             self._var[:] = 0.0
+            self._recent_diff[:] = 0.0
+            self._recent_var[:] = 0.0
+            self._refuted = True
             return self._move(0)
+        if self.current == 0 and self._refuted and _ahead(-tree[0], tree[1], SWITCH_SIGMAS):
+            # The tree trailed LRU's ghost under the last lead it tried: fresh ghost evidence
+            # for a lead does not outweigh that until it has faded below the guard's margin
+            # (without this, the ghost caches retook the refuted lead within a round of
+            # steady traffic, and the guard had to find it out again from nothing: the rule
+            # cycled, under a lead most of the time).
+            return False
         if self.current != 0 and not _ahead(diff[self.current, 0], var[self.current, 0], 0.0):
             # The lead in use no longer beats LRU at all: back to LRU. Staying away from LRU
             # needs the evidence to last, not only to have appeared.
@@ -345,8 +369,11 @@ class LeadDuel:
         if self.current == 0:
             # The tree's record judges the lead it takes from the moment it leaves LRU: what
             # it held at LRU is an earlier lead's (kept for the other replicas' guards), not
-            # this one's.
-            self.tree_record[:] = 0.0
+            # this one's; except after a trip, when it is the refutation the new lead must
+            # live down (a tree that still trails sends it back within a prompt or two).
+            if not self._refuted:
+                self.tree_record[:] = 0.0
+            self._refuted = False
         self.current = index
         self.switches += 1
         return True
