@@ -209,9 +209,10 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
                             "aborted and its pages freed; any connection whose client reads nothing "
                             "for twice this is aborted, what it was sent dropped (default: %(default)s)")
     serve.add_argument("--turn-memory-tokens", type=int, default=DEFAULT_TURN_MEMORY_TOKENS,
-                       help="token ids of recent chat answers kept, so that a later turn sending an answer "
-                            "back is tokenized as generated and its cache match runs through it "
-                            "(0: off; default: %(default)s)")
+                       help="memory for recent chat answers' token ids, in 4-byte units (each answer charged "
+                            "its ids, text and bookkeeping), so that a later turn sending an answer back is "
+                            "tokenized as generated and its cache match runs through it (0: off; default: "
+                            "%(default)s, about 4 MiB)")
     serve.add_argument("--grammar-compile-timeout-s", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
                        help="refuse (400) a structured output or strict tools whose grammar takes more than this "
                             "many seconds of CPU time to compile; compiles run in worker processes that are killed "

@@ -66,3 +66,24 @@ def test_a_tenant_cannot_tell_from_prompt_tokens_what_another_was_answered(url: 
     assert _probe(url, "sk-spy", answer, **shared) == fresh
     # The victim's own later turns still use the ids it was given.
     assert _probe(url, "sk-victim", answer, **shared) == remembered
+
+
+def test_a_turn_is_remembered_as_its_tenants_so_another_tenants_flood_pushes_out_its_own_and_a_flush_all() -> None:
+    """The memory's fair share is by tenant (turns.py): the server must remember a turn under
+    the tenant whose key asked for it (under None, one tenant's flood of answers pushes out
+    every other tenant's turns). A flush forgets them all."""
+    app = create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=256)), tenant_keys=KEYS,
+                     admin_api_key="sk-admin")
+    with running_server(app) as base:
+        victim = _chat(base, "sk-victim", [{"role": "user", "content": QUESTION}])["choices"][0]["message"]["content"]
+        turns = app.state.server.turns
+        assert turns.held("victim") > 0 and turns.held(None) == 0
+        assert turns.recall(("victim", None), victim) is not None
+        turns.max_tokens = 3 * turns.held("victim")  # room for about three answers
+        for i in range(6):
+            _chat(base, "sk-spy", [{"role": "user", "content": f"flood {i}"}])
+        assert turns.recall(("victim", None), victim) is not None  # the spy's flood pushed out its own
+        assert turns.held("spy") > 0
+        # An admin's flush forgets the answers too (their texts and ids), not only the pages.
+        assert httpx.post(f"{base}/v1/cache/flush", headers={"Authorization": "Bearer sk-admin"}).status_code == 200
+        assert turns.recall(("victim", None), victim) is None and turns.num_tokens == 0 and len(turns) == 0

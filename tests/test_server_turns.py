@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import tracemalloc
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server.app import create_app
 from radixserve.server.prompts import ChatRenderer, injected_system_text, render_chat
 from radixserve.server.protocol import ChatMessage
-from radixserve.server.turns import GeneratedTurns
+from radixserve.server.turns import UNIT_BYTES, GeneratedTurns, entry_units
 from tests.server_util import running_server
 
 # SmolLM2-Instruct's template: a default system block when the messages bring none.
@@ -57,39 +58,63 @@ def odd_split(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def test_turns_are_bounded_by_tokens_and_forget_the_least_recent() -> None:
-    turns = GeneratedTurns(max_tokens=10)
+    a, b, c = entry_units(None, "a", [1] * 4), entry_units(None, "b", [1] * 4), entry_units(None, "c", [1] * 3)
+    turns = GeneratedTurns(max_tokens=a + b + c - 1)  # any two, not three
     turns.remember(None, "a", [1, 2, 3, 4])
     turns.remember(None, "b", [5, 6, 7, 8])
     assert turns.recall(None, "a") == [1, 2, 3, 4]  # now b is the least recent
     turns.remember(None, "c", [9, 10, 11])
     assert turns.recall(None, "b") is None
     assert turns.recall(None, "a") == [1, 2, 3, 4] and turns.recall(None, "c") == [9, 10, 11]
-    assert turns.num_tokens == 7 and len(turns) == 2
-    turns.remember(None, "huge", list(range(11)))  # larger than the whole memory: not kept
+    assert turns.num_tokens == a + c and len(turns) == 2
+    turns.remember(None, "huge", list(range(a + b + c)))  # larger than the whole memory: not kept
     turns.remember(None, "one", [1])  # too short to matter
     assert turns.recall(None, "huge") is None and turns.recall(None, "one") is None
-    assert turns.num_tokens == 7
+    assert turns.num_tokens == a + c
+
+
+def test_an_entry_is_charged_what_it_holds_besides_its_ids() -> None:
+    """Counting ids alone, a flood of 2-id answers under long salts took 349 MiB of a bound
+    documented as 4 MiB: each entry is charged its text, its scope's strings and its
+    bookkeeping too, so the memory traced stays within the bound."""
+    bound = 1 << 16  # 256 KiB in 4-byte units
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        turns = GeneratedTurns(max_tokens=bound)
+        for i in range(3000):
+            turns.remember(("tenant", f"{i:0256d}"), f"Answer {i:08d}.", [17, 42], "tenant")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < turns.num_tokens <= bound and len(turns) < 3000  # the bound was reached
+    assert held <= bound * UNIT_BYTES, held
+    assert entry_units(("t", "s" * 256), "abc", [1, 2]) - entry_units(("t", "s"), "abc", [1, 2]) == 255 // UNIT_BYTES + 1
 
 
 def test_one_tenants_turns_do_not_push_out_anothers_within_its_share() -> None:
     """Past the bound the tenant holding the most loses its least recent turn: b's flood of
     answers pushes out its own, never a's (which holds less than half); alone, a tenant has
     the whole memory."""
-    turns = GeneratedTurns(max_tokens=20)
+    unit = entry_units(("b", None), "b's answer 0", [5, 6, 7, 8])  # each of b's answers (and a's, within 1)
+    turns = GeneratedTurns(max_tokens=5 * unit)
     turns.remember(("a", None), "a's answer", [1, 2, 3, 4], "a")
     for i in range(10):
         turns.remember(("b", None), f"b's answer {i}", [5, 6, 7, 8], "b")
     assert turns.recall(("a", None), "a's answer") == [1, 2, 3, 4]
-    assert turns.held("a") == 4 and turns.held("b") == 16 and turns.num_tokens == 20
+    assert turns.held("a") == entry_units(("a", None), "a's answer", [1, 2, 3, 4]) and turns.held("b") == 4 * unit
     assert [turns.recall(("b", None), f"b's answer {i}") is not None for i in range(10)] == [False] * 6 + [True] * 4
-    alone = GeneratedTurns(max_tokens=20)
+    alone = GeneratedTurns(max_tokens=5 * unit)
     for i in range(5):
         alone.remember(("b", None), f"b's answer {i}", [5, 6, 7, 8], "b")
-    assert alone.num_tokens == 20 and len(alone) == 5
+    assert alone.num_tokens == 5 * unit and len(alone) == 5
 
 
 def test_turns_are_scoped() -> None:
     turns = GeneratedTurns()
+    turns.remember("tenant-a", "again", [1, 2])
+    turns.remember("tenant-a", "again", [3, 4, 5])  # the same text generated anew: its latest ids
+    assert turns.recall("tenant-a", "again") == [3, 4, 5] and len(turns) == 1
     turns.remember("tenant-a", "Hello there", [1, 2, 3])
     assert turns.recall("tenant-b", "Hello there") is None
     assert turns.recall(None, "Hello there") is None
@@ -131,6 +156,55 @@ def test_a_generated_answer_writing_a_special_tokens_string_is_spliced_as_genera
     renderer.turns.remember(None, answer, generated)
     ids, _ = renderer.render(first + messages(("assistant", answer), ("user", "More.")))
     assert ids[len(first_ids): len(first_ids) + len(generated)] == generated
+
+
+def test_a_recalled_turn_after_a_special_tokens_string_keeps_that_string_spelled_out(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """The text between recalled turns is client text too: its special tokens' strings stay
+    characters (encoded plainly, they were placeholders, or real special tokens)."""
+    renderer = ChatRenderer(tokenizer, GeneratedTurns())
+    answer = "Sure, here it is."
+    generated = odd_split(tokenizer, answer)
+    renderer.turns.remember(None, answer, generated)
+    conversation = messages(("user", "quote <|im_end|> please"), ("assistant", answer),
+                            ("user", "and <|im_start|>system again"))
+    ids, _ = renderer.render(conversation)
+    assert any(ids[k: k + len(generated)] == generated for k in range(len(ids)))  # spliced
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.text()} for m in conversation], tokenize=False, add_generation_prompt=True)
+    specials = set(tokenizer.all_special_ids)
+    assert sum(i in specials for i in ids) == sum(i in specials for i in render_chat(tokenizer, conversation)[0])
+
+
+def test_a_turn_is_remembered_only_when_its_ids_are_its_text() -> None:
+    """The ids are spliced back where the text comes back: only a finished answer ("stop" or
+    "length") whose ids, less a trailing end token, decode to exactly its text. Not one with a
+    special token inside (its text leaves the token out: the next prompt would hold a real
+    special token the client never sent), not one a stop string cut short (its ids run past
+    the text), not an aborted one."""
+    from radixserve.server.formatting import ChoiceResult
+
+    engine = Engine(model="demo", page_size=16, num_pages=64)
+    server = create_app(AsyncEngine(engine)).state.server
+    tokenizer = engine.tokenizer
+    end = tokenizer.eos_token_id
+    inside = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.decode([inside], skip_special_tokens=True) == "" and inside != end  # the text leaves it out
+    hello, more = odd_split(tokenizer, "Hello there"), odd_split(tokenizer, " more")
+    cases = {
+        "whole, its end token trailing": (ChoiceResult("Hello there more", hello + more + [end], [], "stop"), True),
+        "cut by max_tokens": (ChoiceResult("Hello there more", hello + more, [], "length"), True),
+        "a special token inside": (ChoiceResult("Hello there more", hello + [inside] + more + [end], [], "stop"), False),
+        "an end token inside": (ChoiceResult("Hello there more", hello + [end] + more + [end], [], "stop"), False),
+        "cut by a stop string": (ChoiceResult("Hello there", hello + more, [], "stop"), False),
+        "aborted": (ChoiceResult("Hello there more", hello + more, [], "abort"), False),
+    }
+    for name, (result, kept) in cases.items():
+        server.turns = GeneratedTurns()
+        server._remember_turn("scope", "tenant", result)
+        recalled = server.turns.recall("scope", result.text)
+        assert recalled == ([i for i in result.token_ids if i != end] if kept else None), name
+        assert server.turns.held("tenant") == (entry_units("scope", result.text, recalled) if kept else 0), name
 
 
 def test_a_template_that_changes_the_text_gets_plain_encoding(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -570,7 +570,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                           max_request_tokens=max_request_tokens,
                           tenant_starts=default_tenant_starts(engine) if tenant_starts is None else tenant_starts)
     cache = CacheRoutes(engine, server.metrics, server._authorize, expose_tokens=expose_cache_tokens,
-                        event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s)
+                        event_buffer=cache_event_buffer, events_idle_timeout_s=cache_events_idle_timeout_s,
+                        on_flush=server.turns.clear if server.turns is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -70,7 +70,8 @@ class CacheRoutes:
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, authorize: Any, *,
                  expose_tokens: bool = False, event_buffer: int = DEFAULT_CAPACITY,
-                 events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S) -> None:
+                 events_idle_timeout_s: float = DEFAULT_EVENTS_IDLE_TIMEOUT_S,
+                 on_flush: Callable[[], None] | None = None) -> None:
         if events_idle_timeout_s <= 0:
             raise ValueError(f"events_idle_timeout_s: must be > 0, got {events_idle_timeout_s}")
         self.events_idle_timeout_s = events_idle_timeout_s
@@ -86,6 +87,7 @@ class CacheRoutes:
         self._tenant_readers: Counter[str | None] = Counter()  # open event streams per tenant
         self.views = engine.cache_views() if hasattr(engine, "cache_views") else CacheViews(engine)
         self.idle_closed = 0  # event streams closed for idleness
+        self.on_flush = on_flush  # what else a flush forgets (the server's generated turns)
 
     def routes(self) -> list[Route]:
         """The routes to append to the app's."""
@@ -167,6 +169,8 @@ class CacheRoutes:
             raise APIError(403, "A flush may not come from a page of another origin", code="cross_origin",
                            error_type="permission_error")
         freed = await self.engine.flush_cache()
+        if self.on_flush is not None:  # the answers' texts and ids too: a flush is to forget
+            self.on_flush()
         # `pages_freed` stays the device count (what it always was); "tiers" names both.
         tiers = {"device": int(freed), "host": getattr(freed, "host", 0)}
         return _json({"object": "cache.flush", "pages_freed": int(freed), "tiers": tiers})

@@ -12,8 +12,10 @@ text.
 
 The scope is the request's cache namespace (its tenant and its `cache_salt`; app.py): ids learnt in one namespace are
 never used in another, so how a prompt is tokenized (and so its `prompt_tokens`) tells nothing
-about other tenants' completions. Memory is bounded by the number of token ids kept, shared
-fairly between tenants: past the bound the least recently used completion of the tenant
+about other tenants' completions. Memory is bounded in 4-byte units (an id's size): each
+completion is charged its ids and what keeping it costs besides (its text, its scope's strings,
+the key and the maps' entries: about 560 bytes; counting ids alone let a flood of 2-id answers
+under long salts take 349 MiB of a bound meant as 4 MiB), shared fairly between tenants: past the bound the least recently used completion of the tenant
 holding the most goes first, so one tenant's flood of long answers does not push out another
 tenant's turns (their next turns would be tokenized from text again, their cache hits ending
 where the text splits differently). Without tenants' keys it is one LRU.
@@ -21,13 +23,27 @@ where the text splits differently). Without tenants' keys it is one LRU.
 
 from __future__ import annotations
 
+import sys
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-DEFAULT_MAX_TOKENS = 1 << 20  # 4 MiB of int32 ids, plus their texts
+DEFAULT_MAX_TOKENS = 1 << 20  # 4 MiB, in 4-byte units
 MIN_TOKENS = 2  # shorter completions gain nothing from the splice
+# What an entry holds besides its ids, its text and its scope's strings (measured with
+# tracemalloc: the key tuple, the three maps' entries, the array's header; 2-id answers).
+ENTRY_OVERHEAD_BYTES = 560
+UNIT_BYTES = 4  # an int32 id
+
+
+def entry_units(scope: Hashable, text: str, token_ids: Sequence[int]) -> int:
+    """What remembering `token_ids` for `text` in `scope` costs, in 4-byte units."""
+    extra = ENTRY_OVERHEAD_BYTES + sys.getsizeof(text)
+    for part in scope if isinstance(scope, tuple) else (scope,):
+        if isinstance(part, str):  # a salt (each request's own string object) or a tenant's name
+            extra += sys.getsizeof(part)
+    return len(token_ids) + -(-extra // UNIT_BYTES)
 
 
 class GeneratedTurns:
@@ -43,7 +59,8 @@ class GeneratedTurns:
         self.max_tokens = max_tokens
         self._by_tenant: dict[Hashable, OrderedDict[tuple[Hashable, str], array]] = {}
         self._tenant_of: dict[tuple[Hashable, str], Hashable] = {}
-        self._held: dict[Hashable, int] = {}  # token ids each tenant's entries hold
+        self._held: dict[Hashable, int] = {}  # units each tenant's entries are charged (entry_units)
+        self._units: dict[tuple[Hashable, str], int] = {}  # each entry's charge
         self._tokens = 0
         self._lock = threading.Lock()
 
@@ -52,17 +69,20 @@ class GeneratedTurns:
 
     @property
     def num_tokens(self) -> int:
-        """Token ids held, over every remembered completion."""
+        """Units charged (entry_units), over every remembered completion."""
         return self._tokens
 
     def held(self, tenant: Hashable) -> int:
-        """Token ids `tenant`'s remembered completions hold."""
+        """Units `tenant`'s remembered completions are charged."""
         return self._held.get(tenant, 0)
 
     def remember(self, scope: Hashable, text: str, token_ids: Sequence[int], tenant: Hashable = None) -> None:
         """Keeps `token_ids` as how `text` was generated in `scope`, one of `tenant`'s scopes
         (replacing an older entry)."""
-        if len(token_ids) < MIN_TOKENS or len(token_ids) > self.max_tokens or not text:
+        if len(token_ids) < MIN_TOKENS or not text:
+            return
+        units = entry_units(scope, text, token_ids)
+        if units > self.max_tokens:
             return
         ids = array("i", token_ids)
         key = (scope, text)
@@ -70,11 +90,21 @@ class GeneratedTurns:
             self._drop(key)
             self._by_tenant.setdefault(tenant, OrderedDict())[key] = ids
             self._tenant_of[key] = tenant
-            self._held[tenant] = self._held.get(tenant, 0) + len(ids)
-            self._tokens += len(ids)
+            self._units[key] = units
+            self._held[tenant] = self._held.get(tenant, 0) + units
+            self._tokens += units
             while self._tokens > self.max_tokens:
                 largest = max(self._held, key=self._held.__getitem__)
                 self._drop(next(iter(self._by_tenant[largest])))
+
+    def clear(self) -> None:
+        """Forgets every completion (an admin's cache flush)."""
+        with self._lock:
+            self._by_tenant.clear()
+            self._tenant_of.clear()
+            self._held.clear()
+            self._units.clear()
+            self._tokens = 0
 
     def recall(self, scope: Hashable, text: str) -> list[int] | None:
         """The ids `text` was generated as in `scope`, or None; a hit counts as a use."""
@@ -92,7 +122,8 @@ class GeneratedTurns:
         if tenant is _NONE:
             return
         entries = self._by_tenant[tenant]
-        size = len(entries.pop(key))
+        del entries[key]
+        size = self._units.pop(key)
         self._tokens -= size
         self._held[tenant] -= size
         if not entries:
