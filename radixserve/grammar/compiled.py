@@ -4,8 +4,9 @@ Compilation is the expensive part (milliseconds for a JSON Schema, more for larg
 done once per distinct spec: the server compiles on the request's way in (so a bad schema is
 a 400 before the engine sees it), and the engine's matchers reuse the cached result. The
 compile itself runs in a worker process that a CPU-time limit can stop (compile_workers.py),
-unless `compile_timeout_s` is None. Thread safe: the server's threads and the engine thread
-share one instance.
+unless `compile_timeout_s` is None; a grammar too large to send back serialized is compiled
+again here, on threads at the workers' niceness. Thread safe: the server's threads and the
+engine thread share one instance.
 """
 
 from __future__ import annotations
