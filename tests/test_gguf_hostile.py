@@ -195,6 +195,19 @@ def test_metadata_is_checked_against_the_tensors_before_allocating(
     refused(variant(base_gguf, tmp_path / "claims.gguf", {f"{ARCH}.{key}": (vtype, value)}), match)
 
 
+def test_a_tensor_parallel_start_checks_the_file_before_any_rank_allocates(base_gguf: Path, tmp_path: Path) -> None:
+    """Rank 0 checks the split before any worker starts: a GGUF file there is checked whole, as
+    one process checks it (each rank built 5,000 layers, or asked for 256 TiB, before)."""
+    from radixserve.parallel.loading import check_split
+
+    check_split(str(base_gguf), 2)  # the valid file splits over 2 ranks
+    for key, vtype, value, match in [("block_count", V.UINT32, 5000, r"block_count is 5000"),
+                                     ("vocab_size", V.UINT64, 2**40, r"shape \(1099511627776, 64\)")]:
+        path = variant(base_gguf, tmp_path / f"{key}.gguf", {f"{ARCH}.{key}": (vtype, value)})
+        with pytest.raises(ValueError, match=match):
+            check_split(str(path), 2)
+
+
 def test_big_endian_files_are_refused_by_name(tmp_path: Path) -> None:
     """gguf.quants dequantizes as little-endian: the weights were garbage, and the load then
     failed on a misleading "GGUF v50331648" from the tokenizer."""

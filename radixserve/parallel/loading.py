@@ -30,6 +30,7 @@ from radixserve.models.loader import (
     LoadedModel,
     check_architecture,
     check_complete,
+    check_gguf_file,
     copy_tensors,
     load_tokenizer,
     max_context_len,
@@ -79,8 +80,13 @@ def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dty
 def check_split(model: str, world_size: int) -> None:
     """ValueError, naming the heads or columns, when `model` cannot be split over
     `world_size` ranks: rank 0 checks before any worker starts (each then raised it alike, with
-    its own traceback). Reads the configuration only."""
-    config = _open(model)[3]
+    its own traceback). A GGUF file is checked whole as a single process checks it
+    (loader.check_gguf_file: metadata, tensor table and shapes, tokenizer), so that no rank
+    allocates for a file claiming 5,000 layers or a 2**40-row vocabulary. Reads no weights."""
+    path, reader, metadata, config = _open(model)
+    if reader is not None:
+        assert metadata is not None
+        check_gguf_file(path, reader, metadata)
     heads = config.num_attention_heads
     check_layout(heads, getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, world_size)
 
