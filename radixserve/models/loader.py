@@ -35,7 +35,7 @@ from radixserve.models.gguf_checkpoint import (
     rope_frequency_divisors,
     tensor_shapes,
 )
-from radixserve.models.huge_pages import move_to_huge_pages
+from radixserve.models.huge_pages import place_on_huge_pages
 from radixserve.models.llama import CausalLM
 from radixserve.models.registry import NAMED_MODELS, resolve_model
 from radixserve.models.rope import RotaryEmbedding, inverse_frequencies
@@ -104,9 +104,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, torch_device)
 
     causal_lm = empty_model(config, torch_dtype, torch_device)
+    place_on_huge_pages(causal_lm)  # the weights are then written once, where they stay
     load_weights(causal_lm, path)
     causal_lm.eval().requires_grad_(False)
-    move_to_huge_pages(causal_lm)
 
     return LoadedModel(
         model=causal_lm,
@@ -159,12 +159,13 @@ def load_gguf_model(
 
     causal_lm = materialize(checked.skeleton, torch_dtype, torch_device)
     loaded: set[str] = set()
-    copy_tensors(causal_lm, gguf_tensors(reader, config), path, loaded, adopt=True)
+    # Dequantized into their place on huge pages, or adopted as they come (no second buffer).
+    placed = place_on_huge_pages(causal_lm) > 0
+    copy_tensors(causal_lm, gguf_tensors(reader, config), path, loaded, adopt=not placed)
     check_complete(causal_lm, loaded, path)
     if divisors is not None:  # llama.cpp divides each frequency by its factor (Llama 3.1 scaling)
         causal_lm.rotary = RotaryEmbedding(inverse_frequencies(config, causal_lm.head_dim) / divisors)
     causal_lm.eval().requires_grad_(False)
-    move_to_huge_pages(causal_lm)
 
     return LoadedModel(
         model=causal_lm,

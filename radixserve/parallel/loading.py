@@ -25,7 +25,7 @@ from radixserve.models.gguf_checkpoint import (
     rope_frequency_divisors,
     tensor_shapes,
 )
-from radixserve.models.huge_pages import move_to_huge_pages
+from radixserve.models.huge_pages import place_on_huge_pages
 from radixserve.models.loader import (
     LoadedModel,
     check_architecture,
@@ -54,11 +54,12 @@ def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dty
     with torch.device("meta"):
         shard = TensorParallelLM(config, group)
     shard = shard.to(torch_dtype).to_empty(device=device)
+    placed = place_on_huge_pages(shard) > 0  # each weight written once, where it stays
     specs = shard.shard_specs()
     loaded: set[str] = set()
     if reader is not None:
         tensors = ((name, _take(specs.get(name), tensor)) for name, tensor in gguf_tensors(reader, config))
-        copy_tensors(shard, tensors, path, loaded, adopt=True)
+        copy_tensors(shard, tensors, path, loaded, adopt=not placed)
         divisors = rope_frequency_divisors(reader)
         if divisors is not None:  # as models/loader.py: llama.cpp's Llama 3.1 scaling
             shard.rotary = RotaryEmbedding(inverse_frequencies(config, shard.head_dim) / divisors)
@@ -71,7 +72,6 @@ def load_shard(model: str, group: TensorParallelGroup, *, dtype: str | torch.dty
         defaults = GenerationDefaults.from_checkpoint_dir(path, config)
     check_complete(shard, loaded, path)
     shard.eval().requires_grad_(False)
-    move_to_huge_pages(shard)
     return LoadedModel(model=shard, tokenizer=tokenizer, config=config, name=model,
                        max_context_len=max_context_len(config), dtype=torch_dtype, device=device,
                        generation_defaults=defaults)
