@@ -307,3 +307,10 @@ def test_overlapping_tensor_data_is_refused(base_gguf: Path, tmp_path: Path) -> 
     path = tmp_path / "overlap.gguf"
     path.write_bytes(bytes(data))
     refused(path, r"tensors '.+' and '.+' overlap in the file")
+
+
+def test_a_huge_array_outside_the_tokenizer_is_refused(base_gguf: Path, tmp_path: Path) -> None:
+    """Arrays outside the tokenizer's are decoded into Python lists (a per-layer value must not
+    be skipped): one of a hundred thousand values is refused, not decoded."""
+    path = variant(base_gguf, tmp_path / "junk.gguf", {f"{ARCH}.junk": (V.ARRAY, list(range(100_000)))})
+    refused(path, rf"GGUF metadata {ARCH}\.junk is an array of 100,000 values; at most 65,536 outside the tokenizer's")

@@ -49,6 +49,9 @@ _PERMUTED_ARCHITECTURES = ("llama",)
 # Metadata arrays longer than this (the vocabulary, merges, scores) are not decoded here:
 # GGUFReader has parsed them already, but turning 50k entries into Python strings is wasted time.
 _MAX_METADATA_ARRAY = 64
+# Any other array is decoded whatever its length (a per-layer value), up to this: past it a
+# file could make the loader build a Python list of a hundred million values from 400 MB.
+MAX_OTHER_METADATA_ARRAY = 65536
 
 _LAYER_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
@@ -133,9 +136,12 @@ def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if not field.types:
             continue
-        if (field.types[0] == GGUFValueType.ARRAY and len(field.data) > _MAX_METADATA_ARRAY
-                and key.startswith("tokenizer.")):
-            continue
+        if field.types[0] == GGUFValueType.ARRAY and len(field.data) > _MAX_METADATA_ARRAY:
+            if key.startswith("tokenizer."):
+                continue
+            if len(field.data) > MAX_OTHER_METADATA_ARRAY:
+                raise ValueError(f"GGUF metadata {key} is an array of {len(field.data):,} values; at most "
+                                 f"{MAX_OTHER_METADATA_ARRAY:,} outside the tokenizer's")
         try:
             value = field.contents()
         except UnicodeDecodeError as exc:  # gguf's message names neither the key nor the file
