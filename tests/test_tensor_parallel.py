@@ -244,6 +244,20 @@ def test_rank0_listens_on_loopback_only(engines) -> None:
     assert listening and all(ip == "127.0.0.1" for ip, _ in listening), listening
 
 
+def test_the_workers_outlive_stop_signals_sent_to_the_whole_group(engines) -> None:
+    """A terminal's Ctrl-C (SIGINT) and a service manager's stop (SIGTERM to every process of
+    the unit) reach the workers as well as the server, whose drain needs them: a rank that
+    died of either failed the streams in flight. Rank 0 ends its workers itself."""
+    processes = engines.tp.runner.workers.processes
+    for process in processes:
+        os.kill(process.pid, signal.SIGINT)
+        os.kill(process.pid, signal.SIGTERM)
+    prompts = random_prompts(3, seed=23)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert tokens(engines.tp.generate(prompts, params)) == tokens(engines.single.generate(prompts, params))
+    assert all(p.is_alive() for p in processes) and engines.tp.fault() is None
+
+
 def test_close_ends_every_worker(engines) -> None:
     """... and the workers are forks of the fork server (on the CPU), not children of this
     process; close() releases the group's sockets (they stayed open until the engine was

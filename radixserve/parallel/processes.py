@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
+import multiprocessing.util
 from collections.abc import Callable
 from typing import Any
 
@@ -57,13 +59,11 @@ class WorkerProcesses:
         return None
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Waits up to `grace_s` for the workers to exit, then terminates (and kills) the rest."""
+        """Waits up to `grace_s` for the workers to exit, then kills the rest (a worker ignores
+        SIGTERM: worker.run_started_worker)."""
         for process in self.processes:
             process.join(grace_s)
         for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(2.0)
             if process.is_alive():
                 process.kill()
                 process.join(2.0)
@@ -84,3 +84,10 @@ def kill_all() -> None:
     serves while any of its children holds its descriptor."""
     for workers in list(_RUNNING):
         workers.kill()
+
+
+# Before multiprocessing's own exit handler (atexit runs the last registered first; its module
+# is imported above): that one terminates daemonic children and then joins them without a
+# timeout, and a worker ignores SIGTERM, so an engine never closed (an exception out of main)
+# would hold the exit until the group's collective timeout. Closed engines left _RUNNING.
+atexit.register(kill_all)

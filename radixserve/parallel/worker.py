@@ -56,11 +56,14 @@ def worker_device(device_type: str, rank: int) -> torch.device:
 
 def run_started_worker(rank: int, spec: WorkerSpec) -> None:
     """The life of a worker that rank 0 started (its process's target): `run_worker`, deaf to
-    SIGINT. A terminal's Ctrl-C goes to the whole process group, the workers included (a fork
-    server's child gets Python's handlers back): a rank that died of it broke the group, and
-    the server's streams in flight failed instead of draining. Rank 0 ends its workers itself
-    (STOP at close, its sockets closing, or a kill)."""
+    SIGINT and SIGTERM. A terminal's Ctrl-C goes to the whole process group, and a service
+    manager's stop (systemd's default, `kill -TERM -PGID`) sends SIGTERM to every process of
+    the unit, the workers included (a fork server's child gets Python's handlers back): a
+    rank that died of either broke the group, and the server's streams in flight failed
+    instead of draining. Rank 0 ends its workers itself (STOP at close, its sockets closing,
+    or SIGKILL: processes.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_worker(rank, spec)
 
 
