@@ -304,11 +304,13 @@ def _ignored_here(args: argparse.Namespace) -> str | None:
 def app_options(args: argparse.Namespace) -> dict[str, object]:
     """create_app's keyword arguments from `radixserve serve`'s flags, but for the model name
     and the keys: the single server's and a cluster's ingress's alike."""
+    from radixserve.server.host_names import host_names
+
     return {"expose_cache_tokens": args.expose_cache_tokens, "cache_event_buffer": args.cache_event_buffer,
             "cache_events_idle_timeout_s": args.cache_events_idle_timeout_s,
             "turn_memory_tokens": args.turn_memory_tokens, "body_timeout_s": args.body_timeout_s,
             "tool_call_parser": args.tool_call_parser, "max_request_tokens": args.max_request_tokens,
-            "tenant_starts": args.tenant_starts}
+            "tenant_starts": args.tenant_starts, "allowed_hosts": host_names(args.host, args.allowed_hosts)}
 
 
 def cache_hash_secret(args: argparse.Namespace) -> str | None:

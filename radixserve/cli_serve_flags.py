@@ -184,6 +184,10 @@ def _add_api_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--admin-api-key", default=os.environ.get("RADIXSERVE_ADMIN_API_KEY") or None, action=GivenOnCommandLine,
                        help="a key that sees the whole cache and may flush it (default: "
                             "$RADIXSERVE_ADMIN_API_KEY, else none)")
+    serve.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                       help="host names the server answers for besides loopback ones (localhost, 127.0.0.1, "
+                            "[::1]); '*' for any. Default: loopback names only when --host is a loopback "
+                            "address (a defence against DNS rebinding), any otherwise")
     serve.add_argument("--cache-hash-secret", default=os.environ.get("RADIXSERVE_CACHE_HASH_SECRET"), action=GivenOnCommandLine,
                        help="key the page hashes and namespace ids that cache events and views publish "
                             "with this secret, so none can be tested offline (default: "

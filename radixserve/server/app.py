@@ -53,6 +53,7 @@ from radixserve.server.formatting import (
 )
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
+from radixserve.server.host_names import HostCheck
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompt_work import PromptWork, refuse_by_prefix
 from radixserve.server.prompts import ChatRenderer, rendered_chars
@@ -539,7 +540,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
                tool_call_parser: str | None = None, admin_api_key: str | None = None,
                tenant_keys: dict[str, Caller] | None = None,
                max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
-               refusal_pacer: RefusalPacer | None = None, tenant_starts: int | None = None) -> Starlette:
+               refusal_pacer: RefusalPacer | None = None, tenant_starts: int | None = None,
+               allowed_hosts: frozenset[str] | None = None) -> Starlette:
     """The Starlette app serving `engine`; its lifespan starts and stops the engine's thread.
 
     `served_model_name` is the name /v1/models lists (default: the engine's model name; both
@@ -561,7 +563,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     `refusal_pacer` counts every 4xx against its client's address; the HTTP protocol given
     the same pacer holds the addresses in debt (refusal_pacing.py). While several tenants
     have requests in flight, each may be starting `tenant_starts` // tenants of them at once
-    (start_shares.py; 0: no limit; None: `default_tenant_starts`).
+    (start_shares.py; 0: no limit; None: `default_tenant_starts`). With `allowed_hosts`, a
+    request must name a loopback host or one of them in its Host header (host_names.py).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
@@ -597,7 +600,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     # Exceptions no handler maps are answered by RequestGuard (a 500 that keeps the connection).
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
-                                       pacer=refusal_pacer), Middleware(LeaveAtResponseEnd)],
+                                       pacer=refusal_pacer),
+                                *([Middleware(HostCheck, names=allowed_hosts)] if allowed_hosts is not None else []),
+                                Middleware(LeaveAtResponseEnd)],
                     exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
                                         ClientLeft: _client_left})
     if refusal_pacer is not None:
