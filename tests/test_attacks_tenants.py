@@ -289,13 +289,20 @@ def test_only_an_admin_may_flush_and_unknown_keys_get_401(keyed: tuple[Engine, s
         assert victim.post("/v1/cache/flush").status_code == 403
         assert victim.get("/v1/cache/stats").json()["tiers"]["device"]["pages_cached"] > 0  # nothing dropped
     with _client(url, "k-nobody") as nobody:
-        for path in ("/v1/cache/stats", "/v1/cache/tree", "/v1/models"):
+        for path in ("/v1/cache/stats", "/v1/cache/tree", "/v1/models", "/metrics"):
             assert nobody.get(path).status_code == 401
     with httpx.Client(base_url=url) as anonymous:
         assert anonymous.get("/v1/cache/stats").status_code == 401
+        # The pool-wide counters, read around another tenant's request, tell its prompt's length.
+        assert anonymous.get("/metrics").status_code == 401
+        assert anonymous.get("/health").json() == {"status": "ok"}  # tells nothing of anyone's traffic
         for empty in ("Bearer", "bearer"):  # no token at all
             assert anonymous.get("/v1/cache/stats", headers={"authorization": empty}).status_code == 401
+    with _client(url, VICTIM) as victim:
+        response = victim.get("/metrics")
+        assert response.status_code == 403 and response.json()["error"]["code"] == "admin_only"
     with _client(url, ADMIN) as admin:
+        assert "radixserve_prompt_tokens_total" in admin.get("/metrics").text
         assert admin.post("/v1/cache/flush").status_code == 200
 
 

@@ -44,7 +44,7 @@ def test_missing_or_wrong_key_is_401(client: httpx.Client, headers: dict[str, st
         assert r.headers["www-authenticate"] == "Bearer"
 
 
-def test_right_key_serves_and_open_routes_need_none(client: httpx.Client) -> None:
+def test_right_key_serves_and_health_needs_none(client: httpx.Client) -> None:
     r = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2, "model": "tiny-demo"})
     assert r.status_code == 200 and r.json()["model"] == "tiny-demo"
     # The checkpoint's own name is accepted too.
@@ -52,7 +52,8 @@ def test_right_key_serves_and_open_routes_need_none(client: httpx.Client) -> Non
     assert r.status_code == 200
     assert [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]] == ["tiny-demo"]
     assert client.get("/health").status_code == 200
-    assert client.get("/metrics").status_code == 200
+    assert client.get("/metrics").status_code == 401  # the single key is the one that reads it
+    assert client.get("/metrics", headers=AUTH).status_code == 200
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

@@ -82,7 +82,7 @@ from radixserve.server.streams import (
     while_connected,
 )
 from radixserve.server.structured import carries_constraint, grammar_error
-from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller
+from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller, admin_only
 from radixserve.server.tool_parsers import parser_for_template
 from radixserve.server.tools import plan_tools
 from radixserve.server.translate import (
@@ -192,7 +192,11 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
-        """GET /metrics: Prometheus text exposition."""
+        """GET /metrics: Prometheus text exposition. On a server with keys, an admin's key
+        (or the single --api-key): the pool-wide counters, read before and after another
+        tenant's request, tell its prompt's length and cached prefix."""
+        if self.keys is not None:
+            admin_only(self._authorize(request))
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
