@@ -111,12 +111,19 @@ def test_full_queue_is_503_with_retry_after(client: httpx.Client, server: Simple
     assert r.status_code == 200
 
 
-def test_batch_over_the_queue_is_503_and_leaves_nothing(client: httpx.Client, server: SimpleNamespace) -> None:
-    # max_running 1, max_queue 1: of three prompts at least one finds the queue full.
-    r = client.post("/v1/completions", headers=AUTH, json={"prompt": ["one", "two", "three"], "max_tokens": 50})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
-    assert wait_for(lambda: server.stats()["running"] == 0 and server.stats()["waiting"] == 0)
-    assert server.stats()["pages_locked"] == 0
+def test_a_batch_larger_than_the_queue_is_400_and_starts_nothing(client: httpx.Client,
+                                                                  server: SimpleNamespace) -> None:
+    """max_queue 1: a batch's prompts are queued together, so two can never fit; a 503 with
+    Retry-After had its client retry it for good, and its first prompt prefilled for nobody."""
+    before = {key: server.stats()[key] for key in ("requests_finished", "requests_aborted", "prompt_tokens")}
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": ["one", "two"], "max_tokens": 50})
+    assert r.status_code == 400 and "retry-after" not in r.headers
+    assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                    "param": "prompt", "code": "request_too_large"}
+    assert "--max-queue" in r.json()["error"]["message"]
+    assert {key: server.stats()[key] for key in before} == before  # nothing was queued
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": ["one"], "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
 
 
 def test_a_batch_with_a_refused_prompt_is_answered_at_once_and_leaves_nothing(client: httpx.Client,

@@ -257,6 +257,12 @@ class OpenAIServer:
         body = await _decode(raw, _COMPLETION_DECODER)
         self._check_model(body.model)
         prompts, batch = completion_prompts(body)
+        max_queue = getattr(self.engine.engine, "max_queue", None)  # (a cluster's replicas have their own)
+        if max_queue is not None and len(prompts) > max_queue:
+            # Its prompts are queued together: a 503 would have the client retry it for good.
+            raise APIError(400, f"A batch of {len(prompts)} prompts cannot fit this server's waiting queue "
+                                f"of {max_queue} requests (--max-queue): send at most {max_queue} per request",
+                           param="prompt", code="request_too_large")
         params = [f"prompt[{i}]" for i in range(len(prompts))] if batch else ["prompt"]
         tokenizer = self.tokenizer
         for prompt, param in zip(prompts, params):
