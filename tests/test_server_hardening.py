@@ -355,6 +355,19 @@ def test_logit_bias_is_capped_and_best_of_is_refused_unless_it_equals_n(client: 
             assert r.json()["error"]["param"] == "best_of" and r.json()["error"]["code"] == "unsupported_parameter"
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_stream_options_without_stream_is_refused_not_ignored(client: httpx.Client, path: str) -> None:
+    """As OpenAI: include_usage asks for a last chunk that only a stream has."""
+    body = {"messages": USER} if path == CHAT else {"prompt": "hi"}
+    for stream, status in ((None, 400), (False, 400), (True, 200)):
+        r = client.post(path, json={**body, "max_tokens": 2, "stream": stream,
+                                    "stream_options": {"include_usage": True}})
+        assert r.status_code == status, (stream, r.text)
+        if status == 400:
+            assert r.json()["error"]["param"] == "stream_options" and r.json()["error"]["code"] == "invalid_value"
+    assert client.post(path, json={**body, "max_tokens": 2, "stream_options": None}).status_code == 200
+
+
 def test_a_large_body_is_decoded_off_the_event_loop(server: SimpleNamespace, client: httpx.Client,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Bodies past DECODE_IN_THREAD_BYTES are decoded in a worker thread (seen by the thread

@@ -230,6 +230,9 @@ def _retention(priority: int | None, duration_s: float | None, name: str) -> Ret
 
 
 def _refuse_unsupported(request: GenerationRequest) -> None:
+    if request.stream_options is not None and not request.stream:  # as OpenAI: not silently ignored
+        raise APIError(400, "stream_options is allowed only with stream: true", param="stream_options",
+                       code="invalid_value")
     if request.presence_penalty:
         raise _unsupported("presence_penalty")
     if request.frequency_penalty:
