@@ -151,7 +151,7 @@ def test_metrics_cover_every_replica(client: httpx.Client, server: SimpleNamespa
     def value(name: str, sample: str | None = None) -> float:
         return next(s.value for s in families[name].samples if s.name == (sample or name))
 
-    assert value("radixserve_kv_pages_total") == 2 * single.NUM_PAGES
+    assert value("radixserve_kv_pool_pages") == 2 * single.NUM_PAGES
     assert value("radixserve_kv_page_size_tokens") == single.PAGE_SIZE
     assert value("radixserve_kv_pages_locked") == 0
     assert value("radixserve_prompt_tokens", "radixserve_prompt_tokens_total") == server.stats()["prompt_tokens"] > 0

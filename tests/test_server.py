@@ -565,7 +565,7 @@ def test_metrics_exposes_engine_and_latency(client: httpx.Client) -> None:
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     def value(name: str, sample: str | None = None) -> float:
         return next(s.value for s in families[name].samples if s.name == (sample or name))
-    assert value("radixserve_kv_pages_total") == NUM_PAGES
+    assert value("radixserve_kv_pool_pages") == NUM_PAGES
     assert value("radixserve_kv_page_size_tokens") == PAGE_SIZE
     assert value("radixserve_kv_pages_locked") == 0
     assert value("radixserve_prompt_tokens", "radixserve_prompt_tokens_total") > 0

@@ -49,7 +49,7 @@ def test_a_request_after_offload_reports_the_host_tier_hit_in_cached_tokens() ->
         assert value("radixserve_host_cached_tokens") == 9 * PAGE_SIZE
         assert value("radixserve_kv_pages_loaded") == 9
         assert value("radixserve_kv_pages_offloaded") >= 10
-        assert value("radixserve_host_kv_pages_total") == 200
+        assert value("radixserve_host_kv_pool_pages") == 200
         assert value("radixserve_cache_host_hit_tokens") >= 9 * PAGE_SIZE
         assert value("radixserve_kv_loaded_bytes") == 9 * engine.host_tier.bytes_per_page
         assert value("radixserve_cached_tokens") == value("radixserve_host_cached_tokens") + value(

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from radixserve import Retention, StreamDelta, TokenLogprob
+from radixserve import AsyncEngine, Engine, Retention, StreamDelta, TokenLogprob
 from radixserve.cache.radix import Histogram
 from radixserve.models.demo import demo_checkpoint_dir
 from radixserve.server.errors import APIError, error_from_decode
@@ -22,7 +22,7 @@ from radixserve.server.formatting import (
     TokenNamer,
     vocab_bytes,
 )
-from radixserve.server.metrics import ServerMetrics
+from radixserve.server.metrics import ENGINE_METRICS, ServerMetrics
 from radixserve.server.prompts import ChatRenderer, render_chat
 from radixserve.server.protocol import (
     ChatCompletionRequest,
@@ -262,7 +262,7 @@ def test_engine_stats_collector_exports_histograms_summaries_and_unknown_keys() 
     text = ServerMetrics(lambda: stats).render()[0].decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
-    assert samples[("radixserve_kv_pages_total", ())] == 64
+    assert samples[("radixserve_kv_pool_pages", ())] == 64
     assert samples[("radixserve_cache_hit_rate", ())] == 0.25
     assert samples[("radixserve_preemptions_total", ())] == 3
     assert samples[("radixserve_engine_brand_new_key", ())] == 7
@@ -409,3 +409,13 @@ def test_closing_a_response_stream_closes_the_engine_streams_under_it() -> None:
         asyncio.run(run())
     finally:
         gc.enable()
+
+
+def test_every_engine_number_is_declared_and_no_gauge_is_named_like_a_counter() -> None:
+    """An undeclared key is exported as a gauge (nothing is lost), but a count that only grows
+    must be a counter (rate() and restarts), and `_total` is the counters' suffix alone."""
+    engine = Engine(model="demo", page_size=4, num_pages=16, host_num_pages=16)
+    stats = AsyncEngine(engine).stats()
+    numbers = {key for key, value in stats.items() if isinstance(value, int | float) and not isinstance(value, bool)}
+    assert {key for key in numbers if key not in ENGINE_METRICS and not key.endswith(("_sum", "_count"))} == set()
+    assert [name for name, kind, _ in ENGINE_METRICS.values() if kind == "gauge" and name.endswith("_total")] == []

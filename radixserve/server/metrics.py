@@ -27,8 +27,10 @@ from radixserve.server.start_shares import StartShares
 
 PREFIX = "radixserve"
 
-# engine.stats() key → (metric name without prefix, kind, help). Counters get "_total" appended by the exposition format. A number under a key
-# not listed here is still exported, as a gauge radixserve_engine_<key>, so nothing is lost.
+# engine.stats() key → (metric name without prefix, kind, help). Counters get "_total" appended by the
+# exposition format, and only they may end so (a gauge named *_total reads as a counter sample). A number
+# under a key not listed here is still exported, as a gauge radixserve_engine_<key>, so nothing is lost:
+# list every count that only grows here as a counter, so that rate() and restarts are handled.
 ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens of finished requests."),
     "cached_tokens": ("cached_tokens", "counter",
@@ -37,9 +39,25 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "generated_tokens": ("generated_tokens", "counter", "Tokens generated."),
     "requests_finished": ("requests_finished", "counter", "Requests that finished (aborted ones are counted apart)."),
     "requests_aborted": ("requests_aborted", "counter", "Requests aborted (client gone, shutdown)."),
+    "requests_refused": ("requests_refused", "counter",
+                         "Requests given up unstarted because another prompt of their batch was refused."),
     "waiting": ("sequences_waiting", "gauge", "Sequences waiting to be scheduled."),
     "running": ("sequences_running", "gauge", "Sequences running."),
     "preemptions": ("preemptions", "counter", "Sequences preempted for memory."),
+    "admissions": ("admissions", "counter", "Sequences admitted to run (a preempted one again when it resumes)."),
+    "computed_tokens": ("computed_tokens", "counter", "Tokens run through the model."),
+    "recomputed_tokens": ("recomputed_tokens", "counter",
+                          "Of the computed tokens, those a preempted sequence computed again (its pages had "
+                          "left both tiers)."),
+    "shrunk_chunks": ("shrunk_chunks", "counter", "Prefill chunks cut to the pages available rather than preempting."),
+    "fair_preemptions": ("fair_preemptions", "counter", "Sequences preempted for another tenant's share of the pool."),
+    "requests_paused": ("requests_paused", "counter", "Pauses of sequences whose client stopped reading."),
+    "paused": ("sequences_paused", "gauge", "Sequences paused because their client stopped reading."),
+    "streams_paused": ("streams_paused", "gauge", "Output streams paused because their client stopped reading."),
+    "stream_read_timeouts": ("stream_read_timeouts", "counter",
+                             "Streams ended because their client read nothing for the read timeout."),
+    "view_pieces": ("cache_view_pieces", "counter",
+                    "Pieces of cache-view work (tree copies, snapshots) the engine thread ran between steps."),
     "held_rows": ("held_rows", "counter",
                   "Decoding rows that sat a step out for other tenants' shares of the step (--tenant-step-rows)."),
     "paced_rows": ("grammar_paced_rows", "counter",
@@ -56,7 +74,7 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                                 "Seconds since the engine loop last completed a step (grows while idle)."),
     "stalled": ("engine_stalled", "gauge",
                 "1 while work has waited longer than the stall bound for a step (/health is 503)."),
-    "pages_total": ("kv_pages_total", "gauge", "KV pages in the pool."),
+    "pages_total": ("kv_pool_pages", "gauge", "KV pages in the pool."),
     "pages_free": ("kv_pages_free", "gauge", "KV pages free."),
     "pages_used": ("kv_pages_used", "gauge", "KV pages allocated (running sequences and cache)."),
     "pages_cached": ("kv_pages_cached", "gauge", "KV pages held by the prefix cache."),
@@ -78,7 +96,7 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                            "Prompt tokens of finished requests loaded back from the host tier."),
     "device_cached_tokens": ("device_cached_tokens", "counter",
                              "Prompt tokens of finished requests found in device memory."),
-    "host_pages_total": ("host_kv_pages_total", "gauge", "KV pages in the host tier."),
+    "host_pages_total": ("host_kv_pool_pages", "gauge", "KV pages in the host tier."),
     "host_pages_free": ("host_kv_pages_free", "gauge", "Host-tier KV pages free."),
     "host_pages_used": ("host_kv_pages_used", "gauge", "Host-tier KV pages allocated."),
     "host_pages_cached": ("host_kv_pages_cached", "gauge",
