@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 
+from radixserve.host_names import host_names
 from radixserve.ports import bind_socket, cannot_listen, url_host
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after Ctrl-C
@@ -304,8 +305,6 @@ def _ignored_here(args: argparse.Namespace) -> str | None:
 def app_options(args: argparse.Namespace) -> dict[str, object]:
     """create_app's keyword arguments from `radixserve serve`'s flags, but for the model name
     and the keys: the single server's and a cluster's ingress's alike."""
-    from radixserve.server.host_names import host_names
-
     return {"expose_cache_tokens": args.expose_cache_tokens, "cache_event_buffer": args.cache_event_buffer,
             "cache_events_idle_timeout_s": args.cache_events_idle_timeout_s,
             "turn_memory_tokens": args.turn_memory_tokens, "body_timeout_s": args.body_timeout_s,

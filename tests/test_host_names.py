@@ -1,5 +1,5 @@
 """DNS rebinding: a server listening on loopback answers only for loopback host names and
-those given with --allowed-hosts (radixserve/server/host_names.py), on a real uvicorn server."""
+those given with --allowed-hosts (radixserve/host_names.py, server/host_check.py), on a real uvicorn server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from radixserve import AsyncEngine, Engine
 from radixserve.cli import build_parser
 from radixserve.cli_serve import app_options
 from radixserve.server import create_app
-from radixserve.server.host_names import host_names, requested_host
+from radixserve.host_names import host_names, requested_host
 
 
 @pytest.mark.parametrize(("header", "host"), [

@@ -53,7 +53,7 @@ from radixserve.server.formatting import (
 )
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
-from radixserve.server.host_names import HostCheck
+from radixserve.server.host_check import HostCheck
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompt_work import PromptWork, refuse_by_prefix
 from radixserve.server.prompts import ChatRenderer, rendered_chars
@@ -574,7 +574,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     the same pacer holds the addresses in debt (refusal_pacing.py). While several tenants
     have requests in flight, each may be starting `tenant_starts` // tenants of them at once
     (start_shares.py; 0: no limit; None: `default_tenant_starts`). With `allowed_hosts`, a
-    request must name a loopback host or one of them in its Host header (host_names.py).
+    request must name a loopback host or one of them in its Host header (host_check.py).
     """
     server = OpenAIServer(engine, served_model_name=served_model_name, api_key=api_key,
                           max_body_bytes=max_body_bytes, turn_memory_tokens=turn_memory_tokens,
