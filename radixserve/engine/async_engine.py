@@ -34,6 +34,10 @@ IDLE_WAKEUP_S = 0.5
 STATS_PERIOD_S = 0.05
 DEFAULT_STREAM_BUFFER_TOKENS = 1024  # per request: delivered, not yet read by its client
 DEFAULT_STREAM_READ_TIMEOUT_S = 300.0  # a paused request whose client reads nothing is aborted
+# The message to cancel a `generate` stream's wait with when the caller gives it up because
+# another request of its batch was refused (`task.cancel(REFUSED_BATCH)`): its request is
+# then aborted as refused (Engine.abort's `refused`: counted apart, no prompt tokens).
+REFUSED_BATCH = "radixserve: another prompt of the batch was refused"
 
 
 class AsyncEngine:
@@ -230,7 +234,7 @@ class AsyncEngine:
         """Streams a request's deltas; raises QueueFull / PromptTooLong / ValueError up front.
 
         Closing the iterator early (a client that went away) aborts the request, which frees
-        its pages.
+        its pages. A wait cancelled with the message REFUSED_BATCH aborts it as refused.
         """
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
@@ -247,31 +251,36 @@ class AsyncEngine:
                 prompt_ids, params, request_id=request_id, priority=priority, cache_salt=cache_salt,
                 retention=retention, prefix_retention=prefix_retention, session_id=session_id,
                 tenant=tenant, admin=admin, client=client))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             # The caller left while the add was queued: it still runs, so abort it after.
             self._streams.pop(request_id, None)
-            self.abort(request_id)
+            self.abort(request_id, refused=_refused(exc))
             raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         open_samples = params.n
+        refused = False
         try:
             while open_samples:
                 for delta in await stream.get():
                     if delta.finish_reason is not None:
                         open_samples -= 1
                     yield delta
+        except asyncio.CancelledError as exc:
+            refused = _refused(exc)
+            raise
         finally:
             stream.close()
             self._streams.pop(request_id, None)
             self._paused_streams.discard(request_id)
             if open_samples:
-                self.abort(request_id)
+                self.abort(request_id, refused=refused)
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request (a no-op if it already finished)."""
-        self._command(lambda: self.engine.abort(request_id))
+    def abort(self, request_id: str, *, refused: bool = False) -> None:
+        """Aborts a request (a no-op if it already finished). `refused`: it is given up
+        because another request of its batch was refused (Engine.abort's `refused`)."""
+        self._command(lambda: self.engine.abort(request_id, refused=refused))
 
     def abort_all(self) -> None:
         """Aborts every request, their ends delivered at once (the server is stopping: its
@@ -368,6 +377,11 @@ class AsyncEngine:
     def _pending_for(self) -> float:
         since = self._pending_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def _refused(cancelled: asyncio.CancelledError) -> bool:
+    """Whether a wait was cancelled with the message REFUSED_BATCH."""
+    return cancelled.args[:1] == (REFUSED_BATCH,)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -235,6 +235,7 @@ class Engine:
         self.sampling_defaults = sampling_defaults(self.loaded, generation_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
+        self._refused: set[str] = set()  # requests given up as refused (abort(refused=True))
         self._deltas = DeltaQueue()
         self._counters = new_counters()
         self._step_clock = StepClock()
@@ -345,11 +346,15 @@ class Engine:
             req.sequences.append(seq)
         return seq
 
-    def abort(self, request_id: str) -> None:
-        """Stops a request wherever it is and frees its pages (computed full pages stay cached)."""
+    def abort(self, request_id: str, *, refused: bool = False) -> None:
+        """Stops a request wherever it is and frees its pages (computed full pages stay cached).
+        `refused`: the caller gives it up because a request it belongs with was refused (another
+        prompt of its batch): it is counted as refused, not aborted, and adds no prompt tokens."""
         req = self._requests.get(request_id)
         if req is None:
             return
+        if refused:
+            self._refused.add(request_id)
         self._end_request(req, "abort")
 
     def abort_all(self) -> int:
@@ -466,7 +471,9 @@ class Engine:
         del self._requests[req.request_id]
         self.scheduler.fair.leave(req.fair_key)
         self.paused.forget(req.request_id)
-        count_retired(self._counters, req)
+        refused = req.request_id in self._refused
+        self._refused.discard(req.request_id)
+        count_retired(self._counters, req, refused=refused)
 
     # ------------------------------------------------------------------ offline API
     def generate(self, prompts: list[str] | list[list[int]],

@@ -28,14 +28,20 @@ _HOST_KEYS = ("host_pages_total", "host_pages_free", "host_pages_used", "host_pa
 def new_counters() -> dict[str, int]:
     """The engine's cumulative counters, all zero; stats() reports each under its own name."""
     return dict.fromkeys(("prompt_tokens", "cached_tokens", "host_cached_tokens", "generated_tokens",
-                          "requests_finished", "requests_aborted", "steps", "prefill_tokens"), 0)
+                          "requests_finished", "requests_aborted", "requests_refused", "steps",
+                          "prefill_tokens"), 0)
 
 
-def count_retired(counters: dict[str, int], req: Request) -> None:
-    """Counts a request that left the engine (finished, or aborted / failed)."""
-    counters["requests_aborted" if req.aborted else "requests_finished"] += 1
+def count_retired(counters: dict[str, int], req: Request, *, refused: bool = False) -> None:
+    """Counts a request that left the engine: finished, aborted / failed, or `refused` (given
+    up by its caller because a request it came with was refused: Engine.abort's `refused`).
+    Its prompt (and what of it was cached) counts only if it was admitted (looked up in the
+    cache and started) and not refused: a request given up while it waited ran nothing."""
+    counters["requests_refused" if refused else "requests_aborted" if req.aborted else "requests_finished"] += 1
+    if refused or req.cached_tokens is None:
+        return
     counters["prompt_tokens"] += len(req.prompt_ids)
-    counters["cached_tokens"] += req.cached_tokens or 0
+    counters["cached_tokens"] += req.cached_tokens
     counters["host_cached_tokens"] += req.host_cached_tokens
 
 
@@ -61,8 +67,10 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
     """The dict Engine.stats() returns, from the parts of the engine it reads: counters and
     gauges under stable keys (the server's /metrics maps them):
 
-    prompt_tokens, cached_tokens, hit_rate (finished requests), generated_tokens,
-    requests_finished, requests_aborted, waiting, running, preemptions, admissions,
+    prompt_tokens, cached_tokens, hit_rate (requests that were admitted and finished or were
+    aborted, not refused), generated_tokens, requests_finished, requests_aborted (client gone,
+    shutdown, failed), requests_refused (given up because another prompt of their batch was
+    refused: Engine.abort's `refused`), waiting, running, preemptions, admissions,
     computed_tokens (tokens run through the model), recomputed_tokens (of those, tokens a
     preempted sequence computed again: its pages had left both tiers),
     shrunk_chunks (prefill chunks cut to the pages available rather than preempting),
