@@ -34,6 +34,8 @@ class ReplicaRequest:
     # count), what the replica's adaptive rule boosts.
     cluster_seen: int | None = None
     client: Hashable = None  # whom the replica's fair share counts it as (Request.client)
+    # Replicas that refused it for a full queue: the router sends it to another while one is left.
+    avoid: tuple[str, ...] = ()
 
     @property
     def prompt(self) -> str:
@@ -56,6 +58,7 @@ class Refused:
     kind: str      # "queue_full" | "prompt_too_long" | "invalid"
     message: str
     param: str | None = None   # PromptTooLong's param, where the engine names one
+    replica: str | None = None  # who refused (a full queue is tried on another replica)
 
 
 @dataclass

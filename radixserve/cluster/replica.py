@@ -94,7 +94,7 @@ class EngineReplica:
                 return
             except CompileWorkerLost as exc:  # the replica's fault (lost or starved of CPU): a 503, retry
                 logger.error("grammar compile failed: %s", exc)  # for the operator; the client learns no more
-                yield Refused("queue_full", "the grammar compiler is unavailable; retry")
+                yield Refused("queue_full", "the grammar compiler is unavailable; retry", replica=self.replica)
                 return
         receive(self.engine, request.duel_records, self.replica)  # the other replicas' evidence
         expect_seen(self.engine, request.prompt_ids, request.cluster_seen)  # ... and what the cluster saw
@@ -109,7 +109,7 @@ class EngineReplica:
                     first = await anext(deltas)
                     del held_grammar  # the engine holds it now (until here: Grammars.cached)
                 except QueueFull as exc:
-                    yield Refused("queue_full", str(exc))
+                    yield Refused("queue_full", str(exc), replica=self.replica)
                     return
                 except PromptTooLong as exc:
                     yield Refused("prompt_too_long", str(exc), getattr(exc, "param", None))
