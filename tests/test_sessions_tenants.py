@@ -39,8 +39,8 @@ def table(max_tokens: int, page_size: int = 1) -> tuple[SessionTable, Recorder]:
 
 def open_turn(sessions: SessionTable, tenant: str | None, session_id: str, tokens: list[int],
               namespace: object = "ns") -> None:
-    sessions.begin_turn(session_id, len(tokens), tenant)
-    sessions.add(session_id, tokens, namespace, tenant)
+    _, end, _ = sessions.begin_turn(session_id, len(tokens), tenant)
+    sessions.add(session_id, tokens[:end], namespace, tenant)
 
 
 def test_the_sweep_ends_the_oldest_session_of_the_tenant_over_its_share() -> None:
@@ -65,13 +65,27 @@ def test_the_requester_over_its_share_ends_its_own_sessions_first() -> None:
     assert [(t, toks[0]) for t, toks, _ in recorder.ended] == [("a", 1)]
 
 
-def test_a_turn_over_the_bound_pushes_out_no_tenant_within_its_share() -> None:
+def test_a_turn_over_its_share_is_cut_to_it_and_pushes_out_no_tenant_within_its_share() -> None:
     sessions, recorder = table(100)
     open_turn(sessions, "b", "x", [1] * 40)
-    open_turn(sessions, "a", "big", [2] * 120)  # over the bound alone: raised, but b keeps its 40
+    assert sessions.begin_turn("big", 120, "a")[:2] == (0, 50)  # a's share: 50 of 100
+    sessions.add("big", [2] * 50, "ns", "a")
     assert recorder.ended == [] and len(sessions) == 2
-    open_turn(sessions, "b", "y", [3] * 10)  # now a is the one over its share
-    assert [(t, toks[0]) for t, toks, _ in recorder.ended] == [("a", 2)]
+    assert sessions.tenant_tokens("a") == 50 and sessions.tenant_tokens("b") == 40 and sessions.tokens == 90
+    open_turn(sessions, "b", "y", [3] * 20)  # b, over its share now, ends its own oldest
+    assert [(t, toks[0]) for t, toks, _ in recorder.ended] == [("b", 1)]
+    assert sessions.tenant_tokens("a") == 50 and sessions.tenant_tokens("b") == 20
+
+
+def test_one_tenants_turn_longer_than_the_bound_is_raised_up_to_the_bound() -> None:
+    sessions, recorder = table(100)
+    assert sessions.begin_turn("s", 150, None)[:2] == (0, 100)  # its leading tokens
+    sessions.add("s", list(range(100)), "ns", None)
+    assert sessions.tokens == 100 and len(sessions) == 1 and recorder.ended == []
+    none = SessionTable(1e9, 0, recorder)  # a bound of 0: nothing is raised, nothing opens
+    assert none.begin_turn("s", 10)[:2] == (0, 0)
+    none.add("s", [], "ns")
+    assert len(none) == 0 and none.tokens == 0
 
 
 def test_one_tenant_ends_its_least_recently_active_sessions_first() -> None:

@@ -113,7 +113,8 @@ class Engine:
         session_ttl_s: how long an idle session's pages stay ahead of ordinary cache (and a
             tenant's raised retention at most, after the last request that raised it).
         max_session_tokens: tokens all open sessions and tenants' raised retention together
-            may keep ahead of ordinary cache, shared fairly between tenants; past it the least
+            may keep ahead of ordinary cache, shared fairly between tenants (a session's turn or
+            a held span is cut to its tenant's share: its leading tokens); past it the least
             recently active entries of the tenant holding the most end early (default: half
             the device pool; engine/sessions.py).
         enable_prefix_cache: False computes every prompt in full (a baseline).
@@ -235,6 +236,7 @@ class Engine:
         self.sampling_defaults = sampling_defaults(self.loaded, generation_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
+        self._session_closed: set[str] = set()  # running turns whose session was closed meanwhile
         self._refused: set[str] = set()  # requests given up as refused (abort(refused=True))
         self._deltas = DeltaQueue()
         self._counters = new_counters()
@@ -437,9 +439,13 @@ class Engine:
         seq.finish_reason = reason
         ranges = req.range_retention()
         kept = reason != "abort" and seq.index == 0  # what the request raises outlives it
-        in_session = req.session_id is not None and kept
-        if in_session:  # the latest turn is kept ahead of ordinary cache for the TTL
-            ranges.append(self.sessions.begin_turn(req.session_id, seq.num_computed, req.tenant))
+        # the latest turn is kept ahead of ordinary cache for the TTL, unless the session was
+        # closed while it ran (a close wins over the turns then in flight)
+        in_session = req.session_id is not None and kept and req.request_id not in self._session_closed
+        if in_session:  # cut to the tenant's share, as a held span is
+            turn = self.sessions.begin_turn(req.session_id, seq.num_computed, req.tenant)
+            if turn[1]:
+                ranges.append(turn)
         computed = seq.token_ids[: seq.num_computed]
         holds = self._begin_holds(req, computed) if kept else []
         ranges.extend(hold.span for hold in holds)
@@ -447,7 +453,7 @@ class Engine:
         self._released.extend(self.scheduler.finish(seq, req.retention, ranges))
         self._timings.add("tree", time.perf_counter() - start)
         if in_session:
-            self.sessions.add(req.session_id, computed, req.namespace, req.tenant)
+            self.sessions.add(req.session_id, computed[: turn[1]], req.namespace, req.tenant)
         self.sessions.add_holds(holds, req.namespace)
         self._deltas.emit(seq)
 
@@ -461,9 +467,14 @@ class Engine:
         return self.sessions.begin_holds(spans, req.namespace, req.tenant)
 
     def close_session(self, session_id: str, tenant: str | None = None) -> bool:
-        """Ends `tenant`'s session: its pages become ordinary cache. False if it was not open
-        (or expired: idle past the TTL), as for another tenant's session of that id."""
-        return self.sessions.close(session_id, tenant)
+        """Ends `tenant`'s session: its pages become ordinary cache, and the turns of it still
+        running when it is closed do not open it again as they finish (a later turn does).
+        False if it was neither open (or it expired: idle past the TTL) nor had a turn
+        running, as for another tenant's session of that id."""
+        running = [rid for rid, req in self._requests.items()
+                   if req.session_id == session_id and req.tenant == tenant and not req.aborted]
+        self._session_closed.update(running)
+        return self.sessions.close(session_id, tenant) or bool(running)
 
     def _retire(self, req: Request) -> None:
         if req.request_id not in self._requests:
@@ -471,6 +482,7 @@ class Engine:
         del self._requests[req.request_id]
         self.scheduler.fair.leave(req.fair_key)
         self.paused.forget(req.request_id)
+        self._session_closed.discard(req.request_id)
         refused = req.request_id in self._refused
         self._refused.discard(req.request_id)
         count_retired(self._counters, req, refused=refused)
@@ -492,7 +504,11 @@ class Engine:
         """Counters and gauges under stable keys (the server's /metrics maps them); the keys
         and their meaning: `engine_stats.engine_stats`, plus `paused` (sequences held because
         their client stopped reading), `requests_paused` (pauses so far) and `fair_preemptions`
-        (sequences preempted for a tenant served less, engine/fair_share.py)."""
+        (sequences preempted for a tenant served less, engine/fair_share.py).
+
+        Call it on the thread that runs the steps (as AsyncEngine does, idle too): it ends
+        the sessions that expired first, so `sessions_open` need not wait for a step."""
+        self.sessions.sweep()
         stats = engine_stats(self._counters, self.scheduler, self.tree, self.pool, self.host_tier,
                              clock=self._step_clock, timings=self._timings,
                              bytes_per_page=bytes_per_page(self.loaded, self.page_size),

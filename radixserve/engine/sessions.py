@@ -18,8 +18,12 @@ Any client may open sessions and hold spans, so what they can raise is bounded: 
 the bound, entries end early (their pages become ordinary cache): the least recently active
 ones of the tenant holding the most tokens, so one tenant opening thousands of sessions only
 competes with its own oldest entries and cannot push out another tenant's within its fair
-share. With one tenant that is simply the least recently active entries first. A held span
-is cut to its tenant's fair share (its leading tokens: the prefix another request reuses).
+share. With one tenant that is simply the least recently active entries first. A held span,
+and a session's turn alike, is cut to its tenant's fair share (its leading tokens: the prefix
+another request, or the session's next turn, reuses); the rest is ordinary cache.
+
+An entry counts (as open, and toward the bound) until it ends, even if the cache evicted its
+pages meanwhile (they are then simply recomputed by the next request that needs them).
 
 Several entries may share a prefix (a system prompt): each is a holder of that retention,
 and one that ends lowers only the pages no other open entry of its namespace holds (which
@@ -49,6 +53,9 @@ SESSION_SWEEP_S = 1.0  # how often idle entries are looked for
 # end. Ending one compares it with its tenant's other entries on the engine's thread, so a
 # tenant opening thousands of tiny ones would slow every step (20,000: 0.1 s an end).
 MAX_OPEN_PER_TENANT = 256
+# The deadline heap holds one item per turn or renewal until its deadline; the stale ones
+# (renewed, or ended early) are dropped once the heap passes twice the open entries plus this.
+DEADLINE_SLACK = 64
 
 # (tenant, what is raised): a session id, or a held span's HeldSpanKey. Either is its tenant's own.
 HoldKey = tuple[str | None, Hashable]
@@ -142,9 +149,11 @@ class SessionTable:
         self._tokens = 0
         self._tenant_tokens: dict[str | None, int] = {}  # raised tokens per tenant holding any
         self._sessions = 0  # entries that are sessions (the rest are held spans)
-        # (deadline, count, key) of every entry opened; renewed or ended ones are skipped later
+        # (deadline, count, key) of every entry opened; renewed or ended ones are skipped later,
+        # and dropped when the heap is rebuilt (past twice the open entries, `_open_entry`)
         self._deadlines: list[tuple[float, int, HoldKey]] = []
         self._opened = 0
+        self._entries = 0  # open entries, sessions and held spans
         self.last_sweep = clock()
 
     @classmethod
@@ -162,7 +171,18 @@ class SessionTable:
     @property
     def held_spans(self) -> int:
         """Open held spans."""
-        return sum(len(entries) for entries in self._open.values()) - self._sessions
+        return self._entries - self._sessions
+
+    @property
+    def deadline_entries(self) -> int:
+        """Entries of the deadline heap, the stale ones (renewed or ended) included: at most
+        twice the open entries plus DEADLINE_SLACK."""
+        return len(self._deadlines)
+
+    def share(self, tenant: str | None) -> int:
+        """`tenant`'s fair share of the bound: an equal part among the tenants holding
+        entries, itself counted."""
+        return self.max_tokens // len(self._tenant_tokens.keys() | {tenant})
 
     @property
     def tokens(self) -> int:
@@ -208,16 +228,22 @@ class SessionTable:
         return next(iter(self._open[top]))
 
     def begin_turn(self, session_id: str, num_tokens: int, tenant: str | None = None) -> tuple[int, int, Retention]:
-        """Makes room for a new latest turn of `num_tokens` computed tokens (`reserve`); returns
-        the token range and retention to insert it with: ahead of ordinary cache for the TTL,
-        on top of whatever retention its pages have for good (the turn before no longer is).
+        """Makes room for a new latest turn of `num_tokens` computed tokens, cut to the
+        tenant's fair share as a held span is (its leading tokens; `reserve`); returns the
+        token range and retention to insert it with: ahead of ordinary cache for the TTL, on
+        top of whatever retention its pages have for good (the turn before no longer is).
         Entries end first, so what the new turn shares with them is raised again by that
-        insert. `add` the turn once inserted."""
+        insert. `add` the turn's tokens up to the range's end once inserted (none if it is
+        empty: a bound of 0 tokens raises nothing)."""
+        num_tokens = min(num_tokens, self.share(tenant))
         self.reserve([(tenant, session_id)], num_tokens, tenant)
         return 0, num_tokens, Retention(SESSION_PRIORITY, self.ttl_s)
 
     def add(self, session_id: str, tokens: list[int], namespace: Any, tenant: str | None = None) -> None:
-        """The turn `reserve` made room for is raised: it is the session's latest turn."""
+        """The turn `reserve` made room for is raised: it is the session's latest turn
+        (`tokens`: those `begin_turn`'s range covers; none opens nothing)."""
+        if not tokens:
+            return
         self._open_entry((tenant, session_id), Held(tokens, namespace, self._clock(), tenant, duration_s=self.ttl_s))
         self._sessions += 1
 
@@ -227,7 +253,7 @@ class SessionTable:
         tokens and retention): each cut to the tenant's fair share of the bound, renewing the
         entry of the same span if there is one (`reserve`). Returns what to raise in the tree,
         for as long as the retention asks but at most the TTL; `add_holds` them once inserted."""
-        share = self.max_tokens // len(self._tenant_tokens.keys() | {tenant})
+        share = self.share(tenant)
         pending: list[PendingHold] = []
         for tokens, retention in spans:
             cut = [int(t) for t in tokens[:share]]
@@ -251,8 +277,13 @@ class SessionTable:
         self._open.setdefault(held.tenant, OrderedDict())[key] = held
         self._tokens += len(held.tokens)
         self._tenant_tokens[held.tenant] = self._tenant_tokens.get(held.tenant, 0) + len(held.tokens)
+        self._entries += 1
         self._opened += 1
         heapq.heappush(self._deadlines, (held.deadline, self._opened, key))
+        if len(self._deadlines) > 2 * self._entries + DEADLINE_SLACK:  # mostly stale: rebuilt
+            self._deadlines = [(entry.deadline, n, k) for n, (k, entry) in enumerate(
+                (k, entry) for entries in self._open.values() for k, entry in entries.items())]
+            heapq.heapify(self._deadlines)
 
     def close(self, session_id: str, tenant: str | None = None) -> bool:
         """Ends `tenant`'s session now; False if it was not open (or had expired) — which is
@@ -283,6 +314,7 @@ class SessionTable:
             return False
         if not isinstance(key[1], HeldSpanKey):
             self._sessions -= 1
+        self._entries -= 1
         self._tokens -= len(held.tokens)
         if entries:
             self._tenant_tokens[held.tenant] -= len(held.tokens)
