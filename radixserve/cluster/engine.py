@@ -24,6 +24,7 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from ray.exceptions import ActorUnavailableError, RayActorError, WorkerCrashedError
@@ -183,15 +184,25 @@ class ClusterEngine:
             self._streams[request_id] = stream
             streamed = False
             try:
+                refused = None
                 async for item in stream:
                     if isinstance(item, Accepted):
                         self._took(request, item.replica)
                         continue
                     if isinstance(item, Refused):
-                        raise _refusal(item)
+                        refused = item
+                        break
                     streamed = True
                     yield item
-                return
+                if refused is None:
+                    return
+                avoid = (*request.avoid, refused.replica or "")
+                if (refused.kind != "queue_full" or refused.replica is None or attempt == MAX_ATTEMPTS
+                        or not self.view.replicas - set(avoid)):
+                    raise _refusal(refused)
+                # One replica's queue is full (the cache-aware rule sends a prefix where it is
+                # cached): another with room serves it, as one engine of the cluster's size would.
+                request = replace(request, avoid=avoid)
             except REPLICA_GONE as exc:
                 if streamed:
                     raise ReplicaFailed(f"the replica serving {request_id} died mid-answer") from exc

@@ -41,6 +41,15 @@ def route_request(pending_request: PendingRequest | None) -> RouteRequest | None
                         replica_request_id=request.request_id, tenant=request.tenant)
 
 
+def not_avoided(candidate_replicas: list[RunningReplica],
+                pending_request: PendingRequest | None) -> list[RunningReplica]:
+    """The candidates but for those a generate call's request avoids (they refused it for a
+    full queue: ClusterEngine.generate tries another), unless that leaves none."""
+    request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    avoid = request.avoid if isinstance(request, ReplicaRequest) else ()
+    return [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
+
+
 class _ClusterHooks:
     """Pinned calls, and the ClusterView kept up to date; mixed in before a RequestRouter."""
 
@@ -76,7 +85,8 @@ class _ClusterHooks:
         pinned = self._pinned(candidate_replicas, pending_request)
         if pinned is not None:
             return pinned
-        return await super().choose_replicas(candidate_replicas, pending_request)  # type: ignore[misc]
+        return await super().choose_replicas(  # type: ignore[misc]
+            not_avoided(candidate_replicas, pending_request), pending_request)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)  # type: ignore[misc]
@@ -109,7 +119,7 @@ class CacheAwareRouter(_ClusterHooks, RequestRouter):
         request = route_request(pending_request)
         if request is None:
             return [candidate_replicas]
-        by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_key = {r.replica_id.unique_id: r for r in not_avoided(candidate_replicas, pending_request)}
         ranked = self.view.rank(request, list(by_key))
         # Reserved now, so that the next request of a burst sees this one in flight and its prefix
         # (Serve confirms or moves it in on_request_routed once the replica accepted).
