@@ -222,6 +222,10 @@ def _contradiction(args: argparse.Namespace) -> str | None:
         value = getattr(args, flag, None)
         if value is not None and not value > 0:  # (NaN too)
             return f"--{flag.replace('_', '-')} must be > 0 seconds, got {value}"
+    for flag in ("replica_cpus", "replica_gpus", "debug_step_delay_s"):  # (before Ray starts, for a cluster's)
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            return f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}"
     if args.turn_memory_tokens < 0:
         return f"--turn-memory-tokens must be >= 0 (0: off), got {args.turn_memory_tokens}"
     for flag in ("kv_memory_gb", "host_kv_memory_gb"):

@@ -355,6 +355,12 @@ IMPOSSIBLE_SETTINGS = [
     (("--replicas", "1", "--route-prefix", "/small/"), "--route-prefix must not end with '/'"),
     (("--replicas", "1", "--route-prefix", "/{model}"), "--route-prefix cannot hold path parameters"),
     (("--replicas", "1", "--app-name", ""), "--app-name must not be empty"),
+    # Before Ray starts (Ray refused a negative one only after its start; nan and inf were tracebacks).
+    (("--replicas", "1", "--replica-cpus", "nan"), "--replica-cpus must be a finite number >= 0, got nan"),
+    (("--replicas", "1", "--replica-cpus", "inf"), "--replica-cpus must be a finite number >= 0, got inf"),
+    (("--replicas", "1", "--replica-cpus", "-1"), "--replica-cpus must be a finite number >= 0, got -1.0"),
+    (("--replicas", "1", "--replica-gpus", "-1"), "--replica-gpus must be a finite number >= 0, got -1.0"),
+    (("--debug-step-delay-s", "-1"), "--debug-step-delay-s must be a finite number >= 0, got -1.0"),
     (("--replicas", "1", "--route-prefix", "/small?x=1"), "--route-prefix is a path: it cannot hold '?' or '#'"),
     (("--ray-address", "auto", "--api-key", "s3cret"), "--api-key on the command line is recorded in the Ray "
                                                         "cluster's job table, which every user of the cluster can "

@@ -51,7 +51,19 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     if not load_tenant_keys():
         _release(reservation)
         return 2
-    from radixserve.cluster.deploy import ClusterOptions, DeployRefused, deploy, running_http_options, start_ray
+    if args.ray_address is None and (problem := local_model_problem(args.model)) is not None:
+        # A local cluster's replicas load it here: said now, not after Serve's retries (a minute and more)
+        _release(reservation)
+        _say(f"error: cannot load {args.model!r}: {problem}")
+        return 2
+    from radixserve.cluster.deploy import (
+        ClusterOptions,
+        DeployRefused,
+        deploy,
+        replica_failure,
+        running_http_options,
+        start_ray,
+    )
     from radixserve.cluster.stop_signals import StopRequested, StopSignals
 
     options = ClusterOptions(replicas=replicas, router=args.router, engine_options=engine_options,
@@ -61,7 +73,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
                              api_key=args.api_key, admin_api_key=args.admin_api_key,
                              tenant_keys=getattr(args, "tenant_keys", {}), app_options=app_options,
                              async_options=async_options, debug_stall_engine=args.debug_stall_engine,
-                             log_level=args.log_level)
+                             debug_step_delay_s=args.debug_step_delay_s, log_level=args.log_level)
     # A local cluster gets enough logical CPUs for every replica, however few cores there are.
     group = max(1, args.tensor_parallel_size)  # a replica reserves a bundle per tensor-parallel rank
     local_cpus = max(os.cpu_count() or 1, int(replicas * group * args.replica_cpus + 0.999))
@@ -88,7 +100,11 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
             _tear_down(stop, args.app_name, shared=True, deployed=False)  # whatever runs there is not ours
             return 2
         except Exception as exc:  # a replica that cannot load its model fails the deployment
-            _say(f"error: deployment failed: {_reason(exc)}")
+            if stop.stopping:
+                # A signal's StopRequested raised inside one of Ray's C calls comes out as another
+                # error (SystemError: "... returned a result with an exception set"): a stop.
+                raise StopRequested("signal during the deployment") from exc
+            _say(f"error: deployment failed: {replica_failure(args.app_name) or _reason(exc)}")
             _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set())
             return 2
         kept_alive = running_http_options().keep_alive_timeout_s
@@ -101,12 +117,41 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         stop.wait()
     except StopRequested:
         pass
+    except Exception:
+        if not stop.stopping:
+            raise
+        # as above, from Ray's start: a stop that came out of a C call as another error
     finally:
         _release(reservation)  # a signal during Ray's start comes before the release above
     _say("stopping ...")
     _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set())
     _say("stopped")
     return 0
+
+
+def local_model_problem(model: str) -> str | None:
+    """Why `model` cannot be loaded on this machine, where a local cluster's replicas load it,
+    in the loader's words (models/loader.py), or None: a local path that is missing, or no
+    checkpoint directory or .gguf file, or a named model not installed. A Hub id is left to
+    the replicas (they download it)."""
+    from radixserve.models.gguf_checkpoint import is_gguf_file
+    from radixserve.models.registry import ModelNotInstalledError, is_hub_id, resolve_model
+
+    if model == "demo" or is_hub_id(model):
+        return None
+    try:
+        path = resolve_model(model)
+    except ModelNotInstalledError as exc:
+        return str(exc)
+    if is_gguf_file(path) or (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    try:  # the loader's own message (it opens nothing more for these)
+        from radixserve.models.loader import load_model
+
+        load_model(model, device="cpu")
+    except (OSError, ValueError) as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
 
 
 def _reason(error: Exception) -> str:

@@ -12,6 +12,7 @@ local one.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,9 +62,11 @@ class ClusterOptions:
     tenant_keys: dict[str, Caller] = field(default_factory=dict)  # tenancy.py: the keys file's
     # The ingress app's other settings (create_app's keywords: cli_serve.app_options).
     app_options: dict[str, Any] = field(default_factory=dict)
-    # Each replica's AsyncEngine's (cli_serve.async_engine_options), and --debug-stall-engine.
+    # Each replica's AsyncEngine's (cli_serve.async_engine_options), --debug-stall-engine and
+    # --debug-step-delay-s (replica.debug_step_hook).
     async_options: dict[str, Any] = field(default_factory=dict)
     debug_stall_engine: bool = False
+    debug_step_delay_s: float = 0.0
     log_level: str | None = None  # Serve's logging of the app's deployments (None: Serve's INFO)
     # The ingress keeps the cluster's reuse history and sends it to the replicas' adaptive
     # rule (duel_pool.ClusterReuse); False turns both messages off, for an A/B.
@@ -142,7 +145,8 @@ def engine_deployment(options: ClusterOptions) -> serve.Application:
         graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=router_config,
-    ).bind(options.engine_options, options.torch_threads, options.async_options, options.debug_stall_engine)
+    ).bind(options.engine_options, options.torch_threads, options.async_options, options.debug_stall_engine,
+           options.debug_step_delay_s)
 
 
 def tensor_parallel_placement(options: ClusterOptions) -> dict[str, Any]:
@@ -223,6 +227,36 @@ def start_serve(http_options: dict[str, Any], logging_config: dict[str, Any] | N
         if "HTTP proxies not available" not in str(exc):
             raise
         serve.start(http_options=http_options, logging_config=logging_config)
+
+
+def replica_failure(app: str = APP_NAME) -> str | None:
+    """Why the app's deployments failed to start, from Serve's status (serve.run's error says
+    only "Failed to update the deployments [...]"): the last error line of the first failed
+    deployment's message, which ends with its replica's traceback; None when there is none."""
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # the controller gone with the cluster: say what serve.run said
+        return None
+    if status is None:
+        return None
+    for name in (ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT):
+        deployment = status.deployments.get(name)
+        if deployment is not None and (line := last_error_line(deployment.message or "")) is not None:
+            return f"{name} could not start: {line}"
+    return None
+
+
+_ERROR_LINE = re.compile(r"(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): .*")
+
+
+def last_error_line(message: str) -> str | None:
+    """The last line of a traceback that names an exception and its message ("FileNotFoundError:
+    model not found: ..."), its module path dropped; None when no line does."""
+    lines = [match for line in message.splitlines() if (match := _ERROR_LINE.fullmatch(line.strip()))]
+    if not lines:
+        return None
+    last = lines[-1]
+    return last.group(0)[last.start(1):]
 
 
 class DeployRefused(RuntimeError):

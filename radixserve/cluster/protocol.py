@@ -87,6 +87,9 @@ class ReplicaInfo:
     page_size: int
     tokenizer: Any
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # The replica's torch.device: the ingress's defaults that depend on it (start_shares.py's
+    # --tenant-starts: a limit where the replicas run on a CPU) read it as the single server's.
+    device: Any = None
 
 
 class WrongReplica(RuntimeError):

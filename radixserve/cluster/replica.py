@@ -9,9 +9,11 @@ and the call raises WrongReplica.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -37,10 +39,22 @@ from radixserve.server.tenancy import Caller
 logger = logging.getLogger(__name__)
 
 
+def debug_step_hook(stall: bool, delay_s: float) -> Callable[[], object] | None:
+    """The engine thread's hook before every step, as the single server's: with `stall`
+    (--debug-stall-engine) the first step never ends; with `delay_s` (--debug-step-delay-s)
+    each waits that long; else none."""
+    if stall:
+        return threading.Event().wait  # waits forever
+    if delay_s:
+        return functools.partial(time.sleep, delay_s)
+    return None
+
+
 class EngineReplica:
     """A Ray Serve deployment class: `engine_options` are Engine's keyword arguments,
     `async_options` AsyncEngine's (the watchdog's and the streams' settings; with
-    `debug_stall_engine` the engine thread's first step never ends); `torch_threads` caps the
+    `debug_stall_engine` the engine thread's first step never ends, with `debug_step_delay_s`
+    each step waits that long: debug_step_hook); `torch_threads` caps the
     intra-op threads so replicas sharing a node do not fight.
 
     Serve asks `check_health` every few seconds: a replica whose engine thread died or whose
@@ -48,7 +62,8 @@ class EngineReplica:
     it, and Serve replaces the replica, ending its streams, instead of routing to it for good."""
 
     async def __init__(self, engine_options: dict[str, Any], torch_threads: int | None = None,
-                       async_options: dict[str, Any] | None = None, debug_stall_engine: bool = False) -> None:
+                       async_options: dict[str, Any] | None = None, debug_stall_engine: bool = False,
+                       debug_step_delay_s: float = 0.0) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -56,8 +71,8 @@ class EngineReplica:
         self.feed = EventFeed(self.engine.page_size)
         # Subscribed before the engine thread starts: the feed sees every event.
         self._unsubscribe = self.engine.subscribe_events(self.feed.publish)
-        step_hook = threading.Event().wait if debug_stall_engine else None  # waits forever
-        self.async_engine = AsyncEngine(self.engine, step_hook=step_hook, **(async_options or {}))
+        self.async_engine = AsyncEngine(self.engine, step_hook=debug_step_hook(debug_stall_engine, debug_step_delay_s),
+                                        **(async_options or {}))
         self.views = CacheViews(self.async_engine)
         self.grammar_compiles = GrammarCompiles()
         await self.async_engine.start()
@@ -70,10 +85,10 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica}: {reason}")
 
     def info(self) -> ReplicaInfo:
-        """The model's name, limits, page size and tokenizer."""
+        """The model's name, limits, page size, tokenizer and device."""
         return ReplicaInfo(self.engine.model_name, self.engine.max_context_len,
                            self.engine.max_sequence_len, self.engine.page_size, self.engine.tokenizer,
-                           self.engine.sampling_defaults)
+                           self.engine.sampling_defaults, device=self.engine.device)
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Accepted | Refused | StreamDelta]:
         """Accepted (or Refused, then nothing), then the request's deltas. Cancelling the

@@ -226,7 +226,8 @@ def _take_one(counts: Counter[Hashable], key: Hashable) -> bool:
 
 def default_tenant_starts(engine: Any) -> int:
     """The limit for a server over `engine` (an AsyncEngine, or a cluster's engine, whose
-    `engine` has no device): DEFAULT_CPU_TENANT_STARTS on a CPU, else 0 (none)."""
+    `engine` is a replica's ReplicaInfo, device included): DEFAULT_CPU_TENANT_STARTS on a CPU,
+    else 0 (none)."""
     device = getattr(getattr(engine, "engine", None), "device", None)
     return DEFAULT_CPU_TENANT_STARTS if getattr(device, "type", None) == "cpu" else 0
 
