@@ -115,7 +115,7 @@ def test_chat_streaming_sse_framing(client: httpx.Client, server: SimpleNamespac
         assert chunk["usage"] is None  # include_usage: null until the last chunk
         (choice,) = chunk["choices"]
         per_choice[choice["index"]].append(choice)
-    non_stream = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    non_stream = client.post("/v1/chat/completions", json={**body, "stream": False, "stream_options": None}).json()
     prompt_tokens = prompt_len(server, body["messages"])
     assert non_stream["usage"]["prompt_tokens"] == prompt_tokens  # counted once for n = 2
     assert non_stream["usage"]["prompt_tokens_details"]["cached_tokens"] == cached_on_repeat(prompt_tokens, 6)

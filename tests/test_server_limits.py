@@ -126,21 +126,29 @@ def test_a_batch_larger_than_the_queue_is_400_and_starts_nothing(client: httpx.C
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
 
 
-def test_a_batch_with_a_refused_prompt_is_answered_at_once_and_leaves_nothing(client: httpx.Client,
-                                                                              server: SimpleNamespace) -> None:
+def test_a_batch_with_a_refused_prompt_is_answered_at_once_and_leaves_nothing() -> None:
     """One prompt of a batch refused (a token id past the vocabulary): the 400 comes at once,
     not after the other prompts' first tokens (with the engine paused, as behind a long queue,
-    it never came), and the others leave the queue instead of being prefilled for nobody."""
-    engine = server.engine
-    engine.pause()
-    try:
-        r = client.post("/v1/completions", headers=AUTH, timeout=30,
-                        json={"prompt": [[1, 2, 3] * 10, [10**8]], "max_tokens": 3})
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-        assert wait_for(lambda: server.stats()["waiting"] == 0 and server.stats()["running"] == 0)
-    finally:
-        engine.resume()
-    assert server.stats()["pages_locked"] == 0
+    it never came), names that prompt in its message as in its param, and the others leave the
+    queue instead of being prefilled for nobody, counted as refused: not as their clients'
+    aborts, their prompts not as served. (A server without --max-queue: the batch fits.)"""
+    engine = AsyncEngine(Engine(model="demo", page_size=PAGE_SIZE, num_pages=NUM_PAGES))
+    counters = ("requests_refused", "requests_aborted", "requests_finished", "prompt_tokens")
+    with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=30) as client:
+        before = {key: engine.stats()[key] for key in counters}
+        engine.pause()
+        try:
+            r = client.post("/v1/completions", json={"prompt": [[1, 2, 3] * 10, [4, 5] * 20, [10**8]], "max_tokens": 3})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                            "param": "prompt[2]", "code": "invalid_value"}
+            assert r.json()["error"]["message"].startswith("prompt[2]: token ids must be in [0, ")
+        finally:
+            engine.resume()
+        assert wait_for(lambda: engine.stats()["requests_refused"] == before["requests_refused"] + 2)
+        stats = engine.stats()
+        assert {key: stats[key] for key in counters} == before | {"requests_refused": before["requests_refused"] + 2}
+        assert stats["waiting"] == stats["running"] == stats["pages_locked"] == 0
 
 
 def test_model_retrieve_needs_the_key_and_knows_both_names(client: httpx.Client) -> None:

@@ -236,8 +236,9 @@ class ClusterEngine:
         if not task.cancelled() and task.exception() is not None:
             logger.debug("telling a replica its prompt went elsewhere failed: %r", task.exception())
 
-    def abort(self, request_id: str) -> None:
-        """Cancels a request's replica stream (a no-op if it already finished)."""
+    def abort(self, request_id: str, *, refused: bool = False) -> None:
+        """Cancels a request's replica stream (a no-op if it already finished). `refused` (a
+        batch's other prompt was refused) is not told to the replica: it counts an abort."""
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.cancel()

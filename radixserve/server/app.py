@@ -359,12 +359,13 @@ class OpenAIServer:
             raise server_stopping()
         request_id = formatter.identity.id
         n = calls[0].params.n
+        request_ids = [request_id] if len(calls) == 1 else [f"{request_id}-{i}" for i in range(len(calls))]
         streams = [self.engine.generate(
-            call.prompt_ids, call.params, request_id=request_id if len(calls) == 1 else f"{request_id}-{i}",
+            call.prompt_ids, call.params, request_id=engine_request_id,
             priority=call.priority, cache_salt=call.cache_salt, retention=call.retention,
             prefix_retention=call.prefix_retention, session_id=call.session_id, tenant=call.tenant,
             admin=call.admin, client=call.client)
-            for i, call in enumerate(calls)]
+            for engine_request_id, call in zip(request_ids, calls)]
         handed_over = False
         try:
             # The engine reports bad input and a full queue on the first item: wait for every
@@ -377,6 +378,11 @@ class OpenAIServer:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             for param, first in zip(prompt_params, firsts):
                 if isinstance(first, BaseException):
+                    # The batch's prompts that started are given up as refused (before the
+                    # streams close, which would abort them as their client's leaving).
+                    for started, engine_request_id in zip(firsts, request_ids):
+                        if started is not None and not isinstance(started, BaseException):
+                            self.engine.abort(engine_request_id, refused=True)
                     with engine_errors(param, max_tokens_param, RETRY_AFTER_S):
                         raise first
             grammar_param = calls[0].grammar_param or "response_format"

@@ -124,12 +124,22 @@ def engine_errors(prompt_param: str, max_tokens_param: str = "max_tokens",
                        headers={"Retry-After": str(retry_after_s)}) from exc
     except PromptTooLong as exc:
         param = max_tokens_param if exc.param == "max_tokens" else prompt_param
-        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
+        raise APIError(400, _batch_prompt(str(exc), prompt_param), param=param,
+                       code="context_length_exceeded") from exc
     except ValueError as exc:
         error = error_from_value_error(exc)
         if error.param == "prompt":
             error.param = prompt_param
+            error.message = _batch_prompt(error.message, prompt_param)
         raise error from exc
+
+
+def _batch_prompt(message: str, prompt_param: str) -> str:
+    """The engine's message, which names "prompt" (it knows of no batch), naming the batch's
+    prompt it is about ("prompt[7]: token ids must be in ...") as the error's param does."""
+    if prompt_param.startswith("prompt[") and message.startswith("prompt"):
+        return prompt_param + message.removeprefix("prompt")
+    return message
 
 
 def engine_failure() -> APIError:

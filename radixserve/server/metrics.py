@@ -32,15 +32,16 @@ PREFIX = "radixserve"
 # under a key not listed here is still exported, as a gauge radixserve_engine_<key>, so nothing is lost:
 # list every count that only grows here as a counter, so that rate() and restarts are handled.
 ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
-    "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens of finished requests."),
+    "prompt_tokens": ("prompt_tokens", "counter",
+                      "Prompt tokens of admitted requests (finished, or aborted after they started)."),
     "cached_tokens": ("cached_tokens", "counter",
-                      "Prompt tokens of finished requests served from the prefix cache."),
-    "hit_rate": ("cache_hit_rate", "gauge", "cached_tokens / prompt_tokens over finished requests."),
+                      "Prompt tokens of admitted requests served from the prefix cache."),
+    "hit_rate": ("cache_hit_rate", "gauge", "cached_tokens / prompt_tokens over admitted requests."),
     "generated_tokens": ("generated_tokens", "counter", "Tokens generated."),
     "requests_finished": ("requests_finished", "counter", "Requests that finished (aborted ones are counted apart)."),
     "requests_aborted": ("requests_aborted", "counter", "Requests aborted (client gone, shutdown)."),
     "requests_refused": ("requests_refused", "counter",
-                         "Requests given up unstarted because another prompt of their batch was refused."),
+                         "Requests given up because another prompt of their batch was refused."),
     "waiting": ("sequences_waiting", "gauge", "Sequences waiting to be scheduled."),
     "running": ("sequences_running", "gauge", "Sequences running."),
     "preemptions": ("preemptions", "counter", "Sequences preempted for memory."),

@@ -12,6 +12,7 @@ import anyio
 from starlette.requests import Request
 
 from radixserve import StreamDelta
+from radixserve.engine.async_engine import REFUSED_BATCH
 
 _T = TypeVar("_T")
 _END = object()
@@ -32,7 +33,7 @@ async def first_of_each(streams: list[AsyncIterator[_T]]) -> list[_T | BaseExcep
             task.cancel()
         raise
     for task in pending:
-        task.cancel()
+        task.cancel(REFUSED_BATCH)  # aborted as refused: counted apart, their prompts not as served
     if pending:
         await asyncio.wait(pending)
     return [_outcome(task) for task in tasks]
