@@ -7,11 +7,14 @@ Ray tests are marked `cluster`. Without Ray they skip — except under CI (CI=tr
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,8 +69,9 @@ def start_cluster() -> Iterator[SimpleNamespace]:
     local Ray), run as a careless parent leaves it (tests/stop_util.py). Once it serves, the
     driver must catch both stop signals; this process then joins its Ray (Serve's API, actor
     handles) and yields its URL, port, Ray address, stats and the app's handle. At the end it
-    leaves Ray and stops the command with SIGTERM, checking a clean stop: status 0, and every
-    Ray process the command started gone."""
+    leaves Ray and stops the command with SIGTERM while a long stream runs, checking a clean
+    stop: status 0, every Ray process the command started gone, and the stream ended as the
+    single server ends it (stream_across_the_stop)."""
     require_ray()
     import ray
     from ray import serve
@@ -121,5 +125,42 @@ def start_cluster() -> Iterator[SimpleNamespace]:
                               stats=lambda: replicas_report(url)["total"], app=serve.get_app_handle(APP_NAME))
     finally:
         ray.shutdown()  # this process's connection only: the cluster is the command's
-        stops_cleanly(process, signal.SIGTERM, log)
+        with stream_across_the_stop(url):
+            stops_cleanly(process, signal.SIGTERM, log)
         log.unlink()
+
+
+@contextlib.contextmanager
+def stream_across_the_stop(url: str) -> Iterator[None]:
+    """A long stream runs while the body stops the server. As the single server's, it gets
+    the grace and then ends with the "shutting down" error event (or by itself within the
+    grace), and [DONE] either way: the cluster's stop cut it 0.2 s after the signal, mid-body."""
+    lines: list[str] = []
+    failure: list[BaseException] = []
+    streaming = threading.Event()
+
+    def read() -> None:
+        body = {"model": "demo", "prompt": "a long answer", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        streaming.set()
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            streaming.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert streaming.wait(60) and not failure, failure
+    yield
+    reader.join(60)
+    assert not reader.is_alive() and not failure, (failure, lines[-3:])
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    finished = json.loads(lines[-2].removeprefix("data: "))
+    if "error" in finished:
+        assert finished["error"]["code"] == "server_shutting_down", finished
+    else:
+        assert finished["choices"][0]["finish_reason"] == "length", finished

@@ -81,6 +81,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     # Set once deploy has passed its checks and creates the app: until then an app of this
     # name on a joined cluster is another operator's, which a stop must leave alone.
     ours = threading.Event()
+    served = False  # the app is up: a stop drains its requests first
     try:
         stop.install()  # before Ray starts: a signal during the start or the deployment stops too
         start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
@@ -114,6 +115,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         root = f"http://{url_host(args.host)}:{args.port}{args.route_prefix.rstrip('/')}"
         _say(f"serving at {root}/v1 with {replicas} replica(s) as app {args.app_name!r} "
              f"(per-replica routing at {root}/cluster/replicas; Ctrl-C to stop)")
+        served = True
         stop.wait()
     except StopRequested:
         pass
@@ -124,7 +126,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     finally:
         _release(reservation)  # a signal during Ray's start comes before the release above
     _say("stopping ...")
-    _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set())
+    _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set(), drain=served)
     _say("stopped")
     return 0
 
@@ -181,15 +183,19 @@ def _release(reservation: socket.socket | None) -> None:
         reservation.close()  # closing twice does nothing
 
 
-def _tear_down(stop: StopSignals, app_name: str, *, shared: bool, deployed: bool) -> None:
+def _tear_down(stop: StopSignals, app_name: str, *, shared: bool, deployed: bool, drain: bool = False) -> None:
     """Deletes the Serve app `app_name` (unless this command never `deployed` it: not when a
     signal came while Ray was starting or before deploy's checks had passed) and ends this
     driver's Ray (a local cluster's processes with it). On a `shared` cluster (--ray-address)
-    only our app goes: serve.shutdown() would delete every other Serve app running there too."""
+    only our app goes: serve.shutdown() would delete every other Serve app running there too.
+    With `drain` (the app served), its requests in flight first get the single server's grace
+    (_drain)."""
     import ray
     from ray import serve
 
     stop.begin_teardown()
+    if ray.is_initialized() and deployed and drain:
+        _drain(app_name)
     if ray.is_initialized() and deployed:
         if shared:
             try:
@@ -199,6 +205,26 @@ def _tear_down(stop: StopSignals, app_name: str, *, shared: bool, deployed: bool
         else:
             serve.shutdown()
     ray.shutdown()
+
+
+def _drain(app_name: str) -> None:
+    """The single server's stop for the requests in flight (cli_serve.BoundedServer), by the
+    ingress (deploy.OpenAIIngress.drain): up to GRACEFUL_SHUTDOWN_S - END_REQUESTS_BEFORE_S to
+    finish, then those left are ended with the 503 `server_shutting_down` (a stream's error
+    event and [DONE]), END_REQUESTS_BEFORE_S to send it. Serve's deletion would cut them off."""
+    from ray import serve
+
+    from radixserve.cli_serve import END_REQUESTS_BEFORE_S, GRACEFUL_SHUTDOWN_S
+
+    grace_s = GRACEFUL_SHUTDOWN_S - END_REQUESTS_BEFORE_S
+    try:
+        ended = serve.get_app_handle(app_name).drain.remote(grace_s, END_REQUESTS_BEFORE_S).result(
+            timeout_s=GRACEFUL_SHUTDOWN_S + 10)
+    except Exception as exc:  # the ingress gone or stuck: the deletion still ends its requests
+        _say(f"warning: could not let the requests in flight finish: {_reason(exc)}")
+        return
+    if ended:
+        _say(f"{ended} request(s) still running after {grace_s:g} s ended (503 server_shutting_down)")
 
 
 def _say(message: str) -> None:

@@ -11,6 +11,7 @@ local one.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import radixserve
 from radixserve.cluster.engine import ClusterEngine
@@ -73,10 +75,33 @@ class ClusterOptions:
     cluster_reuse: bool = True
 
 
+class PostsInFlight:
+    """ASGI middleware: counts the POST requests in flight (the generation routes and the
+    short admin ones; not the GET streams of cache events, which never end on their own), each
+    from its arrival to its response's end, streamed or not: what a stop's drain waits for."""
+
+    def __init__(self, app: ASGIApp, counter: list[int]) -> None:
+        self.app = app
+        self.counter = counter  # one item, shared with the ingress
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        self.counter[0] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter[0] -= 1
+
+
+DRAIN_POLL_S = 0.05
+
+
 class OpenAIIngress:
     """The ingress deployment: the single server's Starlette app over a ClusterEngine, plus
     GET /cluster/replicas (requests routed per replica, and each replica's stats: an admin's
-    key's, when the server has keys)."""
+    key's, when the server has keys), and `drain`, a stop's first step."""
 
     async def __init__(self, engines: DeploymentHandle, options: ClusterOptions) -> None:
         info = await engines.info.remote()
@@ -89,6 +114,29 @@ class OpenAIIngress:
                                admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys,
                                **options.app_options)
         self._app.router.routes.append(Route("/cluster/replicas", self._replicas, methods=["GET"]))
+        self._in_flight = [0]
+        self._app.add_middleware(PostsInFlight, counter=self._in_flight)
+
+    async def drain(self, grace_s: float, flush_s: float) -> int:
+        """A stop's first step, the single server's (cli_serve.BoundedServer): the requests in
+        flight get up to `grace_s` to finish; those still running are then ended by their
+        replicas and answered as the single server answers them (a 503 `server_shutting_down`:
+        in a stream, its error event and [DONE]), which gets up to `flush_s` to be sent.
+        Returns how many were still running at the grace's end. Requests that arrive meanwhile
+        are served as usual (Serve's proxy still takes them) until then, and refused after."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._in_flight[0] and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = self._in_flight[0]
+        if not left:
+            return 0
+        self._app.state.server.stopping = True  # an aborted request is now answered as ended by the server
+        await self.engine.on_every_replica("end_requests")
+        deadline = loop.time() + flush_s
+        while self._in_flight[0] and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return left
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

@@ -166,6 +166,12 @@ class EngineReplica:
         self._check_pin(replica)
         return await self.async_engine.close_session(session_id, tenant)
 
+    def end_requests(self, replica: str) -> None:
+        """Ends every request this replica holds (its streams' last delta: an abort), for a
+        stop's drain (deploy.OpenAIIngress.drain), as the single server's end_requests does."""
+        self._check_pin(replica)
+        self.async_engine.abort_all()
+
     async def flush(self, replica: str) -> PagesFreed:
         self._check_pin(replica)
         return await self.async_engine.flush_cache()
