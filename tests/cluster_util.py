@@ -105,6 +105,15 @@ def start_cluster() -> Iterator[SimpleNamespace]:
             assert time.monotonic() < deadline, f"serve --replicas did not serve: {log.read_text()}"
             time.sleep(0.2)
         wait_for_replicas(url, REPLICAS)
+        while "radixserve: serving at" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        # The replicas' device sets the ingress's --tenant-starts default, as a single server's
+        # (ReplicaInfo carries it: a CPU cluster had no limit).
+        import torch
+
+        starts = ": any number" if torch.cuda.is_available() else " (body to first token): 4, shared"
+        assert f"radixserve: requests starting at once{starts}" in log.read_text(), log.read_text()
         dispositions = stop_signal_dispositions(process.pid)
         assert dispositions == {"blocked": set(), "ignored": set(), "caught": STOP_SIGNALS}, dispositions
         reported = re.search(r"local Ray at (\S+)\)", log.read_text())

@@ -169,3 +169,44 @@ def test_the_tenant_starts_default_of_cpu_replicas_is_the_single_cpu_servers() -
     cluster_engine: Callable[[str], Any] = lambda device: SimpleNamespace(engine=EngineReplica.info(replica_on(device)))
     assert default_tenant_starts(cluster_engine("cpu")) == DEFAULT_CPU_TENANT_STARTS == 4
     assert default_tenant_starts(cluster_engine("meta")) == 0  # (not a CPU: as a GPU's, no limit)
+
+
+def test_a_ray_address_nobody_answers_at_is_a_one_line_error_before_ray_init(fake_ray: SimpleNamespace) -> None:
+    """ray.init retried an unreachable GCS for many minutes (20 tries of 40 s), saying only Ray's
+    own C++ warnings, and a Ctrl-C waited for the try under way: the driver now tries a
+    connection first, and says what it is doing."""
+    import socket
+
+    with socket.socket() as closed:  # a port bound and not listening: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        fake_ray.deploy = refused
+        code, stderr = serve_replicas("--ray-address", address)
+        assert code == 1 and fake_ray.started == 0, stderr
+        assert stderr.splitlines() == [
+            f"radixserve: joining the Ray cluster at {address} ...",
+            f"radixserve: error: cannot reach the Ray cluster at {address} ({address}: Connection refused); "
+            "is it running?"], stderr
+        from radixserve.cluster.cli import ray_address_problem
+
+        assert ray_address_problem(f"ray://{address}") is not None
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert ray_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
+
+
+def test_a_ray_cluster_that_cannot_be_joined_is_a_one_line_error(fake_ray: SimpleNamespace,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init's ConnectionError (no cluster found for "auto", or none answering at an address
+    that takes connections) was a traceback."""
+    from radixserve.cluster import deploy as deploy_module
+
+    def no_cluster(address: str | None = None, *, num_cpus: int | None = None) -> None:
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    monkeypatch.setattr(deploy_module, "start_ray", no_cluster)
+    code, stderr = serve_replicas("--ray-address", "auto")
+    assert code == 1, stderr
+    assert stderr.splitlines()[-1] == ("radixserve: error: cannot join the Ray cluster at auto: Could not find any "
+                                       "running Ray instance. Please specify the one to connect to."), stderr

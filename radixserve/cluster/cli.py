@@ -56,6 +56,12 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         _release(reservation)
         _say(f"error: cannot load {args.model!r}: {problem}")
         return 2
+    if args.ray_address is not None:
+        _say(f"joining the Ray cluster at {args.ray_address} ...")
+        if (problem := ray_address_problem(args.ray_address)) is not None:
+            # Ray's own connect retries an address nobody answers at for many minutes, unstoppable
+            _say(f"error: {problem}")
+            return 1
     from radixserve.cluster.deploy import (
         ClusterOptions,
         DeployRefused,
@@ -84,7 +90,12 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     served = False  # the app is up: a stop drains its requests first
     try:
         stop.install()  # before Ray starts: a signal during the start or the deployment stops too
-        start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
+        try:
+            start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
+        except ConnectionError as exc:  # no cluster at the address, or none found for "auto"
+            where = f"join the Ray cluster at {args.ray_address}" if args.ray_address else "start a local Ray"
+            _say(f"error: cannot {where}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}")
+            return 1
         options.replica_gpus = replica_gpus(args.replica_gpus, args.device, args.tensor_parallel_size,
                                             ray.cluster_resources().get("GPU", 0), replicas)
         stop.install()  # again: ray.init replaced the SIGTERM handler with its crash reporter
@@ -94,8 +105,8 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         _say(f"deploying {replicas} replica(s) of {args.model!r}, router {args.router} ({where}) ...")
         try:
             _release(reservation)  # Serve's proxy binds it now
-            deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s,
-                   name=args.app_name, route_prefix=args.route_prefix, on_create=ours.set)
+            ingress = deploy(options, host=args.host, port=args.port, keep_alive_s=args.keep_alive_timeout_s,
+                             name=args.app_name, route_prefix=args.route_prefix, on_create=ours.set)
         except DeployRefused as exc:
             _say(f"error: {exc}")
             _tear_down(stop, args.app_name, shared=True, deployed=False)  # whatever runs there is not ours
@@ -112,6 +123,7 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         if kept_alive != max(1, round(args.keep_alive_timeout_s)):  # a joined cluster's Serve was started before
             _say(f"warning: the running Serve closes idle connections after {kept_alive} s; "
                  "--keep-alive-timeout-s cannot change that while it runs")
+        _say_starts(ingress)
         root = f"http://{url_host(args.host)}:{args.port}{args.route_prefix.rstrip('/')}"
         _say(f"serving at {root}/v1 with {replicas} replica(s) as app {args.app_name!r} "
              f"(per-replica routing at {root}/cluster/replicas; Ctrl-C to stop)")
@@ -129,6 +141,43 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
     _tear_down(stop, args.app_name, shared=args.ray_address is not None, deployed=ours.is_set(), drain=served)
     _say("stopped")
     return 0
+
+
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
+def ray_address_problem(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> str | None:
+    """Why nothing answers at the Ray cluster address `address` (a TCP connection to its GCS, or
+    to a ray:// client server, refused or not made within `timeout_s`), or None. "auto" is
+    resolved as Ray resolves it; an address that cannot be read is left to ray.init."""
+    target = address.removeprefix("ray://")
+    if target == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto") or ""
+        except Exception:  # no cluster found, or Ray's internals moved: ray.init says it
+            return None
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        return f"cannot reach the Ray cluster at {address} ({host}:{port}: {why}); is it running?"
+    return None
+
+
+def _say_starts(ingress: Any) -> None:
+    """The single server's line on requests starting at once, from the ingress (its default
+    follows the replicas' device)."""
+    try:
+        starts = ingress.starts_limit.remote().result(timeout_s=30)
+    except Exception:  # (a fake ingress in tests, or one that does not answer: the line is not vital)
+        return
+    _say(f"requests starting at once (body to first token): {starts}, shared by the tenants starting some, "
+         "any number for one alone" if starts else "requests starting at once: any number")
 
 
 def local_model_problem(model: str) -> str | None:

@@ -156,6 +156,10 @@ class OpenAIIngress:
             for r, s in sorted(stats.items())], "routed": routed,
             "total": {k: v for k, v in self.engine.stats().items() if k != "histograms"}})
 
+    def starts_limit(self) -> int:
+        """The app's --tenant-starts (its default from the replicas' device: start_shares.py)."""
+        return self._app.state.server.starts.limit
+
     def reuse_messages(self) -> dict[str, int | bool]:
         """What the cluster's reuse history has sent the replicas (ClusterReuse.messages)."""
         return self.engine.reuse.messages()
