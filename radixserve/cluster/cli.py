@@ -93,6 +93,9 @@ def serve_cluster(args: argparse.Namespace, load_tenant_keys: Callable[[], bool]
         try:
             start_ray(args.ray_address, num_cpus=None if args.ray_address else local_cpus)
         except ConnectionError as exc:  # no cluster at the address, or none found for "auto"
+            if stop.stopping:
+                raise StopRequested("signal during Ray's start") from exc
+            ray.shutdown()  # (whatever part of it started)
             where = f"join the Ray cluster at {args.ray_address}" if args.ray_address else "start a local Ray"
             _say(f"error: cannot {where}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}")
             return 1
