@@ -17,37 +17,59 @@ them.
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 ANY_HOST = "*"  # --allowed-hosts' value that turns the check off
 
 
 def host_names(listen_host: str, allowed: list[str] | None) -> frozenset[str] | None:
     """The extra names a server listening on `listen_host` answers for beside the loopback
-    ones (lower-cased), or None where it answers any (no --allowed-hosts and a listening
-    address that is not loopback, or `*` among them)."""
-    names = [name.strip().lower().rstrip(".") for name in allowed or ()]
-    if ANY_HOST in names or (not names and not is_loopback(listen_host.strip("[]"))):
+    ones, in `requested_host`'s form (a port given with one is dropped: any port matches), or
+    None where it answers any (no --allowed-hosts and a listening address that is not
+    loopback, or `*` among them)."""
+    names = {requested_host(name) for name in allowed or ()}
+    if ANY_HOST in names or (not names and not is_loopback(requested_host(listen_host))):
         return None
-    return frozenset(name.strip("[]") for name in names if name)
+    return frozenset(name for name in names if name)
 
 
-def requested_host(header: str) -> str:
-    """The host name of a Host header's value, without its port, brackets or final dot,
-    lower-cased ("[::1]:8000" -> "::1", "Example.COM.:80" -> "example.com")."""
+def requested_host(header: str) -> str | None:
+    """The host of a Host header's value in one form: lower-cased, without its port, brackets
+    or final dot, an IP address as Python writes it ("[::1]:8000" -> "::1", "Example.COM.:80"
+    -> "example.com", "[FE80::0001]" -> "fe80::1"); None for a value that is no host[:port]."""
     value = header.strip().lower()
     if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value[1:]
-    name, _, port = value.rpartition(":")
-    if name and port.isdigit() and ":" not in name:
-        value = name
-    return value.rstrip(".")
+        address, bracket, rest = value[1:].partition("]")
+        if not bracket or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None  # "[::1]evil.example": junk after the address
+        value = address
+    else:
+        name, colon, port = value.rpartition(":")
+        if colon and ":" not in name:  # (a bare IPv6 address has more than one colon)
+            if not (name and port.isdigit()):
+                return None
+            value = name
+        value = value.removesuffix(".")
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return value
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address, without brackets) always means this machine."""
-    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` (`requested_host`'s form) always means this machine: `localhost` and its
+    subdomains (RFC 6761), 127.0.0.0/8 in any form an IPv4 parser takes ("127.1", as curl
+    sends it; a browser writes 127.0.0.1), ::1, and IPv4-mapped ::ffff:127.x."""
+    if host is None:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        try:  # inet_aton's shorthand forms: "127.1", "0x7f.1", "2130706433"
+            return ipaddress.IPv4Address(socket.inet_aton(host)).is_loopback
+        except OSError:
+            return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)

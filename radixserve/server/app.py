@@ -615,9 +615,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     ]
     # Exceptions no handler maps are answered by RequestGuard (a 500 that keeps the connection).
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
-                                       pacer=refusal_pacer),
-                                *([Middleware(HostCheck, names=allowed_hosts)] if allowed_hosts is not None else []),
+                    middleware=[*([Middleware(HostCheck, names=allowed_hosts)] if allowed_hosts is not None else []),
+                                Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
+                                           pacer=refusal_pacer),
                                 Middleware(LeaveAtResponseEnd)],
                     exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
                                         ClientLeft: _client_left})
