@@ -111,3 +111,18 @@ def test_the_routers_skip_the_replicas_a_request_avoids_while_one_is_left() -> N
         assert sorted(ranked) == [["b"], ["c"]]
 
     asyncio.run(scenario())
+
+
+def test_the_clusters_queue_bound_is_its_live_replicas_together() -> None:
+    """What the ingress refuses a completions batch by (a batch larger can never be queued
+    whole: its 503 would have the client retry it for good)."""
+    def bound(max_queue: int | None, live: list[str]) -> int | None:
+        engine = ClusterEngine(FullReplicas(live, set()), ReplicaInfo("demo", 1024, 1024, PAGE, tokenizer=None,
+                                                                      max_queue=max_queue),
+                               app_name=f"queue-full-{next(_apps)}", deployment="EngineReplica")
+        engine.view.set_replicas(live)
+        return engine.max_queue
+
+    assert bound(2, ["a", "b"]) == 4
+    assert bound(2, ["a"]) == 2
+    assert bound(None, ["a", "b"]) is None

@@ -236,6 +236,13 @@ class ClusterEngine:
         if not task.cancelled() and task.exception() is not None:
             logger.debug("telling a replica its prompt went elsewhere failed: %r", task.exception())
 
+    @property
+    def max_queue(self) -> int | None:
+        """The requests the live replicas' queues hold together (None: unbounded): a
+        completions batch larger can never be queued whole (its prompts may go to any)."""
+        per_replica = self.engine.max_queue
+        return None if per_replica is None else per_replica * max(1, len(self.view.replicas))
+
     def abort(self, request_id: str, *, refused: bool = False) -> None:
         """Cancels a request's replica stream (a no-op if it already finished). `refused` (a
         batch's other prompt was refused) is not told to the replica: it counts an abort."""

@@ -90,6 +90,7 @@ class ReplicaInfo:
     # The replica's torch.device: the ingress's defaults that depend on it (start_shares.py's
     # --tenant-starts: a limit where the replicas run on a CPU) read it as the single server's.
     device: Any = None
+    max_queue: int | None = None  # each replica's --max-queue (None: unbounded)
 
 
 class WrongReplica(RuntimeError):

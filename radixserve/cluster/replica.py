@@ -85,10 +85,10 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica}: {reason}")
 
     def info(self) -> ReplicaInfo:
-        """The model's name, limits, page size, tokenizer and device."""
+        """The model's name, limits, page size, tokenizer, device and queue bound."""
         return ReplicaInfo(self.engine.model_name, self.engine.max_context_len,
                            self.engine.max_sequence_len, self.engine.page_size, self.engine.tokenizer,
-                           self.engine.sampling_defaults, device=self.engine.device)
+                           self.engine.sampling_defaults, device=self.engine.device, max_queue=self.engine.max_queue)
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Accepted | Refused | StreamDelta]:
         """Accepted (or Refused, then nothing), then the request's deltas. Cancelling the

@@ -277,6 +277,11 @@ class AsyncEngine:
             if open_samples:
                 self.abort(request_id, refused=refused)
 
+    @property
+    def max_queue(self) -> int | None:
+        """The engine's waiting-queue bound (Engine.max_queue; None: unbounded)."""
+        return self.engine.max_queue
+
     def abort(self, request_id: str, *, refused: bool = False) -> None:
         """Aborts a request (a no-op if it already finished). `refused`: it is given up
         because another request of its batch was refused (Engine.abort's `refused`)."""

@@ -257,7 +257,7 @@ class OpenAIServer:
         body = await _decode(raw, _COMPLETION_DECODER)
         self._check_model(body.model)
         prompts, batch = completion_prompts(body)
-        max_queue = getattr(self.engine.engine, "max_queue", None)  # (a cluster's replicas have their own)
+        max_queue = self.engine.max_queue  # (a cluster's: its live replicas' together)
         if max_queue is not None and len(prompts) > max_queue:
             # Its prompts are queued together: a 503 would have the client retry it for good.
             raise APIError(400, f"A batch of {len(prompts)} prompts cannot fit this server's waiting queue "

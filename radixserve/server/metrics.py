@@ -33,13 +33,14 @@ PREFIX = "radixserve"
 # list every count that only grows here as a counter, so that rate() and restarts are handled.
 ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "prompt_tokens": ("prompt_tokens", "counter",
-                      "Prompt tokens of admitted requests (finished, or aborted after they started)."),
+                      "Prompt tokens of admitted requests (finished, or aborted after they started; not "
+                      "those given up for another prompt of their batch)."),
     "cached_tokens": ("cached_tokens", "counter",
                       "Prompt tokens of admitted requests served from the prefix cache."),
     "hit_rate": ("cache_hit_rate", "gauge", "cached_tokens / prompt_tokens over admitted requests."),
     "generated_tokens": ("generated_tokens", "counter", "Tokens generated."),
     "requests_finished": ("requests_finished", "counter", "Requests that finished (aborted ones are counted apart)."),
-    "requests_aborted": ("requests_aborted", "counter", "Requests aborted (client gone, shutdown)."),
+    "requests_aborted": ("requests_aborted", "counter", "Requests aborted (client gone, shutdown, failed step)."),
     "requests_refused": ("requests_refused", "counter",
                          "Requests given up because another prompt of their batch was refused."),
     "waiting": ("sequences_waiting", "gauge", "Sequences waiting to be scheduled."),
@@ -94,9 +95,9 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "cache_nodes": ("cache_nodes", "gauge", "Nodes of the radix tree."),
     # The host tier (all zero without one).
     "host_cached_tokens": ("host_cached_tokens", "counter",
-                           "Prompt tokens of finished requests loaded back from the host tier."),
+                           "Prompt tokens of admitted requests loaded back from the host tier."),
     "device_cached_tokens": ("device_cached_tokens", "counter",
-                             "Prompt tokens of finished requests found in device memory."),
+                             "Prompt tokens of admitted requests found in device memory."),
     "host_pages_total": ("host_kv_pool_pages", "gauge", "KV pages in the host tier."),
     "host_pages_free": ("host_kv_pages_free", "gauge", "Host-tier KV pages free."),
     "host_pages_used": ("host_kv_pages_used", "gauge", "Host-tier KV pages allocated."),
