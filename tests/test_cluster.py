@@ -125,7 +125,7 @@ def test_the_proxy_closes_idle_connections_after_the_keep_alive_timeout(server: 
 
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
         sock.settimeout(60)
         answer = b""
         while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):

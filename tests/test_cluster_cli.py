@@ -163,7 +163,7 @@ def test_the_tenant_starts_default_of_cpu_replicas_is_the_single_cpu_servers() -
 
     def replica_on(device: str) -> Any:
         engine = SimpleNamespace(model_name="demo", max_context_len=64, max_sequence_len=64, page_size=16,
-                                 tokenizer=None, sampling_defaults={}, device=torch.device(device))
+                                 tokenizer=None, sampling_defaults={}, device=torch.device(device), max_queue=None)
         return SimpleNamespace(engine=engine)
 
     cluster_engine: Callable[[str], Any] = lambda device: SimpleNamespace(engine=EngineReplica.info(replica_on(device)))
