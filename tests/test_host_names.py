@@ -94,3 +94,29 @@ def test_without_names_the_app_answers_any_host(tiny_llama_dir: Path) -> None:
     engine = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=16)
     with running_server(create_app(AsyncEngine(engine))) as url:
         assert httpx.get(f"{url}/health", headers={"Host": "api.example.com"}, timeout=30).status_code == 200
+
+
+def test_a_keyless_server_refuses_posts_from_pages_of_other_origins(tiny_llama_dir: Path) -> None:
+    """Any page the operator visits may POST to a key-less local server (a form, a no-cors
+    fetch) and make it generate, or flush its cache, though it cannot read the answer: a
+    browser says where a request comes from, and another origin's POST is refused before any
+    work; clients that are not browsers, same-origin pages and GETs are served, and a server
+    with keys does not check (the page does not know the key)."""
+    body = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}
+    engine = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=64)
+    with running_server(create_app(AsyncEngine(engine))) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
+                        {"Origin": "http://attacker.example"}, {"Origin": "null"}):
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/cache/flush"):
+                r = client.post(path, headers=headers, content=b'{"prompt": "x", "max_tokens": 2}')
+                assert r.status_code == 403, (headers, path, r.text)
+                assert r.json()["error"]["code"] == "cross_origin"
+        assert engine.stats()["requests_finished"] == 0 and engine.stats()["prefill_tokens"] == 0
+        assert client.get("/v1/models", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200
+        for headers in ({}, {"Sec-Fetch-Site": "same-origin"}, {"Origin": url}):
+            assert client.post("/v1/completions", json=body, headers=headers).status_code == 200, headers
+    keyed = Engine(model=str(tiny_llama_dir), page_size=4, num_pages=64)
+    with running_server(create_app(AsyncEngine(keyed), api_key="k")) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": "Bearer k", "Sec-Fetch-Site": "cross-site"})
+        assert r.status_code == 200, r.text

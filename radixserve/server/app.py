@@ -53,7 +53,7 @@ from radixserve.server.formatting import (
 )
 from radixserve.server.grammar_compiles import GrammarCompiles
 from radixserve.server.guard import RequestGuard
-from radixserve.server.host_check import HostCheck
+from radixserve.server.host_check import HostCheck, SameOriginPosts
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.prompt_work import PromptWork, refuse_by_prefix
 from radixserve.server.prompts import ChatRenderer, rendered_chars
@@ -616,6 +616,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     # Exceptions no handler maps are answered by RequestGuard (a 500 that keeps the connection).
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[*([Middleware(HostCheck, names=allowed_hosts)] if allowed_hosts is not None else []),
+                                *([Middleware(SameOriginPosts)] if server.keys is None else []),
                                 Middleware(RequestGuard, metrics=server.metrics, endpoints=GENERATION_ENDPOINTS,
                                            pacer=refusal_pacer),
                                 Middleware(LeaveAtResponseEnd)],

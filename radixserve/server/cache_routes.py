@@ -33,7 +33,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -51,6 +50,7 @@ from radixserve.engine.event_stream import (
 from radixserve.engine.tree_snapshot import DEFAULT_MAX_DEPTH, DEFAULT_MAX_NODES, DEFAULT_TOP_K, SnapshotOptions
 from radixserve.server.cache_views import CacheViews
 from radixserve.server.errors import APIError
+from radixserve.server.host_check import from_another_origin
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.streams import unless_disconnected
 from radixserve.server.tenancy import Caller, admin_only
@@ -165,7 +165,7 @@ class CacheRoutes:
         """POST /v1/cache/flush: drops every unlocked cached page (the engine emits `cleared`);
         an admin's only, and never sent by a page of another origin."""
         admin_only(self.authorize(request))  # a flush drops every tenant's pages
-        if _cross_origin(request):
+        if from_another_origin(request.headers):
             raise APIError(403, "A flush may not come from a page of another origin", code="cross_origin",
                            error_type="permission_error")
         freed = await self.engine.flush_cache()
@@ -261,20 +261,6 @@ class CacheRoutes:
                                 "--expose-cache-tokens to allow it", param="tokens",
                            code="tokens_not_exposed", error_type="permission_error")
         return wanted
-
-
-def _cross_origin(request: Request) -> bool:
-    """Whether a browser sent `request` from a page of another origin: its `Sec-Fetch-Site`
-    (what every current browser sends) is not "same-origin", or, from a browser without it,
-    its `Origin` is not this server's host. A request with neither (curl, an SDK) is not."""
-    site = request.headers.get("sec-fetch-site")
-    if site is not None:
-        return site != "same-origin"
-    origin = request.headers.get("origin")
-    if origin is None:
-        return False
-    host = request.headers.get("host", "")
-    return origin == "null" or urlsplit(origin).netloc.lower() != host.lower()
 
 
 def _bool_param(request: Request, name: str) -> bool:
