@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -61,6 +62,17 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
         if predicate():
             return True
         time.sleep(0.02)
+    return predicate()
+
+
+async def wait_for_async(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """`wait_for` inside an event loop (an AsyncEngine's, whose thread publishes the stats):
+    yields to the loop between polls."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
     return predicate()
 
 

@@ -5,8 +5,9 @@ was refused counts as refused, not as aborted."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
+
+from server_util import wait_for_async
 
 from radixserve import AsyncEngine, Engine, SamplingParams
 
@@ -75,22 +76,14 @@ def test_an_async_stream_cancelled_as_refused_is_counted_refused(tiny_llama_dir:
             early.cancel(REFUSED_BATCH)  # while its add is queued
             queued = asyncio.ensure_future(anext(async_engine.generate(B, GREEDY, request_id="queued")))
             left = asyncio.ensure_future(anext(async_engine.generate(A + B, GREEDY, request_id="left")))
-            assert await poll(lambda: async_engine.stats()["waiting"] == 2)
+            assert await wait_for_async(lambda: async_engine.stats()["waiting"] == 2)
             queued.cancel(REFUSED_BATCH)  # while it waits for its first delta
             left.cancel()  # a client that left
             await asyncio.gather(early, queued, left, return_exceptions=True)
-            assert await poll(lambda: async_engine.stats()["waiting"] == 0)
+            assert await wait_for_async(lambda: async_engine.stats()["waiting"] == 0)
         finally:
             await async_engine.shutdown()
 
     asyncio.run(scenario())
     assert counts(engine) == (0, 0, 0, 1, 2)
 
-
-async def poll(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True

@@ -5,8 +5,9 @@ by the open entries however often they are renewed."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
+
+from server_util import wait_for_async
 
 from radixserve import AsyncEngine, Engine, SamplingParams
 from radixserve.engine.sessions import SessionTable
@@ -101,22 +102,14 @@ def test_an_idle_async_engine_publishes_the_expiry(tiny_llama_dir: Path) -> None
         try:
             async for _ in async_engine.generate(TURN, GREEDY, request_id="t", session_id="s"):
                 pass
-            assert await poll(lambda: async_engine.stats()["sessions_open"] == 1)
+            assert await wait_for_async(lambda: async_engine.stats()["sessions_open"] == 1)
             clock.now += 6.0  # no request follows: the idle loop's publications sweep
-            assert await poll(lambda: async_engine.stats()["sessions_open"] == 0)
+            assert await wait_for_async(lambda: async_engine.stats()["sessions_open"] == 0)
         finally:
             await async_engine.shutdown()
 
     asyncio.run(scenario())
 
-
-async def poll(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 # ---------------------------------------------------------------- a turn over the share
