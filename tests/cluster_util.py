@@ -143,10 +143,16 @@ def start_cluster() -> Iterator[SimpleNamespace]:
 def stream_across_the_stop(url: str) -> Iterator[None]:
     """A long stream runs while the body stops the server. As the single server's, it gets
     the grace and then ends with the "shutting down" error event (or by itself within the
-    grace), and [DONE] either way: the cluster's stop cut it 0.2 s after the signal, mid-body."""
+    grace), and [DONE] either way: the cluster's stop cut it 0.2 s after the signal, mid-body.
+    Beside it, short requests arrive all along: served until the stop began, then refused
+    unread (503 server_shutting_down, "takes no new requests"), never served again (Serve's
+    proxy took them during the grace; they were started, and ended with the stream)."""
     lines: list[str] = []
     failure: list[BaseException] = []
     streaming = threading.Event()
+    arrivals: list[str] = []  # each short request's outcome, in order
+    stop_arriving = threading.Event()
+    first_arrival = threading.Event()  # one short request answered before the stop
 
     def read() -> None:
         body = {"model": "demo", "prompt": "a long answer", "max_tokens": 3500, "ignore_eos": True, "stream": True}
@@ -161,15 +167,47 @@ def stream_across_the_stop(url: str) -> Iterator[None]:
         finally:
             streaming.set()
 
+    def arrive() -> None:
+        body = {"model": "demo", "prompt": "short", "max_tokens": 1}
+        with httpx.Client(timeout=60) as client:
+            while not stop_arriving.is_set():
+                try:
+                    answer = client.post(f"{url}/v1/completions", json=body)
+                except httpx.TransportError:
+                    arrivals.append("gone")  # the proxy stopped
+                    first_arrival.set()
+                    return
+                try:
+                    error = answer.json().get("error", {}) if answer.status_code != 200 else {}
+                except ValueError:  # not ours: Serve's proxy answering for a deleted app
+                    error = {}
+                refused = answer.status_code == 503 and "takes no new requests" in error.get("message", "")
+                arrivals.append("served" if answer.status_code == 200 else "refused" if refused
+                                else f"{answer.status_code} {error.get('code')}")
+                first_arrival.set()
+                stop_arriving.wait(0.05)  # a pace, not a wait for anything
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert streaming.wait(60) and not failure, failure
-    yield
+    arriving = threading.Thread(target=arrive, daemon=True)
+    arriving.start()
+    assert first_arrival.wait(60), arrivals
+    try:
+        yield
+    finally:
+        stop_arriving.set()
+        arriving.join(60)
     reader.join(60)
     assert not reader.is_alive() and not failure, (failure, lines[-3:])
     assert lines[-1] == "data: [DONE]", lines[-3:]
     finished = json.loads(lines[-2].removeprefix("data: "))
     if "error" in finished:
         assert finished["error"]["code"] == "server_shutting_down", finished
+        assert "refused" in arrivals, arrivals  # the grace ran its 4 s: new requests came meanwhile
     else:
         assert finished["choices"][0]["finish_reason"] == "length", finished
+    assert arrivals and arrivals[0] == "served", arrivals
+    first_refused = arrivals.index("refused") if "refused" in arrivals else len(arrivals)
+    assert set(arrivals[:first_refused]) == {"served"}, arrivals
+    assert "served" not in arrivals[first_refused:], arrivals

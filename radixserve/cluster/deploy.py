@@ -26,9 +26,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import radixserve
+from radixserve.cluster.drain_gate import DrainGate, PostsInFlight
 from radixserve.cluster.engine import ClusterEngine
 from radixserve.cluster.replica import EngineReplica
 from radixserve.cluster.router import ROUTER_CLASSES
@@ -75,26 +75,6 @@ class ClusterOptions:
     cluster_reuse: bool = True
 
 
-class PostsInFlight:
-    """ASGI middleware: counts the POST requests in flight (the generation routes and the
-    short admin ones; not the GET streams of cache events, which never end on their own), each
-    from its arrival to its response's end, streamed or not: what a stop's drain waits for."""
-
-    def __init__(self, app: ASGIApp, counter: list[int]) -> None:
-        self.app = app
-        self.counter = counter  # one item, shared with the ingress
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
-            await self.app(scope, receive, send)
-            return
-        self.counter[0] += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.counter[0] -= 1
-
-
 DRAIN_POLL_S = 0.05
 
 
@@ -114,8 +94,8 @@ class OpenAIIngress:
                                admin_api_key=options.admin_api_key, tenant_keys=options.tenant_keys,
                                **options.app_options)
         self._app.router.routes.append(Route("/cluster/replicas", self._replicas, methods=["GET"]))
-        self._in_flight = [0]
-        self._app.add_middleware(PostsInFlight, counter=self._in_flight)
+        self._gate = DrainGate()
+        self._app.add_middleware(PostsInFlight, gate=self._gate)
 
     async def drain(self, grace_s: float, flush_s: float) -> int:
         """A stop's first step, the single server's (cli_serve.BoundedServer): the requests in
@@ -123,18 +103,20 @@ class OpenAIIngress:
         replicas and answered as the single server answers them (a 503 `server_shutting_down`:
         in a stream, its error event and [DONE]), which gets up to `flush_s` to be sent.
         Returns how many were still running at the grace's end. Requests that arrive meanwhile
-        are served as usual (Serve's proxy still takes them) until then, and refused after."""
+        are refused unread (drain_gate: Serve's proxy still takes them, the single server's
+        closed socket would not)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self._in_flight[0] and loop.time() < deadline:
+        self._gate.closed = True
+        while self._gate.in_flight and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        left = self._in_flight[0]
+        left = self._gate.in_flight
         if not left:
             return 0
         self._app.state.server.stopping = True  # an aborted request is now answered as ended by the server
         await self.engine.on_every_replica("end_requests")
         deadline = loop.time() + flush_s
-        while self._in_flight[0] and loop.time() < deadline:
+        while self._gate.in_flight and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         return left
 
