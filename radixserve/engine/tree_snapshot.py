@@ -14,6 +14,13 @@ slices between steps; the view itself is built from the copy anywhere (the serve
 a worker thread), so neither a large tree nor many distinct views hold up the engine. One
 pass over every copied node plus a little work per shown node: see docs/benchmark.md for
 the costs on large trees.
+
+With token text (`tokens=true`), decoding is the costly part (about half a microsecond a token,
+a 4,000-token edge 2 ms), so pieces are sized by work, not only by nodes: a piece ends once it
+has decoded or hashed TOKENS_PER_PIECE tokens, and no node's or top prefix's text is decoded
+from more than TEXT_TOKENS tokens (its first and last halves, `text_truncated` set). Pieces
+sized in nodes alone decoded 64 long edges, or 100 whole prefixes, at once: one view held
+every stream's next step up by 100-250 ms.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Callable, Generator, Hashable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from radixserve.cache.page_hash import PageHashing
 from radixserve.cache.radix import RadixTree
@@ -41,6 +49,14 @@ DEFAULT_TOP_K = 10
 DEVICE_TIER = "device"
 HOST_TIER = "host"
 ITEMS_PER_PIECE = 512  # nodes a piece of a pass over every node handles
+# Tokens decoded or hashed per piece of the build, at most (plus what the node that crosses it
+# adds, itself bounded by TEXT_TOKENS for text): about 1 ms of decoding.
+TOKENS_PER_PIECE = 2048
+# A node's or top prefix's `text` is decoded from at most this many tokens: the first and last
+# halves of a longer one, joined by TEXT_CUT. The dashboard shows text in one ellipsised line;
+# `token_ids` stay whole.
+TEXT_TOKENS = 256
+TEXT_CUT = " … "
 
 
 def _tier(node: NodeCopy) -> str:
@@ -78,6 +94,7 @@ class TreeNodeView(msgspec.Struct, omit_defaults=True):
     hash: str | None = None
     token_ids: list[int] | None = None  # the edge's tokens, only with --expose-cache-tokens
     text: str | None = None             # the edge decoded, only with --expose-cache-tokens
+    text_truncated: bool = False        # `text` is its first and last TEXT_TOKENS // 2 tokens only
     partial: bool = False           # a partial leaf: one page, fewer than page_size tokens, no hash
     replica: str | None = None      # the replica whose cache holds it (a cluster's view only)
     namespaces: int | None = None   # an aggregate of namespaces: how many it stands for
@@ -94,6 +111,7 @@ class TopPrefix(msgspec.Struct, omit_defaults=True):
     namespace: str
     hash: str | None = None  # as in TreeNodeView
     text: str | None = None  # the whole prefix decoded, only with --expose-cache-tokens
+    text_truncated: bool = False  # as in TreeNodeView
     replica: str | None = None  # as in TreeNodeView
 
 
@@ -161,7 +179,8 @@ def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callab
     builder = _Builder(copy.page_size, options, facts, namespace_id, decode, copy.copied_at,
                        hashing or PageHashing())
     top = yield from builder.build()
-    hottest = _hottest(facts, options.top_k)
+    # Pieces too: each top prefix's text is decoded from its tokens (up to TEXT_TOKENS).
+    top_prefixes = yield from builder.top_prefixes(_hottest(facts, options.top_k))
     yield
     recency = builder.rank_ticks() if rank_ticks else max((node.tick for node in facts.nodes), default=0)
     return TreeSnapshot(
@@ -171,7 +190,7 @@ def build_view(copy: TreeCopy, options: SnapshotOptions, *, namespace_id: Callab
         locked_pages=copy.locked_pages, nodes_shown=builder.nodes_shown, truncated=builder.truncated,
         max_nodes=options.max_nodes, max_depth=options.max_depth,
         recency_tick=recency, root=top,
-        top_prefixes=builder.top_prefixes(hottest), took_ms=round(copy.engine_ms, 3))
+        top_prefixes=top_prefixes, took_ms=round(copy.engine_ms, 3))
 
 
 class _Facts:
@@ -280,6 +299,8 @@ class _Builder:
         self.now = now
         self.next_id = 0
         self.nodes_shown = 0
+        self.piece_nodes = 0  # nodes made into views since the last pause
+        self.piece_tokens = 0  # tokens decoded or hashed since the last pause
         self.truncated = False
         self.views: dict[int, TreeNodeView] = {}
         self._namespace_ids: dict[Hashable, str] = {}
@@ -328,14 +349,35 @@ class _Builder:
                     kid_view, kid_state = self._node(kid, state)
                     view.children.append(kid_view)
                     pending.append((kid, kid_view, kid_state))
-                    if self.nodes_shown % NODES_PER_PIECE == 0:
+                    if self._piece_done():
                         yield
             if hidden:
                 self.truncated = True
                 view.children.append(self._aggregate(hidden, i))
-                if len(hidden) >= NODES_PER_PIECE:
+                self.piece_nodes += len(hidden)
+                if self._piece_done():
                     yield
             stack.extend(reversed(pending))
+
+    def _piece_done(self) -> bool:
+        """Whether this piece has done its share (NODES_PER_PIECE nodes, or TOKENS_PER_PIECE
+        tokens decoded or hashed); if so the counts start again for the next one."""
+        if self.piece_nodes < NODES_PER_PIECE and self.piece_tokens < TOKENS_PER_PIECE:
+            return False
+        self.piece_nodes = self.piece_tokens = 0
+        return True
+
+    def _text(self, head: np.ndarray, tail: np.ndarray | None) -> tuple[str, bool]:
+        """The text of `head` (all of the tokens when `tail` is None), else of `head`, TEXT_CUT
+        and `tail` (the first and last tokens of a longer run); counted as work."""
+        assert self.decode is not None
+        ids = head.tolist()
+        if tail is None:
+            self.piece_tokens += len(ids)
+            return self.decode(ids), False
+        tail_ids = tail.tolist()
+        self.piece_tokens += len(ids) + len(tail_ids)
+        return self.decode(ids) + TEXT_CUT + self.decode(tail_ids), True
 
     def _node(self, i: int, parent_state: tuple[int, int]) -> tuple[TreeNodeView, Any]:
         f = self.facts
@@ -343,6 +385,12 @@ class _Builder:
         size = self.page_size
         last_hash, state = self._last_hash(node, parent_state)
         token_ids = node.tokens.tolist() if self.options.include_tokens else None
+        text, cut = None, False
+        if self.decode is not None:
+            half = TEXT_TOKENS // 2
+            tokens = node.tokens
+            text, cut = (self._text(tokens, None) if len(tokens) <= TEXT_TOKENS
+                         else self._text(tokens[:half], tokens[-half:]))
         view = TreeNodeView(
             id=self._id(), kind="node", pages=f.pages[i], tokens=len(node.tokens),
             prefix_tokens=(f.prefix_pages[i] - f.pages[i]) * size + len(node.tokens), subtree_pages=f.subtree_pages[i],
@@ -351,10 +399,10 @@ class _Builder:
             priority_max=DEFAULT_PRIORITY if node.priority_max is None else node.priority_max,
             age_s=round(max(0.0, self.now - node.inserted_at), 3), tick=node.tick,
             namespace=self._namespace(node.namespace), hash=last_hash,
-            token_ids=token_ids, partial=node.partial,
-            text=self.decode(token_ids) if self.decode is not None and token_ids is not None else None)
+            token_ids=token_ids, partial=node.partial, text=text, text_truncated=cut)
         self.views[i] = view
         self.nodes_shown += 1
+        self.piece_nodes += 1
         return view, state
 
     def _last_hash(self, node: NodeCopy, parent_state: tuple[int, int]) -> tuple[str | None, tuple[int, int]]:
@@ -368,6 +416,7 @@ class _Builder:
         if seed is None:
             seed = self._seeds[ns_id] = self.hashing.namespace_seed(ns_id)
         hashes, end = self.hashing.page_hashes(node.tokens, self.page_size, seed, state, depth)
+        self.piece_tokens += len(node.tokens)
         return str(int(hashes[-1])), (end, depth + node.device_pages)
 
     def _aggregate(self, hidden: list[int], parent: int) -> TreeNodeView:
@@ -389,25 +438,38 @@ class _Builder:
             view.tick = ranks[view.tick]
         return len(ranks)
 
-    def top_prefixes(self, hottest: list[int]) -> list[TopPrefix]:
+    def top_prefixes(self, hottest: list[int]) -> Generator[None, None, list[TopPrefix]]:
+        """The top prefixes of the nodes `hottest` (those shown), as pieces: it pauses between
+        prefixes once a piece has decoded its share."""
         out = []
         for i in hottest:
             view = self.views.get(i)
             if view is None:  # deeper than max_depth
                 continue
+            text, cut = self._prefix_text(i)
             out.append(TopPrefix(id=view.id, hits=view.hits, prefix_tokens=view.prefix_tokens,
                                  pages=view.pages, namespace=view.namespace or "", hash=view.hash,
-                                 text=self._prefix_text(i)))
+                                 text=text, text_truncated=cut))
+            if self._piece_done():
+                yield
         return out
 
-    def _prefix_text(self, i: int) -> str | None:
+    def _prefix_text(self, i: int) -> tuple[str | None, bool]:
+        """The text of the prefix from the namespace root to the end of node `i`'s edge,
+        decoded from TEXT_TOKENS of its tokens at most (the first and last halves of a longer
+        one): only those are gathered, never the whole prefix."""
         if self.decode is None:
-            return None
-        parts = []
+            return None, False
+        edges = []  # the prefix's edges, last first
         while i >= 0 and not self.facts.nodes[i].is_root:
-            parts.append(self.facts.nodes[i].tokens.tolist())
+            edges.append(self.facts.nodes[i].tokens)
             i = self.facts.parent[i]
-        return self.decode([t for part in reversed(parts) for t in part])
+        edges.reverse()
+        total = sum(len(edge) for edge in edges)
+        if total <= TEXT_TOKENS:
+            return self._text(np.concatenate(edges) if edges else np.zeros(0, np.int64), None)
+        half = TEXT_TOKENS // 2
+        return self._text(_first(edges, half), _first([edge[::-1] for edge in reversed(edges)], half)[::-1])
 
     def _namespace(self, namespace: Hashable) -> str:
         found = self._namespace_ids.get(namespace)
@@ -418,3 +480,14 @@ class _Builder:
     def _id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
+
+
+def _first(edges: list[np.ndarray], count: int) -> np.ndarray:
+    """The first `count` tokens of the edges, in order (they hold at least that many)."""
+    parts, left = [], count
+    for edge in edges:
+        if left <= 0:
+            break
+        parts.append(edge[:left])
+        left -= len(parts[-1])
+    return np.concatenate(parts)
