@@ -243,3 +243,20 @@ def test_a_row_is_one_run_and_ratios_compare_the_same_requests() -> None:
     assert "| run |" in header and header.endswith("| errors (all repeats) |")
     assert row_a.startswith("| w | a | 1 | 1.0 | 12.0 |") and row_a.endswith("| 0 |")
     assert row_b.startswith("| w | b | 1 | 1.0 | 8.0 |") and row_b.endswith("| 1 |")
+
+
+def test_a_second_invocation_against_the_same_server_is_cold(tmp_path: Path) -> None:
+    """Every invocation tagged its prompts "[run 1] ...": a second `bench peers` against a
+    long-running server found the first one's prompts in the radix cache (99% cached on
+    `distinct`, where nothing is shared)."""
+    argv = ["--workloads", "distinct", "--repeat", "1", "--requests", "2", "--concurrency", "2",
+            "--max-tokens", "2", "--system-chars", "300", "--prompt-chars", "600"]
+    results = []
+    with running_server(create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=512)))) as url:
+        for i in range(2):
+            out = tmp_path / f"peers{i}.json"
+            assert main(["bench", "peers", "--server", f"rs={url}", *argv, "--json", str(out)]) == 0
+            results.append(json.loads(out.read_text()))
+    first, second = (r["runs"][0]["cached_share"] for r in results)
+    assert second < 0.5 and second <= first + 0.1, (first, second)
+    assert results[0]["run_tags"] != results[1]["run_tags"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import secrets
 from pathlib import Path
 
 from radixserve.benchmark.cli_common import add_api_key_arg, positive_int, say, write_json
@@ -61,12 +62,23 @@ def peers_command(args: argparse.Namespace) -> int:
     try:
         servers = parse_servers(args.server)
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        # A nonce per invocation: a fixed tag ("run 1") let a second `bench peers` against the
+        # same long-running servers find the first invocation's prompts in radixserve's radix
+        # cache (warm), while llama-server's per-slot cache keeps little: biased ratios.
+        nonce = secrets.token_hex(4)
+        tags = [f"run {r + 1} {nonce}" for r in range(args.repeat)]
         per_repeat = [build_workloads(names, requests=args.requests, concurrency=args.concurrency,
                                       system_chars=args.system_chars, prompt_chars=args.prompt_chars,
-                                      run_tag=f"run {r + 1}") for r in range(args.repeat)]
+                                      run_tag=tag) for tag in tags]
     except ValueError as exc:
         say(f"error: {exc}")
         return 2
+
+    shared = [name for i, (name, url) in enumerate(servers.items()) if url in list(servers.values())[:i]]
+    if shared:
+        # The second name on one URL finds the first one's prompts cached (same server).
+        say(f"warning: {', '.join(shared)} share a URL with an earlier --server: their runs find the "
+            "earlier one's prompts cached")
 
     def progress(run) -> None:  # noqa: ANN001 - a RunRecord
         f = run.figures()
@@ -86,7 +98,7 @@ def peers_command(args: argparse.Namespace) -> int:
     print(peers_table(summary, relative, baseline, unreachable, workloads=names))
     if args.json:
         write_json(args.json, {
-            "servers": servers, "rendered_with": args.render_with, "unreachable": unreachable, "summary": summary,
+            "servers": servers, "run_tags": tags, "rendered_with": args.render_with, "unreachable": unreachable, "summary": summary,
             "ratios_to": baseline, "ratios": relative,
             "runs": [{"server": r.server, "workload": r.workload, "repeat": r.repeat, **r.figures()}
                      for r in runs],

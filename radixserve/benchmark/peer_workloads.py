@@ -14,7 +14,8 @@ model's own replies included, as a chat client does). The text is the project's 
 - single:    a few distinct prompts one at a time (concurrency 1): the single-stream decode.
 
 `run_tag` starts every system prompt, so that a repeated run finds nothing cached from the one
-before it on any server (each run measures the workload cold).
+before it on any server (each run measures the workload cold); `bench peers` puts a random
+nonce in it per invocation, so a second invocation against the same servers is cold too.
 """
 
 from __future__ import annotations
