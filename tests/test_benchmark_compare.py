@@ -133,3 +133,39 @@ def test_launched_servers_take_no_api_key_from_the_environment(tiny_llama_dir: P
     monkeypatch.setenv("RADIXSERVE_API_KEY", "operator-secret")
     with launch_server(tiny_llama_dir, ["--num-pages", "16"]) as url:
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+
+
+def test_a_run_that_completed_nothing_is_reported_not_a_crash(tiny_llama_dir: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Every HTTP request refused (the servers want an API key): `_median_ratios` divided by
+    the run's None latency (TypeError) and 0 tok/s, and the command wrote no table, no JSON."""
+    import json
+
+    from radixserve.cli import main
+
+    out = tmp_path / "compare.json"
+    code = main(["bench", "compare", "--mode", "http", "--model-dir", str(tiny_llama_dir), "--no-progress",
+                 "--server-args", "--api-key sekrit --page-size 4 --num-pages 64", "--concurrency", "2",
+                 "--workload-args", "num_groups=1,prompts_per_group=2,system_len=8,question_len=4,output_len=2",
+                 "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "| radixserve http, cache on (FAILED: 0 of 2 completed) |" in captured.out
+    assert "run 'http, cache on': 2 of 2 requests failed, e.g. HTTP 401" in captured.err
+    result = json.loads(out.read_text())
+    assert result["runs"]["http, cache on"]["completed"] == 0
+    assert not any(name.startswith("latency") for name in result["ratios"])
+
+
+def test_host_tier_ratios_skip_a_side_that_completed_nothing() -> None:
+    from radixserve.benchmark.host_tier import tier_ratios
+    from radixserve.benchmark.serve import RequestRecord, ServeResult
+
+    failed = ServeResult("u", "w", [RequestRecord(0, error="HTTP 401")], 1.0).summary()
+    done = ServeResult("u", "w", [RequestRecord(0, prompt_tokens=4, completion_tokens=2, ttft_s=0.1,
+                                                latency_s=0.2)], 1.0).summary()
+    ratios = tier_ratios(done, failed, None, None)
+    assert ratios == {"ttft mean: device only / host tier": None, "ttft p99: device only / host tier": None,
+                      "throughput: host tier / device only": 0.0,
+                      "prefill time per token / copy time per token": None}
+    assert tier_ratios(failed, done, None, None)["throughput: host tier / device only"] is None

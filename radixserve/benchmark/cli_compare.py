@@ -64,7 +64,7 @@ def compare_command(args: argparse.Namespace) -> int:
                             modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
                             log_dir=args.json.parent if args.json else None, progress=not args.no_progress,
                             threads=args.threads, port=args.port)
-    rows = {f"radixserve {label}": summary for label, summary in result["runs"].items()}
+    rows = {_row_label(f"radixserve {label}", summary): summary for label, summary in result["runs"].items()}
     rows["transformers generate, static batches"] = result["hf_static_batches"]
     if args.repeat > 1:
         print(f"medians of {args.repeat} rounds; ratios taken within each round, then the median\n")
@@ -125,7 +125,8 @@ def tiers_command(args: argparse.Namespace) -> int:
                                       progress=not args.no_progress, port=args.port)
     say(f"working set {result['working_set_tokens']} tokens: device pool {result['device_pages']} pages, "
          f"host tier {result['host_pages']} pages of {args.page_size}")
-    print(serve_table(result["servers"]))  # medians of the runs
+    print(serve_table({_row_label(label, summary): summary
+                       for label, summary in result["servers"].items()}))  # medians of the runs
     for name, value in result.get("ratios", {}).items():
         if value is not None:
             print(f"{name}: {value:.2f}x")
@@ -149,10 +150,19 @@ def _report_failures(result: dict) -> bool:
     transformers (compare only); True if any did."""
     for label, reason in result["server_failures"].items():
         say(f"server run '{label}' failed: {reason}")
+    for label, reason in result.get("request_failures", {}).items():
+        say(f"run '{label}': {reason}")
     mismatches = result.get("token_mismatches", {})
     for label, reason in mismatches.items():
         say(f"run '{label}' did not do the same work as transformers: {reason}")
-    return bool(result["server_failures"] or mismatches)
+    return bool(result["server_failures"] or mismatches or result.get("request_failures"))
+
+
+def _row_label(label: str, summary: dict) -> str:
+    """`label`, marked where requests of the run failed (its figures cover the rest only)."""
+    if not summary.get("errors"):
+        return label
+    return f"{label} (FAILED: {summary.get('completed', 0):.0f} of {summary.get('requests', 0):.0f} completed)"
 
 
 def _add_run_outputs(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from radixserve.benchmark.inprocess import run_in_process
-from radixserve.benchmark.serve import run_serve_benchmark
+from radixserve.benchmark.serve import ServeResult, run_serve_benchmark
 from radixserve.benchmark.workloads import Workload
 from radixserve.engine.engine import Engine
 from radixserve.ports import free_port
@@ -222,6 +222,7 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
     per_repeat: list[dict[str, dict]] = []
     failures: dict[str, str] = {}
     mismatches: dict[str, str] = {}
+    request_failures: dict[str, str] = {}  # run -> how many requests failed and the commonest error
     ttfts: dict[str, list[float]] = {}
     for _ in range(repeat):
         hf = hf_static_batches(model_dir, workload, batch_size,
@@ -247,6 +248,8 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                     continue
                 summaries[name] = result.summary()
                 ttfts[name] = [r.ttft_s for r in result.records if r.error is None]
+                if (why := failed_requests(result)) is not None:
+                    request_failures[name] = why
         for name, summary in summaries.items():
             if (problem := token_mismatch(summary, summaries["transformers"])) is not None:
                 mismatches[name] = problem
@@ -259,9 +262,18 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
         "workload": workload.name, "workload_params": workload.params, "requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens, "concurrency": concurrency, "hf_batch_size": batch_size,
         "modes": list(modes), "repeat": repeat, "runs": medians, "server_failures": failures,
-        "token_mismatches": mismatches,
+        "token_mismatches": mismatches, "request_failures": request_failures,
         "hf_static_batches": hf, "ttft_s": ttfts, "ratios": ratios, "per_repeat": per_repeat,
     }
+
+
+def failed_requests(result: ServeResult) -> str | None:
+    """'N of M requests failed, e.g. ERROR' for a run with failed requests, else None."""
+    errors = result.errors()
+    if not errors:
+        return None
+    failed = sum(count for _, count in errors)
+    return f"{failed} of {len(result.records)} requests failed, e.g. {errors[0][0]}"
 
 
 def token_mismatch(run: dict, baseline: dict) -> str | None:
@@ -302,23 +314,36 @@ def median_summary(summaries: list[dict]) -> dict:
     return out
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """`numerator / denominator`, or None where either is missing or the denominator is 0 (a
+    run that completed nothing has no latency and 0 tok/s: no ratio, not a crash)."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
 def _median_ratios(per_repeat: list[dict[str, dict]]) -> dict[str, float]:
     """Throughput against transformers and cache on against the rest, per mode: computed
-    within each repeat (side by side on a shared machine), then the median."""
+    within each repeat (side by side on a shared machine), then the median. A ratio with a
+    side that completed nothing is left out of its round (the failure is reported apart)."""
     collected: dict[str, list[float]] = {}
+
+    def add(name: str, value: float | None) -> None:
+        if value is not None:
+            collected.setdefault(name, []).append(value)
+
     for summaries in per_repeat:
         hf = summaries["transformers"]
         for label, summary in summaries.items():
             if label == "transformers":
                 continue
             mode, _, run = label.partition(", ")
-            collected.setdefault(f"throughput: {label} / transformers", []).append(
-                summary["total_token_throughput"] / hf["total_token_throughput"])
+            add(f"throughput: {label} / transformers",
+                ratio(summary["total_token_throughput"], hf["total_token_throughput"]))
             on = summaries.get(f"{mode}, cache on")
             if on is not None and run != "cache on":
-                collected.setdefault(f"throughput: {mode}, cache on / {run}", []).append(
-                    on["total_token_throughput"] / summary["total_token_throughput"])
+                add(f"throughput: {mode}, cache on / {run}",
+                    ratio(on["total_token_throughput"], summary["total_token_throughput"]))
             if run == "cache on":
-                collected.setdefault(f"latency mean: transformers / {label}", []).append(
-                    hf["latency_mean_s"] / summary["latency_mean_s"])
+                add(f"latency mean: transformers / {label}", ratio(hf["latency_mean_s"], summary["latency_mean_s"]))
     return {name: float(np.median(values)) for name, values in collected.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.benchmark.compare import launch_server, median_summary
+from radixserve.benchmark.compare import failed_requests, launch_server, median_summary, ratio
 from radixserve.benchmark.optimum import WorkloadBounds
 from radixserve.benchmark.serve import run_serve_benchmark
 from radixserve.benchmark.workloads import Workload
@@ -75,6 +75,7 @@ def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_
     texts: list[list[str | None]] = []
     ttfts: dict[str, list[float]] = {label: [] for label, _ in runs}
     failures: dict[str, str] = {}
+    request_failures: dict[str, str] = {}  # label -> how many requests failed and the commonest error
     for _ in range(repeat):
         for label, flags in runs:
             log_path = log_dir / f"server-{label.replace(' ', '-').replace('+', 'plus')}.log" if log_dir else None
@@ -87,6 +88,8 @@ def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_
                 failures[label] = str(exc)
                 continue
             each[label].append({**result.summary(), **{f"server_{k}": v for k, v in counters.items()}})
+            if (why := failed_requests(result)) is not None:
+                request_failures[label] = why
             texts.append([r.text if r.error is None else None for r in result.records])
             ttfts[label] += [r.ttft_s for r in result.records if r.error is None]
     summaries = {label: median_summary(runs_of) for label, runs_of in each.items() if runs_of}
@@ -95,7 +98,7 @@ def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_
         "prompt_tokens": workload.prompt_tokens, "working_set_tokens": working_set_tokens(workload),
         "page_size": page_size, "device_pages": device_pages, "host_pages": host_pages,
         "concurrency": concurrency, "repeat": repeat, "servers": summaries, "runs": each,
-        "server_failures": failures, "ttft_s": ttfts,
+        "server_failures": failures, "request_failures": request_failures, "ttft_s": ttfts,
     }
     if len(summaries) == 2:
         plain, tiered = summaries[DEVICE_ONLY], summaries[WITH_HOST]
@@ -107,10 +110,17 @@ def run_host_tier_comparison(workload: Workload, model_dir: str | Path, *, page_
         out.update(
             identical_outputs=mismatched == 0, mismatched_requests=mismatched,
             copy_s_per_token=copy, prefill_s_per_token=prefill,
-            ratios={
-                "ttft mean: device only / host tier": plain["ttft_mean_s"] / tiered["ttft_mean_s"],
-                "ttft p99: device only / host tier": plain["ttft_p99_s"] / tiered["ttft_p99_s"],
-                "throughput: host tier / device only": tiered["total_token_throughput"] / plain["total_token_throughput"],
-                "prefill time per token / copy time per token": prefill / copy if copy and prefill else None,
-            })
+            ratios=tier_ratios(plain, tiered, copy, prefill))
     return out
+
+
+def tier_ratios(plain: dict, tiered: dict, copy: float | None, prefill: float | None) -> dict[str, float | None]:
+    """The host tier's ratios to the device-only run (median summaries); None where a side
+    completed nothing (no TTFT, 0 tok/s) or a time per token is unknown."""
+    return {
+        "ttft mean: device only / host tier": ratio(plain["ttft_mean_s"], tiered["ttft_mean_s"]),
+        "ttft p99: device only / host tier": ratio(plain["ttft_p99_s"], tiered["ttft_p99_s"]),
+        "throughput: host tier / device only": ratio(tiered["total_token_throughput"],
+                                                     plain["total_token_throughput"]),
+        "prefill time per token / copy time per token": ratio(prefill, copy) if copy and prefill else None,
+    }
