@@ -166,10 +166,17 @@ def simulate_command(args: argparse.Namespace) -> int:
         sweep.append(obj)
         say(f"{format_capacity(capacity, host)}: " + ", ".join(
             f"{e['label']} {percent(e['hit_rate'])}{_recomputed(e)}" for e in obj["runs"])
-            + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}",
-            bar)
+            + f"; optimum {percent(obj['optimal_hit_rate'])}, infinite {percent(obj['infinite_hit_rate'])}"
+            + _skipped_status(obj["runs"], len(workload.requests)), bar)
     if bar:
         bar.close()
+    skipped = {format_capacity(capacity, host): _most_skipped(obj["runs"])
+               for (capacity, host), obj in zip(points, sweep)}
+    if (hopeless := [point for point, count in skipped.items() if count == len(workload.requests)]):
+        # Every policy would show 0% next to a non-zero optimum: nothing was measured.
+        say(f"error: at --capacity-tokens {', '.join(hopeless)} every request is too long for the pool "
+            f"(the longest needs {_longest_request(workload)} tokens and a page to spare); give a larger capacity")
+        return 2
     if len(sweep) == 1:
         result: dict[str, Any] = sweep[0]
     else:
@@ -186,6 +193,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     table = sweep_table(sweep)
     if args.window:
         table += "\n" + window_table(sweep, main.label(retention), replace(main, window=None).label(retention))
+    if any(skipped.values()):
+        table += "\n" + _skipped_note(skipped, len(workload.requests))
     print(table)
     if args.json:
         write_json(args.json, result)
@@ -201,6 +210,31 @@ def simulate_command(args: argparse.Namespace) -> int:
             plot_hit_rate_vs_capacity(sweep, args.plot, title=f"{workload.name}: hit rate vs capacity "
                                                               f"(page size {args.page_size})")
     return 0
+
+
+def _most_skipped(runs: list[dict[str, Any]]) -> int:
+    """The most requests any of a point's runs skipped (too long for its pool)."""
+    return max((int(run.get("skipped", 0)) for run in runs), default=0)
+
+
+def _skipped_status(runs: list[dict[str, Any]], requests: int) -> str:
+    """", N of M requests skipped (...)" for a status line where a run skipped requests."""
+    count = _most_skipped(runs)
+    return f", {count} of {requests} requests skipped (too long for the pool)" if count else ""
+
+
+def _skipped_note(skipped: dict[str, int], requests: int) -> str:
+    """The table's note on skipped requests: the hit rates count their prompt tokens as
+    misses, while the optimum and infinite bounds assume they ran."""
+    where = ", ".join(f"{count} at {point}" for point, count in skipped.items() if count)
+    return (f"Note: requests too long for the pool were skipped ({where}, of {requests}): their prompt "
+            "tokens count as misses in every hit rate, while the optimum and infinite bounds assume they "
+            "ran.\n")
+
+
+def _longest_request(workload: Workload) -> int:
+    """Prompt plus output tokens of the workload's longest request."""
+    return max(r.prompt_len + max(r.output_len, 1) for r in workload.requests)
 
 
 def _recomputed(run: dict[str, Any]) -> str:
@@ -250,7 +284,8 @@ def _simulate_cluster(args: argparse.Namespace, workload: Workload, capacities: 
         say(f"{format_tokens(capacity)} x {args.replicas}: " + ", ".join(
             f"{r['router']} {percent(r['hit_rate'])} (imbalance {r['replica_imbalance']:.2f}, "
             f"per {r['imbalance_window']} {r['windowed_imbalance']:.2f})" for r in result["runs"])
-            + f"; one replica with {args.replicas}x memory {percent(result['ideal_hit_rate'])}")
+            + f"; one replica with {args.replicas}x memory {percent(result['ideal_hit_rate'])}"
+            + _skipped_status(result["runs"], len(workload.requests)))
     table = cluster_table(results)
     print(table)
     if args.json:
