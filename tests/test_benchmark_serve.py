@@ -179,3 +179,25 @@ def test_ctrl_c_writes_what_finished_and_exits_130(server, tmp_path, capsys) -> 
     assert "| gsp |" in captured.out
     assert "Traceback" not in captured.err and captured.err.count("\n") == 1
     assert f"interrupted: {summary['completed']} of 200 requests finished" in captured.err
+
+
+def test_a_request_rate_means_an_open_loop(server, tmp_path, capsys) -> None:
+    """`--request-rate R` without `--open-loop` was silently a burst of 16 concurrent requests
+    (the closed loop never reads arrival times); `--concurrency` was silently ignored with
+    `--open-loop`. Now the rate implies the open loop, and the contradiction is refused."""
+    from radixserve.cli import main
+
+    url, _ = server
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--url", url, "--workload", "gsp", "--workload-args",
+            "num_groups=1,prompts_per_group=3,system_len=8,question_len=4,output_len=2", "--no-progress"]
+    assert main([*argv, "--request-rate", "1000", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["open_loop"] is True and summary["concurrency"] is None and summary["completed"] == 3
+    capsys.readouterr()
+    for extra in (["--request-rate", "5"], ["--open-loop"]):
+        assert main([*argv, *extra, "--concurrency", "4"]) == 2
+        err = capsys.readouterr().err
+        assert "error: --concurrency is the closed loop's" in err and err.count("\n") == 1
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["concurrency"] == 16

@@ -19,16 +19,31 @@ from radixserve.benchmark.report import serve_table
 
 
 INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
+DEFAULT_CONCURRENCY = 16
+
+
+def loop_settings(args: argparse.Namespace) -> tuple[bool, int | None]:
+    """(open loop, concurrency) of a `bench serve` command line. `--request-rate` implies
+    `--open-loop`: the closed loop never reads arrival times, so a rate without it was
+    silently a burst of `--concurrency` requests. `--concurrency` belongs to the closed loop:
+    ValueError with an open one rather than ignoring it."""
+    open_loop = args.open_loop or args.request_rate is not None
+    if open_loop and args.concurrency is not None:
+        raise ValueError("--concurrency is the closed loop's; --open-loop and --request-rate send each "
+                         "request at its arrival time (give one or the other)")
+    return open_loop, None if open_loop else (args.concurrency or DEFAULT_CONCURRENCY)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="drive a running server over HTTP (/v1/completions, token ids)")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     add_workload_args(p)
-    p.add_argument("--concurrency", type=positive_int, default=16,
-                   help="requests in flight (closed loop; default: %(default)s)")
+    p.add_argument("--concurrency", type=positive_int, default=None,
+                   help=f"requests in flight (closed loop; default: {DEFAULT_CONCURRENCY}); not with --open-loop "
+                        "or --request-rate")
     p.add_argument("--open-loop", action="store_true",
-                   help="send each request at its arrival time (trace timestamps or --request-rate)")
+                   help="send each request at its arrival time (trace timestamps or --request-rate; "
+                        "--request-rate implies it)")
     p.add_argument("--model", default=None, help="model name to put in requests")
     add_api_key_arg(p)
     p.add_argument("--vocab-size", type=positive_int, default=None,
@@ -47,14 +62,15 @@ def serve_command(args: argparse.Namespace) -> int:
 
     extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None and args.workload else {}
     try:
+        open_loop, concurrency = loop_settings(args)
         workload = load_workload(args, **extra)
     except ValueError as error:
         say(f"error: {error}")
         return 2
     try:
         # Ctrl-C: asyncio.run cancels the run, which returns what finished (interrupted).
-        result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=args.concurrency,
-                                                 open_loop=args.open_loop, model=args.model,
+        result = asyncio.run(run_serve_benchmark(args.url, workload, concurrency=concurrency,
+                                                 open_loop=open_loop, model=args.model,
                                                  timeout_s=args.timeout_s, progress=not args.no_progress,
                                                  api_key=args.api_key, keep_on_cancel=True))
     except KeyboardInterrupt:  # a second Ctrl-C, or one that came before the run began
@@ -64,7 +80,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if summary["completed"]:
         print(serve_table({workload.name: summary}))
     if args.json:
-        write_json(args.json, summary | {"error_messages": dict(result.errors())})
+        write_json(args.json, summary | {"open_loop": open_loop, "concurrency": concurrency,
+                                         "error_messages": dict(result.errors())})
     if result.interrupted:
         failed = summary["errors"] - sum(1 for r in result.records if r.error == "interrupted")
         say(f"interrupted: {summary['completed']} of {summary['requests']} requests finished"
