@@ -44,3 +44,54 @@ def test_simulate_refuses_a_capacity_every_request_is_too_long_for(tmp_path: Pat
     err = capsys.readouterr().err
     assert "error: at --capacity-tokens 1k every request is too long for the pool (the longest needs 2004" in err
     assert not out.exists()
+
+
+def _bench_parse(argv: list[str]):  # -> argparse.Namespace
+    from radixserve.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
+
+
+@pytest.fixture
+def fake_bench_model(tmp_path: Path) -> Path:
+    """A directory `build_bench_model` takes as built (it only reads config.json's vocabulary)."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+    return tmp_path
+
+
+def test_compare_and_tiers_default_arguments_fit_every_workload(fake_bench_model: Path) -> None:
+    """The default --workload-args were gsp's for compare and multiturn's for tiers, given to
+    whichever generator was chosen: `tiers --workload agent` (one of its two choices) and
+    `compare --workload` anything but gsp raised TypeError."""
+    from radixserve.benchmark.cli_compare import _bench_model_and_workload
+    from radixserve.benchmark.workloads import WORKLOADS
+
+    cases = [("compare", name) for name in sorted(WORKLOADS)] + [("tiers", "multiturn"), ("tiers", "agent")]
+    for command, name in cases:
+        args = _bench_parse([command, "--workload", name, "--model-dir", str(fake_bench_model)])
+        _, workload, _ = _bench_model_and_workload(args)
+        # CPU-sized: tens of requests, none longer than the bench model's 8,192 positions.
+        assert 1 <= len(workload.requests) <= 100, (command, name)
+        assert max(r.prompt_len + r.output_len for r in workload.requests) <= 4096, (command, name)
+    # --workload-args override the workload's defaults, one key at a time
+    args = _bench_parse(["compare", "--workload", "gsp", "--workload-args", "output_len=3",
+                         "--model-dir", str(fake_bench_model)])
+    _, workload, params = _bench_model_and_workload(args)
+    assert params["output_len"] == 3 and params["system_len"] == 512 and len(workload.requests) == 32
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["compare", "--workload-args", "bogus=1"], "error: --workload-args: gsp takes no 'bogus'"),
+    (["compare", "--workload-args", "num_groups"], "error: --workload-args: expected KEY=VALUE"),
+    (["compare", "--workload-args", "system_len=abc"], "error: --workload-args 'system_len=abc': "),
+    (["compare", "--workload-args", "num_groups=2.5"], "error: --workload-args 'num_groups=2.5': "),
+    (["tiers", "--workload", "agent", "--workload-args", "num_clients=4"],
+     "error: --workload-args: agent takes no 'num_clients'"),
+])
+def test_compare_and_tiers_refuse_bad_workload_arguments_in_one_line(
+        argv: list[str], message: str, fake_bench_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was a traceback (TypeError, ValueError, numpy's _UFuncNoLoopError)."""
+    assert main(["bench", *argv, "--model-dir", str(fake_bench_model), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1

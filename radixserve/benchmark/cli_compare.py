@@ -7,19 +7,49 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from radixserve.benchmark.cli_common import parse_workload_args, positive_float, positive_int, say, write_json
+from radixserve.benchmark.cli_common import (
+    check_workload_args,
+    parse_workload_args,
+    positive_float,
+    positive_int,
+    say,
+    write_json,
+)
 from radixserve.benchmark.lengths import LENGTH_DISTRIBUTIONS
 from radixserve.benchmark.report import plot_ttft_cdf, serve_table
 from radixserve.benchmark.workloads import WORKLOADS, Workload, make_workload
+
+# CPU-sized generator arguments per workload (a few hundred to a few thousand tokens per
+# request, tens of requests), under --workload-args' overrides. One default for every
+# workload crashed: gsp's keywords given to few_shot, multiturn's to agent_loop.
+COMPARE_WORKLOAD_ARGS: dict[str, str] = {
+    "gsp": "num_groups=4,prompts_per_group=8,system_len=512,question_len=64,output_len=16",
+    "fewshot": "num_tasks=2,num_examples=4,example_len=128,questions_per_task=16,question_len=64,output_len=16",
+    "multiturn": "num_clients=8,num_turns=4,num_system_prompts=2,system_len=256,message_len=48,output_len=16",
+    "agent": "num_agents=4,num_steps=4,system_len=512,task_len=64,tool_len=128,output_len=16",
+    "tools": "num_agents=4,num_steps=4,num_toolsets=2,system_len=256,tools_len=256,task_len=64,call_len=16,"
+             "result_len=64",
+    "gapped-chat": "num_conversations=8,max_turns=4,num_system_prompts=2,system_len=256,message_len=48,"
+                   "output_len=16",
+    "chat-crowd": "num_conversations=8,token_scale=0.1",
+    "chat-gaps": "num_conversations=4,token_scale=0.1",
+    "agent-tools": "num_agents=4,token_scale=0.1",
+    "scan": "num_requests=32,token_scale=0.1",
+    "zipf-docs": "num_docs=8,num_requests=32,token_scale=0.1",
+}
+TIERS_WORKLOAD_ARGS: dict[str, str] = {
+    "multiturn": "num_clients=16,num_turns=6,num_system_prompts=2,system_len=128,message_len=48,output_len=24",
+    "agent": "num_agents=8,num_steps=4,system_len=128,task_len=48,tool_len=64,output_len=24",
+}
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="cache on vs off vs transformers generate, on a random bench Llama")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp",
                    help="synthetic workload (default: %(default)s)")
-    p.add_argument("--workload-args", default="num_groups=4,prompts_per_group=8,system_len=512,"
-                                              "question_len=64,output_len=16",
-                   help="generator overrides (default: a CPU-sized gsp)")
+    p.add_argument("--workload-args", default="", metavar="K=V,...",
+                   help="generator overrides on top of the workload's CPU-sized defaults (for gsp: "
+                        f"{COMPARE_WORKLOAD_ARGS['gsp']})")
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
     p.add_argument("--concurrency", type=positive_int, default=8,
@@ -45,7 +75,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
     _add_run_outputs(p)
-    p.set_defaults(handler=compare_command)
+    p.set_defaults(handler=compare_command, default_workload_args=COMPARE_WORKLOAD_ARGS)
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -54,7 +84,11 @@ def compare_command(args: argparse.Namespace) -> int:
     from radixserve.benchmark.lengths import with_varied_output_lengths, with_varied_prompt_lengths
     from radixserve.benchmark.inprocess import breakdown_table
 
-    model_dir, workload, params = _bench_model_and_workload(args)
+    try:
+        model_dir, workload, params = _bench_model_and_workload(args)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
     if args.vary_prompt:
         workload = with_varied_prompt_lengths(workload, params["vocab_size"], args.seed, args.length_dist)
     if args.vary_output:
@@ -92,9 +126,9 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
                                      "the host tier, on a random bench Llama")
     p.add_argument("--workload", choices=["multiturn", "agent"], default="multiturn",
                    help="the conversation workload (default: %(default)s)")
-    p.add_argument("--workload-args", default="num_clients=16,num_turns=6,num_system_prompts=2,system_len=128,"
-                                              "message_len=48,output_len=24",
-                   help="generator overrides (default: a CPU-sized multiturn)")
+    p.add_argument("--workload-args", default="", metavar="K=V,...",
+                   help="generator overrides on top of the workload's CPU-sized defaults (for multiturn: "
+                        f"{TIERS_WORKLOAD_ARGS['multiturn']})")
     p.add_argument("--device-fraction", type=float, default=0.25,
                    help="device pool as a fraction of the working set (default: %(default)s)")
     p.add_argument("--host-factor", type=positive_float, default=2.0,
@@ -109,14 +143,18 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     _add_run_outputs(p)
-    p.set_defaults(handler=tiers_command)
+    p.set_defaults(handler=tiers_command, default_workload_args=TIERS_WORKLOAD_ARGS)
 
 
 def tiers_command(args: argparse.Namespace) -> int:
     """`radixserve bench tiers`."""
     from radixserve.benchmark.host_tier import run_host_tier_comparison
 
-    model_dir, workload, _ = _bench_model_and_workload(args)
+    try:
+        model_dir, workload, _ = _bench_model_and_workload(args)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
     result = run_host_tier_comparison(workload, model_dir, page_size=args.page_size,
                                       device_fraction=args.device_fraction, host_factor=args.host_factor,
                                       concurrency=args.concurrency, repeat=args.repeat,
@@ -174,12 +212,24 @@ def _add_run_outputs(p: argparse.ArgumentParser) -> None:
                    help="local port the benchmark's servers listen on, one at a time (default: a free one)")
 
 
+def workload_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The generator arguments of compare/tiers: the workload's defaults, then
+    `--workload-args`; ValueError on a malformed item or a keyword the generator lacks."""
+    overrides = {**parse_workload_args(args.default_workload_args.get(args.workload, "")),
+                 **parse_workload_args(args.workload_args)}
+    check_workload_args(args.workload, overrides)
+    return overrides
+
+
 def _bench_model_and_workload(args: argparse.Namespace) -> tuple[Path, Workload, dict[str, Any]]:
     """The bench model (built if missing), the workload over its vocabulary, and the
-    workload's parameters."""
+    workload's parameters. ValueError for arguments the generator refuses."""
     from radixserve.benchmark.compare import build_bench_model, model_vocab_size
 
+    overrides = workload_overrides(args)  # before building the model: a bad flag fails at once
     model_dir = build_bench_model(args.model_dir)
-    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir),
-              **parse_workload_args(args.workload_args)}
-    return model_dir, make_workload(args.workload, **params), params
+    params = {"seed": args.seed, "vocab_size": model_vocab_size(model_dir), **overrides}
+    try:
+        return model_dir, make_workload(args.workload, **params), params
+    except (TypeError, ValueError) as error:  # e.g. a count given as 2.5 or a length as 'abc'
+        raise ValueError(f"--workload-args {args.workload_args!r}: {error}") from error

@@ -88,6 +88,9 @@ class CacheRoutes:
         self.views = engine.cache_views() if hasattr(engine, "cache_views") else CacheViews(engine)
         self.idle_closed = 0  # event streams closed for idleness
         self.on_flush = on_flush  # what else a flush forgets (the server's generated turns)
+        # When this server process began (stats' `started`): the counters are cumulative since
+        # then, so a client taking their differences knows when they started again from zero.
+        self.started = round(time.time(), 3)
 
     def routes(self) -> list[Route]:
         """The routes to append to the app's."""
@@ -124,7 +127,8 @@ class CacheRoutes:
             if stats is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             # No pool-wide counter: they would tell of the other tenants' traffic.
-            return _json({"object": "cache.stats", "time": time.time(), "tenant": caller.tenant, **stats,
+            return _json({"object": "cache.stats", "time": time.time(), "started": self.started,
+                          "tenant": caller.tenant, **stats,
                           "requests": None, "lookups": None, "ttft": None, "histograms": None,
                           "hit_rate": None, "expose_tokens": self.expose_tokens})
         s = self.engine.stats()
@@ -142,7 +146,7 @@ class CacheRoutes:
             "pages_evicted": s["cache_host_evicted_pages"],
         }
         body = {
-            "object": "cache.stats", "time": time.time(), "page_size": s["page_size"],
+            "object": "cache.stats", "time": time.time(), "started": self.started, "page_size": s["page_size"],
             "tiers": {"device": device, "host": host},
             "nodes": s["cache_nodes"],
             "requests": {key: s[key] for key in ("requests_finished", "requests_aborted", "running", "waiting",

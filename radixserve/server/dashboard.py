@@ -1,9 +1,9 @@
 """GET /dashboard: one page, served by the server itself, that draws the cache live.
 
-The page (static/dashboard.html, .js, .css; no library, no CDN, no build step) polls
+The page (static/dashboard.html, .js, .css and its icon; no library, no CDN, no build step) polls
 /v1/cache/stats and /v1/cache/tree with the browser's fetch and draws with SVG. The page itself
 holds no data, so it needs no key; its API calls carry the key the operator gives it once (the
-URL fragment `#key=...` or a form; see docs/server.md).
+form, or the URL fragment `#key=...`, which the browser keeps in its history; see docs/server.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from radixserve.server.errors import APIError
 _STATIC = files("radixserve.server") / "static"
 _MEDIA_TYPES = {"dashboard.html": "text/html; charset=utf-8",
                 "dashboard.js": "text/javascript; charset=utf-8",
-                "dashboard.css": "text/css; charset=utf-8"}
+                "dashboard.css": "text/css; charset=utf-8",
+                "favicon.svg": "image/svg+xml"}
 # Everything comes from this origin; no inline script, so injected markup could not run.
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
@@ -32,7 +33,7 @@ _HEADERS = {
 
 
 class Dashboard:
-    """Serves the dashboard's three files, read once."""
+    """Serves the dashboard's files (page, script, style, icon), read once."""
 
     def __init__(self) -> None:
         self.files = {name: (_STATIC / name).read_bytes() for name in _MEDIA_TYPES}
@@ -47,7 +48,7 @@ class Dashboard:
         return self._file("dashboard.html")
 
     async def asset(self, request: Request) -> Response:
-        """GET /dashboard/dashboard.js and /dashboard/dashboard.css."""
+        """GET /dashboard/dashboard.js, /dashboard/dashboard.css and /dashboard/favicon.svg."""
         name = request.path_params["name"]
         if name not in self.files or name == "dashboard.html":
             raise APIError(404, f"No dashboard file {name!r}", code="not_found")

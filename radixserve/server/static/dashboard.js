@@ -10,6 +10,13 @@
   const TREE_MS = Number(query.get("tree_ms")) || 2000;
   const MAX_NODES = Number(query.get("max_nodes")) || 2000;
   const MAX_DEPTH = Number(query.get("max_depth")) || 32;
+  // A request with no answer by then is given up (a stalled engine never answers a tree
+  // request: it waits for the engine thread), and the next poll tries again.
+  const TREE_TIMEOUT_MS = Number(query.get("tree_timeout_ms")) || Math.max(15000, 4 * TREE_MS);
+  const STATS_TIMEOUT_MS = Math.max(10000, 4 * STATS_MS);
+  const HEALTH_MS = Math.max(2000, STATS_MS);
+  // A tree older than this is marked stale (its age is always shown).
+  const STALE_MS = Math.max(10000, 3 * TREE_MS);
   const HISTORY = 120; // points kept in the time charts
   const COLOURS = { running: "#7b5cd6", locked: "#d9534f", evictable: "#4a7bd0", free: "#e6e8ee",
                     host: "#e39a2d", namespace: "#8891a8", device: "#4a7bd0", replica: "#5b6478" };
@@ -19,6 +26,7 @@
     key: null, tree: null, stats: null, previous: null, history: [], selected: null,
     colour: "priority", drawnNodes: 0, renderMs: null, frameMs: null, treeFetchMs: null,
     treeUpdates: 0, statsUpdates: 0, errors: 0, lastError: null,
+    treeAt: null, treeError: null, treeStarted: null, health: null, historyResets: 0,
     refreshTree: () => pollTree(true), refreshStats: () => pollStats(true),
     select: (id) => select(findNode(id)),
   };
@@ -26,11 +34,13 @@
   const $ = (selector) => document.querySelector(selector);
 
   // ------------------------------------------------------------------ API key
-  // The key comes from the URL fragment (#key=..., never sent to the server nor logged) or the
-  // form shown after a 401; it is kept in sessionStorage (this tab only) and the fragment is
-  // removed from the address bar at once, before anything that could fail. Its value is
-  // URL-encoded (a key holding "&" or "%" is written %26, %25); one that does not decode (a
-  // stray "%") is taken as it is, and a wrong key gets the form after its 401.
+  // The key comes from the form (the "API key" button, or shown after a 401), or from the URL
+  // fragment (#key=..., never sent to the server nor logged, but the browser has written the
+  // address into its history before this script runs: for throwaway profiles only). It is
+  // kept in sessionStorage (this tab only, nothing persistent) and the fragment is removed
+  // from the address bar at once, before anything that could fail. Its value is URL-encoded
+  // (a key holding "&" or "%" is written %26, %25); one that does not decode (a stray "%") is
+  // taken as it is, and a wrong key gets the form after its 401.
   function loadKey() {
     const match = /(?:^#|&)key=([^&]*)/.exec(location.hash);
     if (match) {
@@ -46,10 +56,22 @@
     $("#keyform").hidden = false;
   }
 
+  // fetch, given up after `timeoutMs` with an error that says so.
+  async function fetchWithin(path, init, timeoutMs) {
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), timeoutMs);
+    try {
+      return await fetch(path, { ...init, signal: abort.signal, cache: "no-store" });
+    } catch (error) {
+      if (abort.signal.aborted) throw new Error(`no answer in ${(timeoutMs / 1000).toFixed(1)} s`);
+      throw error;
+    } finally { clearTimeout(timer); }
+  }
+
   // `path` is relative ("v1/cache/stats"): the app's own under a route prefix (dashboard.html).
-  async function api(path, init = {}) {
+  async function api(path, init = {}, timeoutMs = STATS_TIMEOUT_MS) {
     const headers = state.key ? { Authorization: "Bearer " + state.key } : {};
-    const response = await fetch(path, { ...init, headers, cache: "no-store" });
+    const response = await fetchWithin(path, { ...init, headers }, timeoutMs);
     if (response.status === 401) {
       askForKey();
       throw new Error("this server needs its API key");
@@ -63,23 +85,30 @@
   }
 
   // ------------------------------------------------------------------ polling
-  let treeBusy = false, statsBusy = false;
+  let treeBusy = false, statsBusy = false, treeLoop = false;
 
   async function pollTree(once) {
     if (!treeBusy) {
       treeBusy = true;
+      state.treeStarted = Date.now();
       try {
         const started = performance.now();
         // Token text is asked for only where the operator exposed it (the stats say so).
         const tokens = state.stats && state.stats.expose_tokens ? "&tokens=true" : "";
-        const tree = await api(`v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true${tokens}`);
+        const tree = await api(`v1/cache/tree?max_nodes=${MAX_NODES}&max_depth=${MAX_DEPTH}&hashes=true${tokens}`,
+                               {}, TREE_TIMEOUT_MS);
         state.treeFetchMs = performance.now() - started;
         state.tree = tree;
+        state.treeAt = Date.now();
+        state.treeError = null;
         renderTree();
         renderTop();
         state.treeUpdates += 1;
         ok();
-      } catch (error) { fail(error); } finally { treeBusy = false; }
+      } catch (error) {
+        state.treeError = String(error.message || error);
+        fail(error, "tree");
+      } finally { treeBusy = false; state.treeStarted = null; renderTreeAge(); }
     }
     if (!once) setTimeout(pollTree, TREE_MS);
   }
@@ -93,37 +122,93 @@
         renderStats();
         state.statsUpdates += 1;
         ok();
-      } catch (error) { fail(error); } finally { statsBusy = false; }
+      } catch (error) {
+        state.previous = null; // no rate across a gap (the server may have restarted meanwhile)
+        fail(error, "stats");
+      } finally { statsBusy = false; }
     }
     if (!once) setTimeout(pollStats, STATS_MS);
+    // The tree loop starts once the stats have answered (or failed): its first request then
+    // knows whether to ask for token text.
+    if (!treeLoop) { treeLoop = true; pollTree(); }
+  }
+
+  // GET /health needs no key: 503 with the reason while the engine loop is stalled. The stats
+  // come from what the engine published last, so they go on answering through a stall.
+  async function pollHealth() {
+    try {
+      const response = await fetchWithin("health", {}, STATS_TIMEOUT_MS);
+      let body = null;
+      try { body = await response.json(); } catch (_) { /* not JSON */ }
+      state.health = response.ok ? { ok: true, reason: null }
+        : { ok: false, reason: (body && body.reason) || `HTTP ${response.status}` };
+    } catch (error) {
+      state.health = { ok: false, reason: "no answer: " + String(error.message || error) };
+    }
+    renderHealth();
+    setTimeout(pollHealth, HEALTH_MS);
+  }
+
+  function renderHealth() {
+    const el = $("#health");
+    const unhealthy = state.health && !state.health.ok;
+    el.hidden = !unhealthy;
+    el.textContent = unhealthy ? "engine unhealthy: " + state.health.reason : "";
+  }
+
+  // The tree's own age, apart from the stats': a tree request waits for the engine thread.
+  function renderTreeAge() {
+    const el = $("#tree-age");
+    const now = Date.now();
+    const parts = [];
+    if (state.treeAt !== null) parts.push(`tree from ${Math.round((now - state.treeAt) / 1000)} s ago`);
+    if (state.treeStarted !== null && now - state.treeStarted > TREE_MS) {
+      parts.push(`waiting ${Math.round((now - state.treeStarted) / 1000)} s for the engine`);
+    }
+    if (state.treeError) parts.push("error: " + state.treeError);
+    el.textContent = parts.join(" · ");
+    const stale = state.treeError !== null || (state.treeAt !== null && now - state.treeAt > STALE_MS);
+    el.className = stale ? "stale" : "dim";
+    el.dataset.stale = String(stale);
   }
 
   function ok() {
     const tree = state.tree;
-    const parts = [`updated ${new Date().toLocaleTimeString()}`];
+    const parts = [`stats ${new Date().toLocaleTimeString()}`];
     if (tree) {
       parts.push(`${tree.nodes_shown.toLocaleString()} of ${tree.nodes_total.toLocaleString()} nodes drawn`);
-      parts.push(`snapshot ${tree.took_ms.toFixed(1)} ms on the engine thread`);
+      parts.push(`tree copy ${tree.took_ms.toFixed(1)} ms on the engine thread`);
       parts.push(`fetch ${state.treeFetchMs.toFixed(0)} ms, render ${state.renderMs.toFixed(1)} ms`);
     }
     $("#status").textContent = parts.join(" · ");
     $("#status").className = "dim";
   }
 
-  function fail(error) {
+  function fail(error, what) {
     state.errors += 1;
     state.lastError = String(error.message || error);
-    $("#status").textContent = "error: " + state.lastError;
+    $("#status").textContent = `error (${what}): ${state.lastError}`;
     $("#status").className = "error";
   }
 
-  // Rates over each polling interval come from differences of the cumulative counters.
+  // Rates over each polling interval come from differences of the cumulative counters, of one
+  // server process: after a restart (another `started`), or a counter that went down (a reset),
+  // the series starts again rather than plot the difference of two processes' counters.
   function record(stats) {
     const before = state.previous;
     state.stats = stats;
     state.previous = stats;
-    if (!before || stats.requests === null) return; // a tenant's key: no pool-wide counters
+    // A tenant's key has no pool-wide counters (nor had the one before a switch of keys).
+    if (!before || stats.requests === null || before.requests === null) return;
     const delta = (get) => get(stats) - get(before);
+    const counters = [(s) => s.requests.prompt_tokens, (s) => s.requests.cached_tokens,
+                      (s) => s.requests.requests_finished, (s) => s.lookups.tokens,
+                      (s) => s.lookups.hit_tokens, (s) => s.ttft.count, (s) => s.ttft.sum];
+    if (stats.started !== before.started || counters.some((get) => delta(get) < 0)) {
+      state.history = [];
+      state.historyResets += 1;
+      return;
+    }
     const prompt = delta((s) => s.requests.prompt_tokens);
     const lookups = delta((s) => s.lookups.tokens);
     const ttftCount = delta((s) => s.ttft.count);
@@ -377,7 +462,8 @@
     const host = document.createElement("span");
     host.textContent = s.tiers.host ? `host: ${s.tiers.host.pages_cached}` : "host tier: none";
     legend.append(host);
-    $("#pool-summary").textContent = `${d.pages_total.toLocaleString()} pages × ${s.page_size} tokens`;
+    $("#pool-summary").textContent = `${d.pages_total.toLocaleString()} pages × ${s.page_size} tokens · ` +
+      `${s.requests.running} running, ${s.requests.waiting} waiting`;
     $("#hit-now").textContent = `${(100 * s.hit_rate).toFixed(1)}% of prompt tokens cached overall`;
     $("#hit-now").dataset.value = String(s.hit_rate);
     const meanTtft = s.ttft.count ? s.ttft.sum / s.ttft.count : null;
@@ -437,6 +523,10 @@
       const id = event.target.dataset && event.target.dataset.id;
       if (id !== undefined) select(findNode(Number(id)));
     });
+    $("#key-button").addEventListener("click", () => {
+      askForKey();
+      $("#key").focus();
+    });
     $("#keyform").addEventListener("submit", (event) => {
       event.preventDefault();
       state.key = $("#key").value.trim() || null;
@@ -456,6 +546,7 @@
 
   loadKey();
   bind();
-  pollStats();
-  pollTree();
+  pollStats(); // and the tree loop, once the stats have answered
+  pollHealth();
+  setInterval(renderTreeAge, 1000);
 })();

@@ -1,0 +1,124 @@
+"""Smaller dashboard behaviours in headless Chromium against a real server: no failed request
+on load, the first tree asks for text where it is exposed, switching keys through the form,
+and the key form reachable without a 401."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from browser_util import headless_chromium, wait_until
+from server_util import running_server
+
+from radixserve import AsyncEngine, Engine, SamplingParams
+from radixserve.server import create_app
+from radixserve.server.tenancy import Caller
+
+KEYS = {"key-acme": Caller("acme", admin=False)}
+ADMIN = "key-admin"
+POLL = "tree_ms=200&stats_ms=200"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with headless_chromium() as context:
+        yield context
+
+
+@pytest.fixture(scope="module")
+def tiered_url() -> Iterator[str]:
+    """A server with a host tier, tokens exposed, a tenant and an admin key, whose cache holds
+    pages on the device only, on the host only, and on both (loaded back, their host copy kept)."""
+    engine = Engine(model="demo", page_size=4, num_pages=48, host_num_pages=128)
+    prompts = [[i * 50 + j for j in range(1, 81)] for i in range(4)]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for prompt in prompts + prompts[:1]:  # the device fills and offloads; the first loads back
+        engine.generate([prompt], params)
+    app = create_app(AsyncEngine(engine), expose_cache_tokens=True, tenant_keys=KEYS, admin_api_key=ADMIN)
+    with running_server(app) as url:
+        yield url
+
+
+def views(node: dict[str, Any]) -> list[dict[str, Any]]:
+    out, stack = [], list(node.get("children", []))
+    while stack:
+        view = stack.pop()
+        out.append(view)
+        stack.extend(view.get("children", []))
+    return out
+
+
+
+def test_no_request_fails_on_load(tiered_url: str) -> None:
+    """The browser asked for /favicon.ico, a 404 and a console error on every load. (A browser
+    of its own: one that met the 404 already does not ask again.)"""
+    with headless_chromium() as context:
+        check_no_request_fails(tiered_url, context.new_page())
+
+
+def check_no_request_fails(tiered_url: str, page: Any) -> None:
+    failed: list[str] = []
+    console: list[str] = []
+    page.on("response", lambda response: failed.append(f"{response.status} {response.url}")
+            if response.status >= 400 else None)
+    page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
+    icons: list[int] = []
+    page.on("response", lambda response: icons.append(response.status) if "favicon" in response.url else None)
+    page.goto(f"{tiered_url}/dashboard?{POLL}#key={ADMIN}")
+    wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 2"), "two trees")
+    # The browser asks for an icon on its own schedule: its answer, or the console's error.
+    wait_until(page, lambda: bool(icons or console), "the icon's answer")
+    assert failed == [] and console == [] and icons == [200]
+    assert httpx.get(f"{tiered_url}/dashboard/favicon.svg").headers["content-type"] == "image/svg+xml"
+    page.close()
+
+
+def test_the_first_tree_asks_for_text_where_it_is_exposed(tiered_url: str, browser: Any) -> None:
+    """The tree loop started with the stats loop, before the stats said `expose_tokens`: the
+    first tree came without text, and the top table told to start the server with the flag."""
+    page = browser.new_page()
+    trees: list[str] = []
+    page.on("request", lambda request: trees.append(request.url) if "/v1/cache/tree" in request.url else None)
+    page.goto(f"{tiered_url}/dashboard?tree_ms=60000&stats_ms=60000#key={ADMIN}")
+    wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1"), "the first tree")
+    assert trees and "tokens=true" in trees[0]
+    assert "expose-cache-tokens" not in page.text_content("#top tbody")
+    page.close()
+
+
+def test_switching_from_a_tenants_key_to_an_admins(tiered_url: str, browser: Any) -> None:
+    """The first admin stats after a tenant's were taken as a difference with the tenant's
+    (which carry no pool-wide counters): a TypeError, an error on the page."""
+    page = browser.new_page()
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+    page.goto(f"{tiered_url}/dashboard?{POLL}#key=key-acme")
+    wait_until(page, lambda: page.evaluate("radixDashboard.statsUpdates >= 2"), "a tenant's stats")
+    assert page.evaluate("radixDashboard.stats.requests") is None
+    page.evaluate("document.querySelector('#keyform').hidden = false")
+    page.fill("#key", ADMIN)
+    page.click("#keyform button[type=submit]")
+    wait_until(page, lambda: page.evaluate("radixDashboard.stats.requests !== null"), "an admin's stats")
+    updates = page.evaluate("radixDashboard.statsUpdates")
+    wait_until(page, lambda: page.evaluate(f"radixDashboard.statsUpdates >= {updates + 2}"), "two more polls")
+    assert page.evaluate("radixDashboard.errors") == 0 and page_errors == []
+    page.close()
+
+
+def test_the_key_form_opens_without_a_401(tiered_url: str, browser: Any) -> None:
+    """The form is the way in (a key in the URL stays in the browser's history): a button
+    opens it at any time, and it says what `#key=` costs."""
+    page = browser.new_page()
+    page.goto(f"{tiered_url}/dashboard?tree_ms=60000&stats_ms=60000")
+    page.wait_for_selector("#keyform", state="visible")  # the first 401
+    page.evaluate("document.querySelector('#keyform').hidden = true")
+    page.click("#key-button")
+    page.wait_for_selector("#keyform", state="visible")
+    assert "history" in page.text_content("#keyform")
+    page.fill("#key", ADMIN)
+    page.click("#keyform button[type=submit]")
+    wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1"), "the tree with the key")
+    assert page.evaluate("[sessionStorage.getItem('radixserve-api-key'), localStorage.length]") == [ADMIN, 0]
+    page.close()
