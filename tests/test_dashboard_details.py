@@ -1,6 +1,6 @@
-"""Smaller dashboard behaviours in headless Chromium against a real server: no failed request
-on load, the first tree asks for text where it is exposed, switching keys through the form,
-and the key form reachable without a 401."""
+"""Smaller dashboard behaviours in headless Chromium against a real server: the tier colours,
+no failed request on load, the first tree asks for text where it is exposed, switching keys
+through the form and the key form reachable without a 401."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from radixserve.server.tenancy import Caller
 KEYS = {"key-acme": Caller("acme", admin=False)}
 ADMIN = "key-admin"
 POLL = "tree_ms=200&stats_ms=200"
+DEVICE_AND_HOST = "#2ca58d"
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,24 @@ def views(node: dict[str, Any]) -> list[dict[str, Any]]:
         stack.extend(view.get("children", []))
     return out
 
+
+def test_pages_on_both_tiers_have_a_colour_and_a_legend(tiered_url: str, browser: Any) -> None:
+    """`device+host` nodes were drawn in the fallback grey (nearly the aggregates' grey), and
+    the legend and the hover text did not name the tier."""
+    page = browser.new_page()
+    page.goto(f"{tiered_url}/dashboard?{POLL}#key={ADMIN}")
+    wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1"), "the first tree")
+    tree = page.evaluate("radixDashboard.tree")
+    both = [v["id"] for v in views(tree["root"]) if v.get("tier") == "device+host"]
+    assert both and any(v.get("tier") == "host" for v in views(tree["root"]))
+    page.select_option("#colour", "tier")
+    fills = page.eval_on_selector_all("#tree rect", "rs => rs.map(r => [Number(r.dataset.id), r.getAttribute('fill')])")
+    assert "#999" not in {fill for _, fill in fills}
+    assert {fill for i, fill in fills if i in both} == {DEVICE_AND_HOST}
+    assert "device+host" in page.text_content("#legend")
+    title = page.text_content(f'#tree rect[data-id="{both[0]}"] title')
+    assert title.startswith("device+host: ")
+    page.close()
 
 
 def test_no_request_fails_on_load(tiered_url: str) -> None:

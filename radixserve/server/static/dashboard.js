@@ -19,7 +19,9 @@
   const STALE_MS = Math.max(10000, 3 * TREE_MS);
   const HISTORY = 120; // points kept in the time charts
   const COLOURS = { running: "#7b5cd6", locked: "#d9534f", evictable: "#4a7bd0", free: "#e6e8ee",
-                    host: "#e39a2d", namespace: "#8891a8", device: "#4a7bd0", replica: "#5b6478" };
+                    host: "#e39a2d", "device+host": "#2ca58d", namespace: "#8891a8", device: "#4a7bd0",
+                    replica: "#5b6478" };
+  const AGGREGATE_COLOUR = "#c9ccd6";
 
   // Everything the page knows, exposed for the browser tests and for curious operators.
   const state = {
@@ -232,7 +234,7 @@
   function nodeColour(node, tree) {
     if (node.kind === "namespace") return COLOURS.namespace;
     if (node.kind === "replica") return COLOURS.replica; // a cluster's view: one per replica
-    if (node.kind === "aggregate") return "#c9ccd6";
+    if (node.kind === "aggregate") return AGGREGATE_COLOUR;
     if (state.colour === "tier") return COLOURS[node.tier] || "#999";
     if (state.colour === "recency") {
       // Rank by the recency counter: dark = used most recently.
@@ -341,8 +343,9 @@
       item("hsl(150, 45%, 88%)", "least recent"); item("hsl(150, 45%, 33%)", "most recent");
     } else {
       item(COLOURS.device, "device"); item(COLOURS.host, "host");
+      item(COLOURS["device+host"], "device+host (a copy on each)");
     }
-    item("#c9ccd6", "aggregated small subtrees");
+    item(AGGREGATE_COLOUR, "aggregated small subtrees");
     legend.append("Width ∝ cached pages in the subtree; black outline: locked (in use); gold: top prefix.");
   }
 
@@ -356,7 +359,7 @@
     }
     if (node.kind === "aggregate") return `${node.subtree_nodes} smaller subtrees, ${node.pages} pages`;
     if (node.kind === "namespace") return `namespace ${node.namespace}: ${node.subtree_pages} pages`;
-    return `${node.pages} pages (${node.tokens} tokens) at ${node.prefix_tokens} tokens deep, ` +
+    return `${node.tier}: ${node.pages} pages (${node.tokens} tokens) at ${node.prefix_tokens} tokens deep, ` +
       `${node.hits} hits, priority ${node.priority}`;
   }
 
