@@ -1,6 +1,7 @@
 """Smaller dashboard behaviours in headless Chromium against a real server: the tier colours,
 no failed request on load, the first tree asks for text where it is exposed, switching keys
-through the form and the key form reachable without a 401."""
+through the form, the key form reachable without a 401, and a selection that does not jump
+to another node when the tree changes."""
 
 from __future__ import annotations
 
@@ -141,3 +142,42 @@ def test_the_key_form_opens_without_a_401(tiered_url: str, browser: Any) -> None
     wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1"), "the tree with the key")
     assert page.evaluate("[sessionStorage.getItem('radixserve-api-key'), localStorage.length]") == [ADMIN, 0]
     page.close()
+
+
+def test_a_selected_node_without_a_hash_is_not_taken_for_another(browser: Any) -> None:
+    """A node with no page hash (a partial leaf) was found again by its id, a position in one
+    snapshot: once the tree changed, the details showed another node as the one clicked."""
+    engine = Engine(model="demo", page_size=4, num_pages=256)
+    with running_server(create_app(AsyncEngine(engine))) as url, httpx.Client(base_url=url, timeout=60) as client:
+        def complete(prompt: list[int], **extra: Any) -> None:
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                            **extra})
+            assert response.status_code == 200, response.text
+
+        complete(list(range(10, 20)))  # 2 pages and a partial one
+        page = browser.new_page()
+        page.goto(f"{url}/dashboard?tree_ms=60000&stats_ms=60000")
+        wait_until(page, lambda: page.evaluate("radixDashboard.treeUpdates >= 1"), "the first tree")
+        tree = page.evaluate("radixDashboard.tree")
+        partial = next(v for v in views(tree["root"]) if v.get("partial"))
+        page.evaluate(f"radixDashboard.select({partial['id']})")
+        assert f"prefix tokens\n{partial['prefix_tokens']}" in page.inner_text("#details")
+        # A larger namespace (another cache salt) whose partial leaf is drawn first: every id
+        # after it moves, and its partial leaf takes the old one's id.
+        complete(list(range(100, 162)), cache_salt="other")
+        updates = page.evaluate("radixDashboard.treeUpdates")
+        page.evaluate("radixDashboard.refreshTree()")
+        wait_until(page, lambda: page.evaluate(f"radixDashboard.treeUpdates > {updates}"), "the new tree")
+        new_tree = page.evaluate("radixDashboard.tree")
+        moved = next(v for v in views(new_tree["root"])
+                     if v.get("partial") and v["prefix_tokens"] == partial["prefix_tokens"])
+        assert moved["id"] != partial["id"]
+        taken = next(v for v in views(new_tree["root"]) if v["id"] == partial["id"])
+        assert taken.get("partial") and taken["prefix_tokens"] != partial["prefix_tokens"]
+        # The same node, found again (or none at all): never the one now at its old id.
+        selected = page.get_attribute("#tree rect.selected", "data-id") if page.query_selector(
+            "#tree rect.selected") else None
+        assert selected in (None, str(moved["id"]))
+        details = page.inner_text("#details")
+        assert details.startswith("click a node") or f"prefix tokens\n{partial['prefix_tokens']}" in details
+        page.close()

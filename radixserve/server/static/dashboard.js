@@ -274,11 +274,16 @@
     const queue = [];
     let topX = 0;
     for (const child of total ? tree.root.children || [] : []) {
-      queue.push([child, 0, topX]);
+      queue.push([child, 0, topX, ""]);
       topX += (child.subtree_pages / total) * width;
     }
+    const keys = new Map(); // id -> key
     while (queue.length) {
-      const [node, level, x] = queue.pop();
+      const [node, level, x, parentKey] = queue.pop();
+      const key = keyOf(node, parentKey);
+      keys.set(node.id, key);
+      // A key two nodes share names neither for certain: such a node is not selected again.
+      byKey.set(key, byKey.has(key) ? null : node);
       const w = total ? (node.subtree_pages / total) * width : 0;
       const y = level * rowHeight;
       const classes = [node.kind];
@@ -290,7 +295,6 @@
       const title = svg("title", {}, rect);
       title.textContent = describe(node);
       byId.set(node.id, node);
-      byKey.set(keyOf(node), node);
       drawn += 1;
       if (w > 56 && rowHeight > 12) {
         const label = svg("text", { x: (x + 3).toFixed(1), y: (y + Math.min(rowHeight - 4, 13)).toFixed(1) }, fragment);
@@ -299,7 +303,7 @@
       }
       let childX = x;
       for (const child of node.children || []) {
-        queue.push([child, level + 1, childX]);
+        queue.push([child, level + 1, childX, key]);
         childX += total ? (child.subtree_pages / total) * width : 0;
       }
     }
@@ -307,8 +311,9 @@
     box.setAttribute("viewBox", `0 0 ${width} ${height}`);
     box.dataset.nodes = String(drawn);
     state.byId = byId;
+    state.keys = keys;
     state.drawnNodes = drawn;
-    // Ids are positions in one snapshot; the page hash names the same prefix in the next one.
+    // Ids are positions in one snapshot; the key (keyOf) names the same node in the next one.
     if (state.selected !== null) select(byKey.get(state.selected) || null, true);
     const truncated = tree.truncated ? ` (small subtrees aggregated: grey)` : "";
     $("#tree-summary").textContent = `${tree.pages_total.toLocaleString()} pages cached, ` +
@@ -318,8 +323,17 @@
     requestAnimationFrame(() => { state.frameMs = performance.now() - started; });
   }
 
-  function keyOf(node) {
-    return node.hash != null ? `h${node.hash}` : `${node.kind}${node.id}`;
+  // What names a node from one snapshot to the next (ids are positions in one snapshot: the
+  // same id is another node once the tree changes). A node with a page hash: the hash. One
+  // without (a partial leaf, a host-only node): its parent's key, its depth in tokens and its
+  // text where the server sends it; two such siblings alike are told apart by none of these,
+  // and renderTree drops such a key. A namespace: its id; an aggregate: its parent's.
+  function keyOf(node, parentKey) {
+    if (node.kind === "namespace") return `n${node.namespace}`;
+    if (node.kind === "replica") return `r${node.replica}`;
+    if (node.kind === "aggregate") return `${parentKey}/a`;
+    if (node.hash != null) return `h${node.replica ?? ""}:${node.hash}`; // two replicas may hold one prefix
+    return `${parentKey}/${node.partial ? "p" : "t"}${node.prefix_tokens}` + (node.text != null ? `:${node.text}` : "");
   }
 
   // An aggregate of nodes, or (below the top) of the namespaces left out.
@@ -372,7 +386,7 @@
       add(details, "click a node", "");
       return;
     }
-    state.selected = keyOf(node);
+    state.selected = state.keys.get(node.id);
     const rect = document.querySelector(`#tree rect[data-id="${node.id}"]`);
     if (rect) rect.classList.add("selected");
     const rows = [["kind", node.kind], ["pages", node.pages], ["tokens", node.tokens],
