@@ -169,3 +169,39 @@ def test_host_tier_ratios_skip_a_side_that_completed_nothing() -> None:
                       "throughput: host tier / device only": 0.0,
                       "prefill time per token / copy time per token": None}
     assert tier_ratios(failed, done, None, None)["throughput: host tier / device only"] is None
+
+
+def test_sigterm_stops_the_server_the_benchmark_launched(tiny_llama_dir: Path) -> None:
+    """`timeout`, a CI cancel or `kill PID` send SIGTERM, whose default handler ends Python
+    without running `launch_server`'s `finally`: the `radixserve serve` it started was left
+    running, reparented to PID 1."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("import signal, sys\n"
+              "from radixserve.benchmark.compare import launch_server\n"
+              "with launch_server(sys.argv[1], ['--num-pages', '16', '--page-size', '4']) as url:\n"
+              "    print(url, flush=True)\n"
+              "    signal.pause()\n")
+    bench = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama_dir)], stdout=subprocess.PIPE,
+                             text=True)
+    server = None
+    try:
+        url = bench.stdout.readline().strip()  # printed once the server answers /health
+        assert url.startswith("http://127.0.0.1:"), url
+        (server,) = psutil.Process(bench.pid).children()
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+        try:
+            server.wait(timeout=20)  # the fixed code has waited for it before exiting
+        except psutil.TimeoutExpired:
+            pytest.fail(f"server {server.pid} still running after the benchmark's SIGTERM")
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        if server is not None and server.is_running():
+            server.kill()

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +98,13 @@ def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Pat
            if k not in ("RADIXSERVE_API_KEY", "RADIXSERVE_API_KEYS", "RADIXSERVE_ADMIN_API_KEY")}
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # Before the server exists: a SIGTERM from here on runs the `finally` below.
+    restore = _exit_on_termination()
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    except BaseException:
+        restore()
+        raise
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -113,6 +121,7 @@ def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Pat
             time.sleep(0.5)
         yield url
     finally:
+        _ignore_termination()  # a second SIGTERM must not cut the cleanup short
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -121,6 +130,37 @@ def launch_server(model_dir: str | Path, extra_args: list[str], *, log_path: Pat
             proc.wait()
         if log_path:
             log.close()
+        restore()
+
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+
+def _raise_system_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # the status a shell reports for death by that signal
+
+
+def _exit_on_termination() -> Callable[[], None]:
+    """Makes SIGTERM and SIGHUP raise SystemExit while a server runs; returns what restores the
+    previous handlers. Python's default handlers end the process without running `finally`,
+    so `timeout`, a CI cancel or `kill PID` left the launched server running, orphaned (Ctrl-C
+    already raised KeyboardInterrupt). Signal handlers can only be set from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.signal(sig, _raise_system_exit) for sig in TERMINATING_SIGNALS}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _ignore_termination() -> None:
+    """Ignores SIGTERM and SIGHUP (main thread only) until `_exit_on_termination`'s restore."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in TERMINATING_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 @dataclass
