@@ -79,6 +79,7 @@ def run_in_process(engine: Engine, workload: Workload, *, concurrency: int = 8,
                 record.prompt_tokens, record.cached_tokens = delta.prompt_tokens, delta.cached_tokens
                 if delta.finish_reason is not None:
                     record.latency_s = now - start
+                    record.finished_s = now - begin
                     finished.add(request.index)
                     slots.remove(request)
     duration = time.perf_counter() - begin

@@ -4,7 +4,9 @@ Each request goes to /v1/completions with its token ids as the prompt (so the se
 exactly the workload's tokens), `max_tokens` = the request's output length, `ignore_eos`,
 greedy sampling, streaming with `stream_options.include_usage`. Measured per request: TTFT
 (time to the first streamed chunk carrying a choice), ITL (gaps between later such chunks),
-end-to-end latency, and from the final usage chunk prompt, completion and cached tokens.
+end-to-end latency (from the request's send; `latency_from_start_mean_s`: from the run's
+start, the time queued in the client included), and from the final usage chunk prompt,
+completion and cached tokens.
 
 Arrivals: a closed loop of `concurrency` workers taking requests in order, or an open loop
 at each request's `arrival_time` (trace timestamps, or `with_poisson_arrivals`). Either way
@@ -41,6 +43,9 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
     text: str = ""  # the completion, to compare runs
+    # When it finished, from the run's start: its latency plus the time it queued behind the
+    # closed loop's concurrency (and behind its parent), as a static batch's latency counts.
+    finished_s: float = float("nan")
 
 
 @dataclass
@@ -74,6 +79,7 @@ class ServeResult:
             "output_token_throughput": output / duration,
             "total_token_throughput": (prompt + output) / duration,
             **_stats("ttft", ttft), **_stats("itl", itl), **_stats("latency", latency),
+            "latency_from_start_mean_s": float(np.mean([r.finished_s for r in ok])) if ok else None,
             **_replica_figures(self.replica_requests),
             **({"interrupted": True} if self.interrupted else {}),
         }
@@ -188,7 +194,8 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
     async def one(client: httpx.AsyncClient, request: BenchRequest) -> None:
         if request.parent is not None:
             await finished[request.parent].wait()
-        records[request.index] = await send_request(client, url, request, model, isolate=isolate)
+        record = records[request.index] = await send_request(client, url, request, model, isolate=isolate)
+        record.finished_s = time.perf_counter() - start
         finished[request.index].set()
         if bar is not None:
             bar.update(1)
