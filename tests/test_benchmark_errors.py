@@ -95,3 +95,37 @@ def test_compare_and_tiers_refuse_bad_workload_arguments_in_one_line(
     assert main(["bench", *argv, "--model-dir", str(fake_bench_model), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def _strict(text: str):  # -> Any
+    """json.loads refusing the NaN/Infinity tokens, as JSON.parse, Go and serde_json do."""
+    def refuse(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_files_write_null_for_infinite_or_undefined_figures(tmp_path: Path) -> None:
+    """write_json wrote bare Infinity (a replica imbalance of ∞) and NaN (an undefined peers
+    figure), which no strict JSON reader accepts."""
+    import numpy as np
+
+    from radixserve.benchmark.cli_common import write_json
+
+    path = tmp_path / "out" / "x.json"
+    write_json(path, {"imbalance": float("inf"), "itl": [float("nan"), 1.5, -float("inf")],
+                      "array": np.array([np.inf, 2.0]), "scalar": np.float64("nan"), "count": np.int64(3),
+                      "nested": {"ok": 0.25, "t": (1, None, "x", True)}})
+    assert _strict(path.read_text()) == {"imbalance": None, "itl": [None, 1.5, None], "array": [None, 2.0],
+                                         "scalar": None, "count": 3,
+                                         "nested": {"ok": 0.25, "t": [1, None, "x", True]}}
+
+
+def test_the_documented_prefix_affinity_run_writes_strict_json(tmp_path: Path) -> None:
+    """prefix-affinity's imbalance is ∞ when a replica gets nothing (the docs' own table)."""
+    out = tmp_path / "agent.json"
+    assert main(["bench", "simulate", "--workload", "gsp", "--workload-args",
+                 "num_groups=1,prompts_per_group=4,system_len=32,question_len=8,output_len=2",
+                 "--capacity-tokens", "1k", "--replicas", "4", "--router", "prefix-affinity",
+                 "--no-progress", "--json", str(out)]) == 0
+    _strict(out.read_text())

@@ -142,13 +142,25 @@ def check_workload_args(name: str, overrides: dict[str, Any]) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """Writes `obj` as strict JSON: an infinite or undefined figure (an imbalance of ∞, a NaN
+    percentile) becomes null, since the bare Infinity/NaN tokens Python writes by default are
+    not JSON (JSON.parse, Go, serde_json reject the file); numpy values become plain ones."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    path.write_text(json.dumps(finite_json(obj), indent=2, allow_nan=False) + "\n")
 
 
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "tolist"):
-        return value.tolist()
+def finite_json(value: Any) -> Any:
+    """`value` with numpy arrays and scalars made plain and non-finite floats made None."""
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(item) for item in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str | int | bool) or value is None:
+        return value
+    if hasattr(value, "tolist"):  # numpy array or scalar
+        return finite_json(value.tolist())
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from radixserve.benchmark.cli_common import progress_bar, say
+from radixserve.benchmark.cli_common import progress_bar, say, write_json
 from radixserve.benchmark.cli_simulate import HOST_WRITE_POLICIES
 from radixserve.benchmark.report import parse_tokens
 
@@ -96,8 +95,7 @@ def matrix_command(args: argparse.Namespace) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table + "\n")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"scale": scale, "count_scale": count_scale,
-                                         "host_write_policy": args.host_write_policy if host else None,
-                                         "cells": [c.to_dict() for c in cells]}, indent=1))
+        write_json(args.json, {"scale": scale, "count_scale": count_scale,
+                               "host_write_policy": args.host_write_policy if host else None,
+                               "cells": [c.to_dict() for c in cells]})
     return 0
