@@ -225,3 +225,17 @@ def test_latency_ratio_counts_queueing_on_both_sides(tiny_llama_dir: Path) -> No
     on, hf = per_round["in-process, cache on"], per_round["transformers"]
     assert result["ratios"][name] == hf["latency_from_start_mean_s"] / on["latency_from_start_mean_s"]
     assert on["latency_from_start_mean_s"] > on["latency_mean_s"]  # six requests in a row
+
+
+def test_repeats_keep_every_rounds_ttfts_and_every_runs_figures(tiny_llama_dir: Path) -> None:
+    """`ttfts[label] = ...` kept the last round's only (the --plot CDF and the JSON's ttft_s
+    showed one round next to medians of N); a figure missing from the first round (None: the
+    run completed nothing then) stayed None; a run absent from round 1 had no row."""
+    from radixserve.benchmark.compare import median_summary
+
+    result = run_comparison(small_gsp(), tiny_llama_dir, concurrency=2, batch_size=3, modes=("in-process",),
+                            repeat=2, server_args=["--page-size", "4"])
+    assert {len(ttfts) for ttfts in result["ttft_s"].values()} == {2 * 6}
+    assert median_summary([{"ttft_mean_s": None, "errors": 2, "url": "u"},
+                           {"ttft_mean_s": 0.5, "errors": 0, "url": "u", "new": 4}]) \
+        == {"ttft_mean_s": 0.5, "errors": 1.0, "url": "u", "new": 4.0}

@@ -276,7 +276,8 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                 run = run_in_process(engine, workload, concurrency=concurrency, isolate=isolate)
                 del engine
                 summaries[f"in-process, {label}"] = run.summary()
-                ttfts[f"in-process, {label}"] = [r.ttft_s for r in run.result.records]
+                # every round's, as the other figures are medians of every round
+                ttfts.setdefault(f"in-process, {label}", []).extend(r.ttft_s for r in run.result.records)
             if "http" in modes:
                 flags = [*(server_args or []), *([] if prefix_cache else ["--no-prefix-cache"])]
                 name = f"http, {label}"
@@ -289,15 +290,16 @@ def run_comparison(workload: Workload, model_dir: str | Path, *, concurrency: in
                     failures[name] = str(exc)
                     continue
                 summaries[name] = result.summary()
-                ttfts[name] = [r.ttft_s for r in result.records if r.error is None]
+                ttfts.setdefault(name, []).extend(r.ttft_s for r in result.records if r.error is None)
                 if (why := failed_requests(result)) is not None:
                     request_failures[name] = why
         for name, summary in summaries.items():
             if (problem := token_mismatch(summary, summaries["transformers"])) is not None:
                 mismatches[name] = problem
         per_repeat.append(summaries)
-    medians = {label: median_summary([s[label] for s in per_repeat if label in s])
-               for label in per_repeat[0]}
+    # Every label of any round: a server that failed to start in round 1 only still has a row.
+    labels = dict.fromkeys(label for summaries in per_repeat for label in summaries)
+    medians = {label: median_summary([s[label] for s in per_repeat if label in s]) for label in labels}
     ratios = _median_ratios(per_repeat)
     hf = medians.pop("transformers")
     return {
@@ -344,15 +346,19 @@ def _slug(label: str) -> str:
 
 
 def median_summary(summaries: list[dict]) -> dict:
-    """Key by key, the median of several runs' figures: numbers, and each number of a nested
-    dict (the step breakdown); the first run's value otherwise."""
-    out = dict(summaries[0])
-    for key, value in summaries[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            values = [s[key] for s in summaries if s.get(key) is not None]
-            out[key] = float(np.median(values)) if values else None
-        elif isinstance(value, dict):
-            out[key] = {k: float(np.median([s[key][k] for s in summaries])) for k in value}
+    """Key by key over every run's keys, the median of the runs' figures: numbers (a run
+    without one, e.g. no latency because it completed nothing, left out), and each number of
+    a nested dict (the step breakdown); the first run's value otherwise."""
+    out: dict = {}
+    for key in dict.fromkeys(k for s in summaries for k in s):
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if numbers:
+            out[key] = float(np.median(numbers))
+        elif values and all(isinstance(v, dict) for v in values):
+            out[key] = {k: float(np.median([v[k] for v in values if k in v])) for k in values[0]}
+        else:
+            out[key] = values[0] if values else next(s[key] for s in summaries if key in s)
     return out
 
 
