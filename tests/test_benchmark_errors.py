@@ -129,3 +129,84 @@ def test_the_documented_prefix_affinity_run_writes_strict_json(tmp_path: Path) -
                  "--capacity-tokens", "1k", "--replicas", "4", "--router", "prefix-affinity",
                  "--no-progress", "--json", str(out)]) == 0
     _strict(out.read_text())
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--trace", "/nonexistent.jsonl"], "argument --trace: /nonexistent.jsonl: no such file"),
+    (["serve", "--url", "http://127.0.0.1:1", "--trace", "/nonexistent.jsonl"],
+     "argument --trace: /nonexistent.jsonl: no such file"),
+    (["simulate", "--trace", "/"], "argument --trace: /: is a directory"),
+    (["simulate", "--workload", "gsp", "--json", "/proc/nope/x.json"], "argument --json: /proc/nope/x.json: cannot write"),
+    (["simulate", "--workload", "gsp", "--markdown", "/"], "argument --markdown: /: is a directory"),
+    (["compare", "--json", "/proc/nope/x.json"], "argument --json: /proc/nope/x.json: cannot write"),
+    (["compare", "--plot", "/proc/nope/x.png"], "argument --plot: /proc/nope/x.png: cannot write"),
+    (["compare", "--repeat", "0"], "argument --repeat: expected a positive integer"),
+    (["compare", "--repeat", "-2"], "argument --repeat: expected a positive integer"),
+    (["compare", "--threads", "-1"], "argument --threads: expected a positive integer"),
+    (["tiers", "--device-fraction", "0"], "argument --device-fraction: expected a positive number"),
+    (["tiers", "--device-fraction", "-1"], "argument --device-fraction: expected a positive number"),
+    (["tiers", "--page-size", "3"], "argument --page-size: expected a power of two"),
+    (["matrix", "--capacity-tokens", "abc"], "argument --capacity-tokens: expected token counts"),
+    (["matrix", "--replicas", "x"], "argument --replicas: expected positive integers"),
+    (["matrix", "--replicas", "0"], "argument --replicas: expected positive integers"),
+    (["matrix", "--fixed-rules", "bogus"], "argument --fixed-rules: expected names among"),
+    (["matrix", "--host-capacity-tokens=-1"], "argument --host-capacity-tokens: expected token counts of at least 0"),
+    (["matrix", "--count-scale", "0"], "argument --count-scale: expected a positive number"),
+    (["matrix", "--scale", "-1"], "argument --scale: expected a positive number"),
+    (["matrix", "--json", "/proc/nope/x.json"], "argument --json: /proc/nope/x.json: cannot write"),
+    (["peers", "--server", "a=http://h:1", "--repeat", "0"], "argument --repeat: expected a positive integer"),
+    (["peers", "--server", "a=http://h:1", "--repeat", "-1"], "argument --repeat: expected a positive integer"),
+    (["peers", "--server", "a=http://h:1", "--requests", "0"], "argument --requests: expected a positive integer"),
+    (["peers", "--server", "a=http://h:1", "--max-tokens", "0"], "argument --max-tokens: expected a positive"),
+    (["peers", "--server", "a=http://h:1", "--timeout-s", "0"], "argument --timeout-s: expected a positive"),
+    (["peers", "--server", "a=http://h:1", "--system-chars=-5"], "argument --system-chars: expected a positive"),
+    (["peers", "--server", "a=http://h:1", "--json", "/proc/nope/x.json"], "argument --json: /proc/nope/x.json"),
+])
+def test_bad_arguments_are_refused_as_the_command_line_is_read(argv: list[str], message: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was a traceback (FileNotFoundError, IsADirectoryError, IndexError, RuntimeError,
+    KeyError, ValueError: the --json one after the whole run) or accepted silently (rc 0 with
+    an empty table for peers --repeat 0, duplicated cells for a negative host tier)."""
+    if argv[0] == "simulate":
+        argv = [*argv, "--capacity-tokens", "1k"]
+    with pytest.raises(SystemExit) as exit_:
+        _bench_parse(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    ('{"timestamp": 0, "input_length": 10}\n', "a record has no 'output_length' (a Mooncake trace's records have"),
+    ("not json\n", "Expecting value"),
+    ("", "no requests"),
+])
+def test_a_bad_trace_is_one_line_naming_the_file(lines: str, message: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(lines)
+    assert main(["bench", "simulate", "--trace", str(trace), "--capacity-tokens", "1k", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --trace {trace}: " in err and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("workload_args", "message"), [
+    ("system_len=abc", "error: --workload-args 'system_len=abc': "),
+    ("num_groups=2.5", "error: --workload-args 'num_groups=2.5': "),
+    ("num_groups=0", "error: the workload has no requests (--workload-args 'num_groups=0')"),
+])
+def test_simulate_refuses_workload_arguments_the_generator_cannot_use(workload_args: str, message: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Tracebacks (numpy's _UFuncNoLoopError, TypeError), or for 0 requests an all-0% table, rc 0."""
+    assert main(["bench", "simulate", "--workload", "gsp", "--workload-args", workload_args,
+                 "--capacity-tokens", "1k", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_compare_refuses_vary_prompt_on_turns_in_one_line(fake_bench_model: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "compare", "--workload", "multiturn", "--vary-prompt", "--model-dir",
+                 str(fake_bench_model), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error: multiturn: prompts extend earlier turns" in err and err.count("\n") == 1

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, trace: bool = True) ->
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--workload", choices=sorted(WORKLOADS), help="synthetic workload")
     if trace:
-        group.add_argument("--trace", type=Path, help="Mooncake trace (JSONL) to replay")
+        group.add_argument("--trace", type=existing_file, help="Mooncake trace (JSONL) to replay")
     parser.add_argument("--workload-args", default="", metavar="K=V,...",
                         help="generator overrides, e.g. num_groups=8,prompts_per_group=4")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="first N requests only")
@@ -91,6 +92,75 @@ def token_counts(minimum: int) -> Callable[[str], list[int]]:
     return parse
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse `type`: '1,4' -> [1, 4], each >= 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,4, got {text!r}")
+    return values
+
+
+def token_count(minimum: int) -> Callable[[str], int]:
+    """An argparse `type`: '8M' -> 8000000, at least `minimum`."""
+    counts = token_counts(minimum)
+
+    def parse(text: str) -> int:
+        values = counts(text)
+        if len(values) != 1:
+            raise argparse.ArgumentTypeError(f"expected one token count such as 8M, got {text!r}")
+        return values[0]
+
+    parse.__name__ = "token count"
+    return parse
+
+
+def names_among(choices: list[str]) -> Callable[[str], list[str]]:
+    """An argparse `type`: 'a,b' -> ['a', 'b'], each one of `choices`."""
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",")]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"expected names among {', '.join(choices)}, got {text!r}")
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
+def existing_file(text: str) -> Path:
+    """An argparse `type`: a path to a readable file (a trace), checked as the command line is
+    read rather than as a traceback once the command runs."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: {'is a directory' if path.is_dir() else 'no such file'}")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not readable")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """An argparse `type`: a path the command can write when it ends (--json, --markdown,
+    --plot): its nearest existing directory takes a new file. Checked before the run, so a
+    typo does not lose a run of minutes after it; nothing is created here."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory")
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        if not ancestor.is_dir():
+            raise NotADirectoryError(f"{ancestor} is not a directory")
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text}: cannot write there ({error.strerror or error})") from None
+    return path
+
+
 def parse_workload_args(text: str) -> dict[str, Any]:
     """'a=1,b=0.5,c=true,d=x' -> {'a': 1, 'b': 0.5, 'c': True, 'd': 'x'}."""
     out: dict[str, Any] = {}
@@ -116,13 +186,28 @@ def _parse_value(value: str) -> Any:
 def load_workload(args: argparse.Namespace, **extra: Any) -> Workload:
     """The workload the command line describes."""
     if getattr(args, "trace", None) is not None:
-        workload = mooncake_trace(args.trace, limit=args.limit, vocab_size=getattr(args, "vocab_size", None))
+        try:
+            workload = mooncake_trace(args.trace, limit=args.limit, vocab_size=getattr(args, "vocab_size", None))
+        except OSError as error:
+            raise ValueError(f"--trace {args.trace}: {error.strerror or error}") from error
+        except KeyError as error:
+            raise ValueError(f"--trace {args.trace}: a record has no {error} (a Mooncake trace's records have "
+                             "timestamp, input_length, output_length and hash_ids)") from error
+        except (ValueError, TypeError) as error:  # not JSON, or a field of the wrong type
+            raise ValueError(f"--trace {args.trace}: {error}") from error
     else:
         overrides = parse_workload_args(args.workload_args)
         check_workload_args(args.workload, overrides)
-        workload = make_workload(args.workload, **{"seed": args.seed, **extra, **overrides})
+        try:
+            workload = make_workload(args.workload, **{"seed": args.seed, **extra, **overrides})
+        except (TypeError, ValueError) as error:  # num_groups=2.5, system_len=abc
+            raise ValueError(f"--workload-args {args.workload_args!r}: {error}") from error
         if args.limit is not None:
             workload = Workload(workload.name, workload.requests[: args.limit], workload.params)
+    if not workload.requests:
+        # An empty run measured nothing, yet reported an all-0% table with rc 0.
+        raise ValueError(f"the workload has no requests (--workload-args {args.workload_args!r})"
+                         if getattr(args, "trace", None) is None else f"--trace {args.trace}: no requests")
     if args.request_rate is not None:
         workload = with_poisson_arrivals(workload, args.request_rate, seed=args.seed)
     return workload

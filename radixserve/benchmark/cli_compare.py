@@ -9,9 +9,11 @@ from typing import Any
 
 from radixserve.benchmark.cli_common import (
     check_workload_args,
+    output_file,
     parse_workload_args,
     positive_float,
     positive_int,
+    power_of_two,
     say,
     write_json,
 )
@@ -60,7 +62,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["both", "in-process", "http"], default="both",
                    help="the engine in this process (no HTTP), the server over HTTP, or both "
                         "(default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads of every run, in process and servers (default: torch's choice)")
     p.add_argument("--vary-output", action="store_true",
                    help="redraw output lengths around the workload's (same total; see --length-dist)")
@@ -70,7 +72,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform",
                    help="distribution of varied lengths of mean m: uniform (about 1 .. 2m-1) or "
                         "lognormal (sigma 1, a ShareGPT-like long tail) (default: %(default)s)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="rounds of every run; figures are medians, ratios are taken within a round "
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
@@ -89,10 +91,14 @@ def compare_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         say(f"error: {error}")
         return 2
-    if args.vary_prompt:
-        workload = with_varied_prompt_lengths(workload, params["vocab_size"], args.seed, args.length_dist)
-    if args.vary_output:
-        workload = with_varied_output_lengths(workload, args.seed, args.length_dist)
+    try:
+        if args.vary_prompt:
+            workload = with_varied_prompt_lengths(workload, params["vocab_size"], args.seed, args.length_dist)
+        if args.vary_output:
+            workload = with_varied_output_lengths(workload, args.seed, args.length_dist)
+    except ValueError as error:  # e.g. --vary-prompt on turns that extend earlier ones
+        say(f"error: {error}")
+        return 2
     result = run_comparison(workload, model_dir, concurrency=args.concurrency, batch_size=args.batch_size,
                             server_args=args.server_args.split(),
                             modes=MODES if args.mode == "both" else (args.mode,), repeat=args.repeat,
@@ -129,11 +135,11 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload-args", default="", metavar="K=V,...",
                    help="generator overrides on top of the workload's CPU-sized defaults (for multiturn: "
                         f"{TIERS_WORKLOAD_ARGS['multiturn']})")
-    p.add_argument("--device-fraction", type=float, default=0.25,
+    p.add_argument("--device-fraction", type=positive_float, default=0.25,
                    help="device pool as a fraction of the working set (default: %(default)s)")
     p.add_argument("--host-factor", type=positive_float, default=2.0,
                    help="host tier as a multiple of the working set (default: %(default)s)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    p.add_argument("--page-size", type=power_of_two, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, default=Path("bench/results/bench-llama"),
                    help="bench model directory, built if missing (default: %(default)s)")
     p.add_argument("--concurrency", type=positive_int, default=4,
@@ -205,8 +211,8 @@ def _row_label(label: str, summary: dict) -> str:
 
 def _add_run_outputs(p: argparse.ArgumentParser) -> None:
     """The output flags compare and tiers share."""
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--plot", type=Path, help="write the TTFT distribution (PNG) here")
+    p.add_argument("--json", type=output_file, help="write the results here")
+    p.add_argument("--plot", type=output_file, help="write the TTFT distribution (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--port", type=int, default=None,
                    help="local port the benchmark's servers listen on, one at a time (default: a free one)")

@@ -6,9 +6,8 @@ import argparse
 import asyncio
 import math
 import secrets
-from pathlib import Path
 
-from radixserve.benchmark.cli_common import add_api_key_arg, positive_int, say, write_json
+from radixserve.benchmark.cli_common import add_api_key_arg, output_file, positive_float, positive_int, say, write_json
 from radixserve.benchmark.peer_workloads import WORKLOAD_NAMES, build_workloads
 
 
@@ -23,13 +22,13 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
                    help="a server to drive (repeat the flag; the first is the baseline of the ratios)")
     p.add_argument("--workloads", default="shared,multiturn,agent,distinct,single",
                    help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default: %(default)s)")
-    p.add_argument("--repeat", type=int, default=3, help="alternating runs per workload (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=64, help="requests per workload (default: %(default)s)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="alternating runs per workload (default: %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=64, help="requests per workload (default: %(default)s)")
     p.add_argument("--concurrency", type=positive_int, default=16, help="conversations in flight (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens each reply has (default: %(default)s)")
-    p.add_argument("--system-chars", type=int, default=4500,
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens each reply has (default: %(default)s)")
+    p.add_argument("--system-chars", type=positive_int, default=4500,
                    help="characters of the shared system prompt, about 1,000 tokens (default: %(default)s)")
-    p.add_argument("--prompt-chars", type=int, default=2200,
+    p.add_argument("--prompt-chars", type=positive_int, default=2200,
                    help="characters of each distinct prompt, about 500 tokens (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name to put in requests")
     add_api_key_arg(p, "every server")
@@ -37,8 +36,8 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
                    help="render every chat request in the client with radixserve's chat renderer for MODEL's "
                         "tokenizer (e.g. smollm2) and send the token ids to each server's /v1/completions: "
                         "every server then prefills the same tokens, whatever its own template does with tools")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="per-request timeout (default: %(default)s)")
-    p.add_argument("--json", type=Path, help="write every run and the summary here")
+    p.add_argument("--timeout-s", type=positive_float, default=900.0, help="per-request timeout (default: %(default)s)")
+    p.add_argument("--json", type=output_file, help="write every run and the summary here")
     p.set_defaults(handler=peers_command)
 
 

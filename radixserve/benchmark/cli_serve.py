@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from pathlib import Path
 
 from radixserve.benchmark.cli_common import (
     add_api_key_arg,
     add_workload_args,
     load_workload,
+    output_file,
     positive_float,
     positive_int,
     say,
@@ -51,7 +51,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "trace ids are rehashed into it)")
     p.add_argument("--timeout-s", type=positive_float, default=600.0,
                    help="per-request timeout in seconds (default: %(default)s)")
-    p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--json", type=output_file, help="write the summary here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=serve_command)
 

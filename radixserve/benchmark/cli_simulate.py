@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from radixserve.benchmark.cli_common import (
     add_workload_args,
     load_workload,
+    output_file,
     positive_float,
     positive_int,
     power_of_two,
@@ -103,9 +103,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-speeds", default=None, metavar="S,S,...",
                    help="with --replicas: each replica's speed relative to the simulated timings, "
                         "e.g. 1,1,1,0.5 (replicas sharing cores; default: all 1)")
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--markdown", type=Path, help="write the hit-rate table here")
-    p.add_argument("--plot", type=Path, help="write the hit rate vs capacity plot (PNG) here")
+    p.add_argument("--json", type=output_file, help="write the results here")
+    p.add_argument("--markdown", type=output_file, help="write the hit-rate table here")
+    p.add_argument("--plot", type=output_file, help="write the hit rate vs capacity plot (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=simulate_command)
 
