@@ -210,3 +210,30 @@ def test_compare_refuses_vary_prompt_on_turns_in_one_line(fake_bench_model: Path
                  str(fake_bench_model), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "error: multiturn: prompts extend earlier turns" in err and err.count("\n") == 1
+
+
+def test_ctrl_c_in_simulate_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """Ctrl-C in simulate (and compare, tiers, matrix, peers) printed a KeyboardInterrupt
+    traceback; only `bench serve` ended with one line and rc 130."""
+    import signal
+    import subprocess
+    import sys
+
+    capacities = ",".join(f"{n}k" for n in range(1, 41))  # long enough to be mid-sweep at the signal
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "radixserve.benchmark", "simulate", "--workload", "gsp", "--workload-args",
+         "num_groups=16,prompts_per_group=8,system_len=256,question_len=32,output_len=8",
+         "--capacity-tokens", capacities, "--no-progress", "--json", str(tmp_path / "x.json")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = bench.stderr.readline()  # the first capacity's status line: the sweep is running
+        assert first.startswith("radixserve bench: 1k: "), first
+        bench.send_signal(signal.SIGINT)
+        rest = bench.stderr.read()
+        assert bench.wait(timeout=60) == 130
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+    assert rest.splitlines()[-1] == f"radixserve bench: interrupted: no results kept (nothing written to {tmp_path / 'x.json'})"

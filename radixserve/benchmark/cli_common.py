@@ -249,6 +249,26 @@ def finite_json(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
+
+
+def interruptible(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A `bench` handler that ends on Ctrl-C with one line and exit status 130 instead of a
+    KeyboardInterrupt traceback (the servers a command launched are stopped by their own
+    `finally` on the way out)."""
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except KeyboardInterrupt:
+            say("interrupted: no results kept" + (f" (nothing written to {args.json})"
+                                                  if getattr(args, "json", None) else ""))
+            return INTERRUPTED
+
+    handler.__name__ = handler.__qualname__ = command.__name__
+    handler.__doc__ = command.__doc__
+    return handler
+
+
 def progress_bar(total: int, desc: str):  # -> tqdm
     from tqdm import tqdm
 

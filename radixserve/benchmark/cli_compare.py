@@ -9,6 +9,7 @@ from typing import Any
 
 from radixserve.benchmark.cli_common import (
     check_workload_args,
+    interruptible,
     output_file,
     parse_workload_args,
     positive_float,
@@ -77,7 +78,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
     _add_run_outputs(p)
-    p.set_defaults(handler=compare_command, default_workload_args=COMPARE_WORKLOAD_ARGS)
+    p.set_defaults(handler=interruptible(compare_command), default_workload_args=COMPARE_WORKLOAD_ARGS)
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -149,7 +150,7 @@ def _add_tiers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-args", default="", help="extra `radixserve serve` flags, space separated")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     _add_run_outputs(p)
-    p.set_defaults(handler=tiers_command, default_workload_args=TIERS_WORKLOAD_ARGS)
+    p.set_defaults(handler=interruptible(tiers_command), default_workload_args=TIERS_WORKLOAD_ARGS)
 
 
 def tiers_command(args: argparse.Namespace) -> int:

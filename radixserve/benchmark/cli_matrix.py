@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from radixserve.benchmark.cli_common import (
+    interruptible,
     names_among,
     output_file,
     positive_float,
@@ -62,7 +63,7 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-write-policy", default="write-back", choices=HOST_WRITE_POLICIES,
                    help="how the device+host cells' host tier copies (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=matrix_command)
+    p.set_defaults(handler=interruptible(matrix_command))
 
 
 def matrix_command(args: argparse.Namespace) -> int:

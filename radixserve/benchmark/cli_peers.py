@@ -7,7 +7,15 @@ import asyncio
 import math
 import secrets
 
-from radixserve.benchmark.cli_common import add_api_key_arg, output_file, positive_float, positive_int, say, write_json
+from radixserve.benchmark.cli_common import (
+    add_api_key_arg,
+    interruptible,
+    output_file,
+    positive_float,
+    positive_int,
+    say,
+    write_json,
+)
 from radixserve.benchmark.peer_workloads import WORKLOAD_NAMES, build_workloads
 
 
@@ -38,7 +46,7 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
                         "every server then prefills the same tokens, whatever its own template does with tools")
     p.add_argument("--timeout-s", type=positive_float, default=900.0, help="per-request timeout (default: %(default)s)")
     p.add_argument("--json", type=output_file, help="write every run and the summary here")
-    p.set_defaults(handler=peers_command)
+    p.set_defaults(handler=interruptible(peers_command))
 
 
 def parse_servers(items: list[str]) -> dict[str, str]:

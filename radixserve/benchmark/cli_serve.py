@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from radixserve.benchmark.cli_common import (
+    INTERRUPTED,
     add_api_key_arg,
     add_workload_args,
     load_workload,
@@ -18,7 +19,6 @@ from radixserve.benchmark.cli_common import (
 from radixserve.benchmark.report import serve_table
 
 
-INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT)
 DEFAULT_CONCURRENCY = 16
 
 

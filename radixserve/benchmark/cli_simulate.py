@@ -8,6 +8,7 @@ from typing import Any
 
 from radixserve.benchmark.cli_common import (
     add_workload_args,
+    interruptible,
     load_workload,
     output_file,
     positive_float,
@@ -107,7 +108,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--markdown", type=output_file, help="write the hit-rate table here")
     p.add_argument("--plot", type=output_file, help="write the hit rate vs capacity plot (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=simulate_command)
+    p.set_defaults(handler=interruptible(simulate_command))
 
 
 def simulate_command(args: argparse.Namespace) -> int:
