@@ -139,3 +139,8 @@ def test_host_tier_settings_are_validated(ckpt: Path) -> None:
         make_engine(ckpt, host_num_pages=8, host_write_policy="write-around")
     with pytest.raises(ValueError, match="host_offload_min_priority"):
         make_engine(ckpt, host_num_pages=8, host_offload_min_priority=200)
+    for size in ({"host_kv_memory_gb": 1e-12}, {"kv_memory_gb": 1e-9}):  # under one page: named, with the minimum
+        (name,) = size
+        with pytest.raises(ValueError, match=rf"^{name}: .* GiB holds no page of \d+ tokens of this model "
+                                             r"\(\d+ bytes; at least .* GiB\)$"):
+            make_engine(ckpt, **size, **({"num_pages": None} if "kv_memory_gb" in size else {}))

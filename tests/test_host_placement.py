@@ -8,8 +8,10 @@ from collections.abc import Sequence
 
 import pytest
 
+from radixserve.cache.invariants import check_invariants
+from radixserve.cache.node import MatchResult
 from radixserve.cache.pool import PagePool
-from radixserve.cache.radix import RadixTree
+from radixserve.cache.radix import RadixTree, Retention
 from radixserve.benchmark.cli_simulate import HOST_WRITE_POLICIES
 from radixserve.cache.tiers import EXCLUSIVE, WRITE_BACK, WRITE_POLICIES, WRITE_THROUGH_SELECTIVE, HostTier
 from radixserve.cli import build_parser
@@ -17,6 +19,7 @@ from radixserve.cache.transfer import KVCopier, LoadHandle
 
 PAGE_SIZE = 2
 TOKENS = [1, 2, 3, 4, 5, 6]  # three pages
+OTHER = [9, 9, 8, 8, 7, 7]  # three more, another prompt
 
 
 class RecordingCopier(KVCopier):
@@ -89,6 +92,22 @@ def test_write_through_copies_as_far_as_host_room_goes() -> None:
     assert (tree.host_cached_pages, tree.stats()["written_through_pages"]) == (2, 2)
 
 
+def test_write_through_takes_free_host_pages_only() -> None:
+    """A copy of a page the device still holds is worth less than a page cached on the host
+    alone: with the host full of those, write-through copies nothing (it evicted them)."""
+    tree, copier, pages = make(WRITE_THROUGH_SELECTIVE, 1, host_pages=3)
+    other = tree.pool.allocate(3)
+    tree.insert(OTHER, other)
+    tree.pool.decref(other)
+    tree.lock(tree.match(TOKENS, update=False).node)
+    assert tree.evict(3) == 3  # OTHER goes to host: the host is full
+    assert copier.offloads == [(other, [0, 1, 2])]
+    tree.match(TOKENS)
+    assert len(copier.offloads) == 1  # TOKENS' pages hit: nothing copied
+    assert (tree.host_cached_pages, tree.host_only_pages) == (3, 3)
+    assert tree.stats()["host_evicted_pages"] == 0 and tree.match(OTHER, update=False).cached_tokens == 6
+
+
 def test_write_back_never_copies_on_a_hit() -> None:
     tree, copier, _ = make(WRITE_BACK, 1)
     for _ in range(4):
@@ -158,21 +177,29 @@ class SlowCopier(RecordingCopier):
         return self.loads[-1]
 
 
-def test_exclusive_frees_a_host_copy_only_once_its_load_is_done() -> None:
-    """While a load is in flight its host pages stay held (an offload must not reuse what
-    the load reads) and a second request matching the pages still finds the load to wait
-    for (that match splits the loaded node: its upper part goes with it); the next device
-    eviction after the load is done frees them."""
+def loading_back(write_policy: str, host_pages: int) -> tuple[RadixTree, SlowCopier, MatchResult, MatchResult]:
+    """TOKENS pushed to host, matched, locked and loaded back by a copier whose load is in
+    flight until the test finishes it: the tree, its copier, the match and the loaded match."""
     pool = PagePool(16, PAGE_SIZE)
     copier = SlowCopier()
-    tree = RadixTree(pool, clock=lambda: 0.0, host=HostTier(PagePool(8, PAGE_SIZE), copier, write_policy=EXCLUSIVE))
+    tree = RadixTree(pool, clock=lambda: 0.0, host=HostTier(PagePool(host_pages, PAGE_SIZE), copier,
+                                                            write_policy=write_policy))
     pages = pool.allocate(3)
     tree.insert(TOKENS, pages)
     pool.decref(pages)
     push_to_host(tree, copier, pages)
     match = tree.match(TOKENS)
     tree.lock(match.host_node)
-    loaded = tree.load_back(match)
+    return tree, copier, match, tree.load_back(match)
+
+
+def test_exclusive_frees_a_host_copy_only_once_its_load_is_done() -> None:
+    """While a load is in flight its host pages stay held (an offload must not reuse what
+    the load reads) and a second request matching the pages still finds the load to wait
+    for (that match splits the loaded node: its upper part goes with it); the next device
+    eviction after the load is done frees them."""
+    tree, copier, match, loaded = loading_back(EXCLUSIVE, host_pages=8)
+    pool = tree.pool
     tree.unlock(match.host_node)
     (load,) = copier.loads
     assert loaded.loads == [load]
@@ -194,3 +221,66 @@ def test_exclusive_frees_a_host_copy_only_once_its_load_is_done() -> None:
     assert (tree.host_cached_pages, tree.host_only_pages) == (3, 3)
     assert copier.offloads[-1][0] == third and copier.offloads[-1][1][0] in (0, 1, 2)  # the load's, now free
     tree.unlock(loaded.node)
+
+
+@pytest.mark.parametrize("write_policy", [WRITE_BACK, WRITE_THROUGH_SELECTIVE])
+def test_host_copies_of_device_pages_give_way_to_pages_leaving_the_device(write_policy: str) -> None:
+    """The host holds only copies of pages still on the device (TOKENS', loaded back): the
+    device evicts OTHER, which has no copy. Those copies are freed for it (nothing is lost:
+    TOKENS stays on the device) instead of OTHER being dropped."""
+    tree, copier, pages = make(write_policy, 9, host_pages=3)
+    push_to_host(tree, copier, pages)
+    match = tree.match(TOKENS)
+    tree.lock(match.host_node)
+    loaded = tree.load_back(match)
+    assert (tree.host_cached_pages, tree.host_only_pages, tree.host.pool.num_free) == (3, 0, 0)
+    other = tree.pool.allocate(3)
+    tree.insert(OTHER, other)
+    tree.pool.decref(other)
+    assert tree.evict(3) == 3  # TOKENS is locked: OTHER leaves the device
+    assert copier.offloads[-1] == (other, [2, 1, 0])  # into the copies' pages, last freed first
+    stats = tree.stats()
+    assert (stats["dropped_pages"], stats["host_copies_freed_pages"], stats["host_evicted_pages"]) == (0, 3, 0)
+    assert (tree.host_cached_pages, tree.host_only_pages) == (3, 3)
+    assert tree.match(OTHER, update=False).cached_tokens == 6
+    assert tree.match(TOKENS, update=False).pages == loaded.pages  # still on the device
+    tree.unlock(match.host_node)
+    check_invariants(tree.pool, tree, [])
+
+
+def test_a_host_copy_a_load_still_reads_is_not_freed_for_room() -> None:
+    """Write-back with the load of TOKENS in flight (a CUDA side stream's): its host pages
+    are what the copy reads, so OTHER leaving the device finds no room and is dropped; once
+    the load is done the copies give way."""
+    tree, copier, match, _ = loading_back(WRITE_BACK, host_pages=3)
+    pool = tree.pool
+    for round_ in range(2):
+        other = pool.allocate(3)
+        tree.insert(OTHER, other)
+        pool.decref(other)
+        assert tree.evict(3) == 3
+        stats = tree.stats()
+        if round_ == 0:
+            assert (stats["dropped_pages"], stats["host_copies_freed_pages"]) == (3, 0)
+            copier.loads[0].finished = True
+        else:
+            assert (stats["dropped_pages"], stats["host_copies_freed_pages"]) == (3, 3)
+            assert tree.match(OTHER, update=False).cached_tokens == 6
+    tree.unlock(match.host_node)
+    check_invariants(pool, tree, [])
+
+
+def test_host_pages_dropped_below_a_page_under_the_offload_floor_are_counted_as_host_evicted() -> None:
+    """A device page below the offload floor is dropped with everything below it: the host
+    pages of its host-only descendants leave the cache too, and are counted."""
+    pool = PagePool(16, PAGE_SIZE)
+    tree = RadixTree(pool, clock=lambda: 0.0, host=HostTier(PagePool(8, PAGE_SIZE), RecordingCopier()))
+    pages = pool.allocate(3)  # the first page at 10 (below the floor, 35), the next two raised to 50
+    tree.insert(TOKENS, pages, None, Retention(priority=10), [(2, 6, Retention(priority=50))])
+    pool.decref(pages)
+    assert tree.evict(2) == 2  # the two raised pages go to host
+    assert (tree.host_only_pages, tree.stats()["host_evicted_pages"]) == (2, 0)
+    assert tree.evict(1) == 1  # the first page: dropped, and its two host-only children with it
+    stats = tree.stats()
+    assert (stats["dropped_pages"], stats["host_evicted_pages"], tree.host_cached_pages) == (1, 2, 0)
+    check_invariants(pool, tree, [])

@@ -5,12 +5,14 @@ The model keeps every cached page under the full token prefix it ends, with its 
 applies the rules of radix.py page by page with full scans:
 
 - match reads device pages, then the pages that continue them on the host only; it touches
-  all of them; under write-through-selective it copies matched device pages hit twice to host;
+  all of them; under write-through-selective it copies matched device pages hit twice to free
+  host pages;
 - device eviction takes the device page with no child on the device that sorts first
   (priority, then recency), page by page; the pages one call takes off the device (S) then
   go to host if they have a host copy already, or if they and every page above them in S
   reach the offload floor (the others are dropped with everything below them); host room
-  comes from free pages, then from evicting host-only leaves outside S, then from S itself;
+  comes from free pages, then from every host copy of a page on the device (all freed at
+  once), then from evicting host-only leaves outside S, then from S itself;
 - load-back copies the host continuation into free device pages; insert over a host-only
   page makes the inserted page its device copy; under `exclusive` both free the host copy;
   flush keeps only locked pages, on the device;
@@ -103,12 +105,16 @@ class TieredModel(ReferenceCache):
             done += 1
         return done
 
-    def host_room(self, n: int, now: float, locks: list[Key]) -> bool:
-        """Makes room for n more host pages if it can (write-through)."""
-        short = self.host_used() + n - self.host_pages
-        if short > 0:
-            self.evict_host(short, now, locks, set())
+    def host_room(self, n: int) -> bool:
+        """Whether n more host pages are free (write-through takes free pages only)."""
         return self.host_used() + n <= self.host_pages
+
+    def free_copies(self) -> int:
+        """Frees the host copy of every page that is on the device too; returns how many."""
+        copies = [p for p in self.pages.values() if p.page is not None and p.host]
+        for page in copies:
+            page.host = False
+        return len(copies)
 
     # ---------------------------------------------------------------- operations
     def match(self, namespace, tokens, touch: bool, now: float, locks: list[Key]):
@@ -143,11 +149,10 @@ class TieredModel(ReferenceCache):
                     if common == best and common:
                         device_best.add(page.page)
         if touch and self.write_through:
-            path_lock = [matched[-1]] if matched else []
             for key in on_device:
                 page = self.pages[key]
                 if not page.host and page.hits >= WRITE_THROUGH_HITS:
-                    if not self.host_room(1, now, locks + path_lock):
+                    if not self.host_room(1):
                         break
                     page.host = True
         return [self.pages[k].page for k in on_device], host_keys, device_best, best
@@ -206,6 +211,8 @@ class TieredModel(ReferenceCache):
                 self.drop(key)
         going = [k for k in taken_full if k in self.pages and not self.pages[k].host]
         short = len(going) - (self.host_pages - self.host_used())
+        if short > 0:
+            short -= self.free_copies()
         if short > 0:
             short -= self.evict_host(short, now, locks, set(taken))
         if short > 0:

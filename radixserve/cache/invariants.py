@@ -216,12 +216,14 @@ def _check_host_tier(tree: RadixTree) -> None:
     prefix-closed (a node on the device has its parent on the device); each node's count of
     children on the device is right; the host pool's refcounts equal the tree's host pages
     (one holder each), its free list is exactly the pages with refcount 0; the tree's host
-    counters equal a recount; every unlocked host-only leaf is queued for host eviction."""
+    counters equal a recount; every unlocked host-only leaf is queued for host eviction; every
+    node on both tiers is tracked, so that its host copy can be freed for room."""
     host_pool = tree.host.pool
     size = tree.page_size
     held: list[int] = []
     host_only = 0
     queued = {id(node) for node in tree.host_queued_nodes()}
+    tracked = {id(node) for node in tree.host_copy_nodes()}
     for node, pages in tree.nodes():
         if node.is_root:
             continue
@@ -241,6 +243,8 @@ def _check_host_tier(tree: RadixTree) -> None:
             held += node.host
             if not pages:
                 host_only += num_pages
+            elif id(node) not in tracked:
+                _fail("host-copy-tracked", f"{where}: on both tiers but not tracked for freeing its host copy")
         if not pages and node.loading is not None:
             _fail("loading-host-only", f"{where}: a load in flight into a node with no device pages")
         if not pages and not node.children and not node.lock_ref and id(node) not in queued:

@@ -12,10 +12,11 @@ The seam. The tree (radix.py) holds one `HostPlacement` (None without a host tie
 it where pages change tier: device eviction (`begin_eviction`, `leave_device` for each run
 the device queue hands out, `end_eviction`), `load_back`, `write_through` after a match,
 `adopt` when insert covers host-only pages, `release` when it drops nodes, `reset` on a
-flush, and `requeue` / `schedule_expiries` to keep the host queue current. The host tier in
+flush, `requeue` / `schedule_expiries` to keep the host queue current, and `track` for the
+upper part of a split (which may hold a page on both tiers). The host tier in
 turn works on the tree only through `TreeOps`, the operations the tree hands it at
 construction (split a node, drop or detach one, tidy a parent, requeue, the eviction order,
-put pages on or take them off the device — the `DeviceTier`'s moves — and lock). It reads
+put pages on or take them off the device: the `DeviceTier`'s moves). It reads
 and writes nodes (node.py) but never the tree's own fields.
 """
 
@@ -48,8 +49,6 @@ class TreeOps:
     requeue: Callable[[RadixNode, float], None]       # queue a node where it is a candidate
     gain_device: Callable[[RadixNode, list[int]], None]  # a host-only node's device pages arrived
     lose_device: Callable[[RadixNode], int]           # free a node's device pages; pages freed
-    lock: Callable[[RadixNode], None]
-    unlock: Callable[[RadixNode], None]
 
 
 class EvictionCall:
@@ -84,6 +83,9 @@ class HostPlacement:
         self._calls = 0      # numbers device-eviction calls (see `leave_device`)
         self._shielded: int | None = None  # the call whose pages host eviction may not take yet
         self._settling: list[RadixNode] = []  # exclusive: loaded nodes whose host copy goes after the load
+        # Nodes that may hold a page on both tiers (a superset: stale entries are skipped
+        # when read), so that host room can be had from their host copies (`_free_copies`).
+        self._copies: dict[RadixNode, None] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -120,6 +122,23 @@ class HostPlacement:
         """Nodes with a live entry in the host eviction queue (for checkers)."""
         return self._queue.queued()
 
+    def tracked_copies(self) -> set[RadixNode]:
+        """Nodes tracked as maybe holding pages on both tiers (for checkers: each that does
+        must be among them)."""
+        return set(self._copies)
+
+    def track(self, node: RadixNode) -> None:
+        """Notes `node` if it holds its pages on both tiers (the tree calls it for the upper
+        part of a split, which inherits both copies)."""
+        if node.pages and node.host is not None:
+            self._copies[node] = None
+            if len(self._copies) > 2 * (self._cached - self._host_only) + 64:  # bound the stale entries
+                self._copies = {n: None for n in self._copies if self._holds_copy(n)}
+
+    @staticmethod
+    def _holds_copy(node: RadixNode) -> bool:
+        return node.parent is not None and bool(node.pages) and node.host is not None
+
     # ------------------------------------------------------------------ device eviction
     def begin_eviction(self) -> EvictionCall:
         """Opens a device eviction call: what it takes off the device is shielded from host
@@ -155,6 +174,10 @@ class HostPlacement:
                 top = tree.split(node, head) if head else None
                 parent = node.parent
                 self._stats.dropped(count - head)
+                # Host-only pages below it go with it: they leave the host (and the cache).
+                below = sum(len(n.host) for n in node.subtree() if n.host is not None and not n.pages)
+                if below:
+                    self._stats.host_evicted(below)
                 freed += tree.drop(node)
                 if top is None:
                     tree.after_removal(parent, now)
@@ -187,6 +210,8 @@ class HostPlacement:
         need = sum(node.num_pages(size) for node, _ in call.leaving if node.parent is not None)
         short = need - self.pool.num_free
         if short > 0:
+            short -= self._free_copies()
+        if short > 0:
             short -= self._evict(short, now)
         if short > 0:  # the pages of this call compete among themselves now
             self._shielded = None
@@ -208,12 +233,26 @@ class HostPlacement:
             self._gain_host(node, host_pages)
 
     # ------------------------------------------------------------------ host eviction
-    def _allocate(self, num_pages: int) -> list[int]:
-        """Up to `num_pages` host pages, evicting from the host to make room."""
-        short = num_pages - self.pool.num_free
-        if short > 0:
-            self._evict(short, self._clock())
-        return self.pool.allocate(min(num_pages, self.pool.num_free))
+    def _free_copies(self) -> int:
+        """Frees every host copy of pages that are also on the device (but those a load in
+        flight still reads); returns how many host pages. No cached page is lost: each stays
+        on the device, and is copied to host again if it leaves the device. Left in place,
+        such copies (kept by write-back's loads, made by write-through) filled a host pool no
+        larger than the device's, and every page the device evicted was dropped."""
+        freed = 0
+        loading: dict[RadixNode, None] = {}
+        for node in self._copies:
+            if not self._holds_copy(node):
+                continue
+            if node.unfinished_load() is not None:
+                loading[node] = None
+                continue
+            freed += len(node.host)
+            self._drop_host_copy(node)
+        self._copies = loading
+        if freed:
+            self._stats.host_copies_freed(freed)
+        return freed
 
     def _evict(self, num_pages: int, now: float) -> int:
         """Takes up to `num_pages` pages off the host, from the tail of unlocked host-only
@@ -332,26 +371,26 @@ class HostPlacement:
         """Host-only `node` now also lives in the device `pages` (already held for the tree)."""
         self._host_only -= len(pages)
         self._tree.gain_device(node, pages)
+        self.track(node)
 
     # ------------------------------------------------------------------ copies to the host
     def write_through(self, match: MatchResult) -> None:
         """After a match, under write-through-selective: copies the matched device pages hit
-        often enough to the host, top down, as far as host room can be made (the matched path
-        is locked meanwhile, so making room never takes its host pages)."""
+        often enough to the host, top down, into free host pages only: a copy of a page the
+        device still holds is worth less than any page cached on the host alone, and no
+        less than another such copy."""
         if not self.tier.copies_on_hit:
             return
-        handle = match.host_node or match.node
         path: list[RadixNode] = []
         up: RadixNode | None = match.node
         while up is not None and not up.is_root:
             path.append(up)
             up = up.parent
         size = self._tree.page_size
-        self._tree.lock(handle)
         for node in reversed(path):
             if node.host is not None or not self.tier.writes_through(node.hits):
                 continue
-            got = self._allocate(node.num_pages(size))
+            got = self.pool.allocate(min(node.num_pages(size), self.pool.num_free))
             if not got:
                 break
             if len(got) < node.num_pages(size):
@@ -359,12 +398,12 @@ class HostPlacement:
             self.tier.copier.offload(node.pages, got)
             self._gain_host(node, got)
             self._stats.written_through(len(got))
-        self._tree.unlock(handle)
 
     def _gain_host(self, node: RadixNode, host_pages: list[int]) -> None:
-        """Device `node` now also lives in `host_pages` (copied, held for the tree)."""
+        """`node` now also lives in `host_pages` (copied, held for the tree)."""
         node.host = host_pages
         self._cached += len(host_pages)
+        self.track(node)
         if self._reporter.active:
             self._reporter.stored(node, 0, HOST)
 

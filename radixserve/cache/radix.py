@@ -92,8 +92,7 @@ class RadixTree:
                        num_nodes=lambda: self._forest.num_nodes, split=self._split,
                        drop=lambda node: self._drop(node, report=True), detach=self._detach,
                        after_removal=self._after_removal, requeue=self._requeue,
-                       gain_device=self._device.gain, lose_device=self._device.lose,
-                       lock=self.lock, unlock=self.unlock)
+                       gain_device=self._device.gain, lose_device=self._device.lose)
 
     # ------------------------------------------------------------------ counters
     cached_pages = property(lambda self: self._device.cached_pages, doc="Device pages held by the tree.")
@@ -466,6 +465,8 @@ class RadixTree:
         """Cuts `node` after `num_pages` pages (`RadixNode.split`); returns the new upper node."""
         top = node.split(num_pages, self.page_size)
         self._forest.num_nodes += 1
+        if self._host_tier is not None:
+            self._host_tier.track(top)  # both parts of a node on both tiers are
         if top.retention is not None:
             self._schedule_expiries(top, self._clock())
         return top
@@ -484,6 +485,10 @@ class RadixTree:
     def host_queued_nodes(self) -> list[RadixNode]:
         """Nodes with a live entry in the host eviction queue (for checkers)."""
         return [] if self._host_tier is None else list(self._host_tier.queued())
+
+    def host_copy_nodes(self) -> set[RadixNode]:
+        """Nodes the host tier tracks as maybe holding pages on both tiers (for checkers)."""
+        return set() if self._host_tier is None else self._host_tier.tracked_copies()
 
     def cached_page_hashes(self, tier: str | None = DEVICE) -> set[tuple[str, int]]:
         """(namespace id, page hash) of every cached page on `tier` ("device", the default;

@@ -52,7 +52,8 @@ class CacheStats:
     host only); a touched node records the age of its KV once per page; a device eviction
     records how old the pages were and how often they had been hit. With a host tier, pages
     leaving the device are offloaded (copied to host) or dropped; pages reach the host by
-    write-through too, come back by load-back, and leave it by host eviction.
+    write-through too, come back by load-back, and leave it by host eviction (lost) or,
+    where the device holds them too, by freeing that copy for room (`host_copies_freed`).
     """
 
     lookups: int = 0
@@ -65,6 +66,7 @@ class CacheStats:
     written_through_pages: int = 0
     loaded_pages: int = 0
     host_evicted_pages: int = 0
+    host_copies_freed_pages: int = 0
     hit_age: Histogram = field(default_factory=lambda: Histogram(AGE_BUCKETS_S))
     evict_age: Histogram = field(default_factory=lambda: Histogram(AGE_BUCKETS_S))
     evict_reuse: Histogram = field(default_factory=lambda: Histogram(REUSE_BUCKETS))
@@ -111,6 +113,10 @@ class CacheStats:
         """Host-only pages were evicted from the host (and so from the cache)."""
         self.host_evicted_pages += num_pages
 
+    def host_copies_freed(self, num_pages: int) -> None:
+        """Host copies of pages the device holds too were freed for room (nothing lost)."""
+        self.host_copies_freed_pages += num_pages
+
     def histograms(self) -> dict[str, Histogram]:
         """Age of cached KV when hit and when evicted (seconds since insertion, one
         observation per page) and how often each evicted page had been hit."""
@@ -132,6 +138,7 @@ class CacheStats:
             "written_through_pages": self.written_through_pages,
             "loaded_pages": self.loaded_pages,
             "host_evicted_pages": self.host_evicted_pages,
+            "host_copies_freed_pages": self.host_copies_freed_pages,
         }
         for name, hist in self.histograms().items():
             out[f"{name}_sum"] = hist.sum

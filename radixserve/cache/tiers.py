@@ -5,17 +5,20 @@ the placement per node and moves pages between tiers; this module says what may 
 
 - **write policy** — `write-back` (the default): a page is copied to host when the device
   evicts it, and keeps its host copy when loaded back (its next eviction then costs no
-  copy); `write-through-selective`: a page is also copied to host once it has been hit
-  `write_through_hits` times, so that its later eviction costs no copy; `exclusive`: as
+  copy); `write-through-selective`: a page is also copied to host, into free host pages,
+  once it has been hit `write_through_hits` times, so that its later eviction costs no
+  copy; `exclusive`: as
   write-back, but a page loaded back (or recomputed over its host copy) gives up its host
   copy, so each page lives on one tier and the tiers hold their combined size; every
   device eviction of a page then copies it again (docs/benchmark.md weighs the two);
 - **offload floor** — a device-only page whose effective retention priority is below
   `offload_min_priority` is dropped on eviction instead of copied (TensorRT-LLM's
   `secondary_offload_min_priority`; the default priority, 35, is offloaded);
-- **host eviction** follows the tree's eviction policy (priority, then LRU), leaf first
-  among host-only pages; the host copy of a page that is also on the device is never
-  evicted from the host (it becomes host-only when the device evicts the page).
+- **host room** for pages the device evicts comes from free host pages, then from the host
+  copies of pages that are also on the device (all of them are freed at once: no page is
+  lost, each is copied again when it leaves the device; kept, they could fill the host and
+  leave no room for any page the device evicts), then from **host eviction**, which follows
+  the tree's eviction policy (priority, then LRU), leaf first among host-only pages.
 
 The copies themselves go through a `KVCopier` (transfer.py).
 """

@@ -87,7 +87,16 @@ def make_pool(loaded: LoadedModel, page_size: int, num_pages: int | None,
             raise ValueError(f"kv_memory_gb: must be > 0, got {kv_memory_gb}")
         budget = int(kv_memory_gb * 2**30)
         check_fits(budget, loaded.device, "kv_memory_gb", f"{kv_memory_gb:g} GiB")
+        holds_a_page(budget, loaded, page_size, "kv_memory_gb", kv_memory_gb)
     return PagePool.from_memory_budget(budget, page_size, **shape)
+
+
+def holds_a_page(budget: int, loaded: LoadedModel, page_size: int, name: str, memory_gb: float) -> None:
+    """Refuses a memory size (named `name`) too small for one page of this model."""
+    per_page = bytes_per_page(loaded, page_size)
+    if budget < per_page:
+        raise ValueError(f"{name}: {memory_gb:g} GiB holds no page of {page_size} tokens of this model "
+                         f"({per_page} bytes; at least {per_page / 2**30:.3g} GiB)")
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -140,6 +149,7 @@ def make_host_tier(loaded: LoadedModel, device_pool: PagePool, num_pages: int | 
         host_pool = PagePool(num_pages, page_size, **shape)
     else:
         check_fits(int(memory_gb * 2**30), cpu, "host_kv_memory_gb", f"{memory_gb:g} GiB")
+        holds_a_page(int(memory_gb * 2**30), loaded, page_size, "host_kv_memory_gb", memory_gb)
         host_pool = PagePool.from_memory_budget(int(memory_gb * 2**30), page_size, **shape)
     return HostTier.over(device_pool, host_pool, write_policy=write_policy,
                          offload_min_priority=offload_min_priority)

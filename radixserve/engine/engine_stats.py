@@ -87,7 +87,8 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
     tree holds), host_only_pages (cached pages on the host only), host_kv_bytes,
     cache_offloaded_pages / cache_written_through_pages (copied to host on eviction / by
     write-through), cache_dropped_pages (left the device without a host copy),
-    cache_loaded_pages, cache_host_evicted_pages, cache_device_hit_tokens /
+    cache_loaded_pages, cache_host_evicted_pages, cache_host_copies_freed_pages (host
+    copies of pages the device holds too, freed for room), cache_device_hit_tokens /
     cache_host_hit_tokens (lookups), kv_offloaded_bytes, kv_loaded_bytes,
     kv_offload_seconds_total / kv_load_seconds_total (time spent issuing the copies),
     prefill_tokens and prefill_step_s_total (steps that prefilled: prefill time per

@@ -115,6 +115,8 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                             "Pages evicted from the device without a copy on the host tier."),
     "cache_loaded_pages": ("kv_pages_loaded", "counter", "Pages copied back from the host tier to the device."),
     "cache_host_evicted_pages": ("host_kv_pages_evicted", "counter", "Pages evicted from the host tier."),
+    "cache_host_copies_freed_pages": ("host_kv_copies_freed", "counter",
+                                      "Host-tier copies of pages the device holds too, freed for room (nothing lost)."),
     "kv_offloaded_bytes": ("kv_offloaded_bytes", "counter", "Bytes copied from the device to the host tier."),
     "kv_loaded_bytes": ("kv_loaded_bytes", "counter", "Bytes copied from the host tier to the device."),
     "kv_offload_seconds_total": ("kv_offload_seconds", "counter", "Time spent issuing copies to the host tier."),
