@@ -181,3 +181,18 @@ def test_a_selected_node_without_a_hash_is_not_taken_for_another(browser: Any) -
         details = page.inner_text("#details")
         assert details.startswith("click a node") or f"prefix tokens\n{partial['prefix_tokens']}" in details
         page.close()
+
+
+def test_a_refused_flush_says_so(tiered_url: str, browser: Any) -> None:
+    """A flush the server refuses (a tenant's key: 403) is reported as the flush's error
+    (it read "error (undefined): ..." once errors named their source)."""
+    page = browser.new_page()
+    page.goto(f"{tiered_url}/dashboard?tree_ms=60000&stats_ms=60000#key=key-acme")
+    wait_until(page, lambda: page.evaluate("radixDashboard.statsUpdates >= 1"), "a tenant's stats")
+    assert page.is_hidden("#flush")
+    page.evaluate("document.querySelector('#flush').hidden = false")
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.click("#flush")
+    wait_until(page, lambda: page.evaluate("radixDashboard.errors >= 1"), "the refused flush")
+    assert page.text_content("#status").startswith("error (flush): ")
+    page.close()

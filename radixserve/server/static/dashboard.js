@@ -557,7 +557,7 @@
         const result = await api("v1/cache/flush", { method: "POST" });
         $("#status").textContent = `flushed ${result.pages_freed} pages`;
         pollTree(true);
-      } catch (error) { fail(error); }
+      } catch (error) { fail(error, "flush"); }
     });
   }
 
