@@ -201,3 +201,27 @@ def test_a_request_rate_means_an_open_loop(server, tmp_path, capsys) -> None:
         assert "error: --concurrency is the closed loop's" in err and err.count("\n") == 1
     assert main([*argv, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["concurrency"] == 16
+
+
+def test_token_ids_stay_in_the_default_servers_vocabulary(tmp_path, capsys) -> None:
+    """The synthetic default vocabulary (32,000) is out of range for the demo model's 2,048: the
+    documented synopsis against a default `radixserve serve` answered 400 to every request.
+    The command now asks the server (its range error for an id past any vocabulary)."""
+    from server_util import running_server
+
+    from radixserve import AsyncEngine, Engine
+    from radixserve.benchmark.serve import probe_vocab_size
+    from radixserve.cli import main
+    from radixserve.server import create_app
+
+    out = tmp_path / "serve.json"
+    with running_server(create_app(AsyncEngine(Engine(model="demo", page_size=16, num_pages=256)))) as url:
+        assert probe_vocab_size(url) == 2048
+        code = main(["bench", "serve", "--url", url, "--workload", "gsp", "--workload-args",
+                     "num_groups=1,prompts_per_group=3,system_len=16,question_len=4,output_len=2",
+                     "--concurrency", "2", "--no-progress", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "token ids kept below the server's vocabulary size, 2048" in captured.err
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 3 and summary["errors"] == 0

@@ -20,6 +20,7 @@ from radixserve.benchmark.report import serve_table
 
 
 DEFAULT_CONCURRENCY = 16
+SYNTHETIC_VOCAB_SIZE = 32000  # the workload generators' default
 
 
 def loop_settings(args: argparse.Namespace) -> tuple[bool, int | None]:
@@ -47,8 +48,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model name to put in requests")
     add_api_key_arg(p)
     p.add_argument("--vocab-size", type=positive_int, default=None,
-                   help="keep token ids below the model's vocabulary size (synthetic default: 32000; "
-                        "trace ids are rehashed into it)")
+                   help="keep token ids below the model's vocabulary size, trace ids rehashed into it "
+                        f"(default: the size a radixserve server reports, else {SYNTHETIC_VOCAB_SIZE} for "
+                        "synthetic workloads and the trace's own ids)")
     p.add_argument("--timeout-s", type=positive_float, default=600.0,
                    help="per-request timeout in seconds (default: %(default)s)")
     p.add_argument("--json", type=output_file, help="write the summary here")
@@ -58,11 +60,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     """`radixserve bench serve`."""
-    from radixserve.benchmark.serve import run_serve_benchmark
+    from radixserve.benchmark.serve import probe_vocab_size, run_serve_benchmark
 
-    extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None and args.workload else {}
     try:
         open_loop, concurrency = loop_settings(args)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
+    if args.vocab_size is None:
+        vocab = probe_vocab_size(args.url, model=args.model, api_key=args.api_key)
+        if vocab is not None and (args.trace is not None or vocab < SYNTHETIC_VOCAB_SIZE):
+            say(f"token ids kept below the server's vocabulary size, {vocab} (--vocab-size to choose)")
+            args.vocab_size = vocab
+    extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None and args.workload else {}
+    try:
         workload = load_workload(args, **extra)
     except ValueError as error:
         say(f"error: {error}")

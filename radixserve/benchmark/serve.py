@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -236,6 +237,29 @@ async def run_serve_benchmark(url: str, workload: Workload, *, concurrency: int 
         per_replica = {r: n - routed_before.get(r, 0) for r, n in routed_after.items()}
     return ServeResult(url, workload.name, [records.get(r.index) or RequestRecord(r.index, error="interrupted")
                                             for r in requests], duration, per_replica, interrupted)
+
+
+PROBE_TOKEN_ID = 2**31 - 1  # past any vocabulary; a trace's raw ids run to tens of millions
+_VOCAB_RANGE = re.compile(r"token ids must be in \[0, (\d+)\)")
+
+
+def probe_vocab_size(url: str, *, model: str | None = None, api_key: str | None = None,
+                     timeout_s: float = 30.0) -> int | None:
+    """The vocabulary size of the server at `url`, if it says: a one-token prompt of an id
+    past any vocabulary gets radixserve's 400 "token ids must be in [0, N)". None for any other
+    answer (another server, unreachable: the run itself reports that). /v1/models carries no
+    vocabulary size, and the synthetic default (32,000) is out of range for the demo model's
+    2,048, which turned every request of `bench serve` against a default server into a 400."""
+    payload: dict[str, object] = {"prompt": [PROBE_TOKEN_ID], "max_tokens": 1, "temperature": 0.0}
+    if model is not None:
+        payload["model"] = model
+    try:
+        response = httpx.post(f"{url.rstrip('/')}/v1/completions", json=payload, headers=auth_headers(api_key),
+                              timeout=timeout_s)
+    except (httpx.HTTPError, httpx.InvalidURL):  # the run itself reports a bad or unreachable URL
+        return None
+    match = _VOCAB_RANGE.search(response.text) if response.status_code == 400 else None
+    return int(match.group(1)) if match else None
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
