@@ -237,3 +237,26 @@ def test_ctrl_c_in_simulate_is_one_line_and_exit_130(tmp_path: Path) -> None:
             bench.wait()
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
     assert rest.splitlines()[-1] == f"radixserve bench: interrupted: no results kept (nothing written to {tmp_path / 'x.json'})"
+
+
+def test_the_modules_usage_lines_name_a_command_that_runs(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """They read `usage: python -m radixserve.benchmark bench [-h] MODE ...`, and the copied
+    `python -m radixserve.benchmark bench simulate ...` fails with invalid choice 'bench'."""
+    import sys
+
+    from radixserve.benchmark.__main__ import main as bench_main
+
+    for argv, usage in ((["simulate"], "usage: python -m radixserve.benchmark simulate [-h]"),
+                        ([], "usage: python -m radixserve.benchmark [-h] MODE ...")):
+        monkeypatch.setattr(sys, "argv", ["x", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            bench_main()
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(usage) and " bench " not in err.splitlines()[0]
+    from radixserve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "simulate"])
+    assert capsys.readouterr().err.startswith("usage: radixserve bench simulate [-h]")

@@ -10,7 +10,9 @@ from radixserve.benchmark.cli import add_bench_parser
 def main() -> int:
     """Parses `MODE ...` as `radixserve bench MODE ...` would and runs it."""
     parser = argparse.ArgumentParser(prog="python -m radixserve.benchmark")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    # The bench parser's own name is the module's: its usage lines read "python -m
+    # radixserve.benchmark simulate ...", a command that runs (not "... benchmark bench simulate").
+    add_bench_parser(parser.add_subparsers(dest="command", required=True), prog="python -m radixserve.benchmark")
     args = parser.parse_args(["bench", *__import__("sys").argv[1:]])
     return args.handler(args)
 

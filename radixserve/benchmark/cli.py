@@ -16,9 +16,11 @@ from radixserve.benchmark.cli_simulate import EVICTION_POLICIES, _add_simulate
 __all__ = ["EVICTION_POLICIES", "_report_failures", "add_bench_parser", "load_workload", "parse_workload_args"]
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Adds `bench` and its subcommands to the top-level `radixserve` parser."""
+def add_bench_parser(subparsers: argparse._SubParsersAction, prog: str | None = None) -> None:
+    """Adds `bench` and its subcommands to the top-level `radixserve` parser; `prog`: the name
+    its usage lines give the command (default: `radixserve bench`)."""
     bench = subparsers.add_parser("bench", help="prefix-hit-rate benchmarks (simulated or against a server)",
+                                  **({"prog": prog} if prog else {}),
                                   description="Prefix-cache benchmarks: simulate the cache offline, drive a "
                                               "running server, or compare cache on/off/transformers.")
     sub = bench.add_subparsers(dest="bench_command", metavar="MODE", required=True)
