@@ -260,3 +260,19 @@ def test_the_modules_usage_lines_name_a_command_that_runs(monkeypatch: pytest.Mo
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "simulate"])
     assert capsys.readouterr().err.startswith("usage: radixserve bench simulate [-h]")
+
+
+def test_matrix_checks_the_mooncake_trace_before_the_first_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Installed from the wheel (no bench/data), the default matrix ran the other workloads for
+    minutes, then failed with FileNotFoundError on mooncake."""
+    from radixserve.benchmark import matrix
+
+    monkeypatch.setattr(matrix, "TRACE", tmp_path / "absent.jsonl")
+    assert main(["bench", "matrix", "--quick", "--workloads", "gsp,mooncake", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --workloads mooncake: {tmp_path / 'absent.jsonl'} not found" in err and err.count("\n") == 1
+    from radixserve.benchmark.cli_matrix import available_workloads
+
+    names, note = available_workloads(["gsp", "mooncake", "scan"], named=False)
+    assert names == ["gsp", "scan"] and note is not None and note.startswith("mooncake skipped: ")
