@@ -69,6 +69,14 @@ def test_cached_tokens_come_from_either_servers_report() -> None:
     assert both.cached_tokens == 90 and both.prompt_tokens == 100
 
 
+def test_names_sharing_a_server_are_found() -> None:
+    """Two names on one URL: the second runs warm (the first one's prompts are in its cache)."""
+    from radixserve.benchmark.cli_peers import shared_urls
+
+    assert shared_urls({"a": "http://h:1", "b": "http://h:2"}) == []
+    assert shared_urls({"a": "http://h:1", "b": "http://h:1/", "c": "http://h:2", "d": "http://h:1"}) == ["b", "d"]
+
+
 def test_server_arguments_are_checked() -> None:
     assert parse_servers(["a=http://h:1", "b=http://h:2"]) == {"a": "http://h:1", "b": "http://h:2"}
     for bad in (["a"], ["a=h:1"], ["=http://h:1"], ["a=http://h:1", "a=http://h:2"]):

@@ -62,6 +62,18 @@ def parse_servers(items: list[str]) -> dict[str, str]:
     return servers
 
 
+def shared_urls(servers: dict[str, str]) -> list[str]:
+    """The names whose URL an earlier name has (same server: its runs find the earlier
+    one's prompts cached), trailing slashes ignored."""
+    seen: set[str] = set()
+    shared = []
+    for name, url in servers.items():
+        if url.rstrip("/") in seen:
+            shared.append(name)
+        seen.add(url.rstrip("/"))
+    return shared
+
+
 def peers_command(args: argparse.Namespace) -> int:
     """`radixserve bench peers`."""
     from radixserve.benchmark.peers import TokenRenderer, ratios, run_peers, summarise
@@ -81,8 +93,7 @@ def peers_command(args: argparse.Namespace) -> int:
         say(f"error: {exc}")
         return 2
 
-    shared = [name for i, (name, url) in enumerate(servers.items()) if url in list(servers.values())[:i]]
-    if shared:
+    if shared := shared_urls(servers):
         # The second name on one URL finds the first one's prompts cached (same server).
         say(f"warning: {', '.join(shared)} share a URL with an earlier --server: their runs find the "
             "earlier one's prompts cached")
