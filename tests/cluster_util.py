@@ -185,7 +185,7 @@ def stream_across_the_stop(url: str) -> Iterator[None]:
                 arrivals.append("served" if answer.status_code == 200 else "refused" if refused
                                 else f"{answer.status_code} {error.get('code')}")
                 first_arrival.set()
-                stop_arriving.wait(0.05)  # a pace, not a wait for anything
+                stop_arriving.wait(0.2)  # a pace (the grace is 4 s), not a wait for anything
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()

@@ -135,26 +135,26 @@ def test_launched_servers_take_no_api_key_from_the_environment(tiny_llama_dir: P
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
 
 
-def test_a_run_that_completed_nothing_is_reported_not_a_crash(tiny_llama_dir: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """Every HTTP request refused (the servers want an API key): `_median_ratios` divided by
-    the run's None latency (TypeError) and 0 tok/s, and the command wrote no table, no JSON."""
-    import json
+def test_a_run_that_completed_nothing_is_reported_not_a_crash() -> None:
+    """Every HTTP request refused (say, the server wants an API key): `_median_ratios`
+    divided by the run's None latency (TypeError) and 0 tok/s, and the command wrote no table,
+    no JSON. Now its ratios are left out, its row is marked and the failure is reported. (The
+    summaries as `run_comparison` has them, without launching three servers for it.)"""
+    from radixserve.benchmark.cli_compare import _report_failures, _row_label
+    from radixserve.benchmark.compare import _median_ratios, failed_requests, median_summary
+    from radixserve.benchmark.serve import RequestRecord, ServeResult
 
-    from radixserve.cli import main
-
-    out = tmp_path / "compare.json"
-    code = main(["bench", "compare", "--mode", "http", "--model-dir", str(tiny_llama_dir), "--no-progress",
-                 "--server-args", "--api-key sekrit --page-size 4 --num-pages 64", "--concurrency", "2",
-                 "--workload-args", "num_groups=1,prompts_per_group=2,system_len=8,question_len=4,output_len=2",
-                 "--json", str(out)])
-    captured = capsys.readouterr()
-    assert code == 1
-    assert "| radixserve http, cache on (FAILED: 0 of 2 completed) |" in captured.out
-    assert "run 'http, cache on': 2 of 2 requests failed, e.g. HTTP 401" in captured.err
-    result = json.loads(out.read_text())
-    assert result["runs"]["http, cache on"]["completed"] == 0
-    assert not any(name.startswith("latency") for name in result["ratios"])
+    refused = ServeResult("u", "gsp", [RequestRecord(i, error="HTTP 401") for i in range(2)], 0.5)
+    done = ServeResult("u", "gsp", [RequestRecord(i, prompt_tokens=12, completion_tokens=2, ttft_s=0.1,
+                                                  latency_s=0.2, finished_s=0.2) for i in range(2)], 0.5)
+    rounds = [{"transformers": done.summary(), "http, cache on": refused.summary(), "http, cache off": done.summary()}]
+    ratios = _median_ratios(rounds)
+    assert ratios == {"throughput: http, cache on / transformers": 0.0,  # no latency ratio: it had none
+                      "throughput: http, cache off / transformers": 1.0, "throughput: http, cache on / cache off": 0.0}
+    on = median_summary([rounds[0]["http, cache on"]])
+    assert _row_label("radixserve http, cache on", on) == "radixserve http, cache on (FAILED: 0 of 2 completed)"
+    assert failed_requests(refused) == "2 of 2 requests failed, e.g. HTTP 401"
+    assert _report_failures({"server_failures": {}, "request_failures": {"http, cache on": failed_requests(refused)}})
 
 
 def test_host_tier_ratios_skip_a_side_that_completed_nothing() -> None:
