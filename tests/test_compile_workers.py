@@ -298,7 +298,7 @@ def test_a_grammar_whose_first_steps_pass_the_fill_budget_is_refused_before_gene
         grammars.compile(spec)
 
 
-SERVER_TIMEOUT_S = 2.0  # CPU seconds: far above an in-limit compile (milliseconds), far below the attack's compiles
+SERVER_TIMEOUT_S = 1.0  # CPU seconds: far above an in-limit compile (milliseconds), far below the attack's compiles
 
 
 def fat_grammar(rules: int) -> GrammarSpec:

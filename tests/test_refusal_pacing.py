@@ -228,7 +228,10 @@ def test_a_hold_ends_in_a_429_with_retry_after(head_timeout_s: float, keep_alive
     servers.close()
     assert response.status_code == 429 and response.json()["error"]["code"] == "too_many_refusals", response.text
     assert 6 <= int(response.headers["retry-after"]) <= 8 and response.headers["connection"] == "close"
-    assert held >= 0.9 if head_timeout_s > 5 else held < head_timeout_s, held
+    # Under the deadline the hold ends 50 ms before it: a loaded machine can deliver the 429 a
+    # little past 1.5 s (seen: 1.514 s), so the bound is loose; a hold that put the deadline
+    # off would run to max_hold_s (5 s).
+    assert held >= 0.9 if head_timeout_s > 5 else held < head_timeout_s + 1.0, held
     assert "radixserve_http_refusal_holds_refused_total 1.0" in metrics
 
 
