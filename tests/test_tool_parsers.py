@@ -231,7 +231,7 @@ def test_a_template_with_tools_renders_them_itself(demo_tokenizer: PreTrainedTok
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
      "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"not": {}}}}]},
      "tools[0].function.parameters"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x", "tool_call_id": "c9"}]},
      "messages[1].tool_call_id"),

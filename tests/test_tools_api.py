@@ -402,8 +402,8 @@ def test_a_schema_that_cannot_fit_max_tokens_ends_with_length(client: openai.Ope
     ({"extra_body": {"function_call": "auto"}}, "function_call"),
     ({"messages": USER + [{"role": "assistant", "tool_calls": [
         {"id": "", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]}, "messages[2].tool_calls[0].id"),
-    # a schema the compile would refuse is refused whatever tool_choice (under "auto" it was taken)
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+    # a schema the compile would refuse is refused when it is compiled: strict under "auto"
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}}}]}, "tools[0].function.parameters"),
     # a constraint the grammar engine would drop beside a combinator is refused, not ignored
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
@@ -436,6 +436,7 @@ def wide_object(name: str) -> dict[str, Any]:
             "required": names}
 
 
+MAX_ONE_SCHEMA = 64 * 1024  # grammar.spec.MAX_SOURCE_CHARS: one schema's size
 DEEP = nested_arrays(300)  # too deep for the JSON Schema validator, which recurses once per level
 WIDE_TOOLS = [{"type": "function", "function": {"name": name, "parameters": wide_object(name)}} for name in ("f", "g")]
 
@@ -468,3 +469,63 @@ def test_required_calls_of_a_tool_whose_parameters_refer_to_their_defs(client: o
         assert choice["finish_reason"] == "tool_calls" and choice["tool_calls"], choice
         for name, arguments in choice["tool_calls"]:
             jsonschema.validate(json.loads(arguments), parameters if name == "visit" else SCHEMAS[name])
+
+
+# Valid JSON Schemas that the grammar engine cannot honour (spec.UNSUPPORTED_KEYWORDS and the
+# half-honoured shapes), as real tools declare them: pydantic writes propertyNames for a dict
+# keyed by a Literal, OpenAPI-derived tools allOf beside properties.
+ENGINE_REFUSES = {
+    "propertyNames": {"type": "object", "properties": {"tags": {
+        "type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}}}},
+    "allOf-beside": {"type": "object", "properties": {"a": {"type": "string"}}, "allOf": [{"required": ["a"]}]},
+    "not": {"type": "object", "properties": {"a": {"not": {"type": "null"}}}},
+    "if-then": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    "contains": {"type": "object", "properties": {"l": {"type": "array", "contains": {"type": "integer"}}}},
+    "external-ref": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+    "minimum-untyped": {"type": "object", "properties": {"n": {"minimum": 5}}},
+    "ref-to-nothing": {"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}},
+}
+
+
+def declared(name: str, schema: dict[str, Any], **function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": schema, **function}}
+
+
+@pytest.mark.parametrize("shape", sorted(ENGINE_REFUSES))
+def test_a_tool_schema_the_grammar_engine_cannot_honour_is_refused_only_where_it_is_compiled(
+        client: openai.OpenAI, shape: str) -> None:
+    """A tool whose schema is never compiled into a grammar (not strict under "auto", any
+    under "none", another tool named) is only shown to the model: any valid JSON Schema is
+    taken, as OpenAI and vLLM take it (a 400 before: an agent could not even declare it).
+    Where the schema constrains the reply (strict under "auto", the tool named, every tool
+    under "required") the grammar engine's refusal stands, naming the tool."""
+    schema = ENGINE_REFUSES[shape]
+    body = {**COMMON, "messages": USER, "max_tokens": 1, "temperature": 0.0}
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "add"}}):
+        reply = client.chat.completions.create(**body, tools=[declared("f", schema), ADD], tool_choice=choice)
+        assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls"), choice
+    for tools, choice in (([declared("f", schema, strict=True), ADD], "auto"),
+                          ([declared("f", schema), ADD], {"type": "function", "function": {"name": "f"}}),
+                          ([declared("f", schema), ADD], "required")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**body, tools=tools, tool_choice=choice)
+        error = caught.value.body
+        assert caught.value.status_code == 400 and error["param"] == "tools[0].function.parameters", (choice, error)
+        assert error["code"] == "invalid_value" and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "object", "properties": {"a": {"type": "nonsense"}}}, "invalid JSON Schema at ['properties']['a']"),
+    ({"type": "object", "properties": {"a": {"type": "string", "description": "d" * MAX_ONE_SCHEMA}}},
+     "at most 65536 characters"),
+    (nested_arrays(300) | {"type": "object"}, "nested too deeply"),
+], ids=["invalid", "too-large", "too-deep"])
+def test_a_tool_schema_that_is_not_compiled_is_still_checked_as_json_schema(
+        client: openai.OpenAI, schema: dict[str, Any], message: str) -> None:
+    """The bounds that keep checking a schema cheap hold for every tool, compiled or not."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**COMMON, "max_tokens": 1}, messages=USER, tools=[ADD, declared("f", schema)],
+                                       tool_choice="none")
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == "tools[1].function.parameters", error
+    assert message in error["message"]

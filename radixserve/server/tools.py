@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.grammar import GrammarError, GrammarSpec
@@ -125,25 +126,44 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     names = [tool.function.name for tool in request.tools]
     if len(set(names)) < len(names):
         raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")
-    specs = [_parameters(tool, i) for i, tool in enumerate(request.tools)]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(400, f"tool_choice: no tool is named {choice.function.name[:64]!r}",
+                       param="tool_choice.function.name", code="invalid_value")
+    enforced = _enforced(request, names)
+    specs = [_parameters(tool, i, i in enforced) for i, tool in enumerate(request.tools)]
     plan = ToolPlan(tools=[_template_tool(tool) for tool in request.tools])
     parallel = request.parallel_tool_calls is not False  # null: OpenAI's default, true
     if choice is None or choice == "auto":
         plan.parser = make_parser(parser_name, frozenset(names), None if parallel else 1)
-        plan.auto_calls = AutoCalls([(name, spec if tool.function.strict else None)
-                                     for name, spec, tool in zip(names, specs, request.tools)], parallel, parser_name)
+        plan.auto_calls = AutoCalls(list(zip(names, specs)), parallel, parser_name)
     elif choice == "required":
         plan.parser = RequiredCallsParser()
-        schema = required_calls_schema(names, [json.loads(spec.source) for spec in specs], parallel)
+        schema = required_calls_schema(names, [json.loads(spec.source) for spec in specs if spec is not None],
+                                       parallel)
         plan.grammar = (json_schema_spec(schema, "tools"), "tools")  # 400 if all of them together are too large
     elif isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise APIError(400, f"tool_choice: no tool is named {choice.function.name[:64]!r}",
-                           param="tool_choice.function.name", code="invalid_value")
         position = names.index(choice.function.name)
         plan.parser = NamedCallParser(choice.function.name)
-        plan.grammar = (specs[position], f"tools[{position}].function.parameters")
+        named = specs[position]
+        assert named is not None  # `_enforced` has it
+        plan.grammar = (named, f"tools[{position}].function.parameters")
     return plan
+
+
+def _enforced(request: ChatCompletionRequest, names: list[str]) -> set[int]:
+    """The positions of the tools whose parameters the grammar engine compiles for this
+    request: under "auto" the strict ones, under "required" all, under a named choice that
+    tool, under "none" none. Only those are held to what the engine supports; the others are
+    only shown to the model, and, as OpenAI and vLLM take them, may be any valid JSON Schema."""
+    choice = request.tool_choice
+    assert request.tools is not None
+    if choice is None or choice == "auto":
+        return {i for i, tool in enumerate(request.tools) if tool.function.strict}
+    if choice == "required":
+        return set(range(len(request.tools)))
+    if isinstance(choice, NamedToolChoice):
+        return {names.index(choice.function.name)}
+    return set()
 
 
 def required_calls_schema(names: list[str], schemas: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -204,9 +224,11 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
                                param=f"messages[{i}].tool_call_id", code="invalid_value")
 
 
-def _parameters(tool: Tool, position: int) -> GrammarSpec:
-    """The tool's parameters schema, checked (the grammar engine compiles it only when a
-    tool_choice, or `strict`, constrains the reply to it)."""
+def _parameters(tool: Tool, position: int, enforced: bool) -> GrammarSpec | None:
+    """The tool's parameters schema, checked: as a spec for the grammar engine when this
+    request compiles it (`enforced`: a tool_choice or `strict` constrains the reply to it), else
+    only as a JSON Schema (None): keywords the engine cannot honour do not matter in a schema
+    it never compiles, and refusing them refused tools an agent only declares."""
     schema = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
     param = f"tools[{position}].function.parameters"
     if isinstance(schema, dict) and schema.get("type", "object") != "object":
@@ -214,7 +236,31 @@ def _parameters(tool: Tool, position: int) -> GrammarSpec:
         # raw text for arguments, which no client can parse.
         raise APIError(400, f"{param}: a tool's parameters must be a JSON Schema of type \"object\", "
                             f"not {json.dumps(schema['type'])}", param=param, code="invalid_value")
-    return json_schema_spec(schema, param)
+    if enforced:
+        return json_schema_spec(schema, param)
+    _check_json_schema(schema, param)
+    return None
+
+
+def _check_json_schema(schema: Any, param: str) -> None:
+    """A 400 naming `param` unless `schema` is a valid JSON Schema (draft 2020-12) within the
+    size of one that could be compiled: the same bounds as a compiled schema's first checks
+    (its size first, as checking takes time in proportion to it; nesting past what the
+    validator recurses through), none of the grammar engine's own."""
+    try:
+        size = len(json.dumps(schema))
+        if size > MAX_SOURCE_CHARS:
+            raise APIError(400, f"{param}: at most {MAX_SOURCE_CHARS} characters", param=param, code="invalid_value")
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in exc.path)
+        raise APIError(400, f"{param}: invalid JSON Schema at {where or 'the top'}: {exc.message}", param=param,
+                       code="invalid_value") from None
+    except OverflowError as exc:  # re's answer to a repetition count past 2**32 - 1 in a pattern
+        raise APIError(400, f"{param}: a pattern of the schema cannot be compiled: {exc}", param=param,
+                       code="invalid_value") from None
+    except RecursionError:
+        raise APIError(400, f"{param}: the schema is nested too deeply", param=param, code="invalid_value") from None
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:
