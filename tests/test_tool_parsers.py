@@ -37,6 +37,15 @@ HERMES_REPLIES = [
     "<tool",
     "<tool_call>\n{\"name\": \"unclosed\", \"arguments\": {\"k\": 1}}",
     " \n\n ",  # only whitespace: content, whole and streamed alike
+    # arguments holding the markup itself (a coding agent writing about tool calls)
+    '<tool_call>\n{"name": "a", "arguments": {"s": "x</tool_call>y"}}\n</tool_call>',
+    'Ok.\n<tool_call>\n{"name": "a", "arguments": {"s": "</tool_call>\\n<tool_call>\\n{}"}}\n</tool_call>\n'
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "</tool_call>"}}</tool_call> trailing',
+    # a block that is no call, then a call; an object with text between it and the closing tag
+    '<tool_call>\n{nope</tool_call>\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}} extra</tool_call><tool_call>{"name": "a", "arguments": {"k": 2}}</tool_call>',
+    '<tool_call>\n{"name": "a", "arguments": {"k": 1}}\n</tool_',  # cut in the closing tag
+    '<tool_call>\n["a"]\n</tool_call>',
 ]
 LLAMA_REPLIES = [
     '{"name": "get_weather", "parameters": {"city": "Paris"}}',
@@ -248,3 +257,51 @@ def test_required_calls_schema_shapes() -> None:
     assert one["maxItems"] == 1 and one["items"]["properties"]["name"] == {"const": "f"}
     many = required_calls_schema(["f", "g"], [{"type": "object"}] * 2, parallel=True)
     assert "maxItems" not in many and len(many["items"]["anyOf"]) == 2
+
+
+CLOSING_IN_ARGUMENTS = {"path": "notes.md", "content": "Close a call with </tool_call>, open one with <tool_call>."}
+
+
+def test_a_call_whose_arguments_hold_the_markup_is_that_call() -> None:
+    """The block's JSON is read before its closing tag is looked for: cut at the first
+    `</tool_call>`, the call was lost and the whole reply came back as content."""
+    arguments = json.dumps(CLOSING_IN_ARGUMENTS)
+    text = (f'Writing it.\n<tool_call>\n{{"name": "write_file", "arguments": {arguments}}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "a", "arguments": {"q": "<tool_call>"}}\n</tool_call>')
+    parser = HermesParser(frozenset({"write_file", "a"}))
+    expected = ("Writing it.\n", [("write_file", arguments), ("a", '{"q": "<tool_call>"}')])
+    assert whole(parser, text) == expected
+    assert streamed(parser, text, list(range(1, len(text)))) == expected
+    assert streamed(parser, text, [text.index("</tool_call>") + 3]) == expected
+
+
+def test_the_hermes_stream_reads_each_block_once() -> None:
+    """200 calls fed 4 characters at a time: each block is decoded once, when its closing tag
+    arrives, and turned into a call once (the text up to the last closing tag was parsed again
+    at every piece: quadratic, 11 s of the event loop for these 200 calls). Counted, not timed."""
+    import radixserve.server.tool_parsers as tool_parsers
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": "%s"}}\n</tool_call>\n'
+    text = "".join(call % ("a" * 40) for _ in range(200))
+    counts = {"calls": 0, "decodes": 0}
+    real_call, real_decoder = tool_parsers._call_from_json, tool_parsers._DECODER
+
+    def counting_call(*args: object) -> object:
+        counts["calls"] += 1
+        return real_call(*args)  # type: ignore[arg-type]
+
+    class CountingDecoder:
+        def raw_decode(self, s: str, at: int) -> tuple[object, int]:
+            counts["decodes"] += 1
+            return real_decoder.raw_decode(s, at)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tool_parsers, "_call_from_json", counting_call)
+    mp.setattr(tool_parsers, "_DECODER", CountingDecoder())
+    try:
+        stream = HermesParser(frozenset({"f"})).stream()
+        events = [e for at in range(0, len(text), 4) for e in stream.feed(text[at:at + 4])] + stream.finish()
+    finally:
+        mp.undo()
+    assert sum(e.call is not None for e in events) == 200
+    assert counts == {"calls": 200, "decodes": 200}

@@ -121,6 +121,19 @@ TWO_CALLS_GRAMMAR = ('root ::= call "\\n" call\ncall ::= "<tool_call>\\n{\\"name
 UNDECLARED_GRAMMAR = 'root ::= "<tool_call>\\n{\\"name\\": \\"send_email\\", \\"arguments\\": {}}\\n</tool_call>"'
 
 
+# A call whose arguments hold the closing tag itself (an agent writing about tool calls).
+CLOSING_IN_ARGUMENTS_GRAMMAR = ('root ::= "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": 1, '
+                                '\\"b\\": 2, \\"note\\": \\"</tool_call>\\"}}\\n</tool_call>"')
+
+
+def test_auto_keeps_a_call_whose_arguments_hold_the_closing_tag(client: openai.OpenAI) -> None:
+    """Cut at the first `</tool_call>`, the call was lost and the markup came back as content."""
+    plain, streamed = both(client, tools=TOOLS, temperature=0.0,
+                           extra_body={"guided_grammar": CLOSING_IN_ARGUMENTS_GRAMMAR})
+    assert plain == streamed == [{"content": None, "finish_reason": "tool_calls",
+                                  "tool_calls": [("add", '{"a": 1, "b": 2, "note": "</tool_call>"}')]}]
+
+
 def test_auto_keeps_the_first_call_without_parallel_tool_calls(client: openai.OpenAI) -> None:
     grammar = {"extra_body": {"guided_grammar": TWO_CALLS_GRAMMAR}}
     plain, streamed = both(client, tools=TOOLS, temperature=1.0, seed=3, **grammar)

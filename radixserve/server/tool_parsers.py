@@ -151,12 +151,15 @@ class ToolCallStream:
 
 class HermesParser:
     """`<tool_call>{...}</tool_call>` blocks; a block that is not a call of one of `names` is
-    dropped, and blocks past the first `max_calls` calls."""
+    dropped, and blocks past the first `max_calls` calls.
+
+    A block is read as JSON first and closed after it (`_hermes_block`), not cut at the first
+    closing tag: a call whose arguments hold the text `</tool_call>` (an agent writing a file
+    about tool calling) is that call, not the cut-off text of one (the reply was content)."""
 
     calls_finish = True
 
     OPENING, CLOSING = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def __init__(self, names: Collection[str] | None = None, max_calls: int | None = None) -> None:
         self.names = names
@@ -166,9 +169,16 @@ class HermesParser:
         at = text.find(self.OPENING)
         if at < 0:
             return text, []
-        calls = [call for block in self._BLOCK.findall(text[at:])
-                 if (call := _call_from_json(block.strip(), "arguments", self.names)) is not None]
-        calls = calls[:self.max_calls]
+        calls: list[ParsedCall] = []
+        end = at
+        while (self.max_calls is None or len(calls) < self.max_calls) and \
+                (opening := text.find(self.OPENING, end)) >= 0:
+            block = _hermes_block(text, opening + len(self.OPENING), final=True)
+            assert block is not None  # (a final read always decides)
+            source, end = block
+            call = None if source is None else _call_from_json(source, "arguments", self.names)
+            if call is not None:
+                calls.append(call)
         if not calls:
             return text, []
         content = text[:at]
@@ -178,18 +188,104 @@ class HermesParser:
         return _HermesStream(self, self.OPENING)
 
 
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\r\n]*")
+
+
+def _hermes_block(text: str, start: int, final: bool) -> tuple[str | None, int] | None:
+    """The Hermes block whose opening tag ends at `start`: the JSON text of its call (None: the
+    block is no JSON object closed by the closing tag, so no call) and where the text after
+    the block begins. The object is decoded first and the closing tag expected after it; a
+    block that is not so runs to the first closing tag (or the end of the text), as before.
+    An object the text ends in, unclosed, is the reply's last call when the reply ends
+    (`final`). Not `final` (a stream's text so far), None while more text could change the
+    answer; an answer given is the one the whole text gets (the stream emits its call at once)."""
+    at = _SPACE.match(text, start).end()  # type: ignore[union-attr]  (matches any text, empty too)
+    if at < len(text) and text[at] == "{":
+        try:
+            _, end = _DECODER.raw_decode(text, at)
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or not yet whole, or nested past Python's stack
+            end = -1
+        if end >= 0:
+            after = _SPACE.match(text, end).end()  # type: ignore[union-attr]
+            if text.startswith(HermesParser.CLOSING, after):
+                return text[at:end], after + len(HermesParser.CLOSING)
+            if after == len(text):
+                return (text[at:end], after) if final else None
+            if not final and HermesParser.CLOSING.startswith(text[after:]):
+                return None  # the closing tag may be under way
+        elif not final:
+            return None  # (an object cut short decodes no better than a wrong one)
+    elif not final and at == len(text):
+        return None
+    closing = text.find(HermesParser.CLOSING, start)
+    if closing < 0:
+        return (None, len(text)) if final else None
+    return None, closing + len(HermesParser.CLOSING)
+
+
 class _HermesStream(ToolCallStream):
-    """Hermes blocks are complete at their closing tag: each call is emitted then."""
+    """Hermes blocks are complete at their closing tag: each call is emitted then.
+
+    Incremental: a block is read when a closing tag arrives after it, and the blocks before it
+    are never read again, so a reply of many calls costs time in proportion to its length
+    (every block read again at every token took 11 s of the event loop for 200 calls). A block
+    that is no call holds the calls after it until the reply ends (whether more text would
+    make it JSON is not known before)."""
+
+    def __init__(self, parser: HermesParser, opening: str) -> None:
+        super().__init__(parser, opening)
+        self.first = -1  # where the first opening tag is: the content ends there
+        self.next = 0  # where the next block is looked for: after the last one read
+        self.looked = 0  # how much of the text was looked through for a closing tag
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        # Only the new text (and a tag it may complete) is looked through: the content before
+        # a call may be long too.
+        since = max(0, len(self.text) - len(self.opening) + 1)
+        self.text += text
+        if not self.in_calls:
+            at = self.text.find(self.opening, since)
+            if at < 0:  # content: streamed as it comes, but for an end that may begin the opening
+                end = len(self.text) - _partial_marker(self.text, self.opening)
+                if end == 0 or (not self.content_sent and self.text[:end].isspace()):
+                    return []  # (only whitespace so far: held, the whole parse's content would be None)
+                new = self.text[self.content_sent:end]
+                self.content_sent = max(self.content_sent, end)
+                return [StreamEvent(content=new)] if new else []
+            self.in_calls = True
+            self.first = self.next = at
+        return self._complete_calls(final=False)
 
     def _complete_calls(self, final: bool) -> list[StreamEvent]:
-        end = self.text.rfind(HermesParser.CLOSING)
-        if end < 0:
-            return []
-        content, calls = self.parser.parse(self.text[: end + len(HermesParser.CLOSING)])
-        if not calls:
-            return []
-        events = self._content(content or "") if not self.calls_sent else []
-        return events + self._calls(calls)
+        parser: HermesParser = self.parser  # type: ignore[assignment]
+        if not final:  # nothing is decided before a closing tag: look only when a new one came
+            seen = self.text.find(parser.CLOSING, max(self.next, self.looked - len(parser.CLOSING) + 1))
+            self.looked = len(self.text)
+            if seen < 0:
+                return []
+        events: list[StreamEvent] = []
+        while (parser.max_calls is None or len(self.calls) < parser.max_calls) and \
+                (opening := self.text.find(parser.OPENING, self.next)) >= 0:
+            block = _hermes_block(self.text, opening + len(parser.OPENING), final)
+            if block is None:
+                break
+            source, self.next = block
+            call = None if source is None else _call_from_json(source, "arguments", parser.names)
+            if call is None:
+                continue
+            if not self.calls:  # the content before the first call, as the whole parse has it
+                content = self.text[:self.first]
+                events += self._content(content if content.strip() else "")
+            self.calls.append(call)
+            events += self._calls(self.calls)
+        return events
+
+    def finish(self) -> list[StreamEvent]:
+        events = self._complete_calls(final=True) if self.in_calls else []
+        if not self.calls:  # no call: the reply is content, all of it (whitespace too)
+            return events + self._content(self.text)
+        return events
 
 
 class Llama3Parser:
