@@ -134,6 +134,27 @@ def test_auto_keeps_a_call_whose_arguments_hold_the_closing_tag(client: openai.O
                                   "tool_calls": [("add", '{"a": 1, "b": 2, "note": "</tool_call>"}')]}]
 
 
+def test_max_tokens_cut_in_text_after_whole_calls_is_tool_calls(client: openai.OpenAI) -> None:
+    """The model writes on after its call (SmolLM2 does) and max_tokens cuts that text, which
+    the reply drops: the call is whole, so "tool_calls" ("length" made the openai client's
+    parse() raise LengthFinishReasonError). Cut inside the call, still "length"."""
+    grammar = HERMES_GRAMMAR + ' "\\n\\nThe function adds two numbers and returns what they add up to, as asked."'
+    request = {**COMMON, "messages": USER, "tools": TOOLS, "temperature": 0.0, "extra_body": {"guided_grammar": grammar}}
+    probe = client.chat.completions.create(**request, logprobs=True).choices[0]
+    assert probe.finish_reason == "tool_calls"
+    tokens = [entry.token for entry in probe.logprobs.content]
+    call_tokens = next(n for n in range(len(tokens)) if "</tool_call>" in "".join(tokens[:n]))
+    assert call_tokens + 3 < len(tokens)  # the text after the call is longer than what is left
+    plain, streamed = both(client, **{**request, "max_tokens": call_tokens + 3})
+    assert plain == streamed == [{"content": None, "finish_reason": "tool_calls",
+                                  "tool_calls": [(probe.message.tool_calls[0].function.name,
+                                                  probe.message.tool_calls[0].function.arguments)]}]
+    # Cut in the call: under "auto" the markup is content, as documented.
+    plain, streamed = both(client, **{**request, "max_tokens": call_tokens - 1})
+    assert plain == streamed == [{"content": "".join(tokens[:call_tokens - 1]), "finish_reason": "length",
+                                  "tool_calls": []}]
+
+
 def test_auto_keeps_the_first_call_without_parallel_tool_calls(client: openai.OpenAI) -> None:
     grammar = {"extra_body": {"guided_grammar": TWO_CALLS_GRAMMAR}}
     plain, streamed = both(client, tools=TOOLS, temperature=1.0, seed=3, **grammar)

@@ -212,7 +212,7 @@ class ChatFormatter:
                 choices.append(ChatChunkChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs))
         out += [self._chunk([choice]) for choice in choices]
         if delta.finish_reason is not None:
-            reason = _calls_reason(delta.finish_reason, stream.calls, self.tool_parser)
+            reason = _calls_reason(delta.finish_reason, stream.calls, self.tool_parser, stream.text)
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)]))
         return out
 
@@ -237,7 +237,7 @@ class ChatFormatter:
             return ChatChoice(index=index, message=AssistantMessage(content=content),
                               finish_reason=result.finish_reason, logprobs=logprobs)
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        reason = _calls_reason(result.finish_reason, calls, self.tool_parser)
+        reason = _calls_reason(result.finish_reason, calls, self.tool_parser, result.text)
         return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                           finish_reason=reason, logprobs=logprobs)
 
@@ -263,12 +263,16 @@ class ChatFormatter:
             for e in entries])
 
 
-def _calls_reason(finish_reason: str | None, calls: list[ParsedCall], parser: ToolCallParser) -> str | None:
+def _calls_reason(finish_reason: str | None, calls: list[ParsedCall], parser: ToolCallParser,
+                  text: str) -> str | None:
     """A reply that stopped after complete calls finishes with "tool_calls" (unless its format
     says "stop": a named tool_choice); one a stop string cut inside a call keeps "stop" (as one
     cut by max_tokens keeps "length"): the agent must not run a call whose arguments are not
-    JSON."""
-    complete = finish_reason == "stop" and calls_complete(calls)
+    JSON. One that max_tokens cut in text after its whole calls, which the reply drops (`text`,
+    the reply's, tells), is "tool_calls" too: "length" made OpenAI's clients raise
+    (LengthFinishReasonError) over calls that are whole."""
+    complete = (finish_reason == "stop" and calls_complete(calls)) or \
+        (finish_reason == "length" and bool(calls) and parser.cut_after_calls(text))
     return "tool_calls" if complete and parser.calls_finish else finish_reason
 
 

@@ -69,6 +69,10 @@ class ToolCallParser(Protocol):
     def stream(self) -> ToolCallStream:
         """A fresh incremental parser for one choice."""
 
+    def cut_after_calls(self, text: str) -> bool:
+        """Whether a reply that max_tokens cut made all its calls whole, the cut falling in
+        text after them that the reply drops (it finishes with "tool_calls", not "length")."""
+
 
 def _call_from_json(text: str, arguments_key: str, names: Collection[str] | None) -> ParsedCall | None:
     """A call from `{"name": ..., "<arguments_key>": {...}}`; None if the text is not one, or
@@ -166,12 +170,28 @@ class HermesParser:
         self.max_calls = max_calls
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        at = text.find(self.OPENING)
-        if at < 0:
+        at, calls, _ = self._read(text)
+        if not calls:
             return text, []
+        content = text[:at]
+        return (content if content.strip() else None), calls
+
+    def cut_after_calls(self, text: str) -> bool:
+        """Every call's block closed by its tag, and after the last one no block opened (a call
+        under way, which the reply would lose) unless the reply has its `max_calls` already:
+        what max_tokens cut is text the reply drops. (vLLM reports "tool_calls" for any reply
+        with calls; a model that writes on after its calls until max_tokens is not rare.)"""
+        _, calls, end = self._read(text)
+        if not calls or not (end >= len(self.CLOSING) and text.startswith(self.CLOSING, end - len(self.CLOSING))):
+            return False
+        return len(calls) == self.max_calls or text.find(self.OPENING, end) < 0
+
+    def _read(self, text: str) -> tuple[int, list[ParsedCall], int]:
+        """Where the first block opens (-1: none), the calls, and where the last call's block ends."""
+        at = text.find(self.OPENING)
         calls: list[ParsedCall] = []
-        end = at
-        while (self.max_calls is None or len(calls) < self.max_calls) and \
+        end = after_last = max(at, 0)
+        while at >= 0 and (self.max_calls is None or len(calls) < self.max_calls) and \
                 (opening := text.find(self.OPENING, end)) >= 0:
             block = _hermes_block(text, opening + len(self.OPENING), final=True)
             assert block is not None  # (a final read always decides)
@@ -179,10 +199,8 @@ class HermesParser:
             call = None if source is None else _call_from_json(source, "arguments", self.names)
             if call is not None:
                 calls.append(call)
-        if not calls:
-            return text, []
-        content = text[:at]
-        return (content if content.strip() else None), calls
+                after_last = end
+        return at, calls, after_last
 
     def stream(self) -> ToolCallStream:
         return _HermesStream(self, self.OPENING)
@@ -317,6 +335,9 @@ class Llama3Parser:
     def stream(self) -> ToolCallStream:
         return _Llama3Stream(self, self.PYTHON_TAG)
 
+    def cut_after_calls(self, text: str) -> bool:
+        return False  # the calls are the whole reply: the cut fell in them, or may have cut one short
+
 
 class _Llama3Stream(ToolCallStream):
     """A reply is a call when it opens with "{" or the python tag: held to the end then."""
@@ -346,6 +367,9 @@ class NamedCallParser:
 
     def stream(self) -> ToolCallStream:
         return _NamedStream(self, "")
+
+    def cut_after_calls(self, text: str) -> bool:
+        return False  # the calls are the whole reply: the cut fell in them, or may have cut one short
 
 
 class _NamedStream(ToolCallStream):
@@ -396,6 +420,9 @@ class RequiredCallsParser:
 
     def stream(self) -> ToolCallStream:
         return _HeldStream(self, "")
+
+    def cut_after_calls(self, text: str) -> bool:
+        return False  # the calls are the whole reply: the cut fell in them, or may have cut one short
 
 
 class _HeldStream(ToolCallStream):

@@ -1,0 +1,68 @@
+"""A tool-call reply's chat objects (formatting.ChatFormatter with the tool parsers), whole and
+streamed, in process: the finish reason of calls that max_tokens cut after, how a streamed
+reply of calls opens, and what its logprobs list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from radixserve import StreamDelta
+from radixserve.models.demo import demo_checkpoint_dir
+from radixserve.server.formatting import ChatFormatter, ChoiceResult, ResponseIdentity, TokenNamer
+from radixserve.server.protocol import PromptTokensDetails, Usage
+from radixserve.server.tool_parsers import HermesParser, NamedCallParser, RequiredCallsParser, ToolCallParser
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+USAGE = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2,
+              prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(demo_checkpoint_dir()))
+
+
+def formatter(tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser | None) -> ChatFormatter:
+    return ChatFormatter(ResponseIdentity("chatcmpl-x", 1, "demo", include_usage=False),
+                         TokenNamer(tokenizer, as_ids=False), parser)
+
+
+def whole_reason(tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser, text: str, finish: str) -> str:
+    response = formatter(tokenizer, parser).response([ChoiceResult(text=text, finish_reason=finish)], USAGE)
+    return msgspec.to_builtins(response)["choices"][0]["finish_reason"]
+
+
+def streamed_reason(tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser, text: str, finish: str) -> str:
+    chat = formatter(tokenizer, parser)
+    pieces = [text[at:at + 5] for at in range(0, len(text), 5)]
+    chunks: list[Any] = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        chunks += chat.chunks(StreamDelta(index=0, token_ids=[1], text=piece, logprobs=None,
+                                          finish_reason=finish if last else None, prompt_tokens=1, cached_tokens=0))
+    (reason,) = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason is not None]
+    return reason
+
+
+@pytest.mark.parametrize(("parser", "text", "reason"), [
+    # whole calls, then text the reply drops, cut there: the calls are the reply
+    (HermesParser(), CALL + "\n\nThe function is called with a", "tool_calls"),
+    (HermesParser(), f"Let me see.\n{CALL}\n{CALL} and then", "tool_calls"),
+    (HermesParser(None, 1), f"{CALL}\n<tool_call>\n{{\"name\": \"g\", \"argu", "tool_calls"),  # one call is all
+    # a call cut itself, or one under way after the whole ones: "length", as before
+    (HermesParser(), f"{CALL}\n<tool_call>\n{{\"name\": \"g\", \"argu", "length"),
+    (HermesParser(), CALL[:-len("</tool_call>")], "length"),
+    (HermesParser(), CALL[:-3], "length"),
+    (HermesParser(), "Just words, cut", "length"),
+    (RequiredCallsParser(), '[{"name": "f", "arguments": {"x": 1}}', "length"),
+    (NamedCallParser("f"), '{"x": 1', "length"),
+], ids=["tail", "two-calls-tail", "max-calls", "call-under-way", "unclosed", "cut-in-tag", "no-call",
+        "required", "named"])
+def test_max_tokens_cut_in_text_after_whole_calls_finishes_with_tool_calls(
+        tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser, text: str, reason: str) -> None:
+    assert whole_reason(tokenizer, parser, text, "length") == reason
+    assert streamed_reason(tokenizer, parser, text, "length") == reason
