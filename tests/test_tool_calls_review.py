@@ -1,6 +1,6 @@
 """A tool-call reply's chat objects (formatting.ChatFormatter with the tool parsers), whole and
 streamed, in process: the finish reason of calls that max_tokens cut after, how a streamed
-reply of calls opens, and what its logprobs list."""
+reply of calls opens, and what its logprobs list; and the size bound of "required"."""
 
 from __future__ import annotations
 
@@ -66,3 +66,33 @@ def test_max_tokens_cut_in_text_after_whole_calls_finishes_with_tool_calls(
         tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser, text: str, reason: str) -> None:
     assert whole_reason(tokenizer, parser, text, "length") == reason
     assert streamed_reason(tokenizer, parser, text, "length") == reason
+
+
+def test_required_says_its_size_bound_is_on_every_tool_together() -> None:
+    """Two tools of about 50,000 characters each: taken under "auto" (64 KiB a tool, 256 KiB in all);
+    under "required" all of them make one schema, and the 400 says so (it said only "tools: at
+    most 65536 characters")."""
+    import json
+
+    from radixserve.server.errors import APIError
+    from radixserve.server.protocol import ChatCompletionRequest
+    from radixserve.server.tools import plan_tools
+
+    def tool(name: str) -> dict[str, Any]:
+        names = [f"{name}{i}" for i in range(1000)]
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {n: {"type": "string", "maxLength": 3} for n in names},
+            "required": names}}}
+
+    def request(choice: str) -> ChatCompletionRequest:
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("f"), tool("g")], "tool_choice": choice}
+        return msgspec.json.decode(json.dumps(body), type=ChatCompletionRequest)
+
+    assert plan_tools(request("auto"), "hermes").parser is not None
+    with pytest.raises(APIError) as caught:
+        plan_tools(request("required"), "hermes")
+    assert caught.value.status == 400 and caught.value.param == "tools"
+    assert str(caught.value) == (
+        'tools: under tool_choice "required" every tool\'s parameters together make one schema, at most 65536 '
+        'characters (103930 here); send fewer or smaller tools, or use "auto" (65536 characters per tool, '
+        '262144 together)')

@@ -52,7 +52,8 @@ TOOL_BLOCK = (
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_TOOLS = 128  # OpenAI's own limit on a request's functions
 # Each tool's parameters are checked as a JSON Schema (time in proportion to their size, held
-# within one schema's 64 KiB each); all of them together within four such schemas.
+# within one schema's 64 KiB each); all of them together within four such schemas. (Under
+# tool_choice "required" they make one schema together: 64 KiB in all.)
 MAX_TOOLS_SCHEMA_CHARS = 4 * MAX_SOURCE_CHARS
 _PROBE_TOOL = [{"type": "function", "function": {"name": "\ue004", "description": "",
                                                    "parameters": {"type": "object", "properties": {}}}}]
@@ -140,7 +141,15 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str) -> ToolPlan:
         plan.parser = RequiredCallsParser()
         schema = required_calls_schema(names, [json.loads(spec.source) for spec in specs if spec is not None],
                                        parallel)
-        plan.grammar = (json_schema_spec(schema, "tools"), "tools")  # 400 if all of them together are too large
+        size = len(json.dumps(schema))
+        if size > MAX_SOURCE_CHARS:
+            # One schema for all the calls: one schema's bound holds for every tool together,
+            # where "auto" gives each tool its own (an unexplained "at most 65536" named no tool).
+            raise APIError(400, f"tools: under tool_choice \"required\" every tool's parameters together make one "
+                                f"schema, at most {MAX_SOURCE_CHARS} characters ({size} here); send fewer or "
+                                f"smaller tools, or use \"auto\" ({MAX_SOURCE_CHARS} characters per tool, "
+                                f"{MAX_TOOLS_SCHEMA_CHARS} together)", param="tools", code="invalid_value")
+        plan.grammar = (json_schema_spec(schema, "tools"), "tools")
     elif isinstance(choice, NamedToolChoice):
         position = names.index(choice.function.name)
         plan.parser = NamedCallParser(choice.function.name)
