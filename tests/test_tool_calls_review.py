@@ -96,3 +96,18 @@ def test_required_says_its_size_bound_is_on_every_tool_together() -> None:
         'tools: under tool_choice "required" every tool\'s parameters together make one schema, at most 65536 '
         'characters (103930 here); send fewer or smaller tools, or use "auto" (65536 characters per tool, '
         '262144 together)')
+
+
+@pytest.mark.parametrize(("parser", "content"), [
+    (NamedCallParser("f"), None), (RequiredCallsParser(), None), (HermesParser(), ""), (None, "")])
+def test_a_stream_known_to_be_calls_opens_with_content_null(tokenizer: PreTrainedTokenizerBase,
+                                                          parser: ToolCallParser | None, content: str | None) -> None:
+    """A named or "required" choice's reply is calls: its stream opens with `content: null`, as
+    OpenAI's and as the whole reply's message (it opened with "", which the openai client kept
+    as the message's content). Under "auto" (or without tools) the reply may be text: ""."""
+    chunks = formatter(tokenizer, parser).opening_chunks(2)
+    assert [msgspec.to_builtins(c)["choices"] for c in chunks] == [
+        [{"index": i, "delta": {"role": "assistant", "content": content}, "finish_reason": None, "logprobs": None}]
+        for i in range(2)]
+    assert [msgspec.json.decode(msgspec.json.encode(c))["choices"][0]["delta"] for c in chunks] == \
+        [{"role": "assistant", "content": content}] * 2

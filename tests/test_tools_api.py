@@ -107,6 +107,17 @@ def test_named_tool_choice_whole_and_streamed(client: openai.OpenAI) -> None:
     assert {name for c in plain for name, _ in c["tool_calls"]} == {"get_weather"}
 
 
+def test_a_named_or_required_stream_assembles_to_content_null(client: openai.OpenAI) -> None:
+    """The openai client's stream helper assembles the message: content null, as the whole
+    reply's (the stream opened with content "", which the helper kept)."""
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        request = {**COMMON, "messages": USER, "tools": TOOLS, "tool_choice": choice, "temperature": 0.0}
+        with client.chat.completions.stream(**request) as stream:
+            message = stream.get_final_completion().choices[0].message
+        assert message.content is None and {c.function.name for c in message.tool_calls} == {"add"}, choice
+        assert client.chat.completions.create(**request).choices[0].message.content is None
+
+
 def test_auto_parses_the_models_hermes_call(client: openai.OpenAI) -> None:
     plain, streamed = both(client, tools=TOOLS, temperature=1.0, seed=3, extra_body={"guided_grammar": HERMES_GRAMMAR})
     assert plain == streamed

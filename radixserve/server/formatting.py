@@ -181,7 +181,11 @@ class ChatFormatter:
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice index → its parser state
 
     def opening_chunks(self, n: int) -> list[Struct]:
-        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        # A reply a tool_choice makes calls opens with content null, as OpenAI streams one and
+        # as the whole reply has it ("" left the openai client's assembled message with "").
+        # Under "auto" the reply may be text: "", as OpenAI opens a text reply.
+        content = None if self.tool_parser is not None and self.tool_parser.only_calls else ""
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))])  # type: ignore[arg-type]  (null is sent)
                 for i in range(n)]
 
     def chunk(self, delta: StreamDelta) -> Struct | None:

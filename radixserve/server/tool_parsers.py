@@ -59,9 +59,11 @@ class StreamEvent:
 class ToolCallParser(Protocol):
     """One output format of tool calls. `calls_finish` says whether a reply of complete calls
     finishes with "tool_calls" (OpenAI: for "auto" and "required"; a named tool_choice's
-    forced call finishes with "stop")."""
+    forced call finishes with "stop"); `only_calls`, whether the reply is known to be calls
+    before it is generated (a tool_choice constrains it to them)."""
 
     calls_finish: bool
+    only_calls: bool
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The content and the tool calls of a whole reply."""
@@ -162,6 +164,7 @@ class HermesParser:
     about tool calling) is that call, not the cut-off text of one (the reply was content)."""
 
     calls_finish = True
+    only_calls = False
 
     OPENING, CLOSING = "<tool_call>", "</tool_call>"
 
@@ -311,6 +314,7 @@ class Llama3Parser:
     (of functions in `names`; else the reply is content), the first `max_calls` of them."""
 
     calls_finish = True
+    only_calls = False
 
     PYTHON_TAG = "<|python_tag|>"
 
@@ -358,6 +362,7 @@ class NamedCallParser:
     schema, is that call's arguments; they stream as they are generated."""
 
     calls_finish = False  # as OpenAI answers a named choice: "stop"
+    only_calls = True
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -396,6 +401,7 @@ class RequiredCallsParser:
     server can use (one nested past what it parses, say) stays text, as in the other formats."""
 
     calls_finish = True
+    only_calls = True
 
     _CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
 
