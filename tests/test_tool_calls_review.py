@@ -111,3 +111,18 @@ def test_a_stream_known_to_be_calls_opens_with_content_null(tokenizer: PreTraine
         for i in range(2)]
     assert [msgspec.json.decode(msgspec.json.encode(c))["choices"][0]["delta"] for c in chunks] == \
         [{"role": "assistant", "content": content}] * 2
+
+
+def test_the_llama3_parser_on_a_template_that_ignores_tools_is_a_mismatch(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Such a template gets the tools in the Hermes block: the llama3 parser cannot read the
+    calls it asks for (they came back as content). A template that renders tools is fine."""
+    from radixserve.server.tools import parser_template_mismatch
+
+    assert parser_template_mismatch("llama3", tokenizer) == (
+        "--tool-call-parser llama3: the chat template ignores tools, so they are given to the model in a Hermes "
+        "block that asks for <tool_call> blocks, which the llama3 parser does not read; use --tool-call-parser "
+        "hermes (this template's default) or a chat template that renders tools")
+    assert parser_template_mismatch("hermes", tokenizer) is None
+    renders = AutoTokenizer.from_pretrained(str(demo_checkpoint_dir()))
+    renders.chat_template = ("{% if tools %}TOOLS{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert parser_template_mismatch("llama3", renders) is None

@@ -297,6 +297,19 @@ def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     return with_tools != without
 
 
+def parser_template_mismatch(parser_name: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """Why the tool-call parser `parser_name` cannot read a model's calls under this tokenizer's
+    chat template (a one-line startup error), or None. A template that ignores tools gets them
+    in the Hermes block (`TOOL_BLOCK`), which asks for `<tool_call>` blocks: only the hermes
+    parser reads those (with llama3 the calls came back as content, and strict tools went
+    unenforced)."""
+    if parser_name == "hermes" or template_renders_tools(tokenizer):
+        return None
+    return (f"--tool-call-parser {parser_name}: the chat template ignores tools, so they are given to the model "
+            f"in a Hermes block that asks for <tool_call> blocks, which the {parser_name} parser does not read; "
+            "use --tool-call-parser hermes (this template's default) or a chat template that renders tools")
+
+
 def tool_block(tools: list[dict[str, Any]]) -> str:
     """The Hermes-style system text that gives `tools` to a template that ignores them."""
     return TOOL_BLOCK.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
