@@ -46,6 +46,10 @@ HERMES_REPLIES = [
     '<tool_call>{"name": "a", "arguments": {}} extra</tool_call><tool_call>{"name": "a", "arguments": {"k": 2}}</tool_call>',
     '<tool_call>\n{"name": "a", "arguments": {"k": 1}}\n</tool_',  # cut in the closing tag
     '<tool_call>\n["a"]\n</tool_call>',
+    # an object holding the closing tag, then text before the real one: no call, and the block
+    # ends at the tag after the object (the tag inside its string is text)
+    '<tool_call>{"name": "a", "arguments": {"s": "</tool_call><tool_call>"}} x</tool_call>'
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call>',
 ]
 LLAMA_REPLIES = [
     '{"name": "get_weather", "parameters": {"city": "Paris"}}',

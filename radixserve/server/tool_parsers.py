@@ -217,11 +217,13 @@ def _hermes_block(text: str, start: int, final: bool) -> tuple[str | None, int] 
     """The Hermes block whose opening tag ends at `start`: the JSON text of its call (None: the
     block is no JSON object closed by the closing tag, so no call) and where the text after
     the block begins. The object is decoded first and the closing tag expected after it; a
-    block that is not so runs to the first closing tag (or the end of the text), as before.
+    block that is not so runs to the first closing tag (after the object, if one decoded) or
+    the end of the text.
     An object the text ends in, unclosed, is the reply's last call when the reply ends
     (`final`). Not `final` (a stream's text so far), None while more text could change the
     answer; an answer given is the one the whole text gets (the stream emits its call at once)."""
     at = _SPACE.match(text, start).end()  # type: ignore[union-attr]  (matches any text, empty too)
+    cut_from = start  # where the closing tag that ends a block of no call is looked for
     if at < len(text) and text[at] == "{":
         try:
             _, end = _DECODER.raw_decode(text, at)
@@ -235,11 +237,12 @@ def _hermes_block(text: str, start: int, final: bool) -> tuple[str | None, int] 
                 return (text[at:end], after) if final else None
             if not final and HermesParser.CLOSING.startswith(text[after:]):
                 return None  # the closing tag may be under way
+            cut_from = end  # (a closing tag inside the object's strings is text, not markup)
         elif not final:
             return None  # (an object cut short decodes no better than a wrong one)
     elif not final and at == len(text):
         return None
-    closing = text.find(HermesParser.CLOSING, start)
+    closing = text.find(HermesParser.CLOSING, cut_from)
     if closing < 0:
         return (None, len(text)) if final else None
     return None, closing + len(HermesParser.CLOSING)
