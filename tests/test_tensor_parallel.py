@@ -157,6 +157,20 @@ def test_a_worker_dying_at_start_up_is_a_one_line_load_error(
     assert "rank 1" in error
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "abc", "0", "-1"])
+def test_a_collective_timeout_that_is_not_a_positive_number_names_the_variable(
+        value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`inf` overflowed torch's timedelta deep in a group's start (a traceback), `nan` passed
+    the bound, and `abc` was float()'s message, naming no variable."""
+    from radixserve.parallel.group import collective_timeout_s
+
+    monkeypatch.setenv("RADIXSERVE_TP_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=rf"^RADIXSERVE_TP_TIMEOUT_S: must be a number of seconds > 0, got '{value}'$"):
+        collective_timeout_s()
+    monkeypatch.setenv("RADIXSERVE_TP_TIMEOUT_S", "2.5")
+    assert collective_timeout_s() == 2.5
+
+
 def test_serve_has_the_flag() -> None:
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert engine_options(args)["tensor_parallel_size"] == 2
@@ -246,16 +260,40 @@ def test_rank0_listens_on_loopback_only(engines) -> None:
 
 def test_the_workers_outlive_stop_signals_sent_to_the_whole_group(engines) -> None:
     """A terminal's Ctrl-C (SIGINT) and a service manager's stop (SIGTERM to every process of
-    the unit) reach the workers as well as the server, whose drain needs them: a rank that
-    died of either failed the streams in flight. Rank 0 ends its workers itself."""
+    the unit) reach the workers and their fork server as well as the server, whose drain
+    needs them: a rank that died of either failed the streams in flight, and so did the fork
+    server's death (multiprocessing then reports every worker it forked as exited, code 255).
+    Rank 0 ends its workers itself."""
     processes = engines.tp.runner.workers.processes
-    for process in processes:
-        os.kill(process.pid, signal.SIGINT)
-        os.kill(process.pid, signal.SIGTERM)
+    fork_server = psutil.Process(processes[0].pid).parent()
+    assert fork_server is not None and fork_server.pid != os.getpid()
+    for pid in [fork_server.pid, *(process.pid for process in processes)]:
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+    assert fork_server.is_running() and fork_server.status() != psutil.STATUS_ZOMBIE
     prompts = random_prompts(3, seed=23)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert tokens(engines.tp.generate(prompts, params)) == tokens(engines.single.generate(prompts, params))
     assert all(p.is_alive() for p in processes) and engines.tp.fault() is None
+
+
+def test_workers_end_once_rank_0_is_gone(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 holds the only write end of its workers' leader pipe, which closes however rank
+    0 ends (a SIGKILL too; closed here by hand, as its exit would): a worker then exits at
+    once, here one waiting in a collective for its next plan. Before, a worker in a
+    collective when rank 0 was killed waited out the collective timeout, and one forked
+    after rank 0 was gone (interrupted while its fork server loaded) lived on for minutes."""
+    monkeypatch.setenv("RADIXSERVE_TP_TIMEOUT_S", "5")  # the close below meets no worker
+    engine = Engine(str(tiny_llama_dir), page_size=4, num_pages=16, tensor_parallel_size=2)
+    try:
+        workers = engine.runner.workers
+        assert workers.processes and all(p.is_alive() for p in workers.processes)
+        workers._leader.close()
+        for process in workers.processes:
+            process.join(60.0)  # generous: the exit follows the pipe's EOF at once
+        assert [p.exitcode for p in workers.processes] == [0]
+    finally:
+        engine.close()
 
 
 def test_close_ends_every_worker(engines) -> None:

@@ -1,9 +1,26 @@
-"""First in the TP fork server's preload (processes.FORKSERVER_PRELOAD), before anything
-imports numpy: the fork server forks the ranks, and a fork copies only the calling thread, so
-a lock another thread held stays held in the child (Python 3.12 warns of it). numpy's
-OpenBLAS starts a pool of threads as wide as the machine when it loads, unless told not to;
-the ranks compute with torch, which sets its own threads (parallel/worker.py)."""
+"""First in the TP fork server's preload (processes.FORKSERVER_PRELOAD): the fork server's
+own settings, before anything imports numpy or torch.
+
+- numpy's OpenBLAS starts a pool of threads as wide as the machine when it loads, unless told
+  not to; the fork server forks the ranks, and a fork copies only the calling thread, so a
+  lock another thread held stays held in the child (Python 3.12 warns of it). The ranks
+  compute with torch, which sets its own threads (parallel/worker.py).
+- SIGTERM is ignored. A service manager's stop (systemd's default: SIGTERM to every process
+  of the unit) reached the fork server too, which died of it; multiprocessing then reports
+  every worker it forked as exited with code 255 (it learns exits from the fork server),
+  rank 0 took the group for broken, and the streams in flight failed instead of draining.
+  The fork server still ends with rank 0 (multiprocessing's pipe to it closes) and the
+  ranks' own SIGTERM is ignored already (worker.run_started_worker). SIGINT the fork server
+  ignores by itself.
+
+Only the fork server runs this (the check below): anywhere else it would make a process deaf
+to SIGTERM.
+"""
 
 import os
+import signal
+import sys
 
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
+if "from multiprocessing.forkserver import main" in " ".join(sys.orig_argv):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import math
 import os
 import socket
 import time
@@ -36,9 +37,16 @@ TIMEOUT_ENV = "RADIXSERVE_TP_TIMEOUT_S"  # overrides it (a multi-node group on a
 
 def collective_timeout_s() -> float:
     """The collective timeout: $RADIXSERVE_TP_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
-    value = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}: must be > 0, got {value:g}")
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    # (inf overflowed torch's timedelta deep in a group's start; nan passed the bound)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}: must be a number of seconds > 0, got {text!r}")
     return value
 
 

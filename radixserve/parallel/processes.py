@@ -22,13 +22,21 @@ class WorkerProcesses:
     """Ranks 1..N-1 as child processes (none when another launcher, e.g. torchrun, starts
     them: `first_dead` then knows nothing and relies on the collectives failing)."""
 
-    def __init__(self, processes: list[multiprocessing.process.BaseProcess] | None = None) -> None:
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess] | None = None,
+                 leader: multiprocessing.connection.Connection | None = None) -> None:
         self.processes = processes or []
+        self._leader = leader  # the end of the workers' leader pipe rank 0 holds (see `start`)
 
     @classmethod
     def start(cls, target: Callable[..., Any], world_size: int, *args: Any, on_cpu: bool) -> WorkerProcesses:
-        """Starts `target(rank, *args)` for ranks 1..world_size-1, as daemons, so that they
-        cannot outlive rank 0's process. On the CPU they are forks of multiprocessing's fork
+        """Starts `target(rank, *args, leader)` for ranks 1..world_size-1, as daemons. `leader`
+        is the read end of a pipe whose write end only rank 0 holds: it reads EOF once rank 0
+        has exited or stopped the group, however that happened, and the worker then exits
+        (worker.exit_with_leader). Being daemons ends them only when rank 0 exits through
+        multiprocessing's handler: a rank 0 killed (SIGKILL) left its workers in a collective
+        until the collective timeout, and one interrupted while its fork server was still
+        loading (the first seconds of a start) never learnt its worker's pid, so the worker
+        forked after it was gone lived on for minutes. On the CPU they are forks of multiprocessing's fork
         server, which imports the worker's code (torch, the model loaders) once per process:
         a group's first start pays that (8-9 s of CPU here, as a spawned rank did), later
         ones (an engine started again; the tests' many engines) fork in milliseconds and take
@@ -39,12 +47,16 @@ class WorkerProcesses:
             context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         else:
             context = multiprocessing.get_context("spawn")
-        processes = [context.Process(target=target, args=(rank, *args), name=f"radixserve-tp-rank{rank}",
+        reader, writer = context.Pipe(duplex=False)
+        processes = [context.Process(target=target, args=(rank, *args, reader), name=f"radixserve-tp-rank{rank}",
                                      daemon=True) for rank in range(1, world_size)]
-        workers = cls(processes)
+        workers = cls(processes, writer)
         _RUNNING.append(workers)
-        for process in processes:
-            process.start()
+        try:
+            for process in processes:
+                process.start()
+        finally:
+            reader.close()  # the workers hold theirs
         return workers
 
     def first_dead(self, wait_s: float = 0.0) -> str | None:
@@ -67,6 +79,9 @@ class WorkerProcesses:
             if process.is_alive():
                 process.kill()
                 process.join(2.0)
+        if self._leader is not None:
+            self._leader.close()  # a worker not started yet when a start failed exits on its own
+            self._leader = None
         if self in _RUNNING:
             _RUNNING.remove(self)
 

@@ -12,7 +12,9 @@ import argparse
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -54,17 +56,37 @@ def worker_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", int(local) if local is not None else rank % torch.cuda.device_count())
 
 
-def run_started_worker(rank: int, spec: WorkerSpec) -> None:
+def run_started_worker(rank: int, spec: WorkerSpec, leader: Connection) -> None:
     """The life of a worker that rank 0 started (its process's target): `run_worker`, deaf to
-    SIGINT and SIGTERM. A terminal's Ctrl-C goes to the whole process group, and a service
-    manager's stop (systemd's default, `kill -TERM -PGID`) sends SIGTERM to every process of
-    the unit, the workers included (a fork server's child gets Python's handlers back): a
-    rank that died of either broke the group, and the server's streams in flight failed
-    instead of draining. Rank 0 ends its workers itself (STOP at close, its sockets closing,
-    or SIGKILL: processes.py)."""
+    SIGINT and SIGTERM, ending when rank 0 is gone (`exit_with_leader`). A terminal's Ctrl-C
+    goes to the whole process group, and a service manager's stop (systemd's default,
+    `kill -TERM -PGID`) sends SIGTERM to every process of the unit, the workers included (a
+    fork server's child gets Python's handlers back): a rank that died of either broke the
+    group, and the server's streams in flight failed instead of draining. Rank 0 ends its
+    workers itself (STOP at close, its sockets closing, SIGKILL, or its end of `leader`
+    closing: processes.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_leader(leader, rank)
     run_worker(rank, spec)
+
+
+def exit_with_leader(leader: Connection, rank: int) -> None:
+    """Exits this process once `leader` reads EOF: rank 0 holds the only write end, which
+    closes when it stops the group or exits in any way (a SIGKILL too). Before, a worker in a
+    collective when rank 0 was killed waited out the collective timeout (120 s), and one
+    forked after rank 0 was gone (interrupted while its fork server was loading) waited for
+    minutes to join a group that no longer existed. A thread, since the main one may wait in
+    torch's store or a collective (both release the GIL)."""
+    def watch() -> None:
+        try:
+            leader.recv_bytes()  # nothing is ever sent
+        except (EOFError, OSError):
+            pass
+        logger.warning("rank 0 is gone; exiting")
+        os._exit(0)
+
+    threading.Thread(target=watch, name=f"radixserve-tp-rank{rank}-leader", daemon=True).start()
 
 
 def run_worker(rank: int, spec: WorkerSpec) -> None:
