@@ -123,10 +123,16 @@ def serve_command(args: argparse.Namespace) -> int:
                      else functools.partial(time.sleep, args.debug_step_delay_s) if args.debug_step_delay_s
                      else None)
         pacer = RefusalPacer(args.refusals_per_s) if args.refusals_per_s else None
-        app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
-                         served_model_name=args.served_model_name, api_key=args.api_key,
-                         admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
-                         **app_options(args))
+        try:
+            app = create_app(AsyncEngine(engine, step_hook=step_hook, **async_engine_options(args)),
+                             served_model_name=args.served_model_name, api_key=args.api_key,
+                             admin_api_key=args.admin_api_key, tenant_keys=args.tenant_keys, refusal_pacer=pacer,
+                             **app_options(args))
+        except ValueError as exc:  # flags the model contradicts (a tool-call parser its template cannot feed)
+            sock.close()
+            engine.close()
+            say(f"error: {_first_line(exc)}")
+            return 2
         starts = app.state.server.starts.limit
         say(f"requests starting at once (body to first token): {starts}, shared by the tenants starting some, "
             "any number for one alone" if starts else "requests starting at once: any number")

@@ -2,8 +2,8 @@
 
 The server's tokens equal a TP=1 engine's; a terminal's Ctrl-C, which reaches every process of
 the server's group, leaves the workers to finish the streams in flight; a killed worker turns
-/health to 503 with the reason and requests end with an error; Ctrl-C ends the server and every
-worker. On Ray Serve
+/health to 503 with the reason and requests are refused with a 503 naming it (engine_unavailable);
+Ctrl-C ends the server and every worker. On Ray Serve
 (marked `cluster`: the session's cluster, joined as a second app), one replica is one TP group
 of two ranks; the driver catches both stop signals its parent ignored or blocked, and SIGTERM
 stops it cleanly.
@@ -105,8 +105,9 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
         children = psutil.Process(process.pid).children(recursive=True)
         assert all(os.getpgid(p.pid) == process.pid for p in children)
         assert completion(url, str(tiny_llama_dir)) == (expected, "length")
-        # Ctrl-C's SIGINT as the rest of the group gets it, a stream in flight: the workers
-        # carry on (the server's own SIGINT, its drain, comes last, as a real os.killpg).
+        # Ctrl-C's SIGINT and a service manager's SIGTERM as the rest of the group gets them, a
+        # stream in flight: the workers and their fork server carry on (the server's own
+        # SIGINT, its drain, comes last, as a real os.killpg).
         first_chunk, streamed = threading.Event(), {}
         streaming = threading.Thread(target=lambda: streamed.update(
             stream_completion(url, str(tiny_llama_dir), 200, first_chunk)), daemon=True)
@@ -115,6 +116,7 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
         assert streaming.is_alive(), streamed  # still in flight when the signal lands
         for child in children:
             os.kill(child.pid, signal.SIGINT)
+            os.kill(child.pid, signal.SIGTERM)
         streaming.join(EXIT_GUARD_S)
         assert streamed["error"] is None and streamed["finish_reason"] == "length", streamed
         assert all(p.is_running() for p in children) and health_status(url) == 200
@@ -122,8 +124,11 @@ def test_serve_over_a_tp_group_then_a_killed_worker_and_ctrl_c(tiny_llama_dir: P
         rank1.kill()  # a zombie until the server reaps it: wait for /health, not for the pid
         assert wait_for(lambda: health_status(url) == 503, EXIT_GUARD_S)
         assert "rank 1" in httpx.get(f"{url}/health", timeout=30).json()["reason"]
-        failed = post_completion(url, str(tiny_llama_dir))  # ends at once, as an engine error
-        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        failed = post_completion(url, str(tiny_llama_dir))  # refused at once, naming the fault
+        assert failed.status_code == 503, failed.text
+        error = failed.json()["error"]
+        assert error["code"] == "engine_unavailable" and "rank 1" in error["message"]
+        assert "until it is restarted" in error["message"]
         os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C
         process.wait(EXIT_GUARD_S)
         assert process.returncode == 0

@@ -113,6 +113,26 @@ def test_a_stream_known_to_be_calls_opens_with_content_null(tokenizer: PreTraine
         [{"role": "assistant", "content": content}] * 2
 
 
+def test_serve_refuses_the_llama3_parser_on_a_template_that_ignores_tools(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo model's template ignores tools: `serve --tool-call-parser llama3` is a one-line
+    error and status 2 once the model is loaded, and its port is free again (it served, and
+    every call came back as content)."""
+    from radixserve.cli import main
+    from radixserve.ports import free_port
+    from tests.test_ports import plain_bind_fails
+
+    port = free_port()
+    code = main(["serve", "--port", str(port), "--num-pages", "16", "--tool-call-parser", "llama3"])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    (error,) = [line for line in stderr.splitlines() if "error" in line]
+    assert error == ("radixserve: error: --tool-call-parser llama3: the chat template ignores tools, so they are "
+                     "given to the model in a Hermes block that asks for <tool_call> blocks, which the llama3 parser "
+                     "does not read; use --tool-call-parser hermes (this template's default) or a chat template "
+                     "that renders tools")
+    assert not plain_bind_fails(port)
+
+
 def test_the_llama3_parser_on_a_template_that_ignores_tools_is_a_mismatch(tokenizer: PreTrainedTokenizerBase) -> None:
     """Such a template gets the tools in the Hermes block: the llama3 parser cannot read the
     calls it asks for (they came back as content). A template that renders tools is fine."""

@@ -34,6 +34,7 @@ from radixserve.server.dashboard import Dashboard
 from radixserve.server.errors import (
     APIError,
     engine_errors,
+    engine_unavailable,
     error_from_decode,
     handle_api_error,
     handle_http_exception,
@@ -84,7 +85,7 @@ from radixserve.server.streams import (
 from radixserve.server.structured import carries_constraint, grammar_error
 from radixserve.server.tenancy import SINGLE_TENANT, ApiKeys, Caller, admin_only
 from radixserve.server.tool_parsers import parser_for_template
-from radixserve.server.tools import plan_tools
+from radixserve.server.tools import parser_template_mismatch, plan_tools
 from radixserve.server.translate import (
     EngineCall,
     chat_call,
@@ -129,6 +130,8 @@ class OpenAIServer:
         self.max_request_tokens = max_request_tokens
         self.body_timeout_s = body_timeout_s
         self.tokenizer = engine.engine.tokenizer
+        if tool_call_parser and (mismatch := parser_template_mismatch(tool_call_parser, self.tokenizer)):
+            raise ValueError(mismatch)
         self.tool_call_parser = tool_call_parser or parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self.turns = GeneratedTurns(turn_memory_tokens) if turn_memory_tokens else None
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
@@ -357,6 +360,9 @@ class OpenAIServer:
         all finished (a chat completion's generated turns), before the response ends."""
         if self.stopping:  # it waited (a compile, the prompt's tokenizing) past end_requests
             raise server_stopping()
+        fault = self.engine.engine.fault()
+        if fault is not None:
+            raise engine_unavailable(fault)
         request_id = formatter.identity.id
         n = calls[0].params.n
         request_ids = [request_id] if len(calls) == 1 else [f"{request_id}-{i}" for i in range(len(calls))]
@@ -468,7 +474,8 @@ class OpenAIServer:
         grammar could not be followed ("error"), or the stopping server ended it ("abort"
         after end_requests; otherwise an abort is its reader's timeout and ends it as usual)."""
         if delta.finish_reason == "error":
-            return request_failure(delta, grammar_param)
+            fault = self.engine.engine.fault()
+            return request_failure(delta, grammar_param) if fault is None else engine_unavailable(fault)
         if delta.finish_reason == "abort" and self.stopping:
             return server_stopping()
         return None

@@ -149,6 +149,15 @@ def engine_failure() -> APIError:
                     code="engine_error")
 
 
+def engine_unavailable(fault: str) -> APIError:
+    """The 503 of a request to an engine that can no longer run steps (`Engine.fault`: a
+    tensor-parallel worker died or hangs): nothing succeeds until the server is restarted,
+    which the 500 of a failed step ("retrying may succeed") did not say."""
+    return APIError(503, f"The engine cannot run: {fault}. Nothing will succeed on this server until it "
+                         "is restarted; send the request to another.", code="engine_unavailable",
+                    error_type="server_error")
+
+
 def server_stopping() -> APIError:
     """The 503 of a request the server ended unfinished because it is stopping (its grace
     after Ctrl-C or SIGTERM ran out)."""
