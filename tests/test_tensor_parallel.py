@@ -251,6 +251,11 @@ def group_sockets(worker_pid: int) -> list:
             or (c.raddr and c.raddr.port in their_ports)]
 
 
+def test_the_start_up_line_names_the_ranks_and_a_kv_pool_per_rank(engines) -> None:
+    assert engines.tp.describe().endswith("; tensor parallel: 2 ranks, KV pool per rank")
+    assert "tensor parallel" not in engines.single.describe()
+
+
 def test_rank0_listens_on_loopback_only(engines) -> None:
     """Its store (unauthenticated) listened on every interface, whatever the rendezvous host."""
     listening = [c.laddr for c in group_sockets(engines.tp.runner.workers.processes[0].pid)

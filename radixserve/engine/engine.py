@@ -318,8 +318,12 @@ class Engine:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
 
     def describe(self) -> str:
-        """Device, dtype, attention backend and CPU kernels in one line (builds the kernels)."""
-        return runtime_summary(self.loaded, self.runner.backend)
+        """Device, dtype, attention backend and CPU kernels in one line (builds the kernels),
+        and the tensor-parallel ranks, if any (the KV pool's figures are then per rank)."""
+        summary = runtime_summary(self.loaded, self.runner.backend)
+        if self.tensor_parallel is not None:
+            summary += f"; tensor parallel: {self.tensor_parallel.group.world_size} ranks, KV pool per rank"
+        return summary
 
     def default_sampling_params(self, **fields: object) -> SamplingParams:
         """SamplingParams with `fields`, and the checkpoint's sampling defaults where unset."""

@@ -10,8 +10,11 @@ own settings, before anything imports numpy or torch.
   every worker it forked as exited with code 255 (it learns exits from the fork server),
   rank 0 took the group for broken, and the streams in flight failed instead of draining.
   The fork server still ends with rank 0 (multiprocessing's pipe to it closes) and the
-  ranks' own SIGTERM is ignored already (worker.run_started_worker). SIGINT the fork server
-  ignores by itself.
+  ranks' own SIGTERM is ignored already (worker.run_started_worker). SIGINT too, from the
+  start of the preload (the fork server ignores it by itself only once loaded): a terminal's
+  Ctrl-C during a group's start printed its KeyboardInterrupt traceback. (A worker it forks
+  after rank 0 has gone exits on its own: worker.exit_with_leader.) The package
+  radixserve.parallel imports nothing on its own, so this runs before torch and numpy load.
 
 Only the fork server runs this (the check below): anywhere else it would make a process deaf
 to SIGTERM.
@@ -24,3 +27,4 @@ import sys
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
 if "from multiprocessing.forkserver import main" in " ".join(sys.orig_argv):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
