@@ -123,6 +123,7 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = rendezvous.world_size
         self.device = device
+        self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         # Under torchrun its agent already hosts the store at MASTER_PORT: every rank is a client.
         hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"

@@ -27,7 +27,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.scheduler import ScheduledChunk
 from radixserve.models.loader import LoadedModel
 from radixserve.parallel.executor import PlanExecutor
-from radixserve.parallel.group import TensorParallelFault, TensorParallelGroup
+from radixserve.parallel.group import TIMEOUT_ENV, TensorParallelFault, TensorParallelGroup
 from radixserve.parallel.plan import CHECK, SETUP, STOP, KvOpLog, PlanBuilder, StepPlan
 from radixserve.parallel.processes import STOP_GRACE_S, WorkerProcesses
 from radixserve.parallel.recording import record_page_copies
@@ -132,5 +132,8 @@ class TensorParallelRunner(ModelRunner):
             # A worker that died mid-step closed its connections before its exit shows: the
             # collective's error ("Connection closed by peer") named no rank and no exit code.
             self._fault = self.workers.first_dead(wait_s=FAULT_EXIT_WAIT_S) or reason
+            if "Timed out" in self._fault:  # gloo's words, naming no rank and no cause
+                self._fault += (f" (a worker did not answer within the collective timeout, {self.group.timeout_s:g} s "
+                                f"(${TIMEOUT_ENV}): it hangs, or its machine is overloaded)")
             logger.error("tensor parallelism failed: %s; every request from now on ends with an error", self._fault)
         return TensorParallelFault(self._fault)
