@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +34,7 @@ from radixserve.parallel.processes import WorkerProcesses
 from radixserve.parallel.sharding import HeadLayout, parameter_bytes
 from radixserve.ports import free_port
 from tests.engine_util import cached_paths
+from tests.server_util import wait_for
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import load_reference, save_random_checkpoint, write_tiny_checkpoint
 from tests.test_beam_search import beam_params
@@ -280,6 +283,30 @@ def test_the_workers_outlive_stop_signals_sent_to_the_whole_group(engines) -> No
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert tokens(engines.tp.generate(prompts, params)) == tokens(engines.single.generate(prompts, params))
     assert all(p.is_alive() for p in processes) and engines.tp.fault() is None
+
+
+def ignored_signals(pid: int) -> int:
+    """The signal mask a process ignores (/proc's SigIgn: bit n - 1 is signal n)."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:"))
+    return int(line.split()[1], 16)
+
+
+def test_other_forkserver_children_keep_the_default_stop_signals(engines) -> None:
+    """The fork server (radixserve's preload, which ignores SIGTERM and, while it loads,
+    SIGINT) serves every forkserver-context process of this program: another's `terminate()`
+    must still end it, and its Ctrl-C still raise KeyboardInterrupt (exit code 1)."""
+    context = multiprocessing.get_context("forkserver")
+    sleeper = context.Process(target=time.sleep, args=(600,), daemon=True)
+    sleeper.start()
+    # (its SIGTERM is given back in the child after the fork, while the fork server already
+    # told this process its pid: a SIGTERM sent before that would find it still ignored)
+    assert wait_for(lambda: not ignored_signals(sleeper.pid) & (1 << (signal.SIGTERM - 1)), 60)
+    sleeper.terminate()
+    sleeper.join(60)
+    interrupted = context.Process(target=signal.raise_signal, args=(signal.SIGINT,), daemon=True)
+    interrupted.start()
+    interrupted.join(60)
+    assert (sleeper.exitcode, interrupted.exitcode) == (-signal.SIGTERM, 1)
 
 
 def test_workers_end_once_rank_0_is_gone(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

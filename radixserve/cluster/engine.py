@@ -110,6 +110,11 @@ class ClusterEngine:
         self._following.clear()
         return True
 
+    def fault(self) -> str | None:
+        """None: a replica's lasting fault is its own (its requests end with it; its health
+        check fails and Serve replaces it), and the others serve on."""
+        return None
+
     def health(self) -> str | None:
         """None while some replica is live and reporting; else why not (GET /health's 503)."""
         if not self.view.replica_stats():

@@ -352,6 +352,11 @@ class AsyncEngine:
         e.g. to read the tree); the future resolves with its result or error."""
         return self._call(fn)
 
+    def fault(self) -> str | None:
+        """Why the engine can no longer run steps at all (Engine.fault: a tensor-parallel
+        worker died or hangs), or None; unlike `health`, a stall that may pass is not one."""
+        return self.engine.fault()
+
     def health(self) -> str | None:
         """None while the loop is healthy; else why not (what GET /health reports with a 503)."""
         thread = self._thread

@@ -7,14 +7,17 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import multiprocessing.util
+import threading
 from collections.abc import Callable
 from typing import Any
 
 STOP_GRACE_S = 10.0  # a worker told to stop gets this long before it is terminated
 # What the fork server imports before its first fork: a rank's code (worker.py imports torch
 # and the loaders, which import transformers' configurations), none of it touching a device,
-# after forkserver_env.py, which keeps numpy's BLAS from starting threads there.
-FORKSERVER_PRELOAD = ("radixserve.parallel.forkserver_env", "radixserve.parallel.worker", "radixserve.models.loader")
+# after forkserver_env.py, which keeps numpy's BLAS from starting threads there and sets its
+# signals (forkserver_ready.py, last, gives SIGINT back for the children).
+FORKSERVER_PRELOAD = ("radixserve.parallel.forkserver_env", "radixserve.parallel.worker", "radixserve.models.loader",
+                      "radixserve.parallel.forkserver_ready")
 _RUNNING: list[WorkerProcesses] = []  # started here and not yet stopped: what `kill_all` ends
 
 
@@ -26,6 +29,7 @@ class WorkerProcesses:
                  leader: multiprocessing.connection.Connection | None = None) -> None:
         self.processes = processes or []
         self._leader = leader  # the end of the workers' leader pipe rank 0 holds (see `start`)
+        self._polling = threading.Lock()  # reading exit codes (first_dead)
 
     @classmethod
     def start(cls, target: Callable[..., Any], world_size: int, *args: Any, on_cpu: bool) -> WorkerProcesses:
@@ -62,12 +66,15 @@ class WorkerProcesses:
     def first_dead(self, wait_s: float = 0.0) -> str | None:
         """Why the first worker that has exited did, or None while all run; waiting up to
         `wait_s` for one to exit (after a collective failed: its peer's exit is seen a moment
-        after the connection it held closed)."""
+        after the connection it held closed). Thread-safe: the engine's thread and the
+        server's (/health, each request's admission) ask, and a fork server's child's exit
+        code is read once from a pipe: read by two threads at once, one saw it closed (255)."""
         if wait_s > 0 and self.processes:
             multiprocessing.connection.wait([process.sentinel for process in self.processes], timeout=wait_s)
-        for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode is not None:
-                return f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        with self._polling:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.exitcode is not None:
+                    return f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
         return None
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:

@@ -360,7 +360,7 @@ class OpenAIServer:
         all finished (a chat completion's generated turns), before the response ends."""
         if self.stopping:  # it waited (a compile, the prompt's tokenizing) past end_requests
             raise server_stopping()
-        fault = self.engine.engine.fault()
+        fault = self.engine.fault()
         if fault is not None:
             raise engine_unavailable(fault)
         request_id = formatter.identity.id
@@ -474,7 +474,7 @@ class OpenAIServer:
         grammar could not be followed ("error"), or the stopping server ended it ("abort"
         after end_requests; otherwise an abort is its reader's timeout and ends it as usual)."""
         if delta.finish_reason == "error":
-            fault = self.engine.engine.fault()
+            fault = self.engine.fault()
             return request_failure(delta, grammar_param) if fault is None else engine_unavailable(fault)
         if delta.finish_reason == "abort" and self.stopping:
             return server_stopping()
