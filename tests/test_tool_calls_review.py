@@ -55,12 +55,14 @@ def streamed_reason(tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser, 
     (HermesParser(None, 1), f"{CALL}\n<tool_call>\n{{\"name\": \"g\", \"argu", "tool_calls"),  # one call is all
     # a call cut itself, or one under way after the whole ones: "length", as before
     (HermesParser(), f"{CALL}\n<tool_call>\n{{\"name\": \"g\", \"argu", "length"),
+    (HermesParser(), f"{CALL}\n<tool_ca", "length"),  # cut in the next call's opening tag
     (HermesParser(), CALL[:-len("</tool_call>")], "length"),
     (HermesParser(), CALL[:-3], "length"),
     (HermesParser(), "Just words, cut", "length"),
     (RequiredCallsParser(), '[{"name": "f", "arguments": {"x": 1}}', "length"),
     (NamedCallParser("f"), '{"x": 1', "length"),
-], ids=["tail", "two-calls-tail", "max-calls", "call-under-way", "unclosed", "cut-in-tag", "no-call",
+], ids=["tail", "two-calls-tail", "max-calls", "call-under-way", "cut-in-next-opening", "unclosed", "cut-in-tag",
+        "no-call",
         "required", "named"])
 def test_max_tokens_cut_in_text_after_whole_calls_finishes_with_tool_calls(
         tokenizer: PreTrainedTokenizerBase, parser: ToolCallParser, text: str, reason: str) -> None:

@@ -187,7 +187,9 @@ class HermesParser:
         _, calls, end = self._read(text)
         if not calls or not (end >= len(self.CLOSING) and text.startswith(self.CLOSING, end - len(self.CLOSING))):
             return False
-        return len(calls) == self.max_calls or text.find(self.OPENING, end) < 0
+        # (a cut inside the next opening tag, `<tool_ca`, may have cut a call short too)
+        return len(calls) == self.max_calls or (text.find(self.OPENING, end) < 0
+                                                 and not _partial_marker(text[end:], self.OPENING))
 
     def _read(self, text: str) -> tuple[int, list[ParsedCall], int]:
         """Where the first block opens (-1: none), the calls, and where the last call's block ends."""
