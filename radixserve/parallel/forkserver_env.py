@@ -14,9 +14,9 @@ own settings, before anything imports numpy or torch.
   SIGTERM's default back (`_child_defaults`). SIGINT too while the preload runs (the fork
   server ignores it by itself only once loaded; forkserver_ready gives it back first, for the
   children's sake): a terminal's Ctrl-C during a group's start printed its KeyboardInterrupt
-  traceback. (A worker it forks
-  after rank 0 has gone exits on its own: worker.exit_with_leader.) The package
-  radixserve.parallel imports nothing on its own, so this runs before torch and numpy load.
+  traceback. (A worker it forks after rank 0 has gone exits on its own:
+  worker.exit_with_leader.) The package radixserve.parallel imports nothing on its own, so
+  this runs before torch and numpy load.
 
 Only the fork server runs this (the check below): anywhere else it would make a process deaf
 to SIGTERM.
