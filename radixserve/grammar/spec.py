@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import jsonschema
+from radixserve.schema_check import schema_problem
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "tool_calls"]
 # JSON Schema keywords the grammar engine would silently ignore: refused, not half-honoured.
@@ -93,14 +93,14 @@ class GrammarSpec:
         # Key order is kept: properties are generated in the order the schema lists them. The
         # size first: checking a schema costs time in proportion to it (a megabyte, seconds).
         source = _bounded(json.dumps(schema), param)
-        try:
-            jsonschema.Draft202012Validator.check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in exc.path)
-            raise GrammarError(f"{param}: invalid JSON Schema at {where or 'the top'}: {exc.message}",
-                               param) from None
-        except OverflowError as exc:  # re's answer to a repetition count past 2**32 - 1 in a pattern
-            raise GrammarError(f"{param}: a pattern of the schema cannot be compiled: {exc}", param) from None
+        problem = schema_problem(schema, source)  # a large one in a child process, off the server's GIL
+        if problem is not None and problem.kind == "invalid":
+            raise GrammarError(f"{param}: invalid JSON Schema at {problem.where or 'the top'}: {problem.message}",
+                               param)
+        if problem is not None and problem.kind == "pattern":
+            raise GrammarError(f"{param}: a pattern of the schema cannot be compiled: {problem.message}", param)
+        if problem is not None:  # (in this process the check's RecursionError propagated, as it does here)
+            raise RecursionError(problem.message)
         path = _unsupported_keyword(schema, "")
         if path is not None:
             raise GrammarError(f"{param}: the schema keyword at {path} is not supported by radixserve's "

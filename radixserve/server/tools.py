@@ -26,11 +26,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.grammar import GrammarError, GrammarSpec
 from radixserve.grammar.spec import MAX_SOURCE_CHARS
+from radixserve.schema_check import schema_problem
 from radixserve.server.errors import APIError
 from radixserve.server.json_text import parse_json_text
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
@@ -257,19 +257,21 @@ def _check_json_schema(schema: Any, param: str) -> None:
     (its size first, as checking takes time in proportion to it; nesting past what the
     validator recurses through), none of the grammar engine's own."""
     try:
-        size = len(json.dumps(schema))
-        if size > MAX_SOURCE_CHARS:
-            raise APIError(400, f"{param}: at most {MAX_SOURCE_CHARS} characters", param=param, code="invalid_value")
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in exc.path)
-        raise APIError(400, f"{param}: invalid JSON Schema at {where or 'the top'}: {exc.message}", param=param,
-                       code="invalid_value") from None
-    except OverflowError as exc:  # re's answer to a repetition count past 2**32 - 1 in a pattern
-        raise APIError(400, f"{param}: a pattern of the schema cannot be compiled: {exc}", param=param,
-                       code="invalid_value") from None
+        source = json.dumps(schema)
     except RecursionError:
         raise APIError(400, f"{param}: the schema is nested too deeply", param=param, code="invalid_value") from None
+    if len(source) > MAX_SOURCE_CHARS:
+        raise APIError(400, f"{param}: at most {MAX_SOURCE_CHARS} characters", param=param, code="invalid_value")
+    problem = schema_problem(schema, source)  # a large one in a child process, off the GIL
+    if problem is None:
+        return
+    if problem.kind == "invalid":
+        message = f"{param}: invalid JSON Schema at {problem.where or 'the top'}: {problem.message}"
+    elif problem.kind == "pattern":
+        message = f"{param}: a pattern of the schema cannot be compiled: {problem.message}"
+    else:
+        message = f"{param}: the schema is nested too deeply"
+    raise APIError(400, message, param=param, code="invalid_value")
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:
