@@ -125,7 +125,10 @@ def checker_pid() -> int | None:
 def _serve(lines: TextIO, out: TextIO) -> None:
     """The child: a schema per line in, its problem (or null) per line out, until EOF."""
     for line in lines:
-        problem = check(json.loads(line))
+        try:
+            problem = check(json.loads(line))
+        except RecursionError:  # decoding nests as deep as the server's encoding did, with less room
+            problem = SchemaProblem("nested", "nested too deeply")
         out.write(json.dumps(None if problem is None else asdict(problem)) + "\n")
         out.flush()
 

@@ -5,11 +5,12 @@ from 1.6 s to 19 s), with the same answers as the check in process; a small one 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 
-from radixserve.schema_check import IN_PROCESS_CHARS, SchemaProblem, check, checker_pid, schema_problem
+from radixserve.schema_check import IN_PROCESS_CHARS, SchemaProblem, _serve, check, checker_pid, schema_problem
 
 
 def large(properties: dict[str, object]) -> tuple[dict[str, object], str]:
@@ -47,3 +48,14 @@ def test_a_small_schema_is_checked_in_process_and_a_dead_child_is_replaced() -> 
     assert schema_problem(valid, source) is None  # answered (in process, or by a new child)
     assert schema_problem(valid, source) is None
     assert checker_pid() not in (None, first)
+
+
+def test_the_child_answers_a_schema_too_deep_to_decode_and_carries_on() -> None:
+    """The server encoded it; the child, decoding with less stack to spare, hit its recursion
+    limit, died with a traceback in the server's log, and was started again for the next."""
+    deep = '{"items": ' * 5000 + "{}" + "}" * 5000
+    out = io.StringIO()
+    _serve(io.StringIO(deep + "\n" + json.dumps({"type": "integr"}) + "\n"), out)
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert first == {"kind": "nested", "message": "nested too deeply", "where": ""}
+    assert second["kind"] == "invalid"
