@@ -41,6 +41,14 @@ class SchemaProblem:
     message: str
     where: str = ""
 
+    def describe(self, param: str) -> str:
+        """The one-line error for the request field `param` that held the schema."""
+        if self.kind == "invalid":
+            return f"{param}: invalid JSON Schema at {self.where or 'the top'}: {self.message}"
+        if self.kind == "pattern":
+            return f"{param}: a pattern of the schema cannot be compiled: {self.message}"
+        return f"{param}: the schema is nested too deeply"
+
 
 def check(schema: Any) -> SchemaProblem | None:
     """The check itself, in this process: None if `schema` is valid, else why not."""

@@ -94,13 +94,10 @@ class GrammarSpec:
         # size first: checking a schema costs time in proportion to it (a megabyte, seconds).
         source = _bounded(json.dumps(schema), param)
         problem = schema_problem(schema, source)  # a large one in a child process, off the server's GIL
-        if problem is not None and problem.kind == "invalid":
-            raise GrammarError(f"{param}: invalid JSON Schema at {problem.where or 'the top'}: {problem.message}",
-                               param)
-        if problem is not None and problem.kind == "pattern":
-            raise GrammarError(f"{param}: a pattern of the schema cannot be compiled: {problem.message}", param)
-        if problem is not None:  # (in this process the check's RecursionError propagated, as it does here)
+        if problem is not None and problem.kind == "nested":  # (its callers answer a RecursionError)
             raise RecursionError(problem.message)
+        if problem is not None:
+            raise GrammarError(problem.describe(param), param)
         path = _unsupported_keyword(schema, "")
         if path is not None:
             raise GrammarError(f"{param}: the schema keyword at {path} is not supported by radixserve's "

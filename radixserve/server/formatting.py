@@ -185,7 +185,7 @@ class ChatFormatter:
         # as the whole reply has it ("" left the openai client's assembled message with "").
         # Under "auto" the reply may be text: "", as OpenAI opens a text reply.
         content = None if self.tool_parser is not None and self.tool_parser.only_calls else ""
-        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))])  # type: ignore[arg-type]  (null is sent)
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))])
                 for i in range(n)]
 
     def chunk(self, delta: StreamDelta) -> Struct | None:

@@ -331,7 +331,7 @@ class DeltaMessage(Struct, kw_only=True):
     """What a chat chunk adds to its choice; unset fields are left out of the JSON."""
 
     role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET  # (null: the opening of a reply that is calls)
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 

@@ -263,15 +263,8 @@ def _check_json_schema(schema: Any, param: str) -> None:
     if len(source) > MAX_SOURCE_CHARS:
         raise APIError(400, f"{param}: at most {MAX_SOURCE_CHARS} characters", param=param, code="invalid_value")
     problem = schema_problem(schema, source)  # a large one in a child process, off the GIL
-    if problem is None:
-        return
-    if problem.kind == "invalid":
-        message = f"{param}: invalid JSON Schema at {problem.where or 'the top'}: {problem.message}"
-    elif problem.kind == "pattern":
-        message = f"{param}: a pattern of the schema cannot be compiled: {problem.message}"
-    else:
-        message = f"{param}: the schema is nested too deeply"
-    raise APIError(400, message, param=param, code="invalid_value")
+    if problem is not None:
+        raise APIError(400, problem.describe(param), param=param, code="invalid_value")
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:
