@@ -268,3 +268,49 @@ def test_a_second_invocation_against_the_same_server_is_cold(tmp_path: Path) -> 
     first, second = (r["runs"][0]["cached_share"] for r in results)
     assert second < 0.5 and second <= first + 0.1, (first, second)
     assert results[0]["run_tags"] != results[1]["run_tags"]
+
+
+def _scripted_reply_app(completion_tokens: int):
+    """A scripted chat server whose reply has no text: the role chunk, the finishing chunk and
+    a usage chunk reporting `completion_tokens` (what radixserve sends when the tokens a model
+    wrote decode to nothing)."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request):  # noqa: ANN001, ANN202
+        async def events():  # noqa: ANN202
+            for choice in ({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
+                           {"index": 0, "delta": {}, "finish_reason": "length"}):
+                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+            usage = {"prompt_tokens": 10, "completion_tokens": completion_tokens}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n" + "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize("completion_tokens", [2, 0])
+def test_a_reply_with_no_text_is_timed_at_its_end_if_tokens_were_written(completion_tokens: int) -> None:
+    """The demo model sometimes writes two special tokens: the reply streamed no text, and
+    `bench peers` called the request failed ("no content received") and the whole run red
+    (a CI failure of test_a_second_invocation_against_the_same_server_is_cold). A reply of
+    written tokens is timed at its finishing chunk; one of none still fails."""
+    import asyncio
+
+    import httpx
+
+    from radixserve.benchmark.peers import stream_turn
+
+    async def one(url: str) -> RequestRecord:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await stream_turn(client, url, {"messages": [], "max_tokens": 2, "stream": True})
+
+    with running_server(_scripted_reply_app(completion_tokens)) as url:
+        record = asyncio.run(one(url))
+    if completion_tokens:
+        assert record.error is None and record.text == "" and record.itl_s == []
+        assert 0 < record.ttft_s <= record.latency_s and record.completion_tokens == 2
+    else:
+        assert record.error == "no content received"

@@ -53,7 +53,8 @@ class RunRecord:
         itl = np.array([g for t in ok for g in t.itl_s]) if any(t.itl_s for t in ok) else np.full(1, np.nan)
         output = sum(t.completion_tokens for t in ok)
         prompt = sum(t.prompt_tokens for t in ok)
-        decode = [(t.latency_s - t.ttft_s) / (t.completion_tokens - 1) for t in ok if t.completion_tokens > 1]
+        decode = [(t.latency_s - t.ttft_s) / (t.completion_tokens - 1) for t in ok
+                  if t.completion_tokens > 1 and t.itl_s]  # a reply streamed in one piece has no pace
         return {
             "wall_s": self.wall_s,
             "output_tokens": float(output),
@@ -127,10 +128,14 @@ def completion_payload(prompt_ids: list[int], max_tokens: int, model: str | None
 async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, object],
                       index: int = 0) -> RequestRecord:
     """Streams one completion (chat, or /v1/completions for a body with a `prompt`) and
-    measures it; a failure is recorded, never raised."""
+    measures it; a failure is recorded, never raised. A reply whose tokens have no text
+    (a model writing only special tokens, or bytes of an unfinished character: the random
+    demo model did, about once in 50 requests) counts its time to first token at the chunk
+    that ends it, when the server reports tokens written; with none written it failed."""
     record = RequestRecord(index)
     start = time.perf_counter()
     last: float | None = None
+    ended: float | None = None
     endpoint = "/v1/completions" if "prompt" in payload else "/v1/chat/completions"
     try:
         async for chunk in stream_chunks(client, f"{url}{endpoint}", payload):
@@ -146,6 +151,8 @@ async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, ob
                 else:
                     record.itl_s.append(now - last)
                 last = now
+            if ended is None and choice.get("finish_reason"):
+                ended = time.perf_counter()
             read_usage(chunk, record)
     except StreamFailed as exc:
         record.error = str(exc)
@@ -155,7 +162,10 @@ async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, ob
         return record
     record.latency_s = time.perf_counter() - start
     if last is None:
-        record.error = "no content received"
+        if ended is not None and record.completion_tokens > 0:
+            record.ttft_s = ended - start
+        else:
+            record.error = "no content received"
     return record
 
 
