@@ -115,7 +115,9 @@ def serve_command(args: argparse.Namespace) -> int:
         scheduler = engine.scheduler
         say(f"steps: up to {scheduler.max_batch_tokens} tokens" + (
             f"; beside decoding streams, prefill to a multiple of {scheduler.mixed_prefill_tokens}"
-            if scheduler.mixed_prefill_tokens is not None else ""))
+            if scheduler.mixed_prefill_tokens is not None else "") + (
+            f"; prompts of up to {scheduler.short_prompt_tokens} new tokens run beside a long prefill"
+            if scheduler.short_prompt_tokens else ""))
         if stats["host_pages_total"]:
             say(f"host tier: {stats['host_pages_total']} pages = {stats['host_pages_total'] * stats['page_size']} "
                  f"tokens, {_format_bytes(stats['host_kv_bytes'])} ({args.host_write_policy})")
@@ -193,7 +195,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
             "schedule_policy": args.schedule_policy, "eviction_policy": args.eviction_policy,
             "dtype": args.dtype, "max_running": args.max_running, "max_queue": args.max_queue,
             "max_batch_tokens": args.max_batch_tokens, "mixed_prefill_tokens": args.mixed_prefill_tokens,
-            "tenant_step_rows": args.tenant_step_rows, "grammar_paced_share": args.grammar_paced_share,
+            "tenant_step_rows": args.tenant_step_rows, "short_prompt_tokens": args.short_prompt_tokens,
+            "grammar_paced_share": args.grammar_paced_share,
             "enable_prefix_cache": not args.no_prefix_cache,
             "host_kv_memory_gb": args.host_kv_memory_gb, "host_num_pages": args.host_num_pages,
             "host_write_policy": args.host_write_policy, "host_offload_min_priority": args.host_offload_min_priority,
@@ -422,6 +425,7 @@ _ENGINE_FLAGS = {"num_pages": "--num-pages", "kv_memory_gb": "--kv-memory-gb", "
                  "page_size": "--page-size", "dtype": "--dtype", "max_running": "--max-running",
                  "max_batch_tokens": "--max-batch-tokens",
                  "mixed_prefill_tokens": "--mixed-prefill-tokens", "tenant_step_rows": "--tenant-step-rows",
+                 "short_prompt_tokens": "--short-prompt-tokens",
                  "grammar_paced_share": "--grammar-paced-share",
                  "host_num_pages": "--host-tier-pages",
                  "host_kv_memory_gb": "--host-tier-memory-gb", "host_write_policy": "--host-tier-write-policy",

@@ -27,6 +27,7 @@ DEFAULT_MAX_REQUEST_TOKENS = 65536  # as server/work_limit.py's
 DEFAULT_CPU_TENANT_STARTS = 4  # as server/start_shares.py's (not imported: --help must not load torch)
 DEFAULT_MAX_BATCH_TOKENS = 512  # as engine/engine.py's (the CLI does not import the engine)
 DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128  # as engine/engine.py's
+DEFAULT_SHORT_PROMPT_TOKENS = 128  # as engine/engine.py's
 DEFAULT_CPU_TENANT_STEP_ROWS = 32  # as engine/engine.py's
 DEFAULT_GRAMMAR_PACED_SHARE = 0.1  # as engine/grammar_pace.py's
 DEPRECATED_FLAGS = {"--host-kv-memory-gb": "--host-tier-memory-gb", "--host-num-pages": "--host-tier-pages",
@@ -133,6 +134,11 @@ def _add_scheduling_args(serve: argparse.ArgumentParser) -> None:
                             "a multiple of this, at least half of it (the streams wait for the whole "
                             "step) (default: "
                             f"{DEFAULT_CPU_MIXED_PREFILL_TOKENS} on a CPU, else no cap: --max-batch-tokens)")
+    serve.add_argument("--short-prompt-tokens", type=int, default=DEFAULT_SHORT_PROMPT_TOKENS,
+                       help="a waiting prompt with at most this many tokens left to compute (after its "
+                            "cached prefix) runs beside a long prompt's prefill instead of after all of "
+                            "its chunks, in at most three quarters of each step (0: off; default: "
+                            "%(default)s)")
     serve.add_argument("--tenant-step-rows", type=int, default=None,
                        help="while several tenants (API keys) decode, the rows a step runs, shared "
                             "fairly between them: one tenant's many streams do not set the others' "

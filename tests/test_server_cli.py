@@ -347,6 +347,7 @@ IMPOSSIBLE_SETTINGS = [
     (("--refusals-per-s", "-1"), "--refusals-per-s must be >= 0 (0: none)"),
     (("--tenant-starts", "-1"), "--tenant-starts must be >= 0 (0: none)"),
     (("--grammar-paced-share", "0"), "--grammar-paced-share: must be in (0, 1] (1: no pacing), got 0.0"),
+    (("--short-prompt-tokens", "-1"), "--short-prompt-tokens: must be >= 0 (0: off), got -1"),
     # Flags where they would have no effect (cli_serve._ignored_here): refused, not dropped.
     (("--router", "power-of-two", "--replica-cpus", "2"), "--router and --replica-cpus: only for a cluster"),
     (("--replica-gpus", "0.5"), "--replica-gpus: only for a cluster (give --replicas N or --ray-address)"),
@@ -441,7 +442,7 @@ def test_a_busy_port_is_found_before_torch_is_imported() -> None:
 
 
 def test_serve_defaults_to_the_engines_step_budget() -> None:
-    """`serve --max-batch-tokens` and `--mixed-prefill-tokens` default to the engine's own
+    """`serve --max-batch-tokens`, `--mixed-prefill-tokens` and `--short-prompt-tokens` default to the engine's own
     (two constants each, since the CLI does not import the engine: they must not drift apart)."""
     import inspect
 
@@ -455,6 +456,11 @@ def test_serve_defaults_to_the_engines_step_budget() -> None:
 
     assert args.mixed_prefill_tokens is None  # the engine's own default for its device
     assert CLI_MIXED == DEFAULT_CPU_MIXED_PREFILL_TOKENS == Engine(model="demo", num_pages=8, device="cpu").scheduler.mixed_prefill_tokens
+    from radixserve.cli_serve_flags import DEFAULT_SHORT_PROMPT_TOKENS as CLI_SHORT
+    from radixserve.engine.engine import DEFAULT_SHORT_PROMPT_TOKENS
+
+    assert args.short_prompt_tokens == CLI_SHORT == DEFAULT_SHORT_PROMPT_TOKENS == 128
+    assert inspect.signature(Engine).parameters["short_prompt_tokens"].default == DEFAULT_SHORT_PROMPT_TOKENS
     from radixserve.engine.grammar_pace import PACED_SHARE
 
     assert args.grammar_paced_share == PACED_SHARE == inspect.signature(Engine).parameters["grammar_paced_share"].default

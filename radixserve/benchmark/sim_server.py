@@ -57,6 +57,8 @@ class ServerSpec:
     load_s_per_page: float = 0.0  # 0: a load from the host is instant
     window: int | None = None  # sliding window of every layer (None: full attention)
     cache_partial_pages: bool = False  # also cache a finished request's last, partly filled page
+    mixed_prefill_tokens: int | None = None  # the Scheduler's caps (None: none)
+    short_prompt_tokens: int | None = None
 
 
 class _SimLoad:
@@ -160,7 +162,9 @@ class SimServer:
         self.scheduler = Scheduler(self.pool, self.tree, make_schedule_policy(spec.schedule_policy, max_wait_s=spec.max_wait_s),
                                    max_running=spec.max_running, max_batch_tokens=spec.max_batch_tokens,
                                    clock=self.clock, prefix_cache=spec.use_cache, window=spec.window,
-                                   cache_partial_pages=spec.cache_partial_pages)
+                                   cache_partial_pages=spec.cache_partial_pages,
+                                   mixed_prefill_tokens=spec.mixed_prefill_tokens,
+                                   short_prompt_tokens=spec.short_prompt_tokens)
         self.held_pages_sum = 0   # pages running sequences keep from being freed, summed over steps
         self.held_pages_peak = 0
         self.steps = 0

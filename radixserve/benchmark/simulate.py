@@ -62,6 +62,9 @@ class SimConfig:
     # Also cache a finished request's last, partly filled page (the engine's default); off by
     # default here so that simulated tables stay comparable with the ones already published.
     cache_partial_pages: bool = False
+    # The engine's step caps (engine.py): None, as in the published tables (a GPU's defaults).
+    mixed_prefill_tokens: int | None = None
+    short_prompt_tokens: int | None = None
 
     @property
     def num_pages(self) -> int:
@@ -106,7 +109,8 @@ class SimConfig:
             host_offload_min_priority=self.host_offload_min_priority,
             load_s_per_page=0.0 if sequential else self.page_size / self.load_tokens_per_s,
             cache_partial_pages=self.cache_partial_pages,
-            window=self.window)
+            window=self.window, mixed_prefill_tokens=self.mixed_prefill_tokens,
+            short_prompt_tokens=self.short_prompt_tokens)
 
 
 @dataclass

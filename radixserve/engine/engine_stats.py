@@ -77,7 +77,8 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
     held_rows (decoding rows that sat a step out for other tenants' shares of the step),
     paced_rows (rows of slow grammars that sat a step out for the other rows),
     paced_preemptions (of the preemptions, paced rows past their own slots or in a newcomer's way),
-    deferred_for_sharing (admissions put off so a shared prefix is computed once), steps,
+    deferred_for_sharing (admissions put off so a shared prefix is computed once),
+    short_lane_admitted (short prompts admitted ahead of a running prefill's chunk), steps,
     step_time_s_total, last_step_s, pages_total, pages_free, pages_used, pages_cached,
     pages_evictable, pages_locked, page_size, kv_tokens_capacity, kv_bytes, sessions_open,
     the tree's counters prefixed "cache_" (cache_evicted_pages, cache_lookups, ...), and
@@ -110,6 +111,7 @@ def engine_stats(counters: dict[str, int], scheduler: Scheduler, tree: RadixTree
         computed_tokens=scheduler.counters.computed_tokens,
         recomputed_tokens=scheduler.counters.recomputed_tokens,
         deferred_for_sharing=scheduler.counters.deferred_for_sharing,
+        short_lane_admitted=scheduler.counters.short_lane_admitted,
         step_time_s_total=clock.step_time_s, last_step_s=clock.last_step_s,
         step_breakdown_s=timings.snapshot(),
         pages_total=pool.num_pages, pages_free=pool.num_free, pages_used=pool.num_used,

@@ -151,6 +151,15 @@ class FairShare:
         least = min(idle, key=key)
         return Claim(least, most, preempts=False) if counter(least, 0.0) <= counter(most, 0.0) else None
 
+    def not_ahead(self, tenant: Hashable, of: set[Hashable]) -> bool:
+        """Whether `tenant` has had no more service than any of the tenants `of` (always,
+        disabled): whether a request of its may go ahead of theirs without breaking the
+        order the counters give."""
+        if not self.enabled:
+            return True
+        counter = self.counters.get(tenant, 0.0)
+        return all(counter <= self.counters.get(other, 0.0) for other in of)
+
     # ------------------------------------------------------------------ orders
     def order_waiting(self, waiting: Sequence[SequenceState],
                       policy_order: Callable[[list[SequenceState]], list[SequenceState]]) -> list[SequenceState]:

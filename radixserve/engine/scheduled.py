@@ -37,6 +37,7 @@ class SchedulerCounters:
     held_rows: int = 0  # decoding rows that sat a step out for another tenant's share (step_share.py)
     paced_rows: int = 0  # rows of slow grammars that sat a step out for the other rows (grammar_pace.py)
     deferred_for_sharing: int = 0
+    short_lane_admitted: int = 0  # short prompts admitted ahead of a running prefill's chunk
     admitted: int = 0
     loaded_tokens: int = 0  # prompt tokens copied back from the host tier instead of recomputed
     computed_tokens: int = 0  # tokens run through the model (every chunk of every step)

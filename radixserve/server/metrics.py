@@ -69,6 +69,9 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                           "newcomer's way."),
     "deferred_for_sharing": ("deferred_for_sharing", "counter",
                              "Admissions deferred so that a request reuses another's prefix."),
+    "short_lane_admitted": ("short_lane_admitted", "counter",
+                            "Short prompts admitted ahead of a running long prefill's next chunk "
+                            "(--short-prompt-tokens)."),
     "steps": ("engine_steps", "counter", "Engine steps run."),
     "step_time_s_total": ("engine_step_seconds", "counter", "Time spent in engine steps."),
     "last_step_s": ("engine_last_step_seconds", "gauge", "Duration of the latest engine step."),
