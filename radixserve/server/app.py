@@ -6,6 +6,7 @@ forwards deltas: /health answers during the longest generation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
 from radixserve.grammar import GrammarError
 from radixserve.grammar.compile_workers import CompileWorkerLost
+from radixserve.schema_check import checking_for
 from radixserve.server.cache_routes import DEFAULT_EVENTS_IDLE_TIMEOUT_S, CacheRoutes
 from radixserve.server.connection_limits import address_key
 from radixserve.server.dashboard import Dashboard
@@ -106,7 +108,11 @@ DECODE_IN_THREAD_BYTES = 64 * 2**10
 OFFLOAD_RESPONSE_ENTRIES = 4096
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (docs/server.md)
 RETRY_AFTER_S = 1
-REQUEST_CHECKS = 2  # requests whose schemas are checked at once (`OpenAIServer._check`)
+# Requests whose schemas are checked at once (`OpenAIServer._check`). Their threads mostly wait
+# for the checking process (schema_check.py), which takes the least-served caller's next: with
+# 2, four addresses' requests of slow schemas held both and another client's cheap one waited
+# for one of them to end.
+REQUEST_CHECKS = 4
 MESSAGE_MARKUP_CHARS = 16  # a chat message's share of its template's markup, in sizing its work
 _Checked = TypeVar("_Checked")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
@@ -319,8 +325,10 @@ class OpenAIServer:
         return await while_connected(request, self._check_in_thread(share, check))
 
     async def _check_in_thread(self, share: Hashable, check: Callable[[], _Checked]) -> _Checked:
+        # Its JSON Schemas go round with other callers' in the checking process, as `share`'s
+        # (schema_check.py: one client's slow schemas hold another's up by one schema a turn).
         async with self.request_checks.hold(share):
-            return await anyio.to_thread.run_sync(check)
+            return await anyio.to_thread.run_sync(functools.partial(checking_for, share, check))
 
     async def _compile_grammar(self, request: Request, calls: list[EngineCall], share: Hashable) -> None:
         """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker
