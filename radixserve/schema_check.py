@@ -184,8 +184,9 @@ class _Checker:
                     self._used[caller] = (self._usage(caller, now) + job.used_s, now)
                     if len(self._used) > USAGE_CALLERS:
                         del self._used[min(self._used, key=lambda c: self._usage(c, now))]
-                self.answers += 1
-                self.answered.append(caller)
+                if job.answer is not False:
+                    self.answers += 1
+                    self.answered.append(caller)
             finally:
                 job.done.set()
 
@@ -204,12 +205,13 @@ class _Checker:
             answer = process.stdout.readline()
         except OSError:
             answer = ""
-        if not answer:
+        try:
+            value = json.loads(answer)
+            problem = value["problem"]
+            return (None if problem is None else SchemaProblem(**problem)), float(value["cpu_s"])
+        except (ValueError, KeyError, TypeError):  # none (it died), or not its answer: a new child
             self._stop()
             return False, 0.0
-        value = json.loads(answer)
-        problem = value["problem"]
-        return (None if problem is None else SchemaProblem(**problem)), value["cpu_s"]
 
     def _started(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
