@@ -113,7 +113,6 @@ RETRY_AFTER_S = 1
 # 2, four addresses' requests of slow schemas held both and another client's cheap one waited
 # for one of them to end.
 REQUEST_CHECKS = 4
-MESSAGE_MARKUP_CHARS = 16  # a chat message's share of its template's markup, in sizing its work
 _Checked = TypeVar("_Checked")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 GENERATION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -232,9 +231,9 @@ class OpenAIServer:
         chars = rendered_chars(body)
         self.prompt_work.check_size(chars, "messages")
         try:
-            # (each message adds its template's markup: counted, so a crowd of tiny ones is large)
+            # (`chars` counts each message's and tool call's markup: a crowd of tiny ones is large)
             prompt_ids, system_tokens = await while_connected(request, self.prompt_work.run(
-                share, chars + MESSAGE_MARKUP_CHARS * len(body.messages),
+                share, chars,
                 lambda: self.renderer.render(body.messages, scope, tools.tools)))
         except RecursionError:  # the template recursed into something nested: the request's doing
             raise APIError(400, "messages: too deeply nested to render with the chat template (a tool's "

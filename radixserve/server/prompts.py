@@ -47,8 +47,7 @@ _SPELL_OPEN, _SPELL_CLOSE = "\ue004", "\ue005"  # around the number of a client 
 # block's `<tool_call>\n{"name": "", "arguments": }\n</tool_call>\n`, 53; Qwen's templates
 # write the same), counted in a chat's size (`rendered_chars`) a little under what they render,
 # so that a crowd of tiny messages or calls is as large as the work it makes, and no legitimate
-# history counts more than it renders. (The server adds MESSAGE_MARKUP_CHARS a message again
-# when it decides which prompts wait for the fair slot: a bigger share, never a smaller one.)
+# history counts more than it renders.
 MESSAGE_MARKUP_CHARS = 16
 TOOL_CALL_MARKUP_CHARS = 48
 
