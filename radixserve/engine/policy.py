@@ -7,6 +7,7 @@ simulator reports are those of the policies the engine runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from operator import attrgetter
 from typing import Hashable, Protocol, Sequence, TypeVar
 
 import numpy as np
@@ -39,13 +40,23 @@ class SchedulePolicy(ABC):
         self.max_wait_s = max_wait_s
         self.cached_lengths = CachedLengths()
 
-    def order(self, waiting: Sequence[S], tree: RadixTree, now: float) -> list[S]:
-        self.cached_lengths.keep_only(waiting)
-        aged = [r for r in waiting if now - r.arrival_time > self.max_wait_s]
-        fresh = [r for r in waiting if now - r.arrival_time <= self.max_wait_s]
-        aged.sort(key=lambda r: r.arrival_time)
+    def order(self, waiting: Sequence[S], tree: RadixTree, now: float, *,
+              keep: Sequence[S] | None = None) -> list[S]:
+        """`waiting` in admission order. `keep`: whose cached lengths to keep (`waiting`'s
+        by default); a caller that orders the queue a tenant at a time passes the whole
+        queue, else each tenant's ordering dropped the others' lengths, to be looked up again."""
+        # The scheduler orders every waiting request at every step (thousands, under requests
+        # of many samples): one pass, and keys of C (attrgetter), not lambdas.
+        self.cached_lengths.keep_only(waiting if keep is None else keep)
+        aged: list[S] = []
+        fresh: list[S] = []
+        max_wait_s = self.max_wait_s
+        for r in waiting:
+            (aged if now - r.arrival_time > max_wait_s else fresh).append(r)
+        aged.sort(key=_ARRIVAL)
         ordered = self._order(fresh, tree)
-        ordered.sort(key=lambda r: -r.priority)  # stable: keeps the policy order within a priority
+        # Higher priority first; reverse keeps equals in order (stable): the policy's order within.
+        ordered.sort(key=_PRIORITY, reverse=True)
         return aged + ordered
 
     @abstractmethod
@@ -53,11 +64,15 @@ class SchedulePolicy(ABC):
         """The policy's order of requests that are neither aged nor of different priority."""
 
 
+_ARRIVAL = attrgetter("arrival_time")
+_PRIORITY = attrgetter("priority")
+
+
 class FCFS(SchedulePolicy):
     """First come, first served."""
 
     def _order(self, waiting: list[S], tree: RadixTree) -> list[S]:
-        return sorted(waiting, key=lambda r: r.arrival_time)
+        return sorted(waiting, key=_ARRIVAL)
 
 
 def _cached_len(request: Schedulable, tree: RadixTree) -> int:
@@ -104,6 +119,7 @@ class CachedLengths:
                 del self._known[key]
 
 
+_UNKNOWN = (None, 0)  # a request LongestPrefixMatch has not looked up: no request, length 0
 LPM_MATCH_BUDGET = 128  # tree lookups per ordering, whatever the queue length
 
 
@@ -133,14 +149,26 @@ class LongestPrefixMatch(SchedulePolicy):
         waiting_ids = {id(r) for r in waiting}
         for key in [k for k, (r, _) in known.items() if k not in waiting_ids]:
             del known[key]
-        new = sorted((r for r in waiting if known.get(id(r), (None,))[0] is not r),
-                     key=lambda r: r.arrival_time)
+        # Sorted by arrival once; the filters below keep that order (and a stable sort's
+        # order of equals), so each is what sorting its part alone gave.
+        by_arrival = sorted(waiting, key=_ARRIVAL)
+        new = [r for r in by_arrival if known.get(id(r), _UNKNOWN)[0] is not r]
         refresh = new[: self.match_budget]
         refresh += [r for r, _ in list(known.values())[: self.match_budget - len(refresh)]]
         for r in refresh:
             known.pop(id(r), None)
             known[id(r)] = (r, self.cached_lengths.get(r, tree))  # re-inserted: now the freshest
-        return sorted(waiting, key=lambda r: (-known.get(id(r), (None, 0))[1], r.arrival_time))
+        return self._by_known_length(by_arrival)
+
+    def _by_known_length(self, by_arrival: list[S]) -> list[S]:
+        """`by_arrival` by known cached length, longest first, arrival order among equals.
+        Requests known to have a cached prefix are few (at most `match_budget` more each
+        ordering) and sorted apart; the rest (length 0 or unknown) keep their arrival order:
+        the same order as one sort by (-length, arrival), without a Python key per request."""
+        known = self._known
+        cached = [r for r in by_arrival if known.get(id(r), _UNKNOWN)[1] > 0]
+        cached.sort(key=lambda r: -known[id(r)][1])  # stable: arrival order among equals
+        return cached + [r for r in by_arrival if known.get(id(r), _UNKNOWN)[1] == 0]
 
 
 class DFSWeight(SchedulePolicy):
