@@ -14,8 +14,8 @@ all requests, p90 of the "short" ones (at most 128 prompt tokens not cached) and
     python bench/short_lane.py [--loads 0.5,0.8] [--lanes 0,128] [--json out.json]
 
 `--engine MODEL` instead runs the real engine in process: a `--long-tokens` prompt, and a
-question of 8 tokens added after its first step, lane off and on alternately (`--repeat`
-rounds; each round's prompts are new): the wall time to each one's first token.
+question of 8 tokens added after its first step, lane off and on (`--repeat` rounds, which
+goes first alternating; every run's prompts are new): the wall time to each one's first token.
 
     python bench/short_lane.py --engine smollm2 --long-tokens 5400 --repeat 3
 """
@@ -83,7 +83,7 @@ def engine_round(engine: object, lane: int, long_tokens: int, round_index: int) 
 
     from radixserve.engine.params import SamplingParams
 
-    rng = np.random.default_rng(1000 + round_index)
+    rng = np.random.default_rng([round_index, lane])  # new prompts every run: none cached
     vocab = min(len(engine.tokenizer), 20_000)  # type: ignore[attr-defined]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.scheduler.short_prompt_tokens = lane or None  # type: ignore[attr-defined]
@@ -109,9 +109,9 @@ def engine_main(model: str, long_tokens: int, repeat: int) -> None:
 
     engine = Engine(model=model)
     times: dict[int, list[dict[str, float]]] = {0: [], SHORT: []}
-    engine_round(engine, 0, 256, -1)  # warm-up: the first steps of a process are slower
+    engine_round(engine, 0, 256, 99)  # warm-up: the first steps of a process are slower
     for round_index in range(repeat):
-        for lane in times:
+        for lane in list(times)[:: 1 if round_index % 2 == 0 else -1]:  # alternating which goes first
             times[lane].append(engine_round(engine, lane, long_tokens, round_index))
             print(f"round {round_index + 1}, lane {lane or 'off'}: {times[lane][-1]}", flush=True)
     print("| lane | short prompt TTFT s (median) | long prompt TTFT s (median) |\n|---|---|---|")
