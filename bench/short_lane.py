@@ -77,7 +77,8 @@ def figures(result: SimResult, workload: Workload) -> dict[str, float]:
             "hit_rate": result.hit_rate}
 
 
-def engine_round(engine: object, lane: int, long_tokens: int, round_index: int) -> dict[str, float]:
+def engine_round(engine: object, lane: int, long_tokens: int, round_index: int,
+                 short_max_tokens: int = 4) -> dict[str, float]:
     """One long prompt, then a short one after its first step; seconds to each first token."""
     import time
 
@@ -91,7 +92,8 @@ def engine_round(engine: object, lane: int, long_tokens: int, round_index: int) 
     ids = {engine.add_request(rng.integers(100, vocab, long_tokens).tolist(), params): "long"}  # type: ignore[attr-defined]
     engine.step()  # type: ignore[attr-defined]
     short_sent = time.perf_counter()
-    ids[engine.add_request(rng.integers(100, vocab, 8).tolist(), params)] = "short"  # type: ignore[attr-defined]
+    short = SamplingParams(max_tokens=short_max_tokens, temperature=0.0, ignore_eos=True)
+    ids[engine.add_request(rng.integers(100, vocab, 8).tolist(), short)] = "short"  # type: ignore[attr-defined]
     first: dict[str, float] = {}
     while engine.has_work():  # type: ignore[attr-defined]
         for request_id, deltas in engine.step().items():  # type: ignore[attr-defined]
@@ -101,7 +103,7 @@ def engine_round(engine: object, lane: int, long_tokens: int, round_index: int) 
     return first
 
 
-def engine_main(model: str, long_tokens: int, repeat: int) -> None:
+def engine_main(model: str, long_tokens: int, repeat: int, short_max_tokens: int) -> None:
     """`--engine`: the real engine, lane off and on alternately (module docstring)."""
     import statistics
 
@@ -112,7 +114,7 @@ def engine_main(model: str, long_tokens: int, repeat: int) -> None:
     engine_round(engine, 0, 256, 99)  # warm-up: the first steps of a process are slower
     for round_index in range(repeat):
         for lane in list(times)[:: 1 if round_index % 2 == 0 else -1]:  # alternating which goes first
-            times[lane].append(engine_round(engine, lane, long_tokens, round_index))
+            times[lane].append(engine_round(engine, lane, long_tokens, round_index, short_max_tokens))
             print(f"round {round_index + 1}, lane {lane or 'off'}: {times[lane][-1]}", flush=True)
     print("| lane | short prompt TTFT s (median) | long prompt TTFT s (median) |\n|---|---|---|")
     for lane, rounds in times.items():
@@ -129,9 +131,10 @@ def main() -> None:
     parser.add_argument("--engine", default=None, metavar="MODEL", help="run the real engine instead")
     parser.add_argument("--long-tokens", type=int, default=5400)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--short-max-tokens", type=int, default=4, help="the question's reply length")
     args = parser.parse_args()
     if args.engine:
-        engine_main(args.engine, args.long_tokens, args.repeat)
+        engine_main(args.engine, args.long_tokens, args.repeat, args.short_max_tokens)
         return
     loads = [float(x) for x in args.loads.split(",")]
     lanes = [int(x) for x in args.lanes.split(",")]
