@@ -63,17 +63,18 @@ T = TypeVar("T")
 
 
 @dataclass
-class _Caller:
-    """Whose checks these are (`key`) and the child's CPU seconds they have left."""
+class CheckBudget:
+    """A request's schema checks: whose they are (`key`: the server's tenant or client address)
+    and the child's CPU seconds they may take together (`left_s` of `budget_s`)."""
 
     key: Hashable = None
-    budget_s: float = math.inf
+    budget_s: float = REQUEST_CPU_S
 
     def __post_init__(self) -> None:
         self.left_s = self.budget_s
 
 
-_caller: contextvars.ContextVar[_Caller | None] = contextvars.ContextVar("schema_check_caller", default=None)
+_budget: contextvars.ContextVar[CheckBudget | None] = contextvars.ContextVar("schema_check_budget", default=None)
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,9 @@ class _Job:
 
 
 class _Checker:
-    """The child process and the thread that feeds it: a line of schema JSON in, a line of
-    SchemaProblem JSON or null out, the next schema the least-served caller's (module docstring)."""
+    """The child process and the thread that feeds it (a line of the CPU seconds allowed and
+    the schema's JSON in, a line of its problem and the time taken out: `_serve`), the next
+    schema the least-served caller's (module docstring)."""
 
     def __init__(self) -> None:
         self._ready = threading.Condition()
@@ -178,7 +180,11 @@ class _Checker:
                 if queue:
                     self._queues[caller] = queue
             try:
-                job.answer, job.used_s = self._exchange(job)
+                try:
+                    job.answer, job.used_s = self._exchange(job)
+                except Exception:  # (the thread must not die: callers queued behind would wait)
+                    self._stop()
+                    job.answer, job.used_s = False, 0.0
                 with self._ready:
                     now = time.monotonic()
                     self._used[caller] = (self._usage(caller, now) + job.used_s, now)
@@ -203,7 +209,7 @@ class _Checker:
             process.stdin.write(f"{job.cpu_s!r} {job.source}\n")
             process.stdin.flush()
             answer = process.stdout.readline()
-        except OSError:
+        except (OSError, ValueError):  # (ValueError: text the pipe cannot encode, a lone surrogate)
             answer = ""
         try:
             value = json.loads(answer)
@@ -263,21 +269,21 @@ _CHECKER = _Checker()
 _VERDICTS = _Verdicts()
 
 
-def checking_for(caller: Hashable, work: Callable[[], T], cpu_s: float = REQUEST_CPU_S) -> T:
-    """Runs `work` (a request's checks), whose schema checks go round with other callers' as
-    `caller`'s (the server's tenant or client address), share `cpu_s` seconds of the child's
-    CPU, and whose verdicts are remembered for `caller` alone."""
-    token = _caller.set(_Caller(caller, cpu_s))
+def checking_for(budget: CheckBudget, work: Callable[[], T]) -> T:
+    """Runs `work` (some of a request's checks: the server makes two for a chat), whose schema
+    checks go round with other callers' as `budget.key`'s, take the child's CPU time out of
+    `budget`, and whose verdicts are remembered for that key alone."""
+    token = _budget.set(budget)
     try:
         return work()
     finally:
-        _caller.reset(token)
+        _budget.reset(token)
 
 
 def schema_problem(schema: Any, source: str) -> SchemaProblem | None:
     """None if `schema` (whose JSON text is `source`) is valid under the 2020-12 meta-schema,
     else why not: the child's answer (module docstring), or this thread's if no child runs."""
-    caller = _caller.get() or _Caller()
+    caller = _budget.get() or CheckBudget(budget_s=math.inf)
     key = _Verdicts.key(caller.key, source)
     known = _VERDICTS.get(key)
     if known is not False:

@@ -270,18 +270,21 @@ def test_a_second_invocation_against_the_same_server_is_cold(tmp_path: Path) -> 
     assert results[0]["run_tags"] != results[1]["run_tags"]
 
 
-def _scripted_reply_app(completion_tokens: int):
-    """A scripted chat server whose reply has no text: the role chunk, the finishing chunk and
-    a usage chunk reporting `completion_tokens` (what radixserve sends when the tokens a model
-    wrote decode to nothing)."""
+def _scripted_reply_app(completion_tokens: int, call: bool = False):
+    """A scripted chat server whose reply has no text: the role chunk, (with `call`, a tool
+    call's delta,) the finishing chunk and a usage chunk reporting `completion_tokens` (what
+    radixserve sends when the tokens a model wrote decode to nothing)."""
     from starlette.applications import Starlette
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
     async def chat(request):  # noqa: ANN001, ANN202
         async def events():  # noqa: ANN202
+            call_delta = {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                                                "function": {"name": "f", "arguments": "{}"}}]},
+                          "finish_reason": None}
             for choice in ({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
-                           {"index": 0, "delta": {}, "finish_reason": "length"}):
+                           *([call_delta] if call else []), {"index": 0, "delta": {}, "finish_reason": "length"}):
                 yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
             usage = {"prompt_tokens": 10, "completion_tokens": completion_tokens}
             yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n" + "data: [DONE]\n\n"
@@ -291,8 +294,8 @@ def _scripted_reply_app(completion_tokens: int):
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
 
-@pytest.mark.parametrize("completion_tokens", [2, 0])
-def test_a_reply_with_no_text_is_timed_at_its_end_if_tokens_were_written(completion_tokens: int) -> None:
+@pytest.mark.parametrize(("completion_tokens", "call"), [(2, False), (0, False), (0, True)])
+def test_a_reply_with_no_text_is_timed_at_its_end_if_tokens_were_written(completion_tokens: int, call: bool) -> None:
     """The demo model sometimes writes two special tokens: the reply streamed no text, and
     `bench peers` called the request failed ("no content received") and the whole run red
     (a CI failure of test_a_second_invocation_against_the_same_server_is_cold). A reply of
@@ -307,9 +310,12 @@ def test_a_reply_with_no_text_is_timed_at_its_end_if_tokens_were_written(complet
         async with httpx.AsyncClient(timeout=30) as client:
             return await stream_turn(client, url, {"messages": [], "max_tokens": 2, "stream": True})
 
-    with running_server(_scripted_reply_app(completion_tokens)) as url:
+    with running_server(_scripted_reply_app(completion_tokens, call)) as url:
         record = asyncio.run(one(url))
-    if completion_tokens:
+    if call:  # a tool call's delta is output, whatever the usage says (here none: it would have failed)
+        assert record.error is None and record.text == "" and len(record.itl_s) == 0
+        assert 0 < record.ttft_s <= record.latency_s
+    elif completion_tokens:
         assert record.error is None and record.text == "" and record.itl_s == []
         assert 0 < record.ttft_s <= record.latency_s and record.completion_tokens == 2
     else:

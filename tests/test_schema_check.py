@@ -22,6 +22,7 @@ from radixserve import AsyncEngine, Engine
 from radixserve.schema_check import (
     _CHECKER,
     CHECK_CPU_S,
+    CheckBudget,
     SchemaProblem,
     _serve,
     check,
@@ -42,7 +43,7 @@ def costly(n: int, tag: str = "") -> tuple[dict[str, object], str]:
 
 
 def answered_as(caller: object, schema: dict[str, object]) -> SchemaProblem | None:
-    return checking_for(caller, lambda: schema_problem(schema, json.dumps(schema)))
+    return checking_for(CheckBudget(caller), lambda: schema_problem(schema, json.dumps(schema)))
 
 
 def test_every_schema_is_checked_in_a_niced_child_with_the_in_process_answers() -> None:
@@ -77,7 +78,7 @@ def test_the_caller_that_used_the_child_least_goes_next() -> None:
     caller's schema arrives: the caller that has used the child least goes next, so it waits
     for the one being checked only."""
     slow_answers: list[SchemaProblem | None] = []
-    threads = [threading.Thread(target=lambda i=i: slow_answers.append(answered_as("flood", costly(1500, str(i))[0])))
+    threads = [threading.Thread(target=lambda i=i: slow_answers.append(answered_as("flood", costly(3000, str(i))[0])))
                for i in range(3)]
     for thread in threads:
         thread.start()
@@ -89,7 +90,7 @@ def test_the_caller_that_used_the_child_least_goes_next() -> None:
     for thread in threads:
         thread.join()
     assert list(_CHECKER.answered)[-4:] == ["flood", "innocent", "flood", "flood"]
-    assert slow_answers == [None, None, None]
+    assert all(a is None or a.kind == "costly" for a in slow_answers)  # (~0.5 s each: past 1 s on a slow machine)
 
 
 def test_the_child_gives_up_on_a_costly_schema_and_carries_on() -> None:
@@ -116,7 +117,11 @@ def test_a_requests_schemas_share_one_budget_of_the_childs_time() -> None:
         return [schema_problem(schema, json.dumps(schema)) for schema in
                 (costly(2000, "budget")[0], costly(10, "budget")[0], {"type": "string", "description": "budget"})]
 
-    assert checking_for("budgeted", checks, cpu_s=0.02) == [SchemaProblem("costly", "the request's schemas, more than 0.02 s")] * 3
+    budget = CheckBudget("budgeted", 0.02)
+    assert checking_for(budget, checks) == [SchemaProblem("costly", "the request's schemas, more than 0.02 s")] * 3
+    # A chat's second check (its reply's constraint) takes from the same budget: nothing left.
+    assert checking_for(budget, lambda: schema_problem({"type": "integer"}, '{"type": "integer"}')) == (
+        SchemaProblem("costly", "the request's schemas, more than 0.02 s"))
     assert _CHECKER.answers == before + 1
     assert answered_as("budgeted", costly(10, "budget")[0]) is None  # not remembered: a new request's budget
     assert answered_as("budgeted", costly(20000, "alone")[0]) == SchemaProblem("costly", f"more than {CHECK_CPU_S:g} s")

@@ -96,6 +96,21 @@ def test_the_lane_does_not_take_the_pages_of_the_long_prefills_next_chunk() -> N
     assert scheduler.counters.preemptions == 0 and scheduler.counters.short_lane_admitted == 0
 
 
+@pytest.mark.parametrize("urgent_priority", [0, 5])
+def test_the_lane_never_passes_a_longer_prompt_of_a_higher_priority(urgent_priority: int) -> None:
+    """A 100-token prompt of priority 5 waits before a 5-token one of priority 0: the short one
+    does not go ahead (it would take the last slot and the step's room first). Of equal
+    priority, it does: short before long within a class."""
+    scheduler = make_scheduler(8)
+    queue(scheduler, "long", LONG)
+    run(scheduler)
+    urgent = queue(scheduler, "urgent", list(range(300, 400)))
+    urgent.request.priority = urgent_priority
+    queue(scheduler, "short", [3, 4, 5, 6, 7])
+    step = run(scheduler)
+    assert step == ([("long", 64)] if urgent_priority else [("long", 59), ("short", 5)])
+
+
 @pytest.mark.parametrize("served_before", [0, 1000])
 def test_another_tenant_goes_ahead_only_if_served_no_more(served_before: int) -> None:
     """Client b's 5-token prompt beside client a's long prefill: b was lifted to a's counter

@@ -143,7 +143,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, payload: dict[str, ob
             choice = choices[0] if choices else {}
             delta = choice.get("delta") or {}
             content = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
-            if content:
+            if content or delta.get("tool_calls"):  # a call's deltas are its output, text or not
                 now = time.perf_counter()
                 record.text += content
                 if last is None:

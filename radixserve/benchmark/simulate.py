@@ -62,7 +62,8 @@ class SimConfig:
     # Also cache a finished request's last, partly filled page (the engine's default); off by
     # default here so that simulated tables stay comparable with the ones already published.
     cache_partial_pages: bool = False
-    # The engine's step caps (engine.py): None, as in the published tables (a GPU's defaults).
+    # The engine's step caps (engine.py): None (off), as in the published tables; the engine
+    # caps mixed steps on a CPU and runs the short lane (128) everywhere by default.
     mixed_prefill_tokens: int | None = None
     short_prompt_tokens: int | None = None
 

@@ -205,12 +205,16 @@ class Scheduler:
         if prefilling < prefill:
             return []
         decoding = sum(1 for s in rows if s.num_tokens - s.num_computed == 1)
-        lane = min(self.short_prompt_tokens, budget - decoding, int(prefill * SHORT_LANE_SHARE))
+        # At most a share of the prefill and of the budget the decodes leave; and no more new
+        # streams than keep every decode in a step's budget (each short prompt decodes next).
+        lane = min(self.short_prompt_tokens, int((budget - decoding) * SHORT_LANE_SHARE),
+                   int(prefill * SHORT_LANE_SHARE), budget // 2 - decoding)
         if lane <= 0:
             return []
-        # The running prefills' next chunk (at most the rest of the cap, in tokens) keeps its
-        # pages: a short prompt admitted ahead of it must not make it shrink, or preempt.
-        chunk_pages = math.ceil(max(0.0, min(prefilling, prefill - lane)) / self.page_size) + 1
+        # The running prefills' next chunk keeps its pages, as large as it may be whatever
+        # the lane takes (the rest of the cap, in tokens): a short prompt admitted ahead of it
+        # must not make it shrink, or preempt.
+        chunk_pages = math.ceil(min(prefilling, prefill) / self.page_size) + 1
         work = self._admit(lane, min(float(lane), prefill), short=lane, reserve_extra=chunk_pages,
                            ahead_of={s.request.fair_key for s in long_rows})
         self.counters.short_lane_admitted += len(work)
@@ -456,6 +460,7 @@ class Scheduler:
         """Admits waiting sequences in the fair order while the step has tokens and room.
         With `short`, only units whose prompts have at most that many tokens left to compute,
         each computed whole in this step, of tenants served no more than any of `ahead_of`,
+        none past a longer one that is aged or of a higher priority,
         among the first `SHORT_LANE_LOOKS` in the order (the lane runs beside every chunk of a
         long prompt: a long queue is not looked up each step); `reserve_extra` more pages stay
         free for the running units' chunks."""
@@ -473,6 +478,7 @@ class Scheduler:
         # may be thousands waiting (`_no_slot_left`).
         order = self._lenders_first(self.fair.iter_waiting(self.waiting, lambda group: self._waiting_order(group, now)))
         looks = 0
+        passed_over: tuple[bool, int] | None = None  # the lane's first unit skipped as long: (aged, priority)
         for seq in order:
             if budget <= 0 or prefill <= 0 or self._no_slot_left(slots, paced_slots):
                 break
@@ -500,7 +506,12 @@ class Scheduler:
                          for s in unit]
             if short is not None and sum(s.num_tokens - (p.cached_tokens if p else 0)
                                          for s, p in zip(unit, peeks or [None] * len(unit))) > min(short, budget):
+                passed_over = passed_over or (aged, seq.priority)
                 continue
+            # Short before long only within a class: never past an aged request (aging is what
+            # keeps anyone from waiting for ever) or one of a higher priority.
+            if short is not None and passed_over is not None and (passed_over[0] or passed_over[1] > seq.priority):
+                break
             if self.prefix_cache:
                 if not aged and any(self._shares_prefill_in_flight(s.prompt_ids, s, peek.cached_tokens)
                                     for s, peek in zip(unit, peeks)):

@@ -29,7 +29,7 @@ from radixserve.engine.async_engine import DEFAULT_STOP_TIMEOUT_S
 from radixserve.engine.event_stream import DEFAULT_CAPACITY
 from radixserve.grammar import GrammarError
 from radixserve.grammar.compile_workers import CompileWorkerLost
-from radixserve.schema_check import checking_for
+from radixserve.schema_check import CheckBudget, checking_for
 from radixserve.server.cache_routes import DEFAULT_EVENTS_IDLE_TIMEOUT_S, CacheRoutes
 from radixserve.server.connection_limits import address_key
 from radixserve.server.dashboard import Dashboard
@@ -321,13 +321,16 @@ class OpenAIServer:
         the engine thread of the GIL."""
         if not schemas:
             return check()
-        return await while_connected(request, self._check_in_thread(share, check))
+        # Its JSON Schemas go round with other callers' in the checking process as `share`'s,
+        # within one budget of its CPU for all of the request's checks (schema_check.py).
+        budget = getattr(request.state, "schema_budget", None)
+        if budget is None:
+            budget = request.state.schema_budget = CheckBudget(share)
+        return await while_connected(request, self._check_in_thread(share, budget, check))
 
-    async def _check_in_thread(self, share: Hashable, check: Callable[[], _Checked]) -> _Checked:
-        # Its JSON Schemas go round with other callers' in the checking process, as `share`'s
-        # (schema_check.py: one client's slow schemas hold another's up by one schema a turn).
+    async def _check_in_thread(self, share: Hashable, budget: CheckBudget, check: Callable[[], _Checked]) -> _Checked:
         async with self.request_checks.hold(share):
-            return await anyio.to_thread.run_sync(functools.partial(checking_for, share, check))
+            return await anyio.to_thread.run_sync(functools.partial(checking_for, budget, check))
 
     async def _compile_grammar(self, request: Request, calls: list[EngineCall], share: Hashable) -> None:
         """Compiles the calls' grammar (one spec for all of them, cached by spec) in a worker
