@@ -96,6 +96,26 @@ def test_the_lane_does_not_take_the_pages_of_the_long_prefills_next_chunk() -> N
     assert scheduler.counters.preemptions == 0 and scheduler.counters.short_lane_admitted == 0
 
 
+def test_with_no_slot_free_the_lane_leaves_the_policy_alone() -> None:
+    """The lane's admission had LPM order the queue even with every slot taken, and LPM
+    refreshes stale cached lengths at each ordering: the lane changed the order of later
+    admissions through the policy's state (half of its first simulated gain). With no slot
+    free the lane stops first: the policy is asked exactly what it is asked without it."""
+    lookups = []
+    for lane in (None, 8):
+        pool = PagePool(64, PAGE)
+        scheduler = Scheduler(pool, RadixTree(pool), make_schedule_policy("lpm"), max_running=1,
+                              max_batch_tokens=64, clock=lambda: 0.0, short_prompt_tokens=lane)
+        queue(scheduler, "long", LONG)
+        run(scheduler)
+        for i in range(3):
+            queue(scheduler, f"short{i}", [400 + i, 5, 6])
+        steps = [run(scheduler) for _ in range(3)]
+        assert steps == [[("long", 64)], [("long", 64)], [("long", 8)]]  # (the slot: the long prompt's)
+        lookups.append(scheduler.policy.cached_lengths.lookups)
+    assert lookups[0] == lookups[1]
+
+
 @pytest.mark.parametrize("urgent_priority", [0, 5])
 def test_the_lane_never_passes_a_longer_prompt_of_a_higher_priority(urgent_priority: int) -> None:
     """A 100-token prompt of priority 5 waits before a 5-token one of priority 0: the short one

@@ -64,8 +64,8 @@ SHORT_LANE_LOOKS = 16  # waiting units the short lane looks at per step, in admi
 # The most of a step's prefill budget short prompts take ahead of a running prefill: it keeps
 # a quarter of every step, so a flood of short prompts slows a long one but never stops it.
 # In bench/short_lane.py (8 workloads, 2 loads) a half gave up most of the short prompts'
-# gain where streams decode (the mixed step's cap of 128 left them 64 tokens); all of it let
-# short prompts take whole steps from the long one.
+# gain where streams decode (the mixed step's cap of 128 left them 64 tokens: zipf-docs'
+# mean TTFT above the lane off); all of it let short prompts take whole steps from the long one.
 SHORT_LANE_SHARE = 0.75
 
 
@@ -199,6 +199,8 @@ class Scheduler:
         quarters of each step from a long prompt of a tenant served less."""
         if not self.short_prompt_tokens or not self.waiting:
             return []
+        if self._no_slot_left(self.slots_taken(), self._paced_running() if self.grammar_pace.any_paced else 0):
+            return []  # (before `_admit`: with no slot it orders the whole queue, for nothing here)
         rows = [s for unit in ordered if unit[0].seq_id not in held for s in unit]
         long_rows = [s for s in rows if s.num_tokens - s.num_computed > 1]
         prefilling = sum(s.num_tokens - s.num_computed for s in long_rows)
